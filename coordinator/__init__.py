@@ -1,0 +1,1 @@
+"""The deltafin-coordinator process: cluster client, generation loop, HTTP API."""

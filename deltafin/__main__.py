@@ -1,0 +1,3 @@
+from deltafin.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""`deltafin`: one command with subcommands for checkpoints, model checks, benchmarks and chat.
+
+Every subcommand reports a DeltafinError as one line on stderr and exits 1; it never prints a traceback
+for a problem the user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from deltafin.errors import DeltafinError
+
+log = logging.getLogger("deltafin")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def setup_logging(verbose: int = 0) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def run_cli(main_fn: Callable[[], int]) -> int:
+    """Run an entry point: DeltafinError -> one line and exit 1; Ctrl-C -> exit 130."""
+    try:
+        return main_fn()
+    except DeltafinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+# ---- subcommands -------------------------------------------------------------------------------------
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from deltafin.synth import synthesize
+
+    out = synthesize(args.preset, args.out, seed=args.seed, layers=args.layers, show_progress=not args.quiet)
+    print(out)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from deltafin.inspection import format_report, inspect_model
+
+    report = inspect_model(args.model)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 1 if report["problems"] else 0
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    from deltafin.synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Kimi K3 layout",
+                       description="Write a random-weight checkpoint in the exact Hugging Face Kimi K3 layout "
+                       "(config.json, index, shards, MXFP4 experts, tokenizer files). Presets: tiny (a few MB, "
+                       "tests), small (tens of MB), k3-slice (real K3 widths: several GB per layer).")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--seed", type=int, default=0, help="same seed -> byte-identical files (default 0)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of decoder layers, at least 2 (default: tiny 6, small 8, k3-slice 3)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_synth)
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="describe a checkpoint and report any problems",
+                       description="Read config.json, the safetensors index and every shard header (no tensor "
+                       "data) and print layers, experts, spine bytes, expert bytes per token, contiguity and "
+                       "problems. Exits 1 if the checkpoint has problems.")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    print("deltafin demo: generation is not yet available in this build; see the status table in README.md",
+          file=sys.stderr)
+    return 2
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster")
+    p.set_defaults(func=_cmd_demo)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_synth, _add_inspect, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deltafin import __version__
+
+    parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
+    parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    parser.add_argument("-q", "--quiet-logs", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(-1 if args.quiet_logs else args.verbose)
+    return run_cli(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

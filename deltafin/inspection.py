@@ -1,0 +1,110 @@
+"""`deltafin inspect`: what a checkpoint holds, what one token costs to read, and what is wrong with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deltafin.checkpoint import Checkpoint, scan_checkpoint
+from deltafin.config import load_config
+from deltafin.errors import ModelFormatError
+
+
+def inspect_model(model_dir: str | Path) -> dict[str, Any]:
+    """A JSON-able report of the checkpoint at `model_dir` (config errors raise; tensor problems are listed)."""
+    cfg = load_config(model_dir)
+    ckpt = scan_checkpoint(model_dir, cfg)
+    layers = []
+    spine_total: dict[str, int] = {}
+    for i in range(cfg.num_layers):
+        spine = cfg.spine_bytes(i)
+        for k, v in spine.items():
+            spine_total[k] = spine_total.get(k, 0) + v
+        layers.append({"layer": i, "kind": cfg.layer_kinds[i].value, "ffn": "moe" if cfg.is_moe(i) else "dense",
+                       "attn_res_blocks": cfg.blocks_entering(i), "spine_bytes": spine,
+                       "resident_bytes": {"bf16": cfg.resident_spine_bytes(i, "bf16"),
+                                          "int8": cfg.resident_spine_bytes(i, "int8")}})
+    top = cfg.top_spine_bytes()
+    n_moe = len(cfg.moe_layers)
+    contiguous, scattered, missing = _contiguity(ckpt)
+    return {
+        "model_dir": str(Path(model_dir).resolve()),
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "kda_layers": list(cfg.kda_layers),
+        "mla_layers": list(cfg.mla_layers),
+        "moe_layers": list(cfg.moe_layers),
+        "layers": layers,
+        "spine_bytes": {"layers": spine_total, "top": top,
+                        "total": sum(spine_total.values()) + sum(top.values())},
+        "experts": {
+            "format": cfg.expert_format.value,
+            "per_layer": cfg.num_experts,
+            "active": cfg.experts_per_token,
+            "bytes_per_expert": cfg.bytes_per_expert,
+            "total_bytes": n_moe * cfg.num_experts * cfg.bytes_per_expert,
+            "bytes_per_token": cfg.expert_bytes_per_token(),
+            "contiguous": contiguous,
+            "non_contiguous": scattered,
+            "unreadable": missing,
+            "all_contiguous": scattered == 0 and missing == 0,
+        },
+        "layers_available": list(ckpt.layers_available()),
+        "problems": [p.message for p in ckpt.problems],
+    }
+
+
+def _contiguity(ckpt: Checkpoint) -> tuple[int, int, int]:
+    contiguous = scattered = missing = 0
+    cfg = ckpt.config
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            try:
+                loc = ckpt.expert(layer, e)
+            except ModelFormatError:
+                missing += 1
+                continue
+            if loc.contiguous:
+                contiguous += 1
+            else:
+                scattered += 1
+    return contiguous, scattered, missing
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.3f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    ex = r["experts"]
+    lines = [
+        f"{r['model_dir']}: {r['model_type']}, {r['num_layers']} layers, hidden {r['hidden_size']}, "
+        f"vocab {r['vocab_size']}",
+        "",
+        f"{'layer':>5}  {'attn':4}  {'ffn':5}  {'blocks':>6}  {'spine as stored':>28}  {'resident bf16':>13}",
+    ]
+    for layer in r["layers"]:
+        stored = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(layer["spine_bytes"].items()))
+        lines.append(f"{layer['layer']:>5}  {layer['kind']:4}  {layer['ffn']:5}  {layer['attn_res_blocks']:>6}  "
+                     f"{stored:>28}  {_gb(layer['resident_bytes']['bf16']):>13}")
+    sb = r["spine_bytes"]
+    lines += [
+        "",
+        "spine: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(sb["layers"].items()))
+        + " in layers; top (embedding, head, norms): "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(sb["top"].items())) + f"; total {_gb(sb['total'])}",
+        f"experts: {ex['format']}, {ex['per_layer']} per MoE layer x {len(r['moe_layers'])} layers, "
+        f"{ex['active']} active; {ex['bytes_per_expert']:,} bytes each",
+        f"expert bytes: {_gb(ex['total_bytes'])} in all; {_gb(ex['bytes_per_token'])} per token "
+        f"at k={ex['active']} (no cache hits)",
+        f"contiguous experts: {ex['contiguous']:,}, scattered: {ex['non_contiguous']:,}, "
+        f"unreadable: {ex['unreadable']:,}"
+        + ("  (one read per expert)" if ex["all_contiguous"] else ""),
+    ]
+    if r["problems"]:
+        lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
+    else:
+        lines += ["", "no problems found"]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Model math: pure functions of tensors, weights, config and per-sequence state."""

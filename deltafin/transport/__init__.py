@@ -1,0 +1,1 @@
+"""Wire format: tensor codec and generated gRPC code."""

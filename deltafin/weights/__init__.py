@@ -1,0 +1,1 @@
+"""Spine residency and the expert store (pread, cache, prefetch, counters)."""

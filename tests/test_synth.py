@@ -1,0 +1,92 @@
+"""Synthetic checkpoints: exact K3 layout, determinism, scaled tokenizer files, k3-slice real widths."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import tiktoken
+
+from deltafin import vocab
+from deltafin.config import load_config, parse_config
+from deltafin.errors import DeltafinError
+from deltafin.synth import preset_config, synthesize
+
+
+def _digest(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_same_seed_is_byte_identical(tiny_dir: Path, tmp_path: Path):
+    again = synthesize("tiny", tmp_path / "again", seed=0, show_progress=False)
+    other = synthesize("tiny", tmp_path / "other", seed=1, show_progress=False)
+    assert _digest(again) == _digest(tiny_dir)
+    a, b = _digest(tiny_dir), _digest(other)
+    assert a["config.json"] == b["config.json"]
+    assert all(a[n] != b[n] for n in a if n.endswith(".safetensors"))
+
+
+def test_k3_layout(tiny_dir: Path):
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k3" and raw["architectures"] == ["KimiK3ForConditionalGeneration"]
+    text = raw["text_config"]
+    assert {"linear_attn_config", "quantization_config"} <= set(text)
+    assert text["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all(name.startswith("language_model.") for name in index)
+    assert len(set(index.values())) == 7  # one shard per layer + embedding/head
+    # the dtypes the real model stores
+    cfg = load_config(tiny_dir)
+    from deltafin.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir, cfg)
+    dtypes = {name.split("layers.1.")[-1]: loc.dtype for name, loc in ckpt.tensors.items()
+              if ".layers.1." in name and ".experts." not in name}
+    assert dtypes["self_attn.q_conv1d.weight"] == "F32" and dtypes["self_attn.A_log"] == "F32"
+    assert dtypes["self_attn.dt_bias"] == "F32" and dtypes["self_attn.o_norm.weight"] == "F32"
+    assert dtypes["block_sparse_moe.gate.e_score_correction_bias"] == "F32"
+    assert dtypes["self_attn.q_proj.weight"] == "BF16" and dtypes["block_sparse_moe.gate.weight"] == "BF16"
+    assert ckpt.tensors["language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"].dtype == "U8"
+
+
+def test_tokenizer_files_scale_k3_specials(tiny_dir: Path):
+    cfg = load_config(tiny_dir)
+    base = cfg.vocab_size - 256
+    tok_cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert len(tok_cfg) == 256
+    # same offsets from the base vocabulary as K3's 163584..163839
+    for k3_id, text in [(163584, "[BOS]"), (163585, "[EOS]"), (163586, "<|end_of_msg|>"), (163587, "<|open|>"),
+                        (163588, "<|close|>"), (163589, "<|sep|>"), (163838, "[UNK]"), (163839, "[PAD]")]:
+        assert tok_cfg[str(k3_id - 163584 + base)]["content"] == text
+    assert tok_cfg[str(base + 100)]["content"] == f"<|reserved_token_{base + 100}|>"
+    assert cfg.eos_token_id == base + 2 and cfg.bos_token_id == base and cfg.pad_token_id == base + 255
+    ranks = vocab.read_tiktoken(tiny_dir / "tiktoken.model")
+    assert len(ranks) == base and sorted(ranks.values()) == list(range(base))
+    # every merged token is reachable: BPE with lower ranks splits it into exactly two tokens
+    for token, rank in ranks.items():
+        if len(token) > 1:
+            assert len(vocab.bpe_split(ranks, token, rank)) == 2, token
+    enc = tiktoken.Encoding("synthetic", pat_str=r"\s+|\S+", mergeable_ranks=ranks, special_tokens={})
+    text = "The quick brown fox 人工智能 🙂 def forward(self):"
+    assert enc.decode(enc.encode(text)) == text
+    assert len(enc.encode(text)) < len(text.encode())  # merges happen
+
+
+def test_k3_slice_has_real_widths():
+    cfg = parse_config(preset_config("k3-slice", layers=3))
+    assert cfg.hidden_size == 7168 and cfg.num_heads == 96 and cfg.kda_heads == 96
+    assert cfg.num_experts == 896 and cfg.latent_dim == 3584 and cfg.moe_intermediate_size == 3072
+    assert cfg.bytes_per_expert == 17_547_264
+    assert [k.value for k in cfg.layer_kinds] == ["kda", "kda", "mla"]
+    assert cfg.expert_bytes_per_token() == 2 * 16 * 17_547_264  # 561.5 MB, as PERF.md's slice
+    two = parse_config(preset_config("k3-slice", layers=2))
+    assert [k.value for k in two.layer_kinds] == ["kda", "mla"] and two.moe_layers == (1,)
+
+
+def test_bad_preset_arguments():
+    with pytest.raises(DeltafinError, match="unknown preset 'huge'"):
+        preset_config("huge")
+    with pytest.raises(DeltafinError, match="at least 2"):
+        preset_config("k3-slice", layers=1)

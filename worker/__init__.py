@@ -1,0 +1,1 @@
+"""The deltafin-worker daemon: a gRPC servicer over one Stage."""
