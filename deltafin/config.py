@@ -358,6 +358,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     if hidden_act not in ("situ", "silu"):
         raise ConfigError(f"{where}.hidden_act {hidden_act!r} is not supported (expected 'situ' or 'silu')")
     eos = t.get("eos_token_id", default=raw.get("eos_token_id"))
+    first_dense = _first_k_dense(t, num_layers)
     cfg = ModelConfig(
         model_type=model_type, prefix=prefix,
         vocab_size=t.int("vocab_size"), hidden_size=t.int("hidden_size"), num_layers=num_layers,
@@ -371,7 +372,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         kv_lora_rank=t.int("kv_lora_rank"), qk_nope_head_dim=t.int("qk_nope_head_dim"),
         qk_rope_head_dim=t.int("qk_rope_head_dim"), v_head_dim=t.int("v_head_dim"),
         mla_output_gate=bool(t.get("mla_use_output_gate", default=False)),
-        first_k_dense=t.int("first_k_dense_replace", default=1),
+        first_k_dense=first_dense,
         num_experts=t.int("num_experts", "num_local_experts"),
         experts_per_token=t.int("num_experts_per_token", "num_experts_per_tok"),
         moe_intermediate_size=t.int("moe_intermediate_size"),
@@ -413,6 +414,18 @@ def _layer_kinds(lac: _Keys, num_layers: int) -> tuple[LayerKind, ...]:
         raise ConfigError(f"inconsistent layer lists: layers {missing[:8]} (1-based) are in neither "
                           "full_attn_layers nor kda_layers")
     return tuple(kinds)  # type: ignore[arg-type]
+
+
+def _first_k_dense(t: _Keys, num_layers: int) -> int:
+    """Leading dense layers: `first_k_dense_replace`, or the `mlp_layer_types` list transformers writes."""
+    types = t.get("mlp_layer_types", default=None)
+    if types is None:
+        return t.int("first_k_dense_replace", default=1)
+    k = next((i for i, kind in enumerate(types) if kind != "dense"), len(types))
+    if len(types) != num_layers or any(kind != "sparse" for kind in types[k:]):
+        raise ConfigError(f"{t.where}.mlp_layer_types must be {num_layers} entries: dense layers first, then "
+                          f"sparse ones (got {types})")
+    return k
 
 
 def _expert_format(qc: dict[str, Any] | None, where: str) -> ExpertFormat:

@@ -33,6 +33,7 @@ from deltafin import vocab
 from deltafin.config import MXFP4_GROUP, ExpertFormat, ModelConfig, TensorSpec, parse_config
 from deltafin.errors import DeltafinError
 from deltafin.progress import Progress
+from deltafin.weights.directio import DirectWriter
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header to 8 bytes
     tmp = path.with_suffix(".partial")
-    with open(tmp, "wb", buffering=1 << 22) as f:
+    with DirectWriter(tmp) as f:  # keeps GBs of written shards out of the page cache
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for s in specs:
@@ -214,10 +215,18 @@ class _Init:
             yield _encode(values, spec.dtype)
             return
         mean, std = self._normal(spec)
+        if spec.numel <= 4 * CHUNK_VALUES:
+            yield _encode(torch.randn(spec.numel, generator=g).mul_(std).add_(mean), spec.dtype)
+            return
+        # Real-width matrices (hundreds of millions of values): windows of a normal pool at seeded offsets,
+        # sign-flipped per chunk, so generation keeps up with the disk.
+        pool = torch.randn(2 * CHUNK_VALUES, generator=g)
         remaining = spec.numel
         while remaining:
             n = min(remaining, CHUNK_VALUES)
-            yield _encode(torch.randn(n, generator=g).mul_(std).add_(mean), spec.dtype)
+            start = int(torch.randint(0, CHUNK_VALUES, (1,), generator=g))
+            sign = 1.0 if int(torch.randint(0, 2, (1,), generator=g)) else -1.0
+            yield _encode(pool[start:start + n] * (sign * std) + mean, spec.dtype)
             remaining -= n
 
     def _normal(self, spec: TensorSpec) -> tuple[float, float]:
@@ -247,15 +256,18 @@ class _Init:
         kind = spec.name.rsplit(".", 2)[-2] + "." + spec.name.rsplit(".", 1)[-1]  # e.g. "w1.weight_packed"
         pool = self._pool(spec.layer, kind, spec)  # type: ignore[arg-type]
         rng = np.random.default_rng(_seed(self.seed, spec.layer, spec.expert, kind))
-        start = int(rng.integers(0, pool.size - spec.nbytes + 1))
+        if spec.nbytes % 8 == 0:  # 8-aligned windows: XOR a 64-bit key at memory speed
+            start = 8 * int(rng.integers(0, (pool.size - spec.nbytes) // 8 + 1))
+        else:
+            start = int(rng.integers(0, pool.size - spec.nbytes + 1))
         window = pool[start:start + spec.nbytes]
         if kind.endswith("weight_packed"):
             key = rng.integers(0, 256, size=8, dtype=np.uint8)
-            data = np.bitwise_xor(window.reshape(-1, 8) if spec.nbytes % 8 == 0 else window,
-                                  key if spec.nbytes % 8 == 0 else key[0])
-            yield memoryview(np.ascontiguousarray(data)).cast("B")
-        else:
-            yield memoryview(np.ascontiguousarray(window)).cast("B")
+            if spec.nbytes % 8 == 0:
+                window = np.bitwise_xor(window.view(np.uint64), key.view(np.uint64)[0])
+            else:
+                window = np.bitwise_xor(window, key[0])
+        yield memoryview(np.ascontiguousarray(window)).cast("B")
 
     def _pool(self, layer: int, kind: str, spec: TensorSpec) -> np.ndarray:
         key = (layer, kind)

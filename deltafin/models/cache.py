@@ -1,0 +1,104 @@
+"""Per-sequence state a stage keeps for its layers: KDA conv window + recurrent state, MLA latents.
+
+Updates replace tensors rather than writing into them (KDA) or only append past `length` (MLA), so a
+snapshot is a handful of references and restoring one undoes a failed forward exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltafin.config import LayerKind, ModelConfig
+
+
+@dataclass
+class KDACache:
+    conv: torch.Tensor  # [3, K-1, P] fp32: the last K-1 pre-convolution q, k, v inputs
+    state: torch.Tensor  # [H, dk, dv] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * 4 + self.state.numel() * 4
+
+
+@dataclass
+class MLACache:
+    """Latents (c [r] and k_r [rope]: 576 values per token for K3) of every token seen so far."""
+
+    buf: torch.Tensor  # [capacity, r + rope]
+    length: int = 0
+
+    def append(self, latents: torch.Tensor) -> torch.Tensor:
+        """Append [T, r+rope]; returns all latents [length, r+rope] (a view of the buffer)."""
+        need = self.length + latents.shape[0]
+        if need > self.buf.shape[0]:
+            grown = self.buf.new_empty(max(need, 2 * self.buf.shape[0]), self.buf.shape[1])
+            grown[: self.length] = self.buf[: self.length]
+            self.buf = grown
+        self.buf[self.length:need] = latents.to(self.buf.dtype)
+        self.length = need
+        return self.buf[:need]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+LayerCache = KDACache | MLACache
+
+
+@dataclass
+class SequenceCache:
+    """One session's state for the layers of one stage."""
+
+    layers: dict[int, LayerCache]
+    length: int = 0  # tokens this stage has processed for the session
+    _snapshot: tuple | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers.values())
+
+    def snapshot(self) -> None:
+        self._snapshot = (self.length, {i: (c.conv, c.state) if isinstance(c, KDACache) else (c.buf, c.length)
+                                        for i, c in self.layers.items()})
+
+    def restore(self) -> None:
+        """Undo everything since `snapshot()` (a forward that failed half-way)."""
+        if self._snapshot is None:
+            return
+        self.length, saved = self._snapshot
+        for i, (a, b) in saved.items():
+            c = self.layers[i]
+            if isinstance(c, KDACache):
+                c.conv, c.state = a, b
+            else:
+                c.buf, c.length = a, b
+
+
+def new_sequence_cache(cfg: ModelConfig, layers: range, device: torch.device, dtype: torch.dtype,
+                       mla_capacity: int = 64) -> SequenceCache:
+    caches: dict[int, LayerCache] = {}
+    for i in layers:
+        if cfg.layer_kinds[i] is LayerKind.KDA:
+            caches[i] = KDACache(
+                conv=torch.zeros(3, cfg.conv_kernel - 1, cfg.kda_dim, device=device),
+                state=torch.zeros(cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=device))
+        else:
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            caches[i] = MLACache(torch.zeros(mla_capacity, width, device=device, dtype=dtype))
+    return SequenceCache(caches)
+
+
+def cache_bytes_per_token(cfg: ModelConfig, layers: range, element_size: int) -> int:
+    """MLA latent bytes one more token adds (KDA state is constant-size)."""
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return sum(width * element_size for i in layers if cfg.layer_kinds[i] is LayerKind.MLA)
+
+
+def cache_fixed_bytes(cfg: ModelConfig, layers: range) -> int:
+    """KDA state bytes per sequence (fp32), independent of length."""
+    per = (3 * (cfg.conv_kernel - 1) * cfg.kda_dim + cfg.kda_heads * cfg.kda_head_dim ** 2) * 4
+    return sum(per for i in layers if cfg.layer_kinds[i] is LayerKind.KDA)

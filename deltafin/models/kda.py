@@ -1,0 +1,145 @@
+"""Kimi Delta Attention (K3_SPEC §3): short convolutions, per-channel decay, the delta rule.
+
+Shapes: N = packed tokens, T = one sequence's tokens, H = heads, d = head dim (dk = dv = d),
+P = H * d, K = conv kernel, C = chunk length. The delta rule runs in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from deltafin.config import ModelConfig
+from deltafin.kernels.linear import linear
+from deltafin.models.cache import KDACache
+from deltafin.models.common import l2_normalize, rms_norm
+from deltafin.models.weights import KDAWeights
+
+CHUNK = 64
+_PAIR_BUDGET = 1 << 24  # floats in one [heads, C, C, d] decay block (64 MB): bounds prefill memory
+
+
+def causal_conv(z: torch.Tensor, kernel: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv: y[t,c] = sum_j kernel[c,j] * z[t-K+1+j, c], earlier inputs from `window`.
+
+    z [T, P], kernel [P, K], window [K-1, P] (fp32). Returns (y [T, P] fp32, new window [K-1, P])."""
+    k = kernel.shape[1]
+    full = torch.cat([window, z.float()], dim=0)  # [K-1+T, P]
+    y = (full.unfold(0, k, 1) * kernel).sum(-1)  # unfold: [T, P, K]
+    return y, full[full.shape[0] - (k - 1):]
+
+
+def kda_decay(cfg: ModelConfig, w: KDAWeights, graw: torch.Tensor) -> torch.Tensor:
+    """Log-decay g [T, H, d] (fp32, < 0): K3 lb*sigmoid(exp(A)*(x+dt)); Kimi Linear -exp(A)*softplus(x+dt)."""
+    x = graw.float().view(-1, cfg.kda_heads, cfg.kda_head_dim) + w.dt_bias
+    rate = w.a_log.exp().unsqueeze(-1)  # [H, 1]
+    if cfg.gate_lower_bound is not None:
+        return cfg.gate_lower_bound * torch.sigmoid(rate * x)
+    return -rate * F.softplus(x)
+
+
+def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact recurrence, one token at a time. q, k [T,H,dk]; v [T,H,dv]; g [T,H,dk]; beta [T,H];
+    S [H,dk,dv]. Per head: S = S*exp(g); u = v - S^T k; S += beta*k u^T; o = S^T q."""
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp().unsqueeze(-1)
+        u = (v[t] - torch.bmm(k[t].unsqueeze(1), S).squeeze(1)) * beta[t].unsqueeze(-1)  # [H, dv]
+        S = S + k[t].unsqueeze(-1) * u.unsqueeze(1)
+        outs.append(torch.bmm(q[t].unsqueeze(1), S).squeeze(1))
+    return torch.stack(outs), S
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent, so the Neumann series is
+    finite and factors as (I - A)(I + A^2)(I + A^4)...: log2(C) matmuls, no triangular solve needed."""
+    c = A.shape[-1]
+    eye = torch.eye(c, dtype=A.dtype, device=A.device)
+    result, power, span = eye - A, A @ A, 2
+    while span < c:
+        result = result @ (eye + power)
+        power = power @ power
+        span *= 2
+    return result
+
+
+def _pair_products(Gi: torch.Tensor, Qi: torch.Tensor, Ki: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KK[h,i,j] = sum_c k_i k_j e^(G_i-G_j) (j < i) and QK[h,i,j] = sum_c q_i k_j e^(G_i-G_j) (j <= i),
+    with the decay formed from the difference (never e^-G, which overflows). Heads in groups to bound memory."""
+    h, c, d = Ki.shape
+    lower = torch.ones(c, c, dtype=torch.bool, device=Ki.device).tril()
+    group = max(1, _PAIR_BUDGET // (c * c * d))
+    kk, qk = [], []
+    for s in range(0, h, group):
+        G, K, Q = Gi[s:s + group], Ki[s:s + group], Qi[s:s + group]
+        decay = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~lower.unsqueeze(-1), float("-inf")).exp()
+        Kj = K.unsqueeze(1)  # [h, 1, C(j), d]
+        kk.append(((K.unsqueeze(2) * decay) * Kj).sum(-1))
+        qk.append(((Q.unsqueeze(2) * decay) * Kj).sum(-1))
+    strict = torch.ones(c, c, dtype=torch.bool, device=Ki.device).tril(-1)
+    return torch.cat(kk).masked_fill(~strict, 0.0), torch.cat(qk)
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       S: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence in chunked (WY) form for prefill; shapes as `delta_rule_recurrent`.
+
+    Within a chunk, G = cumsum(g): A = diag(beta) KK (strictly lower), Tinv = (I + A)^-1,
+    W = Tinv (beta*e^G*K), U = Tinv (beta*V), V' = U - W S, O = (e^G*Q) S + QK V',
+    S <- e^G_C * S + (e^(G_C - G)*K)^T V'. Padding rows have k = v = g = beta = 0."""
+    t, h, dk = k.shape
+    pad = (-t) % chunk
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n = (t + pad) // chunk
+    as_chunks = lambda x: x.reshape(n, chunk, h, -1).transpose(1, 2)  # [n, H, C, *]
+    qc, kc, vc, gc = (as_chunks(x) for x in (q, k, v, g))
+    bc = beta.reshape(n, chunk, h).transpose(1, 2).unsqueeze(-1)  # [n, H, C, 1]
+    G = gc.cumsum(2)
+    outs = []
+    for i in range(n):
+        Gi, Ki, bi = G[i], kc[i], bc[i]
+        KK, QK = _pair_products(Gi, qc[i], Ki)
+        Tinv = _unit_lower_inverse(bi * KK)
+        W = Tinv @ (bi * Gi.exp() * Ki)
+        U = Tinv @ (bi * vc[i])
+        Vp = U - W @ S
+        outs.append((qc[i] * Gi.exp()) @ S + QK @ Vp)
+        Gc = Gi[:, -1:, :]  # [H, 1, dk]
+        S = Gc.transpose(1, 2).exp() * S + ((Gc - Gi).exp() * Ki).transpose(1, 2) @ Vp
+    out = torch.stack(outs).transpose(1, 2).reshape(n * chunk, h, -1)
+    return out[:t], S
+
+
+def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,
+                spans: Sequence[tuple[int, int, KDACache]]) -> torch.Tensor:
+    """One KDA layer over packed tokens x [N, D]. `spans` are (start, length, cache) per sequence; caches
+    are updated. A one-token span (decode) runs the recurrence; longer spans (prefill) the chunked form."""
+    n_tok = x.shape[0]
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    proj = torch.stack([linear(x, w.q), linear(x, w.k), linear(x, w.v)])  # [3, N, P]
+    graw = linear(linear(x, w.f_a), w.f_b)
+    beta = torch.sigmoid(linear(x, w.b).float())  # [N, H]
+    gate = linear(x, w.g) if w.g is not None else linear(linear(x, w.g_a), w.g_b)
+    outs = []
+    for start, length, cache in spans:
+        sl = slice(start, start + length)
+        qkv, windows = [], []
+        for j in range(3):
+            y, win = causal_conv(proj[j, sl], w.conv[j], cache.conv[j])
+            qkv.append(F.silu(y).view(length, h, d))
+            windows.append(win)
+        q = l2_normalize(qkv[0]) * d ** -0.5
+        k = l2_normalize(qkv[1])
+        g = kda_decay(cfg, w, graw[sl])
+        rule = delta_rule_recurrent if length == 1 else delta_rule_chunked
+        o, state = rule(q, k, qkv[2], g, beta[sl], cache.state)
+        cache.conv, cache.state = torch.stack(windows), state
+        outs.append(o)
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H, d] fp32
+    o = rms_norm(o, None, cfg.rms_norm_eps) * w.o_norm * torch.sigmoid(gate.float().view(n_tok, h, d))
+    return linear(o.reshape(n_tok, h * d).to(x.dtype), w.o)
