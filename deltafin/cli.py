@@ -84,6 +84,41 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
+def _cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from deltafin.pipeline import compute_logits
+
+    try:
+        ids = [int(x) for x in args.ids.split(",") if x.strip()]
+    except ValueError:
+        raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
+                            stages=args.stages, eps_convention=args.eps)
+    np.save(args.out, logits)
+    log.info("wrote %s: float32 %s", args.out, list(logits.shape))
+    return 0
+
+
+def _add_logits(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logits", help="write float32 logits for every position of a token id sequence",
+                       description="Run the model on --ids and save float32 logits [T, vocab] (one row per "
+                       "position) with numpy.save. The reference check against other implementations: fp32 on "
+                       "CUDA disables TF32. --mode decode feeds one token at a time through the caches; "
+                       "--stages N splits the layers into N in-process stages passing only the residual state.")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation/compute dtype")
+    p.add_argument("--mode", default="prefill", choices=["prefill", "decode"])
+    p.add_argument("--stages", type=int, default=1, help="number of in-process stages (default 1)")
+    p.add_argument("--eps", default="hf", choices=["hf", "llama.cpp"],
+                   help="the two epsilons the references disagree on (MLA LoRA norms, KDA q/k L2 norm): 1e-6 as "
+                   "the HF/fla code (default) or rms_norm_eps as llama.cpp")
+    p.set_defaults(func=_cmd_logits)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     print("deltafin demo: generation is not yet available in this build; see the status table in README.md",
           file=sys.stderr)
@@ -95,7 +130,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_synth, _add_inspect, _add_demo]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_synth, _add_inspect, _add_logits, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

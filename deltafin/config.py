@@ -9,6 +9,7 @@ Layer indices are 0-based everywhere in Deltafin. `linear_attn_config`'s lists a
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -108,9 +109,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # The HF reference uses 1e-6 for q_a/kv_a layernorms (llama.cpp and vLLM use rms_norm_eps);
-    # K3_SPEC §8 records the choice.
+    # Two epsilons the references disagree on (K3_SPEC §8). Default: the HF/fla reference code, 1e-6 for the
+    # MLA q_a/kv_a layernorms and for the KDA q/k L2 norm; llama.cpp uses 1e-5 (rms_norm_eps) for both.
+    # `with_eps_convention(cfg, "llama.cpp")` switches, for exact comparisons with llama.cpp.
     mla_norm_eps: float = 1e-6
+    qk_norm_eps: float = 1e-6
 
     # ---- layer structure -------------------------------------------------------------------------
 
@@ -288,6 +291,19 @@ class ModelConfig:
     def expert_bytes_per_token(self) -> int:
         """MXFP4/dense expert bytes one token reads with every routed expert missed."""
         return len(self.moe_layers) * self.experts_per_token * self.bytes_per_expert
+
+
+EPS_CONVENTIONS = ("hf", "llama.cpp")
+
+
+def with_eps_convention(cfg: ModelConfig, convention: str) -> ModelConfig:
+    """`hf` (default: 1e-6, as the HF/fla reference) or `llama.cpp` (rms_norm_eps) for the MLA LoRA
+    norms and the KDA q/k L2 norm."""
+    if convention == "hf":
+        return dataclasses.replace(cfg, mla_norm_eps=1e-6, qk_norm_eps=1e-6)
+    if convention == "llama.cpp":
+        return dataclasses.replace(cfg, mla_norm_eps=cfg.rms_norm_eps, qk_norm_eps=cfg.rms_norm_eps)
+    raise ConfigError(f"unknown eps convention {convention!r}: use one of {', '.join(EPS_CONVENTIONS)}")
 
 
 def _bytes_by_dtype(specs: tuple[TensorSpec, ...]) -> dict[str, int]:

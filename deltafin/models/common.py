@@ -17,8 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return weight.to(x.dtype) * normed.to(x.dtype)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (the HF/fla convention; llama.cpp uses 1e-5)."""
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
     return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 

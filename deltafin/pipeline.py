@@ -1,0 +1,77 @@
+"""Single-machine mode: N in-process stages that hand each other only the residual state.
+
+This is the baseline every cluster result is compared with: the coordinator's `--local` mode and
+`deltafin logits --stages N` run through it, and a cluster must produce exactly what it produces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deltafin.checkpoint import open_checkpoint
+from deltafin.config import load_config, with_eps_convention
+from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
+from deltafin.errors import DeltafinError
+from deltafin.stage import SeqInput, SeqOutput, Stage, split_layers
+
+
+class LocalPipeline:
+    def __init__(self, stages: list[Stage]):
+        self.stages = stages
+        self.config = stages[0].cfg
+
+    @classmethod
+    def load(cls, model_dir: str | Path, n_stages: int = 1, device: str = "auto", dtype: str = "fp32",
+             eps_convention: str = "hf", **stage_kwargs) -> LocalPipeline:
+        cfg = with_eps_convention(load_config(model_dir), eps_convention)
+        ckpt = open_checkpoint(model_dir, cfg)
+        torch_dtype = resolve_dtype(dtype)
+        if torch_dtype == torch.float32:
+            exact_fp32()
+        dev = resolve_device(device)
+        return cls([Stage(ckpt, a, b, device=dev, dtype=torch_dtype, **stage_kwargs)
+                    for a, b in split_layers(cfg, n_stages)])
+
+    def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        outputs: list[SeqOutput] = []
+        for i, stage in enumerate(self.stages):
+            if i > 0:
+                batch = [SeqInput(b.session_id, b.cache_len, state=o.state) for b, o in zip(batch, outputs,
+                                                                                            strict=True)]
+            outputs = stage.forward(batch, all_logits=all_logits)
+        return outputs
+
+    def release(self, session_id: str) -> None:
+        for stage in self.stages:
+            stage.release(session_id)
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close()
+
+
+def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",
+                   mode: str = "prefill", stages: int = 1, eps_convention: str = "hf") -> np.ndarray:
+    """Float32 logits [T, vocab] for every position of `ids`.
+
+    prefill: all ids in one forward (chunked KDA, expanded MLA); decode: one token per forward through
+    the caches (recurrent KDA, absorbed MLA). `stages` splits the layers into in-process stages.
+    `eps_convention` picks the two disputed epsilons (see config.with_eps_convention)."""
+    if not ids:
+        raise DeltafinError("--ids must name at least one token id")
+    if mode not in ("prefill", "decode"):
+        raise DeltafinError(f"unknown --mode {mode!r}: use prefill or decode")
+    pipe = LocalPipeline.load(model_dir, stages, device=device, dtype=dtype, eps_convention=eps_convention)
+    try:
+        t = torch.tensor(ids, dtype=torch.long)
+        if mode == "prefill":
+            out = pipe.forward([SeqInput("logits", 0, ids=t)], all_logits=True)[0].logits
+        else:
+            out = torch.cat([pipe.forward([SeqInput("logits", i, ids=t[i:i + 1])])[0].logits
+                             for i in range(len(ids))])
+        return out.float().cpu().numpy()
+    finally:
+        pipe.close()

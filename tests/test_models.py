@@ -1,0 +1,158 @@
+"""Model invariants: chunked KDA == recurrent KDA, absorbed MLA == expanded MLA, prefill == decode,
+N stages == 1 stage (bit-identical in fp32 on the CPU), bf16 within its measured distance of fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from deltafin.checkpoint import open_checkpoint
+from deltafin.config import load_config
+from deltafin.models import kda, mla
+from deltafin.models.attn_res import ResidualState, attn_res_mix
+from deltafin.models.common import l2_normalize
+from deltafin.pipeline import LocalPipeline, compute_logits
+from deltafin.stage import SeqInput, Stage
+
+IDS = [5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17, 768, 250, 33, 512, 64, 129, 900, 8, 1, 2, 3, 4, 5]
+
+
+def _delta_inputs(t: int, h: int = 3, d: int = 16, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(t, h, d, generator=g, dtype=dtype), 1e-6) * d ** -0.5
+    k = l2_normalize(torch.randn(t, h, d, generator=g, dtype=dtype), 1e-6)
+    v = torch.randn(t, h, d, generator=g, dtype=dtype)
+    decay = -5 * torch.sigmoid(2 * torch.randn(t, h, d, generator=g, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(t, h, generator=g, dtype=dtype))
+    S0 = torch.randn(h, d, d, generator=g, dtype=dtype) * 0.1
+    return q, k, v, decay, beta, S0
+
+
+def test_chunked_kda_equals_recurrent():
+    for t in (1, 5, 16, 37, 70):  # shorter than, equal to and across several chunks, with padding
+        args = _delta_inputs(t)
+        o_ref, s_ref = kda.delta_rule_recurrent(*args)
+        o, s = kda.delta_rule_chunked(*args)
+        assert torch.allclose(o, o_ref, rtol=1e-10, atol=1e-12) and torch.allclose(s, s_ref, rtol=1e-10, atol=1e-12)
+        o32, s32 = kda.delta_rule_chunked(*(a.float() for a in args))
+        per_token = (o32.double() - o_ref).norm(dim=(1, 2)) / o_ref.norm(dim=(1, 2))
+        assert per_token.max() < 1e-5  # fp32, chunk 16
+
+
+def test_unit_lower_inverse():
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(2, 16, 16, generator=g, dtype=torch.float64).tril(-1)
+    eye = torch.eye(16, dtype=torch.float64)
+    assert torch.allclose(kda._unit_lower_inverse(A), torch.linalg.inv(eye + A), rtol=1e-9, atol=1e-9)
+
+
+def test_causal_conv_matches_conv1d():
+    g = torch.Generator().manual_seed(4)
+    z, w = torch.randn(9, 6, generator=g), torch.randn(6, 4, generator=g)
+    want = F.conv1d(z.T.unsqueeze(0), w.unsqueeze(1), padding=3, groups=6)[0, :, :9].T
+    y, window = kda.causal_conv(z, w, torch.zeros(3, 6))
+    assert torch.allclose(y, want, atol=1e-6) and torch.equal(window, z[-3:])
+    # continuing from a window equals convolving the whole sequence
+    y1, win1 = kda.causal_conv(z[:5], w, torch.zeros(3, 6))
+    y2, _ = kda.causal_conv(z[5:], w, win1)
+    assert torch.allclose(torch.cat([y1, y2]), want, atol=1e-6)
+
+
+def test_absorbed_mla_equals_expanded(tiny_dir):
+    cfg = load_config(tiny_dir)
+    g = torch.Generator().manual_seed(5)
+    h, r = cfg.num_heads, cfg.kv_lora_rank
+    q = torch.randn(7, h, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, generator=g, dtype=torch.float64)
+    lat = torch.randn(11, r + cfg.qk_rope_head_dim, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), r, generator=g, dtype=torch.float64)
+    a = mla._attend_absorbed(cfg, q, lat, kv_b)
+    e = mla._attend_expanded(cfg, q, lat, kv_b)
+    assert float((a.double() - e.double()).norm() / e.double().norm()) < 1e-6  # both compute in fp32
+
+
+def test_attn_res_mix_is_a_softmax_over_depth():
+    g = torch.Generator().manual_seed(6)
+    B, P, score = torch.randn(4, 3, 8, generator=g), torch.randn(4, 8, generator=g), torch.randn(8, generator=g)
+    V = torch.cat([B, P[:, None]], 1)
+    s = ((V / V.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) * score).sum(-1)
+    want = (torch.softmax(s, -1)[..., None] * V).sum(1)
+    assert torch.allclose(attn_res_mix(B, P, score), want, atol=1e-6)
+    assert torch.equal(attn_res_mix(B[:, :0], P, score), P)  # nothing banked: the stream itself
+    assert ResidualState.nbytes_per_token(8, 7168, 2) == 9 * 7168 * 2
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_prefill_equals_decode(tiny_dir):
+    pre = compute_logits(tiny_dir, IDS, device="cpu", mode="prefill")
+    dec = compute_logits(tiny_dir, IDS, device="cpu", mode="decode")
+    assert np.array_equal(pre.argmax(1), dec.argmax(1))
+    assert _rel(dec, pre).max() < 5e-5
+
+
+def test_chunked_prefill_continues_a_session(tiny_dir):
+    """Prefill in pieces (8 + 17 tokens) == one prefill: caches carry KDA state and MLA latents."""
+    cfg = load_config(tiny_dir)
+    stage = Stage(open_checkpoint(tiny_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"))
+    ids = torch.tensor(IDS)
+    whole = stage.forward([SeqInput("w", 0, ids=ids)], all_logits=True)[0].logits
+    a = stage.forward([SeqInput("p", 0, ids=ids[:8])], all_logits=True)[0].logits
+    b = stage.forward([SeqInput("p", 8, ids=ids[8:])], all_logits=True)[0].logits
+    assert torch.allclose(torch.cat([a, b]), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_stages_are_bit_identical(tiny_dir):
+    one = compute_logits(tiny_dir, IDS, device="cpu", stages=1)
+    for n in (2, 3, 6):
+        assert np.array_equal(compute_logits(tiny_dir, IDS, device="cpu", stages=n), one)
+    dec1 = compute_logits(tiny_dir, IDS[:6], device="cpu", mode="decode", stages=1)
+    assert np.array_equal(compute_logits(tiny_dir, IDS[:6], device="cpu", mode="decode", stages=3), dec1)
+
+
+def test_batch_of_sequences_equals_each_alone(tiny_dir):
+    pipe = LocalPipeline.load(tiny_dir, 2, device="cpu")
+    a, b = torch.tensor(IDS[:9]), torch.tensor(IDS[9:21])
+    together = pipe.forward([SeqInput("a", 0, ids=a), SeqInput("b", 0, ids=b)], all_logits=True)
+    alone_a = pipe.forward([SeqInput("a2", 0, ids=a)], all_logits=True)[0].logits
+    alone_b = pipe.forward([SeqInput("b2", 0, ids=b)], all_logits=True)[0].logits
+    assert torch.allclose(together[0].logits, alone_a, atol=1e-5) and torch.allclose(together[1].logits, alone_b,
+                                                                                       atol=1e-5)
+
+
+def test_bf16_within_measured_distance_of_fp32(tiny_dir):
+    """Measured on tiny/small (seed 0): bf16 activations move logits by a few % (relative L2, median);
+    the worst positions are where bf16 rounding flips a routing choice."""
+    fp32 = compute_logits(tiny_dir, IDS, device="cpu", dtype="fp32")
+    bf16 = compute_logits(tiny_dir, IDS, device="cpu", dtype="bf16")
+    rel = _rel(bf16, fp32)
+    assert np.median(rel) < 0.05
+    assert (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.7
+
+
+def test_synthetic_activations_stay_order_one_and_routing_spreads(small_dir):
+    cfg = load_config(small_dir)
+    stage = Stage(open_checkpoint(small_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"))
+    used: dict[int, set[int]] = {}
+    inner = stage.experts.experts
+
+    def spy(layer, ids):
+        used.setdefault(layer, set()).update(ids)
+        return inner(layer, ids)
+
+    stage.experts.experts = spy  # type: ignore[method-assign]
+    ids = torch.tensor(IDS * 2)
+    state = None
+    from deltafin.models.decoder import Span, decoder_layer, embed
+
+    stage._session(SeqInput("s", 0, ids=ids), set())
+    spans = [Span(0, len(ids), stage.sessions["s"])]
+    state = embed(stage.top, ids, torch.float32)
+    for layer in range(cfg.num_layers):
+        state = decoder_layer(cfg, layer, stage.layers[layer], state, spans, spy)
+        rms = state.P.pow(2).mean(-1).sqrt()
+        assert float(rms.min()) > 0.1 and float(rms.max()) < 10, (layer, rms)
+    # 50 tokens x 6 active of 64 experts: at least half the experts serve some token in every MoE layer
+    assert all(len(used[layer]) >= 32 for layer in cfg.moe_layers), {k: len(v) for k, v in used.items()}
