@@ -119,6 +119,33 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_logits)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from deltafin import bench
+
+    if args.kernel:
+        result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
+    elif args.model:
+        result = bench.bench_decode(args.model, tokens=args.tokens, device=args.device, dtype=args.dtype)
+    else:
+        raise DeltafinError("deltafin bench needs --model DIR or --kernel")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON",
+                       description="--kernel: MXFP4 dequant+matmul throughput for one real-size K3 expert "
+                       "(packed GB/s). --model DIR: decode speed (ms/token).")
+    p.add_argument("--model", help="checkpoint directory: measure decode")
+    p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps to time (default 32)")
+    p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
+    p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.set_defaults(func=_cmd_bench)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     print("deltafin demo: generation is not yet available in this build; see the status table in README.md",
           file=sys.stderr)
@@ -130,7 +157,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_synth, _add_inspect, _add_logits, _add_demo]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_synth, _add_inspect, _add_logits, _add_bench, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

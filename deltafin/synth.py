@@ -74,11 +74,11 @@ PRESETS = {
         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "num_experts": 16,
         "num_experts_per_token": 4, "linear": {"head_dim": 16, "num_heads": 4}}),
-    "small": Preset("small", 8, 8192, {
+    "small": Preset("small", 8, 4096, {
         "hidden_size": 512, "intermediate_size": 1024, "attn_res_block_size": 3,
         "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128, "kv_lora_rank": 128,
         "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
-        "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_experts": 64,
+        "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_experts": 48,
         "num_experts_per_token": 6, "linear": {"head_dim": 64, "num_heads": 8}}),
     "k3-slice": Preset("k3-slice", 3, 8192, {}),
 }

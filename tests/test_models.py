@@ -154,5 +154,5 @@ def test_synthetic_activations_stay_order_one_and_routing_spreads(small_dir):
         state = decoder_layer(cfg, layer, stage.layers[layer], state, spans, spy)
         rms = state.P.pow(2).mean(-1).sqrt()
         assert float(rms.min()) > 0.1 and float(rms.max()) < 10, (layer, rms)
-    # 50 tokens x 6 active of 64 experts: at least half the experts serve some token in every MoE layer
-    assert all(len(used[layer]) >= 32 for layer in cfg.moe_layers), {k: len(v) for k, v in used.items()}
+    # 50 tokens x 6 active of 48 experts: at least half the experts serve some token in every MoE layer
+    assert all(len(used[layer]) >= 24 for layer in cfg.moe_layers), {k: len(v) for k, v in used.items()}

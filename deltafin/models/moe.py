@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 
 from deltafin.config import ModelConfig
-from deltafin.kernels.linear import linear
-from deltafin.models.common import gated_activation, rms_norm
+from deltafin.kernels.linear import gate_up, linear
+from deltafin.models.common import activation, rms_norm
 from deltafin.models.weights import DenseMLPWeights, ExpertWeights, MoEWeights
 
 
@@ -37,11 +37,11 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def expert_ffn(cfg: ModelConfig, e: ExpertWeights, z: torch.Tensor) -> torch.Tensor:
-    return linear(gated_activation(cfg, linear(z, e.w1), linear(z, e.w3)), e.w2)
+    return linear(gate_up(z, e.w1, e.w3, activation(cfg)), e.w2)
 
 
 def dense_mlp(cfg: ModelConfig, w: DenseMLPWeights, x: torch.Tensor) -> torch.Tensor:
-    return linear(gated_activation(cfg, linear(x, w.gate), linear(x, w.up)), w.down)
+    return linear(gate_up(x, w.gate, w.up, activation(cfg)), w.down)
 
 
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,

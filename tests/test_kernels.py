@@ -1,0 +1,61 @@
+"""Fast kernels agree with the torch reference; a broken or missing fast path falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafin.kernels import linear as linear_mod
+from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.linear import gate_up, mxfp4_linear, mxfp4_linear_reference, self_check
+from deltafin.quant import MXFP4Weight
+
+
+def _weight(rows: int, cols: int, seed: int) -> MXFP4Weight:
+    g = torch.Generator().manual_seed(seed)
+    return MXFP4Weight(torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+                       torch.randint(112, 132, (rows, cols // 32), dtype=torch.uint8, generator=g))
+
+
+@pytest.mark.parametrize("ntok", [1, 2, 3, 4, 5, 7, 8, 13, 39, 40, 64])
+@pytest.mark.parametrize("rows, cols", [(40, 96), (300, 512), (1024, 3584)])
+def test_cpu_kernel_matches_reference(rows, cols, ntok):
+    w = _weight(rows, cols, rows + ntok)
+    x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(ntok))
+    want = mxfp4_linear_reference(x, w)
+    got = mxfp4_linear(x, w)
+    assert linear_mod.MXFP4_FAST_PATHS.get("cpu") is not None, "the CPU kernel should build on this machine"
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-6
+
+
+def test_kernel_handles_bf16_and_batched_leading_dims():
+    w = _weight(64, 128, 7)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    got = mxfp4_linear(x, w)
+    assert got.shape == (2, 3, 64) and got.dtype == torch.bfloat16
+    want = mxfp4_linear_reference(x.float().view(6, 128), w).view(2, 3, 64)
+    assert float((got.float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_gate_up_matches_unfused():
+    wg, wu = _weight(96, 256, 1), _weight(96, 256, 2)
+    x = torch.randn(3, 256)
+    for act in (GatedActivation("situ", 4.0, 25.0), GatedActivation("silu")):
+        want = act(mxfp4_linear_reference(x, wg), mxfp4_linear_reference(x, wu))
+        assert float((gate_up(x, wg, wu, act) - want).norm() / want.norm()) < 1e-6
+
+
+def test_broken_fast_path_fails_self_check():
+    good = linear_mod.MXFP4_FAST_PATHS.get("cpu") or mxfp4_linear_reference
+    assert self_check(lambda x, w: good(x, w), torch.device("cpu"))
+    assert not self_check(lambda x, w: good(x, w) * 1.001, torch.device("cpu"))
+    assert not self_check(lambda x, w: good(x, w)[:, :-1], torch.device("cpu"))
+
+
+def test_reference_forced_by_environment(monkeypatch):
+    monkeypatch.setenv("DELTAFIN_KERNELS", "reference")
+    monkeypatch.setattr(linear_mod, "MXFP4_FAST_PATHS", {})
+    w, x = _weight(32, 64, 3), torch.randn(1, 64)
+    assert torch.equal(mxfp4_linear(x, w), mxfp4_linear_reference(x, w))
+    assert linear_mod.MXFP4_FAST_PATHS == {"cpu": None}
