@@ -1,0 +1,108 @@
+"""Stage contract: inputs, sessions (ids, release, eviction with a clear error, sync), memory checks,
+and a failed forward leaves every session as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafin.checkpoint import open_checkpoint
+from deltafin.config import load_config
+from deltafin.devices import resolve_device
+from deltafin.errors import DeltafinError
+from deltafin.models.attn_res import ResidualState
+from deltafin.models.cache import cache_bytes_per_token, cache_fixed_bytes
+from deltafin.stage import InvalidInput, OutOfMemory, SeqInput, SessionNotFound, SessionOutOfSync, Stage
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dir):
+    return open_checkpoint(tiny_dir, load_config(tiny_dir))
+
+
+def test_memory_check_fails_clearly(ckpt):
+    with pytest.raises(OutOfMemory, match=r"layers \[0, 6\) need .* GB resident .* but the memory budget is"):
+        Stage(ckpt, 0, 6, device=CPU, memory_bytes=100_000)
+    Stage(ckpt, 0, 6, device=CPU, memory_bytes=100_000_000)  # fits
+
+
+def test_input_validation(ckpt):
+    first, middle = Stage(ckpt, 0, 3, device=CPU), Stage(ckpt, 3, 6, device=CPU)
+    d = ckpt.config.hidden_size
+    bad = [
+        (first, SeqInput("a", 0, ids=torch.tensor([[1, 2]])), "1-D integer tensor"),
+        (first, SeqInput("a", 0, ids=torch.tensor([1.0])), "1-D integer tensor"),
+        (first, SeqInput("a", 0, ids=torch.tensor([5, 2000])), "token ids must be in [0, 1024)"),
+        (first, SeqInput("a", -1, ids=torch.tensor([5])), "negative cache_len"),
+        (middle, SeqInput("a", 0, ids=torch.tensor([5])), "takes a residual state"),
+        (middle, SeqInput("a", 0, state=ResidualState(torch.zeros(2, d), torch.zeros(2, 1, d))), "B [T, 2, 64]"),
+        (middle, SeqInput("a", 0, state=ResidualState(torch.full((1, d), float("nan")), torch.zeros(1, 2, d))),
+         "NaN or Inf"),
+    ]
+    for stage, item, message in bad:
+        with pytest.raises(InvalidInput) as e:
+            stage.forward([item])
+        assert message in str(e.value)
+    with pytest.raises(InvalidInput, match="distinct session ids"):
+        first.forward([SeqInput("a", 0, ids=torch.tensor([1])), SeqInput("a", 0, ids=torch.tensor([2]))])
+    assert not first.sessions and not middle.sessions  # nothing was created by rejected calls
+
+
+def test_sessions_sync_release_and_unknown(ckpt):
+    stage = Stage(ckpt, 0, 6, device=CPU)
+    stage.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
+    assert stage.sessions["s"].length == 3
+    with pytest.raises(SessionOutOfSync, match="holds 3 tokens but the call says 2"):
+        stage.forward([SeqInput("s", 2, ids=torch.tensor([4]))])
+    stage.forward([SeqInput("s", 3, ids=torch.tensor([4]))])
+    assert stage.release("s") and not stage.release("s")
+    with pytest.raises(SessionNotFound, match="start it again with cache_len 0"):
+        stage.forward([SeqInput("s", 4, ids=torch.tensor([5]))])
+
+
+def test_eviction_names_the_evicted_session(ckpt):
+    cfg = ckpt.config
+    one = cache_fixed_bytes(cfg, range(6)) + 64 * cache_bytes_per_token(cfg, range(6), 4)
+    stage = Stage(ckpt, 0, 6, device=CPU, cache_bytes=int(2.5 * one))
+    for sid in ("a", "b", "c"):
+        stage.forward([SeqInput(sid, 0, ids=torch.tensor([1, 2]))])
+    assert list(stage.sessions) == ["b", "c"]  # "a" was least recently used
+    with pytest.raises(SessionNotFound, match="'a' is not on this stage .*evicted to make room"):
+        stage.forward([SeqInput("a", 2, ids=torch.tensor([3]))])
+    with pytest.raises(OutOfMemory, match="cannot hold this request"):
+        stage.forward([SeqInput(s, 0, ids=torch.tensor([1])) for s in ("x", "y", "z")])
+
+
+def test_failed_forward_restores_sessions(ckpt):
+    stage = Stage(ckpt, 0, 6, device=CPU)
+    ids = torch.tensor([7, 8, 9, 10])
+    stage.forward([SeqInput("s", 0, ids=ids[:2])])
+    inner = stage.experts.experts
+    calls = {"n": 0}
+
+    def failing(layer, wanted):
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail in the middle of the stack, after earlier layers updated their caches
+            raise OSError("disk went away")
+        return inner(layer, wanted)
+
+    stage.experts.experts = failing  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        stage.forward([SeqInput("s", 2, ids=ids[2:3])])
+    stage.experts.experts = inner  # type: ignore[method-assign]
+    assert stage.sessions["s"].length == 2
+    after = stage.forward([SeqInput("s", 2, ids=ids[2:3])])[0].logits
+    fresh = Stage(ckpt, 0, 6, device=CPU)
+    fresh.forward([SeqInput("t", 0, ids=ids[:2])])
+    assert torch.equal(after, fresh.forward([SeqInput("t", 2, ids=ids[2:3])])[0].logits)
+
+
+def test_device_errors_are_clear():
+    if not torch.cuda.is_available():
+        with pytest.raises(DeltafinError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(DeltafinError, match="unknown device"):
+        resolve_device("tpu")
+    assert resolve_device("cpu") == CPU
