@@ -1,23 +1,32 @@
-"""Benchmarks that print JSON: MXFP4 kernel throughput and decode speed (`deltafin bench`).
+"""Benchmarks that print JSON (`deltafin bench`): the disk, the MXFP4 kernels, and decode with experts
+streamed from the disk, against the physical limit (PERF.md).
 
-Timed with the device synchronized, after warm-up; medians over repeats. The numbers go into the
-closing notes and the README, never into timed unit tests.
+Decode is measured honestly: the disk is measured first with the same reader (same read size, same
+threads, same I/O mode) on experts of the same checkpoint; decode then streams; `t_compute` replays the
+same tokens with each token's experts loaded before its clock starts. Medians over tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
+from deltafin.errors import DeltafinError
+from deltafin.models.weights import ExpertWeights
 from deltafin.quant import MXFP4Weight
+from deltafin.weights.directio import ALIGN, align_down, align_up
+from deltafin.weights.reader import DEMAND, ExpertReader, Extent, ReadPlan, ShardFiles, SlotPool, plan_read
 
 K3_EXPERT = {"w1": (3072, 3584), "w2": (3584, 3072), "w3": (3072, 3584)}  # logical [rows, cols]
+GB = 1e9
 
 
 def _sustained_seconds(fn: Callable[[], object], device: torch.device, repeats: int, rounds: int = 5) -> float:
@@ -36,12 +45,69 @@ def _sustained_seconds(fn: Callable[[], object], device: torch.device, repeats: 
     return statistics.median(per_call)
 
 
+# ---- disk ---------------------------------------------------------------------------------------------
+
+
+def _read_all(plans: list[ReadPlan], io: str, threads: int) -> dict[str, Any]:
+    """Read every plan with the runtime's reader (aligned slots, `threads` readers); GB/s of bytes read."""
+    files = ShardFiles(io)
+    reader = ExpertReader(files, threads=threads)
+    pool = SlotPool(2 * threads, max(p.span for p in plans))
+    try:
+        t0 = time.perf_counter()
+        futures = [reader.submit(DEMAND, p, pool, lambda slot, plan: pool.release(slot)) for p in plans]
+        for f in futures:
+            f.result()
+        seconds = time.perf_counter() - t0
+    finally:
+        reader.close()
+        files.close()
+    return {"disk_GBps": round(files.stats.bytes_read / seconds / GB, 3), "read_bytes": files.stats.bytes_read,
+            "reads": files.stats.reads, "read_size": max(p.span for p in plans), "threads": threads, "io": io,
+            "direct_io_in_effect": files.direct_in_effect, "seconds": round(seconds, 3)}
+
+
+def bench_disk(path: str | Path, read_size: int = 17_547_264, threads: int = 8, io: str = "direct",
+               total_bytes: int = 4 * 10**9, seed: int = 0) -> dict[str, Any]:
+    """Random whole-block reads of `read_size` bytes from the files under `path` (at least 1 GB of them)."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    files = [f for f in files if f.stat().st_size >= read_size + ALIGN]
+    if not files or sum(f.stat().st_size for f in files) < 10**9:
+        raise DeltafinError(f"{path}: need at least 1 GB of files of {read_size} bytes or more to measure the disk "
+                            "(use a checkpoint directory, or a large file)")
+    rng = random.Random(seed)
+    count = max(8, total_bytes // read_size)
+    plans, seen = [], set()
+    while len(plans) < count and len(seen) < 10 * count:
+        f = rng.choice(files)
+        start = align_down(rng.randrange(0, f.stat().st_size - read_size))
+        if (f, start) in seen:
+            continue
+        seen.add((f, start))
+        span = align_up(read_size)
+        plans.append(ReadPlan((Extent(f, start, start + span, 0, span),), ()))
+    return {"bench": "disk", "path": str(path), **_read_all(plans, io, threads)}
+
+
+def disk_for_model(ckpt: Any, layers: Iterable[int], threads: int, io: str, total_bytes: int = 3 * 10**9,
+                   seed: int = 1) -> dict[str, Any]:
+    """The disk as the expert store sees it: distinct random whole experts of these layers."""
+    rng = random.Random(seed)
+    keys = [(layer, e) for layer in layers for e in range(ckpt.config.num_experts)]
+    rng.shuffle(keys)
+    count = max(8, min(len(keys), total_bytes // ckpt.config.bytes_per_expert))
+    return _read_all([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)
+
+
+# ---- kernels ------------------------------------------------------------------------------------------
+
+
 def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
     """Dequant+matmul of one real-size K3 expert (3 x 3584x3072 MXFP4, 17.5 MB) against `tokens` inputs."""
     from deltafin.config import parse_config
-    from deltafin.kernels.linear import MXFP4_FAST_PATHS, mxfp4_linear
+    from deltafin.kernels.linear import fast_path, mxfp4_linear
     from deltafin.models.moe import expert_ffn
-    from deltafin.models.weights import ExpertWeights
     from deltafin.synth import preset_config
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -59,49 +125,190 @@ def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repe
     t_matrix = _sustained_seconds(lambda: mxfp4_linear(x, w1), dev, repeats)
     cfg = parse_config(preset_config("k3-slice", 2))
     t_expert = _sustained_seconds(lambda: expert_ffn(cfg, expert, x), dev, repeats)
-    fast = MXFP4_FAST_PATHS.get(dev.type)
+    fast = fast_path(dev.type)
     return {
         "bench": "mxfp4", "device": str(dev), "dtype": dtype, "tokens": tokens,
         "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",
         "threads": torch.get_num_threads(),
         "matrix_ms": round(t_matrix * 1e3, 3),
-        "matrix_packed_GBps": round(w1.nbytes / t_matrix / 1e9, 2),
+        "matrix_packed_GBps": round(w1.nbytes / t_matrix / GB, 2),
         "expert_ms": round(t_expert * 1e3, 3),
-        "expert_packed_GBps": round(packed / t_expert / 1e9, 2),
+        "expert_packed_GBps": round(packed / t_expert / GB, 2),
         "expert_bytes": packed,
     }
 
 
-def bench_decode(model: str | Path, tokens: int = 32, prompt: int = 16, device: str = "auto",
-                 dtype: str = "fp32") -> dict[str, Any]:
-    """Greedy decode speed with every weight resident: ms per token (median), after a short prefill."""
-    from deltafin.pipeline import LocalPipeline
-    from deltafin.stage import SeqInput
+# ---- decode -------------------------------------------------------------------------------------------
 
-    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype)
+
+class _Recorder:
+    """Wraps a stage's expert provider: records which experts each MoE layer asked for, per token."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.trace: list[tuple[int, list[int]]] = []
+
+    def experts(self, layer: int, ids: list[int]) -> Any:
+        self.trace.append((layer, list(ids)))
+        return self.inner.experts(layer, ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _Preloaded:
+    """Experts loaded ahead of the clock, for t_compute."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, int], ExpertWeights] = {}
+
+    def experts(self, layer: int, ids: list[int]) -> Iterable[tuple[int, ExpertWeights]]:
+        return ((e, self.table[(layer, e)]) for e in ids)
+
+    def resident_bytes(self) -> int:
+        return sum(w.nbytes for w in self.table.values())
+
+    def close(self) -> None:
+        self.table.clear()
+
+
+def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
+                 expert_cache_gb: float | None = None, io: str = "direct", threads: int = 8,
+                 memory_gb: float | None = None, spine: str = "bf16", policy: str = "lru",
+                 prefetch: bool = True, measure_disk: bool = True) -> dict[str, Any]:
+    """Decode `tokens` greedily after a `prompt`-token prefill, with experts streamed (`expert_cache_gb`
+    set) or resident (None). Prints the limit terms and the efficiency against them."""
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.stage import SeqInput, StageOptions
+    from deltafin.weights.cache import POLICIES, simulate
+    from deltafin.weights.tensors import read_expert
+
+    streaming = expert_cache_gb is not None
+    options = StageOptions(memory_bytes=None if memory_gb is None else int(memory_gb * GB), spine=spine,
+                           expert_cache_bytes=None if not streaming else int(expert_cache_gb * GB), io=io,
+                           read_threads=threads, cache_policy=policy, prefetch=prefetch)
+    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    stage = pipe.stages[0]
+    cfg, ckpt, dev = stage.cfg, stage.ckpt, stage.device
+    result: dict[str, Any] = {"bench": "decode", "model": str(Path(model).resolve()), "device": str(dev),
+                              "dtype": dtype, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                              "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
+                              "expert_bytes": cfg.bytes_per_expert, "streaming": streaming, "io": io,
+                              "read_threads": threads, "expert_cache_gb": expert_cache_gb, "policy": policy,
+                              "prefetch": prefetch, "memory_gb": memory_gb, "spine": spine,
+                              "spine_resident_layers": len(stage.spine.plan.resident),
+                              "spine_streamed_layers": len(stage.spine.plan.streamed)}
     try:
-        cfg = pipe.config
-        dev = pipe.stages[0].device
+        if streaming and measure_disk:
+            result["disk"] = disk_for_model(ckpt, cfg.moe_layers, threads, io)
+        recorder = _Recorder(stage.experts)
+        stage.experts = recorder
         ids = torch.arange(prompt) % (cfg.vocab_size - 256)
         t0 = time.perf_counter()
-        logits = pipe.forward([SeqInput("bench", 0, ids=ids)])[0].logits
+        pipe.forward([SeqInput("bench", 0, ids=ids)])
         synchronize(dev)
-        t_prefill = time.perf_counter() - t0
-        times, n = [], prompt
+        result["prefill_s"] = round(time.perf_counter() - t0, 3)
+        before = _io_counters(stage)
+        recorder.trace.clear()
+        # Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and
+        # repeated tokens route to the same experts, which would flatter the cache.
+        rng = torch.Generator().manual_seed(0)
+        inputs, times, n = [], [], prompt
         for _ in range(tokens):
-            nxt = logits[-1].argmax().view(1)
+            nxt = torch.randint(0, cfg.vocab_size - 256, (1,), generator=rng)
+            inputs.append(nxt)
             t0 = time.perf_counter()
-            logits = pipe.forward([SeqInput("bench", n, ids=nxt)])[0].logits
+            pipe.forward([SeqInput("bench", n, ids=nxt)])
             synchronize(dev)
             times.append(time.perf_counter() - t0)
             n += 1
-        return {
-            "bench": "decode", "model": str(model), "device": str(dev), "dtype": dtype,
-            "layers": cfg.num_layers, "hidden": cfg.hidden_size, "prompt_tokens": prompt,
-            "prefill_s": round(t_prefill, 4), "tokens": tokens,
-            "ms_per_token_median": round(statistics.median(times) * 1e3, 3),
-            "ms_per_token_min": round(min(times) * 1e3, 3),
-            "tok_per_s": round(1 / statistics.median(times), 2),
-        }
+        after = _io_counters(stage)
+        trace = list(recorder.trace)
+        stage.experts = recorder.inner
+        result.update(_decode_numbers(times, before, after, tokens))
+        if streaming:
+            capacity = max(1, int(expert_cache_gb * GB) // cfg.bytes_per_expert)
+            steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
+            result["policy_hit_rates"] = {p: round(simulate(p, capacity, steps), 4) for p in POLICIES}
+            t_compute = _replay(pipe, stage, ids, inputs, trace, cfg.moe_layers, read_expert)
+            result["t_compute_s"] = round(t_compute, 4)
+            disk = result.get("disk", {}).get("disk_GBps")
+            if disk:
+                t_io = result["bytes_read_per_token"] / (disk * GB)
+                result["t_io_limit_s"] = round(t_io, 4)
+                result["efficiency"] = round(max(t_io, t_compute) / result["s_per_token_median"], 3)
+                result["read_GBps_vs_disk"] = round(result["read_GBps_achieved"] / disk, 3)
     finally:
         pipe.close()
+    return result
+
+
+def _io_counters(stage: Any) -> dict[str, float]:
+    s = stage.stats()
+    ex = s.get("experts", {})
+    return {"bytes": ex.get("bytes_read", 0) + s["spine_streamed_bytes"], "lookups": ex.get("lookups", 0),
+            "hits": ex.get("hits", 0), "prefetch_hits": ex.get("prefetch_hits", 0), "misses": ex.get("misses", 0),
+            "io_wait": ex.get("io_wait_s", 0.0) + s["spine_wait_s"], "seconds": s["seconds"],
+            "wasted": ex.get("wasted_bytes", 0), "prefetch_bytes": ex.get("prefetch_bytes", 0)}
+
+
+def _decode_numbers(times: list[float], before: dict[str, float], after: dict[str, float],
+                    tokens: int) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in after}
+    total = sum(times)
+    median = statistics.median(times)
+    lookups = max(1, d["lookups"])
+    want = d["prefetch_hits"] + d["misses"]
+    return {
+        "tokens": tokens,
+        "tok_per_s": round(tokens / total, 4),
+        "s_per_token_median": round(median, 4),
+        "s_per_token_min": round(min(times), 4),
+        "bytes_read_per_token": int(d["bytes"] / tokens),
+        "read_GBps_achieved": round(d["bytes"] / total / GB, 3),
+        "cache_hit_rate": round(d["hits"] / lookups, 4),
+        "prefetch_recall": round(d["prefetch_hits"] / want, 4) if want else None,
+        "prefetch_wasted_bytes_per_token": int(d["wasted"] / tokens),
+        "io_wait_s_per_token": round(d["io_wait"] / tokens, 4),
+        "compute_s_per_token": round((d["seconds"] - d["io_wait"]) / tokens, 4),
+    }
+
+
+def _replay(pipe: Any, stage: Any, prompt_ids: torch.Tensor, inputs: list[torch.Tensor],
+            trace: list[tuple[int, list[int]]], moe_layers: tuple[int, ...], read_expert: Callable) -> float:
+    """t_compute: the same tokens again, each token's experts loaded before its clock starts. Median."""
+    from deltafin.stage import SeqInput
+
+    per_token = len(moe_layers)
+    original = stage.experts
+    preloaded = _Preloaded()
+    stage.experts = preloaded
+    options = stage.options
+    stage.options = dataclasses.replace(options, prefetch=False)
+    try:
+        stage.experts = original  # the prefill (untimed) streams as before: the same caches result
+        pipe.forward([SeqInput("replay", 0, ids=prompt_ids)])
+        stage.experts = preloaded
+        times = []
+        for i, nxt in enumerate(inputs):
+            needs = {(layer, e) for layer, ids in trace[i * per_token:(i + 1) * per_token] for e in ids}
+            _load(preloaded, stage, needs, read_expert)
+            t0 = time.perf_counter()
+            pipe.forward([SeqInput("replay", len(prompt_ids) + i, ids=nxt)])
+            synchronize(stage.device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        stage.experts = original
+        stage.options = options
+        preloaded.close()
+
+
+def _load(preloaded: _Preloaded, stage: Any, needs: set[tuple[int, int]], read_expert: Callable) -> None:
+    """Hold exactly `needs` in memory (dropping the rest), as the device wants them."""
+    for key in [k for k in preloaded.table if k not in needs]:
+        del preloaded.table[key]
+    for key in needs:
+        if key not in preloaded.table:
+            w = read_expert(stage.ckpt, key[0], key[1], stage._place_matrix)
+            preloaded.table[key] = ExpertWeights(*(m.to(stage.device) for m in (w.w1, w.w2, w.w3)))

@@ -122,27 +122,54 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from deltafin import bench
 
-    if args.kernel:
+    if args.disk:
+        result = bench.bench_disk(args.disk, threads=args.threads, io=args.io)
+    elif args.kernel:
         result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
     elif args.model:
-        result = bench.bench_decode(args.model, tokens=args.tokens, device=args.device, dtype=args.dtype)
+        result = bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, device=args.device,
+                                    dtype=args.dtype, expert_cache_gb=args.expert_cache_gb, io=args.io,
+                                    threads=args.threads, memory_gb=args.memory_gb, spine=args.spine,
+                                    policy=args.policy, prefetch=not args.no_prefetch)
     else:
-        raise DeltafinError("deltafin bench needs --model DIR or --kernel")
+        raise DeltafinError("deltafin bench needs --model DIR, --disk PATH or --kernel")
     print(json.dumps(result, indent=2))
     return 0
 
 
+def _add_stage_options(p: argparse.ArgumentParser) -> None:
+    """Options that decide how a stage holds its weights (shared by commands that run the model)."""
+    p.add_argument("--expert-cache-gb", type=float, default=None,
+                   help="stream routed experts from the disk with a cache of this many GB (default: load every "
+                   "expert into memory, fine for small checkpoints)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="budget for resident non-expert weights; layers that do not fit stream from the disk "
+                   "(default: all resident)")
+    p.add_argument("--spine", default="bf16", choices=["bf16", "int8"],
+                   help="resident non-expert matrices as stored (bf16) or row-int8 (half the memory)")
+    p.add_argument("--io", default="direct", choices=["direct", "buffered"],
+                   help="read experts with O_DIRECT/F_NOCACHE (default) or through the page cache")
+    p.add_argument("--threads", type=int, default=8, help="parallel expert readers (default 8)")
+    p.add_argument("--policy", default="lru", choices=["lru", "lfu", "pinned"], help="expert cache policy")
+    p.add_argument("--no-prefetch", action="store_true", help="read experts only when a layer asks for them")
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON",
-                       description="--kernel: MXFP4 dequant+matmul throughput for one real-size K3 expert "
-                       "(packed GB/s). --model DIR: decode speed (ms/token).")
+                       description="--model DIR: decode speed; with --expert-cache-gb the experts stream from the "
+                       "disk, the disk is measured first with the same reader, and the JSON gives the limit terms "
+                       "(t_io_limit, t_compute) and efficiency = max(t_io_limit, t_compute) / s_per_token. "
+                       "--disk PATH: the reader alone. --kernel: MXFP4 expert throughput (packed GB/s).")
     p.add_argument("--model", help="checkpoint directory: measure decode")
+    p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
-    p.add_argument("--tokens", type=int, default=32, help="decode steps to time (default 32)")
+    p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16)")
+    p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
     p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _add_stage_options(p)
     p.set_defaults(func=_cmd_bench)
 
 

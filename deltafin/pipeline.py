@@ -6,6 +6,7 @@ This is the baseline every cluster result is compared with: the coordinator's `-
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config, with_eps_convention
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
-from deltafin.stage import SeqInput, SeqOutput, Stage, split_layers
+from deltafin.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layers
 
 
 class LocalPipeline:
@@ -25,15 +26,16 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, device: str = "auto", dtype: str = "fp32",
-             eps_convention: str = "hf", **stage_kwargs) -> LocalPipeline:
+             eps_convention: str = "hf", options: StageOptions | None = None) -> LocalPipeline:
+        """Load the model as `n_stages` in-process stages; `options` (its dtype is replaced by `dtype`)."""
         cfg = with_eps_convention(load_config(model_dir), eps_convention)
         ckpt = open_checkpoint(model_dir, cfg)
         torch_dtype = resolve_dtype(dtype)
         if torch_dtype == torch.float32:
             exact_fp32()
         dev = resolve_device(device)
-        return cls([Stage(ckpt, a, b, device=dev, dtype=torch_dtype, **stage_kwargs)
-                    for a, b in split_layers(cfg, n_stages)])
+        opts = dataclasses.replace(options or StageOptions(), dtype=torch_dtype)
+        return cls([Stage(ckpt, a, b, device=dev, options=opts) for a, b in split_layers(cfg, n_stages)])
 
     def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []

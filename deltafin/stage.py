@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,11 +20,16 @@ import torch
 from deltafin.checkpoint import Checkpoint
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
+from deltafin.kernels.linear import Weight
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, cache_bytes_per_token, cache_fixed_bytes, new_sequence_cache
-from deltafin.models.decoder import Span, decoder_layer, embed, head
-from deltafin.models.weights import ExpertWeights, LayerWeights, TopWeights
-from deltafin.weights.tensors import load_layer, load_top
+from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
+from deltafin.models.moe import route
+from deltafin.models.weights import ExpertWeights
+from deltafin.quant import Int8Weight, quantize_int8_rows
+from deltafin.weights.reader import ShardFiles
+from deltafin.weights.spine import SpineStore, plan_spine
+from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +83,74 @@ class ExpertProvider(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class StageOptions:
+    """How a stage holds its weights. Defaults: everything resident, fp32 activations."""
+
+    dtype: torch.dtype = torch.float32  # activations (and dense matrices on GPUs)
+    memory_bytes: int | None = None  # budget for resident weights: spine (+ experts when all are resident)
+    spine: str = "bf16"  # "bf16": as stored (or the compute dtype); "int8": row-int8, dequantized on use
+    expert_cache_bytes: int | None = None  # None: every expert resident; else stream them with this cache
+    io: str = "direct"  # expert and streamed-spine reads: "direct" (no page cache) or "buffered"
+    read_threads: int = 8
+    cache_policy: str = "lru"
+    prefetch: bool = True
+    session_bytes: int | None = None  # per-stage budget for session caches (KDA state, MLA latents)
+
+    @property
+    def streaming(self) -> bool:
+        return self.expert_cache_bytes is not None
+
+
 @dataclass
 class StageTimings:
     forwards: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Stage:
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
-                 dtype: torch.dtype = torch.float32, experts: ExpertProvider | None = None,
-                 memory_bytes: int | None = None, cache_bytes: int | None = None):
+                 options: StageOptions | None = None, experts: ExpertProvider | None = None):
         cfg = ckpt.config
+        opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
             raise DeltafinError(f"invalid layer range [{start}, {end}) for a {cfg.num_layers}-layer model")
+        if opts.spine not in ("bf16", "int8"):
+            raise DeltafinError(f"unknown spine format {opts.spine!r}: use bf16 or int8")
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         ckpt.raise_problems(layers=range(start, end), top=self.first or self.last)
-        self._check_memory(memory_bytes, experts)
         t0 = time.monotonic()
-        self.layers: dict[int, LayerWeights] = {i: load_layer(ckpt, i, self._place) for i in self.layers_range}
-        self.top: TopWeights | None = None
-        if self.first or self.last:
-            self.top = load_top(ckpt, self._place, first=self.first, last=self.last)
+        self.files = ShardFiles(opts.io)
+        spine_budget = opts.memory_bytes
+        if spine_budget is not None and not opts.streaming and experts is None:
+            spine_budget -= self._all_experts_bytes()
+            if spine_budget <= 0:
+                raise OutOfMemory(
+                    f"every expert of layers [{start}, {end}) needs {self._all_experts_bytes() / 1e9:.2f} GB but the "
+                    f"memory budget is {opts.memory_bytes / 1e9:.2f} GB: stream experts (--expert-cache-gb) or give "
+                    "this stage fewer layers")
+        plan = plan_spine(self.layers_range, self._placed_bytes, self._stored_bytes, self._top_bytes(), spine_budget)
+        self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
+                                last=self.last)
+        self.spine.stream_place = self._place_streamed
+        self.top = self.spine.top
         if experts is None:
-            from deltafin.weights.resident import ResidentExperts
+            moe = [i for i in self.layers_range if cfg.is_moe(i)]
+            if opts.streaming:
+                experts = ExpertStore(ckpt, moe, device=device, place_matrix=self._place_matrix,
+                                      cache_bytes=opts.expert_cache_bytes or 0, io=opts.io,
+                                      threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch)
+            else:
+                from deltafin.weights.resident import ResidentExperts
 
-            experts = ResidentExperts(ckpt, [i for i in self.layers_range if cfg.is_moe(i)], self.place_matrix)
+                experts = ResidentExperts(ckpt, moe, self._place_matrix)
         self.experts = experts
-        log.info("stage [%d, %d) loaded on %s in %.1fs", start, end, device, time.monotonic() - t0)
-        self.cache_budget = cache_bytes
+        log.info("stage [%d, %d) on %s in %.1fs: spine %.2f GB resident (%d layers), %d streamed; experts %s",
+                 start, end, device, time.monotonic() - t0, plan.resident_bytes / 1e9, len(plan.resident),
+                 len(plan.streamed), "streamed" if opts.streaming else "resident")
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
         self.timings = StageTimings()
@@ -122,44 +163,72 @@ class Stage:
     def blocks_in(self) -> int:
         return self.cfg.blocks_entering(self.start)
 
+    @property
+    def cache_budget(self) -> int | None:
+        return self.options.session_bytes
+
     # ---- weights -----------------------------------------------------------------------------------
 
-    def _place(self, t: torch.Tensor, role: str) -> torch.Tensor:
+    def _keeps_stored(self, t: torch.Tensor) -> bool:
+        """On the CPU, bf16 matrices stay bf16 under fp32 activations: the kernels multiply them exactly."""
+        return self.device.type == "cpu" and t.dtype == torch.bfloat16
+
+    def _place(self, t: torch.Tensor, role: str) -> Weight:
         if role == "vector":
             return t.to(self.device, torch.float32)
         if role == "embedding":
             return t.to(self.device)
+        if role == "dense":
+            return t.to(self.device, self.dtype)
+        if role == "matrix" and self.options.spine == "int8" and t.dim() == 2 and min(t.shape) > 1:
+            q = quantize_int8_rows(t)
+            return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
+        return self._place_matrix(t)
+
+    def _place_streamed(self, t: torch.Tensor, role: str) -> Weight:
+        """Streamed layers stay as stored: quantizing them on every pass would cost more than it saves."""
+        return self._place(t, role) if role != "matrix" else self._place_matrix(t)
+
+    def _place_matrix(self, t: torch.Tensor) -> torch.Tensor:
+        if self._keeps_stored(t):
+            return t if t.device == self.device else t.to(self.device)
         return t.to(self.device, self.dtype)
 
-    def place_matrix(self, t: torch.Tensor) -> torch.Tensor:
-        return self._place(t, "matrix")
-
-    def spine_bytes(self) -> int:
-        """Resident bytes of this stage's non-expert weights in the compute dtype."""
+    def _placed_bytes(self, layer: int) -> int:
+        """Resident footprint of a layer's spine as `_place` will hold it."""
         size = torch.finfo(self.dtype).bits // 8
-        cfg, total = self.cfg, 0
-        for i in self.layers_range:
-            for s in cfg.layer_tensor_specs(i):
-                total += s.numel * (4 if len(s.shape) == 1 or s.dtype == "F32" else size)
-        for s in cfg.top_tensor_specs():
-            if (self.first and "embed_tokens" in s.name):
-                total += s.nbytes
-            elif self.last and "embed_tokens" not in s.name:
+        total = 0
+        for s in self.cfg.layer_tensor_specs(layer):
+            if len(s.shape) == 1 or s.dtype == "F32" or 1 in s.shape:
+                total += s.numel * 4
+            elif s.name.endswith("kv_b_proj.weight"):
+                total += s.numel * size
+            elif self.options.spine == "int8":
+                total += s.numel + 2 * s.shape[0]
+            elif self.device.type == "cpu" and s.dtype == "BF16":
+                total += s.numel * 2
+            else:
                 total += s.numel * size
         return total
 
-    def _check_memory(self, budget: int | None, experts: ExpertProvider | None) -> None:
-        if budget is None:
-            return
-        spine = self.spine_bytes()
-        expert_bytes = (sum(self.cfg.num_experts * self.cfg.bytes_per_expert for i in self.layers_range
-                            if self.cfg.is_moe(i)) if experts is None else experts.resident_bytes())
-        need = spine + expert_bytes
-        if need > budget:
-            raise OutOfMemory(
-                f"layers [{self.start}, {self.end}) need {need / 1e9:.2f} GB resident (spine {spine / 1e9:.2f} GB, "
-                f"experts {expert_bytes / 1e9:.2f} GB) but the memory budget is {budget / 1e9:.2f} GB: "
-                "give this stage fewer layers (more workers) or a larger budget")
+    def _stored_bytes(self, layer: int) -> int:
+        return sum(s.nbytes for s in self.cfg.layer_tensor_specs(layer))
+
+    def _top_bytes(self) -> int:
+        size = torch.finfo(self.dtype).bits // 8
+        total = 0
+        for s in self.cfg.top_tensor_specs():
+            if self.first and "embed_tokens" in s.name:
+                total += s.nbytes
+            elif self.last and "embed_tokens" not in s.name:
+                total += s.numel * (2 if self.device.type == "cpu" and s.dtype == "BF16" else size)
+        return total
+
+    def _all_experts_bytes(self) -> int:
+        return sum(self.cfg.num_experts * self.cfg.bytes_per_expert for i in self.layers_range if self.cfg.is_moe(i))
+
+    def spine_bytes(self) -> int:
+        return self.spine.plan.total_bytes
 
     # ---- sessions ----------------------------------------------------------------------------------
 
@@ -252,7 +321,10 @@ class Stage:
         try:
             state, spans = self._input(batch, caches)
             for layer in self.layers_range:
-                state = decoder_layer(self.cfg, layer, self.layers[layer], state, spans, self.experts.experts)
+                weights = self.spine.layer(layer)
+                self.spine.prefetch(layer + 1)
+                self._prefetch_experts(layer, state)
+                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts)
             outputs = self._output(batch, spans, state, all_logits)
         except BaseException:
             for c in caches:
@@ -264,6 +336,18 @@ class Stage:
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
         return outputs
+
+    def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
+        """Predict this layer's and the next one's experts from the current residual (their routers applied
+        to their mixes of it) and queue the reads behind every demand read."""
+        prefetch = getattr(self.experts, "prefetch", None)
+        if prefetch is None or not self.options.prefetch:
+            return
+        for target in (layer, layer + 1):
+            if target in self.layers_range and self.cfg.is_moe(target) and self.spine.is_ready(target):
+                w = self.spine.layer(target)
+                idx, _ = route(self.cfg, w.ffn, ffn_input(self.cfg, w, state))  # type: ignore[arg-type]
+                prefetch(target, torch.unique(idx).tolist())
 
     def _input(self, batch: list[SeqInput], caches: list[SequenceCache]) -> tuple[ResidualState, list[Span]]:
         spans, start = [], 0
@@ -290,9 +374,24 @@ class Stage:
         return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
                                                                                                      strict=True)]
 
+    def stats(self) -> dict[str, object]:
+        """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
+        out: dict[str, object] = {"forwards": self.timings.forwards, "tokens": self.timings.tokens,
+                                  "seconds": round(self.timings.seconds, 4),
+                                  "spine_streamed_bytes": self.spine.streamed_bytes,
+                                  "spine_wait_s": round(self.spine.wait_s, 4)}
+        snapshot = getattr(self.experts, "snapshot_stats", None)
+        if snapshot is not None:
+            experts = snapshot()
+            out["experts"] = experts.as_dict()
+            out["compute_s"] = round(self.timings.seconds - experts.io_wait_s - self.spine.wait_s, 4)
+        return out
+
     def close(self) -> None:
         self.sessions.clear()
         self.experts.close()
+        self.spine.close()
+        self.files.close()
 
 
 def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:

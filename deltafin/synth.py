@@ -234,15 +234,17 @@ class _Init:
         if name.endswith(("dt_bias", "conv1d.weight")):
             return 0.0, 0.5
         if name.endswith("e_score_correction_bias"):
-            return 0.0, 0.05
+            return 0.0, 0.01
         if name.endswith("embed_tokens.weight"):
             return 0.0, 1.0
         if len(shape) == 1:  # norm weights
             return 1.0, 0.1
         if name.endswith("res_proj.weight"):
             return 0.0, 2.0 / math.sqrt(shape[-1])
-        if name.endswith("gate.weight"):  # router: logits with std ~3 spread tokens over experts
-            return 0.0, 3.0 / math.sqrt(shape[-1])
+        if name.endswith("gate.weight"):
+            # router logits ~N(0, 1): sigmoid scores stay unsaturated, so the input (not the selection bias)
+            # picks the experts and tokens spread over most of them, as a load-balanced trained router does
+            return 0.0, 1.0 / math.sqrt(shape[-1])
         if name.endswith(("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")):
             # residual branches scaled down: a random net at full scale is chaotic (per-layer gain 2-6), which
             # would drown fp32-vs-reference and bf16-vs-fp32 comparisons in amplified rounding noise

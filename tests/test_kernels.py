@@ -59,3 +59,16 @@ def test_reference_forced_by_environment(monkeypatch):
     w, x = _weight(32, 64, 3), torch.randn(1, 64)
     assert torch.equal(mxfp4_linear(x, w), mxfp4_linear_reference(x, w))
     assert linear_mod.MXFP4_FAST_PATHS == {"cpu": None}
+
+
+@pytest.mark.parametrize("arch, isa", [(["-O0"], "portable C"), (["-mavx2", "-mfma"], "AVX2+FMA"),
+                                       (["-march=native"], None)])
+def test_every_cpu_isa_passes_the_self_check(arch, isa, tmp_path, monkeypatch):
+    """The x86 machines here can run the portable and AVX2 builds too, so those paths are checked as well."""
+    from deltafin.kernels.cpu import CPUKernels, load_library
+
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path))
+    kernels = CPUKernels(load_library(arch), threads=2)
+    if isa is not None:
+        assert kernels.isa == isa
+    assert self_check(kernels, torch.device("cpu"))

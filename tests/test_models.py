@@ -151,7 +151,7 @@ def test_synthetic_activations_stay_order_one_and_routing_spreads(small_dir):
     spans = [Span(0, len(ids), stage.sessions["s"])]
     state = embed(stage.top, ids, torch.float32)
     for layer in range(cfg.num_layers):
-        state = decoder_layer(cfg, layer, stage.layers[layer], state, spans, spy)
+        state = decoder_layer(cfg, layer, stage.spine.layer(layer), state, spans, spy)
         rms = state.P.pow(2).mean(-1).sqrt()
         assert float(rms.min()) > 0.1 and float(rms.max()) < 10, (layer, rms)
     # 50 tokens x 6 active of 48 experts: at least half the experts serve some token in every MoE layer

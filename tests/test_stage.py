@@ -12,7 +12,15 @@ from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import cache_bytes_per_token, cache_fixed_bytes
-from deltafin.stage import InvalidInput, OutOfMemory, SeqInput, SessionNotFound, SessionOutOfSync, Stage
+from deltafin.stage import (
+    InvalidInput,
+    OutOfMemory,
+    SeqInput,
+    SessionNotFound,
+    SessionOutOfSync,
+    Stage,
+    StageOptions,
+)
 
 CPU = torch.device("cpu")
 
@@ -23,9 +31,9 @@ def ckpt(tiny_dir):
 
 
 def test_memory_check_fails_clearly(ckpt):
-    with pytest.raises(OutOfMemory, match=r"layers \[0, 6\) need .* GB resident .* but the memory budget is"):
-        Stage(ckpt, 0, 6, device=CPU, memory_bytes=100_000)
-    Stage(ckpt, 0, 6, device=CPU, memory_bytes=100_000_000)  # fits
+    with pytest.raises(OutOfMemory, match=r"every expert of layers \[0, 6\) needs .* GB but the memory budget"):
+        Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000))
+    Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000_000))  # fits
 
 
 def test_input_validation(ckpt):
@@ -65,7 +73,7 @@ def test_sessions_sync_release_and_unknown(ckpt):
 def test_eviction_names_the_evicted_session(ckpt):
     cfg = ckpt.config
     one = cache_fixed_bytes(cfg, range(6)) + 64 * cache_bytes_per_token(cfg, range(6), 4)
-    stage = Stage(ckpt, 0, 6, device=CPU, cache_bytes=int(2.5 * one))
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(session_bytes=int(2.5 * one)))
     for sid in ("a", "b", "c"):
         stage.forward([SeqInput(sid, 0, ids=torch.tensor([1, 2]))])
     assert list(stage.sessions) == ["b", "c"]  # "a" was least recently used

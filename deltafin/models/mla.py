@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from deltafin.config import ModelConfig
-from deltafin.kernels.linear import dense_of, linear
+from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
 from deltafin.models.weights import MLAWeights
@@ -62,7 +62,7 @@ def mla_forward(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor,
     q = q.view(n_tok, h, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     ckv = linear(x, w.kv_a)
     latents = torch.cat([rms_norm(ckv[:, :r], w.kv_a_norm, cfg.mla_norm_eps), ckv[:, r:]], dim=-1)
-    kv_b = dense_of(w.kv_b, x.dtype)
+    kv_b = w.kv_b
     outs = []
     for start, length, cache in spans:
         lat = cache.append(latents[start:start + length])

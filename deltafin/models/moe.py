@@ -28,7 +28,7 @@ class ExpertSource(Protocol):
 
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router: top-k of (score + bias) selects; the unbiased scores weigh. -> idx [N,k], weights [N,k] fp32."""
-    scores = torch.sigmoid(x.float() @ w.router.float().T)  # [N, E]
+    scores = torch.sigmoid(linear(x.float(), w.router).float())  # [N, E], fp32 (exact with a bf16 router)
     idx = torch.topk(scores + w.bias, cfg.experts_per_token, dim=-1).indices
     weights = scores.gather(1, idx)
     if cfg.renormalize:

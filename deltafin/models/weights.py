@@ -18,9 +18,10 @@ from deltafin.errors import ModelFormatError
 from deltafin.kernels.linear import Weight
 from deltafin.quant import MXFP4Weight
 
-# place(tensor, role) -> weight on the device. Roles: "matrix" (compute dtype, or row-int8 spine),
-# "vector" (fp32: norms, biases, decay parameters), "router" (compute dtype; scored in fp32),
-# "embedding" (kept as stored: rows are cast when gathered)
+# place(tensor, role) -> weight on the device. Roles: "matrix" (for `linear`: compute dtype, bf16 as stored
+# on the CPU, or row-int8 spine), "dense" (a matrix used as a tensor, always the compute dtype), "vector"
+# (fp32: norms, biases, decay parameters), "router" (for `linear`, scored in fp32), "embedding" (as stored:
+# rows are cast when gathered)
 Place = Callable[[torch.Tensor, str], Weight]
 
 
@@ -50,7 +51,7 @@ class MLAWeights:
     q_b: Weight | None
     kv_a: Weight
     kv_a_norm: torch.Tensor
-    kv_b: Weight  # [H*(nope+v), r]
+    kv_b: torch.Tensor  # [H*(nope+v), r], compute dtype
     g: Weight | None  # output gate (K3)
     o: Weight
 
@@ -168,7 +169,7 @@ def _mla(cfg: ModelConfig, t: Mapping[str, torch.Tensor], place: Place) -> MLAWe
         q_b=mat("q_b_proj.weight") if lora else None,
         kv_a=mat("kv_a_proj_with_mqa.weight"),
         kv_a_norm=place(t["self_attn.kv_a_layernorm.weight"], "vector"),
-        kv_b=mat("kv_b_proj.weight"),
+        kv_b=place(t["self_attn.kv_b_proj.weight"], "dense"),  # absorbed into q/o per head: a plain tensor
         g=mat("g_proj.weight") if cfg.mla_output_gate else None,
         o=mat("o_proj.weight"),
     )

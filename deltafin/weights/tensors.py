@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltafin.checkpoint import Checkpoint, ExpertLocation, TensorLocation
+from deltafin.checkpoint import Checkpoint, TensorLocation
 from deltafin.config import ExpertFormat, ModelConfig, TensorSpec
 from deltafin.errors import ModelFormatError
 from deltafin.models.weights import ExpertWeights, LayerWeights, Place, TopWeights, layer_weights, top_weights
@@ -77,16 +77,16 @@ def load_top(ckpt: Checkpoint, place: Place, *, first: bool, last: bool) -> TopW
     return top_weights(cfg, _tensors_by_suffix(ckpt, specs, cfg.prefix), place, first=first, last=last)
 
 
-def expert_from_bytes(cfg: ModelConfig, loc: ExpertLocation, buf: memoryview | bytearray | np.ndarray,
-                      base: int, place_matrix: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
-    """Slice one expert's tensors out of `buf` (which holds file bytes starting at offset `base`)."""
-    parts = [bytes_to_tensor(buf[t.offset - base:t.offset - base + t.nbytes], t.dtype, t.shape)
-             for t in loc.tensors]
+def expert_from_bytes(cfg: ModelConfig, tensors: tuple[TensorLocation, ...],
+                      buf: memoryview | bytearray | np.ndarray, base: int,
+                      place_matrix: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+    """Slice one expert's tensors (in spec order) out of `buf`, which holds file bytes from offset `base`."""
+    parts = [bytes_to_tensor(buf[t.offset - base:t.offset - base + t.nbytes], t.dtype, t.shape) for t in tensors]
     if cfg.expert_format is ExpertFormat.MXFP4:
         mats = []
         for i in range(3):
             packed, scales = parts[2 * i], parts[2 * i + 1]
-            check_scales(scales, loc.tensors[2 * i + 1].name)
+            check_scales(scales, tensors[2 * i + 1].name)
             mats.append(MXFP4Weight(packed, scales))
         return ExpertWeights(*mats)
     return ExpertWeights(*(place_matrix(p) for p in parts))
@@ -94,24 +94,15 @@ def expert_from_bytes(cfg: ModelConfig, loc: ExpertLocation, buf: memoryview | b
 
 def read_expert(ckpt: Checkpoint, layer: int, expert: int,
                 place_matrix: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
-    """One expert from disk into host memory (one read when its tensors are contiguous)."""
-    loc = ckpt.expert(layer, expert)
-    if loc.contiguous:
-        path, start, end = loc.span
-        fd = os.open(path, os.O_RDONLY)
+    """One expert from disk into fresh host memory: one read per contiguous run of its tensors."""
+    from deltafin.weights.reader import plan_read
+
+    plan = plan_read(ckpt.expert(layer, expert))
+    buf = bytearray(plan.span)
+    for ext in plan.extents:
+        fd = os.open(ext.file, os.O_RDONLY)
         try:
-            buf = pread_exact(fd, end - start, start, path)
+            pread_into(fd, memoryview(buf)[ext.slot_offset:ext.slot_offset + ext.need], ext.start, ext.file)
         finally:
             os.close(fd)
-        return expert_from_bytes(ckpt.config, loc, buf, start, place_matrix)
-    tensors = [read_tensor(t) for t in loc.tensors]
-    blob = bytearray(b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors))
-    # re-express the scattered tensors as if contiguous, then share the slicing code
-    offsets, pos = [], 0
-    for t in loc.tensors:
-        offsets.append(pos)
-        pos += t.nbytes
-    packed = ExpertLocation(loc.layer, loc.expert, tuple(
-        TensorLocation(t.name, t.file, off, t.nbytes, t.dtype, t.shape) for t, off in zip(loc.tensors, offsets,
-                                                                                           strict=True)))
-    return expert_from_bytes(ckpt.config, packed, blob, 0, place_matrix)
+    return expert_from_bytes(ckpt.config, plan.tensors, buf, 0, place_matrix)

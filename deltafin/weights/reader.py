@@ -1,0 +1,231 @@
+"""Reads whole experts from the checkpoint's shards into reusable page-aligned buffers ("slots").
+
+One pread per contiguous expert (one per tensor when its tensors are scattered), widened to block
+boundaries for O_DIRECT (F_NOCACHE on macOS; plain reads with `io="buffered"` or where the file system
+refuses direct I/O). A small pool of reader threads serves a priority queue: demand reads go before
+prefetches. Nothing is memory-mapped, so the model never page-faults its way through the checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltafin.checkpoint import ExpertLocation, TensorLocation
+from deltafin.errors import ModelFormatError
+from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffer, open_file
+
+log = logging.getLogger(__name__)
+
+DEMAND, PREFETCH = 0, 1
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One read: bytes [start, end) of `file` land at `slot_offset` in the slot (all block aligned)."""
+
+    file: Path
+    start: int
+    end: int
+    slot_offset: int
+    need: int  # bytes that must exist from `start` (the file may end inside the last block)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    extents: tuple[Extent, ...]
+    tensors: tuple[TensorLocation, ...]  # each tensor's offset rewritten to its position in the slot
+
+    @property
+    def span(self) -> int:
+        return max(e.slot_offset + (e.end - e.start) for e in self.extents)
+
+
+def plan_read(loc: ExpertLocation) -> ReadPlan:
+    """One expert's read: its tensors in spec order, grouped into contiguous runs."""
+    return plan_tensors(loc.tensors)
+
+
+def plan_tensors(tensors: tuple[TensorLocation, ...]) -> ReadPlan:
+    """Group tensors into contiguous runs; each run is one aligned read into consecutive slot space.
+    The plan's tensors keep the input order, with offsets rewritten to their place in the buffer."""
+    runs: list[list[TensorLocation]] = []
+    for t in sorted(tensors, key=lambda t: (str(t.file), t.offset)):
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.file == t.file and last.offset + last.nbytes == t.offset:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    extents, placed, pos = [], {}, 0
+    for run in runs:
+        start, end = align_down(run[0].offset), align_up(run[-1].offset + run[-1].nbytes)
+        extents.append(Extent(run[0].file, start, end, pos, run[-1].offset + run[-1].nbytes - start))
+        for t in run:
+            placed[t.name] = TensorLocation(t.name, t.file, pos + t.offset - start, t.nbytes, t.dtype, t.shape)
+        pos += end - start
+    return ReadPlan(tuple(extents), tuple(placed[t.name] for t in tensors))
+
+
+class SlotPool:
+    """`count` page-aligned buffers of `size` bytes from one anonymous mapping; `acquire` blocks."""
+
+    def __init__(self, count: int, size: int):
+        self.size = align_up(size)
+        self.count = count
+        self.buf = aligned_buffer(self.size * count)
+        self.view = memoryview(self.buf)
+        self.free: queue.LifoQueue[int] = queue.LifoQueue()
+        for i in range(count):
+            self.free.put(i)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no free expert buffer after {timeout}s: every one of {self.count} is in use") \
+                from None
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+    def memory(self, slot: int) -> memoryview:
+        return self.view[slot * self.size:(slot + 1) * self.size]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.count
+
+
+@dataclass
+class ReadStats:
+    reads: int = 0  # pread calls
+    bytes_read: int = 0  # bytes that came off the disk
+    read_seconds: float = 0.0  # summed over reader threads
+
+
+class ShardFiles:
+    """Open shards (each opened once, O_DIRECT unless `io="buffered"`) and aligned reads of read plans, with
+    counters. Every read checks the file on disk first: a vanished, replaced or truncated shard is a clear
+    error for that request (one stat per read: microseconds against milliseconds of I/O)."""
+
+    def __init__(self, io: str = "direct"):
+        if io not in ("direct", "buffered"):
+            raise ValueError(f"unknown io mode {io!r}: use direct or buffered")
+        self.io = io
+        self.stats = ReadStats()
+        self.direct_in_effect: bool | None = None
+        self._fds: dict[Path, tuple[int, os.stat_result]] = {}
+        self._lock = threading.Lock()
+
+    def read_into(self, plan: ReadPlan, mem: memoryview) -> None:
+        for ext in plan.extents:
+            fd = self._fd(ext.file, ext.start + ext.need)
+            t0 = time.monotonic()
+            got = _pread_span(fd, mem[ext.slot_offset:ext.slot_offset + (ext.end - ext.start)], ext.start, ext.need)
+            with self._lock:
+                self.stats.reads += 1
+                self.stats.bytes_read += got
+                self.stats.read_seconds += time.monotonic() - t0
+            if got < ext.need:
+                raise ModelFormatError(f"shard {ext.file.name} ended early: expert bytes up to {ext.start + ext.need} "
+                                       "are past its end (the file was truncated while running)")
+
+    def _fd(self, path: Path, need_size: int) -> int:
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            raise ModelFormatError(f"shard {path.name} vanished from {path.parent} while running") from None
+        with self._lock:
+            cached = self._fds.get(path)
+            if cached is not None and (cached[1].st_ino, cached[1].st_dev) != (now.st_ino, now.st_dev):
+                raise ModelFormatError(f"shard {path.name} was replaced while running: its tensor offsets may have "
+                                       "changed; restart to re-index the checkpoint")
+            if now.st_size < need_size:
+                raise ModelFormatError(f"shard {path.name} is truncated: {now.st_size} bytes on disk, the data "
+                                       f"runs to byte {need_size}")
+            if cached is None:
+                fd, direct = open_file(path, os.O_RDONLY, self.io == "direct")
+                if self.direct_in_effect is None:
+                    self.direct_in_effect = direct
+                    if self.io == "direct" and not direct:
+                        log.warning("%s: direct I/O unsupported here; reading through the page cache", path.parent)
+                self._fds[path] = cached = (fd, now)
+            return cached[0]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class ExpertReader:
+    """`threads` reader threads serving a priority queue (demand before prefetch): each read fills a slot
+    from `pool` and hands it to `deliver(slot, plan)`, whose result (or error) completes the future."""
+
+    def __init__(self, files: ShardFiles, threads: int = 8):
+        self.files = files
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"deltafin-read-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, plan: ReadPlan, pool: SlotPool,
+               deliver: Callable[[int, ReadPlan], object]) -> Future:
+        fut: Future = Future()
+        self._queue.put((priority, next(self._seq), plan, pool, deliver, fut))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, plan, pool, deliver, fut = self._queue.get()
+            if plan is None:  # close()
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            slot = None
+            try:
+                slot = pool.acquire(timeout=120)
+                self.files.read_into(plan, pool.memory(slot))
+                fut.set_result(deliver(slot, plan))
+            except BaseException as e:  # surfaced to the waiting compute thread through the future
+                if slot is not None:
+                    pool.release(slot)
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((-1, next(self._seq), None, None, None, None))
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def _pread_span(fd: int, view: memoryview, offset: int, need: int) -> int:
+    """Read into `view` from `offset` until it is full or the file ends; returns bytes read (>= need
+    unless the file is shorter). O_DIRECT reads are whole blocks; the tail past EOF comes back short."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done) if hasattr(os, "preadv") else _pread_copy(fd, view, done,
+                                                                                                   offset)
+        if n == 0:
+            break
+        done += n
+        if done >= need and done % ALIGN:
+            break  # a short, unaligned read: the end of the file
+    return done
+
+
+def _pread_copy(fd: int, view: memoryview, done: int, offset: int) -> int:  # pragma: no cover - no preadv
+    chunk = os.pread(fd, len(view) - done, offset + done)
+    view[done:done + len(chunk)] = chunk
+    return len(chunk)

@@ -1,0 +1,158 @@
+"""A stage's non-expert weights ("spine"): resident within a byte budget, the rest streamed per token.
+
+Resident layers are loaded once, as bf16 (or the compute dtype) or row-int8 (`spine="int8"`: per-row
+absmax/127, fp16 scales, dequantized by the kernels). Layers that do not fit the budget are read from
+the shards every time they run, into two reusable aligned buffers: while layer l computes, layer l+1's
+read is already in flight (double buffering). Streamed layers stay as stored (quantizing per token would
+cost more than it saves). The plan is decided up front; a budget that cannot hold even the working set
+(embedding/head plus two streamed layers) is refused with the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.checkpoint import Checkpoint
+from deltafin.config import ModelConfig
+from deltafin.errors import DeltafinError
+from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
+from deltafin.weights.directio import aligned_buffer
+from deltafin.weights.reader import ShardFiles, plan_tensors
+from deltafin.weights.tensors import bytes_to_tensor
+
+log = logging.getLogger(__name__)
+
+
+class SpineBudgetError(DeltafinError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpinePlan:
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    resident_bytes: int  # layers + top, as placed
+    buffer_bytes: int  # the two streaming buffers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + self.buffer_bytes
+
+
+def plan_spine(layers: range, placed_bytes: Callable[[int], int], stored_bytes: Callable[[int], int],
+               top_bytes: int, budget: int | None) -> SpinePlan:
+    """Keep the first k layers resident for the largest k whose total fits `budget`; stream the rest.
+    Pure: sizes come from the callables (placed = resident footprint, stored = bytes read per stream)."""
+    ids = list(layers)
+    if budget is None:
+        return SpinePlan(tuple(ids), (), top_bytes + sum(placed_bytes(i) for i in ids), 0)
+    for k in range(len(ids), -1, -1):
+        resident, streamed = ids[:k], ids[k:]
+        buffers = 2 * max((stored_bytes(i) for i in streamed), default=0)
+        total = top_bytes + sum(placed_bytes(i) for i in resident) + buffers
+        if total <= budget:
+            return SpinePlan(tuple(resident), tuple(streamed), total - buffers, buffers)
+    smallest = top_bytes + 2 * max(stored_bytes(i) for i in ids)
+    raise SpineBudgetError(
+        f"--memory-gb {budget / 1e9:.2f} cannot hold this stage's working set: the embedding/head "
+        f"({top_bytes / 1e9:.2f} GB) plus two streamed layers need {smallest / 1e9:.2f} GB; give the stage "
+        "fewer layers (more workers) or more memory")
+
+
+class SpineStore:
+    def __init__(self, ckpt: Checkpoint, layers: range, place: Place, plan: SpinePlan, files: ShardFiles, *,
+                 first: bool, last: bool):
+        self.cfg: ModelConfig = ckpt.config
+        self.ckpt, self.place, self.plan, self.files = ckpt, place, plan, files
+        self.stream_place = place
+        self.resident: dict[int, LayerWeights] = {}
+        for i in plan.resident:
+            self.resident[i] = layer_weights(self.cfg, i, self._read(i, None), place)
+        self.top: TopWeights | None = self._load_top(first, last) if first or last else None
+        largest = max((self._stored(i) for i in plan.streamed), default=0)
+        self._buffers = [aligned_buffer(largest) for _ in range(2)] if plan.streamed else []
+        self._streamed: dict[int, tuple[int, Future]] = {}  # layer -> (buffer index, loading future)
+        self._next_buffer = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltafin-spine") if plan.streamed else None
+        self._lock = threading.Lock()
+        self.wait_s = 0.0
+        self.streamed_bytes = 0
+
+    def _specs(self, layer: int) -> tuple:
+        return self.cfg.layer_tensor_specs(layer)
+
+    def _stored(self, layer: int) -> int:
+        return sum(s.nbytes for s in self._specs(layer))
+
+    def _read(self, layer: int, buffer: int | None) -> dict[str, torch.Tensor]:
+        """A layer's tensors by name suffix, read with aligned (direct) I/O into a fresh or a stream buffer."""
+        specs = self._specs(layer)
+        locs = tuple(self.ckpt.location(s) for s in specs)
+        plan = plan_tensors(locs)
+        mem = memoryview(aligned_buffer(plan.span) if buffer is None else self._buffers[buffer])
+        self.files.read_into(plan, mem)
+        prefix = f"{self.cfg.prefix}model.layers.{layer}."
+        return {spec.name[len(prefix):]: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                for spec, t in zip(specs, plan.tensors, strict=True)}
+
+    def _load_top(self, first: bool, last: bool) -> TopWeights:
+        specs = tuple(s for s in self.cfg.top_tensor_specs()
+                      if (first and "embed_tokens" in s.name) or (last and "embed_tokens" not in s.name))
+        plan = plan_tensors(tuple(self.ckpt.location(s) for s in specs))
+        mem = memoryview(aligned_buffer(plan.span))
+        self.files.read_into(plan, mem)
+        tensors = {s.name[len(self.cfg.prefix):]: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                   for s, t in zip(specs, plan.tensors, strict=True)}
+        return top_weights(self.cfg, tensors, self.place, first=first, last=last)
+
+    # ---- per token -----------------------------------------------------------------------------------
+
+    def prefetch(self, layer: int) -> None:
+        """Start reading a streamed layer (no-op for resident ones or one already loading)."""
+        if layer not in self.plan.streamed or self._pool is None:
+            return
+        with self._lock:
+            if layer in self._streamed:
+                return
+            # the buffer we are about to fill must not hold a layer still in use: keep at most two
+            buffer = self._next_buffer
+            for other, (b, fut) in list(self._streamed.items()):
+                if b == buffer:
+                    fut.result()
+                    del self._streamed[other]
+            self._next_buffer ^= 1
+            self._streamed[layer] = (buffer, self._pool.submit(self._load_streamed, layer, buffer))
+
+    def _load_streamed(self, layer: int, buffer: int) -> LayerWeights:
+        weights = layer_weights(self.cfg, layer, self._read(layer, buffer), self.stream_place)
+        self.streamed_bytes += self._stored(layer)
+        return weights
+
+    def is_ready(self, layer: int) -> bool:
+        """Whether `layer` can be used without waiting (resident, or its stream read is done)."""
+        if layer in self.resident:
+            return True
+        loading = self._streamed.get(layer)
+        return loading is not None and loading[1].done()
+
+    def layer(self, layer: int) -> LayerWeights:
+        if layer in self.resident:
+            return self.resident[layer]
+        self.prefetch(layer)
+        t0 = time.monotonic()
+        weights = self._streamed[layer][1].result()
+        self.wait_s += time.monotonic() - t0
+        return weights
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.resident.clear()
+        self._streamed.clear()

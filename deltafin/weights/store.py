@@ -1,0 +1,274 @@
+"""The expert store: routed experts fetched from the shards as layers need them, cached within a byte
+budget, prefetched ahead of need, with counters. It is the stage's ExpertProvider.
+
+Where experts live:
+- CPU: in the reader's page-aligned slots (a cached expert owns its slot; eviction frees it).
+- CUDA/MPS: slots are host staging; experts are copied to the device and cached there.
+Flow of one expert: prefetch (low priority) or demand read -> staged (read, not yet used) -> used by the
+MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expert the layer did not use
+moves to the cache too and counts as wasted bytes if it is evicted unused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from deltafin.checkpoint import Checkpoint
+from deltafin.models.weights import ExpertWeights
+from deltafin.quant import MXFP4Weight
+from deltafin.weights.cache import Entry, ExpertCache, make_policy
+from deltafin.weights.directio import ALIGN, align_up
+from deltafin.weights.reader import DEMAND, PREFETCH, ExpertReader, ReadPlan, ShardFiles, SlotPool, plan_read
+from deltafin.weights.tensors import expert_from_bytes
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class ExpertStats:
+    lookups: int = 0  # experts the MoE layers asked for
+    hits: int = 0  # found in the cache (used before)
+    prefetch_hits: int = 0  # found staged or in flight because a prefetch asked for it
+    misses: int = 0  # demand reads
+    prefetch_issued: int = 0
+    prefetch_bytes: int = 0
+    wasted_bytes: int = 0  # prefetched, never used, evicted
+    io_wait_s: float = 0.0  # compute thread blocked waiting for experts
+    reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Of the experts not already cached, the fraction a prefetch had asked for."""
+        want = self.prefetch_hits + self.misses
+        return self.prefetch_hits / want if want else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hit_rate"] = round(self.hit_rate, 4)
+        d["prefetch_recall"] = round(self.prefetch_recall, 4)
+        d["io_wait_s"] = round(self.io_wait_s, 4)
+        d["read_seconds"] = round(self.read_seconds, 4)
+        return d
+
+
+@dataclass
+class Loaded:
+    weights: ExpertWeights
+    slot: int | None  # the host slot still holding the data (CPU), None once copied to the device
+    nbytes: int
+
+
+class ExpertStore:
+    def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device,
+                 place_matrix: Callable[[torch.Tensor], torch.Tensor], cache_bytes: int, io: str = "direct",
+                 threads: int = 8, policy: str = "lru", prefetch: bool = True):
+        cfg = ckpt.config
+        self.ckpt, self.cfg, self.device = ckpt, cfg, device
+        self.layers = set(layers)
+        self.place_matrix = place_matrix
+        self.prefetch_enabled = prefetch
+        self.stats = ExpertStats()
+        k = cfg.experts_per_token
+        # an upper bound of any expert's aligned read footprint, without planning all 82K experts
+        slot = align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
+        self.on_host = device.type == "cpu"
+        working = 3 * k + threads  # two layers of staged prefetches + one of demand reads + reader slack
+        cache_slots = cache_bytes // slot if self.on_host else 0
+        self.pool = SlotPool(cache_slots + working, slot)
+        budget = cache_slots * self.pool.size if self.on_host else cache_bytes
+        self.cache: ExpertCache[Key, Loaded] = ExpertCache(
+            budget, make_policy(policy, max(1, budget // max(1, cfg.bytes_per_expert))), on_evict=self._evicted)
+        self.files = ShardFiles(io)
+        self.reader = ExpertReader(self.files, threads=threads)
+        self._plans: dict[Key, ReadPlan] = {}
+        self._lock = threading.RLock()  # future callbacks can run inside a locked section
+        self._pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
+        self._staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
+        log.info("expert store: %d slots x %.1f MB (%.2f GB host), cache %.2f GB on %s, %s I/O, %d readers, %s",
+                 self.pool.count, self.pool.size / 1e6, self.pool.nbytes / 1e9, budget / 1e9, device.type, io,
+                 threads, policy)
+
+    # ---- reading -------------------------------------------------------------------------------------
+
+    def _plan(self, key: Key) -> ReadPlan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_read(self.ckpt.expert(*key))
+        return plan
+
+    def _deliver(self, slot: int, plan: ReadPlan) -> Loaded:
+        """In a reader thread: turn the slot's bytes into expert weights (on the device if not the CPU)."""
+        weights = expert_from_bytes(self.cfg, plan.tensors, self.pool.memory(slot), 0, self.place_matrix)
+        nbytes = weights.nbytes
+        if self.on_host:
+            return Loaded(weights, slot, self.pool.size)
+        on_device = ExpertWeights(*(m.to(self.device) if isinstance(m, MXFP4Weight) else m.to(self.device)
+                                    for m in (weights.w1, weights.w2, weights.w3)))
+        self.pool.release(slot)
+        return Loaded(on_device, None, nbytes)
+
+    def _submit(self, key: Key, priority: int) -> Future:
+        fut = self.reader.submit(priority, self._plan(key), self.pool, self._deliver)
+        self._pending[key] = (fut, priority)
+        fut.add_done_callback(lambda f, key=key: self._landed(key, f))
+        return fut
+
+    def _landed(self, key: Key, fut: Future) -> None:
+        with self._lock:
+            current = self._pending.get(key)
+            if current is None or current[0] is not fut:
+                return
+            del self._pending[key]
+            if current[1] == PREFETCH and not fut.cancelled() and fut.exception() is None:
+                self._staged[key] = fut.result()
+
+    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+        """Ask for experts a layer will probably need, behind every demand read."""
+        if not self.prefetch_enabled or layer not in self.layers:
+            return
+        with self._lock:
+            for e in ids:
+                key = (layer, int(e))
+                if key in self._pending or key in self._staged or key in self.cache.entries:
+                    continue
+                if len(self._staged) + len(self._pending) >= 3 * self.cfg.experts_per_token:
+                    break  # bounded: never more than the staging slots hold
+                self._submit(key, PREFETCH)
+                self.stats.prefetch_issued += 1
+                self.stats.prefetch_bytes += self.cfg.bytes_per_expert
+
+    # ---- the ExpertProvider interface ---------------------------------------------------------------
+
+    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (id, weights) for every id: cached and staged ones first, then reads as they land."""
+        ready, waiting = self._lookup(layer, ids)
+        i, current = 0, None
+        try:
+            while i < len(ready):
+                e, loaded, cached = current = ready[i]
+                i += 1
+                yield e, loaded.weights
+                self._done_with((layer, e), loaded, cached)
+                current = None
+            while waiting:
+                t0 = time.monotonic()
+                done, _ = wait(list(waiting), return_when=FIRST_COMPLETED)
+                self.stats.io_wait_s += time.monotonic() - t0
+                for fut in done:
+                    e = waiting.pop(fut)
+                    loaded = self._take((layer, e), fut)  # a failed read raises here: this request fails
+                    current = (e, loaded, False)
+                    yield e, loaded.weights
+                    self._done_with((layer, e), loaded, False)
+                    current = None
+        finally:  # normal end, or an error in the read or in the compute between yields
+            if current is not None:
+                self._done_with((layer, current[0]), current[1], current[2])
+            for e, loaded, cached in ready[i:]:
+                self._done_with((layer, e), loaded, cached)
+            for fut, e in waiting.items():
+                fut.add_done_callback(lambda f, key=(layer, e): self._abandon(key, f))
+            self._settle(layer)
+
+    def _lookup(self, layer: int, ids: list[int]) -> tuple[list[tuple[int, Loaded, bool]], dict[Future, int]]:
+        ready: list[tuple[int, Loaded, bool]] = []  # (id, loaded, pinned in the cache)
+        waiting: dict[Future, int] = {}
+        with self._lock:
+            for e in ids:
+                key = (layer, e)
+                self.stats.lookups += 1
+                entry = self.cache.get(key)
+                if entry is not None:
+                    if entry.prefetched:  # a prefetch that landed after its layer: a success, not waste
+                        entry.prefetched = False
+                        self.stats.prefetch_hits += 1
+                    else:
+                        self.stats.hits += 1
+                    self.cache.pin(key)
+                    ready.append((e, entry.value, True))
+                elif key in self._staged:
+                    self.stats.prefetch_hits += 1
+                    ready.append((e, self._staged.pop(key), False))
+                else:
+                    fut, priority = self._pending.get(key, (None, None))
+                    if fut is not None and priority == PREFETCH and fut.cancel():
+                        fut = None  # still queued behind other prefetches: read it now instead
+                    if fut is None:
+                        self.stats.misses += 1
+                        fut = self._submit(key, DEMAND)
+                    else:
+                        self.stats.prefetch_hits += 1
+                    waiting[fut] = e
+        return ready, waiting
+
+    def _take(self, key: Key, fut: Future) -> Loaded:
+        """The result of a read the compute thread waited for (a prefetch lands in `staged` first)."""
+        result = fut.result()
+        with self._lock:
+            staged = self._staged.pop(key, None)
+        return staged if staged is not None else result
+
+    def _done_with(self, key: Key, loaded: Loaded, cached: bool) -> None:
+        with self._lock:
+            if cached:
+                self.cache.unpin(key)
+            elif not self.cache.put(key, loaded, loaded.nbytes):
+                self._release(loaded)
+
+    def _settle(self, layer: int) -> None:
+        """After a layer: its unused prefetches move to the cache, or are dropped as waste."""
+        with self._lock:
+            for key in [k for k in self._staged if k[0] == layer]:
+                loaded = self._staged.pop(key)
+                if not self.cache.put(key, loaded, loaded.nbytes, prefetched=True):
+                    self.stats.wasted_bytes += self.cfg.bytes_per_expert
+                    self._release(loaded)
+
+    def _abandon(self, key: Key, fut: Future) -> None:
+        """A read nobody waits for any more (its layer failed): free its slot unless it was staged."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self._lock:
+            if self._staged.get(key) is fut.result():
+                return
+        self._release(fut.result())
+
+    def _evicted(self, key: Key, entry: Entry[Loaded]) -> None:
+        if entry.prefetched:
+            self.stats.wasted_bytes += self.cfg.bytes_per_expert
+        self._release(entry.value)
+
+    def _release(self, loaded: Loaded) -> None:
+        if loaded.slot is not None:
+            self.pool.release(loaded.slot)
+
+    def resident_bytes(self) -> int:
+        return self.pool.nbytes + (0 if self.on_host else self.cache.budget)
+
+    def snapshot_stats(self) -> ExpertStats:
+        r = self.files.stats
+        self.stats.reads, self.stats.bytes_read, self.stats.read_seconds = r.reads, r.bytes_read, r.read_seconds
+        return self.stats
+
+    def close(self) -> None:
+        self.reader.close()
+        self.files.close()
+        with self._lock:
+            self.cache.clear()
+            self._staged.clear()
