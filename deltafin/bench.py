@@ -175,7 +175,7 @@ class _Preloaded:
 def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
                  expert_cache_gb: float | None = None, io: str = "direct", threads: int = 8,
                  memory_gb: float | None = None, spine: str = "bf16", policy: str = "lru",
-                 prefetch: bool = True, measure_disk: bool = True) -> dict[str, Any]:
+                 prefetch: bool = True, measure_disk: bool = True, prefetch_layers: int = 2) -> dict[str, Any]:
     """Decode `tokens` greedily after a `prompt`-token prefill, with experts streamed (`expert_cache_gb`
     set) or resident (None). Prints the limit terms and the efficiency against them."""
     from deltafin.pipeline import LocalPipeline
@@ -186,7 +186,8 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     streaming = expert_cache_gb is not None
     options = StageOptions(memory_bytes=None if memory_gb is None else int(memory_gb * GB), spine=spine,
                            expert_cache_bytes=None if not streaming else int(expert_cache_gb * GB), io=io,
-                           read_threads=threads, cache_policy=policy, prefetch=prefetch)
+                           read_threads=threads, cache_policy=policy, prefetch=prefetch,
+                           prefetch_layers=prefetch_layers)
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     stage = pipe.stages[0]
     cfg, ckpt, dev = stage.cfg, stage.ckpt, stage.device
@@ -195,7 +196,8 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
                               "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
                               "expert_bytes": cfg.bytes_per_expert, "streaming": streaming, "io": io,
                               "read_threads": threads, "expert_cache_gb": expert_cache_gb, "policy": policy,
-                              "prefetch": prefetch, "memory_gb": memory_gb, "spine": spine,
+                              "prefetch": prefetch, "prefetch_layers": prefetch_layers, "memory_gb": memory_gb,
+                              "spine": spine,
                               "spine_resident_layers": len(stage.spine.plan.resident),
                               "spine_streamed_layers": len(stage.spine.plan.streamed)}
     try:

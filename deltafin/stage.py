@@ -95,6 +95,7 @@ class StageOptions:
     read_threads: int = 8
     cache_policy: str = "lru"
     prefetch: bool = True
+    prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
     session_bytes: int | None = None  # per-stage budget for session caches (KDA state, MLA latents)
 
     @property
@@ -343,11 +344,12 @@ class Stage:
         prefetch = getattr(self.experts, "prefetch", None)
         if prefetch is None or not self.options.prefetch:
             return
-        for target in (layer, layer + 1):
+        for target in (layer, layer + 1)[:self.options.prefetch_layers]:
             if target in self.layers_range and self.cfg.is_moe(target) and self.spine.is_ready(target):
                 w = self.spine.layer(target)
-                idx, _ = route(self.cfg, w.ffn, ffn_input(self.cfg, w, state))  # type: ignore[arg-type]
-                prefetch(target, torch.unique(idx).tolist())
+                idx, weights = route(self.cfg, w.ffn, ffn_input(self.cfg, w, state))  # type: ignore[arg-type]
+                order = weights.flatten().argsort(descending=True)  # the most confident guesses first
+                prefetch(target, list(dict.fromkeys(idx.flatten()[order].tolist())))
 
     def _input(self, batch: list[SeqInput], caches: list[SequenceCache]) -> tuple[ResidualState, list[Span]]:
         spans, start = [], 0

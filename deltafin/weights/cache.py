@@ -146,6 +146,9 @@ class ExpertCache(Generic[K, V]):
     def _make_room(self, nbytes: int) -> bool:
         if self.used + nbytes <= self.budget:
             return True
+        evictable = sum(e.nbytes for e in self.entries.values() if e.pins == 0)
+        if self.used - evictable + nbytes > self.budget:
+            return False  # would not fit even after evicting everything unpinned: evict nothing
         for key in self.policy.victims():
             if self.entries[key].pins == 0:
                 self._drop(key, evicted=True)

@@ -80,7 +80,7 @@ class SlotPool:
     def __init__(self, count: int, size: int):
         self.size = align_up(size)
         self.count = count
-        self.buf = aligned_buffer(self.size * count)
+        self.buf = aligned_buffer(self.size * count, prefault=True)
         self.view = memoryview(self.buf)
         self.free: queue.LifoQueue[int] = queue.LifoQueue()
         for i in range(count):

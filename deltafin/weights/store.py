@@ -42,7 +42,8 @@ class ExpertStats:
     misses: int = 0  # demand reads
     prefetch_issued: int = 0
     prefetch_bytes: int = 0
-    wasted_bytes: int = 0  # prefetched, never used, evicted
+    prefetch_cancelled: int = 0  # prefetches dropped before their read started (the guess was wrong)
+    wasted_bytes: int = 0  # prefetched, read, never used
     io_wait_s: float = 0.0  # compute thread blocked waiting for experts
     reads: int = 0
     bytes_read: int = 0
@@ -139,7 +140,7 @@ class ExpertStore:
                 self._staged[key] = fut.result()
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Ask for experts a layer will probably need, behind every demand read."""
+        """Ask for experts a layer will probably need, most likely first, behind every demand read."""
         if not self.prefetch_enabled or layer not in self.layers:
             return
         with self._lock:
@@ -156,7 +157,8 @@ class ExpertStore:
     # ---- the ExpertProvider interface ---------------------------------------------------------------
 
     def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (id, weights) for every id: cached and staged ones first, then reads as they land."""
+        """Yield (id, weights) for every id: cached and staged ones first, then reads as they land.
+        Each expert's weights are valid until the generator is resumed: its memory may then be reused."""
         ready, waiting = self._lookup(layer, ids)
         i, current = 0, None
         try:
@@ -190,6 +192,10 @@ class ExpertStore:
         ready: list[tuple[int, Loaded, bool]] = []  # (id, loaded, pinned in the cache)
         waiting: dict[Future, int] = {}
         with self._lock:
+            wanted = set(ids)
+            for key, (fut, priority) in list(self._pending.items()):
+                if key[0] == layer and key[1] not in wanted and priority == PREFETCH and fut.cancel():
+                    self.stats.prefetch_cancelled += 1  # a wrong guess not yet read: the disk is free for demand
             for e in ids:
                 key = (layer, e)
                 self.stats.lookups += 1
