@@ -55,7 +55,7 @@ def _read_all(plans: list[ReadPlan], io: str, threads: int) -> dict[str, Any]:
     pool = SlotPool(2 * threads, max(p.span for p in plans))
     try:
         t0 = time.perf_counter()
-        futures = [reader.submit(DEMAND, p, pool, lambda slot, plan: pool.release(slot)) for p in plans]
+        futures = [reader.submit((0, DEMAND), p, pool, lambda slot, plan: pool.release(slot)) for p in plans]
         for f in futures:
             f.result()
         seconds = time.perf_counter() - t0

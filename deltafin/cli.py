@@ -93,11 +93,25 @@ def _cmd_logits(args: argparse.Namespace) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    stats: list[dict] = []
     logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
-                            stages=args.stages, eps_convention=args.eps)
+                            stages=args.stages, eps_convention=args.eps, options=stage_options(args),
+                            stats=stats if args.stats else None)
     np.save(args.out, logits)
     log.info("wrote %s: float32 %s", args.out, list(logits.shape))
+    if args.stats:
+        print(json.dumps({"stages": stats}, indent=2), file=sys.stderr)
     return 0
+
+
+def stage_options(args: argparse.Namespace):  # -> StageOptions
+    """StageOptions from the shared command-line options (see _add_stage_options)."""
+    from deltafin.stage import StageOptions
+
+    gb = lambda v: None if v is None else int(v * 1e9)
+    return StageOptions(memory_bytes=gb(args.memory_gb), spine=args.spine, expert_cache_bytes=gb(args.expert_cache_gb),
+                        io=args.io, read_threads=args.threads, cache_policy=args.policy,
+                        prefetch=not args.no_prefetch)
 
 
 def _add_logits(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +130,8 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eps", default="hf", choices=["hf", "llama.cpp"],
                    help="the two epsilons the references disagree on (MLA LoRA norms, KDA q/k L2 norm): 1e-6 as "
                    "the HF/fla code (default) or rms_norm_eps as llama.cpp")
+    p.add_argument("--stats", action="store_true", help="print each stage's counters (JSON) to stderr")
+    _add_stage_options(p)
     p.set_defaults(func=_cmd_logits)
 
 

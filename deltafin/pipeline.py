@@ -56,17 +56,20 @@ class LocalPipeline:
 
 
 def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",
-                   mode: str = "prefill", stages: int = 1, eps_convention: str = "hf") -> np.ndarray:
+                   mode: str = "prefill", stages: int = 1, eps_convention: str = "hf",
+                   options: StageOptions | None = None, stats: list | None = None) -> np.ndarray:
     """Float32 logits [T, vocab] for every position of `ids`.
 
     prefill: all ids in one forward (chunked KDA, expanded MLA); decode: one token per forward through
     the caches (recurrent KDA, absorbed MLA). `stages` splits the layers into in-process stages.
-    `eps_convention` picks the two disputed epsilons (see config.with_eps_convention)."""
+    `eps_convention` picks the two disputed epsilons (see config.with_eps_convention); `options` how
+    stages hold weights; `stats`, if given, receives each stage's counters."""
     if not ids:
         raise DeltafinError("--ids must name at least one token id")
     if mode not in ("prefill", "decode"):
         raise DeltafinError(f"unknown --mode {mode!r}: use prefill or decode")
-    pipe = LocalPipeline.load(model_dir, stages, device=device, dtype=dtype, eps_convention=eps_convention)
+    pipe = LocalPipeline.load(model_dir, stages, device=device, dtype=dtype, eps_convention=eps_convention,
+                              options=options)
     try:
         t = torch.tensor(ids, dtype=torch.long)
         if mode == "prefill":
@@ -74,6 +77,8 @@ def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto
         else:
             out = torch.cat([pipe.forward([SeqInput("logits", i, ids=t[i:i + 1])])[0].logits
                              for i in range(len(ids))])
+        if stats is not None:
+            stats.extend(stage.stats() for stage in pipe.stages)
         return out.float().cpu().numpy()
     finally:
         pipe.close()

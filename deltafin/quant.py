@@ -98,11 +98,18 @@ class Int8Weight:
         return self.q.numel() + 2 * self.scale.numel()
 
 
-def quantize_int8_rows(w: torch.Tensor) -> Int8Weight:
-    wf = w.float()
-    scale = (wf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-    q = torch.round(wf / scale).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q, scale.to(torch.float16))
+def quantize_int8_rows(w: torch.Tensor, block_rows: int = 1024) -> Int8Weight:
+    """Per-row absmax/127 int8 with fp16 scales, a block of rows at a time (a 33792x7168 matrix must not
+    need gigabytes of fp32 temporaries on a memory-capped machine)."""
+    rows = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(rows, 1, dtype=torch.float16, device=w.device)
+    for r in range(0, rows, block_rows):
+        wf = w[r:r + block_rows].float()
+        s = (wf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12).half()
+        q[r:r + block_rows] = torch.round(wf / s.float()).clamp_(-127, 127).to(torch.int8)
+        scale[r:r + block_rows] = s
+    return Int8Weight(q, scale)
 
 
 def dequantize_int8_rows(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:

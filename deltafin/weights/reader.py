@@ -168,8 +168,10 @@ class ShardFiles:
 
 
 class ExpertReader:
-    """`threads` reader threads serving a priority queue (demand before prefetch): each read fills a slot
-    from `pool` and hands it to `deliver(slot, plan)`, whose result (or error) completes the future."""
+    """`threads` reader threads serving a priority queue: each read fills a slot from `pool` and hands it to
+    `deliver(slot, plan)`, whose result (or error) completes the future. Lower priorities go first; the
+    store orders by (layer, demand before prefetch), so a guess for the next layer never delays the
+    current one."""
 
     def __init__(self, files: ShardFiles, threads: int = 8):
         self.files = files
@@ -180,7 +182,7 @@ class ExpertReader:
         for t in self._threads:
             t.start()
 
-    def submit(self, priority: int, plan: ReadPlan, pool: SlotPool,
+    def submit(self, priority: tuple[int, int] | int, plan: ReadPlan, pool: SlotPool,
                deliver: Callable[[int, ReadPlan], object]) -> Future:
         fut: Future = Future()
         self._queue.put((priority, next(self._seq), plan, pool, deliver, fut))
@@ -205,7 +207,7 @@ class ExpertReader:
 
     def close(self) -> None:
         for _ in self._threads:
-            self._queue.put((-1, next(self._seq), None, None, None, None))
+            self._queue.put(((-1, -1), next(self._seq), None, None, None, None))
         for t in self._threads:
             t.join(timeout=5)
 

@@ -92,24 +92,33 @@ class SpineStore:
         return sum(s.nbytes for s in self._specs(layer))
 
     def _read(self, layer: int, buffer: int | None) -> dict[str, torch.Tensor]:
-        """A layer's tensors by name suffix, read with aligned (direct) I/O into a fresh or a stream buffer."""
+        """A layer's tensors by name suffix: into one of the two stream buffers (streamed layers), or each
+        into a buffer of its own (resident layers), so whatever placement keeps holds no other tensor's bytes."""
         specs = self._specs(layer)
-        locs = tuple(self.ckpt.location(s) for s in specs)
-        plan = plan_tensors(locs)
-        mem = memoryview(aligned_buffer(plan.span) if buffer is None else self._buffers[buffer])
-        self.files.read_into(plan, mem)
         prefix = f"{self.cfg.prefix}model.layers.{layer}."
-        return {spec.name[len(prefix):]: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
-                for spec, t in zip(specs, plan.tensors, strict=True)}
+        names = [spec.name[len(prefix):] for spec in specs]
+        if buffer is None:
+            return dict(zip(names, self._read_each(specs), strict=True))
+        plan = plan_tensors(tuple(self.ckpt.location(s) for s in specs))
+        mem = memoryview(self._buffers[buffer])
+        self.files.read_into(plan, mem)
+        return {name: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                for name, t in zip(names, plan.tensors, strict=True)}
+
+    def _read_each(self, specs: tuple) -> list[torch.Tensor]:
+        out = []
+        for spec in specs:
+            plan = plan_tensors((self.ckpt.location(spec),))
+            mem = memoryview(aligned_buffer(plan.span))
+            self.files.read_into(plan, mem)
+            t = plan.tensors[0]
+            out.append(bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape))
+        return out
 
     def _load_top(self, first: bool, last: bool) -> TopWeights:
         specs = tuple(s for s in self.cfg.top_tensor_specs()
                       if (first and "embed_tokens" in s.name) or (last and "embed_tokens" not in s.name))
-        plan = plan_tensors(tuple(self.ckpt.location(s) for s in specs))
-        mem = memoryview(aligned_buffer(plan.span))
-        self.files.read_into(plan, mem)
-        tensors = {s.name[len(self.cfg.prefix):]: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
-                   for s, t in zip(specs, plan.tensors, strict=True)}
+        tensors = {s.name[len(self.cfg.prefix):]: t for s, t in zip(specs, self._read_each(specs), strict=True)}
         return top_weights(self.cfg, tensors, self.place, first=first, last=last)
 
     # ---- per token -----------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ class ExpertStore:
         return Loaded(on_device, None, nbytes)
 
     def _submit(self, key: Key, priority: int) -> Future:
-        fut = self.reader.submit(priority, self._plan(key), self.pool, self._deliver)
+        # earlier layers first, and within a layer demand before prefetch
+        fut = self.reader.submit((key[0], priority), self._plan(key), self.pool, self._deliver)
         self._pending[key] = (fut, priority)
         fut.add_done_callback(lambda f, key=key: self._landed(key, f))
         return fut
@@ -140,12 +141,19 @@ class ExpertStore:
                 self._staged[key] = fut.result()
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Ask for experts a layer will probably need, most likely first, behind every demand read."""
+        """Ask for experts a layer will probably need, most likely first, behind every demand read. A new
+        guess for a layer replaces the previous one: its reads that have not started and are no longer
+        guessed are dropped."""
         if not self.prefetch_enabled or layer not in self.layers:
             return
+        ids = [int(e) for e in ids]
         with self._lock:
+            guessed = set(ids)
+            for key, (fut, priority) in list(self._pending.items()):
+                if key[0] == layer and key[1] not in guessed and priority == PREFETCH and fut.cancel():
+                    self.stats.prefetch_cancelled += 1
             for e in ids:
-                key = (layer, int(e))
+                key = (layer, e)
                 if key in self._pending or key in self._staged or key in self.cache.entries:
                     continue
                 if len(self._staged) + len(self._pending) >= 3 * self.cfg.experts_per_token:
