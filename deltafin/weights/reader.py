@@ -26,6 +26,11 @@ from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffe
 log = logging.getLogger(__name__)
 
 DEMAND, PREFETCH = 0, 1
+CHUNK = 4 << 20  # reads go in 4 MiB pieces, so an abandoned prefetch stops within one piece
+
+
+class ReadAborted(Exception):
+    """A prefetch whose guess turned out wrong was stopped between pieces."""
 
 
 @dataclass(frozen=True)
@@ -125,18 +130,27 @@ class ShardFiles:
         self._fds: dict[Path, tuple[int, os.stat_result]] = {}
         self._lock = threading.Lock()
 
-    def read_into(self, plan: ReadPlan, mem: memoryview) -> None:
+    def read_into(self, plan: ReadPlan, mem: memoryview, abort: Callable[[], bool] | None = None) -> None:
+        """Fill `mem` per the plan; `abort()` is asked between 4 MiB pieces (ReadAborted if it says so)."""
         for ext in plan.extents:
             fd = self._fd(ext.file, ext.start + ext.need)
-            t0 = time.monotonic()
-            got = _pread_span(fd, mem[ext.slot_offset:ext.slot_offset + (ext.end - ext.start)], ext.start, ext.need)
-            with self._lock:
-                self.stats.reads += 1
-                self.stats.bytes_read += got
-                self.stats.read_seconds += time.monotonic() - t0
-            if got < ext.need:
-                raise ModelFormatError(f"shard {ext.file.name} ended early: expert bytes up to {ext.start + ext.need} "
-                                       "are past its end (the file was truncated while running)")
+            length = ext.end - ext.start
+            for off in range(0, length, CHUNK):
+                if abort is not None and abort():
+                    raise ReadAborted
+                piece = min(CHUNK, length - off)
+                need = max(0, min(piece, ext.need - off))
+                t0 = time.monotonic()
+                got = _pread_span(fd, mem[ext.slot_offset + off:ext.slot_offset + off + piece], ext.start + off, need)
+                with self._lock:
+                    self.stats.reads += 1
+                    self.stats.bytes_read += got
+                    self.stats.read_seconds += time.monotonic() - t0
+                if got < need:
+                    raise ModelFormatError(f"shard {ext.file.name} ended early: data up to byte "
+                                           f"{ext.start + ext.need} is past its end (truncated while running)")
+                if got < piece:
+                    break  # the end of the file inside the last aligned block
 
     def _fd(self, path: Path, need_size: int) -> int:
         try:
@@ -183,14 +197,14 @@ class ExpertReader:
             t.start()
 
     def submit(self, priority: tuple[int, int] | int, plan: ReadPlan, pool: SlotPool,
-               deliver: Callable[[int, ReadPlan], object]) -> Future:
+               deliver: Callable[[int, ReadPlan], object], abort: Callable[[], bool] | None = None) -> Future:
         fut: Future = Future()
-        self._queue.put((priority, next(self._seq), plan, pool, deliver, fut))
+        self._queue.put((priority, next(self._seq), plan, pool, deliver, fut, abort))
         return fut
 
     def _work(self) -> None:
         while True:
-            _, _, plan, pool, deliver, fut = self._queue.get()
+            _, _, plan, pool, deliver, fut, abort = self._queue.get()
             if plan is None:  # close()
                 return
             if not fut.set_running_or_notify_cancel():
@@ -198,7 +212,7 @@ class ExpertReader:
             slot = None
             try:
                 slot = pool.acquire(timeout=120)
-                self.files.read_into(plan, pool.memory(slot))
+                self.files.read_into(plan, pool.memory(slot), abort)
                 fut.set_result(deliver(slot, plan))
             except BaseException as e:  # surfaced to the waiting compute thread through the future
                 if slot is not None:
@@ -207,7 +221,7 @@ class ExpertReader:
 
     def close(self) -> None:
         for _ in self._threads:
-            self._queue.put(((-1, -1), next(self._seq), None, None, None, None))
+            self._queue.put(((-1, -1), next(self._seq), None, None, None, None, None))
         for t in self._threads:
             t.join(timeout=5)
 

@@ -26,7 +26,16 @@ from deltafin.models.weights import ExpertWeights
 from deltafin.quant import MXFP4Weight
 from deltafin.weights.cache import Entry, ExpertCache, make_policy
 from deltafin.weights.directio import ALIGN, align_up
-from deltafin.weights.reader import DEMAND, PREFETCH, ExpertReader, ReadPlan, ShardFiles, SlotPool, plan_read
+from deltafin.weights.reader import (
+    DEMAND,
+    PREFETCH,
+    ExpertReader,
+    ReadAborted,
+    ReadPlan,
+    ShardFiles,
+    SlotPool,
+    plan_read,
+)
 from deltafin.weights.tensors import expert_from_bytes
 
 log = logging.getLogger(__name__)
@@ -42,7 +51,7 @@ class ExpertStats:
     misses: int = 0  # demand reads
     prefetch_issued: int = 0
     prefetch_bytes: int = 0
-    prefetch_cancelled: int = 0  # prefetches dropped before their read started (the guess was wrong)
+    prefetch_cancelled: int = 0  # prefetches dropped (queued) or stopped (running) when the guess was wrong
     wasted_bytes: int = 0  # prefetched, read, never used
     io_wait_s: float = 0.0  # compute thread blocked waiting for experts
     reads: int = 0
@@ -101,6 +110,7 @@ class ExpertStore:
         self._lock = threading.RLock()  # future callbacks can run inside a locked section
         self._pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
         self._staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
+        self._abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
         log.info("expert store: %d slots x %.1f MB (%.2f GB host), cache %.2f GB on %s, %s I/O, %d readers, %s",
                  self.pool.count, self.pool.size / 1e6, self.pool.nbytes / 1e9, budget / 1e9, device.type, io,
                  threads, policy)
@@ -125,20 +135,37 @@ class ExpertStore:
         return Loaded(on_device, None, nbytes)
 
     def _submit(self, key: Key, priority: int) -> Future:
-        # earlier layers first, and within a layer demand before prefetch
-        fut = self.reader.submit((key[0], priority), self._plan(key), self.pool, self._deliver)
+        # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
+        abandon = threading.Event() if priority == PREFETCH else None
+        fut = self.reader.submit((key[0], priority), self._plan(key), self.pool, self._deliver,
+                                 abandon.is_set if abandon is not None else None)
+        if abandon is not None:
+            self._abandon_flags[fut] = abandon
         self._pending[key] = (fut, priority)
         fut.add_done_callback(lambda f, key=key: self._landed(key, f))
         return fut
 
+    def _drop_guess(self, fut: Future) -> None:
+        """A prefetch no longer wanted: cancel it if queued, stop it between pieces if running."""
+        if fut.cancel():
+            self.stats.prefetch_cancelled += 1
+            return
+        flag = self._abandon_flags.get(fut)
+        if flag is not None and not fut.done():
+            flag.set()
+            self.stats.prefetch_cancelled += 1
+
     def _landed(self, key: Key, fut: Future) -> None:
         with self._lock:
+            self._abandon_flags.pop(fut, None)
             current = self._pending.get(key)
             if current is None or current[0] is not fut:
                 return
             del self._pending[key]
             if current[1] == PREFETCH and not fut.cancelled() and fut.exception() is None:
                 self._staged[key] = fut.result()
+            elif not fut.cancelled() and isinstance(fut.exception(), ReadAborted):
+                self.stats.wasted_bytes += self.cfg.bytes_per_expert // 2  # on average half read
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Ask for experts a layer will probably need, most likely first, behind every demand read. A new
@@ -150,8 +177,8 @@ class ExpertStore:
         with self._lock:
             guessed = set(ids)
             for key, (fut, priority) in list(self._pending.items()):
-                if key[0] == layer and key[1] not in guessed and priority == PREFETCH and fut.cancel():
-                    self.stats.prefetch_cancelled += 1
+                if key[0] == layer and key[1] not in guessed and priority == PREFETCH:
+                    self._drop_guess(fut)
             for e in ids:
                 key = (layer, e)
                 if key in self._pending or key in self._staged or key in self.cache.entries:
@@ -202,8 +229,8 @@ class ExpertStore:
         with self._lock:
             wanted = set(ids)
             for key, (fut, priority) in list(self._pending.items()):
-                if key[0] == layer and key[1] not in wanted and priority == PREFETCH and fut.cancel():
-                    self.stats.prefetch_cancelled += 1  # a wrong guess not yet read: the disk is free for demand
+                if key[0] == layer and key[1] not in wanted and priority == PREFETCH:
+                    self._drop_guess(fut)  # a wrong guess: free the disk for the experts that are needed
             for e in ids:
                 key = (layer, e)
                 self.stats.lookups += 1
