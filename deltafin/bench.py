@@ -174,7 +174,7 @@ class _Preloaded:
 
 def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
                  expert_cache_gb: float | None = None, io: str = "direct", threads: int = 8,
-                 memory_gb: float | None = None, spine: str = "bf16", policy: str = "lru",
+                 memory_gb: float | None = None, spine: str = "bf16", policy: str = "lfu",
                  prefetch: bool = True, measure_disk: bool = True, prefetch_layers: int = 2) -> dict[str, Any]:
     """Decode `tokens` greedily after a `prompt`-token prefill, with experts streamed (`expert_cache_gb`
     set) or resident (None). Prints the limit terms and the efficiency against them."""

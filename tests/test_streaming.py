@@ -203,3 +203,25 @@ def test_bench_decode_json_on_tiny(tiny_dir):
                 "prefetch_recall", "io_wait_s_per_token", "compute_s_per_token", "t_compute_s", "policy_hit_rates"):
         assert key in r, key
     assert r["bytes_read_per_token"] > 0 and r["t_compute_s"] > 0
+
+
+def test_no_expert_buffer_leaks_over_many_steps(small_dir):
+    """Every slot is accounted for after a long run with guesses dropped, aborted and late."""
+    import time as _time
+
+    pipe = LocalPipeline.load(small_dir, 1, device="cpu",
+                              options=StageOptions(expert_cache_bytes=0, read_threads=4))
+    store = pipe.stages[0].experts
+    try:
+        pipe.forward([SeqInput("s", 0, ids=IDS)])
+        g = torch.Generator().manual_seed(0)
+        for i in range(40):
+            pipe.forward([SeqInput("s", len(IDS) + i, ids=torch.randint(0, 3000, (1,), generator=g))])
+        for _ in range(200):  # let in-flight prefetches land
+            if not store._pending:
+                break
+            _time.sleep(0.01)
+        held = len(store.cache.entries) + len(store._staged)
+        assert store.pool.free.qsize() + held == store.pool.count
+    finally:
+        pipe.close()

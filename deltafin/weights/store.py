@@ -82,6 +82,7 @@ class Loaded:
     weights: ExpertWeights
     slot: int | None  # the host slot still holding the data (CPU), None once copied to the device
     nbytes: int
+    claimed: bool = False  # taken by the compute thread: whoever else sees it must leave it alone
 
 
 class ExpertStore:
@@ -145,27 +146,41 @@ class ExpertStore:
         fut.add_done_callback(lambda f, key=key: self._landed(key, f))
         return fut
 
-    def _drop_guess(self, fut: Future) -> None:
-        """A prefetch no longer wanted: cancel it if queued, stop it between pieces if running."""
+    def _drop_guess(self, key: Key, fut: Future) -> None:
+        """A prefetch no longer wanted: cancel it if queued, stop it between pieces if running. Either way it
+        leaves `pending` now, so a later request for the expert starts a read of its own."""
         if fut.cancel():
             self.stats.prefetch_cancelled += 1
-            return
-        flag = self._abandon_flags.get(fut)
-        if flag is not None and not fut.done():
-            flag.set()
+        else:
+            flag = self._abandon_flags.get(fut)
+            if flag is None or fut.done():
+                return  # landed meanwhile: it is staged and settled like any prefetch
+            flag.set()  # stops between pieces; if it finishes anyway, `_landed` frees it as waste
             self.stats.prefetch_cancelled += 1
+        if self._pending.get(key, (None,))[0] is fut:
+            del self._pending[key]
 
     def _landed(self, key: Key, fut: Future) -> None:
+        """A read finished (in its reader thread). Who owns the expert now:
+        - a demand read: the compute thread waiting for it (it claims it in `_take`, or `_abandon` frees it);
+        - a prefetch still wanted: `staged`, unless the compute thread claimed it first;
+        - a prefetch dropped meanwhile: nobody, so its slot is freed here."""
         with self._lock:
             self._abandon_flags.pop(fut, None)
             current = self._pending.get(key)
-            if current is None or current[0] is not fut:
+            is_current = current is not None and current[0] is fut
+            if is_current:
+                del self._pending[key]
+            if fut.cancelled() or fut.exception() is not None:
+                return  # the worker freed the slot of a failed read
+            loaded: Loaded = fut.result()
+            if loaded.claimed:
                 return
-            del self._pending[key]
-            if current[1] == PREFETCH and not fut.cancelled() and fut.exception() is None:
-                self._staged[key] = fut.result()
-            elif not fut.cancelled() and isinstance(fut.exception(), ReadAborted):
-                self.stats.wasted_bytes += self.cfg.bytes_per_expert // 2  # on average half read
+            if is_current and current[1] == PREFETCH:
+                self._staged[key] = loaded
+            elif not is_current:
+                self.stats.wasted_bytes += self.cfg.bytes_per_expert
+                self._release(loaded)
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Ask for experts a layer will probably need, most likely first, behind every demand read. A new
@@ -178,7 +193,7 @@ class ExpertStore:
             guessed = set(ids)
             for key, (fut, priority) in list(self._pending.items()):
                 if key[0] == layer and key[1] not in guessed and priority == PREFETCH:
-                    self._drop_guess(fut)
+                    self._drop_guess(key, fut)
             for e in ids:
                 key = (layer, e)
                 if key in self._pending or key in self._staged or key in self.cache.entries:
@@ -230,7 +245,7 @@ class ExpertStore:
             wanted = set(ids)
             for key, (fut, priority) in list(self._pending.items()):
                 if key[0] == layer and key[1] not in wanted and priority == PREFETCH:
-                    self._drop_guess(fut)  # a wrong guess: free the disk for the experts that are needed
+                    self._drop_guess(key, fut)  # a wrong guess: free the disk for the experts that are needed
             for e in ids:
                 key = (layer, e)
                 self.stats.lookups += 1
@@ -259,11 +274,18 @@ class ExpertStore:
         return ready, waiting
 
     def _take(self, key: Key, fut: Future) -> Loaded:
-        """The result of a read the compute thread waited for (a prefetch lands in `staged` first)."""
-        result = fut.result()
+        """The expert of a read the compute thread waited for, claimed (a prefetch may be staged by now)."""
+        try:
+            result = fut.result()
+        except ReadAborted:  # a guess stopped just as it became needed: read it now
+            with self._lock:
+                retry = self._submit(key, DEMAND)
+            result = retry.result()
         with self._lock:
-            staged = self._staged.pop(key, None)
-        return staged if staged is not None else result
+            if self._staged.get(key) is result:
+                del self._staged[key]
+            result.claimed = True
+        return result
 
     def _done_with(self, key: Key, loaded: Loaded, cached: bool) -> None:
         with self._lock:
@@ -282,13 +304,15 @@ class ExpertStore:
                     self._release(loaded)
 
     def _abandon(self, key: Key, fut: Future) -> None:
-        """A read nobody waits for any more (its layer failed): free its slot unless it was staged."""
+        """A read nobody waits for any more (its layer failed): free its slot unless staged or claimed."""
         if fut.cancelled() or fut.exception() is not None:
             return
         with self._lock:
-            if self._staged.get(key) is fut.result():
+            loaded: Loaded = fut.result()
+            if loaded.claimed or self._staged.get(key) is loaded:
                 return
-        self._release(fut.result())
+            loaded.claimed = True
+        self._release(loaded)
 
     def _evicted(self, key: Key, entry: Entry[Loaded]) -> None:
         if entry.prefetched:
