@@ -8,6 +8,7 @@ sees everything wrong with a checkpoint at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -107,6 +108,20 @@ class Checkpoint:
                  if (p.layer is None and top) or (p.layer is not None and (wanted is None or p.layer in wanted))]
         if found:
             raise ModelFormatError(found)
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """Identity of a checkpoint: sha256 of config.json and the safetensors index (or the single file's
+    header), first 16 hex digits. Coordinator and workers must agree on it."""
+    d = Path(model_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    if (d / INDEX_NAME).is_file():
+        h.update((d / INDEX_NAME).read_bytes())
+    elif (d / SINGLE_NAME).is_file():
+        with open(d / SINGLE_NAME, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(min(n, MAX_HEADER_BYTES)))
+    return h.hexdigest()[:16]
 
 
 def open_checkpoint(model_dir: str | Path, config: ModelConfig, *, strict: bool = True) -> Checkpoint:

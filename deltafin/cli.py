@@ -26,7 +26,8 @@ def setup_logging(verbose: int = 0) -> None:
 
 
 def run_cli(main_fn: Callable[[], int]) -> int:
-    """Run an entry point: DeltafinError -> one line and exit 1; Ctrl-C -> exit 130."""
+    """Run an entry point: DeltafinError -> one line and exit 1; Ctrl-C -> exit 130; anything else is a bug:
+    one line too, with the traceback in the debug log (-vv)."""
     try:
         return main_fn()
     except DeltafinError as e:
@@ -37,6 +38,11 @@ def run_cli(main_fn: Callable[[], int]) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        log.debug("unexpected error", exc_info=True)
+        print(f"error: unexpected {type(e).__name__}: {e} (run with -vv for details; please report it)",
+              file=sys.stderr)
+        return 1
 
 
 # ---- subcommands -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +51,10 @@ class SessionOutOfSync(StageError):
 
 
 class OutOfMemory(StageError):
+    pass
+
+
+class Cancelled(StageError):
     pass
 
 
@@ -112,7 +116,8 @@ class StageTimings:
 
 class Stage:
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
-                 options: StageOptions | None = None, experts: ExpertProvider | None = None):
+                 options: StageOptions | None = None, experts: ExpertProvider | None = None,
+                 progress: Callable[[str, float], None] | None = None):
         cfg = ckpt.config
         opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
@@ -135,7 +140,7 @@ class Stage:
                     "this stage fewer layers")
         plan = plan_spine(self.layers_range, self._placed_bytes, self._stored_bytes, self._top_bytes(), spine_budget)
         self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
-                                last=self.last)
+                                last=self.last, progress=progress)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
         if experts is None:
@@ -307,9 +312,11 @@ class Stage:
             raise InvalidInput("residual state contains NaN or Inf")
 
     @torch.inference_mode()
-    def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> list[SeqOutput]:
         """Run the stage on a batch of sequences. The last stage returns logits for the last token of
-        each sequence (or every token with `all_logits`); the others return the residual state."""
+        each sequence (or every token with `all_logits`); the others return the residual state.
+        `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes."""
         if not batch or len({b.session_id for b in batch}) != len(batch):
             raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
         for item in batch:
@@ -322,6 +329,8 @@ class Stage:
         try:
             state, spans = self._input(batch, caches)
             for layer in self.layers_range:
+                if should_stop is not None and should_stop():
+                    raise Cancelled("the forward was cancelled")
                 weights = self.spine.layer(layer)
                 self.spine.prefetch(layer + 1)
                 self._prefetch_experts(layer, state)

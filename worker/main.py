@@ -1,10 +1,124 @@
-"""deltafin-worker entry point."""
+"""`deltafin-worker`: serve one pipeline stage of a Kimi K3 checkpoint over gRPC, announced over Bonjour.
+
+The worker indexes its model directory (which may hold only some layers), measures its disk with the
+expert reader, announces `_deltafin._tcp.local.`, and waits for a coordinator to assign it a layer range.
+SIGTERM/SIGINT: stop announcing, finish or fail in-flight calls within the grace period, exit.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
 import sys
+import time
+
+from deltafin import __version__
+from deltafin.checkpoint import fingerprint, scan_checkpoint
+from deltafin.cli import _add_stage_options, run_cli, setup_logging, stage_options
+from deltafin.config import load_config
+from deltafin.devices import resolve_device, resolve_dtype
+from deltafin.errors import DeltafinError
+from deltafin.transport.codec import WorkerDescription, layer_ranges
+
+log = logging.getLogger("deltafin.worker")
 
 
-def main() -> int:
-    print("deltafin-worker: not yet available in this build (see the status table in README.md)", file=sys.stderr)
-    return 2
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltafin-worker", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (all layers, or only this worker's)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; use 0.0.0.0 or a LAN address to serve other "
+                   "machines, on a network you trust: the worker runs whatever a coordinator asks)")
+    p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed at start)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype (default fp32)")
+    p.add_argument("--name", default=None, help="name in the announcement and plans (default: host name)")
+    p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
+    p.add_argument("--interface", action="append", default=None,
+                   help="announce only on this interface address (repeatable; default: all)")
+    p.add_argument("--disk-gbps", type=float, default=None, help="skip the disk measurement; announce this")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    _add_stage_options(p)
+    return p
+
+
+def measure_disk(ckpt, threads: int, io: str, budget_bytes: int = 256 << 20) -> float:
+    """GB/s of whole-expert reads with the runtime's reader (a quick sample; `deltafin bench --disk`
+    measures properly)."""
+    from deltafin.bench import _read_all
+    from deltafin.weights.reader import plan_read
+
+    cfg = ckpt.config
+    keys = [(layer, e) for layer in ckpt.layers_available() if cfg.is_moe(layer) for e in range(cfg.num_experts)]
+    if not keys:
+        return 0.0
+    random.Random(0).shuffle(keys)
+    count = max(1, min(len(keys), budget_bytes // cfg.bytes_per_expert))
+    return _read_all([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)["disk_GBps"]
+
+
+def total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from deltafin.worker.service import WorkerService, create_server
+
+    from deltafin.discovery import Announcer
+
+    cfg = load_config(args.model)
+    ckpt = scan_checkpoint(args.model, cfg)
+    layers = ckpt.layers_available()
+    if not layers:
+        raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
+    device = resolve_device(args.device)
+    options = stage_options(args)
+    options = type(options)(**{**options.__dict__, "dtype": resolve_dtype(args.dtype)})
+    disk = args.disk_gbps if args.disk_gbps is not None else measure_disk(ckpt, args.threads, args.io)
+    memory = int(args.memory_gb * 1e9) if args.memory_gb else int(0.85 * total_memory())
+    desc = WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
+                             memory_bytes=memory, disk_gbps=disk, model_fingerprint=fingerprint(args.model),
+                             layers=layer_ranges(layers), has_top=ckpt.top_available, version=__version__)
+    service = WorkerService(ckpt, desc, device, options)
+    server, port = await create_server(service, args.host, args.port)
+    desc = desc.__class__(**{**desc.__dict__, "address": f"{args.host}:{port}"})
+    service.description = desc
+    # zeroconf's blocking API runs its own loop: keep it off ours
+    announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
+                                                                         args.interface)
+    print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
+          f"disk {disk:.2f} GB/s)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
+    t0 = time.monotonic()
+    if announcer is not None:
+        await asyncio.to_thread(announcer.close)
+    await service.health.enter_graceful_shutdown()
+    await server.stop(args.grace)
+    await asyncio.to_thread(service.close)
+    log.info("stopped in %.1fs", time.monotonic() - t0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    return run_cli(lambda: asyncio.run(serve(args)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,12 +68,14 @@ def plan_spine(layers: range, placed_bytes: Callable[[int], int], stored_bytes: 
 
 class SpineStore:
     def __init__(self, ckpt: Checkpoint, layers: range, place: Place, plan: SpinePlan, files: ShardFiles, *,
-                 first: bool, last: bool):
+                 first: bool, last: bool, progress: Callable[[str, float], None] | None = None):
         self.cfg: ModelConfig = ckpt.config
         self.ckpt, self.place, self.plan, self.files = ckpt, place, plan, files
         self.stream_place = place
         self.resident: dict[int, LayerWeights] = {}
-        for i in plan.resident:
+        for n, i in enumerate(plan.resident):
+            if progress is not None:
+                progress(f"loading layer {i}", n / max(1, len(plan.resident)))
             self.resident[i] = layer_weights(self.cfg, i, self._read(i, None), place)
         self.top: TopWeights | None = self._load_top(first, last) if first or last else None
         largest = max((self._stored(i) for i in plan.streamed), default=0)

@@ -1,0 +1,171 @@
+"""Where the coordinator's forwards run: in-process stages (single-machine mode) or a cluster of workers.
+
+Both present one async interface, so the generation loop and the HTTP API never know which they drive.
+The cluster routes through the coordinator (the hub, DESIGN.md): ids to stage 0, its residual state to
+stage 1, and so on; every call carries a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from deltafin.pipeline import LocalPipeline
+from deltafin.stage import SeqInput, SeqOutput
+from deltafin.transport import codec
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.status import RemoteError
+
+
+class Backend(Protocol):
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
+
+    async def release(self, session_ids: list[str]) -> None: ...
+
+    async def stats(self) -> list[dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Single-machine mode: the same stages in this process, run on one thread of their own."""
+
+    def __init__(self, pipeline: LocalPipeline):
+        self.pipeline = pipeline
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-local")
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
+
+    async def release(self, session_ids: list[str]) -> None:
+        await self._run(lambda: [self.pipeline.release(s) for s in session_ids])
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return await self._run(lambda: [{"name": f"local-{i}", **s.stats()} for i, s in
+                                        enumerate(self.pipeline.stages)])
+
+    async def close(self) -> None:
+        await self._run(self.pipeline.close)
+        self.executor.shutdown(wait=True)
+
+
+@dataclass
+class Timeouts:
+    forward: float = 600.0  # a long prefill streams every expert of a stage once
+    control: float = 15.0  # Info, Release, Stats, Cancel
+    assign: float = 3600.0  # loading a stage of K3 reads tens of GB
+
+
+class WorkerClient:
+    """A channel to one worker and the layers it serves."""
+
+    def __init__(self, address: str, name: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+                 timeouts: Timeouts | None = None):
+        self.address, self.name = address, name or address
+        self.timeouts = timeouts or Timeouts()
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.start = self.end = 0
+
+    def _error(self, e: grpc.aio.AioRpcError) -> RemoteError:
+        return RemoteError(f"{self.name} ({self.address})", e.code(), e.details() or "")
+
+    async def info(self) -> codec.WorkerDescription:
+        try:
+            msg = await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.control)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        d = codec.decode_info(msg, self.address)
+        self.name = d.name or self.name
+        return d
+
+    async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
+                     progress: Any = None) -> None:
+        request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint, options=codec.pack(options))
+        try:
+            async for update in self.stub.Assign(request, timeout=self.timeouts.assign):
+                if progress is not None:
+                    progress(self, update.message, update.fraction)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        self.start, self.end = start, end
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str) -> list[SeqOutput]:
+        request = pb.ForwardRequest(request_id=request_id, sequences=codec.encode_inputs(batch), all_logits=all_logits)
+        try:
+            response = await self.stub.Forward(request, timeout=self.timeouts.forward)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return codec.decode_outputs(list(response.sequences))
+
+    async def release(self, session_ids: list[str]) -> int:
+        try:
+            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids), timeout=self.timeouts.control)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return r.released
+
+    async def cancel(self, request_id: str) -> bool:
+        try:
+            r = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeouts.control)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return r.cancelled
+
+    async def stats(self) -> dict[str, Any]:
+        try:
+            r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return codec.unpack(r.stats, f"stats of {self.name}")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ClusterBackend:
+    """Stages on workers, called in layer order by the coordinator."""
+
+    def __init__(self, stages: list[WorkerClient]):
+        self.stages = sorted(stages, key=lambda w: w.start)
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        request_id = uuid.uuid4().hex
+        outputs: list[SeqOutput] = []
+        for i, worker in enumerate(self.stages):
+            if i > 0:
+                batch = [SeqInput(b.session_id, b.cache_len, state=o.state) for b, o in zip(batch, outputs,
+                                                                                            strict=True)]
+            try:
+                outputs = await worker.forward(batch, all_logits, request_id)
+            except asyncio.CancelledError:
+                await asyncio.shield(self._cancel(worker, request_id))
+                raise
+        return outputs
+
+    @staticmethod
+    async def _cancel(worker: WorkerClient, request_id: str) -> None:
+        with contextlib.suppress(RemoteError):  # best effort: the worker also stops when the call's deadline passes
+            await worker.cancel(request_id)
+
+    async def release(self, session_ids: list[str]) -> None:
+        await asyncio.gather(*(w.release(session_ids) for w in self.stages), return_exceptions=True)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.stats() for w in self.stages)))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.stages))

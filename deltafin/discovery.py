@@ -1,0 +1,129 @@
+"""Bonjour (zeroconf) announce and browse of `_deltafin._tcp.local.` workers.
+
+A worker's TXT record carries what the coordinator needs to plan before it connects: protocol version,
+device, memory budget, measured disk bandwidth, model fingerprint, and the layer ranges on its disk.
+`interfaces` restricts multicast (tests and benchmarks use ["127.0.0.1"]).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
+
+from deltafin.transport.codec import PROTOCOL_VERSION, WorkerDescription
+
+log = logging.getLogger(__name__)
+
+SERVICE_TYPE = "_deltafin._tcp.local."
+
+
+def txt_record(d: WorkerDescription) -> dict[str, str]:
+    return {
+        "v": str(d.protocol_version),
+        "name": d.name,
+        "dev": d.device,
+        "mem": str(d.memory_bytes),
+        "bw": f"{d.disk_gbps:.3f}",
+        "fp": d.model_fingerprint,
+        "layers": ",".join(f"{a}-{b}" for a, b in d.layers),
+        "top": "1" if d.has_top else "0",
+        "ver": d.version,
+    }
+
+
+def parse_txt(props: dict[bytes, bytes | None], address: str) -> WorkerDescription:
+    """A TXT record back into a description; ValueError when it is not a Deltafin worker's."""
+    p = {k.decode(): (v or b"").decode() for k, v in props.items()}
+    layers = tuple(tuple(int(x) for x in r.split("-")) for r in p.get("layers", "").split(",") if r)
+    if any(len(r) != 2 for r in layers):
+        raise ValueError(f"bad layer ranges {p.get('layers')!r}")
+    return WorkerDescription(
+        name=p["name"], address=address, device=p.get("dev", "?"), memory_bytes=int(p.get("mem", "0")),
+        disk_gbps=float(p.get("bw", "0")), model_fingerprint=p.get("fp", ""),
+        layers=layers,  # type: ignore[arg-type]
+        has_top=p.get("top") == "1", protocol_version=int(p.get("v", "0")), version=p.get("ver", ""))
+
+
+def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
+    if interfaces:
+        return Zeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+    return Zeroconf(ip_version=IPVersion.V4Only)
+
+
+class Announcer:
+    """Registers a worker's service; `close()` withdraws it (goodbye packets)."""
+
+    def __init__(self, d: WorkerDescription, host: str, port: int, interfaces: list[str] | None = None):
+        self.zc = _zeroconf(interfaces)
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in d.name) or "worker"
+        address = host if host not in ("0.0.0.0", "") else _primary_address()
+        self.info = ServiceInfo(SERVICE_TYPE, f"{safe}.{SERVICE_TYPE}", addresses=[socket.inet_aton(address)],
+                                port=port, properties=txt_record(d), server=f"{safe}.local.")
+        self.zc.register_service(self.info, allow_name_change=True)
+        log.info("announced %s at %s:%d", self.info.name, address, port)
+
+    def close(self) -> None:
+        try:
+            self.zc.unregister_service(self.info)
+        finally:
+            self.zc.close()
+
+
+def browse(timeout: float = 3.0, interfaces: list[str] | None = None,
+           expect: int | None = None) -> list[WorkerDescription]:
+    """Workers that answer within `timeout` seconds (sooner once `expect` of them have)."""
+    zc = _zeroconf(interfaces)
+    found: dict[str, WorkerDescription] = {}
+    lock = threading.Lock()
+
+    class Listener(ServiceListener):
+        def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+            info = zc.get_service_info(type_, name, timeout=int(timeout * 1000))
+            if info is None or not info.parsed_addresses():
+                return
+            try:
+                d = parse_txt(info.properties, f"{info.parsed_addresses()[0]}:{info.port}")
+            except (KeyError, ValueError) as e:
+                log.warning("ignoring %s: not a Deltafin worker announcement (%s)", name, e)
+                return
+            with lock:
+                found[name] = d
+
+        update_service = add_service
+
+        def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+            with lock:
+                found.pop(name, None)
+
+    browser = ServiceBrowser(zc, SERVICE_TYPE, Listener())
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with lock:
+                if expect is not None and len(found) >= expect:
+                    break
+            time.sleep(0.05)
+    finally:
+        browser.cancel()
+        zc.close()
+    workers = sorted(found.values(), key=lambda d: d.name)
+    stale = [d.name for d in workers if d.protocol_version != PROTOCOL_VERSION]
+    if stale:
+        log.warning("ignoring workers with another protocol version: %s", ", ".join(stale))
+    return [d for d in workers if d.protocol_version == PROTOCOL_VERSION]
+
+
+def _primary_address() -> str:
+    """The address other machines reach this one at (no packet is sent)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()

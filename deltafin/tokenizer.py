@@ -1,0 +1,156 @@
+"""K3's tokenizer: `tiktoken.model` + `tokenizer_config.json` as a `tokenizers` byte-level BPE.
+
+The ranks become a vocabulary and merges (each merged token split back into the two lower-ranked tokens
+BPE would join), the pre-tokenizer is K3's regex (Oniguruma handles its `&&` class intersections), and
+`ignore_merges` reproduces tiktoken's rule that a chunk already in the vocabulary is one token. The
+result is cached as `tokenizer.json` beside the model when the directory is writable.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from deltafin import vocab
+from deltafin.errors import DeltafinError
+
+log = logging.getLogger(__name__)
+
+CACHE_NAME = "tokenizer.json"
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, which byte-level BPE vocabularies use."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _to_unicode(token: bytes) -> str:
+    table = _byte_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def build_tokenizer(ranks: dict[bytes, int], specials: dict[str, int]) -> Tokenizer:
+    vocab_map = {_to_unicode(tok): rank for tok, rank in ranks.items()}
+    merges = []
+    for tok, rank in sorted(ranks.items(), key=lambda x: x[1]):
+        if len(tok) > 1:
+            parts = vocab.bpe_split(ranks, tok, rank)
+            if len(parts) == 2:
+                merges.append((_to_unicode(parts[0]), _to_unicode(parts[1])))
+    tok = Tokenizer(models.BPE(vocab=vocab_map, merges=merges, ignore_merges=True, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(vocab.PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    # specials keep their ids (163584 + offset for K3); they are matched only when asked for
+    ordered = sorted(specials.items(), key=lambda x: x[1])
+    added = [AddedToken(text, special=True, normalized=False) for text, _ in ordered]
+    tok.add_special_tokens(added)
+    got = {text: tok.token_to_id(text) for text in specials}
+    wrong = [t for t, i in specials.items() if got[t] != i]
+    if wrong:
+        raise DeltafinError(f"special tokens did not land on their ids ({wrong[:3]}...): is tiktoken.model complete?")
+    return tok
+
+
+class K3Tokenizer:
+    """Encode/decode for a K3 (or synthetic K3) model directory."""
+
+    def __init__(self, tok: Tokenizer, ranks: dict[bytes, int], specials: dict[str, int]):
+        self.tok = tok
+        # the same BPE without added tokens: text that merely looks like a special stays text
+        spec = json.loads(tok.to_str())
+        spec["added_tokens"] = []
+        self.plain = Tokenizer.from_str(json.dumps(spec))
+        self.specials = specials
+        self.special_ids = {i: t for t, i in specials.items()}
+        self._bytes = {rank: b for b, rank in ranks.items()}
+        self.vocab_size = len(ranks) + len(specials)
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> K3Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tiktoken.model"
+        if not path.is_file():
+            raise DeltafinError(f"no tiktoken.model in {model_dir}: this checkpoint has no K3 tokenizer")
+        try:
+            ranks = vocab.read_tiktoken(path)
+        except ValueError as e:
+            raise DeltafinError(str(e)) from None
+        specials = _read_specials(model_dir, len(ranks))
+        cached = model_dir / CACHE_NAME
+        tok = None
+        if cached.is_file() and cached.stat().st_mtime >= path.stat().st_mtime:
+            try:
+                tok = Tokenizer.from_file(str(cached))
+            except Exception:  # a stale or foreign tokenizer.json: rebuild it
+                tok = None
+        if tok is None:
+            tok = build_tokenizer(ranks, specials)
+            try:
+                tok.save(str(cached))
+            except OSError:
+                log.debug("cannot cache %s (read-only model directory)", cached)
+        return cls(tok, ranks, specials)
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. With allow_special, special-token text becomes the special ids; without,
+        it is ordinary text (a user typing `<|open|>` gets plain BPE)."""
+        return (self.tok if allow_special else self.plain).encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self.special_ids:
+            return self.special_ids[token_id].encode()
+        try:
+            return self._bytes[token_id]
+        except KeyError:
+            raise DeltafinError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})") from None
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        data = b"".join(self.token_bytes(i) for i in ids if not (skip_special and i in self.special_ids))
+        return data.decode("utf-8", errors="replace")
+
+
+def _read_specials(model_dir: Path, n_base: int) -> dict[str, int]:
+    cfg_path = model_dir / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return vocab.special_tokens(n_base)
+    try:
+        decoder = json.loads(cfg_path.read_text()).get("added_tokens_decoder", {})
+        return {entry["content"]: int(i) for i, entry in decoder.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DeltafinError(f"{cfg_path} is not a valid tokenizer config: {e}") from None
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces that never end mid-character: bytes of an incomplete
+    UTF-8 sequence wait for the next token; `flush()` ends the stream (invalid bytes become U+FFFD)."""
+
+    def __init__(self, tokenizer: K3Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if self.skip_special and token_id in self.tokenizer.special_ids:
+            return ""
+        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,1 @@
+"""Generated from proto/deltafin.proto by `python -m deltafin.transport.generate`."""

@@ -1,0 +1,61 @@
+"""Helpers for tests that run real worker processes on the loopback interface."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+class WorkerProcess:
+    def __init__(self, model: Path, name: str, *extra: str, announce: bool = False):
+        cmd = [sys.executable, "-m", "deltafin.worker.main", "--model", str(model), "--port", "0", "--name", name,
+               "--disk-gbps", "2.0", "--memory-gb", "4", "--grace", "3", *extra]
+        cmd += ["--interface", "127.0.0.1"] if announce else ["--no-announce"]
+        self.name = name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.address = ""
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker {self.name} exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                continue
+            m = LISTENING.search(line)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                return self.address
+        raise TimeoutError(f"worker {self.name} did not start")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextmanager
+def workers(model: Path, n: int, *extra: str, announce: bool = False, prefix: str = "w"):
+    procs = [WorkerProcess(model, f"{prefix}{i}", *extra, announce=announce) for i in range(n)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()

@@ -1,0 +1,127 @@
+"""The cluster with real worker processes on 127.0.0.1: 1, 2 and 3 workers give exactly what
+single-machine mode gives; discovery finds announced workers; the CLI plans and generates; shutdown is
+graceful."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cluster_util import workers
+from deltafin.coordinator.backend import LocalBackend
+from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+from deltafin.coordinator.generation import Finished, Request, generate
+
+from deltafin.discovery import browse
+from deltafin.pipeline import LocalPipeline
+from deltafin.stage import SeqInput
+
+PROMPT = [5, 100, 300, 7, 9, 700, 12, 44]
+
+
+async def _run(backend, steps: int = 6) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """Prefill logits for every prompt position, then a greedy continuation with its logits."""
+    try:
+        prefill = (await backend.forward([SeqInput("p", 0, ids=torch.tensor(PROMPT))], all_logits=True))[0].logits
+        await backend.release(["p"])
+        ids, rows = [], []
+        async for event in generate(backend, None, Request(PROMPT, steps, return_logits=True)):
+            if not isinstance(event, Finished):
+                ids.append(event.token_id)
+                rows.append(event.logits)
+        return prefill, ids, rows
+    finally:
+        await backend.close()
+
+
+@pytest.fixture(scope="module")
+def local_result(small_dir):
+    return asyncio.run(_run(LocalBackend(LocalPipeline.load(small_dir, 1, device="cpu"))))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_cluster_equals_local(small_dir, local_result, n):
+    with workers(small_dir, n) as procs:
+        spec = ClusterSpec(small_dir, addresses=[p.address for p in procs], discover=False)
+
+        async def run():
+            backend, plan = await connect_cluster(spec, show_progress=False)
+            assert len(plan.stages) == n and plan.stages[0].start == 0 and plan.stages[-1].end == 8
+            return await _run(backend)
+
+        prefill, ids, rows = asyncio.run(run())
+    want_prefill, want_ids, want_rows = local_result
+    assert torch.equal(prefill, want_prefill)  # fp32 on the CPU: bit-identical
+    assert ids == want_ids
+    assert all(torch.equal(a, b) for a, b in zip(rows, want_rows, strict=True))
+
+
+def test_discovery_finds_announced_workers_and_txt_round_trips(tiny_dir):
+    with workers(tiny_dir, 2, announce=True, prefix="disc") as procs:
+        found = {d.name: d for d in browse(timeout=5, interfaces=["127.0.0.1"], expect=2)}
+        assert {"disc0", "disc1"} <= set(found)
+        d = found["disc0"]
+        assert d.address == procs[0].address
+        assert d.layers == ((0, 6),) and d.has_top and d.memory_bytes == 4 * 10**9 and d.disk_gbps == 2.0
+        # the TXT record says what Info says
+        from deltafin.coordinator.backend import WorkerClient
+
+        async def info():
+            client = WorkerClient(d.address)
+            try:
+                return await client.info()
+            finally:
+                await client.close()
+
+        i = asyncio.run(info())
+        assert (i.model_fingerprint, i.layers, i.has_top, i.device) == (d.model_fingerprint, d.layers, d.has_top,
+                                                                          d.device)
+        # SIGTERM: graceful exit, and the announcement is withdrawn
+        assert procs[1].stop() == 0
+        time.sleep(0.5)
+        names = {w.name for w in browse(timeout=2, interfaces=["127.0.0.1"])}
+        assert "disc1" not in names and "disc0" in names
+
+
+def _coordinator(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltafin.coordinator.main", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_generate_and_plan_match_local(tiny_dir):
+    local = _coordinator("--model", str(tiny_dir), "--local", "generate", "Hello world", "--max-tokens", "6",
+                         "--json")
+    assert local.returncode == 0, local.stderr
+    with workers(tiny_dir, 2, announce=True, prefix="cli") as procs:
+        r = _coordinator("--model", str(tiny_dir), "--interface", "127.0.0.1", "--expect", "2", "generate",
+                         "Hello world", "--max-tokens", "6", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ids"] == json.loads(local.stdout)["ids"]
+        assert "cli0" in r.stderr and "cli1" in r.stderr  # the plan table
+        plan = _coordinator("--model", str(tiny_dir), "--no-discover", "--worker", procs[0].address, "plan")
+        assert plan.returncode == 0 and "0-5" in plan.stdout
+    gone = _coordinator("--model", str(tiny_dir), "--no-discover", "--worker", "127.0.0.1:1", "plan")
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr and "127.0.0.1:1" in gone.stderr
+
+
+def test_worker_refuses_a_coordinator_with_another_model(tiny_dir, small_dir):
+    with workers(tiny_dir, 1) as procs:
+        r = _coordinator("--model", str(small_dir), "--no-discover", "--worker", procs[0].address, "plan")
+    assert r.returncode == 1 and "no usable workers" in r.stderr
+
+
+def test_worker_start_errors_are_clear(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "deltafin.worker.main", "--model", str(tmp_path), "--no-announce"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigint_stops_an_idle_worker(tiny_dir):
+    with workers(tiny_dir, 1) as procs:
+        assert procs[0].stop(signal.SIGINT) == 0

@@ -1,0 +1,180 @@
+"""Wire format: the generated code is current; residual states of every block count round-trip exactly;
+malformed messages get INVALID_ARGUMENT from a running worker, which keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from deltafin.checkpoint import fingerprint, scan_checkpoint
+from deltafin.config import load_config
+from deltafin.models.attn_res import ResidualState
+from deltafin.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.transport import codec
+from deltafin.transport.codec import CodecError, WorkerDescription, layer_ranges
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+
+
+def test_generated_code_is_current():
+    from deltafin.transport.generate import FILES, OUT, generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = generate(Path(tmp))
+    for name in FILES:
+        assert (OUT / name).read_text() == fresh[name], f"{name} is stale: run python -m deltafin.transport.generate"
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_states_round_trip_exactly(blocks, dtype):
+    g = torch.Generator().manual_seed(blocks)
+    state = ResidualState(torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, blocks, 64, generator=g).to(dtype))
+    msgs = codec.encode_inputs([SeqInput("s", 3, state=state), SeqInput("t", 0, ids=torch.tensor([1, 2, 3]))])
+    wire = pb.ForwardRequest(sequences=msgs).SerializeToString()
+    back = codec.decode_inputs(list(pb.ForwardRequest.FromString(wire).sequences))
+    assert torch.equal(back[0].state.P, state.P) and torch.equal(back[0].state.B, state.B)
+    assert back[0].state.B.dtype == dtype and back[0].cache_len == 3
+    assert torch.equal(back[1].ids, torch.tensor([1, 2, 3]))
+    # size per token on the wire: (1 + n) * D * dtype size, plus a few bytes of framing
+    per_token = ResidualState.nbytes_per_token(blocks, 64, state.P.element_size())
+    assert len(msgs[0].p.data) + len(msgs[0].b.data) == 5 * per_token
+    out = codec.decode_outputs(codec.encode_outputs([SeqOutput("s", logits=torch.randn(2, 10))]))
+    assert out[0].logits.shape == (2, 10)
+
+
+BAD = [
+    ("unknown dtype", pb.Tensor(dtype="float64", shape=[1, 64], data=b"\0" * 512), "unknown dtype"),
+    ("short data", pb.Tensor(dtype="float32", shape=[2, 64], data=b"\0" * 100), "bytes of data"),
+    ("absurd shape", pb.Tensor(dtype="float32", shape=[1 << 40, 1 << 20], data=b""), "absurd"),
+    ("negative dim", pb.Tensor(dtype="float32", shape=[-1, 64], data=b""), "invalid shape"),
+    ("rank 9", pb.Tensor(dtype="float32", shape=[1] * 9, data=b"\0" * 4), "invalid shape"),
+]
+
+
+@pytest.mark.parametrize("name, tensor, message", BAD, ids=[b[0] for b in BAD])
+def test_codec_rejects_malformed_tensors(name, tensor, message):
+    with pytest.raises(CodecError, match=message):
+        codec.decode_tensor(tensor, "t")
+
+
+def test_layer_ranges():
+    assert layer_ranges([0, 1, 2, 5, 6, 9]) == ((0, 3), (5, 7), (9, 10))
+    d = WorkerDescription("w", "", "cpu", 1, 1.0, "fp", ((0, 3), (5, 7)), True)
+    assert d.has_layers(0, 3) and d.has_layers(5, 7) and not d.has_layers(2, 6)
+
+
+@pytest.fixture
+def served(tiny_dir):
+    """An in-process worker serving the last layers of `tiny` (a middle/last stage takes residual states)."""
+    from deltafin.worker.service import WorkerService, create_server
+
+    cfg = load_config(tiny_dir)
+    ckpt = scan_checkpoint(tiny_dir, cfg)
+    desc = WorkerDescription("t", "", "cpu", 10**9, 1.0, fingerprint(tiny_dir), layer_ranges(ckpt.layers_available()),
+                             True)
+
+    async def start():
+        service = WorkerService(ckpt, desc, torch.device("cpu"), StageOptions())
+        server, port = await create_server(service, "127.0.0.1", 0)
+        return service, server, port
+
+    return start, cfg
+
+
+async def _assign(stub, tiny_dir, start, end):
+    async for _ in stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(tiny_dir),
+                                             options=codec.pack({"dtype": "fp32"})), timeout=60):
+        pass
+
+
+def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(served, tiny_dir):
+    start, cfg = served
+    d = cfg.hidden_size
+    n = cfg.blocks_entering(3)
+
+    def seq(**kw) -> pb.SequenceInput:
+        return pb.SequenceInput(session_id="s", cache_len=0, **kw)
+
+    def f32(*shape, nbytes=None) -> pb.Tensor:
+        size = 4 * int(torch.tensor(shape).prod()) if nbytes is None else nbytes
+        return pb.Tensor(dtype="float32", shape=list(shape), data=b"\0" * size)
+
+    cases = [
+        ("no input", seq(), "exactly one of ids"),
+        ("ids and state", seq(ids=pb.Tensor(dtype="int64", shape=[1], data=b"\0" * 8), p=f32(1, d), b=f32(1, n, d)),
+         "exactly one of ids"),
+        ("wrong width", seq(p=f32(1, d + 1), b=f32(1, n, d + 1)), "P [T, 64]"),
+        ("wrong block count", seq(p=f32(1, d), b=f32(1, n + 1, d)), f"B [T, {n}, 64]"),
+        ("wrong size", seq(p=f32(1, d, nbytes=3), b=f32(1, n, d)), "bytes of data"),
+        ("bad dtype", seq(p=pb.Tensor(dtype="complex64", shape=[1, d], data=b""), b=f32(1, n, d)), "unknown dtype"),
+        ("empty session", pb.SequenceInput(session_id="", p=f32(1, d), b=f32(1, n, d)), "empty session id"),
+    ]
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing assigned yet
+                await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(1, d), b=f32(1, n, d))]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await _assign(stub, tiny_dir, 3, 6)
+            for name, s, message in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Forward(pb.ForwardRequest(sequences=[s]), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert message in e.value.details(), (name, e.value.details())
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # an unknown session
+                await stub.Forward(pb.ForwardRequest(sequences=[pb.SequenceInput(session_id="x", cache_len=5,
+                                                                                  p=f32(1, d), b=f32(1, n, d))]),
+                                   timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            ok = await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(2, d), b=f32(2, n, d))]), timeout=30)
+            assert ok.sequences[0].logits.shape == [1, cfg.vocab_size]
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stats = codec.unpack((await stub.Stats(pb.StatsRequest(), timeout=5)).stats, "stats")
+            assert stats["state"] == "ready" and stats["layers"] == [3, 6] and stats["sessions"] == 1
+            released = await stub.Release(pb.ReleaseRequest(session_ids=["s", "nope"]), timeout=5)
+            assert released.released == 1
+        await server.stop(0)
+        service.close()
+
+    asyncio.run(run())
+
+
+def test_assignment_is_checked(served, tiny_dir):
+    start, _ = served
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            for assignment, code, message in [
+                (pb.Assignment(start=0, end=6, model_fingerprint="0" * 16), grpc.StatusCode.FAILED_PRECONDITION,
+                 "both must use the same model files"),
+                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir), options=b"\xc1"),
+                 grpc.StatusCode.INVALID_ARGUMENT, "not a msgpack map"),
+                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
+                               options=codec.pack({"warp_drive": True})), grpc.StatusCode.INVALID_ARGUMENT,
+                 "unknown stage options"),
+                (pb.Assignment(start=4, end=9, model_fingerprint=fingerprint(tiny_dir)),
+                 grpc.StatusCode.FAILED_PRECONDITION, "not all on this worker's disk"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Assign(assignment, timeout=10):
+                        pass
+                assert e.value.code() == code and message in e.value.details()
+            info = await stub.Info(pb.InfoRequest(), timeout=5)
+            assert info.state == "idle"
+        await server.stop(0)
+        service.close()
+
+    asyncio.run(run())

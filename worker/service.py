@@ -1,0 +1,208 @@
+"""The worker's gRPC servicer: thin adapters between the wire format and one Stage.
+
+One thread owns the stage (loading and every forward run there, in order); RPC handlers decode, hand
+the work to that thread, and encode. Every Deltafin error maps to one gRPC status (transport/status.py);
+anything else is logged and answered INTERNAL, and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from deltafin.checkpoint import Checkpoint
+from deltafin.devices import exact_fp32, resolve_dtype
+from deltafin.errors import DeltafinError
+from deltafin.stage import Stage, StageOptions
+from deltafin.transport import codec
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, CodecError, WorkerDescription
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.status import FingerprintMismatch, NotAssigned, status_for
+
+log = logging.getLogger(__name__)
+
+
+
+def options_from_wire(data: bytes, defaults: StageOptions) -> StageOptions:
+    """Stage options sent by the coordinator (msgpack map) over this worker's defaults."""
+    raw = codec.unpack(data, "assignment options")
+    known = {f.name for f in dataclasses.fields(StageOptions)}
+    unknown = set(raw) - known
+    if unknown:
+        raise CodecError(f"unknown stage options {sorted(unknown)}")
+    if "dtype" in raw:
+        raw["dtype"] = resolve_dtype(str(raw["dtype"]))
+    try:
+        return dataclasses.replace(defaults, **raw)
+    except TypeError as e:
+        raise CodecError(f"bad stage options: {e}") from None
+
+
+def options_to_wire(options: dict[str, Any]) -> bytes:
+    return codec.pack(options)
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, ckpt: Checkpoint, description: WorkerDescription, device: torch.device,
+                 defaults: StageOptions):
+        self.ckpt, self.device, self.defaults = ckpt, device, defaults
+        self.description = description
+        self.stage: Stage | None = None
+        self.state = "idle"
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
+        self.running: dict[str, threading.Event] = {}  # request id -> stop flag
+        self._assign_lock = asyncio.Lock()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    async def _on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, e: BaseException) -> None:
+        code = status_for(e)
+        if not isinstance(e, DeltafinError):
+            log.exception("unexpected error")
+            await context.abort(code, f"internal error: {type(e).__name__}: {e}")
+        await context.abort(code, str(e))
+
+    def info(self) -> WorkerDescription:
+        assigned = (self.stage.start, self.stage.end) if self.stage is not None else (0, 0)
+        return dataclasses.replace(self.description, state=self.state, assigned=assigned)
+
+    # ---- RPCs --------------------------------------------------------------------------------------
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
+        return codec.encode_info(self.info())
+
+    async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
+            pb.AssignProgress]:
+        try:
+            if request.model_fingerprint != self.description.model_fingerprint:
+                raise FingerprintMismatch(
+                    f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
+                    f"{request.model_fingerprint}: both must use the same model files")
+            options = options_from_wire(request.options, self.defaults)
+            if not self.description.has_layers(request.start, request.end):
+                raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
+                                  f"(it has {self.description.layers})")
+        except Exception as e:
+            await self._fail(context, e)
+            return
+        async with self._assign_lock:
+            queue: asyncio.Queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def progress(message: str, fraction: float) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (message, fraction))
+
+            old, self.stage, self.state = self.stage, None, "loading"
+            task = asyncio.ensure_future(self._on_stage_thread(self._load, old, request.start, request.end,
+                                                               options, progress))
+            while not task.done():
+                try:
+                    message, fraction = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    yield pb.AssignProgress(message=message, fraction=fraction)
+                except asyncio.TimeoutError:
+                    continue
+            try:
+                self.stage = task.result()
+            except Exception as e:
+                self.state = "failed"
+                await self._fail(context, e)
+                return
+            self.state = "ready"
+            yield pb.AssignProgress(message=f"layers {request.start}-{request.end - 1} ready", fraction=1.0,
+                                    ready=True)
+
+    def _load(self, old: Stage | None, start: int, end: int, options: StageOptions,
+              progress: Callable[[str, float], None]) -> Stage:
+        if old is not None:
+            old.close()
+        if options.dtype == torch.float32:
+            exact_fp32()
+        log.info("loading layers [%d, %d) on %s", start, end, self.device)
+        return Stage(self.ckpt, start, end, device=self.device, options=options, progress=progress)
+
+    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+        stop = threading.Event()
+        rid = request.request_id
+        try:
+            if self.stage is None:
+                raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
+            batch = codec.decode_inputs(list(request.sequences))
+            if rid:
+                self.running[rid] = stop
+            stage = self.stage
+            outputs = await self._on_stage_thread(
+                lambda: stage.forward(batch, all_logits=request.all_logits, should_stop=stop.is_set))
+            return pb.ForwardResponse(sequences=codec.encode_outputs(outputs))
+        except asyncio.CancelledError:  # the caller went away (deadline, disconnect): stop between layers
+            stop.set()
+            raise
+        except Exception as e:
+            await self._fail(context, e)
+        finally:
+            if rid:
+                self.running.pop(rid, None)
+        return pb.ForwardResponse()  # not reached: _fail aborts
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        stage = self.stage
+        if stage is None:
+            return pb.ReleaseResponse(released=0)
+        ids = list(request.session_ids)
+        released = await self._on_stage_thread(lambda: sum(stage.release(s) for s in ids))
+        return pb.ReleaseResponse(released=released)
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        flag = self.running.get(request.request_id)
+        if flag is not None:
+            flag.set()
+        return pb.CancelResponse(cancelled=flag is not None)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stage = self.stage
+        stats: dict[str, Any] = {"state": self.state, "name": self.description.name}
+        if stage is not None:
+            stats.update(stage.stats())
+            stats["sessions"] = len(stage.sessions)
+            stats["session_bytes"] = stage.session_bytes()
+            stats["layers"] = [stage.start, stage.end]
+        return pb.StatsResponse(stats=codec.pack(stats))
+
+    def close(self) -> None:
+        for flag in self.running.values():
+            flag.set()
+        if self.stage is not None:
+            self.executor.submit(self.stage.close).result()
+        self.executor.shutdown(wait=True)
+
+
+async def create_server(service: WorkerService, host: str, port: int,
+                        max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for `service` plus the standard health service; returns (server, bound port)."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise DeltafinError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("deltafin.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+    service.health = health_servicer  # type: ignore[attr-defined]
+    return server, bound
