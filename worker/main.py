@@ -96,12 +96,12 @@ async def serve(args: argparse.Namespace) -> int:
     # zeroconf's blocking API runs its own loop: keep it off ours
     announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
                                                                          args.interface)
-    print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
-          f"disk {disk:.2f} GB/s)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
+          f"disk {disk:.2f} GB/s)", flush=True)
     await stop.wait()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
     t0 = time.monotonic()

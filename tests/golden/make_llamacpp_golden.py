@@ -39,10 +39,12 @@ GREEDY_STEPS = 12
 
 
 def checkpoint_digest(d: Path) -> str:
+    """sha256 over the files that define the model (tokenizer caches written later do not count)."""
     h = hashlib.sha256()
     for p in sorted(d.iterdir()):
-        h.update(p.name.encode())
-        h.update(hashlib.sha256(p.read_bytes()).digest())
+        if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json"):
+            h.update(p.name.encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
     return h.hexdigest()
 
 
