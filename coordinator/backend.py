@@ -52,8 +52,9 @@ class LocalBackend:
         await self._run(lambda: [self.pipeline.release(s) for s in session_ids])
 
     async def stats(self) -> list[dict[str, Any]]:
-        return await self._run(lambda: [{"name": f"local-{i}", **s.stats()} for i, s in
-                                        enumerate(self.pipeline.stages)])
+        return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
+                                         "session_bytes": s.session_bytes(), "layers": [s.start, s.end]}
+                                        for i, s in enumerate(self.pipeline.stages)])
 
     async def close(self) -> None:
         await self._run(self.pipeline.close)

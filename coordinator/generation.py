@@ -1,30 +1,65 @@
 """The token loop: prefill the prompt, then one forward per token, over any Backend.
 
-`generate` is an async generator of events: a `TokenEvent` per generated token (id, text that is safe
-to print, and its logits if asked), then one `Finished` with the reason and usage. Closing the
-generator early (a cancelled request, a client that went away) releases the session on every stage.
+`generate` is an async generator of events:
+
+- `TokenEvent` per generated token: its id, the text it released (`delta`: reasoning, response text and
+  finished tool calls, as the request's `TextView` splits them; never half a UTF-8 character, never text
+  that might still turn into a stop string), its logprob and top alternatives when asked for.
+- `Finished` once at the end: why (`stop` on a stop token or stop string, `length` at max_tokens), the
+  text still held back, token usage and timing.
+
+Stop strings match the response text only (the `content` of a delta; reasoning is never cut). The stop
+token and the stop string themselves are not part of the output. Closing the generator early (a
+cancelled request, a client that went away) releases the session on every stage, as does finishing.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from deltafin.stage import SeqInput
+from deltafin.chat import Delta
+from deltafin.sampling import Choice, Sampler, SamplingParams, StopMatcher
+from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer, StreamDecoder
 
-from .backend import Backend
+# One sequence's forward, batched with other requests' by the scheduler (or run alone).
+Forward = Callable[[SeqInput], Awaitable[SeqOutput]]
+Release = Callable[[str], Awaitable[None]]
+
+
+class TextView(Protocol):
+    """Turns generated token ids into text deltas (plain text, or the chat format's channels)."""
+
+    def push(self, token_id: int) -> Delta: ...
+
+    def flush(self) -> Delta: ...
+
+
+class PlainText:
+    """All output is response text; special tokens are left out (as OpenAI-style servers do)."""
+
+    def __init__(self, tokenizer: K3Tokenizer, skip_special: bool = True):
+        self.decoder = StreamDecoder(tokenizer, skip_special=skip_special)
+
+    def push(self, token_id: int) -> Delta:
+        return Delta(content=self.decoder.push(token_id))
+
+    def flush(self) -> Delta:
+        return Delta(content=self.decoder.flush())
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
-    text: str  # complete characters only (a multi-byte character split over tokens waits for its end)
-    logits: torch.Tensor | None = None  # fp32 [vocab], when asked for
+    delta: Delta
+    choice: Choice  # the id again, with its logprob and the top alternatives when asked for
+    logits: torch.Tensor | None = None  # fp32 [vocab] when the request asks for them (tests, tools)
 
 
 @dataclass(frozen=True)
@@ -38,65 +73,85 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" | "length"
-    usage: Usage
-    text: str = ""  # characters still held back by the stream decoder
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+class Timing:
+    prefill_s: float  # the prompt's forward, including the first token's logits
+    decode_s: float  # every later forward
+
+    decode_steps: int = 0  # forwards after the prefill (the first token comes from the prefill)
 
     @property
     def tokens_per_second(self) -> float:
-        n = self.usage.completion_tokens - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+        return 0.0 if self.decode_s <= 0 else self.decode_steps / self.decode_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 0.0 if self.decode_steps == 0 else self.decode_s / self.decode_steps
 
 
-Chooser = Callable[[torch.Tensor, list[int]], int]  # (logits [vocab], tokens so far) -> next id
-
-
-def greedy(logits: torch.Tensor, history: list[int]) -> int:
-    return int(logits.argmax())
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length"
+    usage: Usage
+    delta: Delta  # text held back until the end (an incomplete character, a partial stop-string match)
+    timing: Timing
+    stopped_by: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
 class Request:
     prompt_ids: list[int]
     max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     stop_ids: frozenset[int] = frozenset()
-    choose: Chooser = greedy
+    stop_strings: list[str] = field(default_factory=list)
     return_logits: bool = False
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-async def generate(backend: Backend, tokenizer: K3Tokenizer | None, req: Request) -> AsyncIterator[
+async def generate(forward: Forward, release: Release, view: TextView, req: Request) -> AsyncIterator[
         TokenEvent | Finished]:
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
-    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-    history = list(req.prompt_ids)
+    if req.max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    sampler = Sampler(req.sampling, req.prompt_ids)
+    stops = StopMatcher(req.stop_strings) if req.stop_strings else None
+    length = len(req.prompt_ids)
     produced = 0
-    reason = "length"
+    reason, stopped_by = "length", None
     t0 = time.monotonic()
     t_prefill = 0.0
     try:
-        logits = (await backend.forward([SeqInput(req.session_id, 0, ids=torch.tensor(history))]))[0].logits
+        out = await forward(SeqInput(req.session_id, 0, ids=torch.tensor(req.prompt_ids)))
         t_prefill = time.monotonic() - t0
-        while produced < req.max_tokens:
-            row = logits[-1].float()
-            token = req.choose(row, history)
+        while True:
+            row = out.logits[-1].float()  # type: ignore[index]
+            choice = sampler(row)
+            token = choice.token_id
             produced += 1
-            history.append(token)
-            text = decoder.push(token) if decoder is not None else ""
-            yield TokenEvent(token, text, row if req.return_logits else None)
             if token in req.stop_ids:
-                reason = "stop"
+                reason, stopped_by = "stop", token
+                yield TokenEvent(token, Delta(), choice, row if req.return_logits else None)
                 break
+            delta = view.push(token)
+            if stops is not None and delta.content:
+                delta.content, hit = stops.push(delta.content)
+                if hit is not None:
+                    reason, stopped_by = "stop", hit
+                    yield TokenEvent(token, delta, choice, row if req.return_logits else None)
+                    break
+            yield TokenEvent(token, delta, choice, row if req.return_logits else None)
             if produced >= req.max_tokens:
                 break
-            step = SeqInput(req.session_id, len(history) - 1, ids=torch.tensor([token]))
-            logits = (await backend.forward([step]))[0].logits
-        tail = decoder.flush() if decoder is not None else ""
-        yield Finished(reason, Usage(len(req.prompt_ids), produced), tail, t_prefill,
-                       time.monotonic() - t0 - t_prefill)
+            out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token])))
+            length += 1
+        tail = Delta() if reason == "stop" and isinstance(stopped_by, str) else view.flush()
+        if stops is not None and not isinstance(stopped_by, str):
+            tail.content, hit = stops.push(tail.content)
+            tail.content += "" if hit is not None else stops.flush()
+            if hit is not None:
+                reason, stopped_by = "stop", hit
+        yield Finished(reason, Usage(len(req.prompt_ids), produced), tail,
+                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by)
     finally:
-        await backend.release([req.session_id])
+        await release(req.session_id)

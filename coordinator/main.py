@@ -1,8 +1,9 @@
-"""`deltafin-coordinator`: find workers, plan the layers over them, and generate.
+"""`deltafin-coordinator`: find workers, plan the layers over them, and generate or serve.
 
-    deltafin-coordinator --model DIR plan                  show the plan only
-    deltafin-coordinator --model DIR generate "prompt"     generate, printing tokens as they come
-    deltafin-coordinator --model DIR --local generate ...  single-machine mode: the same loop, in-process
+    deltafin-coordinator --model DIR plan                    show the plan only
+    deltafin-coordinator --model DIR generate "prompt"       generate, printing tokens as they come
+    deltafin-coordinator --model DIR serve --port 8000       the OpenAI-compatible HTTP API
+    deltafin-coordinator --model DIR --local generate ...    single-machine mode: the same loop, in-process
 
 Workers are found over Bonjour (`_deltafin._tcp.local.`) and/or named with --worker host:port.
 """
@@ -14,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,8 @@ from deltafin.errors import DeltafinError
 log = logging.getLogger("deltafin.coordinator")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-coordinator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Where the model runs: discovered/named workers, or in-process (--local)."""
     p.add_argument("--model", required=True, help="the checkpoint directory (same files as the workers')")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                    help="a worker to use (repeatable); discovered workers are added unless --no-discover")
@@ -39,15 +40,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-stages", type=int, default=1, help="--local: in-process stages (default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="--local: device")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype")
+    _add_stage_options(p)
+
+
+def add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default {temperature:g})")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one's p")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):  # -> SamplingParams
+    from deltafin.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def add_serving_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-active", type=int, default=4,
+                   help="requests generating at once; their steps are batched (default 4)")
+    p.add_argument("--queue-depth", type=int, default=16,
+                   help="requests waiting for a slot; more are refused with 429 (default 16)")
+    p.add_argument("--max-context", type=int, default=131072,
+                   help="prompt + generated tokens per request (default 131072)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltafin-coordinator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cluster_options(p)
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
-    _add_stage_options(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    g = sub.add_parser("generate", help="generate a continuation of a prompt")
+    g = sub.add_parser("generate", help="generate a continuation of a prompt (greedy unless --temperature)",
+                       description="Generate a continuation of PROMPT (plain text, no chat format), printing "
+                       "tokens as they come and a stats line (tok/s, s/token, bytes read, hit rate) on stderr.")
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--max-tokens", type=int, default=32)
+    add_sampling_options(g, temperature=0.0)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
     sub.add_parser("plan", help="find workers and print the layer plan (assigns nothing)")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                       "/metrics. Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients ask for (default: the model directory's name)")
+    s.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="max tokens for chat requests that do not say (default 4096)")
+    s.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (default 8 MB)")
+    add_serving_options(s)
     return p
 
 
@@ -81,6 +132,18 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
     return backend
 
 
+async def open_engine(args: argparse.Namespace, name: str | None = None, **serving: Any):
+    """Tokenizer and config first (fast, clear errors), then the backend, as one Engine."""
+    from deltafin.tokenizer import K3Tokenizer
+
+    from .engine import Engine
+
+    cfg = load_config(args.model)
+    tokenizer = K3Tokenizer.load(args.model)
+    backend = await open_backend(args)
+    return Engine(backend, tokenizer, cfg, name or Path(args.model).resolve().name, **serving)
+
+
 async def cmd_plan(args: argparse.Namespace) -> int:
     from deltafin.planner import plan_layers
 
@@ -98,59 +161,92 @@ async def cmd_plan(args: argparse.Namespace) -> int:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from deltafin.tokenizer import K3Tokenizer
+    from .generation import Finished, PlainText
 
-    from .generation import Finished, Request, generate
-
-    tokenizer = K3Tokenizer.load(args.model)
-    cfg = load_config(args.model)
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
-        raise DeltafinError("the prompt is empty")
-    stops = frozenset(i for i in (cfg.eos_token_id, tokenizer.specials.get("[EOS]")) if i is not None)
-    backend = await open_backend(args)
-    out_ids: list[int] = []
-    text: list[str] = []
+    params = sampling_params(args)  # bad values fail before anything loads
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise DeltafinError("--max-tokens must be at least 1")
+    engine = await open_engine(args)
     try:
-        async for event in generate(backend, tokenizer, Request(ids, args.max_tokens, stops)):
+        ids = engine.tokenizer.encode(args.prompt)
+        if not ids:
+            raise DeltafinError("the prompt is empty")
+        out_ids: list[int] = []
+        text: list[str] = []
+        finished = None
+        async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens or 32,
+                                      sampling=params, stop=args.stop):
             if isinstance(event, Finished):
-                text.append(event.text)
                 finished = event
             else:
                 out_ids.append(event.token_id)
-                text.append(event.text)
-                if not args.json:
-                    print(event.text, end="", flush=True)
-        stats = await backend.stats()
+            piece = event.delta.content
+            text.append(piece)
+            if not args.json:
+                print(piece, end="", flush=True)
+        stats = await engine.worker_stats()
     finally:
-        await backend.close()
-    summary = _summary(finished, stats)
+        await engine.close()
+    assert finished is not None
+    summary = run_summary(finished, stats)
     if args.json:
         print(json.dumps({"prompt_ids": ids, "ids": out_ids, "text": "".join(text), "finish_reason": finished.reason,
                           **summary}))
     else:
-        print(finished.text)
-        print(f"[{summary['completion_tokens']} tokens, {summary['tok_per_s']:.2f} tok/s, "
-              f"{summary['s_per_token']:.3f} s/token, {summary['bytes_read'] / 1e9:.3f} GB read, "
-              f"expert hit rate {summary['hit_rate']:.1%}]", file=sys.stderr)
+        print()
+        print(format_summary(summary), file=sys.stderr)
     return 0
 
 
-def _summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
+def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages)."""
     experts = [s.get("experts", {}) for s in stats]
     lookups = sum(e.get("lookups", 0) for e in experts)
-    n = finished.usage.completion_tokens
-    return {"prompt_tokens": finished.usage.prompt_tokens, "completion_tokens": n,
-            "tok_per_s": finished.tokens_per_second,
-            "s_per_token": finished.decode_seconds / max(1, n - 1), "prefill_s": finished.prefill_seconds,
-            "bytes_read": sum(e.get("bytes_read", 0) + 0 for e in experts),
-            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else 0.0}
+    t = finished.timing
+    return {"prompt_tokens": finished.usage.prompt_tokens, "completion_tokens": finished.usage.completion_tokens,
+            "tok_per_s": t.tokens_per_second, "s_per_token": t.seconds_per_token, "prefill_s": t.prefill_s,
+            "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
+            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    hit = "all experts resident" if s["hit_rate"] is None else f"expert hit rate {s['hit_rate']:.1%}"
+    return (f"[{s['completion_tokens']} tokens, {s['tok_per_s']:.2f} tok/s, {s['s_per_token']:.3f} s/token, "
+            f"prefill {s['prefill_s']:.2f} s, {s['bytes_read'] / 1e9:.3f} GB read, {hit}]")
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from . import server
+
+    if args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1:
+        raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth >= 0, "
+                            "--max-context >= 2")
+    engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
+                               queue_depth=args.queue_depth, max_context=args.max_context,
+                               default_max_tokens=args.default_max_tokens)
+    try:
+        runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)))
+    except OSError as e:
+        await engine.close()
+        raise DeltafinError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    print(f"serving http://{args.host}:{port} (model '{engine.model_name}')", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
+        await engine.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
-    command = {"generate": cmd_generate, "plan": cmd_plan}[args.command]
+    command = {"generate": cmd_generate, "plan": cmd_plan, "serve": cmd_serve}[args.command]
     return run_cli(lambda: asyncio.run(command(args)))
 
 

@@ -196,19 +196,100 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from deltafin.tokenizer import K3Tokenizer
+
+    tok = K3Tokenizer.load(args.model)
+    if not args.chat:
+        print(json.dumps(tok.encode(args.text, allow_special=args.allow_special)))
+        return 0
+    from deltafin.chat import ChatOptions, encode
+
+    try:
+        messages = json.loads(args.text)
+    except ValueError as e:
+        raise DeltafinError(f"with --chat, TEXT must be a JSON list of messages: {e}") from None
+    if not isinstance(messages, list):
+        raise DeltafinError("with --chat, TEXT must be a JSON list of messages")
+    options = ChatOptions(thinking=args.thinking != "off", effort=None if args.thinking in ("off", "none") else
+                          args.thinking)
+    print(json.dumps(encode(tok, messages, options)))
+    return 0
+
+
+def _cmd_detokenize(args: argparse.Namespace) -> int:
+    from deltafin.tokenizer import K3Tokenizer
+
+    text = args.ids.strip()
+    try:
+        ids = json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise DeltafinError(f"IDS must be a JSON list or comma-separated token ids, got {args.ids!r}")
+    print(K3Tokenizer.load(args.model).decode(ids, skip_special=args.skip_special))
+    return 0
+
+
+def _add_tokenize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tokenize", help="print the token ids of a text (or of a chat) as a JSON list",
+                       description="Encode TEXT with the model's tokenizer and print the ids as a JSON list. "
+                       "Special-token text is ordinary text unless --allow-special. With --chat, TEXT is a JSON "
+                       "list of messages rendered in K3's chat format, with the generation prompt.")
+    p.add_argument("--model", required=True, help="checkpoint directory (tiktoken.model, tokenizer_config.json)")
+    p.add_argument("--chat", action="store_true", help="TEXT is a JSON list of chat messages")
+    p.add_argument("--thinking", default="max", choices=["low", "high", "max", "none", "off"],
+                   help="--chat: thinking effort; none: thinking without the effort message; off: no thinking")
+    p.add_argument("--allow-special", action="store_true", help="encode special-token text as the special ids")
+    p.add_argument("text", metavar="TEXT")
+    p.set_defaults(func=_cmd_tokenize)
+    d = sub.add_parser("detokenize", help="print the text of token ids",
+                       description="Decode IDS (a JSON list or comma-separated ids); invalid UTF-8 becomes U+FFFD.")
+    d.add_argument("--model", required=True, help="checkpoint directory")
+    d.add_argument("--skip-special", action="store_true", help="leave special tokens out")
+    d.add_argument("ids", metavar="IDS")
+    d.set_defaults(func=_cmd_detokenize)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from deltafin.coordinator.chat_cli import run_chat
+
+    return asyncio.run(run_chat(args))
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    from deltafin.coordinator.chat_cli import add_arguments
+
+    p = sub.add_parser("chat", help="an interactive chat in the terminal (cluster or --local)",
+                       description="Chat with the model in K3's chat format: reasoning is shown dimmed, then the "
+                       "answer. Type /help for commands; Ctrl-C stops a reply, Ctrl-D or /exit quits.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_chat)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    print("deltafin demo: generation is not yet available in this build; see the status table in README.md",
-          file=sys.stderr)
-    return 2
+    import asyncio
+
+    from deltafin.coordinator.demo import run_demo
+
+    return asyncio.run(run_demo(args))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster")
+    from deltafin.coordinator.demo import add_arguments
+
+    p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster",
+                       description="Create (once, cached) a small synthetic K3 checkpoint with random weights, "
+                       "start a deltafin-worker on 127.0.0.1, connect to it over gRPC as a one-worker cluster and "
+                       "generate a chat reply. The weights are random, so the text is too.")
+    add_arguments(p)
     p.set_defaults(func=_cmd_demo)
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_synth, _add_inspect, _add_logits, _add_bench, _add_demo]
+    _add_synth, _add_inspect, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,6 +112,10 @@ class K3Tokenizer:
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of `text`. With allow_special, special-token text becomes the special ids; without,
         it is ordinary text (a user typing `<|open|>` gets plain BPE)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: replaced with U+FFFD, as tiktoken does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         return (self.tok if allow_special else self.plain).encode(text, add_special_tokens=False).ids
 
     def token_bytes(self, token_id: int) -> bytes:

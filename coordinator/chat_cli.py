@@ -1,0 +1,203 @@
+"""`deltafin chat`: an interactive chat in the terminal, over a cluster or in-process (--local).
+
+`ChatSession` holds the conversation and generates one reply per turn through the Engine (the same path
+as the HTTP API); the REPL around it reads lines, prints the reasoning dimmed and then the answer as
+they stream, and a stats line after each reply. Ctrl-C stops the reply being written; Ctrl-D quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from deltafin.chat import EFFORTS, ChatOptions, OutputParser, ToolCall, encode
+from deltafin.errors import DeltafinError
+from deltafin.sampling import SamplingParams
+
+from .engine import Engine
+from .generation import Finished
+
+HELP = """commands:
+  /think low|high|max|off   thinking effort, or answer without thinking
+  /system TEXT              set the system prompt (starts a new conversation)
+  /reset                    start a new conversation
+  /stats                    the workers' counters
+  /exit                     quit (also Ctrl-D); Ctrl-C stops a reply"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .main import add_cluster_options, add_sampling_options
+
+    add_cluster_options(p)
+    add_sampling_options(p, temperature=0.6)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--thinking", default="max", choices=[*EFFORTS, "off"], help="thinking effort (default max)")
+
+
+@dataclass
+class Reply:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finished: Finished | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+Sink = Callable[[str, str], None]  # (channel: "reasoning" | "content", text)
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, sampling: SamplingParams, max_tokens: int | None = None,
+                 system: str | None = None, thinking: str = "max"):
+        self.engine, self.sampling, self.max_tokens = engine, sampling, max_tokens
+        self.system, self.thinking = system, thinking
+        self.messages: list[dict[str, Any]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def options(self) -> ChatOptions:
+        on = self.thinking != "off"
+        return ChatOptions(thinking=on, effort=self.thinking if on else None)
+
+    async def turn(self, text: str, sink: Sink | None = None) -> Reply:
+        """One user message and the model's reply; the conversation keeps both once the reply finished."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        options = self.options()
+        reply = Reply(prompt_ids=encode(self.engine.tokenizer, messages, options))
+        parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
+        async for event in self.engine.run(reply.prompt_ids, parser, max_tokens=self.max_tokens,
+                                           sampling=self.sampling):
+            d = event.delta
+            reply.reasoning += d.reasoning
+            reply.content += d.content
+            reply.tool_calls += d.tool_calls
+            if sink is not None:
+                if d.reasoning:
+                    sink("reasoning", d.reasoning)
+                if d.content:
+                    sink("content", d.content)
+            if isinstance(event, Finished):
+                reply.finished = event
+        assistant: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if options.thinking:
+            assistant["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            assistant["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                       for c in reply.tool_calls]
+        self.messages = [*messages, assistant]
+        return reply
+
+
+class _Lines:
+    """stdin lines delivered to the event loop by a daemon thread (so quitting never waits on a read)."""
+
+    def __init__(self, stream: TextIO):
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            for line in stream:
+                loop.call_soon_threadsafe(self.queue.put_nowait, line.rstrip("\n"))
+            loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+        threading.Thread(target=read, name="deltafin-chat-stdin", daemon=True).start()
+
+    async def next(self) -> str | None:
+        return await self.queue.get()
+
+
+async def run_chat(args: argparse.Namespace) -> int:
+    from .main import format_summary, open_engine, run_summary, sampling_params
+
+    sampling = sampling_params(args)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise DeltafinError("--max-tokens must be at least 1")
+    engine = await open_engine(args)
+    tty = sys.stdout.isatty()
+    dim, plain = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+    session = ChatSession(engine, sampling, args.max_tokens, args.system, args.thinking)
+    lines = _Lines(sys.stdin)
+    loop = asyncio.get_running_loop()
+    current: asyncio.Task[Reply] | None = None
+
+    def interrupt() -> None:
+        if current is not None and not current.done():
+            current.cancel()
+        else:
+            lines.queue.put_nowait(None)
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    print(f"chatting with {engine.model_name} (thinking {args.thinking}); /help for commands", file=sys.stderr)
+    try:
+        while True:
+            print("you> ", end="", flush=True)
+            text = await lines.next()
+            if text is None:
+                print()
+                return 0
+            text = text.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if await _command(text, session, engine):
+                    return 0
+                continue
+            channel = ""
+
+            def sink(kind: str, piece: str) -> None:
+                nonlocal channel
+                if kind != channel:
+                    print("\n" if channel else "", end="")
+                    channel = kind
+                print(f"{dim}{piece}{plain}" if kind == "reasoning" else piece, end="", flush=True)
+
+            current = asyncio.create_task(session.turn(text, sink))
+            try:
+                reply = await current
+            except asyncio.CancelledError:
+                print("\n[stopped; this turn is not kept]", file=sys.stderr)
+                continue
+            finally:
+                current = None
+            print()
+            for call in reply.tool_calls:
+                print(f"[tool call] {call.name}({call.arguments})")
+            if reply.finished is not None:
+                print(format_summary(run_summary(reply.finished, await engine.worker_stats())), file=sys.stderr)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await engine.close()
+
+
+async def _command(text: str, session: ChatSession, engine: Engine) -> bool:
+    """Run a /command; True to quit."""
+    name, _, arg = text.partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit"):
+        return True
+    if name == "/help":
+        print(HELP, file=sys.stderr)
+    elif name == "/reset":
+        session.reset()
+        print("[new conversation]", file=sys.stderr)
+    elif name == "/think" and arg in (*EFFORTS, "off"):
+        session.thinking = arg
+        print(f"[thinking {arg}]", file=sys.stderr)
+    elif name == "/system" and arg:
+        session.system = arg
+        session.reset()
+        print("[system prompt set; new conversation]", file=sys.stderr)
+    elif name == "/stats":
+        print(json.dumps(await engine.worker_stats(), indent=2), file=sys.stderr)
+    else:
+        print(f"unknown command {text!r}\n{HELP}", file=sys.stderr)
+    return False

@@ -1,0 +1,158 @@
+"""`deltafin demo`: the whole product on one machine, with nothing to download.
+
+1. A synthetic K3 checkpoint (exact K3 layout, random weights) is written once into the cache
+   ($DELTAFIN_CACHE, else $XDG_CACHE_HOME/deltafin, else ~/.cache/deltafin) and reused afterwards.
+2. A real `deltafin-worker` process starts on 127.0.0.1 (no Bonjour announcement).
+3. The coordinator connects to it over gRPC as a one-worker cluster, plans, assigns the stage, and
+   generates a chat reply, streaming tokens and printing the stats line.
+The weights are random, so the text is too: the demo shows the machinery, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from deltafin.errors import DeltafinError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "Why does spreading a 2.8-trillion-parameter model over several Macs make it faster?"
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+COMPLETE = ".deltafin-complete"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    p.add_argument("--preset", default="small", choices=["tiny", "small"], help="synthetic checkpoint (default small)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    p.add_argument("--cache-dir", default=None, help="where the checkpoint is kept (default ~/.cache/deltafin)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="the worker's device")
+
+
+def cache_dir(explicit: str | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("DELTAFIN_CACHE"):
+        return Path(os.environ["DELTAFIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deltafin"
+
+
+def ensure_checkpoint(preset: str, seed: int, root: Path) -> Path:
+    """The cached synthetic checkpoint, written on first use (into a temporary directory, then renamed,
+    so an interrupted write never leaves a half checkpoint behind)."""
+    from deltafin.synth import synthesize
+
+    target = root / f"synthetic-k3-{preset}-seed{seed}"
+    if (target / COMPLETE).is_file():
+        print(f"using the cached checkpoint {target}", file=sys.stderr)
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"writing a synthetic K3 checkpoint ({preset}, random weights) to {target} (once)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        synthesize(preset, tmp, seed=seed, show_progress=True)
+        (tmp / COMPLETE).write_text("written by deltafin demo\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+class LocalWorker:
+    """A deltafin-worker subprocess on 127.0.0.1; its log goes to a file, shown if it fails."""
+
+    def __init__(self, model: Path, device: str):
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
+            "w+", prefix="deltafin-demo-worker-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "deltafin.worker.main", "--model", str(model), "--host", "127.0.0.1",
+               "--port", "0", "--no-announce", "--name", "demo-worker", "--device", device]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            m = LISTENING.search(line)
+            if m:
+                return f"{m.group(1)}:{m.group(2)}"
+            if not line and self.proc.poll() is not None:
+                break
+        raise DeltafinError(f"the local worker did not start; its log:\n{self.tail()}")
+
+    def tail(self, n: int = 20) -> str:
+        self.log.flush()
+        return "\n".join(Path(self.log.name).read_text().splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    from deltafin.chat import ChatOptions, OutputParser, encode
+    from deltafin.config import load_config
+    from deltafin.tokenizer import K3Tokenizer
+
+    from .cluster import ClusterSpec, connect_cluster
+    from .engine import Engine
+    from .generation import Finished
+    from .main import format_summary, run_summary
+
+    if args.max_tokens < 1:
+        raise DeltafinError("--max-tokens must be at least 1")
+    model = ensure_checkpoint(args.preset, args.seed, cache_dir(args.cache_dir))
+    cfg = load_config(model)
+    print(f"model: synthetic Kimi K3 '{args.preset}': {cfg.num_layers} layers ({len(cfg.kda_layers)} KDA + "
+          f"{len(cfg.mla_layers)} MLA), {cfg.num_experts} experts per layer, {cfg.experts_per_token} active. "
+          "RANDOM WEIGHTS: the output below is gibberish by design.", file=sys.stderr)
+    worker = LocalWorker(model, args.device)
+    try:
+        address = worker.wait_ready()
+        print(f"worker: deltafin-worker on {address} (a one-worker cluster)", file=sys.stderr)
+        backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False))
+        print(plan.table(), file=sys.stderr)
+        tokenizer = K3Tokenizer.load(model)
+        engine = Engine(backend, tokenizer, cfg, model.name)
+        try:
+            options = ChatOptions(thinking=False)
+            ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], options)
+            print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
+            finished = None
+            async for event in engine.run(ids, OutputParser(tokenizer, thinking=False), max_tokens=args.max_tokens):
+                text = event.delta.content + event.delta.reasoning
+                print(text, end="", flush=True)
+                if isinstance(event, Finished):
+                    finished = event
+            print()
+            assert finished is not None
+            print(format_summary(run_summary(finished, await engine.worker_stats())), file=sys.stderr)
+        finally:
+            await engine.close()
+    finally:
+        worker.stop()
+    print("The weights are random, so the text is too. With a real checkpoint: start deltafin-worker on each Mac, "
+          "then deltafin-coordinator --model DIR serve (see README.md).", file=sys.stderr)
+    return 0

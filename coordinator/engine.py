@@ -1,0 +1,105 @@
+"""The serving engine: a backend, the tokenizer, the scheduler and the counters, behind one `run` call.
+
+The HTTP API, `deltafin chat` and `deltafin-coordinator generate` all generate through `Engine.run`, so
+they share the admission queue, the stop tokens, the context limit and the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafin.config import ModelConfig
+from deltafin.errors import DeltafinError
+from deltafin.sampling import SamplingParams
+from deltafin.tokenizer import K3Tokenizer
+
+from .backend import Backend
+from .generation import Finished, Request, TextView, TokenEvent, generate
+from .scheduler import Scheduler
+
+STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
+
+
+class PromptTooLong(DeltafinError):
+    """The prompt plus the tokens asked for do not fit the context limit."""
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    last_tokens_per_second: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    failed: int = 0
+    cancelled: int = 0
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
+                 max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
+                 default_max_tokens: int = 4096):
+        self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
+        self.model_name = model_name
+        self.max_context = max_context
+        self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
+        self.scheduler = Scheduler(backend, max_active, queue_depth)
+        self.counters = Counters()
+        self.started = time.time()
+        ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
+        if cfg.eos_token_id is not None:
+            ids.add(cfg.eos_token_id)
+        self.stop_ids = frozenset(ids)
+
+    async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
+                  sampling: SamplingParams | None = None, stop: list[str] | None = None,
+                  ignore_eos: bool = False, return_logits: bool = False) -> AsyncIterator[TokenEvent | Finished]:
+        """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
+        the generation's events. `max_tokens=None`: the engine's default, capped by the context left."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        room = self.max_context - len(prompt_ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
+                                f"{self.max_context} tokens")
+        req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
+                      sampling or SamplingParams(temperature=0.0),
+                      frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits)
+        c = self.counters
+        async with self.scheduler.slot():
+            c.requests += 1
+            c.prompt_tokens += len(prompt_ids)
+            outcome = "cancelled"  # until the generation finishes or fails
+            try:
+                async for event in generate(self.scheduler.forward, self.scheduler.release, view, req):
+                    if isinstance(event, Finished):
+                        outcome = "finished"
+                        c.finished[event.reason] = c.finished.get(event.reason, 0) + 1
+                        c.decode_seconds += event.timing.decode_s
+                        c.decode_steps += event.timing.decode_steps
+                        if event.timing.decode_steps:
+                            c.last_tokens_per_second = event.timing.tokens_per_second
+                    else:
+                        c.generated_tokens += 1
+                    yield event
+            except Exception:
+                outcome = "failed"
+                raise
+            finally:
+                if outcome == "failed":
+                    c.failed += 1
+                elif outcome == "cancelled":
+                    c.cancelled += 1
+
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        return await self.backend.stats()
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+        await self.backend.close()

@@ -1,0 +1,74 @@
+"""`/metrics` in the Prometheus text format (version 0.0.4): the engine's counters and each worker's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import Engine
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for labels, value in samples:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            self.lines.append(f"{name}{{{inner}}} {float(value)!r}" if inner else f"{name} {float(value)!r}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[str, int], int]) -> str:
+    c, s = engine.counters, engine.scheduler.stats
+    w = _Writer()
+    w.metric("deltafin_http_requests_total", "counter", "HTTP requests by route and status.",
+             [({"route": r, "status": st}, n) for (r, st), n in sorted(requests.items())])
+    w.metric("deltafin_generations_total", "counter", "Generations by outcome.",
+             [({"outcome": reason}, n) for reason, n in sorted(c.finished.items())]
+             + [({"outcome": "cancelled"}, c.cancelled), ({"outcome": "failed"}, c.failed)])
+    w.metric("deltafin_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, c.prompt_tokens)])
+    w.metric("deltafin_generated_tokens_total", "counter", "Tokens generated.", [({}, c.generated_tokens)])
+    w.metric("deltafin_decode_seconds_total", "counter", "Seconds spent in decode steps.", [({}, c.decode_seconds)])
+    w.metric("deltafin_decode_steps_total", "counter", "Decode steps (forwards after the prefill).",
+             [({}, c.decode_steps)])
+    w.metric("deltafin_decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
+             [({}, c.last_tokens_per_second)])
+    w.metric("deltafin_requests_running", "gauge", "Requests holding a slot.", [({}, s.active)])
+    w.metric("deltafin_requests_waiting", "gauge", "Requests queued for a slot.", [({}, s.waiting)])
+    w.metric("deltafin_batches_total", "counter", "Forward batches sent to the stages.", [({}, s.batches)])
+    w.metric("deltafin_batched_sequences_total", "counter", "Sequences in those batches.",
+             [({}, s.batched_sequences)])
+    per: dict[str, list[tuple[dict[str, Any], float]]] = {k: [] for k in (
+        "tokens", "sessions", "session_bytes", "bytes_read", "lookups", "hits", "hit_rate", "spine")}
+    for stats in workers:
+        label = {"worker": stats.get("name", "?")}
+        experts = stats.get("experts") or {}
+        per["tokens"].append((label, stats.get("tokens", 0)))
+        per["sessions"].append((label, stats.get("sessions", 0)))
+        per["session_bytes"].append((label, stats.get("session_bytes", 0)))
+        per["spine"].append((label, stats.get("spine_streamed_bytes", 0)))
+        if experts:
+            per["bytes_read"].append((label, experts.get("bytes_read", 0)))
+            per["lookups"].append((label, experts.get("lookups", 0)))
+            per["hits"].append((label, experts.get("hits", 0)))
+            per["hit_rate"].append((label, experts.get("hit_rate", 0.0)))
+    w.metric("deltafin_worker_tokens_total", "counter", "Tokens through each worker's stage.", per["tokens"])
+    w.metric("deltafin_worker_sessions", "gauge", "Open sessions (sequence caches) on each worker.", per["sessions"])
+    w.metric("deltafin_worker_session_bytes", "gauge", "Bytes held by session caches.", per["session_bytes"])
+    w.metric("deltafin_worker_expert_bytes_read_total", "counter", "Expert bytes read from the disk.",
+             per["bytes_read"])
+    w.metric("deltafin_worker_spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.",
+             per["spine"])
+    w.metric("deltafin_worker_expert_lookups_total", "counter", "Routed-expert lookups.", per["lookups"])
+    w.metric("deltafin_worker_expert_hits_total", "counter", "Routed-expert lookups served from memory.",
+             per["hits"])
+    w.metric("deltafin_worker_expert_hit_rate", "gauge", "Expert cache hit rate since the stage was loaded.",
+             per["hit_rate"])
+    return w.text()

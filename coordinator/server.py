@@ -1,0 +1,358 @@
+"""The OpenAI-compatible HTTP API on aiohttp (asyncio, like grpc.aio: one event loop serves both).
+
+    POST /v1/chat/completions   chat, with reasoning_content, tool calls, SSE streaming, logprobs
+    POST /v1/completions        text completion of a prompt (text or token ids)
+    GET  /v1/models             the served model
+    GET  /health                200 when every worker answers, else 503
+    GET  /metrics               Prometheus text: requests, tokens, tok/s, queue, per-worker I/O and hit rate
+
+Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
+413 body too large, 429 queue full, 500/503 a worker failed). A client that disconnects cancels its
+generation, which frees its sessions on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from deltafin.chat import ChatFormatError, Delta, OutputParser
+from deltafin.chat import encode as chat_encode
+from deltafin.errors import DeltafinError
+from deltafin.transport.status import RemoteError
+
+from . import openai_api as oa
+from .engine import Engine, PromptTooLong
+from .generation import Finished, PlainText, TextView, TokenEvent
+from .scheduler import QueueFull
+
+log = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", Engine)
+REQUESTS = web.AppKey("requests", dict)
+MAX_BODY = web.AppKey("max_body", int)
+Events = AsyncIterator[TokenEvent | Finished]
+
+
+def _error_response(err: oa.ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+def _as_api_error(e: BaseException) -> oa.ApiError:
+    if isinstance(e, oa.ApiError):
+        return e
+    if isinstance(e, QueueFull):
+        return oa.ApiError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded")
+    if isinstance(e, PromptTooLong):
+        return oa.ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, ChatFormatError):
+        return oa.ApiError(400, str(e), param="messages")
+    if isinstance(e, RemoteError):
+        return oa.ApiError(503, f"a worker failed: {e}", type="server_error", code="worker_unavailable")
+    if isinstance(e, DeltafinError):
+        return oa.ApiError(500, str(e), type="server_error")
+    log.exception("unexpected error serving a request")
+    return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return _error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
+                                           f"the request body is larger than {request.app[MAX_BODY]} bytes",
+                                           type=kind))
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except Exception as e:
+        err = _as_api_error(e)
+        status = err.status
+        return _error_response(err)
+    finally:
+        resource = request.match_info.route.resource
+        key = (resource.canonical if resource is not None else "other", status)
+        counts = request.app[REQUESTS]
+        counts[key] = counts.get(key, 0) + 1
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
+
+
+async def _first(events: Events) -> TokenEvent | Finished:
+    """The first event, before any response header: admission and prompt errors become proper statuses."""
+    try:
+        return await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _rest(first: TokenEvent | Finished, events: Events) -> Events:
+    yield first
+    async with contextlib.aclosing(events):
+        async for e in events:
+            yield e
+
+
+class _Sse:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+
+async def _stream_errors(sse: _Sse, events: Events, emit: Callable[[TokenEvent | Finished], Awaitable[None]]
+                         ) -> web.StreamResponse:
+    """Drive a started stream; a failure after the headers went out becomes an error event, then [DONE]."""
+    try:
+        async for event in events:
+            await emit(event)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        await sse.send(_as_api_error(e).body())
+    return await sse.finish()
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer)
+    p = req.params
+    events = engine.run(req.prompt_ids, PlainText(engine.tokenizer), max_tokens=p.max_tokens or 16,
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
+    first = await _first(events)
+    rid, created = oa.new_id("cmpl"), oa.now()
+    want_logprobs = p.sampling.logprobs is not None
+    prefix = req.prompt_text if req.echo else ""
+
+    def choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    if not p.stream:
+        text, lp, end = [prefix], oa.CompletionLogprobs(), None
+        offset = len(prefix)
+        async for e in _rest(first, events):
+            if isinstance(e, Finished):
+                end = e
+                text.append(e.delta.content)
+            else:
+                if want_logprobs and e.token_id not in engine.stop_ids:
+                    lp.add(engine.tokenizer, e.choice, offset)
+                text.append(e.delta.content)
+                offset += len(e.delta.content)
+        assert end is not None
+        return web.json_response(oa.chunk("text_completion", rid, created, p.model, [
+            choice("".join(text), lp.as_dict() if want_logprobs else None, end.reason)],
+            oa.usage(end.usage.prompt_tokens, end.usage.completion_tokens)))
+
+    sse = _Sse(request)
+    await sse.start()
+    offset = 0
+    if prefix:
+        await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(prefix, None, None)]))
+        offset = len(prefix)
+
+    async def emit(e: TokenEvent | Finished) -> None:
+        nonlocal offset
+        if isinstance(e, Finished):
+            await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(e.delta.content, None,
+                                                                                      e.reason)]))
+            if p.include_usage:
+                await sse.send(oa.chunk("text_completion", rid, created, p.model, [],
+                                        oa.usage(e.usage.prompt_tokens, e.usage.completion_tokens)))
+            return
+        lp = None
+        if want_logprobs and e.token_id not in engine.stop_ids:
+            one = oa.CompletionLogprobs()
+            one.add(engine.tokenizer, e.choice, offset)
+            lp = one.as_dict()
+        if e.delta.content or lp is not None:
+            await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(e.delta.content, lp, None)]))
+        offset += len(e.delta.content)
+
+    return await _stream_errors(sse, _rest(first, events), emit)
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------------------
+
+
+class _ChatView:
+    """The chat format's channels, as a TextView."""
+
+    def __init__(self, parser: OutputParser):
+        self.parser = parser
+
+    def push(self, token_id: int) -> Delta:
+        return self.parser.push(token_id)
+
+    def flush(self) -> Delta:
+        return self.parser.flush()
+
+
+def chat_view(engine: Engine, thinking: bool) -> TextView:
+    return _ChatView(OutputParser(engine.tokenizer, thinking=thinking))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer)
+    p = req.params
+    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    events = engine.run(ids, chat_view(engine, req.options.thinking), max_tokens=p.max_tokens,
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
+    first = await _first(events)
+    rid, created = oa.new_id("chatcmpl"), oa.now()
+    want_logprobs = req.top_logprobs is not None
+    call_ids: list[str] = []
+
+    def reason_of(e: Finished) -> str:
+        return "tool_calls" if call_ids and e.reason == "stop" else e.reason
+
+    if not p.stream:
+        reasoning, content, calls, lps, end = [], [], [], [], None
+        async for e in _rest(first, events):
+            d = e.delta
+            reasoning.append(d.reasoning)
+            content.append(d.content)
+            for c in d.tool_calls:
+                call_ids.append(oa.new_id("call"))
+                calls.append(oa.tool_call_json(c, call_ids[-1]))
+            if isinstance(e, Finished):
+                end = e
+            elif want_logprobs and e.token_id not in engine.stop_ids:
+                lps.append(oa.chat_logprob(engine.tokenizer, e.choice))
+        assert end is not None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
+        if req.options.thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        return web.json_response(oa.chunk("chat.completion", rid, created, p.model, [
+            {"index": 0, "message": message, "logprobs": {"content": lps} if want_logprobs else None,
+             "finish_reason": reason_of(end)}], oa.usage(end.usage.prompt_tokens, end.usage.completion_tokens)))
+
+    sse = _Sse(request)
+    await sse.start()
+    kind = "chat.completion.chunk"
+    await sse.send(oa.chunk(kind, rid, created, p.model, [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+
+    async def emit(e: TokenEvent | Finished) -> None:
+        first_index = len(call_ids)
+        call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
+        delta = oa.chat_delta(e.delta, call_ids[first_index:], first_index)
+        lp = None
+        if isinstance(e, TokenEvent) and want_logprobs and e.token_id not in engine.stop_ids:
+            lp = {"content": [oa.chat_logprob(engine.tokenizer, e.choice)]}
+        if isinstance(e, Finished):
+            await sse.send(oa.chunk(kind, rid, created, p.model, [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason_of(e)}]))
+            if p.include_usage:
+                await sse.send(oa.chunk(kind, rid, created, p.model, [],
+                                        oa.usage(e.usage.prompt_tokens, e.usage.completion_tokens)))
+        elif delta or lp is not None:
+            await sse.send(oa.chunk(kind, rid, created, p.model, [
+                {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]))
+
+    return await _stream_errors(sse, _rest(first, events), emit)
+
+
+# ---- models, health, metrics --------------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response({"object": "list", "data": [oa.model_card(engine.model_name, engine.started)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.match_info["name"] != engine.model_name:
+        raise oa.ApiError(404, f"The model '{request.match_info['name']}' does not exist", param="model",
+                          code="model_not_found")
+    return web.json_response(oa.model_card(engine.model_name, engine.started))
+
+
+async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[dict[str, Any]]:
+    return await asyncio.wait_for(engine.worker_stats(), timeout)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    try:
+        stats = await _worker_stats(engine)
+    except Exception as e:
+        return web.json_response({"status": "unavailable", "error": str(e) or type(e).__name__}, status=503)
+    return web.json_response({"status": "ok", "model": engine.model_name,
+                              "workers": [{"name": s.get("name"), "layers": s.get("layers"),
+                                           "sessions": s.get("sessions", 0)} for s in stats]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from .metrics import render
+
+    engine = request.app[ENGINE]
+    try:
+        stats = await _worker_stats(engine)
+    except Exception as e:
+        log.warning("metrics: worker stats unavailable: %s", e)
+        stats = []
+    text = render(engine, stats, request.app[REQUESTS])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def create_app(engine: Engine, max_body_bytes: int = 8 << 20) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
+    app[ENGINE] = engine
+    app[REQUESTS] = {}
+    app[MAX_BODY] = max_body_bytes
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 << 20) -> tuple[web.AppRunner, int]:
+    """Serve the API; returns the runner (await runner.cleanup() to stop) and the bound port."""
+    runner = web.AppRunner(create_app(engine, max_body_bytes), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound

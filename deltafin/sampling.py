@@ -1,0 +1,165 @@
+"""Choosing the next token: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs.
+
+Order (as vLLM and llama.cpp apply them): repetition penalty (prompt and output tokens), presence and
+frequency penalties (output tokens, OpenAI's definition), temperature, then top-k, top-p and min-p
+filters, then a draw from a per-request seeded generator. Temperature 0 is greedy. Logprobs are of the
+model's own distribution (log-softmax of the raw logits), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from deltafin.errors import DeltafinError
+
+
+class SamplingError(DeltafinError):
+    """Invalid sampling parameters (the HTTP API answers 400 with the parameter named)."""
+
+    def __init__(self, param: str, message: str):
+        self.param = param
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's logprob and the top n
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise SamplingError(name, f"{name} {why} (got {getattr(self, name)!r})")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError("logit_bias", f"logit_bias values must be between -100 and 100 (got {bias})")
+            if token < 0:
+                raise SamplingError("logit_bias", f"logit_bias keys must be token ids >= 0 (got {token})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) best first
+
+
+@dataclass
+class Sampler:
+    """One request's sampler: its parameters, its seeded generator and its token counts."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    generator: torch.Generator = field(init=False)
+    counts: dict[int, int] = field(default_factory=dict)  # output tokens
+
+    def __post_init__(self) -> None:
+        seed = self.params.seed if self.params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._seen = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long)
+
+    def __call__(self, logits: torch.Tensor) -> Choice:
+        p = self.params
+        raw = logits.detach().float().cpu()
+        scores = self._penalized(raw)
+        if p.greedy:
+            token = int(scores.argmax())
+        else:
+            scores = self._filtered(scores / p.temperature)
+            token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if p.logprobs is None:
+            return Choice(token)
+        lp = torch.log_softmax(raw, -1)
+        top = torch.topk(lp, p.logprobs) if p.logprobs else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+        return Choice(token, float(lp[token]), pairs)
+
+    def _penalized(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.logit_bias:
+            scores = scores.clone()
+            for token, bias in p.logit_bias:
+                if token >= scores.numel():
+                    raise SamplingError("logit_bias", f"logit_bias token {token} is outside the vocabulary")
+                scores[token] += bias
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([self._seen, torch.tensor(list(self.counts), dtype=torch.long)]).unique()
+            s = scores[seen]
+            scores = scores.clone()
+            scores[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.counts:
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            scores = scores.clone()
+            scores[ids] -= p.presence_penalty + p.frequency_penalty * n
+        return scores
+
+    def _filtered(self, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.top_k and p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            order = scores.argsort(descending=True)
+            probs = torch.softmax(scores[order], -1)
+            beyond = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
+            scores = scores.clone()
+            scores[order[beyond]] = float("-inf")
+        if p.min_p > 0.0:
+            probs = torch.softmax(scores, -1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        return scores
+
+
+class StopMatcher:
+    """Stop strings over streamed text: releases text only when it cannot be the start of a stop string."""
+
+    def __init__(self, stops: list[str]):
+        if any(not s for s in stops):
+            raise SamplingError("stop", "stop strings must not be empty")
+        self.stops = stops
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Add generated text; returns (text safe to emit, the stop string reached or None). After a stop
+        string, the text before it is returned and the rest is dropped."""
+        self.pending += text
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            cut, stop = min(hits)
+            out, self.pending = self.pending[:cut], ""
+            return out, stop
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
