@@ -54,6 +54,14 @@ class PlainText:
         return Delta(content=self.decoder.flush())
 
 
+class _NoText:
+    def push(self, token_id: int) -> Delta:
+        return Delta()
+
+    def flush(self) -> Delta:
+        return Delta()
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
@@ -108,12 +116,13 @@ class Request:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-async def generate(forward: Forward, release: Release, view: TextView, req: Request) -> AsyncIterator[
+async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
         TokenEvent | Finished]:
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
     if req.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
+    view = view if view is not None else _NoText()
     sampler = Sampler(req.sampling, req.prompt_ids)
     stops = StopMatcher(req.stop_strings) if req.stop_strings else None
     length = len(req.prompt_ids)

@@ -8,11 +8,10 @@ from typing import Any
 import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from reference_files import kimi_k3_template
 
 from deltafin.chat import ChatFormatError, ChatOptions, OutputParser, encode, render, render_text
 from deltafin.tokenizer import K3Tokenizer
-
-from .reference_files import kimi_k3_template
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city (°C), «quoted» & escaped",

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 from cluster_util import workers
+
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
 from deltafin.coordinator.generation import Finished, Request, generate
-
 from deltafin.discovery import browse
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput
@@ -31,7 +31,13 @@ async def _run(backend, steps: int = 6) -> tuple[torch.Tensor, list[int], list[t
         prefill = (await backend.forward([SeqInput("p", 0, ids=torch.tensor(PROMPT))], all_logits=True))[0].logits
         await backend.release(["p"])
         ids, rows = [], []
-        async for event in generate(backend, None, Request(PROMPT, steps, return_logits=True)):
+        async def forward(seq: SeqInput):
+            return (await backend.forward([seq]))[0]
+
+        async def release(session_id: str) -> None:
+            await backend.release([session_id])
+
+        async for event in generate(forward, release, None, Request(PROMPT, steps, return_logits=True)):
             if not isinstance(event, Finished):
                 ids.append(event.token_id)
                 rows.append(event.logits)

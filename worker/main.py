@@ -72,9 +72,8 @@ def total_memory() -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from deltafin.worker.service import WorkerService, create_server
-
     from deltafin.discovery import Announcer
+    from deltafin.worker.service import WorkerService, create_server
 
     cfg = load_config(args.model)
     ckpt = scan_checkpoint(args.model, cfg)

@@ -1,0 +1,396 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a running server.
+
+The server runs in the test's event loop on 127.0.0.1 over in-process stages of the `tiny` checkpoint.
+Greedy outputs are checked against a plain argmax loop over the same stages (no Deltafin generation
+code), logprobs against log-softmax of those logits, and the tool-call/reasoning plumbing against a
+scripted backend whose "model" emits a known token sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import torch
+
+from deltafin.chat import ChatOptions, encode, render_text
+from deltafin.config import load_config
+from deltafin.coordinator.backend import LocalBackend
+from deltafin.coordinator.engine import Engine
+from deltafin.coordinator.server import start
+from deltafin.pipeline import LocalPipeline
+from deltafin.stage import SeqInput, SeqOutput
+from deltafin.tokenizer import K3Tokenizer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_dir: Path) -> LocalPipeline:
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir: Path) -> K3Tokenizer:
+    return K3Tokenizer.load(tiny_dir)
+
+
+@dataclass
+class Server:
+    engine: Engine
+    url: str  # http://127.0.0.1:PORT
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def _serve(backend, tok: K3Tokenizer, cfg, **kw):
+    engine = Engine(backend, tok, cfg, MODEL, **kw)
+    runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=kw.pop("max_body", 1 << 20))
+    return engine, runner, Server(engine, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture
+async def server(pipeline: LocalPipeline, tok: K3Tokenizer, tiny_dir: Path):
+    backend = LocalBackend(pipeline)
+    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=2, queue_depth=1,
+                                       max_context=512)
+    yield srv
+    await runner.cleanup()
+    await engine.scheduler.close()
+    backend.executor.shutdown(wait=True)  # the pipeline itself is shared by the module
+
+
+def argmax_loop(pipe: LocalPipeline, ids: list[int], n: int, stop: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The reference: prefill, then feed back the argmax, n times or until a stop id."""
+    sid = uuid.uuid4().hex
+    out, rows = [], []
+    logits = pipe.forward([SeqInput(sid, 0, ids=torch.tensor(ids))])[0].logits
+    try:
+        for i in range(n):
+            row = logits[-1].float()
+            t = int(row.argmax())
+            out.append(t)
+            rows.append(row)
+            if t in stop:
+                break
+            logits = pipe.forward([SeqInput(sid, len(ids) + i, ids=torch.tensor([t]))])[0].logits
+    finally:
+        pipe.release(sid)
+    return out, rows
+
+
+def _stop_ids(tok: K3Tokenizer) -> set[int]:
+    return {tok.specials["<|end_of_msg|>"], tok.specials["[EOS]"]}
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+
+async def test_completion_greedy_matches_argmax_loop_with_logprobs(server: Server, pipeline, tok) -> None:
+    prompt = "The experts stream from the disk"
+    ids, rows = await asyncio.to_thread(argmax_loop, pipeline, tok.encode(prompt), 10, _stop_ids(tok))
+    r = await server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                 logprobs=3)
+    choice = r.choices[0]
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.completion_tokens == len(ids)
+    assert choice.text == tok.decode([i for i in ids if i not in tok.special_ids])
+    assert choice.finish_reason == ("stop" if ids[-1] in _stop_ids(tok) else "length")
+    lp = choice.logprobs
+    kept = [i for i in ids if i not in _stop_ids(tok)]
+    assert lp.tokens == [tok.token_bytes(i).decode("utf-8", errors="replace") for i in kept]
+    for i, (token, row) in enumerate(zip(kept, rows, strict=False)):
+        ref = torch.log_softmax(row, -1)
+        assert math.isclose(lp.token_logprobs[i], float(ref[token]), abs_tol=1e-4)
+        top = torch.topk(ref, 3)
+        got = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert got == pytest.approx(top.values.tolist(), abs=1e-4)
+    # streaming gives the same text, in pieces
+    stream = await server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+    pieces, usage, reasons = [], None, []
+    async for c in stream:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            pieces.append(ch.text)
+            reasons.append(ch.finish_reason)
+    assert "".join(pieces) == choice.text
+    assert reasons[-1] == choice.finish_reason and usage.completion_tokens == len(ids)
+
+
+async def test_completion_accepts_token_ids_and_echo(server: Server, pipeline, tok) -> None:
+    prompt_ids = tok.encode("ids in, text out")
+    ids, _ = await asyncio.to_thread(argmax_loop, pipeline, prompt_ids, 5, _stop_ids(tok))
+    r = await server.client().completions.create(model=MODEL, prompt=prompt_ids, max_tokens=5, temperature=0,
+                                                 echo=True)
+    assert r.choices[0].text == "ids in, text out" + tok.decode([i for i in ids if i not in tok.special_ids])
+
+
+async def test_stop_strings_cut_the_text_exactly(server: Server) -> None:
+    client = server.client()
+    full = (await client.completions.create(model=MODEL, prompt="Tokens are bytes", max_tokens=24,
+                                            temperature=0)).choices[0].text
+    assert len(full) > 12
+    stop = full[8:11]  # spans whatever token boundaries lie there
+    expected = full[:full.index(stop)]
+    r = await client.completions.create(model=MODEL, prompt="Tokens are bytes", max_tokens=24, temperature=0,
+                                        stop=[stop, "\x00never"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    stream = await client.completions.create(model=MODEL, prompt="Tokens are bytes", max_tokens=24, temperature=0,
+                                             stop=stop, stream=True)
+    pieces = [ch.text async for c in stream for ch in c.choices]
+    assert "".join(pieces) == expected
+
+
+async def test_max_tokens_and_stop_token(server: Server, tok: K3Tokenizer) -> None:
+    client = server.client()
+    r = await client.completions.create(model=MODEL, prompt="count", max_tokens=7, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (7, "length")
+    eom = tok.specials["<|end_of_msg|>"]
+    r = await client.completions.create(model=MODEL, prompt="count", max_tokens=7, temperature=0,
+                                        logit_bias={str(eom): 100})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason, r.choices[0].text) == (1, "stop", "")
+
+
+async def test_seeded_sampling_is_reproducible(server: Server) -> None:
+    client = server.client()
+
+    async def sample(seed: int) -> str:
+        r = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
+                                            top_p=0.95, seed=seed, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    a, b, c = await sample(7), await sample(7), await sample(8)
+    assert a == b
+    assert a != c
+
+
+# ---- chat ----------------------------------------------------------------------------------------------------
+
+
+async def test_chat_greedy_matches_argmax_loop_stream_and_not(server: Server, pipeline, tok) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a token?"}]
+    prompt = encode(tok, messages, ChatOptions(effort="low"))
+    ids, rows = await asyncio.to_thread(argmax_loop, pipeline, prompt, 12, _stop_ids(tok))
+    client = server.client()
+    r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                             reasoning_effort="low", logprobs=True, top_logprobs=2)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
+    msg = r.choices[0].message
+    # no markers in the random output, so everything is still in the think channel
+    text = tok.decode([i for i in ids if i not in tok.special_ids])
+    assert msg.reasoning_content + msg.content == text  # type: ignore[attr-defined]
+    got = [c.bytes for c in r.choices[0].logprobs.content]
+    assert got == [list(tok.token_bytes(i)) for i in ids if i not in _stop_ids(tok)]
+    assert r.choices[0].logprobs.content[0].logprob == pytest.approx(
+        float(torch.log_softmax(rows[0], -1)[ids[0]]), abs=1e-4)
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                  reasoning_effort="low", stream=True,
+                                                  stream_options={"include_usage": True})
+    reasoning, content, usage, roles, reasons = "", "", None, [], []
+    async for c in stream:
+        usage = c.usage or usage
+        for ch in c.choices:
+            roles.append(ch.delta.role)
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            content += ch.delta.content or ""
+            reasons.append(ch.finish_reason)
+    assert roles[0] == "assistant"
+    assert (reasoning, content) == (msg.reasoning_content, msg.content)  # type: ignore[attr-defined]
+    assert reasons[-1] == r.choices[0].finish_reason and usage.total_tokens == r.usage.total_tokens
+
+
+class ScriptedBackend:
+    """A 'model' that emits a fixed token sequence (one-hot logits), for checking the response plumbing."""
+
+    def __init__(self, vocab: int, script: list[int]):
+        self.vocab, self.script = vocab, script
+        self.pos: dict[str, int] = {}
+        self.released: list[str] = []
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        out = []
+        for b in batch:
+            i = self.pos.get(b.session_id, 0)
+            self.pos[b.session_id] = i + 1
+            logits = torch.full((1, self.vocab), -10.0)
+            logits[0, self.script[min(i, len(self.script) - 1)]] = 10.0
+            out.append(SeqOutput(b.session_id, logits=logits))
+        return out
+
+    async def release(self, session_ids: list[str]) -> None:
+        self.released += session_ids
+
+    async def stats(self) -> list[dict]:
+        return [{"name": "scripted", "sessions": len(set(self.pos) - set(self.released))}]
+
+    async def close(self) -> None:
+        pass
+
+
+def _segments(text: str) -> list[tuple[str, bool]]:
+    markers = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+    out, buf, i = [], "", 0
+    while i < len(text):
+        m = next((m for m in markers if text.startswith(m, i)), None)
+        if m:
+            if buf:
+                out.append((buf, False))
+                buf = ""
+            out.append((m, True))
+            i += len(m)
+        else:
+            buf += text[i]
+            i += 1
+    if buf:
+        out.append((buf, False))
+    return out
+
+
+async def test_chat_tool_calls_and_reasoning(tok: K3Tokenizer, tiny_dir: Path) -> None:
+    args = {"city": "Zürich", "days": 2}
+    assistant = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Need the weather.",
+                 "tool_calls": [{"function": {"name": "get_weather", "arguments": args}}]}
+    written = render_text([assistant], ChatOptions(add_generation_prompt=False, effort=None))
+    body = written[len('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'):]
+    script = [i for text, special in _segments(body) for i in tok.encode(text, allow_special=special)]
+    backend = ScriptedBackend(tok.vocab_size, script)
+    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    try:
+        client = srv.client()
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                                 tools=tools, max_tokens=200, temperature=0)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert msg.content == "Let me check."
+        assert msg.reasoning_content == "Need the weather."  # type: ignore[attr-defined]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+            ("get_weather", args)]
+        assert r.usage.completion_tokens == len(script)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=tools, max_tokens=200,
+            temperature=0, stream=True)
+        calls, reasons = [], []
+        async for c in stream:
+            for ch in c.choices:
+                calls += ch.delta.tool_calls or []
+                reasons.append(ch.finish_reason)
+        assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            (0, "get_weather", args)]
+        assert reasons[-1] == "tool_calls"
+        assert len(backend.released) == 2  # every session was released
+    finally:
+        await runner.cleanup()
+        await engine.scheduler.close()
+
+
+# ---- errors, limits, disconnects, metrics ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"n": 2}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"max_tokens": 600}, "messages"),  # past the 512-token context
+])
+async def test_chat_bad_requests_are_400_with_the_param(server: Server, kwargs: dict, param: str) -> None:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        await server.client().chat.completions.create(**request)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param  # type: ignore[index]
+    assert e.value.body["message"]  # type: ignore[index]
+
+
+async def test_unknown_model_and_path_and_bad_json(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        await server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+    models = await server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/v1/chat/completions", data=b"{nope") as r:
+            assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+        async with s.post(server.url + "/v1/completions", json=[1, 2]) as r:
+            assert r.status == 400
+        async with s.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ""}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+        async with s.get(server.url + "/v2/anything") as r:
+            assert r.status == 404 and "error" in await r.json()
+        async with s.post(server.url + "/v1/completions", data=b"x" * (2 << 20)) as r:
+            assert r.status == 413 and "error" in await r.json()
+
+
+async def _metric(url: str, name: str, labels: str = "") -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(name + (("{" + labels + "}") if labels else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{labels}}} not in /metrics")
+
+
+async def test_queue_full_is_429_and_disconnect_cancels(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        streams = []
+        for _ in range(2):  # both active slots
+            r = await s.post(server.url + "/v1/completions", json=body)
+            await r.content.readline()  # generation has started
+            streams.append(r)
+        waiting = asyncio.ensure_future(s.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}))
+        for _ in range(100):
+            if server.engine.scheduler.stats.waiting == 1:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as e:  # queue depth 1 is taken too
+            await server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+        for r in streams:  # the clients go away mid-stream
+            r.close()
+        queued = await waiting  # the queued request gets a slot and finishes
+        assert queued.status == 200
+        assert (await queued.text()).rstrip().endswith("data: [DONE]")
+    for _ in range(200):
+        if server.engine.scheduler.stats.active == 0 and server.engine.counters.cancelled == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert server.engine.counters.cancelled == 2
+    assert server.engine.counters.generated_tokens < 2 * 400  # cancelled long before the end
+    async with aiohttp.ClientSession() as s, s.get(server.url + "/health") as r:
+        health = await r.json()
+    assert health["status"] == "ok" and health["workers"][0]["sessions"] == 0  # caches freed
+    assert await _metric(server.url, "deltafin_generations_total", 'outcome="cancelled"') == 2
+
+
+async def test_metrics_count_tokens(server: Server) -> None:
+    r = await server.client().completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    assert await _metric(server.url, "deltafin_generated_tokens_total") == r.usage.completion_tokens == 5
+    assert await _metric(server.url, "deltafin_prompt_tokens_total") == r.usage.prompt_tokens
+    assert await _metric(server.url, "deltafin_http_requests_total",
+                         'route="/v1/completions",status="200"') == 1
+    assert await _metric(server.url, "deltafin_worker_sessions", 'worker="local-0"') == 0
+    assert await _metric(server.url, "deltafin_decode_tokens_per_second") > 0
