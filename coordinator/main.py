@@ -122,7 +122,7 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
         from deltafin.pipeline import LocalPipeline
 
         pipe = await asyncio.to_thread(LocalPipeline.load, args.model, args.local_stages, args.device, args.dtype,
-                                       "hf", stage_options(args))
+                                       "hf", stage_options(args), show_progress)
         return LocalBackend(pipe)
     spec = ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,

@@ -16,6 +16,7 @@ from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config, with_eps_convention
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
+from deltafin.progress import Progress
 from deltafin.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layers
 
 
@@ -26,7 +27,8 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, device: str = "auto", dtype: str = "fp32",
-             eps_convention: str = "hf", options: StageOptions | None = None) -> LocalPipeline:
+             eps_convention: str = "hf", options: StageOptions | None = None,
+             show_progress: bool = False) -> LocalPipeline:
         """Load the model as `n_stages` in-process stages; `options` (its dtype is replaced by `dtype`)."""
         cfg = with_eps_convention(load_config(model_dir), eps_convention)
         ckpt = open_checkpoint(model_dir, cfg)
@@ -35,7 +37,12 @@ class LocalPipeline:
             exact_fp32()
         dev = resolve_device(device)
         opts = dataclasses.replace(options or StageOptions(), dtype=torch_dtype)
-        return cls([Stage(ckpt, a, b, device=dev, options=opts) for a, b in split_layers(cfg, n_stages)])
+        stages = []
+        for a, b in split_layers(cfg, n_stages):
+            with Progress(1.0, f"load layers {a}-{b - 1}", unit="", enabled=show_progress) as bar:
+                stages.append(Stage(ckpt, a, b, device=dev, options=opts,
+                                    progress=lambda _msg, fraction, bar=bar: bar.update(max(0.0, fraction - bar.done))))
+        return cls(stages)
 
     def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []
