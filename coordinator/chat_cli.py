@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .main import add_cluster_options, add_sampling_options
 
     add_cluster_options(p)
-    add_sampling_options(p, temperature=0.6)
+    add_sampling_options(p, temperature=0.6, max_tokens=None)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--thinking", default="max", choices=[*EFFORTS, "off"], help="thinking effort (default max)")
 

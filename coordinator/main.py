@@ -43,8 +43,9 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     _add_stage_options(p)
 
 
-def add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
+def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tokens: int | None) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate at most (default {max_tokens or 'up to 4096'})")
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature:g})")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate a continuation of PROMPT (plain text, no chat format), printing "
                        "tokens as they come and a stats line (tok/s, s/token, bytes read, hit rate) on stderr.")
     g.add_argument("prompt", help="the prompt text")
-    add_sampling_options(g, temperature=0.0)
+    add_sampling_options(g, temperature=0.0, max_tokens=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
     sub.add_parser("plan", help="find workers and print the layer plan (assigns nothing)")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
@@ -174,7 +175,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         out_ids: list[int] = []
         text: list[str] = []
         finished = None
-        async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens or 32,
+        async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens,
                                       sampling=params, stop=args.stop):
             if isinstance(event, Finished):
                 finished = event
