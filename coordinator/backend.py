@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,9 +17,11 @@ from typing import Any, Protocol
 
 import grpc
 
+from deltafin.errors import DeltafinError
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
+from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
@@ -66,27 +69,59 @@ class Timeouts:
     forward: float = 600.0  # a long prefill streams every expert of a stage once
     control: float = 15.0  # Info, Release, Stats, Cancel
     assign: float = 3600.0  # loading a stage of K3 reads tens of GB
+    probe_interval: float = 2.0  # during a forward, ask the worker whether it is alive this often
+    lost_after: float = 10.0  # a worker that has not answered for this long is lost (crashed, frozen, cut off)
+
+
+class WorkerLost(DeltafinError):
+    """A worker stopped answering while it held a forward."""
+
+    def __init__(self, worker: str, seconds: float):
+        self.worker = worker
+        super().__init__(f"worker {worker} has not answered for {seconds:.1f}s: treating it as lost")
+
+
+class PartialFailure(DeltafinError):
+    """Some sequences of a batch failed and the others did not: `results` holds an output or an error each."""
+
+    def __init__(self, results: list[Any]):
+        self.results = results
+        errors = [r for r in results if isinstance(r, BaseException)]
+        super().__init__(f"{len(errors)} of {len(results)} sequences failed: {errors[0]}")
+
+
+SERVICE = "/deltafin.v1.Worker/"
 
 
 class WorkerClient:
-    """A channel to one worker and the layers it serves."""
+    """A channel to one worker and the layers it serves; every call carries the cluster key's signature
+    (when there is a key) and a deadline."""
 
     def __init__(self, address: str, name: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE,
-                 timeouts: Timeouts | None = None):
+                 timeouts: Timeouts | None = None, security: ClusterSecurity | None = None):
         self.address, self.name = address, name or address
         self.timeouts = timeouts or Timeouts()
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        self.security = security or ClusterSecurity()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        tls = self.security.tls
+        if tls is not None:
+            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.start = self.end = 0
+
+    def _md(self, method: str) -> Any:
+        return self.security.metadata(SERVICE + method)
 
     def _error(self, e: grpc.aio.AioRpcError) -> RemoteError:
         return RemoteError(f"{self.name} ({self.address})", e.code(), e.details() or "")
 
-    async def info(self) -> codec.WorkerDescription:
+    async def info(self, timeout: float | None = None) -> codec.WorkerDescription:
         try:
-            msg = await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.control)
+            msg = await self.stub.Info(pb.InfoRequest(), timeout=timeout or self.timeouts.control,
+                                       metadata=self._md("Info"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         d = codec.decode_info(msg, self.address)
@@ -97,7 +132,7 @@ class WorkerClient:
                      progress: Any = None) -> None:
         request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint, options=codec.pack(options))
         try:
-            async for update in self.stub.Assign(request, timeout=self.timeouts.assign):
+            async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
                 if progress is not None:
                     progress(self, update.message, update.fraction)
         except grpc.aio.AioRpcError as e:
@@ -105,30 +140,56 @@ class WorkerClient:
         self.start, self.end = start, end
 
     async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str) -> list[SeqOutput]:
+        """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
+        the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise)."""
         request = pb.ForwardRequest(request_id=request_id, sequences=codec.encode_inputs(batch), all_logits=all_logits)
+        call = self.stub.Forward(request, timeout=self.timeouts.forward, metadata=self._md("Forward"))
+        waiter = asyncio.ensure_future(self._await(call))
+        last_answer = time.monotonic()
         try:
-            response = await self.stub.Forward(request, timeout=self.timeouts.forward)
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=self.timeouts.probe_interval)
+                if done:
+                    return codec.decode_outputs(list(waiter.result().sequences))
+                try:
+                    await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
+                                         metadata=self._md("Info"))
+                    last_answer = time.monotonic()
+                except grpc.aio.AioRpcError:
+                    silent = time.monotonic() - last_answer
+                    if silent >= self.timeouts.lost_after:
+                        raise WorkerLost(f"{self.name} ({self.address})", silent) from None
+        finally:
+            if not waiter.done():
+                call.cancel()
+                waiter.cancel()
+
+    async def _await(self, call: Any) -> pb.ForwardResponse:
+        try:
+            return await call
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        return codec.decode_outputs(list(response.sequences))
 
     async def release(self, session_ids: list[str]) -> int:
         try:
-            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids), timeout=self.timeouts.control)
+            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids), timeout=self.timeouts.control,
+                                        metadata=self._md("Release"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return r.released
 
     async def cancel(self, request_id: str) -> bool:
         try:
-            r = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeouts.control)
+            r = await self.stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                       timeout=min(self.timeouts.control, 2 * self.timeouts.probe_interval),
+                                       metadata=self._md("Cancel"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return r.cancelled
 
     async def stats(self) -> dict[str, Any]:
         try:
-            r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control)
+            r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control, metadata=self._md("Stats"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return codec.unpack(r.stats, f"stats of {self.name}")

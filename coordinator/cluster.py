@@ -3,7 +3,8 @@
 Workers come from Bonjour (browse with a timeout) and/or `--worker host:port`. Each is asked for its
 Info: protocol version and model fingerprint must match the coordinator's, or it is left out with a
 warning. The planner (deltafin/planner.py) then splits the layers; every stage is assigned in parallel,
-with progress, and the stages are handed back as a ClusterBackend.
+with progress, and the stages are handed back as a ResilientCluster (recovery.py), which re-plans and
+replays when a worker fails.
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from deltafin.checkpoint import fingerprint
 from deltafin.config import ModelConfig, load_config
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers, working_bytes
 from deltafin.progress import Progress
-from deltafin.transport.codec import PROTOCOL_VERSION, WorkerDescription
+from deltafin.transport.auth import ClusterSecurity
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
 from deltafin.transport.status import RemoteError
 
 from .backend import ClusterBackend, Timeouts, WorkerClient
+
+if TYPE_CHECKING:
+    from .recovery import RecoveryOptions, ResilientCluster
 
 log = logging.getLogger(__name__)
 
@@ -44,44 +51,69 @@ class ClusterSpec:
     options: dict[str, Any] = field(default_factory=dict)  # stage options sent with every assignment
     spine: str = "bf16"
     timeouts: Timeouts = field(default_factory=Timeouts)
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
 
 
-async def find_workers(spec: ClusterSpec) -> list[tuple[WorkerClient, WorkerDescription]]:
-    """Connect to every named and discovered worker that runs this model; warn about the others."""
+Worker = tuple[WorkerClient, WorkerDescription]
+
+
+async def discover_addresses(spec: ClusterSpec, timeout: float | None = None) -> list[str]:
+    """The named addresses, plus those Bonjour finds (when discovery is on)."""
     addresses = list(spec.addresses)
     if spec.discover:
         from deltafin.discovery import browse
 
-        found = await asyncio.to_thread(browse, spec.discover_timeout, spec.interfaces, spec.expect)
+        found = await asyncio.to_thread(browse, timeout or spec.discover_timeout, spec.interfaces, spec.expect)
         addresses += [d.address for d in found if d.address not in addresses]
-    if not addresses:
-        raise ClusterError("no workers: none answered on Bonjour within "
-                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port")
+    return addresses
+
+
+async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = False) -> list[Worker]:
+    """Connect to each address and keep the workers that answer, run this model and this protocol, and
+    accept this coordinator's key; the others are left out with a warning (a debug line when quiet)."""
     mine = fingerprint(spec.model_dir)
-    clients = [WorkerClient(a, timeouts=spec.timeouts) for a in addresses]
+    clients = [WorkerClient(a, timeouts=spec.timeouts, security=spec.security,
+                            max_message_bytes=spec.max_message_bytes) for a in addresses]
     infos = await asyncio.gather(*(c.info() for c in clients), return_exceptions=True)
     usable = []
+    say = log.debug if quiet else log.warning
     for client, info in zip(clients, infos, strict=True):
         if isinstance(info, RemoteError):
-            log.warning("leaving out %s: %s", client.address, info)
+            if info.code == grpc.StatusCode.UNAUTHENTICATED:
+                say("leaving out %s: it refused this coordinator's credentials (%s)", client.address, info.details)
+            else:
+                say("leaving out %s: %s", client.address, info)
         elif isinstance(info, BaseException):
+            await asyncio.gather(*(c.close() for c in clients))
             raise info
         elif info.protocol_version != PROTOCOL_VERSION:
-            log.warning("leaving out %s: protocol %d, this coordinator speaks %d", info.name, info.protocol_version,
-                        PROTOCOL_VERSION)
+            say("leaving out %s: protocol %d, this coordinator speaks %d", info.name, info.protocol_version,
+                PROTOCOL_VERSION)
         elif info.model_fingerprint != mine:
-            log.warning("leaving out %s: it holds checkpoint %s, this coordinator %s (%s)", info.name,
-                        info.model_fingerprint, mine, spec.model_dir)
+            say("leaving out %s: it holds checkpoint %s, this coordinator %s (%s)", info.name,
+                info.model_fingerprint, mine, spec.model_dir)
         else:
             usable.append((client, info))
             continue
         await client.close()
-    if not usable:
-        raise ClusterError("no usable workers: every one found runs another model or protocol (see warnings)")
     return usable
 
 
-def capacities(workers: list[tuple[WorkerClient, WorkerDescription]]) -> list[WorkerCapacity]:
+async def find_workers(spec: ClusterSpec) -> list[Worker]:
+    """Connect to every named and discovered worker that runs this model; warn about the others."""
+    addresses = await discover_addresses(spec)
+    if not addresses:
+        raise ClusterError("no workers: none answered on Bonjour within "
+                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port")
+    usable = await probe_workers(spec, addresses)
+    if not usable:
+        raise ClusterError("no usable workers: every one found was unreachable, runs another model or protocol, or "
+                           "refused this coordinator's key (see warnings)")
+    return usable
+
+
+def capacities(workers: list[Worker]) -> list[WorkerCapacity]:
     return [WorkerCapacity(d.name, d.memory_bytes, d.disk_gbps, d.layers, d.has_top, d.address) for _, d in workers]
 
 
@@ -96,10 +128,16 @@ def stage_options(cfg: ModelConfig, stage: StagePlan, base: dict[str, Any], memo
     return options
 
 
-async def connect_cluster(spec: ClusterSpec, show_progress: bool = True) -> tuple[ClusterBackend, Plan]:
-    cfg = load_config(spec.model_dir)
-    workers = await find_workers(spec)
-    plan = plan_layers(cfg, capacities(workers), spine=spec.spine)
+async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
+                      reuse: bool = False) -> tuple[ClusterBackend, Plan]:
+    """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
+    does not use are closed; on failure every client is closed. With `reuse` (a re-plan by this same
+    coordinator), a worker already serving exactly its new range keeps its stage and its caches."""
+    try:
+        plan = plan_layers(cfg, capacities(workers), spine=spec.spine)
+    except DeltafinError:
+        await asyncio.gather(*(c.close() for c, _ in workers))
+        raise
     by_name = {d.name: (c, d) for c, d in workers}
     used = [by_name[s.worker] for s in plan.stages]
     for client, _ in workers:
@@ -115,10 +153,15 @@ async def connect_cluster(spec: ClusterSpec, show_progress: bool = True) -> tupl
         if bar is not None:
             bar.update(max(0.0, fraction - bar.done))
 
+    todo = []
+    for s, (c, d) in zip(plan.stages, used, strict=True):
+        if reuse and d.state == "ready" and d.assigned == (s.start, s.end):
+            c.start, c.end = s.start, s.end
+            bars[s.worker].update(1.0)
+        else:
+            todo.append(c.assign(s.start, s.end, mine, stage_options(cfg, s, spec.options, d.memory_bytes), progress))
     try:
-        await asyncio.gather(*(c.assign(s.start, s.end, mine, stage_options(cfg, s, spec.options, d.memory_bytes),
-                                        progress)
-                               for s, (c, d) in zip(plan.stages, used, strict=True)))
+        await asyncio.gather(*todo)
     except BaseException:
         await asyncio.gather(*(c.close() for c, _ in used))
         raise
@@ -126,3 +169,13 @@ async def connect_cluster(spec: ClusterSpec, show_progress: bool = True) -> tupl
         for bar in bars.values():
             bar.close()
     return ClusterBackend([c for c, _ in used]), plan
+
+
+async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,
+                          recovery: RecoveryOptions | None = None) -> tuple[ResilientCluster, Plan]:
+    """Find the workers, plan, load the stages; the result recovers from losing workers (recovery.py)."""
+    from .recovery import ResilientCluster
+
+    cfg = load_config(spec.model_dir)
+    backend, plan = await assign_plan(spec, cfg, await find_workers(spec), show_progress)
+    return ResilientCluster(spec, cfg, backend, plan, recovery), plan

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -41,6 +42,26 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="--local: device")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype")
     _add_stage_options(p)
+    sec = p.add_argument_group("security", "how this coordinator proves itself to workers (see README: Security)")
+    sec.add_argument("--cluster-key", default=None,
+                     help="the workers' shared secret (or $DELTAFIN_CLUSTER_KEY, or --cluster-key-file)")
+    sec.add_argument("--cluster-key-file", default=None, help="read the cluster key from this file")
+    sec.add_argument("--tls-ca", default=None,
+                     help="connect with TLS, trusting workers' certificates signed by this CA (PEM)")
+    sec.add_argument("--tls-cert", default=None, help="mutual TLS: this coordinator's certificate (PEM)")
+    sec.add_argument("--tls-key", default=None, help="mutual TLS: its private key (PEM)")
+    sec.add_argument("--tls-server-name", default=None,
+                     help="the name the workers' certificates carry, when it is not the address dialled")
+    rec = p.add_argument_group("fault tolerance")
+    rec.add_argument("--worker-timeout", type=float, default=10.0,
+                     help="a worker that answers nothing for this many seconds during a forward is lost "
+                     "(default 10)")
+    rec.add_argument("--forward-timeout", type=float, default=600.0,
+                     help="deadline of one stage's forward (default 600: a long prefill streams many experts)")
+    rec.add_argument("--no-recovery", action="store_true",
+                     help="fail requests when a worker is lost instead of re-planning and replaying")
+    rec.add_argument("--rejoin-interval", type=float, default=5.0,
+                     help="seconds between looks for returning or new workers while idle (0: never; default 5)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tokens: int | None) -> None:
@@ -99,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=4096,
                    help="max tokens for chat requests that do not say (default 4096)")
     s.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (default 8 MB)")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health (or $DELTAFIN_API_KEY, "
+                   "or --api-key-file)")
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_serving_options(s)
     return p
 
@@ -117,7 +142,7 @@ def _user_options(args: argparse.Namespace) -> dict[str, Any]:
 async def open_backend(args: argparse.Namespace, show_progress: bool = True):
     """The backend the command runs on: in-process stages with --local, else the cluster."""
     from .backend import LocalBackend
-    from .cluster import ClusterSpec, connect_cluster
+    from .cluster import connect_cluster
 
     if args.local:
         from deltafin.pipeline import LocalPipeline
@@ -125,12 +150,33 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
         pipe = await asyncio.to_thread(LocalPipeline.load, args.model, args.local_stages, args.device, args.dtype,
                                        "hf", stage_options(args), show_progress)
         return LocalBackend(pipe)
-    spec = ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
-                       discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
-                       options=_user_options(args), spine=args.spine)
-    backend, plan = await connect_cluster(spec, show_progress=show_progress)
+    from .recovery import RecoveryOptions
+
+    spec = cluster_spec(args, _user_options(args))
+    backend, plan = await connect_cluster(spec, show_progress=show_progress, recovery=RecoveryOptions(
+        enabled=not args.no_recovery, rejoin_interval=args.rejoin_interval))
     print(plan.table(), file=sys.stderr)
     return backend
+
+
+def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None):  # -> ClusterSpec
+    from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
+
+    from .backend import Timeouts
+    from .cluster import ClusterSpec
+
+    if args.worker_timeout <= 0 or args.forward_timeout <= 0:
+        raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        tls.credentials()  # unreadable files fail here, with their names
+    security = ClusterSecurity(load_key(args.cluster_key, args.cluster_key_file), tls)
+    timeouts = Timeouts(forward=args.forward_timeout, lost_after=args.worker_timeout,
+                        probe_interval=min(2.0, args.worker_timeout / 3))
+    return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
+                       discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
+                       options=options or {}, spine=args.spine, timeouts=timeouts, security=security)
 
 
 async def open_engine(args: argparse.Namespace, name: str | None = None, **serving: Any):
@@ -148,11 +194,9 @@ async def open_engine(args: argparse.Namespace, name: str | None = None, **servi
 async def cmd_plan(args: argparse.Namespace) -> int:
     from deltafin.planner import plan_layers
 
-    from .cluster import ClusterSpec, capacities, find_workers
+    from .cluster import capacities, find_workers
 
-    spec = ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
-                       discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
-                       spine=args.spine)
+    spec = cluster_spec(args)
     workers = await find_workers(spec)
     try:
         print(plan_layers(load_config(args.model), capacities(workers), spine=args.spine).table())
@@ -222,11 +266,16 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1:
         raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth >= 0, "
                             "--max-context >= 2")
+    api_key = _api_key(args)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can generate (set --api-key)",
+                    args.host)
     engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
                                queue_depth=args.queue_depth, max_context=args.max_context,
                                default_max_tokens=args.default_max_tokens)
     try:
-        runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)))
+        runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)),
+                                          api_key)
     except OSError as e:
         await engine.close()
         raise DeltafinError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
@@ -242,6 +291,17 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         await engine.close()
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise DeltafinError(f"cannot read the API key file {args.api_key_file}: {e.strerror or e}") from None
+    else:
+        key = (args.api_key if args.api_key is not None else os.environ.get("DELTAFIN_API_KEY", "")).strip()
+    return key or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from deltafin.errors import DeltafinError
 from deltafin.stage import SeqInput, SeqOutput
 
-from .backend import Backend
+from .backend import Backend, PartialFailure
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,15 @@ class Scheduler:
                 if not call.cancelled():  # this loop itself is being cancelled (shutdown)
                     call.cancel()
                     raise
+                continue
+            except PartialFailure as e:
+                for f, result in zip(futures, e.results, strict=True):
+                    if f.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        f.set_exception(result)
+                    else:
+                        f.set_result(result)
                 continue
             except Exception as e:
                 for f in futures:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,7 @@ from deltafin.transport.status import RemoteError
 from . import openai_api as oa
 from .engine import Engine, PromptTooLong
 from .generation import Finished, PlainText, TextView, TokenEvent
+from .recovery import ClusterUnavailable
 from .scheduler import QueueFull
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ def _as_api_error(e: BaseException) -> oa.ApiError:
         return oa.ApiError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, ChatFormatError):
         return oa.ApiError(400, str(e), param="messages")
+    if isinstance(e, ClusterUnavailable):
+        return oa.ApiError(503, str(e), type="server_error", code="cluster_unavailable")
     if isinstance(e, RemoteError):
         return oa.ApiError(503, f"a worker failed: {e}", type="server_error", code="worker_unavailable")
     if isinstance(e, DeltafinError):
@@ -334,8 +338,25 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-def create_app(engine: Engine, max_body_bytes: int = 8 << 20) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes)
+def _auth(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if request.path != "/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | None = None) -> web.Application:
+    middlewares = [_errors] + ([_auth(api_key)] if api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[ENGINE] = engine
     app[REQUESTS] = {}
     app[MAX_BODY] = max_body_bytes
@@ -348,9 +369,10 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20) -> web.Application
     return app
 
 
-async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 << 20) -> tuple[web.AppRunner, int]:
+async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 << 20,
+                api_key: str | None = None) -> tuple[web.AppRunner, int]:
     """Serve the API; returns the runner (await runner.cleanup() to stop) and the bound port."""
-    runner = web.AppRunner(create_app(engine, max_body_bytes), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(create_app(engine, max_body_bytes, api_key), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

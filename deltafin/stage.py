@@ -159,6 +159,7 @@ class Stage:
                  len(plan.streamed), "streamed" if opts.streaming else "resident")
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
+        self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
         self.timings = StageTimings()
 
     @property
@@ -241,10 +242,26 @@ class Stage:
     def release(self, session_id: str) -> bool:
         """Free a session's caches; False if it did not exist."""
         self.evicted.pop(session_id, None)
+        self.last_used.pop(session_id, None)
         return self.sessions.pop(session_id, None) is not None
 
     def session_bytes(self) -> int:
         return sum(c.nbytes for c in self.sessions.values())
+
+    def expire(self, idle_seconds: float, now: float | None = None) -> list[str]:
+        """Drop sessions unused for `idle_seconds` (a coordinator that vanished never releases them)."""
+        now = time.monotonic() if now is None else now
+        gone = [sid for sid, t in self.last_used.items() if now - t > idle_seconds]
+        for sid in gone:
+            self.sessions.pop(sid, None)
+            self.last_used.pop(sid, None)
+            self._note_evicted(sid, f"expired after {idle_seconds:.0f}s without use")
+        return gone
+
+    def _note_evicted(self, sid: str, why: str) -> None:
+        self.evicted[sid] = why
+        while len(self.evicted) > 4096:
+            self.evicted.popitem(last=False)
 
     def _session(self, item: SeqInput, pinned: set[str]) -> SequenceCache:
         sid = item.session_id
@@ -255,6 +272,7 @@ class Stage:
             cache = new_sequence_cache(self.cfg, self.layers_range, self.device, self.dtype,
                                        mla_capacity=max(64, item.num_tokens))
             self.sessions[sid] = cache
+            self.last_used[sid] = time.monotonic()
             return cache
         cache = self.sessions.get(sid)
         if cache is None:
@@ -265,6 +283,7 @@ class Stage:
             raise SessionOutOfSync(f"session {sid!r}: this stage holds {cache.length} tokens but the call says "
                                    f"{item.cache_len} (a replayed or concurrent call?)")
         self.sessions.move_to_end(sid)
+        self.last_used[sid] = time.monotonic()
         self._make_room(item.num_tokens, pinned)
         return cache
 
@@ -281,9 +300,8 @@ class Stage:
             if sid in pinned:
                 continue
             self.sessions.pop(sid)
-            self.evicted[sid] = f"evicted to make room: the stage cache budget is {self.cache_budget / 1e9:.2f} GB"
-            while len(self.evicted) > 4096:
-                self.evicted.popitem(last=False)
+            self.last_used.pop(sid, None)
+            self._note_evicted(sid, f"evicted to make room: the stage cache budget is {self.cache_budget / 1e9:.2f} GB")
             log.info("evicted session %s", sid)
         if self.session_bytes() + need > self.cache_budget:
             raise OutOfMemory(f"the session cache budget ({self.cache_budget / 1e9:.3f} GB) cannot hold this "
@@ -400,6 +418,7 @@ class Stage:
 
     def close(self) -> None:
         self.sessions.clear()
+        self.last_used.clear()
         self.experts.close()
         self.spine.close()
         self.files.close()

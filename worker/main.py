@@ -23,7 +23,8 @@ from deltafin.cli import _add_stage_options, run_cli, setup_logging, stage_optio
 from deltafin.config import load_config
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
-from deltafin.transport.codec import WorkerDescription, layer_ranges
+from deltafin.transport.auth import ENV_KEY, ServerTls, load_key
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 
 log = logging.getLogger("deltafin.worker")
 
@@ -44,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="announce only on this interface address (repeatable; default: all)")
     p.add_argument("--disk-gbps", type=float, default=None, help="skip the disk measurement; announce this")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
+    p.add_argument("--session-ttl", type=float, default=900.0,
+                   help="drop a sequence's caches after this many seconds without use (default 900)")
+    p.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE / (1 << 20),
+                   help=f"largest gRPC message in or out (default {DEFAULT_MAX_MESSAGE >> 20} MB)")
+    sec = p.add_argument_group("security", "who may drive this worker (see README: Security)")
+    sec.add_argument("--cluster-key", default=None,
+                     help=f"shared secret every coordinator call must be signed with (or ${ENV_KEY}, or "
+                     "--cluster-key-file); without one, anyone who can reach the port can use the worker")
+    sec.add_argument("--cluster-key-file", default=None, help="read the cluster key from this file")
+    sec.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    sec.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="mutual TLS: accept only coordinators whose certificate this CA signed")
     p.add_argument("-v", "--verbose", action="count", default=0)
     _add_stage_options(p)
     return p
@@ -64,6 +78,10 @@ def measure_disk(ckpt, threads: int, io: str, budget_bytes: int = 256 << 20) -> 
     return _read_all([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)["disk_GBps"]
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def total_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -75,6 +93,16 @@ async def serve(args: argparse.Namespace) -> int:
     from deltafin.discovery import Announcer
     from deltafin.worker.service import WorkerService, create_server
 
+    key = load_key(args.cluster_key, args.cluster_key_file)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise DeltafinError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise DeltafinError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if key is None and not _loopback(args.host):
+        log.warning("listening on %s WITHOUT a cluster key: anyone who can reach this port can load layers and "
+                    "run forwards on this machine. Set --cluster-key (and --tls-cert) on a shared network.",
+                    args.host)
     cfg = load_config(args.model)
     ckpt = scan_checkpoint(args.model, cfg)
     layers = ckpt.layers_available()
@@ -89,7 +117,9 @@ async def serve(args: argparse.Namespace) -> int:
                              memory_bytes=memory, disk_gbps=disk, model_fingerprint=fingerprint(args.model),
                              layers=layer_ranges(layers), has_top=ckpt.top_available, version=__version__)
     service = WorkerService(ckpt, desc, device, options)
-    server, port = await create_server(service, args.host, args.port)
+    server, port = await create_server(service, args.host, args.port, int(args.max_message_mb * (1 << 20)), key,
+                                       tls)
+    sweeper = asyncio.ensure_future(service.expire_sessions(args.session_ttl))
     desc = desc.__class__(**{**desc.__dict__, "address": f"{args.host}:{port}"})
     service.description = desc
     # zeroconf's blocking API runs its own loop: keep it off ours
@@ -102,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
           f"disk {disk:.2f} GB/s)", flush=True)
     await stop.wait()
+    sweeper.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
     t0 = time.monotonic()
     if announcer is not None:

@@ -24,6 +24,7 @@ from deltafin.devices import exact_fp32, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
+from deltafin.transport.auth import AuthInterceptor, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, CodecError, WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
@@ -181,6 +182,17 @@ class WorkerService(pb_grpc.WorkerServicer):
             stats["layers"] = [stage.start, stage.end]
         return pb.StatsResponse(stats=codec.pack(stats))
 
+    async def expire_sessions(self, idle_seconds: float) -> None:
+        """Forever: every so often, drop sessions idle for longer than `idle_seconds`."""
+        while True:
+            await asyncio.sleep(max(1.0, min(60.0, idle_seconds / 4)))
+            stage = self.stage
+            if stage is None:
+                continue
+            gone = await self._on_stage_thread(stage.expire, idle_seconds)
+            if gone:
+                log.info("expired %d idle sessions (TTL %.0fs)", len(gone), idle_seconds)
+
     def close(self) -> None:
         for flag in self.running.values():
             flag.set()
@@ -190,15 +202,19 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 async def create_server(service: WorkerService, host: str, port: int,
-                        max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[grpc.aio.Server, int]:
-    """A started gRPC server for `service` plus the standard health service; returns (server, bound port)."""
+                        max_message_bytes: int = DEFAULT_MAX_MESSAGE, key: bytes | None = None,
+                        tls: ServerTls | None = None) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for `service` plus the standard health service; returns (server, bound port).
+    With `key`, every Worker call must carry the cluster key's signature; with `tls`, only TLS is served."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
-    server = grpc.aio.server(options=options)
+    interceptors = [AuthInterceptor(key)] if key is not None else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise DeltafinError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
     await server.start()

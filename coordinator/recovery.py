@@ -1,0 +1,291 @@
+"""Keep generating when workers fail: a journal of every session's inputs, re-planning, replay.
+
+`ResilientCluster` wraps the ClusterBackend. For every live session it records the token ids fed to
+stage 0 and how they were chunked (prompt, then one token per step): 4 bytes per token plus 4 per
+forward, at most `journal_tokens` tokens in all (the least recently used sessions lose their record
+first, and would fail rather than recover). Hub routing makes that enough: every stage's input is a
+deterministic function of those ids, so replaying them in the same chunks rebuilds every cache exactly,
+bit for bit on the same devices and dtypes, and greedy decoding continues with the same tokens.
+
+When a forward fails because a worker is gone (connection refused or reset, deadline, no answer to the
+liveness probes for `lost_after` seconds) or lost its state (restarted, session expired or evicted), the
+coordinator probes every worker it knows (named, discovered, the current ones), plans again over those
+that answer, loads the stages whose assignment changed, marks the affected sessions stale and retries.
+A stale session is replayed before its next forward. Replay costs one forward per recorded chunk: for
+a request that had generated n tokens, 1 + n forwards of the stages that were rebuilt.
+
+If no plan fits the workers that remain, that request fails with ClusterUnavailable (HTTP 503) and the
+coordinator keeps serving: the next request tries again, so a returning worker brings the cluster back.
+While the cluster is idle, workers that come back or appear (named addresses, Bonjour) are noticed every
+`rejoin_interval` seconds, and the layers are planned again over them when the plan gets more workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from deltafin.config import ModelConfig
+from deltafin.errors import DeltafinError
+from deltafin.planner import Plan, plan_layers
+from deltafin.stage import SeqInput, SeqOutput
+from deltafin.transport.status import RemoteError
+
+from .backend import ClusterBackend, PartialFailure, WorkerLost
+from .cluster import ClusterSpec, Worker, assign_plan, capacities, discover_addresses, probe_workers
+
+log = logging.getLogger(__name__)
+
+# failures that another plan or a replay can fix
+GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+STATE_LOST = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+class ClusterUnavailable(DeltafinError):
+    """The workers that answer cannot run the model (or kept failing): this request fails."""
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    enabled: bool = True
+    max_attempts: int = 3  # recoveries for one forward before it fails
+    rejoin_interval: float = 5.0  # seconds between looks for returning or new workers while idle (0: never)
+    journal_tokens: int = 1 << 22  # tokens recorded across sessions (4 bytes each): 16 MB
+
+
+@dataclass
+class _Journal:
+    ids: array = field(default_factory=lambda: array("i"))  # every token fed to stage 0, in order
+    chunks: array = field(default_factory=lambda: array("i"))  # the length of each forward that fed them
+
+
+@dataclass(frozen=True)
+class Recovery:
+    cause: str
+    seconds: float
+    workers: tuple[str, ...]  # the plan's workers afterwards
+    replanned: bool
+
+
+def _recoverable(e: BaseException) -> bool:
+    if isinstance(e, WorkerLost):
+        return True
+    return isinstance(e, RemoteError) and (e.code in GONE or e.code in STATE_LOST)
+
+
+class ResilientCluster:
+    def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: Plan,
+                 options: RecoveryOptions | None = None):
+        self.spec, self.cfg, self.backend, self.plan = spec, cfg, backend, plan
+        self.options = options or RecoveryOptions()
+        self.journal: OrderedDict[str, _Journal] = OrderedDict()
+        self.journal_tokens = 0
+        self.stale: set[str] = set()
+        self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.stages)]))
+        self.recoveries: list[Recovery] = []
+        self.lock = asyncio.Lock()  # a forward, a recovery and a re-plan never overlap
+        self._membership: asyncio.Task[None] | None = None
+
+    @property
+    def stages(self) -> list[Any]:
+        return self.backend.stages
+
+    # ---- the Backend interface ------------------------------------------------------------------------
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        self._watch_membership()
+        attempts = 0
+        while True:
+            try:
+                async with self.lock:
+                    for item in batch:
+                        if item.session_id in self.stale:
+                            await self._replay(item)
+                    outputs = await self.backend.forward(batch, all_logits)
+                self._record(batch)
+                return outputs
+            except (RemoteError, WorkerLost) as e:
+                if not self.options.enabled or not _recoverable(e):
+                    self._mark_stale(b.session_id for b in batch)  # earlier stages may have advanced
+                    if len(batch) > 1:  # find out which sequence is at fault; the others go on
+                        return await self._one_by_one(batch, all_logits)
+                    raise
+                attempts += 1
+                if attempts > self.options.max_attempts:
+                    raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
+                await self.recover(str(e), [b.session_id for b in batch])
+
+    async def release(self, session_ids: list[str]) -> None:
+        for sid in session_ids:
+            self._forget(sid)
+        await self.backend.release(session_ids)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return await self.backend.stats()
+
+    async def close(self) -> None:
+        if self._membership is not None:
+            self._membership.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._membership
+        await self.backend.close()
+
+    # ---- journal ----------------------------------------------------------------------------------------
+
+    def _record(self, batch: list[SeqInput]) -> None:
+        if not self.options.enabled:
+            return
+        for item in batch:
+            if item.ids is None:
+                continue
+            if item.cache_len == 0:
+                self._forget(item.session_id)
+            j = self.journal.setdefault(item.session_id, _Journal())
+            if len(j.ids) != item.cache_len:  # not a continuation of what was recorded: cannot replay it
+                self._forget(item.session_id)
+                continue
+            j.ids.extend(int(t) for t in item.ids.tolist())
+            j.chunks.append(item.num_tokens)
+            self.journal_tokens += item.num_tokens
+            self.journal.move_to_end(item.session_id)
+        while self.journal_tokens > self.options.journal_tokens and len(self.journal) > 1:
+            sid, _ = next(iter(self.journal.items()))
+            log.warning("session %s no longer fits the replay journal; it cannot survive a worker loss", sid[:8])
+            self._forget(sid)
+
+    def _forget(self, sid: str) -> None:
+        j = self.journal.pop(sid, None)
+        if j is not None:
+            self.journal_tokens -= len(j.ids)
+        self.stale.discard(sid)
+
+    def _mark_stale(self, sids: Any) -> None:
+        self.stale.update(s for s in sids if s in self.journal)
+
+    async def _replay(self, item: SeqInput) -> None:
+        """Rebuild a session's caches on every stage by feeding its recorded chunks again."""
+        sid = item.session_id
+        j = self.journal.get(sid)
+        if j is None or item.cache_len == 0:
+            self.stale.discard(sid)
+            return
+        if len(j.ids) != item.cache_len:
+            self._forget(sid)
+            raise ClusterUnavailable(f"session {sid[:8]} cannot be rebuilt: its record holds {len(j.ids)} tokens "
+                                     f"but the call continues at {item.cache_len}")
+        t0, pos = time.monotonic(), 0
+        for n in j.chunks:
+            ids = torch.tensor(j.ids[pos:pos + n], dtype=torch.long)
+            await self.backend.forward([SeqInput(sid, pos, ids=ids)])
+            pos += n
+        self.stale.discard(sid)
+        log.info("replayed session %s: %d tokens in %d forwards, %.2fs", sid[:8], pos, len(j.chunks),
+                 time.monotonic() - t0)
+
+    async def _one_by_one(self, batch: list[SeqInput], all_logits: bool) -> list[SeqOutput]:
+        results: list[SeqOutput | BaseException] = []
+        for item in batch:
+            try:
+                results.append((await self.forward([item], all_logits))[0])
+            except DeltafinError as e:
+                results.append(e)
+        if any(isinstance(r, BaseException) for r in results):
+            raise PartialFailure(results)
+        return results  # type: ignore[return-value]
+
+    # ---- recovery ---------------------------------------------------------------------------------------
+
+    async def recover(self, cause: str, sessions: list[str]) -> Recovery:
+        """Plan again over the workers that answer; reload what changed; mark sessions for replay."""
+        t0 = time.monotonic()
+        async with self.lock:
+            log.warning("cluster problem: %s; checking the workers", cause)
+            candidates = await self._candidates()
+            if not candidates:
+                raise ClusterUnavailable(f"no worker answers (after: {cause})")
+            before = [(w.address, w.start, w.end) for w in self.backend.stages]
+            current = {(d.address, d.assigned) for _, d in candidates if d.state == "ready"}
+            try:
+                backend, plan = await assign_plan(self.spec, self.cfg, candidates, show_progress=False, reuse=True)
+            except DeltafinError as e:
+                raise ClusterUnavailable(f"the workers that answer cannot run the model: {e} "
+                                         f"(after: {cause})") from None
+            after = [(w.address, w.start, w.end) for w in backend.stages]
+            replanned = after != before or any((a, (s, e)) not in current for a, s, e in after)
+            old, self.backend, self.plan = self.backend, backend, plan
+            self.known = list(dict.fromkeys([*self.known, *(a for a, _, _ in after)]))
+            with contextlib.suppress(Exception):
+                await old.close()
+            self._mark_stale(self.journal if replanned else sessions)
+            event = Recovery(cause, time.monotonic() - t0, tuple(w.name for w in backend.stages), replanned)
+            self.recoveries.append(event)
+            log.warning("recovered in %.2fs: %s; %d sessions to replay", event.seconds,
+                        "new plan " + " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in backend.stages)
+                        if replanned else "same plan", len(self.stale))
+            return event
+
+    async def _candidates(self) -> list[Worker]:
+        addresses = list(dict.fromkeys([*self.known, *await self._discovered()]))
+        return await probe_workers(self.spec, addresses, quiet=True)
+
+    async def _discovered(self) -> list[str]:
+        if not self.spec.discover:
+            return []
+        try:
+            return await discover_addresses(self.spec, timeout=min(self.spec.discover_timeout, 1.5))
+        except Exception as e:  # Bonjour trouble must not stop a recovery over the named workers
+            log.debug("browse failed: %s", e)
+            return []
+
+    # ---- workers that come back -----------------------------------------------------------------------
+
+    def _watch_membership(self) -> None:
+        if self.options.rejoin_interval > 0 and (self._membership is None or self._membership.done()):
+            self._membership = asyncio.ensure_future(self._membership_loop())
+
+    async def _membership_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.rejoin_interval)
+            if self.journal or self.lock.locked():
+                continue  # sessions are live: moving stages now would make them all replay
+            try:
+                await self._rejoin()
+            except Exception as e:
+                log.debug("rejoin check failed: %s", e)
+
+    async def _rejoin(self) -> None:
+        in_use = {w.address for w in self.backend.stages}
+        extra = [a for a in dict.fromkeys([*self.known, *await self._discovered()]) if a not in in_use]
+        if not extra:
+            return
+        new = await probe_workers(self.spec, extra, quiet=True)
+        if not new:
+            return
+        current = await probe_workers(self.spec, list(in_use), quiet=True)
+        workers = current + new
+        try:
+            better = len(plan_layers(self.cfg, capacities(workers), spine=self.spec.spine).stages) > len(
+                self.plan.stages)
+        except DeltafinError:
+            better = False
+        if not better or self.journal:
+            await asyncio.gather(*(c.close() for c, _ in workers))
+            return
+        async with self.lock:
+            backend, plan = await assign_plan(self.spec, self.cfg, workers, show_progress=False, reuse=True)
+            old, self.backend, self.plan = self.backend, backend, plan
+            self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.stages)]))
+            with contextlib.suppress(Exception):
+                await old.close()
+            self._mark_stale(self.journal)
+        log.warning("worker(s) %s joined; new plan %s", ", ".join(d.name for _, d in new),
+                    " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in self.backend.stages))
