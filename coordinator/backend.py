@@ -103,7 +103,11 @@ class WorkerClient:
         self.timeouts = timeouts or Timeouts()
         self.security = security or ClusterSecurity()
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a restarted worker must be reachable at once: short reconnect backoff, and a channel of
+                   # its own (a shared subchannel would still be backing off from the dead process)
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
         tls = self.security.tls
         if tls is not None:
             self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())

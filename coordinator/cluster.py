@@ -69,13 +69,14 @@ async def discover_addresses(spec: ClusterSpec, timeout: float | None = None) ->
     return addresses
 
 
-async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = False) -> list[Worker]:
+async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = False,
+                        timeout: float | None = None) -> list[Worker]:
     """Connect to each address and keep the workers that answer, run this model and this protocol, and
     accept this coordinator's key; the others are left out with a warning (a debug line when quiet)."""
     mine = fingerprint(spec.model_dir)
     clients = [WorkerClient(a, timeouts=spec.timeouts, security=spec.security,
                             max_message_bytes=spec.max_message_bytes) for a in addresses]
-    infos = await asyncio.gather(*(c.info() for c in clients), return_exceptions=True)
+    infos = await asyncio.gather(*(c.info(timeout) for c in clients), return_exceptions=True)
     usable = []
     say = log.debug if quiet else log.warning
     for client, info in zip(clients, infos, strict=True):

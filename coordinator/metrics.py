@@ -45,6 +45,11 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
     w.metric("deltafin_batches_total", "counter", "Forward batches sent to the stages.", [({}, s.batches)])
     w.metric("deltafin_batched_sequences_total", "counter", "Sequences in those batches.",
              [({}, s.batched_sequences)])
+    recoveries = getattr(engine.backend, "recoveries", [])
+    w.metric("deltafin_cluster_recoveries_total", "counter", "Re-plans or replays after a worker failed.",
+             [({}, len(recoveries))])
+    w.metric("deltafin_cluster_last_recovery_seconds", "gauge", "Duration of the last recovery (re-plan and "
+             "stage loads; replay comes after).", [({}, recoveries[-1].seconds if recoveries else 0.0)])
     per: dict[str, list[tuple[dict[str, Any], float]]] = {k: [] for k in (
         "tokens", "sessions", "session_bytes", "bytes_read", "lookups", "hits", "hit_rate", "spine")}
     for stats in workers:

@@ -220,7 +220,7 @@ class ResilientCluster:
                 raise ClusterUnavailable(f"the workers that answer cannot run the model: {e} "
                                          f"(after: {cause})") from None
             after = [(w.address, w.start, w.end) for w in backend.stages]
-            replanned = after != before or any((a, (s, e)) not in current for a, s, e in after)
+            replanned = after != before or any((addr, (lo, hi)) not in current for addr, lo, hi in after)
             old, self.backend, self.plan = self.backend, backend, plan
             self.known = list(dict.fromkeys([*self.known, *(a for a, _, _ in after)]))
             with contextlib.suppress(Exception):
@@ -235,7 +235,12 @@ class ResilientCluster:
 
     async def _candidates(self) -> list[Worker]:
         addresses = list(dict.fromkeys([*self.known, *await self._discovered()]))
-        return await probe_workers(self.spec, addresses, quiet=True)
+        return await probe_workers(self.spec, addresses, quiet=True, timeout=self._probe_timeout())
+
+    def _probe_timeout(self) -> float:
+        """A worker that does not answer Info this fast is not a candidate (a frozen one never answers)."""
+        t = self.spec.timeouts
+        return min(t.control, max(t.lost_after / 2, 1.0))
 
     async def _discovered(self) -> list[str]:
         if not self.spec.discover:
@@ -253,24 +258,37 @@ class ResilientCluster:
             self._membership = asyncio.ensure_future(self._membership_loop())
 
     async def _membership_loop(self) -> None:
+        failures = 0
         while True:
-            await asyncio.sleep(self.options.rejoin_interval)
+            await asyncio.sleep(self.options.rejoin_interval * min(2 ** failures, 16))
             if self.journal or self.lock.locked():
                 continue  # sessions are live: moving stages now would make them all replay
             try:
+                lost = await self._lost_stages()
+                if lost:
+                    await self.recover(f"idle check: {lost} not answering", [])
                 await self._rejoin()
+                failures = 0
             except Exception as e:
-                log.debug("rejoin check failed: %s", e)
+                failures += 1
+                log.debug("membership check failed: %s", e)
+
+    async def _lost_stages(self) -> str:
+        """Names of current stage workers that do not answer (or no longer hold their stage)."""
+        stages = list(self.backend.stages)
+        answers = await asyncio.gather(*(w.info(self._probe_timeout()) for w in stages), return_exceptions=True)
+        return ", ".join(w.name for w, a in zip(stages, answers, strict=True)
+                         if isinstance(a, BaseException) or a.state != "ready" or a.assigned != (w.start, w.end))
 
     async def _rejoin(self) -> None:
         in_use = {w.address for w in self.backend.stages}
         extra = [a for a in dict.fromkeys([*self.known, *await self._discovered()]) if a not in in_use]
         if not extra:
             return
-        new = await probe_workers(self.spec, extra, quiet=True)
+        new = await probe_workers(self.spec, extra, quiet=True, timeout=self._probe_timeout())
         if not new:
             return
-        current = await probe_workers(self.spec, list(in_use), quiet=True)
+        current = await probe_workers(self.spec, list(in_use), quiet=True, timeout=self._probe_timeout())
         workers = current + new
         try:
             better = len(plan_layers(self.cfg, capacities(workers), spine=self.spec.spine).stages) > len(

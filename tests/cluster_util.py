@@ -59,3 +59,51 @@ def workers(model: Path, n: int, *extra: str, announce: bool = False, prefix: st
     finally:
         for p in procs:
             p.stop()
+
+
+SERVING = re.compile(r"serving (http://[\d.]+:\d+)")
+
+
+class ServerProcess:
+    """`deltafin-coordinator ... serve --port 0` as a subprocess; `url` once it is ready."""
+
+    def __init__(self, model: Path, *args: str, serve_args: tuple[str, ...] = ()):
+        cmd = [sys.executable, "-m", "deltafin.coordinator.main", "--model", str(model), "--no-discover", "-q",
+               *args, "serve", "--port", "0", *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        m = SERVING.search(line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read()}")  # type: ignore[union-attr]
+        self.url = m.group(1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, str]:
+    """(status, body) of a GET, error statuses included."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
