@@ -187,3 +187,14 @@ async def test_api_key(tiny_dir: Path) -> None:
     finally:
         await runner.cleanup()
         await engine.close()
+
+
+def test_coordinator_ignores_announced_workers_it_cannot_authenticate(tiny_dir: Path) -> None:
+    with workers(tiny_dir, 1, "--cluster-key", KEY, announce=True, prefix="keyed"):
+        base = [*COORDINATOR, "--model", str(tiny_dir), "--interface", "127.0.0.1", "--discover-timeout", "3",
+                "--expect", "1"]
+        ignored = subprocess.run([*base, "plan"], capture_output=True, text=True, timeout=120)
+        assert ignored.returncode == 1
+        assert "refused this coordinator's credentials" in ignored.stderr and "no usable workers" in ignored.stderr
+        used = subprocess.run([*base, "--cluster-key", KEY, "plan"], capture_output=True, text=True, timeout=120)
+        assert used.returncode == 0 and "keyed0" in used.stdout
