@@ -23,14 +23,15 @@ from typing import Any
 
 from aiohttp import web
 
-from deltafin.chat import ChatFormatError, Delta, OutputParser
+from deltafin.chat import ChatFormatError, OutputParser
 from deltafin.chat import encode as chat_encode
 from deltafin.errors import DeltafinError
 from deltafin.transport.status import RemoteError
 
 from . import openai_api as oa
+from .backend import WorkerLost
 from .engine import Engine, PromptTooLong
-from .generation import Finished, PlainText, TextView, TokenEvent
+from .generation import Finished, PlainText, TokenEvent
 from .recovery import ClusterUnavailable
 from .scheduler import QueueFull
 
@@ -57,7 +58,7 @@ def _as_api_error(e: BaseException) -> oa.ApiError:
         return oa.ApiError(400, str(e), param="messages")
     if isinstance(e, ClusterUnavailable):
         return oa.ApiError(503, str(e), type="server_error", code="cluster_unavailable")
-    if isinstance(e, RemoteError):
+    if isinstance(e, (RemoteError, WorkerLost)):
         return oa.ApiError(503, f"a worker failed: {e}", type="server_error", code="worker_unavailable")
     if isinstance(e, DeltafinError):
         return oa.ApiError(500, str(e), type="server_error")
@@ -212,29 +213,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 # ---- /v1/chat/completions ---------------------------------------------------------------------------------
 
 
-class _ChatView:
-    """The chat format's channels, as a TextView."""
-
-    def __init__(self, parser: OutputParser):
-        self.parser = parser
-
-    def push(self, token_id: int) -> Delta:
-        return self.parser.push(token_id)
-
-    def flush(self) -> Delta:
-        return self.parser.flush()
-
-
-def chat_view(engine: Engine, thinking: bool) -> TextView:
-    return _ChatView(OutputParser(engine.tokenizer, thinking=thinking))
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
-    events = engine.run(ids, chat_view(engine, req.options.thinking), max_tokens=p.max_tokens,
+    events = engine.run(ids, OutputParser(engine.tokenizer, thinking=req.options.thinking), max_tokens=p.max_tokens,
                         sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
     first = await _first(events)
     rid, created = oa.new_id("chatcmpl"), oa.now()

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop a sequence's caches after this many seconds without use (default 900)")
     p.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE / (1 << 20),
                    help=f"largest gRPC message in or out (default {DEFAULT_MAX_MESSAGE >> 20} MB)")
-    sec = p.add_argument_group("security", "who may drive this worker (see README: Security)")
+    sec = p.add_argument_group("security", "who may drive this worker (see deploy/README.md, Security)")
     sec.add_argument("--cluster-key", default=None,
                      help=f"shared secret every coordinator call must be signed with (or ${ENV_KEY}, or "
                      "--cluster-key-file); without one, anyone who can reach the port can use the worker")
