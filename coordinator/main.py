@@ -42,7 +42,8 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="--local: device")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype")
     _add_stage_options(p)
-    sec = p.add_argument_group("security", "how this coordinator proves itself to workers (see deploy/README.md, Security)")
+    sec = p.add_argument_group("security",
+                               "how this coordinator proves itself to workers (see deploy/README.md, Security)")
     sec.add_argument("--cluster-key", default=None,
                      help="the workers' shared secret (or $DELTAFIN_CLUSTER_KEY, or --cluster-key-file)")
     sec.add_argument("--cluster-key-file", default=None, help="read the cluster key from this file")
