@@ -1,8 +1,8 @@
 """`deltafin chat`: an interactive chat in the terminal, over a cluster or in-process (--local).
 
-`ChatSession` holds the conversation and generates one reply per turn through the Engine (the same path
-as the HTTP API); the REPL around it reads lines, prints the reasoning dimmed and then the answer as
-they stream, and a stats line after each reply. Ctrl-C stops the reply being written; Ctrl-D quits.
+`ChatSession` (chat_session.py) holds the conversation and generates one reply per turn through the
+Engine; the REPL here reads lines, prints the reasoning dimmed and then the answer as they stream, and a
+stats line after each reply. Ctrl-C stops the reply being written; Ctrl-D quits.
 """
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from deltafin.chat import EFFORTS, ChatOptions, OutputParser, ToolCall, encode
+from deltafin.chat import EFFORTS
 from deltafin.errors import DeltafinError
-from deltafin.sampling import SamplingParams
 
-from .engine import Engine
-from .generation import Finished
+if TYPE_CHECKING:  # the model stack loads only when a chat starts, not for --help
+    from .chat_session import ChatSession, Reply
+    from .engine import Engine
+
 
 HELP = """commands:
   /think low|high|max|off   thinking effort, or answer without thinking
@@ -39,62 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_options(p, temperature=0.6, max_tokens=None)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--thinking", default="max", choices=[*EFFORTS, "off"], help="thinking effort (default max)")
-
-
-@dataclass
-class Reply:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finished: Finished | None = None
-    prompt_ids: list[int] = field(default_factory=list)
-
-
-Sink = Callable[[str, str], None]  # (channel: "reasoning" | "content", text)
-
-
-class ChatSession:
-    def __init__(self, engine: Engine, sampling: SamplingParams, max_tokens: int | None = None,
-                 system: str | None = None, thinking: str = "max"):
-        self.engine, self.sampling, self.max_tokens = engine, sampling, max_tokens
-        self.system, self.thinking = system, thinking
-        self.messages: list[dict[str, Any]] = []
-        self.reset()
-
-    def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
-
-    def options(self) -> ChatOptions:
-        on = self.thinking != "off"
-        return ChatOptions(thinking=on, effort=self.thinking if on else None)
-
-    async def turn(self, text: str, sink: Sink | None = None) -> Reply:
-        """One user message and the model's reply; the conversation keeps both once the reply finished."""
-        messages = [*self.messages, {"role": "user", "content": text}]
-        options = self.options()
-        reply = Reply(prompt_ids=encode(self.engine.tokenizer, messages, options))
-        parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
-        async for event in self.engine.run(reply.prompt_ids, parser, max_tokens=self.max_tokens,
-                                           sampling=self.sampling):
-            d = event.delta
-            reply.reasoning += d.reasoning
-            reply.content += d.content
-            reply.tool_calls += d.tool_calls
-            if sink is not None:
-                if d.reasoning:
-                    sink("reasoning", d.reasoning)
-                if d.content:
-                    sink("content", d.content)
-            if isinstance(event, Finished):
-                reply.finished = event
-        assistant: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if options.thinking:
-            assistant["reasoning_content"] = reply.reasoning
-        if reply.tool_calls:
-            assistant["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                       for c in reply.tool_calls]
-        self.messages = [*messages, assistant]
-        return reply
 
 
 class _Lines:
@@ -116,6 +59,7 @@ class _Lines:
 
 
 async def run_chat(args: argparse.Namespace) -> int:
+    from .chat_session import ChatSession
     from .main import format_summary, open_engine, run_summary, sampling_params
 
     sampling = sampling_params(args)

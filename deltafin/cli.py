@@ -7,6 +7,7 @@ for a problem the user can fix.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -251,41 +252,25 @@ def _add_tokenize(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_detokenize)
 
 
-def _cmd_chat(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from deltafin.coordinator.chat_cli import run_chat
-
-    return asyncio.run(run_chat(args))
-
-
 def _add_chat(sub: argparse._SubParsersAction) -> None:
-    from deltafin.coordinator.chat_cli import add_arguments
+    from deltafin.coordinator import chat_cli
 
     p = sub.add_parser("chat", help="an interactive chat in the terminal (cluster or --local)",
                        description="Chat with the model in K3's chat format: reasoning is shown dimmed, then the "
                        "answer. Type /help for commands; Ctrl-C stops a reply, Ctrl-D or /exit quits.")
-    add_arguments(p)
-    p.set_defaults(func=_cmd_chat)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from deltafin.coordinator.demo import run_demo
-
-    return asyncio.run(run_demo(args))
+    chat_cli.add_arguments(p)
+    p.set_defaults(func=lambda args: asyncio.run(chat_cli.run_chat(args)))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from deltafin.coordinator.demo import add_arguments
+    from deltafin.coordinator import demo
 
     p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster",
                        description="Create (once, cached) a small synthetic K3 checkpoint with random weights, "
                        "start a deltafin-worker on 127.0.0.1, connect to it over gRPC as a one-worker cluster and "
                        "generate a chat reply. The weights are random, so the text is too.")
-    add_arguments(p)
-    p.set_defaults(func=_cmd_demo)
+    demo.add_arguments(p)
+    p.set_defaults(func=lambda args: asyncio.run(demo.run_demo(args)))
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

@@ -17,7 +17,7 @@ from cluster_util import workers
 from deltafin.chat import ChatOptions, encode
 from deltafin.config import load_config
 from deltafin.coordinator.backend import LocalBackend
-from deltafin.coordinator.chat_cli import ChatSession
+from deltafin.coordinator.chat_session import ChatSession
 from deltafin.coordinator.engine import Engine
 from deltafin.pipeline import LocalPipeline
 from deltafin.sampling import SamplingParams
