@@ -61,6 +61,9 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                      help="deadline of one stage's forward (default 600: a long prefill streams many experts)")
     rec.add_argument("--no-recovery", action="store_true",
                      help="fail requests when a worker is lost instead of re-planning and replaying")
+    rec.add_argument("--replay-journal-tokens", type=int, default=1 << 22,
+                     help="tokens of live sequences kept for replay after a worker loss, 4 bytes each (default "
+                     "4194304 = 16 MB); sequences beyond it fail instead of recovering")
     rec.add_argument("--rejoin-interval", type=float, default=5.0,
                      help="seconds between looks for returning or new workers while idle (0: never; default 5)")
 
@@ -155,7 +158,8 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
 
     spec = cluster_spec(args, _user_options(args))
     backend, plan = await connect_cluster(spec, show_progress=show_progress, recovery=RecoveryOptions(
-        enabled=not args.no_recovery, rejoin_interval=args.rejoin_interval))
+        enabled=not args.no_recovery, rejoin_interval=args.rejoin_interval,
+        journal_tokens=args.replay_journal_tokens))
     print(plan.table(), file=sys.stderr)
     return backend
 

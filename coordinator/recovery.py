@@ -88,7 +88,7 @@ class ResilientCluster:
         self.spec, self.cfg, self.backend, self.plan = spec, cfg, backend, plan
         self.options = options or RecoveryOptions()
         self.journal: OrderedDict[str, _Journal] = OrderedDict()
-        self.journal_tokens = 0
+        self.journal_size = 0
         self.stale: set[str] = set()
         self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.stages)]))
         self.recoveries: list[Recovery] = []
@@ -155,9 +155,9 @@ class ResilientCluster:
                 continue
             j.ids.extend(int(t) for t in item.ids.tolist())
             j.chunks.append(item.num_tokens)
-            self.journal_tokens += item.num_tokens
+            self.journal_size += item.num_tokens
             self.journal.move_to_end(item.session_id)
-        while self.journal_tokens > self.options.journal_tokens and len(self.journal) > 1:
+        while self.journal_size > self.options.journal_tokens and len(self.journal) > 1:
             sid, _ = next(iter(self.journal.items()))
             log.warning("session %s no longer fits the replay journal; it cannot survive a worker loss", sid[:8])
             self._forget(sid)
@@ -165,7 +165,7 @@ class ResilientCluster:
     def _forget(self, sid: str) -> None:
         j = self.journal.pop(sid, None)
         if j is not None:
-            self.journal_tokens -= len(j.ids)
+            self.journal_size -= len(j.ids)
         self.stale.discard(sid)
 
     def _mark_stale(self, sids: Any) -> None:

@@ -1,0 +1,109 @@
+"""The replay journal and the retry logic of ResilientCluster, against a scripted in-process cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from deltafin.config import load_config
+from deltafin.coordinator.cluster import ClusterSpec
+from deltafin.coordinator.recovery import ClusterUnavailable, Recovery, RecoveryOptions, ResilientCluster
+from deltafin.stage import SeqInput, SeqOutput
+from deltafin.transport.status import RemoteError
+
+
+class FlakyStages:
+    """Records every forward; fails the calls listed in `fail_at` (by call number) as a lost worker would."""
+
+    def __init__(self, fail_at: set[int], code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.calls: list[list[tuple[str, int, list[int]]]] = []
+        self.fail_at, self.code = fail_at, code
+        self.stages: list = []
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+        n = len(self.calls)
+        self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
+        if n in self.fail_at:
+            raise RemoteError("w1", self.code, "gone")
+        return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
+
+    async def release(self, session_ids: list[str]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def _cluster(tiny_dir: Path, stages: FlakyStages, **options) -> tuple[ResilientCluster, list[str]]:
+    cfg = load_config(tiny_dir)
+    rc = ResilientCluster(ClusterSpec(tiny_dir, discover=False), cfg, stages, None,  # type: ignore[arg-type]
+                          RecoveryOptions(rejoin_interval=0, **options))
+    causes: list[str] = []
+
+    async def recover(cause: str, sessions: list[str]) -> Recovery:  # a re-plan that keeps the same stages
+        causes.append(cause)
+        rc._mark_stale(rc.journal)
+        return Recovery(cause, 0.0, (), True)
+
+    rc.recover = recover  # type: ignore[method-assign]
+    return rc, causes
+
+
+def _step(sid: str, pos: int, ids: list[int]) -> SeqInput:
+    return SeqInput(sid, pos, ids=torch.tensor(ids))
+
+
+async def test_a_lost_worker_replays_the_recorded_chunks_then_retries(tiny_dir: Path) -> None:
+    stages = FlakyStages(fail_at={3})
+    rc, causes = _cluster(tiny_dir, stages)
+    await rc.forward([_step("s", 0, [5, 6, 7])])  # prompt
+    await rc.forward([_step("s", 3, [8])])
+    await rc.forward([_step("s", 4, [9])])
+    await rc.forward([_step("s", 5, [10])])  # call 3 fails: recover, replay, retry
+    assert len(causes) == 1 and "UNAVAILABLE" in causes[0]
+    assert stages.calls[4:] == [[("s", 0, [5, 6, 7])], [("s", 3, [8])], [("s", 4, [9])], [("s", 5, [10])]]
+    assert not rc.stale and list(rc.journal["s"].ids) == [5, 6, 7, 8, 9, 10]
+    await rc.release(["s"])
+    assert not rc.journal and rc.journal_size == 0
+
+
+async def test_errors_that_replay_cannot_fix_fail_the_request(tiny_dir: Path) -> None:
+    stages = FlakyStages(fail_at={1}, code=grpc.StatusCode.INVALID_ARGUMENT)
+    rc, causes = _cluster(tiny_dir, stages)
+    await rc.forward([_step("s", 0, [1, 2])])
+    with pytest.raises(RemoteError):
+        await rc.forward([_step("s", 2, [3])])
+    assert causes == [] and rc.stale == {"s"}  # replayed before its next forward, if there is one
+
+
+async def test_a_bad_sequence_does_not_fail_its_batch_neighbours(tiny_dir: Path) -> None:
+    stages = FlakyStages(fail_at={2, 6}, code=grpc.StatusCode.INVALID_ARGUMENT)
+    rc, _ = _cluster(tiny_dir, stages)
+    await rc.forward([_step("a", 0, [1])])
+    await rc.forward([_step("b", 0, [2])])
+    from deltafin.coordinator.backend import PartialFailure
+
+    # call 2 (the batch) fails; each is replayed alone (3, 5), then "a" works (4) and "b" fails (6)
+    with pytest.raises(PartialFailure) as e:
+        await rc.forward([_step("a", 1, [3]), _step("b", 1, [4])])
+    ok, bad = e.value.results
+    assert isinstance(ok, SeqOutput) and isinstance(bad, RemoteError)
+
+
+async def test_repeated_losses_give_up_with_a_clear_error(tiny_dir: Path) -> None:
+    rc, causes = _cluster(tiny_dir, FlakyStages(fail_at=set(range(100))), max_attempts=2)
+    with pytest.raises(ClusterUnavailable, match="giving up after 2 recoveries"):
+        await rc.forward([_step("s", 0, [1])])
+    assert len(causes) == 2
+
+
+async def test_the_journal_is_bounded(tiny_dir: Path) -> None:
+    rc, _ = _cluster(tiny_dir, FlakyStages(set()), journal_tokens=10)
+    for sid in "abc":
+        await rc.forward([_step(sid, 0, [1, 2, 3, 4])])
+    assert list(rc.journal) == ["b", "c"] and rc.journal_size == 8  # "a", the least recent, lost its record
+    await asyncio.sleep(0)
