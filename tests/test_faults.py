@@ -62,6 +62,7 @@ def _metric(url: str, name: str) -> float:
 def test_kill_stop_restart_rejoin(small_dir: Path) -> None:
     with workers(small_dir, 2) as (w0, w1):
         port1 = w1.address.rsplit(":", 1)[1]
+        restarted: list[WorkerProcess] = []
         server = ServerProcess(small_dir, "--worker", w0.address, "--worker", w1.address, "--worker-timeout", "3",
                                "--rejoin-interval", "1", serve_args=("--served-model-name", "small"))
         try:
@@ -76,6 +77,7 @@ def test_kill_stop_restart_rejoin(small_dir: Path) -> None:
 
             # restart it on the same address: it rejoins while the cluster is idle
             back = WorkerProcess(small_dir, "w1", "--port", port1)
+            restarted.append(back)
             back.wait_ready()
             t0 = time.monotonic()
             _wait_for_workers(server.url, 2)
@@ -92,8 +94,9 @@ def test_kill_stop_restart_rejoin(small_dir: Path) -> None:
             print(f"\nrecovery seen by the client: kill -9 {gap_kill:.2f}s, SIGSTOP {gap_stop:.2f}s "
                   f"(--worker-timeout 3); rejoin after restart {rejoin_s:.2f}s")
             assert gap_kill < 30 and gap_stop < 30
-            back.stop()
         finally:
+            for w in restarted:
+                w.stop()
             assert server.stop() == 0
 
 
@@ -116,8 +119,8 @@ def test_losing_every_worker_fails_clearly_and_the_server_recovers(tiny_dir: Pat
             assert _health(server.url)[0] == 503
             assert http_get(server.url + "/v1/models")[0] == 200  # still serving
             again = WorkerProcess(tiny_dir, "w0", "--port", port)
-            again.wait_ready()
             try:
+                again.wait_ready()
                 r = client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)
                 assert r.choices[0].text == ok.choices[0].text
             finally:
