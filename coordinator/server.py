@@ -52,8 +52,6 @@ def _as_api_error(e: BaseException) -> oa.ApiError:
         return e
     if isinstance(e, QueueFull):
         return oa.ApiError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded")
-    if isinstance(e, PromptTooLong):
-        return oa.ApiError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, ChatFormatError):
         return oa.ApiError(400, str(e), param="messages")
     if isinstance(e, ClusterUnavailable):
@@ -101,10 +99,13 @@ async def _json(request: web.Request) -> Any:
         raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
 
 
-async def _first(events: Events) -> TokenEvent | Finished:
+async def _first(events: Events, prompt_param: str) -> TokenEvent | Finished:
     """The first event, before any response header: admission and prompt errors become proper statuses."""
     try:
         return await anext(events)
+    except PromptTooLong as e:
+        await events.aclose()
+        raise oa.ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except BaseException:
         await events.aclose()
         raise
@@ -157,7 +158,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     p = req.params
     events = engine.run(req.prompt_ids, PlainText(engine.tokenizer), max_tokens=p.max_tokens or 16,
                         sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
-    first = await _first(events)
+    first = await _first(events, "prompt")
     rid, created = oa.new_id("cmpl"), oa.now()
     want_logprobs = p.sampling.logprobs is not None
     prefix = req.prompt_text if req.echo else ""
@@ -220,7 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
     events = engine.run(ids, OutputParser(engine.tokenizer, thinking=req.options.thinking), max_tokens=p.max_tokens,
                         sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
-    first = await _first(events)
+    first = await _first(events, "messages")
     rid, created = oa.new_id("chatcmpl"), oa.now()
     want_logprobs = req.top_logprobs is not None
     call_ids: list[str] = []
