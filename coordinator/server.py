@@ -161,6 +161,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     first = await _first(events, "prompt")
     rid, created = oa.new_id("cmpl"), oa.now()
     want_logprobs = p.sampling.logprobs is not None
+    stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
     prefix = req.prompt_text if req.echo else ""
 
     def choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
@@ -174,7 +175,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 end = e
                 text.append(e.delta.content)
             else:
-                if want_logprobs and e.token_id not in engine.stop_ids:
+                if want_logprobs and e.token_id not in stop_ids:
                     lp.add(engine.tokenizer, e.choice, offset)
                 text.append(e.delta.content)
                 offset += len(e.delta.content)
@@ -200,7 +201,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                         oa.usage(e.usage.prompt_tokens, e.usage.completion_tokens)))
             return
         lp = None
-        if want_logprobs and e.token_id not in engine.stop_ids:
+        if want_logprobs and e.token_id not in stop_ids:
             one = oa.CompletionLogprobs()
             one.add(engine.tokenizer, e.choice, offset)
             lp = one.as_dict()
@@ -224,6 +225,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     first = await _first(events, "messages")
     rid, created = oa.new_id("chatcmpl"), oa.now()
     want_logprobs = req.top_logprobs is not None
+    stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
     call_ids: list[str] = []
 
     def reason_of(e: Finished) -> str:
@@ -240,7 +242,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 calls.append(oa.tool_call_json(c, call_ids[-1]))
             if isinstance(e, Finished):
                 end = e
-            elif want_logprobs and e.token_id not in engine.stop_ids:
+            elif want_logprobs and e.token_id not in stop_ids:
                 lps.append(oa.chat_logprob(engine.tokenizer, e.choice))
         assert end is not None
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
@@ -263,7 +265,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
         delta = oa.chat_delta(e.delta, call_ids[first_index:], first_index)
         lp = None
-        if isinstance(e, TokenEvent) and want_logprobs and e.token_id not in engine.stop_ids:
+        if isinstance(e, TokenEvent) and want_logprobs and e.token_id not in stop_ids:
             lp = {"content": [oa.chat_logprob(engine.tokenizer, e.choice)]}
         if isinstance(e, Finished):
             await sse.send(oa.chunk(kind, rid, created, p.model, [
