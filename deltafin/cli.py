@@ -66,7 +66,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    from deltafin.synth import PRESETS
+    from deltafin.presets import PRESETS
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Kimi K3 layout",
                        description="Write a random-weight checkpoint in the exact Hugging Face Kimi K3 layout "

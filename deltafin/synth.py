@@ -22,7 +22,6 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from deltafin import vocab
 from deltafin.config import MXFP4_GROUP, ExpertFormat, ModelConfig, TensorSpec, parse_config
 from deltafin.errors import DeltafinError
+from deltafin.presets import K3_LINEAR, K3_TEXT, PRESETS
 from deltafin.progress import Progress
 from deltafin.weights.directio import DirectWriter
 
@@ -41,47 +41,6 @@ E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)
 CHUNK_VALUES = 1 << 22  # float values generated per step (16 MB as f32)
 
 
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    layers: int  # default layer count
-    vocab_size: int  # base BPE tokens + 256 specials
-    text: dict[str, Any]  # text_config entries that differ from the real model
-
-
-_K3_TEXT: dict[str, Any] = {
-    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "architectures": ["KimiLinearForCausalLM"], "attn_res_block_size": 12,
-    "first_k_dense_replace": 1, "hidden_act": "situ", "hidden_size": 7168,
-    "intermediate_size": 33792, "kv_lora_rank": 512, "latent_moe_use_norm": True,
-    "max_position_embeddings": 1048576, "mla_use_nope": True, "mla_use_output_gate": True,
-    "model_type": "kimi_linear", "moe_intermediate_size": 3072, "moe_layer_freq": 1,
-    "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_attention_heads": 96,
-    "num_expert_group": 1, "num_experts": 896, "num_experts_per_token": 16,
-    "num_key_value_heads": 96, "num_nextn_predict_layers": 0, "num_shared_experts": 2,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
-    "routed_expert_hidden_size": 3584, "routed_scaling_factor": 1.0, "tie_word_embeddings": False,
-    "topk_group": 1, "topk_method": "noaux_tc", "use_grouped_topk": True, "v_head_dim": 128,
-    "dtype": "bfloat16",
-}
-_K3_LINEAR = {"gate_lower_bound": -5.0, "head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4,
-              "use_full_rank_gate": True}
-
-PRESETS = {
-    "tiny": Preset("tiny", 6, 1024, {
-        "hidden_size": 64, "intermediate_size": 128, "attn_res_block_size": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-        "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "num_experts": 16,
-        "num_experts_per_token": 4, "linear": {"head_dim": 16, "num_heads": 4}}),
-    "small": Preset("small", 8, 4096, {
-        "hidden_size": 512, "intermediate_size": 1024, "attn_res_block_size": 3,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128, "kv_lora_rank": 128,
-        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
-        "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_experts": 48,
-        "num_experts_per_token": 6, "linear": {"head_dim": 64, "num_heads": 8}}),
-    "k3-slice": Preset("k3-slice", 3, 8192, {}),
-}
 
 
 def k3_layer_kinds(num_layers: int) -> list[str]:
@@ -97,9 +56,9 @@ def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
     n = preset.layers if layers is None else layers
     if n < 2:
         raise DeltafinError("--layers must be at least 2 (a dense layer 0 and at least one MoE layer)")
-    text = copy.deepcopy(_K3_TEXT)
+    text = copy.deepcopy(K3_TEXT)
     overrides = dict(preset.text)
-    linear = {**_K3_LINEAR, **overrides.pop("linear", {})}
+    linear = {**K3_LINEAR, **overrides.pop("linear", {})}
     text.update(overrides)
     kinds = k3_layer_kinds(n)
     linear["full_attn_layers"] = [l + 1 for l, k in enumerate(kinds) if k == "mla"]
