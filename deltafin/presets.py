@@ -1,5 +1,6 @@
-"""The synthetic checkpoint presets: real K3 widths (k3-slice) or scaled down (tiny, small), in the exact
-K3 layout. Kept apart from synth.py so that listing them (`deltafin --help`) loads no tensor library."""
+"""The synthetic checkpoint presets, in the exact K3 layout: K3's full geometry (k3), its real widths for a
+few layers (k3-slice), or scaled down (tiny, small). Kept apart from synth.py so that listing them
+(`deltafin --help`) loads no tensor library."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class Preset:
     layers: int  # default layer count
     vocab_size: int  # base BPE tokens + 256 specials
     text: dict[str, Any]  # text_config entries that differ from the real model
+    vision: bool = False  # also write the release's vision shards (which the text runtime skips)
 
 
 K3_TEXT: dict[str, Any] = {
@@ -47,4 +49,16 @@ PRESETS = {
         "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_experts": 48,
         "num_experts_per_token": 6, "linear": {"head_dim": 64, "num_heads": 8}}),
     "k3-slice": Preset("k3-slice", 3, 8192, {}),
+    "k3": Preset("k3", 93, 163840, {}, vision=True),
+}
+
+# The release's vision_config (K3_SPEC §1 fixture), kept so that a full-geometry checkpoint carries it.
+K3_VISION: dict[str, Any] = {
+    "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
+    "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "linear_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 1024,
+    "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
+    "patch_size": 14, "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed",
+    "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "qkv_hidden_size": 1536, "text_hidden_size": 7168,
+    "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
 }

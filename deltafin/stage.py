@@ -140,7 +140,7 @@ class Stage:
                     "this stage fewer layers")
         plan = plan_spine(self.layers_range, self._placed_bytes, self._stored_bytes, self._top_bytes(), spine_budget)
         self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
-                                last=self.last, progress=progress)
+                                last=self.last, progress=progress, threads=opts.read_threads)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
         if experts is None:
@@ -350,7 +350,7 @@ class Stage:
                 if should_stop is not None and should_stop():
                     raise Cancelled("the forward was cancelled")
                 weights = self.spine.layer(layer)
-                self.spine.prefetch(layer + 1)
+                self.spine.prefetch_after(layer)
                 self._prefetch_experts(layer, state)
                 state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts)
             outputs = self._output(batch, spans, state, all_logits)

@@ -5,12 +5,22 @@ Presets:
   small     tens of MB: the same structure, wider
   k3-slice  real K3 widths (hidden 7168, 96 heads, 896 experts of 3584x3072 MXFP4, 17,547,264 bytes
             each) for the first N layers, vocabulary reduced: what the streaming benchmarks use
+  k3        K3's full geometry: 93 layers, vocabulary 163,840, the release's vision shards (95-96); with
+            `sparse`, 1.56 TB apparent in a few GB of disk
 
-Layout: one shard per decoder layer plus one for embedding/head/norms (as the real checkpoint), names
-prefixed `language_model.`, each expert's six MXFP4 tensors back to back (w1p|w1s|w2p|w2s|w3p|w3s),
-BF16/F32 where the real model has them, `tiktoken.model` + `tokenizer_config.json` whose 256 specials
-sit at the same offsets from the base vocabulary as K3's. Weights are scaled so activations stay O(1)
-through depth and the router spreads tokens over many experts. Same seed -> byte-identical files.
+Layout: one shard per decoder layer, one for embedding/head/norms (and for k3 the projector and the vision
+tower), names prefixed `language_model.`, BF16/F32/U8 where the real model has them, `tiktoken.model` +
+`tokenizer_config.json` whose 256 specials sit at the same offsets from the base vocabulary as K3's.
+Tensor order inside a shard: `canonical` is what safetensors' `save_file` writes (F32, then BF16, then U8,
+each group sorted by name; a layer's spine then precedes its experts, each expert's six tensors adjacent);
+`grouped` is spine tensors in spec order, then the experts (another valid order, to keep readers honest).
+`sparse` leaves bulk tensors (experts, large matrices other than the embedding and routers) as holes that
+read as zeros: memory, planning and compute at full size, no disk. Weights are scaled so activations stay
+O(1) through depth and the router spreads tokens over many experts.
+
+Same seed -> byte-identical files on every machine: random values come from integer arithmetic alone
+(PCG64 draws, sums, one IEEE multiply and add, integer rounding to bf16), never from math whose last bits
+depend on the CPU's SIMD path (torch.randn and log/sin/cos differ between AVX2 and AVX-512 builds).
 """
 
 from __future__ import annotations
@@ -21,17 +31,17 @@ import json
 import logging
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from deltafin import vocab
 from deltafin.config import MXFP4_GROUP, ExpertFormat, ModelConfig, TensorSpec, parse_config
 from deltafin.errors import DeltafinError
-from deltafin.presets import K3_LINEAR, K3_TEXT, PRESETS
+from deltafin.presets import K3_LINEAR, K3_TEXT, K3_VISION, PRESETS
 from deltafin.progress import Progress
 from deltafin.weights.directio import DirectWriter
 
@@ -39,8 +49,11 @@ log = logging.getLogger(__name__)
 
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)
 CHUNK_VALUES = 1 << 22  # float values generated per step (16 MB as f32)
-
-
+ORDERS = ("canonical", "grouped")
+# safetensors' Dtype enum order (save_file sorts by dtype, largest first, then by name)
+_SAFETENSORS_DTYPES = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32",
+                       "U32", "F32", "F64", "I64", "U64")
+_BULK_VALUES = 1 << 20  # with `sparse`, matrices above this many values are holes (but embedding and routers)
 
 
 def k3_layer_kinds(num_layers: int) -> list[str]:
@@ -68,13 +81,38 @@ def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
     text.update({"num_hidden_layers": n, "vocab_size": preset.vocab_size, "linear_attn_config": linear,
                  "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
                  "pad_token_id": specials["[PAD]"], "quantization_config": _quantization_config()})
-    return {
+    raw = {
         "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
         "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
         "pad_token_id": specials["[PAD]"], "media_placeholder_token_id": specials["<|kimi_image_placeholder|>"],
         "tie_word_embeddings": False, "dtype": "bfloat16", "deltafin_synthetic": {"preset": name},
         "text_config": text,
     }
+    if preset.vision:
+        raw["vision_config"] = copy.deepcopy(K3_VISION)
+    return raw
+
+
+def vision_tensor_specs(vision: dict[str, Any], text_hidden: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The release's 168 vision tensors (projector, tower), BF16: carried by the checkpoint, unused by the text
+    model, so a reader must skip them."""
+    d, inner, qkv = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["qkv_hidden_size"]
+    merged = d * math.prod(vision["merge_kernel_size"])
+    patch = vision["patch_size"]
+    projector = [TensorSpec("mm_projector.pre_norm.weight", (d,), "BF16"),
+                 TensorSpec("mm_projector.proj.0.weight", (merged, merged), "BF16"),
+                 TensorSpec("mm_projector.proj.2.weight", (text_hidden, merged), "BF16")]
+    tower = [TensorSpec("vision_tower.patch_embed.proj.weight", (d, 3, patch, patch), "BF16"),
+             TensorSpec("vision_tower.patch_embed.pos_emb.weight",
+                        (vision["init_pos_emb_height"], vision["init_pos_emb_width"], d), "BF16"),
+             TensorSpec("vision_tower.encoder.final_layernorm.weight", (d,), "BF16")]
+    for i in range(vision["vt_num_hidden_layers"]):
+        b = f"vision_tower.encoder.blocks.{i}."
+        tower += [TensorSpec(b + "norm0.weight", (d,), "BF16"), TensorSpec(b + "norm1.weight", (d,), "BF16"),
+                  TensorSpec(b + "wqkv.weight", (3 * qkv, d), "BF16"), TensorSpec(b + "wo.weight", (d, qkv), "BF16"),
+                  TensorSpec(b + "mlp.fc0.weight", (inner, d), "BF16"),
+                  TensorSpec(b + "mlp.fc1.weight", (d, inner), "BF16")]
+    return projector, tower
 
 
 def _quantization_config() -> dict[str, Any]:
@@ -90,30 +128,44 @@ def _quantization_config() -> dict[str, Any]:
 
 
 def synthesize(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
-               show_progress: bool = True) -> Path:
+               show_progress: bool = True, sparse: bool = False, order: str = "canonical") -> Path:
     """Write a synthetic checkpoint to `out`; returns the directory."""
+    if order not in ORDERS:
+        raise DeltafinError(f"unknown tensor order {order!r}: use {' or '.join(ORDERS)}")
     raw = preset_config(preset, layers)
     cfg = parse_config(raw)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards = _plan_shards(cfg)
-    total = sum(s.nbytes for _, specs in shards for s in specs)
+    shards = _plan_shards(cfg, raw.get("vision_config"), order)
+    apparent = sum(s.nbytes for _, specs in shards for s in specs)
+    written = sum(s.nbytes for _, specs in shards for s in specs if not (sparse and _is_bulk(s)))
+    _check_room(out, written, apparent, sparse)
     weight_map: dict[str, str] = {}
-    with Progress(total, f"synth {preset}", enabled=show_progress) as bar:
+    init = _Init(cfg, seed)
+    with Progress(written, f"synth {preset}{' (sparse)' if sparse else ''}", enabled=show_progress) as bar:
         for fname, specs in shards:
-            _write_shard(out / fname, specs, _Init(cfg, seed), bar)
+            _write_shard(out / fname, specs, init, bar, sparse)
             weight_map.update({s.name: fname for s in specs})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": apparent}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     base = cfg.vocab_size - vocab.N_SPECIAL
     vocab.write_tiktoken(out / "tiktoken.model", vocab.synthetic_ranks(base, seed))
     vocab.write_tokenizer_config(out / "tokenizer_config.json", base)
-    log.info("wrote %s: %d layers, %.1f MB", out, cfg.num_layers, total / 1e6)
+    log.info("wrote %s: %d layers, %.1f GB apparent, %.1f GB written", out, cfg.num_layers, apparent / 1e9,
+             written / 1e9)
     return out
 
 
-def _plan_shards(cfg: ModelConfig) -> list[tuple[str, list[TensorSpec]]]:
+def _check_room(out: Path, written: int, apparent: int, sparse: bool) -> None:
+    free = shutil.disk_usage(out).free
+    if written + (64 << 20) > free:
+        hint = "" if sparse else f" (--sparse writes {apparent / 1e9:.0f} GB apparent as holes)"
+        raise DeltafinError(f"{out} has {free / 1e9:.1f} GB free; this checkpoint writes {written / 1e9:.1f} GB"
+                            + hint)
+
+
+def _plan_shards(cfg: ModelConfig, vision: dict[str, Any] | None, order: str) -> list[tuple[str, list[TensorSpec]]]:
     groups = []
     for layer in range(cfg.num_layers):
         specs = list(cfg.layer_tensor_specs(layer))
@@ -122,11 +174,31 @@ def _plan_shards(cfg: ModelConfig) -> list[tuple[str, list[TensorSpec]]]:
                 specs.extend(cfg.expert_tensor_specs(layer, e))
         groups.append(specs)
     groups.append(list(cfg.top_tensor_specs()))
+    if vision is not None:
+        groups.extend(vision_tensor_specs(vision, cfg.hidden_size))
+    if order == "canonical":
+        groups = [canonical_order(g) for g in groups]
     n = len(groups)
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
-def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress) -> None:
+def canonical_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The order safetensors' `save_file` stores tensors in: larger dtypes first, then by name."""
+    rank = {d: i for i, d in enumerate(_SAFETENSORS_DTYPES)}
+    return sorted(specs, key=lambda s: (-rank[s.dtype], s.name))
+
+
+def _is_bulk(spec: TensorSpec) -> bool:
+    """What `sparse` leaves as holes: experts and big matrices, but the embedding and the routers, whose
+    values make each token route differently."""
+    if spec.expert is not None:
+        return True
+    if spec.name.endswith(("embed_tokens.weight", "block_sparse_moe.gate.weight")):
+        return False
+    return len(spec.shape) >= 2 and spec.numel > _BULK_VALUES
+
+
+def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress, sparse: bool) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for s in specs:
@@ -139,6 +211,9 @@ def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for s in specs:
+            if sparse and _is_bulk(s):
+                f.skip(s.nbytes)
+                continue
             for chunk in init.chunks(s):
                 f.write(chunk)
                 bar.update(len(chunk))
@@ -148,6 +223,29 @@ def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress
 def _seed(*parts: object) -> int:
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(_seed(*parts)))
+
+
+_IH_TERMS = 4  # Irwin-Hall: the sum of 4 uniform draws, standardized, is close to N(0, 1) (|z| < 3.47)
+_IH_MEAN = _IH_TERMS * 65535 / 2
+_IH_SCALE = 1.0 / math.sqrt(_IH_TERMS * (65536**2 - 1) / 12)
+
+
+def standard_normal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n approximately standard-normal float32 values from integers: PCG64 draws of 16 bits, summed in int64,
+    centred (exact), times one float64 constant (one IEEE rounding), to float32 (another). The same bytes on
+    every CPU."""
+    u = rng.integers(0, 1 << 16, size=(n, _IH_TERMS), dtype=np.uint16)
+    centred = u.sum(axis=1, dtype=np.int64).astype(np.float64) - _IH_MEAN
+    return (centred * _IH_SCALE).astype(np.float32)
+
+
+def uniform(rng: np.random.Generator, n: int, lo: float, hi: float) -> np.ndarray:
+    """n float64 values in [lo, hi): 24-bit integer draws scaled exactly, one multiply and one add."""
+    return rng.integers(0, 1 << 24, size=n, dtype=np.int64).astype(np.float64) * ((hi - lo) / (1 << 24)) + lo
 
 
 class _Init:
@@ -166,26 +264,26 @@ class _Init:
     # -- dense tensors ---------------------------------------------------------------------------
 
     def _float_tensor(self, spec: TensorSpec) -> Iterator[bytes | memoryview]:
-        g = torch.Generator().manual_seed(_seed(self.seed, spec.name))
-        name, cfg = spec.name, self.cfg
-        if name.endswith("A_log"):
-            values = torch.zeros(spec.numel)
-            values[: cfg.kda_heads] = torch.empty(cfg.kda_heads).uniform_(0.5, 2.0, generator=g).log()
-            yield _encode(values, spec.dtype)
+        rng = _rng(self.seed, spec.name)
+        if spec.name.endswith("A_log"):
+            # log of a decay rate in [0.5, 2) per head, drawn directly in log space (no log() call)
+            values = np.zeros(spec.numel, dtype=np.float64)
+            values[: self.cfg.kda_heads] = uniform(rng, self.cfg.kda_heads, -0.6931471805599453, 0.6931471805599453)
+            yield _encode(values.astype(np.float32), spec.dtype)
             return
         mean, std = self._normal(spec)
         if spec.numel <= 4 * CHUNK_VALUES:
-            yield _encode(torch.randn(spec.numel, generator=g).mul_(std).add_(mean), spec.dtype)
+            yield _encode(_affine(standard_normal(rng, spec.numel), std, mean), spec.dtype)
             return
         # Real-width matrices (hundreds of millions of values): windows of a normal pool at seeded offsets,
         # sign-flipped per chunk, so generation keeps up with the disk.
-        pool = torch.randn(2 * CHUNK_VALUES, generator=g)
+        pool = standard_normal(rng, 2 * CHUNK_VALUES)
         remaining = spec.numel
         while remaining:
             n = min(remaining, CHUNK_VALUES)
-            start = int(torch.randint(0, CHUNK_VALUES, (1,), generator=g))
-            sign = 1.0 if int(torch.randint(0, 2, (1,), generator=g)) else -1.0
-            yield _encode(pool[start:start + n] * (sign * std) + mean, spec.dtype)
+            start = int(rng.integers(0, CHUNK_VALUES))
+            sign = 1.0 if int(rng.integers(0, 2)) else -1.0
+            yield _encode(_affine(pool[start:start + n], sign * std, mean), spec.dtype)
             remaining -= n
 
     def _normal(self, spec: TensorSpec) -> tuple[float, float]:
@@ -220,7 +318,7 @@ class _Init:
             raise DeltafinError("synthetic checkpoints store experts as MXFP4")
         kind = spec.name.rsplit(".", 2)[-2] + "." + spec.name.rsplit(".", 1)[-1]  # e.g. "w1.weight_packed"
         pool = self._pool(spec.layer, kind, spec)  # type: ignore[arg-type]
-        rng = np.random.default_rng(_seed(self.seed, spec.layer, spec.expert, kind))
+        rng = _rng(self.seed, spec.layer, spec.expert, kind)
         if spec.nbytes % 8 == 0:  # 8-aligned windows: XOR a 64-bit key at memory speed
             start = 8 * int(rng.integers(0, (pool.size - spec.nbytes) // 8 + 1))
         else:
@@ -239,7 +337,7 @@ class _Init:
         if key not in self._pools:
             if len(self._pools) >= 6:  # only the current layer's six pools are needed
                 self._pools.clear()
-            rng = np.random.default_rng(_seed(self.seed, "pool", layer, kind))
+            rng = _rng(self.seed, "pool", layer, kind)
             size = 2 * spec.nbytes
             if kind.endswith("weight_packed"):
                 self._pools[key] = rng.integers(0, 256, size=size, dtype=np.uint8)
@@ -250,6 +348,22 @@ class _Init:
         return self._pools[key]
 
 
-def _encode(values: torch.Tensor, dtype: str) -> bytes:
-    target = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
-    return values.to(target).contiguous().view(torch.uint8).numpy().tobytes()
+def _affine(values: np.ndarray, scale: float, shift: float) -> np.ndarray:
+    """values * scale + shift in float32, as two separate IEEE operations (never a fused multiply-add)."""
+    out = values * np.float32(scale)
+    if shift:
+        out += np.float32(shift)
+    return out
+
+
+def _encode(values: np.ndarray, dtype: str) -> bytes:
+    """float32 values as the stored dtype's little-endian bytes; bf16 by integer round-to-nearest-even."""
+    if dtype == "F32":
+        return values.astype("<f4").tobytes()
+    if dtype == "F16":
+        return values.astype("<f2").tobytes()
+    if dtype != "BF16":
+        raise DeltafinError(f"synthetic float tensors are F32, F16 or BF16, not {dtype}")
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    return rounded.astype("<u2").tobytes()

@@ -66,10 +66,11 @@ def open_file(path: str | os.PathLike, flags: int, direct: bool, mode: int = 0o6
 
 
 class DirectWriter:
-    """Sequential writer of a new file that keeps written data out of the page cache.
+    """Sequential writer of a new file that keeps written data out of the page cache, with holes.
 
     Data is staged in two aligned buffers: one fills while a background thread writes the other in whole
-    aligned blocks. The tail is padded for the last write and the file truncated back on close."""
+    aligned blocks at its file offset. `skip(n)` leaves n zero bytes unwritten (a hole in a sparse file)
+    where whole blocks allow it. The tail is padded for the last write and the file truncated on close."""
 
     def __init__(self, path: str | os.PathLike, direct: bool = True, staging: int = 1 << 24):
         self.path = path
@@ -77,9 +78,15 @@ class DirectWriter:
         self.bufs = [aligned_buffer(staging), aligned_buffer(staging)]
         self.pending: list[Future | None] = [None, None]
         self.cur = 0
-        self.fill = 0
-        self.size = 0
+        self.fill = 0  # bytes staged in the current buffer
+        self.start = 0  # file offset of the current buffer's first byte (always aligned)
+        self.written = 0  # bytes actually written (holes excluded)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="deltafin-write")
+
+    @property
+    def size(self) -> int:
+        """The file's logical size so far (holes included)."""
+        return self.start + self.fill
 
     def write(self, data: bytes | memoryview) -> None:
         src = memoryview(data).cast("B")
@@ -92,17 +99,33 @@ class DirectWriter:
             if self.fill == len(buf):
                 self._submit(self.fill)
 
-    def _write_all(self, buf: mmap.mmap, nbytes: int) -> None:
+    def skip(self, nbytes: int) -> None:
+        """n zero bytes: written as zeros up to the next block boundary, then a hole of whole blocks."""
+        head = min(nbytes, -self.fill % ALIGN)
+        if head:
+            self.write(bytes(head))
+            nbytes -= head
+        whole = align_down(nbytes)
+        if whole:
+            if self.fill:
+                self._submit(self.fill)
+            self.start += whole
+            nbytes -= whole
+        if nbytes:
+            self.write(bytes(nbytes))
+
+    def _write_all(self, buf: mmap.mmap, nbytes: int, offset: int) -> None:
         view, done = memoryview(buf), 0
         try:
             while done < nbytes:
-                done += os.write(self.fd, view[done:nbytes])
+                done += os.pwrite(self.fd, view[done:nbytes], offset + done)
         finally:
             view.release()
 
     def _submit(self, nbytes: int) -> None:
-        self.pending[self.cur] = self.pool.submit(self._write_all, self.bufs[self.cur], nbytes)
-        self.size += self.fill
+        self.pending[self.cur] = self.pool.submit(self._write_all, self.bufs[self.cur], nbytes, self.start)
+        self.written += nbytes
+        self.start += nbytes
         self.fill = 0
         self.cur ^= 1
         waiting = self.pending[self.cur]
@@ -114,7 +137,7 @@ class DirectWriter:
         if self.fd < 0:
             return
         try:
-            true_size = self.size + self.fill
+            true_size = self.size
             if self.fill:
                 padded = align_up(self.fill) if self.direct else self.fill
                 self.bufs[self.cur][self.fill:padded] = bytes(padded - self.fill)
@@ -123,7 +146,6 @@ class DirectWriter:
                 if f is not None:
                     f.result()
             os.ftruncate(self.fd, true_size)
-            self.size = true_size
         finally:
             self.pool.shutdown()
             os.close(self.fd)

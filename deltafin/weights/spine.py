@@ -24,7 +24,7 @@ from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
 from deltafin.weights.directio import aligned_buffer
-from deltafin.weights.reader import ShardFiles, plan_tensors
+from deltafin.weights.reader import ShardFiles, plan_tensors, read_parallel
 from deltafin.weights.tensors import bytes_to_tensor
 
 log = logging.getLogger(__name__)
@@ -68,51 +68,47 @@ def plan_spine(layers: range, placed_bytes: Callable[[int], int], stored_bytes: 
 
 class SpineStore:
     def __init__(self, ckpt: Checkpoint, layers: range, place: Place, plan: SpinePlan, files: ShardFiles, *,
-                 first: bool, last: bool, progress: Callable[[str, float], None] | None = None):
+                 first: bool, last: bool, progress: Callable[[str, float], None] | None = None,
+                 threads: int = 8):
         self.cfg: ModelConfig = ckpt.config
         self.ckpt, self.place, self.plan, self.files = ckpt, place, plan, files
         self.stream_place = place
+        self._readers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="deltafin-spine-read")
         self.resident: dict[int, LayerWeights] = {}
         for n, i in enumerate(plan.resident):
             if progress is not None:
                 progress(f"loading layer {i}", n / max(1, len(plan.resident)))
-            self.resident[i] = layer_weights(self.cfg, i, self._read(i, None), place)
+            self.resident[i] = layer_weights(self.cfg, i, self._read_each_of(i), place)
         self.top: TopWeights | None = self._load_top(first, last) if first or last else None
-        largest = max((self._stored(i) for i in plan.streamed), default=0)
+        self._plans = {i: plan_tensors(tuple(self.ckpt.location(s) for s in self._specs(i))) for i in plan.streamed}
+        largest = max((p.span for p in self._plans.values()), default=0)  # aligned reads: span >= stored bytes
         self._buffers = [aligned_buffer(largest) for _ in range(2)] if plan.streamed else []
         self._streamed: dict[int, tuple[int, Future]] = {}  # layer -> (buffer index, loading future)
         self._next_buffer = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltafin-spine") if plan.streamed else None
         self._lock = threading.Lock()
-        self.wait_s = 0.0
-        self.streamed_bytes = 0
+        self.wait_s = 0.0  # compute thread blocked on a streamed layer
+        self.streamed_bytes = 0  # bytes read for streamed layers
+        self.stream_read_s = 0.0  # wall time of those reads
 
     def _specs(self, layer: int) -> tuple:
         return self.cfg.layer_tensor_specs(layer)
 
-    def _stored(self, layer: int) -> int:
-        return sum(s.nbytes for s in self._specs(layer))
-
-    def _read(self, layer: int, buffer: int | None) -> dict[str, torch.Tensor]:
-        """A layer's tensors by name suffix: into one of the two stream buffers (streamed layers), or each
-        into a buffer of its own (resident layers), so whatever placement keeps holds no other tensor's bytes."""
-        specs = self._specs(layer)
+    def _names(self, layer: int) -> list[str]:
         prefix = f"{self.cfg.prefix}model.layers.{layer}."
-        names = [spec.name[len(prefix):] for spec in specs]
-        if buffer is None:
-            return dict(zip(names, self._read_each(specs), strict=True))
-        plan = plan_tensors(tuple(self.ckpt.location(s) for s in specs))
-        mem = memoryview(self._buffers[buffer])
-        self.files.read_into(plan, mem)
-        return {name: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
-                for name, t in zip(names, plan.tensors, strict=True)}
+        return [spec.name[len(prefix):] for spec in self._specs(layer)]
+
+    def _read_each_of(self, layer: int) -> dict[str, torch.Tensor]:
+        """A resident layer's tensors, each in a buffer of its own, so whatever placement keeps holds no other
+        tensor's bytes."""
+        return dict(zip(self._names(layer), self._read_each(self._specs(layer)), strict=True))
 
     def _read_each(self, specs: tuple) -> list[torch.Tensor]:
         out = []
         for spec in specs:
             plan = plan_tensors((self.ckpt.location(spec),))
             mem = memoryview(aligned_buffer(plan.span))
-            self.files.read_into(plan, mem)
+            read_parallel(self.files, plan, mem, self._readers)
             t = plan.tensors[0]
             out.append(bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape))
         return out
@@ -141,10 +137,24 @@ class SpineStore:
             self._next_buffer ^= 1
             self._streamed[layer] = (buffer, self._pool.submit(self._load_streamed, layer, buffer))
 
+    def prefetch_after(self, layer: int) -> None:
+        """While `layer` computes, read the next streamed layer; after the stage's last one, the first one again
+        (the next token's pass starts with it)."""
+        if not self.plan.streamed:
+            return
+        later = [i for i in self.plan.streamed if i > layer]
+        self.prefetch(later[0] if later else self.plan.streamed[0])
+
     def _load_streamed(self, layer: int, buffer: int) -> LayerWeights:
-        weights = layer_weights(self.cfg, layer, self._read(layer, buffer), self.stream_place)
-        self.streamed_bytes += self._stored(layer)
-        return weights
+        plan = self._plans[layer]
+        mem = memoryview(self._buffers[buffer])
+        before, t0 = self.files.stats.bytes_read, time.monotonic()
+        read_parallel(self.files, plan, mem, self._readers)
+        self.stream_read_s += time.monotonic() - t0
+        self.streamed_bytes += self.files.stats.bytes_read - before
+        tensors = {name: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                   for name, t in zip(self._names(layer), plan.tensors, strict=True)}
+        return layer_weights(self.cfg, layer, tensors, self.stream_place)
 
     def is_ready(self, layer: int) -> bool:
         """Whether `layer` can be used without waiting (resident, or its stream read is done)."""
@@ -158,12 +168,21 @@ class SpineStore:
             return self.resident[layer]
         self.prefetch(layer)
         t0 = time.monotonic()
-        weights = self._streamed[layer][1].result()
-        self.wait_s += time.monotonic() - t0
+        future = self._streamed[layer][1]
+        try:
+            weights = future.result()
+        except BaseException:
+            with self._lock:  # a failed read is not kept: the next pass reads the layer again
+                if self._streamed.get(layer, (0, None))[1] is future:
+                    del self._streamed[layer]
+            raise
+        finally:
+            self.wait_s += time.monotonic() - t0
         return weights
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         self.resident.clear()
         self._streamed.clear()
