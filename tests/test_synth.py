@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from pathlib import Path
 
@@ -92,3 +93,55 @@ def test_bad_preset_arguments():
         preset_config("huge")
     with pytest.raises(DeltafinError, match="at least 2"):
         preset_config("k3-slice", layers=1)
+
+
+def test_canonical_order_is_what_safetensors_writes(tiny_dir: Path, tmp_path: Path):
+    """The shards' tensor order is safetensors' own: re-saving a shard with `save_file` gives the same header."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(tiny_dir.glob("*.safetensors"))[:2]:
+        again = tmp_path / shard.name
+        save_file(load_file(shard), again, metadata={"format": "pt"})
+        assert _header(again) == _header(shard)
+        assert _data(again) == _data(shard)  # and the same bytes in the same places
+
+
+def test_grouped_order_puts_the_spine_first_then_each_expert(tmp_path: Path):
+    grouped = synthesize("tiny", tmp_path / "grouped", seed=0, show_progress=False, order="grouped")
+    header = _header(grouped / "model-00002-of-00007.safetensors")
+    names = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    first_expert = next(i for i, n in enumerate(names) if ".experts." in n)
+    assert all(".experts." in n for n in names[first_expert:])
+    assert names[first_expert:first_expert + 6] == [
+        f"language_model.model.layers.1.block_sparse_moe.experts.0.{w}.{p}"
+        for w in ("w1", "w2", "w3") for p in ("weight_packed", "weight_scale")]
+    canonical = _header(synthesize("tiny", tmp_path / "canonical", seed=0, show_progress=False)
+                        / "model-00002-of-00007.safetensors")
+    assert set(canonical) == set(header) and canonical != header  # the same tensors, placed differently
+
+
+def test_bytes_do_not_depend_on_the_cpu_path(tiny_dir: Path, tmp_path: Path):
+    """Same files with torch's and numpy's SIMD dispatch forced to their portable paths: nothing in synth
+    depends on the vector instructions a CPU has (AVX2 and AVX-512 machines must agree)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "NPY_DISABLE_CPU_FEATURES": "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX2 FMA3"}
+    out = tmp_path / "portable"
+    subprocess.run([sys.executable, "-m", "deltafin", "-q", "synth", "--preset", "tiny", "--quiet", "--out",
+                    str(out)], check=True, env=env, capture_output=True)
+    assert _digest(out) == _digest(tiny_dir)
+
+
+def _data(path: Path) -> bytes:
+    raw = path.read_bytes()
+    return raw[8 + int.from_bytes(raw[:8], "little"):]
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
