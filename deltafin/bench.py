@@ -312,5 +312,5 @@ def _load(preloaded: _Preloaded, stage: Any, needs: set[tuple[int, int]], read_e
         del preloaded.table[key]
     for key in needs:
         if key not in preloaded.table:
-            w = read_expert(stage.ckpt, key[0], key[1], stage._place_matrix)
+            w = read_expert(stage.ckpt, key[0], key[1])
             preloaded.table[key] = ExpertWeights(*(m.to(stage.device) for m in (w.w1, w.w2, w.w3)))

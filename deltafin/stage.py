@@ -18,17 +18,30 @@ from typing import Protocol
 import torch
 
 from deltafin.checkpoint import Checkpoint
-from deltafin.config import ModelConfig
+from deltafin.config import LayerKind, ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import Weight
 from deltafin.models.attn_res import ResidualState
-from deltafin.models.cache import SequenceCache, cache_bytes_per_token, cache_fixed_bytes, new_sequence_cache
+from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
 from deltafin.models.moe import route
 from deltafin.models.weights import ExpertWeights
 from deltafin.quant import Int8Weight, quantize_int8_rows
-from deltafin.weights.reader import ShardFiles
-from deltafin.weights.spine import SpineStore, plan_spine
+from deltafin.sizing import (
+    SPINES,
+    Budget,
+    Placement,
+    SizingError,
+    SizingOptions,
+    StageSizing,
+    choose,
+    matrix_format,
+    sequence_bytes,
+    size_stage,
+)
+from deltafin.weights.reader import ShardFiles, layer_spans
+from deltafin.weights.resident import ResidentExperts
+from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -89,22 +102,28 @@ class ExpertProvider(Protocol):
 
 @dataclass(frozen=True)
 class StageOptions:
-    """How a stage holds its weights. Defaults: everything resident, fp32 activations."""
+    """How a stage holds its weights. With no `memory_bytes`, everything is resident (small checkpoints,
+    tests); with one, the stage sizes itself within it (sizing.choose) and refuses what cannot fit."""
 
-    dtype: torch.dtype = torch.float32  # activations (and dense matrices on GPUs)
-    memory_bytes: int | None = None  # budget for resident weights: spine (+ experts when all are resident)
-    spine: str = "bf16"  # "bf16": as stored (or the compute dtype); "int8": row-int8, dequantized on use
-    expert_cache_bytes: int | None = None  # None: every expert resident; else stream them with this cache
+    dtype: torch.dtype = torch.float32  # activations
+    memory_bytes: int | None = None  # everything this stage may hold (the device's memory on a GPU)
+    host_memory_bytes: int | None = None  # host RAM beside a discrete GPU (staging buffers, the runtime)
+    spine: str = "auto"  # auto: bf16 if it fits, else row-int8 | bf16 | int8
+    expert_cache_bytes: int | None = None  # None: every expert resident if that fits, else streamed with the rest
     io: str = "direct"  # expert and streamed-spine reads: "direct" (no page cache) or "buffered"
     read_threads: int = 8
     cache_policy: str = "lfu"  # measured best of lru/lfu/pinned on decode traces (README)
     prefetch: bool = True
     prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
-    session_bytes: int | None = None  # per-stage budget for session caches (KDA state, MLA latents)
+    session_bytes: int | None = None  # budget for session caches (None: `sequences` x `context` with a budget)
+    sequences: int = 4  # sequences the session budget is planned for
+    context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
+    max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
 
-    @property
-    def streaming(self) -> bool:
-        return self.expert_cache_bytes is not None
+    def sizing(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
+        return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
+                             session_bytes=self.session_bytes, sequences=self.sequences, context=self.context,
+                             forward_tokens=self.max_forward_tokens, read_threads=self.read_threads, spans=spans)
 
 
 @dataclass
@@ -112,6 +131,20 @@ class StageTimings:
     forwards: int = 0
     tokens: int = 0
     seconds: float = 0.0
+
+
+def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
+               spans: tuple[int, ...] | None = None) -> StageSizing:
+    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident."""
+    place = Placement(device.type, torch.finfo(options.dtype).bits // 8)
+    sizing = options.sizing(spans)
+    if options.memory_bytes is None:
+        spine = "bf16" if options.spine == "auto" else options.spine
+        return size_stage(cfg, start, end, place, spine, options.expert_cache_bytes, end - start, sizing)
+    try:
+        return choose(cfg, start, end, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
+    except SizingError as e:
+        raise OutOfMemory(str(e)) from None
 
 
 class Stage:
@@ -122,41 +155,34 @@ class Stage:
         opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
             raise DeltafinError(f"invalid layer range [{start}, {end}) for a {cfg.num_layers}-layer model")
-        if opts.spine not in ("bf16", "int8"):
-            raise DeltafinError(f"unknown spine format {opts.spine!r}: use bf16 or int8")
+        if opts.spine not in SPINES:
+            raise DeltafinError(f"unknown spine format {opts.spine!r}: use {', '.join(SPINES)}")
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         ckpt.raise_problems(layers=range(start, end), top=self.first or self.last)
+        # refuses what cannot fit, before anything loads
+        self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt))
+        log.info("stage [%d, %d) on %s: %s", start, end, device, self.sizing.describe())
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
-        spine_budget = opts.memory_bytes
-        if spine_budget is not None and not opts.streaming and experts is None:
-            spine_budget -= self._all_experts_bytes()
-            if spine_budget <= 0:
-                raise OutOfMemory(
-                    f"every expert of layers [{start}, {end}) needs {self._all_experts_bytes() / 1e9:.2f} GB but the "
-                    f"memory budget is {opts.memory_bytes / 1e9:.2f} GB: stream experts (--expert-cache-gb) or give "
-                    "this stage fewer layers")
-        plan = plan_spine(self.layers_range, self._placed_bytes, self._stored_bytes, self._top_bytes(), spine_budget)
+        plan = SpinePlan(self.sizing.resident_layers, self.sizing.streamed_layers,
+                         self.sizing.layers + self.sizing.top, self.sizing.stream_buffers)
         self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
                                 last=self.last, progress=progress, threads=opts.read_threads)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
         if experts is None:
             moe = [i for i in self.layers_range if cfg.is_moe(i)]
-            if opts.streaming:
-                experts = ExpertStore(ckpt, moe, device=device, place_matrix=self._place_matrix,
-                                      cache_bytes=opts.expert_cache_bytes or 0, io=opts.io,
+            if self.sizing.streaming:
+                experts = ExpertStore(ckpt, moe, device=device, cache_bytes=self.sizing.expert_cache, io=opts.io,
                                       threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch)
             else:
-                from deltafin.weights.resident import ResidentExperts
-
-                experts = ResidentExperts(ckpt, moe, self._place_matrix)
+                experts = ResidentExperts(ckpt, moe, device, io=opts.io)
         self.experts = experts
-        log.info("stage [%d, %d) on %s in %.1fs: spine %.2f GB resident (%d layers), %d streamed; experts %s",
-                 start, end, device, time.monotonic() - t0, plan.resident_bytes / 1e9, len(plan.resident),
-                 len(plan.streamed), "streamed" if opts.streaming else "resident")
+        log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
+                 start, end, time.monotonic() - t0, self.sizing.spine, len(plan.resident), len(plan.streamed),
+                 "streamed" if self.sizing.streaming else "resident")
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
         self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
@@ -172,67 +198,32 @@ class Stage:
 
     @property
     def cache_budget(self) -> int | None:
-        return self.options.session_bytes
+        """Bytes for session caches: the plan's (with a memory budget), else what the options say."""
+        return self.sizing.sessions if self.options.memory_bytes is not None else self.options.session_bytes
+
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """Tokens one forward may carry (None: no limit, without a memory budget)."""
+        return self.sizing.forward_tokens if self.options.memory_bytes is not None else None
 
     # ---- weights -----------------------------------------------------------------------------------
 
-    def _keeps_stored(self, t: torch.Tensor) -> bool:
-        """On the CPU, bf16 matrices stay bf16 under fp32 activations: the kernels multiply them exactly."""
-        return self.device.type == "cpu" and t.dtype == torch.bfloat16
-
-    def _place(self, t: torch.Tensor, role: str) -> Weight:
+    def _place(self, t: torch.Tensor, role: str, resident: bool = True) -> Weight:
+        """Place a tensor as sizing.py counts it (roles: see models/weights.py)."""
         if role == "vector":
             return t.to(self.device, torch.float32)
-        if role == "embedding":
-            return t.to(self.device)
         if role == "dense":
             return t.to(self.device, self.dtype)
-        if role == "matrix" and self.options.spine == "int8" and t.dim() == 2 and min(t.shape) > 1:
+        if (role == "matrix" and matrix_format(self.sizing.spine, resident) == "int8" and t.dim() == 2
+                and min(t.shape) > 1):
             q = quantize_int8_rows(t)
             return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
-        return self._place_matrix(t)
-
-    def _place_streamed(self, t: torch.Tensor, role: str) -> Weight:
-        """Streamed layers stay as stored: quantizing them on every pass would cost more than it saves."""
-        return self._place(t, role) if role != "matrix" else self._place_matrix(t)
-
-    def _place_matrix(self, t: torch.Tensor) -> torch.Tensor:
-        if self._keeps_stored(t):
+        if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
             return t if t.device == self.device else t.to(self.device)
         return t.to(self.device, self.dtype)
 
-    def _placed_bytes(self, layer: int) -> int:
-        """Resident footprint of a layer's spine as `_place` will hold it."""
-        size = torch.finfo(self.dtype).bits // 8
-        total = 0
-        for s in self.cfg.layer_tensor_specs(layer):
-            if len(s.shape) == 1 or s.dtype == "F32" or 1 in s.shape:
-                total += s.numel * 4
-            elif s.name.endswith("kv_b_proj.weight"):
-                total += s.numel * size
-            elif self.options.spine == "int8":
-                total += s.numel + 2 * s.shape[0]
-            elif self.device.type == "cpu" and s.dtype == "BF16":
-                total += s.numel * 2
-            else:
-                total += s.numel * size
-        return total
-
-    def _stored_bytes(self, layer: int) -> int:
-        return sum(s.nbytes for s in self.cfg.layer_tensor_specs(layer))
-
-    def _top_bytes(self) -> int:
-        size = torch.finfo(self.dtype).bits // 8
-        total = 0
-        for s in self.cfg.top_tensor_specs():
-            if self.first and "embed_tokens" in s.name:
-                total += s.nbytes
-            elif self.last and "embed_tokens" not in s.name:
-                total += s.numel * (2 if self.device.type == "cpu" and s.dtype == "BF16" else size)
-        return total
-
-    def _all_experts_bytes(self) -> int:
-        return sum(self.cfg.num_experts * self.cfg.bytes_per_expert for i in self.layers_range if self.cfg.is_moe(i))
+    def _place_streamed(self, t: torch.Tensor, role: str) -> Weight:
+        return self._place(t, role, resident=False)
 
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes
@@ -268,9 +259,9 @@ class Stage:
         if item.cache_len == 0:
             self.sessions.pop(sid, None)
             self.evicted.pop(sid, None)
-            self._make_room(item.num_tokens, pinned)
-            cache = new_sequence_cache(self.cfg, self.layers_range, self.device, self.dtype,
-                                       mla_capacity=max(64, item.num_tokens))
+            self._make_room(sequence_bytes(self.cfg, self._n_kda, self._n_mla, item.num_tokens,
+                                           torch.finfo(self.dtype).bits // 8), pinned)
+            cache = new_sequence_cache(self.cfg, self.layers_range, self.device, self.dtype, item.num_tokens)
             self.sessions[sid] = cache
             self.last_used[sid] = time.monotonic()
             return cache
@@ -284,16 +275,21 @@ class Stage:
                                    f"{item.cache_len} (a replayed or concurrent call?)")
         self.sessions.move_to_end(sid)
         self.last_used[sid] = time.monotonic()
-        self._make_room(item.num_tokens, pinned)
+        self._make_room(cache.growth(item.num_tokens), pinned)
         return cache
 
-    def _make_room(self, new_tokens: int, pinned: set[str]) -> None:
-        """Evict least-recently-used sessions (not in this call) until the cache budget fits."""
+    @property
+    def _n_kda(self) -> int:
+        return sum(1 for i in self.layers_range if self.cfg.layer_kinds[i] is LayerKind.KDA)
+
+    @property
+    def _n_mla(self) -> int:
+        return sum(1 for i in self.layers_range if self.cfg.layer_kinds[i] is LayerKind.MLA)
+
+    def _make_room(self, need: int, pinned: set[str]) -> None:
+        """Evict least-recently-used sessions (not in this call) until `need` more bytes fit the budget."""
         if self.cache_budget is None:
             return
-        size = torch.finfo(self.dtype).bits // 8
-        need = (cache_fixed_bytes(self.cfg, self.layers_range)
-                + new_tokens * cache_bytes_per_token(self.cfg, self.layers_range, size))
         for sid in list(self.sessions):
             if self.session_bytes() + need <= self.cache_budget:
                 return
@@ -305,7 +301,7 @@ class Stage:
             log.info("evicted session %s", sid)
         if self.session_bytes() + need > self.cache_budget:
             raise OutOfMemory(f"the session cache budget ({self.cache_budget / 1e9:.3f} GB) cannot hold this "
-                              "request's sequences")
+                              f"request's sequences ({(self.session_bytes() + need) / 1e9:.3f} GB)")
 
     # ---- forward -----------------------------------------------------------------------------------
 
@@ -339,6 +335,10 @@ class Stage:
             raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
         for item in batch:
             self._validate(item)
+        limit, tokens = self.max_forward_tokens, sum(b.num_tokens for b in batch)
+        if limit is not None and tokens > limit:
+            raise InvalidInput(f"this forward carries {tokens} tokens; stage [{self.start}, {self.end}) was sized for "
+                               f"at most {limit} per forward: send longer prompts in chunks")
         t0 = time.monotonic()
         pinned = {b.session_id for b in batch}
         caches = [self._session(item, pinned) for item in batch]

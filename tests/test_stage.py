@@ -11,7 +11,7 @@ from deltafin.config import load_config
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.models.attn_res import ResidualState
-from deltafin.models.cache import cache_bytes_per_token, cache_fixed_bytes
+from deltafin.sizing import sequence_bytes
 from deltafin.stage import (
     InvalidInput,
     OutOfMemory,
@@ -31,9 +31,10 @@ def ckpt(tiny_dir):
 
 
 def test_memory_check_fails_clearly(ckpt):
-    with pytest.raises(OutOfMemory, match=r"every expert of layers \[0, 6\) needs .* GB but the memory budget"):
+    with pytest.raises(OutOfMemory, match=r"layers 0-5 cannot fit on cpu: .* need [0-9.]+ GB .*the budget is 0.00 GB"):
         Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000))
-    Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000_000))  # fits
+    fits = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=3 * 10**9))
+    assert fits.sizing.experts_resident and not fits.sizing.streamed_layers
 
 
 def test_input_validation(ckpt):
@@ -72,7 +73,7 @@ def test_sessions_sync_release_and_unknown(ckpt):
 
 def test_eviction_names_the_evicted_session(ckpt):
     cfg = ckpt.config
-    one = cache_fixed_bytes(cfg, range(6)) + 64 * cache_bytes_per_token(cfg, range(6), 4)
+    one = sequence_bytes(cfg, len(cfg.kda_layers), len(cfg.mla_layers), 2, 4)
     stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(session_bytes=int(2.5 * one)))
     for sid in ("a", "b", "c"):
         stage.forward([SeqInput(sid, 0, ids=torch.tensor([1, 2]))])

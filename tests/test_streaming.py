@@ -3,6 +3,7 @@ shards that change under a running stage, counters, the spine budget and the ben
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -16,9 +17,10 @@ from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config
 from deltafin.errors import ModelFormatError
 from deltafin.pipeline import LocalPipeline
+from deltafin.sizing import Placement, size_stage
 from deltafin.stage import SeqInput, Stage, StageOptions
 from deltafin.weights.directio import DirectWriter
-from deltafin.weights.spine import SpineBudgetError, plan_spine
+from deltafin.weights.reader import layer_spans
 from deltafin.weights.store import ExpertStore
 
 CPU = torch.device("cpu")
@@ -29,7 +31,7 @@ IDS = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17])
 def test_store_returns_the_bytes_safetensors_reads(tiny_dir: Path, io: str):
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)
-    store = ExpertStore(ckpt, cfg.moe_layers, device=CPU, place_matrix=lambda t: t, cache_bytes=0, io=io, threads=3)
+    store = ExpertStore(ckpt, cfg.moe_layers, device=CPU, cache_bytes=0, io=io, threads=3)
     try:
         for layer in cfg.moe_layers:
             shard = tiny_dir / f"model-{layer + 1:05d}-of-00007.safetensors"
@@ -137,25 +139,21 @@ def test_vanished_and_replaced_shards_are_named(tiny_dir, tmp_path):
     stage.close()
 
 
-def test_spine_plan_streams_the_tail_and_refuses_too_small_budgets():
-    placed = {0: 100, 1: 50, 2: 50, 3: 50}
-    plan = plan_spine(range(4), placed.__getitem__, placed.__getitem__, top_bytes=20, budget=None)
-    assert plan.resident == (0, 1, 2, 3) and plan.streamed == ()
-    # all four: 270; three + two 50-byte buffers: 320; two + buffers: 270; one + buffers: 220
-    plan = plan_spine(range(4), placed.__getitem__, placed.__getitem__, top_bytes=20, budget=230)
-    assert plan.resident == (0,) and plan.streamed == (1, 2, 3) and plan.total_bytes == 220
-    with pytest.raises(SpineBudgetError, match="cannot hold this stage's working set"):
-        plan_spine(range(4), placed.__getitem__, placed.__getitem__, top_bytes=20, budget=150)
-
-
 def test_streamed_and_int8_spines(tiny_dir):
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    budget = int(0.75 * resident.stages[0].spine.plan.resident_bytes)  # room for the top and some layers only
-    streamed = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(memory_bytes=budget,
-                                                                                 expert_cache_bytes=10**7))
+    options = StageOptions(spine="bf16", expert_cache_bytes=10**7)
+    cfg = resident.config
+    # a budget below the all-resident stage's: the stage keeps what fits and streams the rest
+    sizing = options.sizing(layer_spans(resident.stages[0].ckpt))
+    totals = [size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 10**7, k, sizing).total
+              for k in range(cfg.num_layers + 1)]
+    budget = max(t for t in totals if t < totals[-1])
+    expect = max(k for k, t in enumerate(totals) if t <= budget)
+    streamed = LocalPipeline.load(tiny_dir, 1, device="cpu", options=dataclasses.replace(options,
+                                                                                        memory_bytes=budget))
     int8 = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(spine="int8"))
     try:
-        assert streamed.stages[0].spine.plan.streamed, "the budget should force streaming"
+        assert streamed.stages[0].spine.plan.resident == tuple(range(expect)) and expect < cfg.num_layers
         for a, b in zip(_decode(resident, "r"), _decode(streamed, "s"), strict=True):
             assert torch.equal(a, b)
         assert streamed.stages[0].stats()["spine_streamed_bytes"] > 0

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from deltafin.kernels.activations import GatedActivation
 from deltafin.quant import Int8Weight, MXFP4Weight, dequantize_mxfp4
+from deltafin.sizing import WEIGHT_BLOCK_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,25 @@ def mxfp4_linear(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
 
 
 def mixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ W.T with W in another dtype than x (e.g. fp32 activations, bf16 weights as stored)."""
+    """x @ W.T with W in another dtype than x (fp32 activations, bf16 weights as stored): exact, and without
+    a resident fp32 copy of W (a fast kernel, or blocks of rows converted one at a time)."""
     kernel = getattr(fast_path(x.device.type), "bf16", None)
     if kernel is not None and w.dtype == torch.bfloat16 and x.dtype == torch.float32:
         return kernel(x, w)
-    return F.linear(x, w.to(x.dtype))
+    return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w[r0:r1].to(x.dtype)))
+
+
+def _by_row_blocks(x: torch.Tensor, shape: tuple[int, ...], block: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """y = x @ W.T computed over blocks of W's rows of at most WEIGHT_BLOCK_VALUES values, so that the
+    converted copy of W is bounded (sizing.py counts two such blocks in the workspace)."""
+    rows, cols = shape
+    step = max(1, WEIGHT_BLOCK_VALUES // max(1, cols))
+    if step >= rows:
+        return block(0, rows)
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    for r0 in range(0, rows, step):
+        out[..., r0:r0 + step] = block(r0, min(rows, r0 + step))
+    return out
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -77,8 +92,9 @@ def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    # scale after the product: (x @ q.T) * s == x @ (q * s).T
-    return F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype).view(1, -1)
+    # scale after the product: (x @ q.T) * s == x @ (q * s).T; converted a block of rows at a time
+    scale = w.scale.to(x.dtype).view(-1)
+    return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w.q[r0:r1].to(x.dtype)) * scale[r0:r1])
 
 
 def fast_path(device: str) -> Any:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.config import LayerKind, ModelConfig
+from deltafin.sizing import mla_capacity
 
 
 @dataclass
@@ -31,10 +32,11 @@ class MLACache:
     length: int = 0
 
     def append(self, latents: torch.Tensor) -> torch.Tensor:
-        """Append [T, r+rope]; returns all latents [length, r+rope] (a view of the buffer)."""
+        """Append [T, r+rope]; returns all latents [length, r+rope] (a view of the buffer). The buffer grows in
+        whole blocks (sizing.mla_capacity), so its size is what the memory plan counts."""
         need = self.length + latents.shape[0]
         if need > self.buf.shape[0]:
-            grown = self.buf.new_empty(max(need, 2 * self.buf.shape[0]), self.buf.shape[1])
+            grown = self.buf.new_empty(mla_capacity(need), self.buf.shape[1])
             grown[: self.length] = self.buf[: self.length]
             self.buf = grown
         self.buf[self.length:need] = latents.to(self.buf.dtype)
@@ -61,6 +63,14 @@ class SequenceCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers.values())
 
+    def growth(self, new_tokens: int) -> int:
+        """Bytes the caches grow by when `new_tokens` more tokens arrive."""
+        out = 0
+        for c in self.layers.values():
+            if isinstance(c, MLACache) and c.length + new_tokens > c.buf.shape[0]:
+                out += (mla_capacity(c.length + new_tokens) - c.buf.shape[0]) * c.buf.shape[1] * c.buf.element_size()
+        return out
+
     def snapshot(self) -> None:
         self._snapshot = (self.length, {i: (c.conv, c.state) if isinstance(c, KDACache) else (c.buf, c.length)
                                         for i, c in self.layers.items()})
@@ -79,7 +89,8 @@ class SequenceCache:
 
 
 def new_sequence_cache(cfg: ModelConfig, layers: range, device: torch.device, dtype: torch.dtype,
-                       mla_capacity: int = 64) -> SequenceCache:
+                       tokens: int = 1) -> SequenceCache:
+    """Empty caches for `layers`, with MLA room for `tokens` tokens (whole blocks)."""
     caches: dict[int, LayerCache] = {}
     for i in layers:
         if cfg.layer_kinds[i] is LayerKind.KDA:
@@ -88,17 +99,5 @@ def new_sequence_cache(cfg: ModelConfig, layers: range, device: torch.device, dt
                 state=torch.zeros(cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=device))
         else:
             width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-            caches[i] = MLACache(torch.zeros(mla_capacity, width, device=device, dtype=dtype))
+            caches[i] = MLACache(torch.zeros(mla_capacity(tokens), width, device=device, dtype=dtype))
     return SequenceCache(caches)
-
-
-def cache_bytes_per_token(cfg: ModelConfig, layers: range, element_size: int) -> int:
-    """MLA latent bytes one more token adds (KDA state is constant-size)."""
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return sum(width * element_size for i in layers if cfg.layer_kinds[i] is LayerKind.MLA)
-
-
-def cache_fixed_bytes(cfg: ModelConfig, layers: range) -> int:
-    """KDA state bytes per sequence (fp32), independent of length."""
-    per = (3 * (cfg.conv_kernel - 1) * cfg.kda_dim + cfg.kda_heads * cfg.kda_head_dim ** 2) * 4
-    return sum(per for i in layers if cfg.layer_kinds[i] is LayerKind.KDA)

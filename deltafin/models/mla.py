@@ -16,24 +16,38 @@ from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
 from deltafin.models.weights import MLAWeights
+from deltafin.sizing import SCORE_BLOCK_VALUES
 
 
-def _causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
-    """[T, S] True where query t (at absolute position S-T+t) may not see key s."""
-    q_pos = torch.arange(s - t, s, device=device).unsqueeze(1)
+def _causal_mask(t: int, s: int, device: torch.device, first: int | None = None) -> torch.Tensor:
+    """[T, S] True where query t (at absolute position `first` + t, by default S-T+t) may not see key s."""
+    start = s - t if first is None else first
+    q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
     return torch.arange(s, device=device).unsqueeze(0) > q_pos
+
+
+def _query_blocks(t: int, s: int, heads: int) -> range:
+    """Starts of query blocks whose [H, block, S] fp32 scores stay within SCORE_BLOCK_VALUES (bounded prefill
+    memory at any prompt length; sizing.py counts three such blocks)."""
+    return range(0, t, max(1, SCORE_BLOCK_VALUES // max(1, heads * s)))
 
 
 def _attend_expanded(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
     """q [T,H,nope+rope], lat [S, r+rope] -> [T,H,v]: keys/values expanded per head."""
     h, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    s = lat.shape[0]
+    s, t = lat.shape[0], q.shape[0]
     kv = (lat[:, :r] @ kv_b.T).view(s, h, nope + cfg.v_head_dim)
-    k = torch.cat([kv[..., :nope], lat[:, None, r:].expand(s, h, cfg.qk_rope_head_dim)], dim=-1)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * (nope + cfg.qk_rope_head_dim) ** -0.5
-    scores = scores.masked_fill(_causal_mask(q.shape[0], s, q.device), float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    return torch.einsum("hts,shd->thd", p, kv[..., nope:].float())
+    k = torch.cat([kv[..., :nope], lat[:, None, r:].expand(s, h, cfg.qk_rope_head_dim)], dim=-1).float()
+    v = kv[..., nope:].float()
+    blocks = _query_blocks(t, s, h)
+    step = blocks.step
+    outs = []
+    for t0 in blocks:
+        qb = q[t0:t0 + step].float()
+        scores = torch.einsum("thd,shd->hts", qb, k) * (nope + cfg.qk_rope_head_dim) ** -0.5
+        scores = scores.masked_fill(_causal_mask(qb.shape[0], s, q.device, s - t + t0), float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend_absorbed(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltafin.checkpoint import ExpertLocation, TensorLocation
+from deltafin.checkpoint import Checkpoint, ExpertLocation, TensorLocation
 from deltafin.errors import ModelFormatError
 from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffer, open_file
 
@@ -57,6 +57,18 @@ class ReadPlan:
 def plan_read(loc: ExpertLocation) -> ReadPlan:
     """One expert's read: its tensors in spec order, grouped into contiguous runs."""
     return plan_tensors(loc.tensors)
+
+
+def layer_spans(ckpt: Checkpoint) -> tuple[int, ...]:
+    """Each decoder layer's spine read buffer (its tensors' aligned runs), from the checkpoint's offsets; 0
+    for a layer this checkpoint does not hold."""
+    out = []
+    for i in range(ckpt.config.num_layers):
+        try:
+            out.append(plan_tensors(tuple(ckpt.location(s) for s in ckpt.config.layer_tensor_specs(i))).span)
+        except ModelFormatError:
+            out.append(0)
+    return tuple(out)
 
 
 def plan_tensors(tensors: tuple[TensorLocation, ...]) -> ReadPlan:

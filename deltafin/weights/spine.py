@@ -1,11 +1,11 @@
-"""A stage's non-expert weights ("spine"): resident within a byte budget, the rest streamed per token.
+"""A stage's non-expert weights ("spine"): the resident layers, and the rest streamed per pass.
 
-Resident layers are loaded once, as bf16 (or the compute dtype) or row-int8 (`spine="int8"`: per-row
-absmax/127, fp16 scales, dequantized by the kernels). Layers that do not fit the budget are read from
-the shards every time they run, into two reusable aligned buffers: while layer l computes, layer l+1's
-read is already in flight (double buffering). Streamed layers stay as stored (quantizing per token would
-cost more than it saves). The plan is decided up front; a budget that cannot hold even the working set
-(embedding/head plus two streamed layers) is refused with the numbers.
+Which layers stay resident, in which format, is sizing.py's decision (the stage hands it over as a
+SpinePlan). Resident layers are loaded once, as bf16 as stored or row-int8 (`spine="int8"`: per-row
+absmax/127, fp16 scales, multiplied by the kernels). Streamed layers are read from the shards every pass
+into two reusable aligned buffers sized by their read plans: while layer l computes, the next streamed layer
+is read (after the stage's last, its first, for the next token), each read split in 4 MiB pieces with several
+in flight. Streamed layers stay as stored (quantizing per token would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -21,17 +21,12 @@ import torch
 
 from deltafin.checkpoint import Checkpoint
 from deltafin.config import ModelConfig
-from deltafin.errors import DeltafinError
 from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.reader import ShardFiles, plan_tensors, read_parallel
 from deltafin.weights.tensors import bytes_to_tensor
 
 log = logging.getLogger(__name__)
-
-
-class SpineBudgetError(DeltafinError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -44,26 +39,6 @@ class SpinePlan:
     @property
     def total_bytes(self) -> int:
         return self.resident_bytes + self.buffer_bytes
-
-
-def plan_spine(layers: range, placed_bytes: Callable[[int], int], stored_bytes: Callable[[int], int],
-               top_bytes: int, budget: int | None) -> SpinePlan:
-    """Keep the first k layers resident for the largest k whose total fits `budget`; stream the rest.
-    Pure: sizes come from the callables (placed = resident footprint, stored = bytes read per stream)."""
-    ids = list(layers)
-    if budget is None:
-        return SpinePlan(tuple(ids), (), top_bytes + sum(placed_bytes(i) for i in ids), 0)
-    for k in range(len(ids), -1, -1):
-        resident, streamed = ids[:k], ids[k:]
-        buffers = 2 * max((stored_bytes(i) for i in streamed), default=0)
-        total = top_bytes + sum(placed_bytes(i) for i in resident) + buffers
-        if total <= budget:
-            return SpinePlan(tuple(resident), tuple(streamed), total - buffers, buffers)
-    smallest = top_bytes + 2 * max(stored_bytes(i) for i in ids)
-    raise SpineBudgetError(
-        f"--memory-gb {budget / 1e9:.2f} cannot hold this stage's working set: the embedding/head "
-        f"({top_bytes / 1e9:.2f} GB) plus two streamed layers need {smallest / 1e9:.2f} GB; give the stage "
-        "fewer layers (more workers) or more memory")
 
 
 class SpineStore:

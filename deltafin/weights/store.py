@@ -3,7 +3,8 @@ budget, prefetched ahead of need, with counters. It is the stage's ExpertProvide
 
 Where experts live:
 - CPU: in the reader's page-aligned slots (a cached expert owns its slot; eviction frees it).
-- CUDA/MPS: slots are host staging; experts are copied to the device and cached there.
+- CUDA/MPS: host slots stage reads; each expert is copied into a slot of one preallocated device tensor and
+  cached there (sizing.py counts both).
 Flow of one expert: prefetch (low priority) or demand read -> staged (read, not yet used) -> used by the
 MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expert the layer did not use
 moves to the cache too and counts as wasted bytes if it is evicted unused.
@@ -12,9 +13,10 @@ moves to the cache too and counts as wasted bytes if it is evicted unused.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,9 +25,8 @@ import torch
 
 from deltafin.checkpoint import Checkpoint
 from deltafin.models.weights import ExpertWeights
-from deltafin.quant import MXFP4Weight
+from deltafin.sizing import expert_slot_bytes, working_slots
 from deltafin.weights.cache import Entry, ExpertCache, make_policy
-from deltafin.weights.directio import ALIGN, align_up
 from deltafin.weights.reader import (
     DEMAND,
     PREFETCH,
@@ -36,7 +37,7 @@ from deltafin.weights.reader import (
     SlotPool,
     plan_read,
 )
-from deltafin.weights.tensors import expert_from_bytes
+from deltafin.weights.tensors import expert_views
 
 log = logging.getLogger(__name__)
 
@@ -80,31 +81,54 @@ class ExpertStats:
 @dataclass
 class Loaded:
     weights: ExpertWeights
-    slot: int | None  # the host slot still holding the data (CPU), None once copied to the device
+    slot: int  # the slot holding the data: a host slot (CPU) or a device slot (GPUs)
     nbytes: int
     claimed: bool = False  # taken by the compute thread: whoever else sees it must leave it alone
 
 
+class DeviceSlots:
+    """`count` expert slots in one device tensor (a GPU's expert cache): exact accounting, no allocator
+    rounding per expert, and a blocking `acquire` like the host pool's."""
+
+    def __init__(self, count: int, size: int, device: torch.device):
+        self.size, self.count = size, count
+        self.tensor = torch.empty((count, size), dtype=torch.uint8, device=device)
+        self.free: queue.LifoQueue[int] = queue.LifoQueue()
+        for i in range(count):
+            self.free.put(i)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no free device expert slot after {timeout}s: all {self.count} are in use") from None
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.count
+
+
 class ExpertStore:
-    def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device,
-                 place_matrix: Callable[[torch.Tensor], torch.Tensor], cache_bytes: int, io: str = "direct",
-                 threads: int = 8, policy: str = "lru", prefetch: bool = True):
+    def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device, cache_bytes: int,
+                 io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True):
         cfg = ckpt.config
         self.ckpt, self.cfg, self.device = ckpt, cfg, device
         self.layers = set(layers)
-        self.place_matrix = place_matrix
         self.prefetch_enabled = prefetch
         self.stats = ExpertStats()
-        k = cfg.experts_per_token
-        # an upper bound of any expert's aligned read footprint, without planning all 82K experts
-        slot = align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
+        slot = expert_slot_bytes(cfg)  # an upper bound of any expert's aligned read, without planning all 82K
+        working = working_slots(cfg, threads)
+        cache_slots = cache_bytes // slot
         self.on_host = device.type == "cpu"
-        working = 3 * k + threads  # two layers of staged prefetches + one of demand reads + reader slack
-        cache_slots = cache_bytes // slot if self.on_host else 0
-        self.pool = SlotPool(cache_slots + working, slot)
-        budget = cache_slots * self.pool.size if self.on_host else cache_bytes
+        # CPU: the read slots are the cache. GPUs: host slots stage reads; landed experts live in device slots.
+        self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot)
+        self.device_slots = None if self.on_host else DeviceSlots(cache_slots + working, slot, device)
+        budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
-            budget, make_policy(policy, max(1, budget // max(1, cfg.bytes_per_expert))), on_evict=self._evicted)
+            budget, make_policy(policy, max(1, cache_slots)), on_evict=self._evicted)
         self.files = ShardFiles(io)
         self.reader = ExpertReader(self.files, threads=threads)
         self._plans: dict[Key, ReadPlan] = {}
@@ -112,9 +136,8 @@ class ExpertStore:
         self._pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
         self._staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
         self._abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
-        log.info("expert store: %d slots x %.1f MB (%.2f GB host), cache %.2f GB on %s, %s I/O, %d readers, %s",
-                 self.pool.count, self.pool.size / 1e6, self.pool.nbytes / 1e9, budget / 1e9, device.type, io,
-                 threads, policy)
+        log.info("expert store: cache %.2f GB (%d slots of %.1f MB) on %s, %d working slots, %s I/O, %d readers, %s",
+                 budget / 1e9, cache_slots, slot / 1e6, device.type, working, io, threads, policy)
 
     # ---- reading -------------------------------------------------------------------------------------
 
@@ -125,15 +148,19 @@ class ExpertStore:
         return plan
 
     def _deliver(self, slot: int, plan: ReadPlan) -> Loaded:
-        """In a reader thread: turn the slot's bytes into expert weights (on the device if not the CPU)."""
-        weights = expert_from_bytes(self.cfg, plan.tensors, self.pool.memory(slot), 0, self.place_matrix)
-        nbytes = weights.nbytes
-        if self.on_host:
+        """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first
+        (a blocking copy: the host slot is free for the next read once it returns)."""
+        raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
+        weights = expert_views(self.cfg, plan.tensors, raw)  # checks the scales on the host
+        if self.device_slots is None:
             return Loaded(weights, slot, self.pool.size)
-        on_device = ExpertWeights(*(m.to(self.device) if isinstance(m, MXFP4Weight) else m.to(self.device)
-                                    for m in (weights.w1, weights.w2, weights.w3)))
-        self.pool.release(slot)
-        return Loaded(on_device, None, nbytes)
+        try:
+            dslot = self.device_slots.acquire(timeout=120)
+            target = self.device_slots.tensor[dslot]
+            target[:plan.span].copy_(raw[:plan.span])
+        finally:
+            self.pool.release(slot)
+        return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
 
     def _submit(self, key: Key, priority: int) -> Future:
         # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
@@ -320,11 +347,11 @@ class ExpertStore:
         self._release(entry.value)
 
     def _release(self, loaded: Loaded) -> None:
-        if loaded.slot is not None:
-            self.pool.release(loaded.slot)
+        (self.pool if self.device_slots is None else self.device_slots).release(loaded.slot)
 
     def resident_bytes(self) -> int:
-        return self.pool.nbytes + (0 if self.on_host else self.cache.budget)
+        """Host slots plus device slots: what this store allocated."""
+        return self.pool.nbytes + (self.device_slots.nbytes if self.device_slots is not None else 0)
 
     def snapshot_stats(self) -> ExpertStats:
         r = self.files.stats

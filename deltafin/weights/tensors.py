@@ -4,15 +4,14 @@ and turn raw expert bytes into typed expert weights."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from deltafin.checkpoint import Checkpoint, TensorLocation
-from deltafin.config import ExpertFormat, ModelConfig, TensorSpec
+from deltafin.config import ExpertFormat, ModelConfig
 from deltafin.errors import ModelFormatError
-from deltafin.models.weights import ExpertWeights, LayerWeights, Place, TopWeights, layer_weights, top_weights
+from deltafin.models.weights import ExpertWeights
 from deltafin.quant import MXFP4Weight, check_scales
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
@@ -60,41 +59,22 @@ def read_tensor(loc: TensorLocation) -> torch.Tensor:
         os.close(fd)
 
 
-def _tensors_by_suffix(ckpt: Checkpoint, specs: tuple[TensorSpec, ...], prefix: str) -> dict[str, torch.Tensor]:
-    return {spec.name[len(prefix):]: read_tensor(ckpt.location(spec)) for spec in specs}
-
-
-def load_layer(ckpt: Checkpoint, layer: int, place: Place) -> LayerWeights:
-    cfg = ckpt.config
-    prefix = f"{cfg.prefix}model.layers.{layer}."
-    return layer_weights(cfg, layer, _tensors_by_suffix(ckpt, cfg.layer_tensor_specs(layer), prefix), place)
-
-
-def load_top(ckpt: Checkpoint, place: Place, *, first: bool, last: bool) -> TopWeights:
-    cfg = ckpt.config
-    specs = tuple(s for s in cfg.top_tensor_specs()
-                  if (first and "embed_tokens" in s.name) or (last and "embed_tokens" not in s.name))
-    return top_weights(cfg, _tensors_by_suffix(ckpt, specs, cfg.prefix), place, first=first, last=last)
-
-
-def expert_from_bytes(cfg: ModelConfig, tensors: tuple[TensorLocation, ...],
-                      buf: memoryview | bytearray | np.ndarray, base: int,
-                      place_matrix: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
-    """Slice one expert's tensors (in spec order) out of `buf`, which holds file bytes from offset `base`."""
-    parts = [bytes_to_tensor(buf[t.offset - base:t.offset - base + t.nbytes], t.dtype, t.shape) for t in tensors]
-    if cfg.expert_format is ExpertFormat.MXFP4:
-        mats = []
+def expert_views(cfg: ModelConfig, tensors: tuple[TensorLocation, ...], raw: torch.Tensor,
+                 check: bool = True) -> ExpertWeights:
+    """One expert's tensors as views of `raw`, a 1-D uint8 tensor (host or device) holding its read slot;
+    `tensors` are located within the slot. `check` validates the E8M0 scales (do it where the bytes are on
+    the host: on a GPU it would wait for the device)."""
+    parts = [raw[t.offset:t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape) for t in tensors]
+    if cfg.expert_format is not ExpertFormat.MXFP4:
+        return ExpertWeights(*parts)
+    if check:
         for i in range(3):
-            packed, scales = parts[2 * i], parts[2 * i + 1]
-            check_scales(scales, tensors[2 * i + 1].name)
-            mats.append(MXFP4Weight(packed, scales))
-        return ExpertWeights(*mats)
-    return ExpertWeights(*(place_matrix(p) for p in parts))
+            check_scales(parts[2 * i + 1], tensors[2 * i + 1].name)
+    return ExpertWeights(*(MXFP4Weight(parts[2 * i], parts[2 * i + 1]) for i in range(3)))
 
 
-def read_expert(ckpt: Checkpoint, layer: int, expert: int,
-                place_matrix: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
-    """One expert from disk into fresh host memory: one read per contiguous run of its tensors."""
+def read_expert(ckpt: Checkpoint, layer: int, expert: int) -> ExpertWeights:
+    """One expert from disk into fresh host memory (checked): one read per contiguous run of its tensors."""
     from deltafin.weights.reader import plan_read
 
     plan = plan_read(ckpt.expert(layer, expert))
@@ -105,4 +85,4 @@ def read_expert(ckpt: Checkpoint, layer: int, expert: int,
             pread_into(fd, memoryview(buf)[ext.slot_offset:ext.slot_offset + ext.need], ext.start, ext.file)
         finally:
             os.close(fd)
-    return expert_from_bytes(ckpt.config, plan.tensors, buf, 0, place_matrix)
+    return expert_views(ckpt.config, plan.tensors, torch.frombuffer(buf, dtype=torch.uint8))
