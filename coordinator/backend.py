@@ -29,6 +29,11 @@ from deltafin.transport.status import RemoteError
 
 
 class Backend(Protocol):
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """Tokens one forward may carry (the stages were sized for it); None: no limit."""
+        ...
+
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
 
     async def release(self, session_ids: list[str]) -> None: ...
@@ -47,6 +52,10 @@ class LocalBackend:
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @property
+    def max_forward_tokens(self) -> int | None:
+        return self.pipeline.max_forward_tokens
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
@@ -205,8 +214,9 @@ class WorkerClient:
 class ClusterBackend:
     """Stages on workers, called in layer order by the coordinator."""
 
-    def __init__(self, stages: list[WorkerClient]):
+    def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None):
         self.stages = sorted(stages, key=lambda w: w.start)
+        self.max_forward_tokens = max_forward_tokens
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         request_id = uuid.uuid4().hex

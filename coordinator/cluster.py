@@ -20,8 +20,9 @@ import grpc
 from deltafin.checkpoint import fingerprint
 from deltafin.config import ModelConfig, load_config
 from deltafin.errors import DeltafinError
-from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers, working_bytes
+from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.progress import Progress
+from deltafin.sizing import SizingOptions
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
 from deltafin.transport.status import RemoteError
@@ -49,7 +50,9 @@ class ClusterSpec:
     expect: int | None = None  # stop browsing once this many answered
     interfaces: list[str] | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stage options sent with every assignment
-    spine: str = "bf16"
+    sizing: SizingOptions = field(default_factory=SizingOptions)  # how the planner sizes each stage
+    act_bytes: int = 4  # activation element size (fp32)
+    memory_cap: int | None = None  # --memory-gb: no worker's stage plans for more than this
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
@@ -114,19 +117,26 @@ async def find_workers(spec: ClusterSpec) -> list[Worker]:
     return usable
 
 
-def capacities(workers: list[Worker]) -> list[WorkerCapacity]:
-    return [WorkerCapacity(d.name, d.memory_bytes, d.disk_gbps, d.layers, d.has_top, d.address) for _, d in workers]
+def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[WorkerCapacity]:
+    """What the planner knows of each worker; `memory_cap` (--memory-gb) lowers every budget to it."""
+    cap = (lambda m: m) if memory_cap is None else (lambda m: min(m, memory_cap))
+    return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
+                           device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
+                           worker_id=d.key) for _, d in workers]
 
 
-def stage_options(cfg: ModelConfig, stage: StagePlan, base: dict[str, Any], memory: int) -> dict[str, Any]:
-    """Options for one stage: the user's, plus expert residency from the plan when the user set none."""
-    options = dict(base)
-    if "expert_cache_bytes" not in options:
-        n_moe = sum(1 for i in range(stage.start, stage.end) if cfg.is_moe(i))
-        experts = n_moe * cfg.num_experts * cfg.bytes_per_expert
-        if stage.spine_bytes + experts + working_bytes(cfg) > memory:
-            options["expert_cache_bytes"] = stage.cache_bytes  # stream them; the rest of memory caches
-    return options
+def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
+    return plan_layers(cfg, capacities(workers, spec.memory_cap), spec.sizing, spec.act_bytes)
+
+
+def stage_options(stage: StagePlan, spec: ClusterSpec) -> dict[str, Any]:
+    """The assignment of one stage: the user's options and the plan's budgets, which the worker's stage sizes
+    itself by again (the same function, so the same result) and enforces."""
+    z = stage.sizing
+    return {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
+            "spine": z.spine, "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
+            "session_bytes": z.sessions, "sequences": spec.sizing.sequences, "context": spec.sizing.context,
+            "max_forward_tokens": z.forward_tokens}
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
@@ -135,22 +145,22 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     does not use are closed; on failure every client is closed. With `reuse` (a re-plan by this same
     coordinator), a worker already serving exactly its new range keeps its stage and its caches."""
     try:
-        plan = plan_layers(cfg, capacities(workers), spine=spec.spine)
+        plan = plan_cluster(spec, cfg, workers)
     except DeltafinError:
         await asyncio.gather(*(c.close() for c, _ in workers))
         raise
-    by_name = {d.name: (c, d) for c, d in workers}
-    used = [by_name[s.worker] for s in plan.stages]
+    by_key = {d.key: (c, d) for c, d in workers}  # names need not be unique (two workers on one host)
+    used = [by_key[s.key] for s in plan.stages]
     for client, _ in workers:
         if client not in [c for c, _ in used]:
             await client.close()
     log.debug("plan:\n%s", plan.table())
     mine = fingerprint(spec.model_dir)
-    bars = {s.worker: Progress(1.0, f"load {s.worker} layers {s.start}-{s.end - 1}", unit="",
-                               enabled=show_progress) for s in plan.stages}
+    bars = {id(c): Progress(1.0, f"load {s.worker} layers {s.start}-{s.end - 1}", unit="", enabled=show_progress)
+            for s, (c, _) in zip(plan.stages, used, strict=True)}
 
     def progress(client: WorkerClient, message: str, fraction: float) -> None:
-        bar = bars.get(client.name)
+        bar = bars.get(id(client))
         if bar is not None:
             bar.update(max(0.0, fraction - bar.done))
 
@@ -158,9 +168,9 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     for s, (c, d) in zip(plan.stages, used, strict=True):
         if reuse and d.state == "ready" and d.assigned == (s.start, s.end):
             c.start, c.end = s.start, s.end
-            bars[s.worker].update(1.0)
+            bars[id(c)].update(1.0)
         else:
-            todo.append(c.assign(s.start, s.end, mine, stage_options(cfg, s, spec.options, d.memory_bytes), progress))
+            todo.append(c.assign(s.start, s.end, mine, stage_options(s, spec), progress))
     try:
         await asyncio.gather(*todo)
     except BaseException:
@@ -169,7 +179,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     finally:
         for bar in bars.values():
             bar.close()
-    return ClusterBackend([c for c, _ in used]), plan
+    return ClusterBackend([c for c, _ in used], min(s.sizing.forward_tokens for s in plan.stages)), plan
 
 
 async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,

@@ -70,7 +70,8 @@ class Engine:
                                 f"{self.max_context} tokens")
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
-                      frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits)
+                      frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
+                      prefill_chunk=self.backend.max_forward_tokens)
         c = self.counters
         async with self.scheduler.slot():
             c.requests += 1

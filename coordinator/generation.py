@@ -114,6 +114,7 @@ class Request:
     stop_strings: list[str] = field(default_factory=list)
     return_logits: bool = False
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
 
 
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
@@ -131,7 +132,9 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
     t0 = time.monotonic()
     t_prefill = 0.0
     try:
-        out = await forward(SeqInput(req.session_id, 0, ids=torch.tensor(req.prompt_ids)))
+        step = req.prefill_chunk or length
+        for pos in range(0, length, step):  # a long prompt in the chunks the stages were sized for
+            out = await forward(SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:pos + step])))
         t_prefill = time.monotonic() - t0
         while True:
             row = out.logits[-1].float()  # type: ignore[index]

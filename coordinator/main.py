@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -21,9 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deltafin.cli import _add_stage_options, run_cli, setup_logging, stage_options
+from deltafin.cli import run_cli, setup_logging
 from deltafin.config import load_config
 from deltafin.errors import DeltafinError
+from deltafin.options import add_stage_options, explicit_options, stage_options
 
 log = logging.getLogger("deltafin.coordinator")
 
@@ -41,7 +41,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-stages", type=int, default=1, help="--local: in-process stages (default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="--local: device")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype")
-    _add_stage_options(p)
+    add_stage_options(p)
     sec = p.add_argument_group("security",
                                "how this coordinator proves itself to workers (see deploy/README.md, Security)")
     sec.add_argument("--cluster-key", default=None,
@@ -133,14 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Stage options the user set explicitly (sent to workers; the rest are the workers' own)."""
-    defaults = build_parser().parse_args(["--model", "x", "plan"])
-    chosen = stage_options(args)
-    base = stage_options(defaults)
-    out = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(chosen)
-           if getattr(chosen, f.name) != getattr(base, f.name) and f.name != "dtype"}
-    out["dtype"] = args.dtype
-    return out
+    """Stage options sent with every assignment (the plan adds each stage's budgets)."""
+    chosen = explicit_options(args)
+    return {"dtype": args.dtype, **{k: chosen[k] for k in ("io", "read_threads", "cache_policy", "prefetch")}}
 
 
 async def open_backend(args: argparse.Namespace, show_progress: bool = True):
@@ -149,10 +144,12 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
     from .cluster import connect_cluster
 
     if args.local:
+        from deltafin.devices import resolve_device, resolve_dtype
         from deltafin.pipeline import LocalPipeline
 
+        options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
         pipe = await asyncio.to_thread(LocalPipeline.load, args.model, args.local_stages, args.device, args.dtype,
-                                       "hf", stage_options(args), show_progress)
+                                       "hf", options, show_progress)
         return LocalBackend(pipe)
     from .recovery import RecoveryOptions
 
@@ -165,7 +162,10 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
 
 
 def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None):  # -> ClusterSpec
+    from deltafin.checkpoint import scan_checkpoint
+    from deltafin.sizing import SizingOptions
     from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
+    from deltafin.weights.reader import layer_spans
 
     from .backend import Timeouts
     from .cluster import ClusterSpec
@@ -179,9 +179,16 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
     security = ClusterSecurity(load_key(args.cluster_key, args.cluster_key_file), tls)
     timeouts = Timeouts(forward=args.forward_timeout, lost_after=args.worker_timeout,
                         probe_interval=min(2.0, args.worker_timeout / 3))
+    explicit = explicit_options(args)
+    sizing = SizingOptions(spine=args.spine, expert_cache_bytes=explicit["expert_cache_bytes"],
+                           sequences=args.sequences, context=args.context, forward_tokens=args.prefill_chunk,
+                           read_threads=args.threads,
+                           spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))))
     return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
-                       options=options or {}, spine=args.spine, timeouts=timeouts, security=security)
+                       options=options or {}, sizing=sizing, act_bytes=2 if args.dtype == "bf16" else 4,
+                       memory_cap=None if args.memory_gb is None else int(args.memory_gb * 1e9), timeouts=timeouts,
+                       security=security)
 
 
 async def open_engine(args: argparse.Namespace, name: str | None = None, **serving: Any):
@@ -197,14 +204,12 @@ async def open_engine(args: argparse.Namespace, name: str | None = None, **servi
 
 
 async def cmd_plan(args: argparse.Namespace) -> int:
-    from deltafin.planner import plan_layers
-
-    from .cluster import capacities, find_workers
+    from .cluster import find_workers, plan_cluster
 
     spec = cluster_spec(args)
     workers = await find_workers(spec)
     try:
-        print(plan_layers(load_config(args.model), capacities(workers), spine=args.spine).table())
+        print(plan_cluster(spec, load_config(args.model), workers).table())
     finally:
         await asyncio.gather(*(c.close() for c, _ in workers))
     return 0

@@ -36,12 +36,12 @@ import torch
 
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.planner import Plan, plan_layers
+from deltafin.planner import Plan
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.status import RemoteError
 
 from .backend import ClusterBackend, PartialFailure, WorkerLost
-from .cluster import ClusterSpec, Worker, assign_plan, capacities, discover_addresses, probe_workers
+from .cluster import ClusterSpec, Worker, assign_plan, discover_addresses, plan_cluster, probe_workers
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,10 @@ class ResilientCluster:
         self.recoveries: list[Recovery] = []
         self.lock = asyncio.Lock()  # a forward, a recovery and a re-plan never overlap
         self._membership: asyncio.Task[None] | None = None
+
+    @property
+    def max_forward_tokens(self) -> int | None:
+        return self.backend.max_forward_tokens
 
     @property
     def stages(self) -> list[Any]:
@@ -291,7 +295,7 @@ class ResilientCluster:
         current = await probe_workers(self.spec, list(in_use), quiet=True, timeout=self._probe_timeout())
         workers = current + new
         try:
-            better = len(plan_layers(self.cfg, capacities(workers), spine=self.spec.spine).stages) > len(
+            better = len(plan_cluster(self.spec, self.cfg, workers).stages) > len(
                 self.plan.stages)
         except DeltafinError:
             better = False

@@ -84,8 +84,9 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch = [(s, f) for s, f in self._pending if not f.done()]
-            self._pending.clear()
+            batch, self._pending = self._take([(s, f) for s, f in self._pending if not f.done()])
+            if self._pending:
+                self._wake.set()  # what did not fit this batch goes in the next
             if not batch:
                 continue
             self.stats.batches += 1
@@ -124,6 +125,19 @@ class Scheduler:
             for f, out in zip(futures, outputs, strict=True):
                 if not f.done():
                     f.set_result(out)
+
+    def _take(self, pending: list[tuple[SeqInput, asyncio.Future[SeqOutput]]]) -> tuple[list, list]:
+        """The next batch, within the tokens one forward may carry (every sequence's own forward fits alone)."""
+        limit = self.backend.max_forward_tokens
+        if limit is None:
+            return pending, []
+        batch, tokens = [], 0
+        for i, (s, f) in enumerate(pending):
+            if batch and tokens + s.num_tokens > limit:
+                return batch, pending[i:]
+            batch.append((s, f))
+            tokens += s.num_tokens
+        return batch, []
 
     async def close(self) -> None:
         if self._loop_task is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -173,36 +174,32 @@ class _Preloaded:
 
 
 def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
-                 expert_cache_gb: float | None = None, io: str = "direct", threads: int = 8,
-                 memory_gb: float | None = None, spine: str = "bf16", policy: str = "lfu",
-                 prefetch: bool = True, measure_disk: bool = True, prefetch_layers: int = 2) -> dict[str, Any]:
-    """Decode `tokens` greedily after a `prompt`-token prefill, with experts streamed (`expert_cache_gb`
-    set) or resident (None). Prints the limit terms and the efficiency against them."""
+                 options: Any = None, measure_disk: bool = True) -> dict[str, Any]:
+    """Decode `tokens` greedily after a `prompt`-token prefill, the stage sized by `options` (StageOptions;
+    default: everything resident). Reports the memory plan against the peak, bytes per token (experts,
+    spine), and when anything streams the limit terms and the efficiency against them."""
     from deltafin.pipeline import LocalPipeline
-    from deltafin.stage import SeqInput, StageOptions
-    from deltafin.weights.cache import POLICIES, simulate
-    from deltafin.weights.tensors import read_expert
+    from deltafin.stage import SeqInput
 
-    streaming = expert_cache_gb is not None
-    options = StageOptions(memory_bytes=None if memory_gb is None else int(memory_gb * GB), spine=spine,
-                           expert_cache_bytes=None if not streaming else int(expert_cache_gb * GB), io=io,
-                           read_threads=threads, cache_policy=policy, prefetch=prefetch,
-                           prefetch_layers=prefetch_layers)
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     stage = pipe.stages[0]
-    cfg, ckpt, dev = stage.cfg, stage.ckpt, stage.device
-    result: dict[str, Any] = {"bench": "decode", "model": str(Path(model).resolve()), "device": str(dev),
-                              "dtype": dtype, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-                              "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
-                              "expert_bytes": cfg.bytes_per_expert, "streaming": streaming, "io": io,
-                              "read_threads": threads, "expert_cache_gb": expert_cache_gb, "policy": policy,
-                              "prefetch": prefetch, "prefetch_layers": prefetch_layers, "memory_gb": memory_gb,
-                              "spine": spine,
-                              "spine_resident_layers": len(stage.spine.plan.resident),
-                              "spine_streamed_layers": len(stage.spine.plan.streamed)}
+    cfg, dev, plan = stage.cfg, stage.device, stage.sizing
+    opts = stage.options
+    result: dict[str, Any] = {
+        "bench": "decode", "model": str(Path(model).resolve()), "device": str(dev), "dtype": dtype,
+        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+        "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
+        "expert_bytes": cfg.bytes_per_expert, "io": opts.io, "read_threads": opts.read_threads,
+        "policy": opts.cache_policy, "prefetch": opts.prefetch,
+        "memory_budget_gb": None if opts.memory_bytes is None else round(opts.memory_bytes / GB, 3),
+        "spine": plan.spine, "experts_streamed": plan.streaming, "expert_cache_gb": round(plan.expert_cache / GB, 3),
+        "spine_resident_layers": len(plan.resident_layers), "spine_streamed_layers": len(plan.streamed_layers),
+        "plan_gb": {k: round(v / GB, 3) for k, v in plan.as_dict().items() if isinstance(v, int)
+                    and not isinstance(v, bool) and k not in ("start", "end", "forward_tokens")}}
     try:
-        if streaming and measure_disk:
-            result["disk"] = disk_for_model(ckpt, cfg.moe_layers, threads, io)
+        streams = plan.streaming or bool(plan.streamed_layers)
+        if streams and measure_disk and cfg.moe_layers:
+            result["disk"] = disk_for_model(stage.ckpt, cfg.moe_layers, opts.read_threads, opts.io)
         recorder = _Recorder(stage.experts)
         stage.experts = recorder
         ids = torch.arange(prompt) % (cfg.vocab_size - 256)
@@ -212,43 +209,75 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
         result["prefill_s"] = round(time.perf_counter() - t0, 3)
         before = _io_counters(stage)
         recorder.trace.clear()
-        # Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and
-        # repeated tokens route to the same experts, which would flatter the cache.
-        rng = torch.Generator().manual_seed(0)
-        inputs, times, n = [], [], prompt
-        for _ in range(tokens):
-            nxt = torch.randint(0, cfg.vocab_size - 256, (1,), generator=rng)
-            inputs.append(nxt)
-            t0 = time.perf_counter()
-            pipe.forward([SeqInput("bench", n, ids=nxt)])
-            synchronize(dev)
-            times.append(time.perf_counter() - t0)
-            n += 1
-        after = _io_counters(stage)
+        inputs, times = _decode_steps(pipe, cfg, prompt, tokens, dev)
+        result.update(_decode_numbers(times, before, _io_counters(stage), tokens))
         trace = list(recorder.trace)
         stage.experts = recorder.inner
-        result.update(_decode_numbers(times, before, after, tokens))
-        if streaming:
-            capacity = max(1, int(expert_cache_gb * GB) // cfg.bytes_per_expert)
-            steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
-            result["policy_hit_rates"] = {p: round(simulate(p, capacity, steps), 4) for p in POLICIES}
-            t_compute = _replay(pipe, stage, ids, inputs, trace, cfg.moe_layers, read_expert)
-            result["t_compute_s"] = round(t_compute, 4)
-            disk = result.get("disk", {}).get("disk_GBps")
-            if disk:
-                t_io = result["bytes_read_per_token"] / (disk * GB)
-                result["t_io_limit_s"] = round(t_io, 4)
-                result["efficiency"] = round(max(t_io, t_compute) / result["s_per_token_median"], 3)
-                result["read_GBps_vs_disk"] = round(result["read_GBps_achieved"] / disk, 3)
+        result.update(_peak_memory(dev, plan))
+        if plan.streaming:
+            result.update(_streaming_numbers(pipe, stage, ids, inputs, trace, result))
     finally:
         pipe.close()
     return result
 
 
+def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device) -> tuple[list, list[float]]:
+    """Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and repeated
+    tokens route to the same experts, which would flatter the cache."""
+    from deltafin.stage import SeqInput
+
+    rng = torch.Generator().manual_seed(0)
+    inputs, times = [], []
+    for n in range(prompt, prompt + tokens):
+        nxt = torch.randint(0, cfg.vocab_size - 256, (1,), generator=rng)
+        inputs.append(nxt)
+        t0 = time.perf_counter()
+        pipe.forward([SeqInput("bench", n, ids=nxt)])
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return inputs, times
+
+
+def _peak_memory(dev: torch.device, plan: Any) -> dict[str, Any]:
+    """The process's peak resident memory (and the GPU's peak allocation) against the plan."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    out: dict[str, Any] = {"peak_rss_gb": round(rss / GB, 3), "planned_gb": round(plan.total / GB, 3)}
+    if dev.type == "cuda":
+        out["peak_cuda_allocated_gb"] = round(torch.cuda.max_memory_allocated(dev) / GB, 3)
+        out["planned_device_gb"] = round(plan.device_total / GB, 3)
+    return out
+
+
+def _streaming_numbers(pipe: Any, stage: Any, ids: torch.Tensor, inputs: list, trace: list,
+                       result: dict[str, Any]) -> dict[str, Any]:
+    from deltafin.weights.cache import POLICIES, simulate
+    from deltafin.weights.tensors import read_expert
+
+    cfg = stage.cfg
+    capacity = max(1, stage.sizing.expert_cache // cfg.bytes_per_expert)
+    steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
+    out: dict[str, Any] = {"policy_hit_rates": {p: round(simulate(p, capacity, steps), 4) for p in POLICIES}}
+    t_compute = _replay(pipe, stage, ids, inputs, trace, cfg.moe_layers, read_expert)
+    out["t_compute_s"] = round(t_compute, 4)
+    disk = result.get("disk", {}).get("disk_GBps")
+    if disk:
+        t_io = result["bytes_read_per_token"] / (disk * GB)
+        out["t_io_limit_s"] = round(t_io, 4)
+        out["efficiency"] = round(max(t_io, t_compute) / result["s_per_token_median"], 3)
+        out["read_GBps_vs_disk"] = round(result["read_GBps_achieved"] / disk, 3)
+        if result.get("spine_read_GBps"):
+            out["spine_read_GBps_vs_disk"] = round(result["spine_read_GBps"] / disk, 3)
+    return out
+
+
 def _io_counters(stage: Any) -> dict[str, float]:
     s = stage.stats()
     ex = s.get("experts", {})
-    return {"bytes": ex.get("bytes_read", 0) + s["spine_streamed_bytes"], "lookups": ex.get("lookups", 0),
+    return {"bytes": ex.get("bytes_read", 0) + s["spine_streamed_bytes"], "expert_bytes": ex.get("bytes_read", 0),
+            "spine_bytes": s["spine_streamed_bytes"], "spine_read_s": s["spine_read_s"],
+            "lookups": ex.get("lookups", 0),
             "hits": ex.get("hits", 0), "prefetch_hits": ex.get("prefetch_hits", 0), "misses": ex.get("misses", 0),
             "io_wait": ex.get("io_wait_s", 0.0) + s["spine_wait_s"], "seconds": s["seconds"],
             "wasted": ex.get("wasted_bytes", 0), "prefetch_bytes": ex.get("prefetch_bytes", 0)}
@@ -267,6 +296,9 @@ def _decode_numbers(times: list[float], before: dict[str, float], after: dict[st
         "s_per_token_median": round(median, 4),
         "s_per_token_min": round(min(times), 4),
         "bytes_read_per_token": int(d["bytes"] / tokens),
+        "expert_bytes_read_per_token": int(d["expert_bytes"] / tokens),
+        "spine_bytes_per_token": int(d["spine_bytes"] / tokens),
+        "spine_read_GBps": round(d["spine_bytes"] / d["spine_read_s"] / GB, 3) if d["spine_read_s"] else None,
         "read_GBps_achieved": round(d["bytes"] / total / GB, 3),
         "cache_hit_rate": round(d["hits"] / lookups, 4),
         "prefetch_recall": round(d["prefetch_hits"] / want, 4) if want else None,

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from deltafin.errors import DeltafinError
+from deltafin.options import add_stage_options
 
 log = logging.getLogger("deltafin")
 
@@ -108,25 +109,19 @@ def _cmd_logits(args: argparse.Namespace) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    from deltafin.devices import resolve_device, resolve_dtype
+    from deltafin.options import stage_options
+
     stats: list[dict] = []
+    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
     logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
-                            stages=args.stages, eps_convention=args.eps, options=stage_options(args),
+                            stages=args.stages, eps_convention=args.eps, options=options,
                             stats=stats if args.stats else None)
     np.save(args.out, logits)
     log.info("wrote %s: float32 %s", args.out, list(logits.shape))
     if args.stats:
         print(json.dumps({"stages": stats}, indent=2), file=sys.stderr)
     return 0
-
-
-def stage_options(args: argparse.Namespace):  # -> StageOptions
-    """StageOptions from the shared command-line options (see _add_stage_options)."""
-    from deltafin.stage import StageOptions
-
-    gb = lambda v: None if v is None else int(v * 1e9)
-    return StageOptions(memory_bytes=gb(args.memory_gb), spine=args.spine, expert_cache_bytes=gb(args.expert_cache_gb),
-                        io=args.io, read_threads=args.threads, cache_policy=args.policy,
-                        prefetch=not args.no_prefetch)
 
 
 def _add_logits(sub: argparse._SubParsersAction) -> None:
@@ -146,7 +141,7 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
                    help="the two epsilons the references disagree on (MLA LoRA norms, KDA q/k L2 norm): 1e-6 as "
                    "the HF/fla code (default) or rms_norm_eps as llama.cpp")
     p.add_argument("--stats", action="store_true", help="print each stage's counters (JSON) to stderr")
-    _add_stage_options(p)
+    add_stage_options(p, sequences=1)
     p.set_defaults(func=_cmd_logits)
 
 
@@ -158,40 +153,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.kernel:
         result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
     elif args.model:
+        from deltafin.devices import resolve_device, resolve_dtype
+        from deltafin.options import stage_options
+
+        options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
         result = bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, device=args.device,
-                                    dtype=args.dtype, expert_cache_gb=args.expert_cache_gb, io=args.io,
-                                    threads=args.threads, memory_gb=args.memory_gb, spine=args.spine,
-                                    policy=args.policy, prefetch=not args.no_prefetch)
+                                    dtype=args.dtype, options=options, measure_disk=not args.no_disk)
     else:
         raise DeltafinError("deltafin bench needs --model DIR, --disk PATH or --kernel")
     print(json.dumps(result, indent=2))
     return 0
 
 
-def _add_stage_options(p: argparse.ArgumentParser) -> None:
-    """Options that decide how a stage holds its weights (shared by commands that run the model)."""
-    p.add_argument("--expert-cache-gb", type=float, default=None,
-                   help="stream routed experts from the disk with a cache of this many GB (default: load every "
-                   "expert into memory, fine for small checkpoints)")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="budget for resident non-expert weights; layers that do not fit stream from the disk "
-                   "(default: all resident)")
-    p.add_argument("--spine", default="bf16", choices=["bf16", "int8"],
-                   help="resident non-expert matrices as stored (bf16) or row-int8 (half the memory)")
-    p.add_argument("--io", default="direct", choices=["direct", "buffered"],
-                   help="read experts with O_DIRECT/F_NOCACHE (default) or through the page cache")
-    p.add_argument("--threads", type=int, default=8, help="parallel expert readers (default 8)")
-    p.add_argument("--policy", default="lfu", choices=["lru", "lfu", "pinned"],
-                   help="expert cache policy (default lfu: the best of the three on measured decode traces)")
-    p.add_argument("--no-prefetch", action="store_true", help="read experts only when a layer asks for them")
-
-
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON",
-                       description="--model DIR: decode speed; with --expert-cache-gb the experts stream from the "
-                       "disk, the disk is measured first with the same reader, and the JSON gives the limit terms "
-                       "(t_io_limit, t_compute) and efficiency = max(t_io_limit, t_compute) / s_per_token. "
-                       "--disk PATH: the reader alone. --kernel: MXFP4 expert throughput (packed GB/s).")
+                       description="--model DIR: decode speed, sized to the memory found (or --memory-gb): the JSON "
+                       "has the memory plan and the peak, bytes per token (experts, spine), and when anything streams "
+                       "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
+                       "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
+                       "--kernel: MXFP4 expert throughput (packed GB/s).")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
@@ -201,7 +181,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    _add_stage_options(p)
+    p.add_argument("--no-disk", action="store_true", help="--model: skip the disk measurement")
+    add_stage_options(p, sequences=1)
     p.set_defaults(func=_cmd_bench)
 
 

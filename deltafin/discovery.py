@@ -32,6 +32,8 @@ def txt_record(d: WorkerDescription) -> dict[str, str]:
         "layers": ",".join(f"{a}-{b}" for a, b in d.layers),
         "top": "1" if d.has_top else "0",
         "ver": d.version,
+        "hmem": str(d.host_memory_bytes),
+        "id": d.worker_id,
     }
 
 
@@ -45,7 +47,8 @@ def parse_txt(props: dict[bytes, bytes | None], address: str) -> WorkerDescripti
         name=p["name"], address=address, device=p.get("dev", "?"), memory_bytes=int(p.get("mem", "0")),
         disk_gbps=float(p.get("bw", "0")), model_fingerprint=p.get("fp", ""),
         layers=layers,  # type: ignore[arg-type]
-        has_top=p.get("top") == "1", protocol_version=int(p.get("v", "0")), version=p.get("ver", ""))
+        has_top=p.get("top") == "1", protocol_version=int(p.get("v", "0")), version=p.get("ver", ""),
+        host_memory_bytes=int(p.get("hmem", "0")), worker_id=p.get("id", ""))
 
 
 def _zeroconf(interfaces: list[str] | None) -> Zeroconf:

@@ -44,6 +44,12 @@ class LocalPipeline:
                                     progress=lambda _msg, fraction, bar=bar: bar.update(max(0.0, fraction - bar.done))))
         return cls(stages)
 
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """Tokens one forward may carry through every stage (None: no limit)."""
+        limits = [s.max_forward_tokens for s in self.stages if s.max_forward_tokens is not None]
+        return min(limits) if limits else None
+
     def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []
         for i, stage in enumerate(self.stages):
@@ -79,8 +85,10 @@ def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto
                               options=options)
     try:
         t = torch.tensor(ids, dtype=torch.long)
-        if mode == "prefill":
-            out = pipe.forward([SeqInput("logits", 0, ids=t)], all_logits=True)[0].logits
+        if mode == "prefill":  # in chunks the stages were sized for (chunked prefill computes the same logits)
+            step = pipe.max_forward_tokens or len(ids)
+            out = torch.cat([pipe.forward([SeqInput("logits", i, ids=t[i:i + step])], all_logits=True)[0].logits
+                             for i in range(0, len(ids), step)])
         else:
             out = torch.cat([pipe.forward([SeqInput("logits", i, ids=t[i:i + 1])])[0].logits
                              for i in range(len(ids))])

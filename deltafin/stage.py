@@ -408,6 +408,7 @@ class Stage:
         out: dict[str, object] = {"forwards": self.timings.forwards, "tokens": self.timings.tokens,
                                   "seconds": round(self.timings.seconds, 4),
                                   "spine_streamed_bytes": self.spine.streamed_bytes,
+                                  "spine_read_s": round(self.spine.stream_read_s, 4),
                                   "spine_wait_s": round(self.spine.wait_s, 4)}
         snapshot = getattr(self.experts, "snapshot_stats", None)
         if snapshot is not None:

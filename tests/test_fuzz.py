@@ -204,7 +204,7 @@ def test_fuzzed_forwards_get_specific_statuses(worker, tiny_dir: Path) -> None:
 def test_session_misuse_and_limits(worker, tiny_dir: Path) -> None:
     client, _ = worker
     cfg = load_config(tiny_dir)
-    client.assign(0, cfg.num_layers, session_bytes=200_000)
+    client.assign(0, cfg.num_layers, session_bytes=150_000)
     assert client.forward_detail(ids_seq("ghost", [5], cache_len=4))[0] == "NOT_FOUND"
     assert client.forward(ids_seq("s", [1, 2, 3])) == "OK"
     assert client.forward(ids_seq("s", [4], cache_len=3)) == "OK"
@@ -220,7 +220,9 @@ def test_session_misuse_and_limits(worker, tiny_dir: Path) -> None:
     for t in threads:
         t.join()
     assert sorted(results) == ["FAILED_PRECONDITION", "OK"]
-    code, detail = client.forward_detail(ids_seq("long", [7] * 3000))  # past the cache budget
+    code, detail = client.forward_detail(ids_seq("long", [7] * 3000))  # past the tokens a forward may carry
+    assert code == "INVALID_ARGUMENT" and "in chunks" in detail
+    code, detail = client.forward_detail(ids_seq("long", [7] * 500))  # past the cache budget
     assert code == "RESOURCE_EXHAUSTED" and "budget" in detail
     big = pb.SequenceInput(session_id="big", cache_len=0, ids=pb.Tensor(dtype="int64", shape=[200_000],
                                                                          data=b"\0" * 1_600_000))

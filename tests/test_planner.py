@@ -6,8 +6,10 @@ import pytest
 
 from deltafin.config import parse_config
 from deltafin.planner import PlanError, WorkerCapacity, plan_layers
+from deltafin.sizing import SizingOptions
 
 GB = 10**9
+INT8 = SizingOptions(spine="int8")
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +28,28 @@ def _covers_once(plan, n):
 
 
 def test_equal_workers_get_equal_shares(k3):
-    plan = plan_layers(k3, [_w(f"m{i}", 64) for i in range(4)], spine="int8")
+    plan = plan_layers(k3, [_w(f"m{i}", 64) for i in range(4)], options=INT8)
     _covers_once(plan, 93)
     spines = [s.spine_bytes for s in plan.stages]
     assert max(spines) / min(spines) < 1.15 and all(s.streamed_bytes == 0 for s in plan.stages)
 
 
 def test_memory_weighted(k3):
-    plan = plan_layers(k3, [_w("big", 96), _w("small", 32)], spine="int8")
+    plan = plan_layers(k3, [_w("big", 96), _w("small", 32)], options=INT8)
     _covers_once(plan, 93)
     big, small = plan.stages
     assert 2.4 < big.spine_bytes / small.spine_bytes < 3.6  # spines roughly proportional to memory (3:1)
 
 
 def test_faster_disk_takes_more_layers(k3):
-    plan = plan_layers(k3, [_w("fast", 64, bw=13.2), _w("slow", 64, bw=3.3)], spine="int8")
+    plan = plan_layers(k3, [_w("fast", 64, bw=13.2), _w("slow", 64, bw=3.3)], options=INT8)
     fast, slow = plan.stages
     assert fast.end - fast.start > slow.end - slow.start
 
 
 def test_respects_the_layers_each_worker_has(k3):
     ws = [_w("a", 64, ((0, 50),)), _w("b", 64, ((40, 93),))]
-    plan = plan_layers(k3, ws, spine="int8")
+    plan = plan_layers(k3, ws, options=INT8)
     _covers_once(plan, 93)
     a, b = plan.stages
     assert a.worker == "a" and a.end <= 50 and b.worker == "b" and b.start >= 40
@@ -55,28 +57,28 @@ def test_respects_the_layers_each_worker_has(k3):
 
 def test_first_and_last_stages_need_the_embedding_and_head(k3):
     ws = [_w("head", 64), _w("middle", 64, top=False), _w("tail", 64)]
-    plan = plan_layers(k3, ws, spine="int8")
+    plan = plan_layers(k3, ws, options=INT8)
     assert plan.stages[0].worker == "head" and plan.stages[-1].worker == "tail"
     with pytest.raises(PlanError, match="embedding/head"):
-        plan_layers(k3, [_w("x", 256, top=False)], spine="int8")
+        plan_layers(k3, [_w("x", 256, top=False)], options=INT8)
 
 
 def test_one_mac_streams_what_does_not_fit(k3):
-    plan = plan_layers(k3, [_w("mac", 56)], spine="int8")
+    plan = plan_layers(k3, [_w("mac", 56)], options=INT8)
     (stage,) = plan.stages
     assert stage.streamed_bytes > 0 and stage.spine_bytes < 56 * GB
 
 
 def test_refusals_are_specific(k3):
     with pytest.raises(PlanError, match="no worker holds layers 50-92"):
-        plan_layers(k3, [_w("a", 64, ((0, 50),))], spine="int8")
+        plan_layers(k3, [_w("a", 64, ((0, 50),))], options=INT8)
     with pytest.raises(PlanError, match="cannot hold the model's working set"):
-        plan_layers(k3, [_w("tiny", 2)], spine="int8")
+        plan_layers(k3, [_w("tiny", 2)], options=INT8)
     with pytest.raises(PlanError, match="no workers"):
-        plan_layers(k3, [], spine="int8")
+        plan_layers(k3, [], options=INT8)
 
 
 def test_table_lists_every_stage(k3):
-    plan = plan_layers(k3, [_w("m0", 64), _w("m1", 64)], spine="int8")
+    plan = plan_layers(k3, [_w("m0", 64), _w("m1", 64)], options=INT8)
     table = plan.table()
     assert "m0" in table and "m1" in table and "total" in table and f"{plan.stages[0].start}-" in table

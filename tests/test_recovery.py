@@ -19,6 +19,8 @@ from deltafin.transport.status import RemoteError
 class FlakyStages:
     """Records every forward; fails the calls listed in `fail_at` (by call number) as a lost worker would."""
 
+    max_forward_tokens = None
+
     def __init__(self, fail_at: set[int], code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         self.calls: list[list[tuple[str, int, list[int]]]] = []
         self.fail_at, self.code = fail_at, code

@@ -192,15 +192,28 @@ def test_direct_writer_writes_exact_bytes(tmp_path):
     assert (tmp_path / "f").read_bytes() == data
 
 
+def test_direct_writer_leaves_holes(tmp_path):
+    head, tail = b"h" * 5000, b"t" * 3000
+    with DirectWriter(tmp_path / "f") as w:
+        w.write(head)
+        w.skip(64 << 20)
+        w.write(tail)
+    raw = (tmp_path / "f").read_bytes()
+    assert raw == head + bytes(64 << 20) + tail
+    assert os.stat(tmp_path / "f").st_blocks * 512 < 1 << 20  # 64 MB apparent, a few blocks on disk
+
+
 def test_bench_decode_json_on_tiny(tiny_dir):
     from deltafin.bench import bench_decode
 
-    r = bench_decode(tiny_dir, tokens=3, prompt=2, device="cpu", expert_cache_gb=0.0001, threads=2,
-                     measure_disk=False)
+    r = bench_decode(tiny_dir, tokens=3, prompt=2, device="cpu",
+                     options=StageOptions(expert_cache_bytes=100_000, read_threads=2), measure_disk=False)
     for key in ("tok_per_s", "s_per_token_median", "bytes_read_per_token", "read_GBps_achieved", "cache_hit_rate",
-                "prefetch_recall", "io_wait_s_per_token", "compute_s_per_token", "t_compute_s", "policy_hit_rates"):
+                "prefetch_recall", "io_wait_s_per_token", "compute_s_per_token", "t_compute_s", "policy_hit_rates",
+                "plan_gb", "peak_rss_gb", "planned_gb"):
         assert key in r, key
-    assert r["bytes_read_per_token"] > 0 and r["t_compute_s"] > 0
+    assert r["bytes_read_per_token"] > 0 and r["t_compute_s"] > 0 and r["experts_streamed"]
+    assert r["bytes_read_per_token"] == r["expert_bytes_read_per_token"] + r["spine_bytes_per_token"]
 
 
 def test_no_expert_buffer_leaks_over_many_steps(small_dir):

@@ -10,19 +10,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import random
 import signal
 import socket
 import sys
 import time
+import uuid
 
 from deltafin import __version__
 from deltafin.checkpoint import fingerprint, scan_checkpoint
-from deltafin.cli import _add_stage_options, run_cli, setup_logging, stage_options
+from deltafin.cli import run_cli, setup_logging
 from deltafin.config import load_config
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
+from deltafin.options import add_stage_options, stage_options
 from deltafin.transport.auth import ENV_KEY, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-client-ca", default=None,
                      help="mutual TLS: accept only coordinators whose certificate this CA signed")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    _add_stage_options(p)
+    add_stage_options(p)
     return p
 
 
@@ -82,13 +83,6 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 << 30
-
-
 async def serve(args: argparse.Namespace) -> int:
     from deltafin.discovery import Announcer
     from deltafin.worker.service import WorkerService, create_server
@@ -109,13 +103,13 @@ async def serve(args: argparse.Namespace) -> int:
     if not layers:
         raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
     device = resolve_device(args.device)
-    options = stage_options(args)
-    options = type(options)(**{**options.__dict__, "dtype": resolve_dtype(args.dtype)})
+    options = stage_options(args, device, resolve_dtype(args.dtype))  # the memory budget, found or given
     disk = args.disk_gbps if args.disk_gbps is not None else measure_disk(ckpt, args.threads, args.io)
-    memory = int(args.memory_gb * 1e9) if args.memory_gb else int(0.85 * total_memory())
     desc = WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
-                             memory_bytes=memory, disk_gbps=disk, model_fingerprint=fingerprint(args.model),
-                             layers=layer_ranges(layers), has_top=ckpt.top_available, version=__version__)
+                             memory_bytes=options.memory_bytes, disk_gbps=disk,
+                             model_fingerprint=fingerprint(args.model),
+                             layers=layer_ranges(layers), has_top=ckpt.top_available, version=__version__,
+                             host_memory_bytes=options.host_memory_bytes or 0, worker_id=uuid.uuid4().hex[:12])
     service = WorkerService(ckpt, desc, device, options)
     server, port = await create_server(service, args.host, args.port, int(args.max_message_mb * (1 << 20)), key,
                                        tls)
@@ -130,7 +124,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
-          f"disk {disk:.2f} GB/s)", flush=True)
+          f"memory {desc.memory_bytes / 1e9:.1f} GB, disk {disk:.2f} GB/s, id {desc.worker_id})", flush=True)
     await stop.wait()
     sweeper.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)

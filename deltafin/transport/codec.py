@@ -18,7 +18,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: budgets are whole-stage memory (sizing.py), worker ids
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -148,7 +148,14 @@ class WorkerDescription:
     version: str = ""
     state: str = "idle"
     assigned: tuple[int, int] = (0, 0)
+    host_memory_bytes: int = 0  # RAM beside a discrete GPU; 0 elsewhere
+    worker_id: str = ""  # unique per worker process
     extra: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """What identifies this worker in a cluster: its id (names are for display and need not be unique)."""
+        return self.worker_id or self.address
 
     def has_layers(self, start: int, end: int) -> bool:
         return all(any(a <= i < b for a, b in self.layers) for i in range(start, end))
@@ -159,7 +166,7 @@ def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
                          memory_bytes=d.memory_bytes, disk_gbps=d.disk_gbps, model_fingerprint=d.model_fingerprint,
                          layers=[pb.LayerRange(start=a, end=b) for a, b in d.layers], has_top=d.has_top,
                          assigned=pb.LayerRange(start=d.assigned[0], end=d.assigned[1]), state=d.state,
-                         version=d.version)
+                         version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id)
 
 
 def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
@@ -167,7 +174,8 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
                              disk_gbps=msg.disk_gbps, model_fingerprint=msg.model_fingerprint,
                              layers=tuple((r.start, r.end) for r in msg.layers), has_top=msg.has_top,
                              protocol_version=msg.protocol_version, version=msg.version, state=msg.state,
-                             assigned=(msg.assigned.start, msg.assigned.end))
+                             assigned=(msg.assigned.start, msg.assigned.end), host_memory_bytes=msg.host_memory_bytes,
+                             worker_id=msg.worker_id)
 
 
 def layer_ranges(layers: tuple[int, ...] | list[int]) -> tuple[tuple[int, int], ...]:
