@@ -19,9 +19,10 @@ allocated. A stage of layers [a, b) on a device holds:
                       in query blocks, logits, bounded weight-conversion blocks)
     overhead          the runtime itself (interpreter, torch, kernels): host memory
 
-Choice, when the user fixes nothing (`choose`): all experts resident only if they fit beside a bf16 spine;
-else experts stream, the spine is bf16 if it fits, row-int8 if not, and whatever int8 does not fit streams;
-the expert cache takes what is left. If not even the working set fits, SizingError says so with the numbers.
+Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
+else row-int8: no disk reads at all is worth the int8 rounding); else experts stream, the spine is bf16 if it
+fits, row-int8 if not, and whatever int8 does not fit streams; the expert cache takes what is left. If not even
+the working set fits, SizingError says so with the numbers.
 """
 
 from __future__ import annotations

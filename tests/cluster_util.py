@@ -15,11 +15,17 @@ LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 
 
 class WorkerProcess:
-    def __init__(self, model: Path, name: str, *extra: str, announce: bool = False):
-        cmd = [sys.executable, "-m", "deltafin.worker.main", "--model", str(model), "--port", "0", "--name", name,
-               "--disk-gbps", "2.0", "--memory-gb", "4", "--grace", "3", *extra]
+    """A worker on 127.0.0.1. `name=None` leaves the default (the host name); `memory_gb=None` leaves the budget
+    to the worker (the memory it finds); `prefix` runs it under a wrapper (e.g. memlimit)."""
+
+    def __init__(self, model: Path, name: str | None, *extra: str, announce: bool = False,
+                 memory_gb: float | None = 4, prefix: tuple[str, ...] = ()):
+        cmd = [*prefix, sys.executable, "-m", "deltafin.worker.main", "--model", str(model), "--port", "0",
+               "--disk-gbps", "2.0", "--grace", "3", *extra]
+        cmd += ["--name", name] if name is not None else []
+        cmd += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []
         cmd += ["--interface", "127.0.0.1"] if announce else ["--no-announce"]
-        self.name = name
+        self.name = name or "default"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.address = ""

@@ -1,0 +1,188 @@
+"""The sizing model: its choices on the real K3 config, and planned == allocated on real stages (CPU, and a
+discrete-device placement on the meta device), bf16 and int8, resident and streamed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deltafin.checkpoint import open_checkpoint
+from deltafin.config import load_config, parse_config
+from deltafin.models.weights import ExpertWeights
+from deltafin.quant import Int8Weight, MXFP4Weight
+from deltafin.sizing import Budget, Placement, SizingError, SizingOptions, choose, layer_table, size_stage
+from deltafin.stage import SeqInput, Stage, StageOptions
+from deltafin.weights.reader import layer_spans
+from deltafin.weights.resident import ResidentExperts
+from deltafin.weights.store import ExpertStore
+
+GB = 10**9
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+@pytest.fixture(scope="module")
+def k3(k3_config_raw):
+    return parse_config(k3_config_raw)
+
+
+# ---- choices on the real config (pure) ------------------------------------------------------------------
+
+
+def test_k3_spine_as_placed_matches_its_stored_size(k3):
+    """bf16 resident = the tensors as stored, but MLA's kv_b in the fp32 activation dtype (+2 bytes a value) and
+    the 1-D bf16 norms as fp32 (+0.001%); int8 about half."""
+    t = layer_table(k3, Placement("cpu"))
+    stored = sum(t.stored)
+    assert 108.7 * GB < stored < 108.9 * GB  # PERF.md: 108.8 GB of non-expert layers
+    kv_b = 24 * 96 * 256 * 512 * 2
+    assert 0 <= t.bf16[-1] - stored - kv_b < 1e-4 * stored
+    # PERF.md's ~54.5 GB row-int8 counts every matrix at a byte; the routers stay bf16 (+1.2 GB) and kv_b fp32
+    routers = 92 * 896 * 7168
+    assert 54.0 * GB < t.int8[-1] - routers - 3 * kv_b // 2 < 55.0 * GB
+
+
+def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):
+    s = choose(k3, 0, 93, Placement("mps"), Budget(56 * GB), SizingOptions())
+    assert s.spine == "int8" and 40 < len(s.resident_layers) < 93 and s.streamed_layers[-1] == 92
+    assert s.streaming and s.device_total <= 56 * GB
+    assert s.spine_bytes_per_token == sum(layer_table(k3, Placement("mps")).stored[i] for i in s.streamed_layers)
+    assert 25.5 * GB < s.expert_bytes_per_token <= 25.83 * GB  # 92 x 16 x 17.5 MB, a sliver cached
+
+
+def test_an_h200_holds_the_bf16_spine_and_caches_experts(k3):
+    s = choose(k3, 0, 93, Placement("cuda"), Budget(int(132 * GB), int(110 * GB)), SizingOptions())
+    assert s.spine == "bf16" and not s.streamed_layers and s.streaming and s.expert_cache > 2 * GB
+    assert s.host < 5 * GB and s.device_total <= 132 * GB  # staging and the runtime live in host RAM
+
+
+def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
+    cfg = load_config(tiny_dir)
+    s = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(8 * GB), SizingOptions())
+    assert s.experts_resident and s.spine == "bf16"
+    # one byte less: an int8 spine keeps every expert in memory (no disk reads at all beats exact bf16) ...
+    tight = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingOptions())
+    assert tight.experts_resident and tight.spine == "int8" and tight.total < s.total
+    # ... and below that, the experts stream
+    tighter = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), SizingOptions())
+    assert tighter.streaming and tighter.total <= tight.total - 1
+    bf16 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingOptions(spine="bf16"))
+    assert bf16.streaming and bf16.spine == "bf16"
+
+
+def test_most_resident_is_the_best_count(k3):
+    """The scan agrees with a brute-force search over every resident count (memory is not monotonic in it)."""
+    opts = SizingOptions(spine="int8")
+    for budget in (20 * GB, 33 * GB, 47 * GB, 56 * GB):
+        s = choose(k3, 0, 93, Placement("cpu"), Budget(budget), opts)
+        fits = [k for k in range(94) if size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total <= budget]
+        assert len(s.resident_layers) == max(fits)
+
+
+def test_more_memory_never_holds_less(k3):
+    counts = [len(choose(k3, 0, 93, Placement("cpu"), Budget(g * GB), SizingOptions(spine="int8")).resident_layers)
+              for g in range(20, 80, 4)]
+    assert counts == sorted(counts)
+
+
+def test_refusal_names_the_numbers(k3):
+    with pytest.raises(SizingError, match=r"layers 0-92 cannot fit on cpu: .* need [\d.]+ GB .* budget is 8\.00 GB"):
+        choose(k3, 0, 93, Placement("cpu"), Budget(8 * GB), SizingOptions())
+
+
+def test_sessions_are_sequences_at_context(k3):
+    one = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=1, context=4096)).sessions
+    # 69 KDA layers x (conv window + 96x128x128 state) fp32, 24 MLA layers x 4096 x 576 fp32 (PERF.md)
+    assert one == 69 * (3 * 3 * 12288 + 96 * 128 * 128) * 4 + 24 * 4096 * 576 * 4
+    four = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=4, context=4096)).sessions
+    assert four == 4 * one
+
+
+# ---- planned == allocated -------------------------------------------------------------------------------
+
+
+def _tensors(obj, seen: set[int]):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (MXFP4Weight, Int8Weight)) or dataclasses.is_dataclass(obj):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), seen)
+
+
+def _weight_bytes(objs) -> int:
+    """Bytes of every tensor held, each counted once (by storage on the CPU; placed tensors on a discrete
+    device are separate allocations)."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    total = 0
+    for obj in objs:
+        for t in _tensors(obj, seen):
+            if t.device.type == "meta":
+                total += t.numel() * t.element_size()
+            else:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return total + sum(storages.values())
+
+
+def _allocated(stage: Stage) -> dict[str, int]:
+    experts = stage.experts
+    if isinstance(experts, ExpertStore):
+        host = experts.pool.nbytes
+        device = experts.device_slots.nbytes if experts.device_slots is not None else 0
+    else:
+        assert isinstance(experts, ResidentExperts)
+        host, device = (0, experts.resident_bytes()) if stage.device.type != "cpu" else (experts.resident_bytes(), 0)
+    return {"spine": _weight_bytes([*stage.spine.resident.values(), stage.top]),
+            "buffers": sum(len(b) for b in stage.spine._buffers), "experts": host + device,
+            "sessions": stage.session_bytes()}
+
+
+def _planned(stage: Stage) -> dict[str, int]:
+    z = stage.sizing
+    return {"spine": z.layers + z.top, "buffers": z.stream_buffers,
+            "experts": z.expert_cache + z.expert_staging + z.expert_landing, "sessions": z.sessions}
+
+
+@pytest.mark.parametrize("device", [CPU, META], ids=["cpu", "discrete"])
+@pytest.mark.parametrize("spine", ["bf16", "int8"])
+@pytest.mark.parametrize("layout", ["resident", "streamed"])
+def test_planned_equals_allocated(tiny_dir, device, spine, layout):
+    """Every part the plan counts is what the stage holds: weights (to 1%: the plan counts AttnRes and A_log
+    vectors as placed, exactly), buffers and expert slots (exactly), sessions at the planned length (exactly)."""
+    cfg = load_config(tiny_dir)
+    ckpt = open_checkpoint(tiny_dir, cfg)
+    context = 40
+    opts = StageOptions(spine=spine, sequences=2, context=context, read_threads=2,
+                        expert_cache_bytes=None if layout == "resident" else 3 * 10**5)
+    if layout == "streamed":  # a budget under the whole stage's: the tail streams
+        sizing = opts.sizing(layer_spans(ckpt))
+        totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
+                  for k in range(7)]
+        opts = dataclasses.replace(opts, memory_bytes=max(t for t in totals if t < totals[-1]))
+    stage = Stage(ckpt, 0, cfg.num_layers, device=device, options=opts)
+    try:
+        assert bool(stage.sizing.streamed_layers) == (layout == "streamed")
+        if device.type == "cpu":  # sessions at the planned length (a meta device computes nothing)
+            for sid in ("a", "b"):
+                stage.forward([SeqInput(sid, 0, ids=torch.arange(context) % 700)])
+        planned, allocated = _planned(stage), _allocated(stage)
+        assert abs(allocated["spine"] - planned["spine"]) <= 0.01 * planned["spine"]
+        assert allocated["buffers"] <= planned["buffers"] and planned["buffers"] - allocated["buffers"] <= 2 * 8192
+        assert allocated["experts"] == planned["experts"]
+        if device.type == "cpu":
+            assert allocated["sessions"] == planned["sessions"]
+    finally:
+        stage.close()
+
+
+def test_expert_views_share_one_slot(tiny_dir):
+    """Resident experts are views of one slab per layer (no per-expert allocation to round up)."""
+    cfg = load_config(tiny_dir)
+    experts = ResidentExperts(open_checkpoint(tiny_dir, cfg), [1], CPU)
+    ptrs = {w.packed.untyped_storage().data_ptr() for _, e in experts.experts(1, list(range(cfg.num_experts)))
+            for w in (e.w1, e.w2, e.w3) if isinstance(e, ExpertWeights)}
+    assert len(ptrs) == 1
