@@ -61,8 +61,12 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from deltafin.inspection import format_report, inspect_model
+    from deltafin.sizing import SizingOptions
 
-    report = inspect_model(args.model)
+    memory = None if args.memory_gb is None else int(args.memory_gb * 1e9)
+    report = inspect_model(args.model, memory, args.device, SizingOptions(spine=args.spine,
+                                                                          sequences=args.sequences,
+                                                                          context=args.context))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report["problems"] else 0
 
@@ -97,6 +101,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                        "problems. Exits 1 if the checkpoint has problems.")
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="also show the memory plan of the whole model as one stage within this budget")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
+    p.add_argument("--spine", default="auto", choices=["auto", "bf16", "int8"], help="--memory-gb: spine format")
+    p.add_argument("--sequences", type=int, default=4, help="--memory-gb: sequences planned for (default 4)")
+    p.add_argument("--context", type=int, default=4096, help="--memory-gb: tokens per sequence (default 4096)")
     p.set_defaults(func=_cmd_inspect)
 
 

@@ -277,17 +277,6 @@ class ModelConfig:
     def top_spine_bytes(self) -> dict[str, int]:
         return _bytes_by_dtype(self.top_tensor_specs())
 
-    def resident_spine_bytes(self, layer: int, spine: str = "bf16") -> int:
-        """Memory a layer's spine takes resident: `bf16` (2-D matrices bf16, the rest as stored) or
-        `int8` (2-D matrices as row-int8: one byte per value plus an fp16 scale per row)."""
-        total = 0
-        for s in self.layer_tensor_specs(layer):
-            if len(s.shape) == 2 and s.shape[0] > 1 and s.shape[1] > 1:
-                total += s.numel * 2 if spine == "bf16" else s.numel + 2 * s.shape[0]
-            else:
-                total += s.nbytes
-        return total
-
     def expert_bytes_per_token(self) -> int:
         """MXFP4/dense expert bytes one token reads with every routed expert missed."""
         return len(self.moe_layers) * self.experts_per_token * self.bytes_per_expert

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from deltafin.checkpoint import Checkpoint, scan_checkpoint
 from deltafin.config import load_config
 from deltafin.errors import ModelFormatError
+from deltafin.sizing import Budget, Placement, SizingError, SizingOptions, StageSizing, choose, layer_table
+from deltafin.weights.reader import layer_spans
 
 
-def inspect_model(model_dir: str | Path) -> dict[str, Any]:
-    """A JSON-able report of the checkpoint at `model_dir` (config errors raise; tensor problems are listed)."""
+def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device: str = "cpu",
+                  options: SizingOptions | None = None) -> dict[str, Any]:
+    """A JSON-able report of the checkpoint at `model_dir` (config errors raise; tensor problems are listed).
+    With `memory_bytes`, also the memory plan of one stage of every layer within it on `device`."""
     cfg = load_config(model_dir)
     ckpt = scan_checkpoint(model_dir, cfg)
+    table = layer_table(cfg, Placement(device), layer_spans(ckpt))
     layers = []
     spine_total: dict[str, int] = {}
     for i in range(cfg.num_layers):
@@ -22,8 +28,8 @@ def inspect_model(model_dir: str | Path) -> dict[str, Any]:
             spine_total[k] = spine_total.get(k, 0) + v
         layers.append({"layer": i, "kind": cfg.layer_kinds[i].value, "ffn": "moe" if cfg.is_moe(i) else "dense",
                        "attn_res_blocks": cfg.blocks_entering(i), "spine_bytes": spine,
-                       "resident_bytes": {"bf16": cfg.resident_spine_bytes(i, "bf16"),
-                                          "int8": cfg.resident_spine_bytes(i, "int8")}})
+                       "resident_bytes": {"bf16": table.bf16[i + 1] - table.bf16[i],
+                                          "int8": table.int8[i + 1] - table.int8[i]}})
     top = cfg.top_spine_bytes()
     n_moe = len(cfg.moe_layers)
     contiguous, scattered, missing = _contiguity(ckpt)
@@ -52,8 +58,28 @@ def inspect_model(model_dir: str | Path) -> dict[str, Any]:
             "all_contiguous": scattered == 0 and missing == 0,
         },
         "layers_available": list(ckpt.layers_available()),
+        "unused_tensors": len(set(ckpt.tensors) - _text_tensors(cfg)),  # e.g. the vision tower: skipped
+        "plan": None if memory_bytes is None else _plan(cfg, ckpt, memory_bytes, device, options),
         "problems": [p.message for p in ckpt.problems],
     }
+
+
+def _text_tensors(cfg: Any) -> set[str]:
+    names = {s.name for s in cfg.top_tensor_specs()}
+    for i in range(cfg.num_layers):
+        names.update(s.name for s in cfg.layer_tensor_specs(i))
+        names.update(a for s in cfg.layer_tensor_specs(i) for a in s.aliases)
+        if cfg.is_moe(i):
+            names.update(s.name for e in range(cfg.num_experts) for s in cfg.expert_tensor_specs(i, e))
+    return names
+
+
+def _plan(cfg: Any, ckpt: Checkpoint, memory_bytes: int, device: str, options: SizingOptions | None) -> dict:
+    opts = replace(options or SizingOptions(), spans=layer_spans(ckpt))
+    try:
+        return choose(cfg, 0, cfg.num_layers, Placement(device), Budget(memory_bytes), opts).as_dict()
+    except SizingError as e:
+        return {"error": str(e)}
 
 
 def _contiguity(ckpt: Checkpoint) -> tuple[int, int, int]:
@@ -103,6 +129,20 @@ def format_report(r: dict[str, Any]) -> str:
         f"unreadable: {ex['unreadable']:,}"
         + ("  (one read per expert)" if ex["all_contiguous"] else ""),
     ]
+    if r["unused_tensors"]:
+        lines.append(f"unused by the text model (skipped): {r['unused_tensors']:,} tensors")
+    plan = r["plan"]
+    if plan is not None:
+        lines.append("")
+        if "error" in plan:
+            lines.append(f"memory plan: {plan['error']}")
+        else:
+            experts = "resident" if plan["experts_resident"] else "streamed"
+            lines += [f"memory plan on {plan['device']}: {plan['spine']} spine, {len(plan['resident_layers'])} of "
+                      f"{r['num_layers']} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
+                      "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
+                      f"  read per token: experts {_gb(plan['expert_bytes_per_token'])}, spine "
+                      f"{_gb(plan['spine_bytes_per_token'])}"]
     if r["problems"]:
         lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
     else:

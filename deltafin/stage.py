@@ -423,6 +423,7 @@ class Stage:
         self.experts.close()
         self.spine.close()
         self.files.close()
+        self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
 
 
 def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:

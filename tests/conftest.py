@@ -24,5 +24,12 @@ def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_cut(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """K3's full geometry cut to 4 layers (dense KDA, two KDA+MoE, MLA+MoE), sparse: 58 GB apparent, 2.4 GB
+    written (the embedding and routers carry values)."""
+    return synthesize("k3", tmp_path_factory.mktemp("k3"), layers=4, sparse=True, show_progress=False)
+
+
+@pytest.fixture(scope="session")
 def k3_config_raw() -> dict:
     return json.loads(K3_FIXTURE.read_text())

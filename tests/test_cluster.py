@@ -131,3 +131,28 @@ def test_worker_start_errors_are_clear(tmp_path):
 def test_sigint_stops_an_idle_worker(tiny_dir):
     with workers(tiny_dir, 1) as procs:
         assert procs[0].stop(signal.SIGINT) == 0
+
+
+def test_workers_with_the_same_name_on_one_host_form_a_cluster(tiny_dir):
+    """Default names are the host name: two workers on one machine share it, yet each keeps its own stage
+    (workers are told apart by the id each makes at start)."""
+    from cluster_util import WorkerProcess
+
+    procs = [WorkerProcess(tiny_dir, None) for _ in range(2)]
+    try:
+        addresses = [p.wait_ready() for p in procs]
+        local = asyncio.run(_run(LocalBackend(LocalPipeline.load(tiny_dir, 1, device="cpu"))))
+
+        async def run():
+            backend, plan = await connect_cluster(ClusterSpec(tiny_dir, addresses=addresses, discover=False),
+                                                  show_progress=False)
+            assert len(plan.stages) == 2 and plan.stages[0].worker == plan.stages[1].worker  # one name ...
+            assert len({s.key for s in plan.stages}) == 2  # ... two workers
+            assert sorted(w.address for w in backend.stages) == sorted(addresses)
+            return await _run(backend)
+
+        prefill, ids, rows = asyncio.run(run())
+    finally:
+        for p in procs:
+            p.stop()
+    assert torch.equal(prefill, local[0]) and ids == local[1]

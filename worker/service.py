@@ -53,6 +53,14 @@ def options_to_wire(options: dict[str, Any]) -> bytes:
     return codec.pack(options)
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes."""
+    import resource
+    import sys
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, ckpt: Checkpoint, description: WorkerDescription, device: torch.device,
                  defaults: StageOptions):
@@ -180,6 +188,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             stats["sessions"] = len(stage.sessions)
             stats["session_bytes"] = stage.session_bytes()
             stats["layers"] = [stage.start, stage.end]
+            stats["plan"] = stage.sizing.as_dict()
+        stats["rss_peak_bytes"] = peak_rss()
         return pb.StatsResponse(stats=codec.pack(stats))
 
     async def expire_sessions(self, idle_seconds: float) -> None:

@@ -364,3 +364,4 @@ class ExpertStore:
         with self._lock:
             self.cache.clear()
             self._staged.clear()
+        self.device_slots = None  # the GPU's cache memory goes now, not when the store is collected
