@@ -376,12 +376,13 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     if count is not None:  # the last format, with a streamed tail
         s = size_stage(cfg, start, end, place, spines[-1], cache, count, options)
         return _fill_cache(cfg, s, place, budget, options)
-    need = size_stage(cfg, start, end, place, spines[-1], cache, 0, options)
+    need = min((size_stage(cfg, start, end, place, spines[-1], cache, k, options) for k in range(n + 1)),
+               key=lambda s: s.device_total)
     host = f" and {need.host / GB:.2f} GB of host memory" if need.host else ""
     have = f" ({budget.host / GB:.2f} GB host)" if budget.host is not None else ""
     raise SizingError(
-        f"layers {start}-{end - 1} cannot fit on {place.device}: even with every layer's spine and every expert "
-        f"streamed they need {need.device_total / GB:.2f} GB{host} ({need.describe()}), and the budget is "
+        f"layers {start}-{end - 1} cannot fit on {place.device}: streaming every expert and as much spine as "
+        f"helps, they need at least {need.device_total / GB:.2f} GB{host} ({need.describe()}), and the budget is "
         f"{budget.device / GB:.2f} GB{have}. Give this stage fewer layers (more workers) or more memory, or ask "
         "for fewer or shorter sequences")
 

@@ -26,6 +26,7 @@ class WorkerProcess:
         cmd += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []
         cmd += ["--interface", "127.0.0.1"] if announce else ["--no-announce"]
         self.name = name or "default"
+        self.wrapped = bool(prefix)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.address = ""
@@ -45,14 +46,27 @@ class WorkerProcess:
         raise TimeoutError(f"worker {self.name} did not start")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Signal the worker (under a wrapper, the wrapper's children: the wrapper then exits with the
+        worker's status) and wait; returns the exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            targets = _children(self.proc.pid) if self.wrapped else []
+            for pid in targets:
+                os.kill(pid, sig)
+            if not targets:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
 
 
 @contextmanager

@@ -87,7 +87,7 @@ def test_more_memory_never_holds_less(k3):
 
 
 def test_refusal_names_the_numbers(k3):
-    with pytest.raises(SizingError, match=r"layers 0-92 cannot fit on cpu: .* need [\d.]+ GB .* budget is 8\.00 GB"):
+    with pytest.raises(SizingError, match=r"layers 0-92 cannot fit on cpu: .* at least [\d.]+ GB .* is 8\.00 GB"):
         choose(k3, 0, 93, Placement("cpu"), Budget(8 * GB), SizingOptions())
 
 
