@@ -155,6 +155,13 @@ class SpineStore:
             self.wait_s += time.monotonic() - t0
         return weights
 
+    def settle(self) -> None:
+        """Wait for reads in flight (a read ahead for the next pass), so the counters are final."""
+        with self._lock:
+            pending = [fut for _, fut in self._streamed.values()]
+        for fut in pending:
+            fut.exception()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
