@@ -136,7 +136,7 @@ def stage_options(stage: StagePlan, spec: ClusterSpec) -> dict[str, Any]:
     return {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
             "spine": z.spine, "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
             "session_bytes": z.sessions, "sequences": spec.sizing.sequences, "context": spec.sizing.context,
-            "max_forward_tokens": z.forward_tokens}
+            "max_forward_tokens": z.forward_tokens, "max_resident_layers": spec.sizing.max_resident_layers}
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,

@@ -182,7 +182,7 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
     explicit = explicit_options(args)
     sizing = SizingOptions(spine=args.spine, expert_cache_bytes=explicit["expert_cache_bytes"],
                            sequences=args.sequences, context=args.context, forward_tokens=args.prefill_chunk,
-                           read_threads=args.threads,
+                           read_threads=args.threads, max_resident_layers=args.max_resident_layers,
                            spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))))
     return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,

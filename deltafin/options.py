@@ -36,6 +36,9 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
                    help="tokens per sequence the memory plan reserves caches and attention room for (default 4096)")
     g.add_argument("--prefill-chunk", type=int, default=512,
                    help="most tokens one forward carries; longer prompts go in chunks (default 512)")
+    g.add_argument("--max-resident-layers", type=int, default=None,
+                   help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
+                   "(default: as many as fit)")
     g.add_argument("--io", default="direct", choices=["direct", "buffered"],
                    help="read experts with O_DIRECT/F_NOCACHE (default) or through the page cache")
     g.add_argument("--threads", type=int, default=8, help="parallel readers of experts and streamed layers (default 8)")
@@ -50,7 +53,7 @@ def check_stage_args(args: argparse.Namespace) -> None:
     for name in ("sequences", "context", "prefill_chunk", "threads"):
         if getattr(args, name) < 1:
             raise DeltafinError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("memory_gb", "expert_cache_gb"):
+    for name in ("memory_gb", "expert_cache_gb", "max_resident_layers"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise DeltafinError(f"--{name.replace('_', '-')} must not be negative")
@@ -62,7 +65,8 @@ def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
     gb = lambda v: None if v is None else int(v * GB)
     return {"spine": args.spine, "expert_cache_bytes": gb(args.expert_cache_gb), "io": args.io,
             "read_threads": args.threads, "cache_policy": args.policy, "prefetch": not args.no_prefetch,
-            "sequences": args.sequences, "context": args.context, "max_forward_tokens": args.prefill_chunk}
+            "sequences": args.sequences, "context": args.context, "max_forward_tokens": args.prefill_chunk,
+            "max_resident_layers": args.max_resident_layers}
 
 
 def stage_options(args: argparse.Namespace, device: Any, dtype: Any = None):  # -> StageOptions

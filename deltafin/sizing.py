@@ -75,6 +75,7 @@ class SizingOptions:
     context: int = 4096
     forward_tokens: int = 512  # most tokens one forward takes (longer prompts go in several)
     read_threads: int = 8
+    max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
 
 
@@ -361,22 +362,24 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     if options.spine not in SPINES:
         raise SizingError(f"unknown spine format {options.spine!r}: use {', '.join(SPINES)}")
     n = end - start
+    limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
     spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
-    if options.expert_cache_bytes is None:  # every expert resident, if that fits beside a whole spine
-        for spine in spines:
-            s = size_stage(cfg, start, end, place, spine, None, n, options)
-            if budget.fits(s):
-                return s
     cache = options.expert_cache_bytes or 0
-    for spine in spines:  # a whole spine, in the first format that fits
-        s = size_stage(cfg, start, end, place, spine, cache, n, options)
-        if budget.fits(s):
-            return _fill_cache(cfg, s, place, budget, options)
-    count = _most_resident(cfg, start, end, place, spines[-1], cache, options, budget)
+    if limit == n:
+        if options.expert_cache_bytes is None:  # every expert resident, if that fits beside a whole spine
+            for spine in spines:
+                s = size_stage(cfg, start, end, place, spine, None, n, options)
+                if budget.fits(s):
+                    return s
+        for spine in spines:  # a whole spine, in the first format that fits
+            s = size_stage(cfg, start, end, place, spine, cache, n, options)
+            if budget.fits(s):
+                return _fill_cache(cfg, s, place, budget, options)
+    count = _most_resident(cfg, start, end, place, spines[-1], cache, options, budget, limit)
     if count is not None:  # the last format, with a streamed tail
-        s = size_stage(cfg, start, end, place, spines[-1], cache, count, options)
-        return _fill_cache(cfg, s, place, budget, options)
-    need = min((size_stage(cfg, start, end, place, spines[-1], cache, k, options) for k in range(n + 1)),
+        return _fill_cache(cfg, size_stage(cfg, start, end, place, spines[-1], cache, count, options), place, budget,
+                           options)
+    need = min((size_stage(cfg, start, end, place, spines[-1], cache, k, options) for k in range(limit + 1)),
                key=lambda s: s.device_total)
     host = f" and {need.host / GB:.2f} GB of host memory" if need.host else ""
     have = f" ({budget.host / GB:.2f} GB host)" if budget.host is not None else ""
@@ -398,7 +401,7 @@ def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
 
 
 def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, cache: int,
-                   options: SizingOptions, budget: Budget) -> int | None:
+                   options: SizingOptions, budget: Budget, limit: int) -> int | None:
     """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
@@ -415,7 +418,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
         suffix.append((span, copy))
     suffix.reverse()
     suffix.append((0, 0))
-    for k in range(end - start, -1, -1):
+    for k in range(limit, -1, -1):
         span, copy = suffix[k]
         device = fixed + prefix[start + k] - prefix[start] + 2 * copy + (0 if base.discrete else 2 * span)
         host = host_fixed + 2 * span

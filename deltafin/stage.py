@@ -119,11 +119,13 @@ class StageOptions:
     sequences: int = 4  # sequences the session budget is planned for
     context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
     max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
+    max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
 
     def sizing(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
                              session_bytes=self.session_bytes, sequences=self.sequences, context=self.context,
-                             forward_tokens=self.max_forward_tokens, read_threads=self.read_threads, spans=spans)
+                             forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
+                             max_resident_layers=self.max_resident_layers, spans=spans)
 
 
 @dataclass

@@ -186,3 +186,9 @@ def test_expert_views_share_one_slot(tiny_dir):
     ptrs = {w.packed.untyped_storage().data_ptr() for _, e in experts.experts(1, list(range(cfg.num_experts)))
             for w in (e.w1, e.w2, e.w3) if isinstance(e, ExpertWeights)}
     assert len(ptrs) == 1
+
+
+def test_max_resident_layers_streams_the_rest(k3):
+    s = choose(k3, 0, 93, Placement("cpu"), Budget(200 * GB), SizingOptions(spine="bf16", max_resident_layers=10))
+    assert s.resident_layers == tuple(range(10)) and s.streamed_layers == tuple(range(10, 93)) and s.spine == "bf16"
+    assert s.expert_cache > 50 * GB  # the memory the spine does not take caches experts

@@ -31,7 +31,7 @@ def ckpt(tiny_dir):
 
 
 def test_memory_check_fails_clearly(ckpt):
-    with pytest.raises(OutOfMemory, match=r"layers 0-5 cannot fit on cpu: .* need at least [0-9.]+ GB .*budget is 0.00 GB"):
+    with pytest.raises(OutOfMemory, match=r"layers 0-5 cannot fit on cpu: .* at least [0-9.]+ GB .*budget is 0.00 GB"):
         Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000))
     fits = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=3 * 10**9))
     assert fits.sizing.experts_resident and not fits.sizing.streamed_layers
