@@ -121,7 +121,7 @@ class StageOptions:
     max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
     max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
 
-    def sizing(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
+    def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
                              session_bytes=self.session_bytes, sequences=self.sequences, context=self.context,
                              forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
@@ -139,7 +139,7 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
                spans: tuple[int, ...] | None = None) -> StageSizing:
     """What the stage will hold (pure): within `memory_bytes` if set, else everything resident."""
     place = Placement(device.type, torch.finfo(options.dtype).bits // 8)
-    sizing = options.sizing(spans)
+    sizing = options.sizing_options(spans)
     if options.memory_bytes is None:
         spine = "bf16" if options.spine == "auto" else options.spine
         return size_stage(cfg, start, end, place, spine, options.expert_cache_bytes, end - start, sizing)

@@ -159,7 +159,7 @@ def test_planned_equals_allocated(tiny_dir, device, spine, layout):
     opts = StageOptions(spine=spine, sequences=2, context=context, read_threads=2,
                         expert_cache_bytes=None if layout == "resident" else 3 * 10**5)
     if layout == "streamed":  # a budget under the whole stage's: the tail streams
-        sizing = opts.sizing(layer_spans(ckpt))
+        sizing = opts.sizing_options(layer_spans(ckpt))
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
                   for k in range(7)]
         opts = dataclasses.replace(opts, memory_bytes=max(t for t in totals if t < totals[-1]))
@@ -192,3 +192,14 @@ def test_max_resident_layers_streams_the_rest(k3):
     s = choose(k3, 0, 93, Placement("cpu"), Budget(200 * GB), SizingOptions(spine="bf16", max_resident_layers=10))
     assert s.resident_layers == tuple(range(10)) and s.streamed_layers == tuple(range(10, 93)) and s.spine == "bf16"
     assert s.expert_cache > 50 * GB  # the memory the spine does not take caches experts
+
+
+def test_a_budget_too_small_is_refused_before_loading(tiny_dir):
+    """The command says what it needs and stops: one line, exit 1, no traceback, nothing loaded."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "deltafin", "-q", "bench", "--model", str(tiny_dir), "--memory-gb",
+                        "0.5", "--no-disk"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: layers 0-5 cannot fit on cpu") and "the budget is 0.50 GB" in r.stderr
