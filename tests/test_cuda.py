@@ -58,4 +58,4 @@ def test_cuda_logits_equal_the_cpus(tiny_dir):
         out.append(stage.forward([SeqInput("s", 0, ids=ids)], all_logits=True)[0].logits.cpu())
         stage.close()
     rel = (out[0] - out[1]).norm(dim=-1) / out[0].norm(dim=-1)
-    assert float(rel.max()) < 1e-4
+    assert float(rel.max()) < 1e-4  # TF32 off; cuBLAS/Triton vs the CPU kernels sum differently: measured ~1e-5

@@ -34,6 +34,7 @@ def test_chunked_kda_equals_recurrent():
         args = _delta_inputs(t)
         o_ref, s_ref = kda.delta_rule_recurrent(*args)
         o, s = kda.delta_rule_chunked(*args)
+        # float64: the two forms are the same algebra, so only double rounding (~1e-15) separates them
         assert torch.allclose(o, o_ref, rtol=1e-10, atol=1e-12) and torch.allclose(s, s_ref, rtol=1e-10, atol=1e-12)
         o32, s32 = kda.delta_rule_chunked(*(a.float() for a in args))
         per_token = (o32.double() - o_ref).norm(dim=(1, 2)) / o_ref.norm(dim=(1, 2))
@@ -44,6 +45,7 @@ def test_unit_lower_inverse():
     g = torch.Generator().manual_seed(3)
     A = torch.randn(2, 16, 16, generator=g, dtype=torch.float64).tril(-1)
     eye = torch.eye(16, dtype=torch.float64)
+    # float64 products of a 16x16 factorization against LAPACK's inverse: ~1e-13 in practice
     assert torch.allclose(kda._unit_lower_inverse(A), torch.linalg.inv(eye + A), rtol=1e-9, atol=1e-9)
 
 
@@ -52,7 +54,7 @@ def test_causal_conv_matches_conv1d():
     z, w = torch.randn(9, 6, generator=g), torch.randn(6, 4, generator=g)
     want = F.conv1d(z.T.unsqueeze(0), w.unsqueeze(1), padding=3, groups=6)[0, :, :9].T
     y, window = kda.causal_conv(z, w, torch.zeros(3, 6))
-    assert torch.allclose(y, want, atol=1e-6) and torch.equal(window, z[-3:])
+    assert torch.allclose(y, want, atol=1e-6) and torch.equal(window, z[-3:])  # 4-term fp32 sums, O(1) values
     # continuing from a window equals convolving the whole sequence
     y1, win1 = kda.causal_conv(z[:5], w, torch.zeros(3, 6))
     y2, _ = kda.causal_conv(z[5:], w, win1)
@@ -77,7 +79,7 @@ def test_attn_res_mix_is_a_softmax_over_depth():
     V = torch.cat([B, P[:, None]], 1)
     s = ((V / V.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) * score).sum(-1)
     want = (torch.softmax(s, -1)[..., None] * V).sum(1)
-    assert torch.allclose(attn_res_mix(B, P, score), want, atol=1e-6)
+    assert torch.allclose(attn_res_mix(B, P, score), want, atol=1e-6)  # fp32, O(1) values, another sum order
     assert torch.equal(attn_res_mix(B[:, :0], P, score), P)  # nothing banked: the stream itself
     assert ResidualState.nbytes_per_token(8, 7168, 2) == 9 * 7168 * 2
 
@@ -90,6 +92,8 @@ def test_prefill_equals_decode(tiny_dir):
     pre = compute_logits(tiny_dir, IDS, device="cpu", mode="prefill")
     dec = compute_logits(tiny_dir, IDS, device="cpu", mode="decode")
     assert np.array_equal(pre.argmax(1), dec.argmax(1))
+    # chunked vs recurrent KDA and expanded vs absorbed MLA in fp32 (~1e-6 each), amplified ~10x by the
+    # random network's depth
     assert _rel(dec, pre).max() < 5e-5
 
 
@@ -101,6 +105,7 @@ def test_chunked_prefill_continues_a_session(tiny_dir):
     whole = stage.forward([SeqInput("w", 0, ids=ids)], all_logits=True)[0].logits
     a = stage.forward([SeqInput("p", 0, ids=ids[:8])], all_logits=True)[0].logits
     b = stage.forward([SeqInput("p", 8, ids=ids[8:])], all_logits=True)[0].logits
+    # the chunked delta rule splits at another place: fp32 rounding (~1e-6) amplified by depth
     assert torch.allclose(torch.cat([a, b]), whole, rtol=1e-4, atol=1e-4)
 
 
@@ -118,6 +123,7 @@ def test_batch_of_sequences_equals_each_alone(tiny_dir):
     together = pipe.forward([SeqInput("a", 0, ids=a), SeqInput("b", 0, ids=b)], all_logits=True)
     alone_a = pipe.forward([SeqInput("a2", 0, ids=a)], all_logits=True)[0].logits
     alone_b = pipe.forward([SeqInput("b2", 0, ids=b)], all_logits=True)[0].logits
+    # packed rows go through the same kernels, but BLAS may block a longer matrix differently: fp32 rounding
     assert torch.allclose(together[0].logits, alone_a, atol=1e-5) and torch.allclose(together[1].logits, alone_b,
                                                                                        atol=1e-5)
 

@@ -57,6 +57,7 @@ def test_matmul_equals_dense_product():
     scales = torch.randint(118, 124, (48, 4), dtype=torch.uint8, generator=g)
     w = MXFP4Weight(packed, scales)
     x = torch.randn(5, 128, generator=g)
+    # the same product of exactly decoded values; only the matmul's fp32 summation order may differ
     assert torch.allclose(mxfp4_linear_reference(x, w), x @ dequantize_mxfp4(w).T, rtol=1e-6, atol=1e-6)
 
 

@@ -85,7 +85,7 @@ def test_prefill_matches_transformers(kimi_linear):
     model_dir, model = kimi_linear
     ref = model(torch.tensor([IDS])).logits[0].float()
     ours = _ours(model_dir, decode=False)
-    assert _rel(ours, ref) <= 1e-4
+    assert _rel(ours, ref) <= 1e-4  # fp32 both, same epsilons: rounding only (measured 3.5e-6)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -100,6 +100,6 @@ def test_decode_matches_transformers(kimi_linear):
         ref.append(out.logits[0])
     ref = torch.cat(ref).float()
     ours = _ours(model_dir, decode=True)
-    assert _rel(ours, ref) <= 1e-4
+    assert _rel(ours, ref) <= 1e-4  # fp32 both: recurrent KDA vs its chunked reference, rounding (measured 7.6e-6)
     for t in range(len(IDS)):  # per position too, not only overall
         assert _rel(ours[t], ref[t]) <= 1e-4, t
