@@ -405,9 +405,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
     """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
-    base = size_stage(cfg, start, end, place, spine, cache, 0, options)
-    if not budget.fits(base):
-        return None
+    base = size_stage(cfg, start, end, place, spine, cache, 0, options)  # the parts that do not depend on k
     prefix = t.int8 if spine == "int8" else t.bf16
     fixed = base.device_total - base.stream_copies - (0 if base.discrete else base.stream_buffers)
     host_fixed = base.host - base.stream_buffers
@@ -424,4 +422,4 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
         host = host_fixed + 2 * span
         if device <= budget.device and (budget.host is None or not base.discrete or host <= budget.host):
             return k
-    return 0
+    return None

@@ -203,3 +203,13 @@ def test_a_budget_too_small_is_refused_before_loading(tiny_dir):
                         "0.5", "--no-disk"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: layers 0-5 cannot fit on cpu") and "the budget is 0.50 GB" in r.stderr
+
+
+def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
+    """Streaming layer 0 (the dense MLP, 2.3 GB) needs two buffers its size; holding it resident as int8 takes
+    less. So a budget can fit one resident layer and not zero: the search must not stop at zero."""
+    opts = SizingOptions(sequences=1)
+    sizes = [size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total for k in (0, 1)]
+    assert sizes[1] < sizes[0]
+    s = choose(k3, 0, 93, Placement("cpu"), Budget((sizes[0] + sizes[1]) // 2), opts)
+    assert len(s.resident_layers) == 1
