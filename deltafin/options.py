@@ -39,6 +39,9 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
     g.add_argument("--max-resident-layers", type=int, default=None,
                    help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
                    "(default: as many as fit)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "reference", "native", "mlx"],
+                   help="auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on "
+                   "MLX on Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX")
     g.add_argument("--io", default="direct", choices=["direct", "buffered"],
                    help="read experts with O_DIRECT/F_NOCACHE (default) or through the page cache")
     g.add_argument("--threads", type=int, default=8, help="parallel readers of experts and streamed layers (default 8)")
@@ -60,8 +63,12 @@ def check_stage_args(args: argparse.Namespace) -> None:
 
 
 def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
-    """StageOptions fields the command line sets, before any memory is looked at (no budget)."""
+    """StageOptions fields the command line sets, before any memory is looked at (no budget). Selects the
+    process's kernels (--kernels) as a side effect: they are per process, not per stage."""
+    from deltafin.kernels.linear import select_kernels
+
     check_stage_args(args)
+    select_kernels(args.kernels)
     gb = lambda v: None if v is None else int(v * GB)
     return {"spine": args.spine, "expert_cache_bytes": gb(args.expert_cache_gb), "io": args.io,
             "read_threads": args.threads, "cache_policy": args.policy, "prefetch": not args.no_prefetch,

@@ -52,6 +52,7 @@ class Placement:
 
     device: str = "cpu"  # device type: cpu, cuda, mps (meta: like cuda, for tests)
     act_bytes: int = 4  # activation element size: fp32 4, bf16 2
+    experts: str = "torch"  # where routed experts run: torch (on `device`) or mlx (read in place into MLX slots)
 
     @property
     def discrete(self) -> bool:
@@ -193,8 +194,8 @@ def expert_slot_bytes(cfg: ModelConfig) -> int:
 
 
 def working_slots(cfg: ModelConfig, threads: int) -> int:
-    """Slots the expert store needs besides its cache: two layers of staged prefetches, one of demand reads,
-    and one per reader thread."""
+    """Slots the expert store needs besides its cache: two layers of staged prefetches, one of demand reads
+    (k: so a layer's experts can all be held at once), and one per reader thread."""
     return 3 * cfg.experts_per_token + threads
 
 
@@ -335,7 +336,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         cache_slots = expert_cache // slot
         cache = cache_slots * slot
         working = working_slots(cfg, options.read_threads) * slot if n_moe else 0
-        staging, landing = working, working if place.copies else 0
+        staging, landing = working, working if place.copies and place.experts != "mlx" else 0
         share = min(1.0, cache_slots / (n_moe * cfg.num_experts)) if n_moe else 0.0
         per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * (1 - share))
     n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]

@@ -20,9 +20,10 @@ import torch
 from deltafin.checkpoint import Checkpoint
 from deltafin.config import LayerKind, ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.kernels.linear import Weight
+from deltafin.kernels.linear import Weight, expert_backend
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, new_sequence_cache
+from deltafin.models.common import activation
 from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
 from deltafin.models.moe import route
 from deltafin.models.weights import ExpertWeights
@@ -136,9 +137,10 @@ class StageTimings:
 
 
 def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
-               spans: tuple[int, ...] | None = None) -> StageSizing:
-    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident."""
-    place = Placement(device.type, torch.finfo(options.dtype).bits // 8)
+               spans: tuple[int, ...] | None = None, experts: str = "torch") -> StageSizing:
+    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident; `experts`
+    is where the routed experts run (torch or mlx)."""
+    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
     sizing = options.sizing_options(spans)
     if options.memory_bytes is None:
         spine = "bf16" if options.spine == "auto" else options.spine
@@ -163,8 +165,10 @@ class Stage:
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         ckpt.raise_problems(layers=range(start, end), top=self.first or self.last)
+        self.expert_backend = _expert_backend(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
-        self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt))
+        self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
+                                 "mlx" if self.expert_backend == "mlx" else "torch")
         log.info("stage [%d, %d) on %s: %s", start, end, device, self.sizing.describe())
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
@@ -178,7 +182,12 @@ class Stage:
             moe = [i for i in self.layers_range if cfg.is_moe(i)]
             if self.sizing.streaming:
                 experts = ExpertStore(ckpt, moe, device=device, cache_bytes=self.sizing.expert_cache, io=opts.io,
-                                      threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch)
+                                      threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch,
+                                      backend=self.expert_backend, act=activation(cfg))
+            elif self.expert_backend == "mlx":
+                from deltafin.weights.mlx_slots import MLXResidentExperts
+
+                experts = MLXResidentExperts(ckpt, moe, activation(cfg), io=opts.io)
             else:
                 experts = ResidentExperts(ckpt, moe, device, io=opts.io)
         self.experts = experts
@@ -354,7 +363,8 @@ class Stage:
                 weights = self.spine.layer(layer)
                 self.spine.prefetch_after(layer)
                 self._prefetch_experts(layer, state)
-                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts)
+                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
+                                      fused=getattr(self.experts, "run_experts", None))
             outputs = self._output(batch, spans, state, all_logits)
         except BaseException:
             for c in caches:
@@ -426,6 +436,15 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
+
+
+def _expert_backend(cfg: ModelConfig, device: torch.device) -> str:
+    """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check."""
+    if not cfg.moe_layers or expert_backend(device.type) != "mlx":
+        return "torch"
+    from deltafin.kernels.mlx_moe import verified
+
+    return "mlx" if verified(activation(cfg)) else "torch"
 
 
 def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:

@@ -3,9 +3,12 @@
 - dense W in x's dtype: torch.
 - dense W in another dtype (bf16 spine kept as stored under fp32 activations): exact mixed product.
 - MXFP4 (experts) and row-int8 (`--spine int8`): decoded on the device.
-Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton) if it exists and passes a
-self-check against the torch reference; otherwise the reference runs. `DELTAFIN_KERNELS=reference`
-forces the reference everywhere.
+Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton; MPS: torch's int8 pack matmul)
+if it exists and passes a self-check against the torch reference; otherwise the reference runs. Which
+backends run is chosen once per process (`select_kernels`, the `--kernels` option): `auto`, `reference` (the
+torch reference everywhere; also `DELTAFIN_KERNELS=reference`), `native` (the fast paths above), `mlx` (the
+routed experts on MLX, kernels/mlx_moe.py; the rest native). `auto` is native, with MLX for the experts on
+Apple silicon where it is installed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from deltafin.errors import DeltafinError
 from deltafin.kernels.activations import GatedActivation
 from deltafin.quant import Int8Weight, MXFP4Weight, dequantize_mxfp4
 from deltafin.sizing import WEIGHT_BLOCK_VALUES
@@ -28,6 +32,34 @@ Weight = torch.Tensor | MXFP4Weight | Int8Weight
 # device type -> verified fast-path object, or None (the reference runs). The object is callable for MXFP4
 # and may have `gate_up` (fused MXFP4 gate/up + activation), `bf16` and `int8` methods.
 MXFP4_FAST_PATHS: dict[str, Any] = {}
+KERNELS = ("auto", "reference", "native", "mlx")
+_selected = {"kernels": "auto"}
+
+
+def select_kernels(choice: str) -> None:
+    """The kernels this process uses (see the module docstring); forgets fast paths built before."""
+    if choice not in KERNELS:
+        raise DeltafinError(f"unknown --kernels {choice!r}: use {', '.join(KERNELS)}")
+    _selected["kernels"] = choice
+    MXFP4_FAST_PATHS.clear()
+
+
+def selected_kernels() -> str:
+    return "reference" if os.environ.get("DELTAFIN_KERNELS", "") == "reference" else _selected["kernels"]
+
+
+def expert_backend(device: str) -> str:
+    """Where a stage on `device` runs its routed experts: "mlx" or "torch" (the fast paths / reference)."""
+    choice = selected_kernels()
+    if choice == "mlx" or (choice == "auto" and device == "mps"):
+        from deltafin.kernels.mlx_moe import mlx_available
+
+        if mlx_available():
+            return "mlx"
+        if choice == "mlx":
+            raise DeltafinError("--kernels mlx needs MLX: pip install mlx (macOS on Apple silicon) or 'mlx[cpu]' "
+                                "(Linux)")
+    return "torch"
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -104,7 +136,8 @@ def fast_path(device: str) -> Any:
 
 
 def _build_fast_path(device: str) -> Any:
-    if os.environ.get("DELTAFIN_KERNELS", "") == "reference":
+    if selected_kernels() == "reference":
+        log.info("kernels for %s: the torch reference (--kernels reference)", device)
         return None
     try:
         if device == "cpu":
@@ -115,8 +148,12 @@ def _build_fast_path(device: str) -> Any:
             from deltafin.kernels.mxfp4_cuda import cuda_fast_path
 
             fn = cuda_fast_path()
+        elif device == "mps":
+            from deltafin.kernels.mps import MPSKernels
+
+            fn = MPSKernels()
         else:
-            return None  # MPS: the reference path (LUT decode + matmul) runs on the GPU
+            return None
     except Exception as e:  # a missing compiler or toolchain must not stop the runtime
         log.warning("fast kernels for %s unavailable (%s); using the torch reference", device, e)
         return None

@@ -21,7 +21,7 @@ from deltafin.models.cache import SequenceCache
 from deltafin.models.common import rms_norm
 from deltafin.models.kda import kda_forward
 from deltafin.models.mla import mla_forward
-from deltafin.models.moe import ExpertSource, dense_mlp, moe_forward
+from deltafin.models.moe import ExpertSource, FusedExperts, dense_mlp, moe_forward
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
 
 
@@ -35,7 +35,7 @@ class Span:
 
 
 def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, spans: Sequence[Span],
-                  experts: ExpertSource) -> ResidualState:
+                  experts: ExpertSource, fused: FusedExperts | None = None) -> ResidualState:
     """Run layer `layer` on packed tokens (several sequences, each with its own cache)."""
     P, B = state.P, state.B
     h = attn_res_mix(B, P, w.attn_res.score) if w.attn_res is not None else P
@@ -52,7 +52,7 @@ def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residual
     h = attn_res_mix(B, P, w.mlp_res.score) if w.mlp_res is not None else P
     x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
     if isinstance(w.ffn, MoEWeights):
-        f = moe_forward(cfg, layer, w.ffn, x, experts)
+        f = moe_forward(cfg, layer, w.ffn, x, experts, fused=fused)
     else:
         f = dense_mlp(cfg, w.ffn, x)
     return ResidualState(P + f, B)

@@ -26,6 +26,13 @@ class ExpertSource(Protocol):
         ...
 
 
+class FusedExperts(Protocol):
+    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[n, k] * Expert_{idx[n, k]}(z[n]) -> [N, De] fp32, all of the layer's experts at once
+        (a backend that runs them elsewhere, e.g. MLX)."""
+        ...
+
+
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router: top-k of (score + bias) selects; the unbiased scores weigh. -> idx [N,k], weights [N,k] fp32."""
     scores = torch.sigmoid(linear(x.float(), w.router).float())  # [N, E], fp32 (exact with a bf16 router)
@@ -45,17 +52,21 @@ def dense_mlp(cfg: ModelConfig, w: DenseMLPWeights, x: torch.Tensor) -> torch.Te
 
 
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                fused: FusedExperts | None = None) -> torch.Tensor:
     """Latent MoE: route on x, run the chosen experts on z = down(x), combine, norm, up, add shared(x)."""
     idx, weights = routing if routing is not None else route(cfg, w, x)
     z = linear(x, w.latent_down) if w.latent_down is not None else x
-    n_tok, k = idx.shape
-    outs = torch.zeros(n_tok, k, cfg.expert_dim, dtype=torch.float32, device=x.device)
-    ids = sorted(set(idx.flatten().tolist()))
-    for e, weights_e in experts(layer, ids):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        outs[tok, slot] = expert_ffn(cfg, weights_e, z[tok]).float()
-    y = (outs * weights.unsqueeze(-1)).sum(1)  # fixed slot order
+    if fused is not None:
+        y = fused(layer, z, idx, weights)
+    else:
+        n_tok, k = idx.shape
+        outs = torch.zeros(n_tok, k, cfg.expert_dim, dtype=torch.float32, device=x.device)
+        ids = sorted(set(idx.flatten().tolist()))
+        for e, weights_e in experts(layer, ids):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            outs[tok, slot] = expert_ffn(cfg, weights_e, z[tok]).float()
+        y = (outs * weights.unsqueeze(-1)).sum(1)  # fixed slot order
     if w.latent_up is not None:
         if w.latent_norm is not None:
             y = rms_norm(y, w.latent_norm, cfg.rms_norm_eps)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deltafin.checkpoint import Checkpoint, ExpertLocation, TensorLocation
 from deltafin.errors import ModelFormatError
@@ -48,6 +49,7 @@ class Extent:
 class ReadPlan:
     extents: tuple[Extent, ...]
     tensors: tuple[TensorLocation, ...]  # each tensor's offset rewritten to its position in the slot
+    sources: tuple[TensorLocation, ...] = ()  # the same tensors where they are in the files
 
     @property
     def span(self) -> int:
@@ -88,7 +90,7 @@ def plan_tensors(tensors: tuple[TensorLocation, ...]) -> ReadPlan:
         for t in run:
             placed[t.name] = TensorLocation(t.name, t.file, pos + t.offset - start, t.nbytes, t.dtype, t.shape)
         pos += end - start
-    return ReadPlan(tuple(extents), tuple(placed[t.name] for t in tensors))
+    return ReadPlan(tuple(extents), tuple(placed[t.name] for t in tensors), tuple(tensors))
 
 
 class SlotPool:
@@ -115,6 +117,9 @@ class SlotPool:
 
     def memory(self, slot: int) -> memoryview:
         return self.view[slot * self.size:(slot + 1) * self.size]
+
+    def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
+        files.read_into(plan, self.memory(slot), abort)
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +170,33 @@ class ShardFiles:
                                            f"{ext.start + ext.need} is past its end (truncated while running)")
                 if got < piece:
                     break  # the end of the file inside the last aligned block
+
+    def read_scatter(self, sources: tuple[TensorLocation, ...], regions: list[memoryview],
+                     abort: Callable[[], bool] | None = None) -> None:
+        """Read each tensor into its own region (no alignment: for buffered files, or F_NOCACHE on macOS):
+        tensors contiguous in the file go in one `preadv` with a buffer each."""
+        order = sorted(range(len(sources)), key=lambda j: (str(sources[j].file), sources[j].offset))
+        runs: list[list[int]] = []
+        for j in order:
+            last = sources[runs[-1][-1]] if runs else None
+            if last is not None and last.file == sources[j].file and last.offset + last.nbytes == sources[j].offset:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        for run in runs:
+            if abort is not None and abort():
+                raise ReadAborted
+            first, end = sources[run[0]], sources[run[-1]].offset + sources[run[-1]].nbytes
+            fd = self._fd(first.file, end)
+            views, offset, t0 = [regions[j][:sources[j].nbytes] for j in run], first.offset, time.monotonic()
+            got = _preadv_all(fd, views, offset)
+            with self._lock:
+                self.stats.reads += 1
+                self.stats.bytes_read += got
+                self.stats.read_seconds += time.monotonic() - t0
+            if got < end - first.offset:
+                raise ModelFormatError(f"shard {first.file.name} ended early: data up to byte {end} is past its end "
+                                       "(truncated while running)")
 
     def _fd(self, path: Path, need_size: int) -> int:
         try:
@@ -226,7 +258,7 @@ class ExpertReader:
         for t in self._threads:
             t.start()
 
-    def submit(self, priority: tuple[int, int] | int, plan: ReadPlan, pool: SlotPool,
+    def submit(self, priority: tuple[int, int] | int, plan: ReadPlan, pool: Any,
                deliver: Callable[[int, ReadPlan], object], abort: Callable[[], bool] | None = None) -> Future:
         fut: Future = Future()
         self._queue.put((priority, next(self._seq), plan, pool, deliver, fut, abort))
@@ -242,7 +274,7 @@ class ExpertReader:
             slot = None
             try:
                 slot = pool.acquire(timeout=120)
-                self.files.read_into(plan, pool.memory(slot), abort)
+                pool.fill(self.files, plan, slot, abort)
                 fut.set_result(deliver(slot, plan))
             except BaseException as e:  # surfaced to the waiting compute thread through the future
                 if slot is not None:
@@ -268,6 +300,25 @@ def _pread_span(fd: int, view: memoryview, offset: int, need: int) -> int:
         done += n
         if done >= need and done % ALIGN:
             break  # a short, unaligned read: the end of the file
+    return done
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill every view in turn from `offset` (short reads continue where they stopped); bytes read."""
+    total = sum(len(v) for v in views)
+    done = 0
+    while done < total:
+        rest, skip = [], done
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + done)
+        if n == 0:
+            break
+        done += n
     return done
 
 

@@ -12,6 +12,7 @@ moves to the cache too and counts as wasted bytes if it is evicted unused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from deltafin.checkpoint import Checkpoint
+from deltafin.kernels.activations import GatedActivation
 from deltafin.models.weights import ExpertWeights
 from deltafin.sizing import expert_slot_bytes, working_slots
 from deltafin.weights.cache import Entry, ExpertCache, make_policy
@@ -112,8 +114,12 @@ class DeviceSlots:
 
 
 class ExpertStore:
+    """See the module docstring. `backend="mlx"`: the slots are MLX arrays read in place, and the store runs a
+    layer's experts itself (`run_experts`) with `act`."""
+
     def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device, cache_bytes: int,
-                 io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True):
+                 io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True,
+                 backend: str = "torch", act: GatedActivation | None = None):
         cfg = ckpt.config
         self.ckpt, self.cfg, self.device = ckpt, cfg, device
         self.layers = set(layers)
@@ -122,10 +128,19 @@ class ExpertStore:
         slot = expert_slot_bytes(cfg)  # an upper bound of any expert's aligned read, without planning all 82K
         working = working_slots(cfg, threads)
         cache_slots = cache_bytes // slot
-        self.on_host = device.type == "cpu"
-        # CPU: the read slots are the cache. GPUs: host slots stage reads; landed experts live in device slots.
-        self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot)
-        self.device_slots = None if self.on_host else DeviceSlots(cache_slots + working, slot, device)
+        self.backend, self.act, self.slot_bytes = backend, act, slot
+        self.on_host = device.type == "cpu" or backend == "mlx"
+        # CPU and MLX: the read slots are the cache. GPUs: host slots stage reads; landed experts live in device slots.
+        self.device_slots = None
+        if backend == "mlx":
+            from deltafin.weights.mlx_slots import MLXSlotPool, unaligned_io
+
+            self.pool: SlotPool | MLXSlotPool = MLXSlotPool(cfg, working + cache_slots)
+            io = unaligned_io(io)
+        else:
+            self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot)
+            if not self.on_host:
+                self.device_slots = DeviceSlots(cache_slots + working, slot, device)
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
             budget, make_policy(policy, max(1, cache_slots)), on_evict=self._evicted)
@@ -149,7 +164,10 @@ class ExpertStore:
 
     def _deliver(self, slot: int, plan: ReadPlan) -> Loaded:
         """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first
-        (a blocking copy: the host slot is free for the next read once it returns)."""
+        (a blocking copy: the host slot is free for the next read once it returns). MLX: the slot itself (its
+        scales were checked as it was filled)."""
+        if self.backend == "mlx":
+            return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
         raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
         weights = expert_views(self.cfg, plan.tensors, raw)  # checks the scales on the host
         if self.device_slots is None:
@@ -225,8 +243,8 @@ class ExpertStore:
                 key = (layer, e)
                 if key in self._pending or key in self._staged or key in self.cache.entries:
                     continue
-                if len(self._staged) + len(self._pending) >= 3 * self.cfg.experts_per_token:
-                    break  # bounded: never more than the staging slots hold
+                if len(self._staged) + len(self._pending) >= 2 * self.cfg.experts_per_token:
+                    break  # bounded: two layers' guesses, so a layer's own k reads always find slots
                 self._submit(key, PREFETCH)
                 self.stats.prefetch_issued += 1
                 self.stats.prefetch_bytes += self.cfg.bytes_per_expert
@@ -300,6 +318,35 @@ class ExpertStore:
                     waiting[fut] = e
         return ready, waiting
 
+    @contextlib.contextmanager
+    def hold(self, layer: int, ids: list[int]) -> Iterator[dict[int, Any]]:
+        """Every id's expert at once ({id: weights}; for MLX, its slot), kept from eviction until the block
+        ends: for backends that compute all of a layer's experts in one call."""
+        ready, waiting = self._lookup(layer, ids)
+        got = {e: (loaded, cached) for e, loaded, cached in ready}
+        try:
+            for fut, e in list(waiting.items()):
+                t0 = time.monotonic()
+                got[e] = (self._take((layer, e), fut), False)
+                self.stats.io_wait_s += time.monotonic() - t0
+                del waiting[fut]
+            yield {e: loaded.weights for e, (loaded, _) in got.items()}
+        finally:
+            for e, (loaded, cached) in got.items():
+                self._done_with((layer, e), loaded, cached)
+            for fut, e in waiting.items():
+                fut.add_done_callback(lambda f, key=(layer, e): self._abandon(key, f))
+            self._settle(layer)
+
+    def run_experts(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The layer's experts on MLX (backend "mlx"), k at a time at most: with the cache full and two layers of
+        guesses staged, k slots are still free (sizing.working_slots), so holding k never waits on itself."""
+        from deltafin.weights.mlx_slots import run_in_groups
+
+        assert self.backend == "mlx" and self.act is not None
+        return run_in_groups(self.pool.slots, self.act, z, idx, weights,  # type: ignore[union-attr]
+                             lambda ids: self.hold(layer, ids), self.cfg.experts_per_token)
+
     def _take(self, key: Key, fut: Future) -> Loaded:
         """The expert of a read the compute thread waited for, claimed (a prefetch may be staged by now)."""
         try:
@@ -365,3 +412,5 @@ class ExpertStore:
             self.cache.clear()
             self._staged.clear()
         self.device_slots = None  # the GPU's cache memory goes now, not when the store is collected
+        if self.backend == "mlx":
+            self.pool.close()  # type: ignore[union-attr]

@@ -1,0 +1,116 @@
+"""Expert slots that are MLX arrays (kernels/mlx_moe.py): a pool the expert store and the resident table fill
+straight from the shards, and the fused layer call that runs the experts on MLX."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+
+import torch
+
+from deltafin.checkpoint import Checkpoint
+from deltafin.config import MXFP4_GROUP, ModelConfig
+from deltafin.errors import ModelFormatError
+from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.mlx_moe import MLXSlots, run_experts
+from deltafin.models.weights import ExpertWeights
+from deltafin.quant import E8M0_NAN, MXFP4Weight
+from deltafin.weights.reader import ReadPlan, ShardFiles, plan_read
+
+
+class MLXSlotPool:
+    """`count` MLX expert slots with a blocking `acquire`, as the host SlotPool has; `fill` reads an expert's six
+    tensors into the slot's six places (buffered reads on Linux, F_NOCACHE on macOS: no alignment needed)."""
+
+    def __init__(self, cfg: ModelConfig, count: int):
+        self.slots = MLXSlots(cfg, count)
+        self.count, self.size = count, self.slots.size
+        self.free: queue.LifoQueue[int] = queue.LifoQueue()
+        for i in range(count):
+            self.free.put(i)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no free MLX expert slot after {timeout}s: all {self.count} are in use") from None
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+    def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
+        files.read_scatter(plan.sources, self.slots.regions(slot), abort)
+        for scales, loc in zip(self.slots.scales(slot), plan.sources[1::2], strict=True):
+            if bool((scales == E8M0_NAN).any()):
+                raise ModelFormatError(f"{loc.name} contains E8M0 scale byte 255 (NaN): the checkpoint is corrupt")
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes
+
+    def close(self) -> None:
+        self.slots.release_memory()
+
+
+def run_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: torch.Tensor,
+                  weights: torch.Tensor, held: Callable[[list[int]], object], group: int) -> torch.Tensor:
+    """The layer's experts on MLX, at most `group` distinct experts at a time (a long prompt asks for all of
+    them; a decode step for k): `held(ids)` is a context manager mapping each id to its slot while in use."""
+    ids = sorted(set(idx.reshape(-1).tolist()))
+    out = None
+    for start in range(0, len(ids), group):
+        part = ids[start:start + group]
+        mask = torch.isin(idx, torch.tensor(part, device=idx.device))
+        with held(part) as slot_of:  # type: ignore[attr-defined]
+            y = run_experts(slots, act, z, torch.where(mask, idx, part[0]), weights * mask, slot_of.__getitem__)
+        out = y if out is None else out + y
+    return out  # type: ignore[return-value]
+
+
+class MLXResidentExperts:
+    """Every routed expert of a stage in MLX slots (the MLX twin of ResidentExperts)."""
+
+    def __init__(self, ckpt: Checkpoint, layers: list[int], act: GatedActivation, io: str = "direct"):
+        cfg = ckpt.config
+        self.cfg, self.act = cfg, act
+        self.base = {layer: n * cfg.num_experts for n, layer in enumerate(layers)}
+        self.pool = MLXSlotPool(cfg, max(1, len(layers) * cfg.num_experts))
+        files = ShardFiles(unaligned_io(io))
+        try:
+            for layer in layers:
+                for e in range(cfg.num_experts):
+                    self.pool.fill(files, plan_read(ckpt.expert(layer, e)), self.base[layer] + e)
+        finally:
+            files.close()
+
+    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """The same experts as torch views of the MLX slots (the stage uses `run_experts`)."""
+        for e in ids:
+            yield e, expert_views(self.cfg, self.pool.slots, self.base[layer] + e)
+
+    def run_experts(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        base = self.base[layer]
+        return run_experts(self.pool.slots, self.act, z, idx, weights, lambda e: base + e)
+
+    def resident_bytes(self) -> int:
+        return self.pool.nbytes
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def unaligned_io(io: str) -> str:
+    """The I/O mode for reads into MLX slots, which are not block aligned: macOS's F_NOCACHE takes any
+    alignment, so "direct" stays; Linux's O_DIRECT does not, so reads there go through the page cache."""
+    import sys
+
+    return io if sys.platform == "darwin" else "buffered"
+
+
+def expert_views(cfg: ModelConfig, slots: MLXSlots, slot: int) -> ExpertWeights:
+    """One slot's expert as torch tensors over the MLX buffers (no copy)."""
+    i, d = cfg.moe_intermediate_size, cfg.expert_dim
+    r = [torch.frombuffer(v, dtype=torch.uint8) for v in slots.regions(slot)]
+    shapes = ((i, d), (d, i), (i, d))
+    return ExpertWeights(*(MXFP4Weight(r[2 * j].view(rows, cols // 2), r[2 * j + 1].view(rows, cols // MXFP4_GROUP))
+                           for j, (rows, cols) in enumerate(shapes)))
