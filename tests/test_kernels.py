@@ -80,3 +80,33 @@ def test_every_cpu_isa_passes_the_self_check(arch, isa, tmp_path, monkeypatch):
     if isa is not None:
         assert kernels.isa == isa
     assert self_check(kernels, torch.device("cpu"))
+
+
+def test_the_mps_fast_path_runs_here_on_the_cpu():
+    """MPS's spine kernels are torch ops MPS implements; on the CPU the same code must pass the same check, and
+    int8 through torch._weight_int8pack_mm is the reference's math (fp32 accumulation of exact products)."""
+    from deltafin.kernels.mps import MPSKernels
+    from deltafin.quant import Int8Weight
+
+    kernels = MPSKernels()
+    assert self_check(kernels, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    w = Int8Weight(torch.randint(-127, 128, (300, 512), dtype=torch.int8, generator=g),
+                   (torch.rand(300, 1, generator=g) * 0.01).half())
+    x = _x(3, 512, 10)
+    want = linear_mod.int8_linear_reference(x, w)
+    assert float((kernels.int8(x, w) - want).norm() / want.norm()) < 1e-6  # 512-term fp32 sums, another order
+
+
+def test_bf16_weights_convert_a_block_of_rows_at_a_time(monkeypatch):
+    """Where no kernel multiplies fp32 by bf16 (CUDA, MPS), W is converted in row blocks: bounded memory, and
+    the product with the whole converted matrix (each output is the same dot product; BLAS may block a
+    shorter matrix differently, so equal to fp32 rounding)."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(linear_mod, "WEIGHT_BLOCK_VALUES", 64 * 96)  # 64 rows a block of a 96-wide matrix
+    monkeypatch.setitem(linear_mod.MXFP4_FAST_PATHS, "cpu", None)  # no bf16 kernel: the generic path
+    w = _x(200, 96, 11).to(torch.bfloat16)
+    x = _x(5, 96, 12)
+    want = F.linear(x, w.float())
+    assert float((linear_mod.mixed_linear(x, w) - want).norm() / want.norm()) < 1e-6
