@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,9 +58,20 @@ def _compile(out: Path, archs: list[list[str]]) -> None:
     raise RuntimeError("compiling the CPU kernels failed:\n" + "\n".join(errors))
 
 
+def native_archs() -> list[list[str]]:
+    """Compiler flags to try, best first, for this machine: Apple clang on Apple silicon takes -mcpu (its
+    -march does not know `native`), GCC/clang elsewhere -march=native; plain C (NEON is the arm64 baseline)
+    last."""
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return [["-mcpu=native"], ["-mcpu=apple-m1"], []]
+    if platform.machine() in ("aarch64", "arm64"):
+        return [["-mcpu=native"], ["-march=armv8.4-a"], []]
+    return [["-march=native"], []]
+
+
 def load_library(arch: list[str] | None = None) -> ctypes.CDLL:
     """Build (once, cached) and load the kernels: for this CPU by default, or for `arch` compiler flags."""
-    archs = [arch] if arch is not None else [["-march=native"], ["-mcpu=native"], []]
+    archs = [arch] if arch is not None else native_archs()
     key = SOURCE.read_bytes() + platform.machine().encode() + repr(archs).encode()
     path = cache_dir() / f"cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not path.exists():
