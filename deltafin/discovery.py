@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 
@@ -51,7 +52,24 @@ def parse_txt(props: dict[bytes, bytes | None], address: str) -> WorkerDescripti
         host_memory_bytes=int(p.get("hmem", "0")), worker_id=p.get("id", ""))
 
 
+# macOS interfaces that multicast DNS should leave alone: Apple's peer-to-peer Wi-Fi (awdl, llw) and VPN
+# tunnels (utun): announcing there keeps the radio busy and reaches no worker
+_DARWIN_SKIP = ("awdl", "llw", "utun", "lo")
+
+
+def default_interfaces() -> list[str] | None:
+    """Interfaces to use when none are named: every one (None), but on macOS the IPv4 addresses of the real
+    interfaces only (Wi-Fi, Ethernet, the Thunderbolt bridge)."""
+    if sys.platform != "darwin":
+        return None
+    import ifaddr
+
+    return [ip.ip for a in ifaddr.get_adapters() if not a.nice_name.startswith(_DARWIN_SKIP)
+            for ip in a.ips if isinstance(ip.ip, str)] or None
+
+
 def _zeroconf(interfaces: list[str] | None) -> Zeroconf:
+    interfaces = interfaces or default_interfaces()
     if interfaces:
         return Zeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
     return Zeroconf(ip_version=IPVersion.V4Only)
