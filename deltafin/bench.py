@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
@@ -105,13 +106,16 @@ def disk_for_model(ckpt: Any, layers: Iterable[int], threads: int, io: str, tota
 
 
 def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
-    """Dequant+matmul of one real-size K3 expert (3 x 3584x3072 MXFP4, 17.5 MB) against `tokens` inputs."""
+    """Dequant+matmul of one real-size K3 expert (3 x 3584x3072 MXFP4, 17.5 MB) against `tokens` inputs (with
+    --kernels mlx: MLX's experts, one expert for `tokens` tokens and a decode layer's 16)."""
     from deltafin.config import parse_config
-    from deltafin.kernels.linear import fast_path, mxfp4_linear
+    from deltafin.kernels.linear import expert_backend, fast_path, mxfp4_linear
     from deltafin.models.moe import expert_ffn
     from deltafin.synth import preset_config
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if expert_backend(dev.type) == "mlx":
+        return bench_mlx_experts(tokens, repeats)
     if dt == torch.float32:
         exact_fp32()
     g = torch.Generator().manual_seed(0)
@@ -137,6 +141,40 @@ def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repe
         "expert_packed_GBps": round(packed / t_expert / GB, 2),
         "expert_bytes": packed,
     }
+
+
+def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
+    """MLX's experts at K3's width (kernels/mlx_moe.py): one expert for `tokens` tokens, and one token through
+    the 16 experts of a decode layer, in one evaluation each. Packed GB/s of expert bytes read."""
+    import mlx.core as mx
+
+    from deltafin.config import parse_config
+    from deltafin.kernels.mlx_moe import MLXSlots, run_experts
+    from deltafin.models.common import activation
+    from deltafin.synth import preset_config
+
+    cfg = parse_config(preset_config("k3-slice", 2))
+    k = cfg.experts_per_token
+    slots = MLXSlots(cfg, k)
+    rng = np.random.default_rng(0)
+    for s in range(k):  # random codes, scales near 2**-8 (valid E8M0)
+        for j, region in enumerate(slots.regions(s)):
+            np.frombuffer(region, dtype=np.uint8)[:] = rng.integers(0, 256, len(region), dtype=np.uint8) \
+                if j % 2 == 0 else rng.integers(118, 122, len(region), dtype=np.uint8)
+    act, g = activation(cfg), torch.Generator().manual_seed(0)
+    z = torch.randn(tokens, cfg.expert_dim, generator=g)
+    one = lambda: run_experts(slots, act, z, torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1),
+                              lambda e: e)
+    z1 = z[:1]
+    layer = lambda: run_experts(slots, act, z1, torch.arange(k).view(1, k), torch.full((1, k), 1 / k), lambda e: e)
+    cpu = torch.device("cpu")
+    t_expert, t_layer = _sustained_seconds(one, cpu, repeats), _sustained_seconds(layer, cpu, repeats)
+    expert_bytes = cfg.bytes_per_expert
+    slots.release_memory()
+    return {"bench": "mxfp4", "path": f"mlx {mx.__version__} ({mx.default_device()})", "tokens": tokens,
+            "expert_ms": round(t_expert * 1e3, 3), "expert_packed_GBps": round(expert_bytes / t_expert / GB, 2),
+            "layer_experts": k, "layer_ms": round(t_layer * 1e3, 3),
+            "layer_packed_GBps": round(k * expert_bytes / t_layer / GB, 2), "expert_bytes": expert_bytes}
 
 
 # ---- decode -------------------------------------------------------------------------------------------

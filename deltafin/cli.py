@@ -161,6 +161,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.disk:
         result = bench.bench_disk(args.disk, threads=args.threads, io=args.io)
     elif args.kernel:
+        from deltafin.kernels.linear import select_kernels
+
+        select_kernels(args.kernels)
         result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
     elif args.model:
         from deltafin.devices import resolve_device, resolve_dtype

@@ -364,7 +364,7 @@ class Stage:
                 self.spine.prefetch_after(layer)
                 self._prefetch_experts(layer, state)
                 state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
-                                      fused=getattr(self.experts, "run_experts", None))
+                                      fused=getattr(self.experts, "fused", None))
             outputs = self._output(batch, spans, state, all_logits)
         except BaseException:
             for c in caches:

@@ -59,3 +59,49 @@ def test_cuda_logits_equal_the_cpus(tiny_dir):
         stage.close()
     rel = (out[0] - out[1]).norm(dim=-1) / out[0].norm(dim=-1)
     assert float(rel.max()) < 1e-4  # TF32 off; cuBLAS/Triton vs the CPU kernels sum differently: measured ~1e-5
+
+
+def test_host_slots_return_to_the_pool_only_after_the_copy(small_dir, monkeypatch):
+    """Pinned staging slots and non-blocking copies on a copy stream: a reader that poisons each host slot the
+    moment it is freed corrupts no expert; take away the wait for the copy and it does (each copy is held back
+    25 ms on its stream, so an early release always loses the race)."""
+    from safetensors import safe_open
+
+    from deltafin.weights.store import ExpertStore
+
+    cfg = load_config(small_dir)
+
+    def run(wait: bool) -> int:
+        store = ExpertStore(open_checkpoint(small_dir, cfg), cfg.moe_layers, device=CUDA, cache_bytes=0, threads=4)
+        assert store.pool.buf.is_pinned()
+        release = store.pool.release
+
+        def poisoned(slot: int) -> None:
+            store.pool.memory(slot)[:] = b"\xab" * store.pool.size
+            release(slot)
+
+        copy = store._copy_to_device
+
+        def late(target: torch.Tensor, source: torch.Tensor) -> None:
+            with torch.cuda.stream(store._copy_stream):
+                torch.cuda._sleep(50_000_000)
+            copy(target, source)
+
+        monkeypatch.setattr(store.pool, "release", poisoned)
+        monkeypatch.setattr(store, "_copy_to_device", late)
+        if not wait:
+            monkeypatch.setattr(store, "_wait", lambda event: None)
+        bad = 0
+        shard = small_dir / "model-00002-of-00009.safetensors"
+        try:
+            with safe_open(shard, "pt") as f, store.hold(1, list(range(8))) as held:
+                torch.cuda.synchronize()
+                for e, w in held.items():
+                    p = f"language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_packed"
+                    bad += not torch.equal(w.w1.packed.cpu(), f.get_tensor(p))
+        finally:
+            store.close()
+        return bad
+
+    assert run(wait=True) == 0
+    assert run(wait=False) > 0

@@ -59,7 +59,7 @@ def test_one_moe_layer_equals_the_reference(tiny_dir, kernels):
     w = ref_stage.spine.layer(1)
     x = ffn_input(cfg, w, state)
     want = moe_forward(cfg, 1, w.ffn, x, ref_stage.experts.experts)
-    got = moe_forward(cfg, 1, w.ffn, x, ref_stage.experts.experts, fused=mlx_stage.experts.run_experts)
+    got = moe_forward(cfg, 1, w.ffn, x, ref_stage.experts.experts, fused=mlx_stage.experts.fused)
     assert float((got - want).norm() / want.norm()) < 1e-6  # fp32 sums in another order
 
 

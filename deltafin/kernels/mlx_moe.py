@@ -93,24 +93,24 @@ def _situ(mx, a, u, act: GatedActivation):
 
 def run_experts(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 slot_of: Callable[[int], int]) -> torch.Tensor:
-    """sum_k weights[n, k] * Expert_{idx[n, k]}(z[n]) for every token, in one MLX evaluation.
-    z [N, D] fp32, idx [N, k] expert ids, weights [N, k] fp32; `slot_of(expert)` says where each expert is."""
+    """sum_k weights[n, k] * Expert_{idx[n, k]}(z[n]) for every token, in one MLX evaluation: every (token,
+    expert) pair through gather_qmm, sorted by slot (as mlx-lm's switch layers do, which lets Metal's kernel
+    walk each expert's rows together). z [N, D] fp32, idx [N, k] expert ids, weights [N, k] fp32; `slot_of`
+    says where each expert is."""
     import mlx.core as mx
 
     n_tok, k = idx.shape
     i = slots.cfg.moe_intermediate_size
-    experts = idx.reshape(-1).tolist()
-    slot = np.array([slot_of(e) for e in experts], dtype=np.int32)
-    order = np.argsort(slot, kind="stable")  # sorted indices let gather_qmm walk each slot once
-    tok = (np.arange(n_tok * k, dtype=np.int32) // k)[order]
-    zm = mx.array(z.detach().to(torch.float32).cpu().numpy())
-    x = zm[mx.array(tok)][:, None, :]  # [M, 1, D]
+    slot = np.array([slot_of(e) for e in idx.reshape(-1).tolist()], dtype=np.int32)
+    order = np.argsort(slot, kind="stable")
+    tok = mx.array((np.arange(n_tok * k, dtype=np.int32) // k)[order])
     rhs = mx.array(slot[order])
     q = {"transpose": True, "group_size": MXFP4_GROUP, "bits": 4, "mode": "mxfp4", "sorted_indices": True}
-    h = mx.gather_qmm(x, slots.w13, slots.s13, rhs_indices=rhs, **q)  # [M, 1, 2I]
+    x = mx.array(z.detach().to(torch.float32).cpu().numpy())[tok][:, None, :]  # [M, 1, D]
+    h = mx.gather_qmm(x, slots.w13, slots.s13, rhs_indices=rhs, **q)  # [M, 1, 2I]: gate and up at once
     y = mx.gather_qmm(_situ(mx, h[..., :i], h[..., i:], act), slots.w2, slots.s2, rhs_indices=rhs, **q)
     w = mx.array(weights.detach().to(torch.float32).cpu().numpy().reshape(-1)[order])
-    out = mx.zeros((n_tok, z.shape[1]), dtype=mx.float32).at[mx.array(tok)].add(y[:, 0, :] * w[:, None])
+    out = mx.zeros((n_tok, z.shape[1]), dtype=mx.float32).at[tok].add(y[:, 0, :] * w[:, None])
     mx.eval(out)
     return torch.from_numpy(np.array(out)).to(z.device)
 

@@ -75,6 +75,7 @@ class MLXResidentExperts:
         self.cfg, self.act = cfg, act
         self.base = {layer: n * cfg.num_experts for n, layer in enumerate(layers)}
         self.pool = MLXSlotPool(cfg, max(1, len(layers) * cfg.num_experts))
+        self.fused = self.run_experts
         files = ShardFiles(unaligned_io(io))
         try:
             for layer in layers:

@@ -94,13 +94,21 @@ def plan_tensors(tensors: tuple[TensorLocation, ...]) -> ReadPlan:
 
 
 class SlotPool:
-    """`count` page-aligned buffers of `size` bytes from one anonymous mapping; `acquire` blocks."""
+    """`count` page-aligned buffers of `size` bytes from one anonymous mapping; `acquire` blocks. `pinned`:
+    page-locked memory instead (CUDA staging: the GPU copies from it asynchronously, at the bus's speed)."""
 
-    def __init__(self, count: int, size: int):
+    def __init__(self, count: int, size: int, pinned: bool = False):
         self.size = align_up(size)
         self.count = count
-        self.buf = aligned_buffer(self.size * count, prefault=True)
-        self.view = memoryview(self.buf)
+        if pinned:
+            import torch
+
+            self.buf = torch.empty(self.size * count + ALIGN, dtype=torch.uint8, pin_memory=True)
+            skip = -self.buf.data_ptr() % ALIGN  # O_DIRECT wants block-aligned addresses
+            self.view = memoryview(self.buf.numpy())[skip:skip + self.size * count]
+        else:
+            self.buf = aligned_buffer(self.size * count, prefault=True)
+            self.view = memoryview(self.buf)
         self.free: queue.LifoQueue[int] = queue.LifoQueue()
         for i in range(count):
             self.free.put(i)

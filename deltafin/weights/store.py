@@ -138,9 +138,11 @@ class ExpertStore:
             self.pool: SlotPool | MLXSlotPool = MLXSlotPool(cfg, working + cache_slots)
             io = unaligned_io(io)
         else:
-            self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot)
+            self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot, pinned=device.type == "cuda")
             if not self.on_host:
                 self.device_slots = DeviceSlots(cache_slots + working, slot, device)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.fused = self.run_experts if backend == "mlx" else None  # the layer call the stage hands the model
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
             budget, make_policy(policy, max(1, cache_slots)), on_evict=self._evicted)
@@ -164,7 +166,7 @@ class ExpertStore:
 
     def _deliver(self, slot: int, plan: ReadPlan) -> Loaded:
         """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first
-        (a blocking copy: the host slot is free for the next read once it returns). MLX: the slot itself (its
+        (the host slot goes back to the pool only once the copy has completed). MLX: the slot itself (its
         scales were checked as it was filled)."""
         if self.backend == "mlx":
             return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
@@ -175,7 +177,7 @@ class ExpertStore:
         try:
             dslot = self.device_slots.acquire(timeout=120)
             target = self.device_slots.tensor[dslot]
-            target[:plan.span].copy_(raw[:plan.span])
+            self._copy_to_device(target[:plan.span], raw[:plan.span])
         finally:
             self.pool.release(slot)
         return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
@@ -317,6 +319,28 @@ class ExpertStore:
                         self.stats.prefetch_hits += 1
                     waiting[fut] = e
         return ready, waiting
+
+    def _copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """target <- source (host), asynchronous on the GPU's side (CUDA: a copy stream of its own, from pinned
+        memory, beside the compute kernels), returning only once the copy has completed: the caller reuses the
+        source right after."""
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
+                target.copy_(source, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            self._wait(done)
+        elif target.device.type == "mps":
+            target.copy_(source, non_blocking=True)
+            done = torch.mps.event.Event()
+            done.record()
+            self._wait(done)
+        else:
+            target.copy_(source)
+
+    @staticmethod
+    def _wait(event: Any) -> None:
+        event.synchronize()
 
     @contextlib.contextmanager
     def hold(self, layer: int, ids: list[int]) -> Iterator[dict[int, Any]]:
