@@ -62,9 +62,11 @@ def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, ex
     else:
         n_tok, k = idx.shape
         outs = torch.zeros(n_tok, k, cfg.expert_dim, dtype=torch.float32, device=x.device)
-        ids = sorted(set(idx.flatten().tolist()))
+        chosen = idx.cpu()  # the experts are needed on the host anyway: one transfer, not a sync per expert
+        ids = sorted(set(chosen.flatten().tolist()))
         for e, weights_e in experts(layer, ids):
-            tok, slot = (idx == e).nonzero(as_tuple=True)
+            tok, slot = ((i.to(x.device, non_blocking=True) for i in (chosen == e).nonzero(as_tuple=True))
+                         if x.device.type != "cpu" else (chosen == e).nonzero(as_tuple=True))
             outs[tok, slot] = expert_ffn(cfg, weights_e, z[tok]).float()
         y = (outs * weights.unsqueeze(-1)).sum(1)  # fixed slot order
     if w.latent_up is not None:

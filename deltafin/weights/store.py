@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -142,6 +143,10 @@ class ExpertStore:
             if not self.on_host:
                 self.device_slots = DeviceSlots(cache_slots + working, slot, device)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if not self.on_host:
+            # the readers' short Python steps between reads and copies must not hold the compute thread off the
+            # GIL for the default 5 ms switch interval at each of its GPU syncs
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self.fused = self.run_experts if backend == "mlx" else None  # the layer call the stage hands the model
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
