@@ -76,8 +76,9 @@ def _text_tensors(cfg: Any) -> set[str]:
 
 def _plan(cfg: Any, ckpt: Checkpoint, memory_bytes: int, device: str, options: SizingOptions | None) -> dict:
     opts = replace(options or SizingOptions(), spans=layer_spans(ckpt))
+    place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
     try:
-        return choose(cfg, 0, cfg.num_layers, Placement(device), Budget(memory_bytes), opts).as_dict()
+        return choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
     except SizingError as e:
         return {"error": str(e)}
 
