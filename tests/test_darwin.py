@@ -89,3 +89,17 @@ def test_peak_rss_units_follow_the_platform(monkeypatch, platform_name, factor):
     monkeypatch.setattr(sys, "platform", platform_name)
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=1000))
     assert peak_rss() == 1000 * factor
+
+
+def test_device_auto_on_apple_silicon_is_mps_with_mlx_experts(monkeypatch):
+    """The Mac's plan (README, Apple silicon): the spine on MPS, the routed experts on MLX."""
+    import torch
+
+    from deltafin.devices import resolve_device
+    from deltafin.kernels import linear
+
+    pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("auto").type == "mps"
+    linear.select_kernels("auto")
+    assert linear.expert_backend("mps") == "mlx" and linear.expert_backend("cpu") == "torch"
