@@ -51,8 +51,12 @@ class MXFP4Weight:
 
 
 def check_scales(scales: torch.Tensor, what: str) -> None:
-    """Reject E8M0 byte 255 (NaN) with a message naming the tensor."""
-    if bool((scales == E8M0_NAN).any()):
+    """Reject E8M0 byte 255 (NaN) with a message naming the tensor. On the host through numpy: a reduction of
+    a few hundred KB, which torch would fan out over its thread pool from every reader thread at once."""
+    if scales.numel() == 0:
+        return
+    peak = int(scales.numpy().max()) if scales.device.type == "cpu" else int(scales.max())
+    if peak == E8M0_NAN:
         raise ModelFormatError(f"{what} contains E8M0 scale byte 255 (NaN): the checkpoint is corrupt")
 
 

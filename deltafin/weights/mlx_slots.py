@@ -41,7 +41,7 @@ class MLXSlotPool:
     def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
         files.read_scatter(plan.sources, self.slots.regions(slot), abort)
         for scales, loc in zip(self.slots.scales(slot), plan.sources[1::2], strict=True):
-            if bool((scales == E8M0_NAN).any()):
+            if scales.size and int(scales.max()) == E8M0_NAN:
                 raise ModelFormatError(f"{loc.name} contains E8M0 scale byte 255 (NaN): the checkpoint is corrupt")
 
     @property
