@@ -43,12 +43,12 @@ class Counters:
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
                  max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
-                 default_max_tokens: int = 4096):
+                 default_max_tokens: int = 4096, pipeline_depth: int = 0):
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
-        self.scheduler = Scheduler(backend, max_active, queue_depth)
+        self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth)
         self.counters = Counters()
         self.started = time.time()
         ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
@@ -71,7 +71,7 @@ class Engine:
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
-                      prefill_chunk=self.backend.max_forward_tokens)
+                      prefill_chunk=self._prefill_chunk())
         c = self.counters
         async with self.scheduler.slot():
             c.requests += 1
@@ -97,6 +97,12 @@ class Engine:
                     c.failed += 1
                 elif outcome == "cancelled":
                     c.cancelled += 1
+
+    def _prefill_chunk(self) -> int | None:
+        """Prompt tokens per forward: what the stages take, less room for every active stream's decode step to
+        ride in the same batch (scheduler.py)."""
+        limit = self.backend.max_forward_tokens
+        return None if limit is None else max(1, limit - self.scheduler.max_active)
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()

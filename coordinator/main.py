@@ -98,6 +98,9 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for a slot; more are refused with 429 (default 16)")
     p.add_argument("--max-context", type=int, default=131072,
                    help="prompt + generated tokens per request (default 131072)")
+    p.add_argument("--pipeline-depth", type=int, default=0,
+                   help="batches in flight through the stages at once (default 0: one per stage, so every stage "
+                   "works; 1: one batch of all active requests, better when the workers share one machine's cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,16 +276,17 @@ def format_summary(s: dict[str, Any]) -> str:
 async def cmd_serve(args: argparse.Namespace) -> int:
     from . import server
 
-    if args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1:
-        raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth >= 0, "
-                            "--max-context >= 2")
+    if (args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1
+            or args.pipeline_depth < 0):
+        raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
+                            "--pipeline-depth >= 0, --max-context >= 2")
     api_key = _api_key(args)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can generate (set --api-key)",
                     args.host)
     engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
                                queue_depth=args.queue_depth, max_context=args.max_context,
-                               default_max_tokens=args.default_max_tokens)
+                               default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth)
     try:
         runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)),
                                           api_key)

@@ -28,6 +28,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,48 @@ class Recovery:
     replanned: bool
 
 
+class RWLock:
+    """Many holders in shared mode or one in exclusive mode; a waiting exclusive holder goes first."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    def locked(self) -> bool:
+        return self._exclusive or self._shared > 0 or self._waiting > 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._exclusive and self._waiting == 0)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
 def _recoverable(e: BaseException) -> bool:
     if isinstance(e, WorkerLost):
         return True
@@ -83,6 +126,8 @@ def _recoverable(e: BaseException) -> bool:
 
 
 class ResilientCluster:
+    """A Backend over the cluster that survives losing workers (see the module docstring)."""
+
     def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: Plan,
                  options: RecoveryOptions | None = None):
         self.spec, self.cfg, self.backend, self.plan = spec, cfg, backend, plan
@@ -92,7 +137,7 @@ class ResilientCluster:
         self.stale: set[str] = set()
         self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.stages)]))
         self.recoveries: list[Recovery] = []
-        self.lock = asyncio.Lock()  # a forward, a recovery and a re-plan never overlap
+        self.lock = RWLock()  # forwards share it (batches pipeline through the stages); re-plans take it alone
         self._membership: asyncio.Task[None] | None = None
 
     @property
@@ -110,7 +155,7 @@ class ResilientCluster:
         attempts = 0
         while True:
             try:
-                async with self.lock:
+                async with self.lock.shared():
                     for item in batch:
                         if item.session_id in self.stale:
                             await self._replay(item)
@@ -211,7 +256,7 @@ class ResilientCluster:
     async def recover(self, cause: str, sessions: list[str]) -> Recovery:
         """Plan again over the workers that answer; reload what changed; mark sessions for replay."""
         t0 = time.monotonic()
-        async with self.lock:
+        async with self.lock.exclusive():
             log.warning("cluster problem: %s; checking the workers", cause)
             candidates = await self._candidates()
             if not candidates:
@@ -302,7 +347,10 @@ class ResilientCluster:
         if not better or self.journal:
             await asyncio.gather(*(c.close() for c, _ in workers))
             return
-        async with self.lock:
+        async with self.lock.exclusive():
+            if self.journal:  # a request started meanwhile: not now
+                await asyncio.gather(*(c.close() for c, _ in workers))
+                return
             backend, plan = await assign_plan(self.spec, self.cfg, workers, show_progress=False, reuse=True)
             old, self.backend, self.plan = self.backend, backend, plan
             self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.stages)]))

@@ -1,10 +1,16 @@
-"""Admission and batching in front of a Backend.
+"""Admission, batching and pipelining in front of a Backend.
 
 Requests hold one of `max_active` slots while they generate; up to `queue_depth` more wait for one, and
 the rest are refused at once (`QueueFull`, HTTP 429) rather than piling up. The active requests' forwards
-are merged: while one batch is in flight the next steps of the others collect, and go as one batch (a
-stage reads each routed expert once for all the sequences that need it). A batch whose requests have
-all gone away is cancelled on the workers.
+are merged into batches (a stage reads each routed expert once for all the sequences in one), and up to
+`pipeline_depth` batches are in flight at once: with a cluster of N stages, stage 0 can work on one batch
+while stage 1 works on another. A batch is the waiting decode steps plus at most one prompt chunk
+(`--prefill-chunk` tokens): a running stream rides with the next chunk of another request's prompt instead
+of waiting for the whole prompt, and at K3's sizes that costs it no reads (a chunk reads nearly every expert
+anyway; README, Serving). With depth > 1 the decode steps are split into that many batches, so that they
+spread over the stages instead of moving in lockstep. A batch whose requests have all gone away is
+cancelled on the workers. If the batcher itself fails, the requests waiting on it fail with the error and
+the next request starts a new one.
 """
 
 from __future__ import annotations
@@ -33,19 +39,33 @@ class SchedulerStats:
     waiting: int = 0
     batches: int = 0
     batched_sequences: int = 0
+    prefill_batches: int = 0
+    max_in_flight: int = 0  # the most batches that were in flight at once
+
+
+Pending = tuple[SeqInput, "asyncio.Future[SeqOutput]"]
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, max_active: int = 4, queue_depth: int = 16):
-        if max_active < 1 or queue_depth < 0:
-            raise DeltafinError("the scheduler needs at least one active slot and a queue depth >= 0")
+    def __init__(self, backend: Backend, max_active: int = 4, queue_depth: int = 16, pipeline_depth: int = 0):
+        if max_active < 1 or queue_depth < 0 or pipeline_depth < 0:
+            raise DeltafinError("the scheduler needs at least one active slot, a queue depth >= 0 and a pipeline "
+                                "depth >= 0")
         self.backend = backend
         self.max_active, self.queue_depth = max_active, queue_depth
+        self._depth = pipeline_depth
         self.stats = SchedulerStats()
         self._slots = asyncio.Semaphore(max_active)
-        self._pending: list[tuple[SeqInput, asyncio.Future[SeqOutput]]] = []
+        self._pending: list[Pending] = []
+        self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight at most: as given, or (0) one per stage of the backend; in-process stages share
+        one thread, so 1 there."""
+        return self._depth or max(1, len(getattr(self.backend, "stages", ())))
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -69,6 +89,7 @@ class Scheduler:
         """One sequence's forward, sent with whatever other sequences are ready at the same time."""
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run(), name="deltafin-batcher")
+            self._loop_task.add_done_callback(self._batcher_ended)
         future: asyncio.Future[SeqOutput] = asyncio.get_running_loop().create_future()
         self._pending.append((seq, future))
         self._wake.set()
@@ -84,63 +105,97 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._pending = self._take([(s, f) for s, f in self._pending if not f.done()])
-            if self._pending:
-                self._wake.set()  # what did not fit this batch goes in the next
-            if not batch:
-                continue
-            self.stats.batches += 1
-            self.stats.batched_sequences += len(batch)
-            call = asyncio.ensure_future(self.backend.forward([s for s, _ in batch]))
-            futures = [f for _, f in batch]
+            self._pending = [(s, f) for s, f in self._pending if not f.done()]
+            while self._pending and len(self._inflight) < self.pipeline_depth:
+                batch, self._pending = self._next_batch(self._pending)
+                task = asyncio.create_task(self._send(batch), name="deltafin-batch")
+                self._inflight.add(task)
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
+                task.add_done_callback(self._sent)
 
-            def abandon(_: asyncio.Future[SeqOutput], call: asyncio.Future = call,
-                        futures: list[asyncio.Future[SeqOutput]] = futures) -> None:
-                if all(f.cancelled() for f in futures):
-                    call.cancel()
-
-            for f in futures:
-                f.add_done_callback(abandon)
-            try:
-                outputs = await asyncio.shield(call) if not call.done() else call.result()
-            except asyncio.CancelledError:
-                if not call.cancelled():  # this loop itself is being cancelled (shutdown)
-                    call.cancel()
-                    raise
-                continue
-            except PartialFailure as e:
-                for f, result in zip(futures, e.results, strict=True):
-                    if f.done():
-                        continue
-                    if isinstance(result, BaseException):
-                        f.set_exception(result)
-                    else:
-                        f.set_result(result)
-                continue
-            except Exception as e:
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(e)
-                continue
-            for f, out in zip(futures, outputs, strict=True):
-                if not f.done():
-                    f.set_result(out)
-
-    def _take(self, pending: list[tuple[SeqInput, asyncio.Future[SeqOutput]]]) -> tuple[list, list]:
-        """The next batch, within the tokens one forward may carry (every sequence's own forward fits alone)."""
+    def _next_batch(self, pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+        """The decode steps (their share, when pipelining), plus one prompt chunk if the tokens one forward
+        may carry allow: a chunk reads nearly every expert of a layer, so the decode steps riding with it read
+        nothing more, and a stream never waits for a prompt's batch to pass before its own."""
+        decode = [p for p in pending if p[0].num_tokens == 1]
+        if decode and self.pipeline_depth > 1:
+            decode = decode[:max(1, -(-max(self.stats.active, len(decode)) // self.pipeline_depth))]
+        chunk = next((p for p in pending if p[0].num_tokens > 1), None)
         limit = self.backend.max_forward_tokens
-        if limit is None:
-            return pending, []
-        batch, tokens = [], 0
-        for i, (s, f) in enumerate(pending):
-            if batch and tokens + s.num_tokens > limit:
-                return batch, pending[i:]
-            batch.append((s, f))
-            tokens += s.num_tokens
-        return batch, []
+        room = None if limit is None else limit - len(decode)
+        if chunk is not None and room is not None and chunk[0].num_tokens > room:
+            batch = [chunk]  # it does not fit beside the streams (the engine's chunks do): alone, now
+        else:
+            batch = decode[:limit] if limit is not None else decode
+            batch += [chunk] if chunk is not None else []
+        taken = {id(p) for p in batch}
+        return batch, [p for p in pending if id(p) not in taken]
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._wake.set()  # room for the next batch
+
+    def _batcher_ended(self, task: asyncio.Task[None]) -> None:
+        """The batcher never ends but by close(); if it failed, its waiting requests fail with the reason."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("the batcher failed: %s", error, exc_info=error)
+        for _, f in self._pending:
+            if not f.done():
+                f.set_exception(DeltafinError(f"internal error in the batcher: {error}"))
+        self._pending.clear()
+
+    async def _send(self, batch: list[Pending]) -> None:
+        self.stats.batches += 1
+        self.stats.batched_sequences += len(batch)
+        self.stats.prefill_batches += any(s.num_tokens > 1 for s, _ in batch)
+        futures = [f for _, f in batch]
+        try:
+            call = asyncio.ensure_future(self.backend.forward([s for s, _ in batch]))
+        except Exception as e:
+            _fail(futures, e)
+            return
+
+        def abandon(_: asyncio.Future[SeqOutput]) -> None:
+            if all(f.cancelled() for f in futures):
+                call.cancel()
+
+        for f in futures:
+            f.add_done_callback(abandon)
+        try:
+            outputs = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if not call.cancelled():  # the scheduler itself is being closed
+                call.cancel()
+                raise
+            return
+        except PartialFailure as e:
+            for f, result in zip(futures, e.results, strict=True):
+                if f.done():
+                    continue
+                if isinstance(result, BaseException):
+                    f.set_exception(result)
+                else:
+                    f.set_result(result)
+            return
+        except Exception as e:
+            _fail(futures, e)
+            return
+        for f, out in zip(futures, outputs, strict=True):
+            if not f.done():
+                f.set_result(out)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        tasks = [t for t in (self._loop_task, *self._inflight) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+                await t
+
+
+def _fail(futures: list[asyncio.Future[SeqOutput]], error: BaseException) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_exception(error)

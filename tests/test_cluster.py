@@ -156,3 +156,32 @@ def test_workers_with_the_same_name_on_one_host_form_a_cluster(tiny_dir):
         for p in procs:
             p.stop()
     assert torch.equal(prefill, local[0]) and ids == local[1]
+def test_pipelined_batches_match_solo_runs(small_dir):
+    """--pipeline-depth 0: one batch per stage in flight; every request still gets its own greedy tokens."""
+    from deltafin.config import load_config
+    from deltafin.coordinator.engine import Engine
+    from deltafin.tokenizer import K3Tokenizer
+
+    prompts = ["alpha beta", "the experts stream", "tokens are bytes", "a Mac cluster"]
+    tok = K3Tokenizer.load(small_dir)
+
+    async def run(addresses: list[str], depth: int, which: list[str]):
+        backend, _ = await connect_cluster(ClusterSpec(small_dir, addresses=addresses, discover=False),
+                                           show_progress=False)
+        engine = Engine(backend, tok, load_config(small_dir), "small", max_active=8, pipeline_depth=depth)
+
+        async def one(prompt: str) -> list[int]:
+            return [e.token_id async for e in engine.run(tok.encode(prompt), None, max_tokens=12, ignore_eos=True)
+                    if not isinstance(e, Finished)]
+
+        try:
+            return await asyncio.gather(*(one(p) for p in which)), engine.scheduler.stats
+        finally:
+            await engine.close()
+
+    with workers(small_dir, 2) as procs:
+        addresses = [p.address for p in procs]
+        solo = [asyncio.run(run(addresses, 1, [p]))[0][0] for p in prompts]
+        together, stats = asyncio.run(run(addresses, 0, prompts))
+    assert together == solo
+    assert stats.max_in_flight == 2  # two batches, one per stage
