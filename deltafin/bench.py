@@ -243,6 +243,40 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     return result
 
 
+def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto", dtype: str = "fp32",
+                  options: Any = None) -> dict[str, Any]:
+    """Prefill prompts of each length in chunks of the stage's forward limit (options.max_forward_tokens, as
+    the engine sends them): seconds and tok/s per length, and the process's peak memory. The ids are
+    i % 700 + 5, the same prompt tests/peer/prefill_llamacpp.py gives llama.cpp."""
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.stage import SeqInput, StageOptions
+
+    options = options or StageOptions()
+    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    dev = pipe.stages[0].device
+    chunk = pipe.max_forward_tokens or options.max_forward_tokens
+    out: dict[str, Any] = {}
+    try:
+        pipe.forward([SeqInput("warm-up", 0, ids=torch.arange(min(chunk, 64)) + 5)])  # first-call costs
+        pipe.release("warm-up")
+        for n in lengths:
+            ids = torch.arange(n) % 700 + 5
+            name = f"prefill-{n}"
+            t0 = time.perf_counter()
+            for pos in range(0, n, chunk):
+                pipe.forward([SeqInput(name, pos, ids=ids[pos:pos + chunk])])
+            synchronize(dev)
+            seconds = time.perf_counter() - t0
+            pipe.release(name)
+            out[str(n)] = {"seconds": round(seconds, 3), "tok_per_s": round(n / seconds, 1)}
+        result = {"bench": "prefill", "runtime": "deltafin", "model": str(Path(model).resolve()), "device": str(dev),
+                  "dtype": dtype, "threads": torch.get_num_threads(), "chunk": chunk, "lengths": out}
+        result.update(_peak_memory(dev, pipe.stages[0].sizing))
+    finally:
+        pipe.close()
+    return result
+
+
 def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device) -> tuple[list, list[float]]:
     """Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and repeated
     tokens route to the same experts, which would flatter the cache."""

@@ -169,7 +169,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from deltafin.devices import resolve_device, resolve_dtype
         from deltafin.options import stage_options
 
+        lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
+        if lengths:  # the stage is sized for the longest prompt
+            args.context = max(args.context, *lengths)
         options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+        if lengths:
+            result = bench.bench_prefill(args.model, lengths, device=args.device, dtype=args.dtype, options=options)
+            print(json.dumps(result, indent=2))
+            return 0
         result = bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, device=args.device,
                                     dtype=args.dtype, options=options, measure_disk=not args.no_disk)
     else:
@@ -178,16 +185,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise DeltafinError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON",
                        description="--model DIR: decode speed, sized to the memory found (or --memory-gb): the JSON "
                        "has the memory plan and the peak, bytes per token (experts, spine), and when anything streams "
                        "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
-                       "--kernel: MXFP4 expert throughput (packed GB/s).")
+                       "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
+                       "tok/s by prompt length.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
+    p.add_argument("--prefill", metavar="LENGTHS", help="--model: time prefill of prompts of these lengths instead "
+                   "(comma-separated, e.g. 1024,4096,16384), in chunks of --prefill-chunk; --context becomes at "
+                   "least the longest")
     p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16)")
     p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")

@@ -37,7 +37,7 @@ GB = 1e9
 ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
 RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
 WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB; kernels/linear.py)
-SCORE_BLOCK_VALUES = 1 << 25  # fp32 attention scores of one MLA query block (128 MB; models/mla.py)
+MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values (models/mla.py)
 MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
 SPINES = ("auto", "bf16", "int8")
 
@@ -232,9 +232,8 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
     if table.mla[b] - table.mla[a]:
         heads, s = cfg.num_heads, max(context, t)
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-        expanded = s * heads * (2 * qk + v) * 4  # keys and values expanded per head (prefill)
-        scores = 3 * min(SCORE_BLOCK_VALUES, heads * t * s) * 4  # scores, mask, softmax of one query block
-        per_layer = max(per_layer, scores + expanded + 4 * t * heads * qk * 4)
+        block = min(MLA_BLOCK_BYTES, s * heads * (t + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
+        per_layer = max(per_layer, block + t * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
     ffn = cfg.intermediate_size if a < cfg.first_k_dense else cfg.moe_intermediate_size * max(
         1, cfg.num_shared_experts)
     moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim * 2) * 4 if table.moe[b] > table.moe[a] \

@@ -3,7 +3,11 @@ N stages == 1 stage (bit-identical in fp32 on the CPU), bf16 within its measured
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +43,24 @@ def test_chunked_kda_equals_recurrent():
         o32, s32 = kda.delta_rule_chunked(*(a.float() for a in args))
         per_token = (o32.double() - o_ref).norm(dim=(1, 2)) / o_ref.norm(dim=(1, 2))
         assert per_token.max() < 1e-5  # fp32, chunk 16
+
+
+def test_pair_products_split_at_the_middle_equal_the_pairwise_form():
+    """The two-matmul form (decay split at the chunk's middle) == every decay formed from its own difference,
+    at K3's bounded gate; with a decay steep enough to overflow a split factor (Kimi Linear's gate is
+    unbounded) the pairwise form is taken and the chunked rule still equals the recurrence."""
+    q, k, v, decay, beta, S0 = _delta_inputs(64, dtype=torch.float32)
+    chunks = [x.view(4, 16, 3, 16).transpose(1, 2) for x in (decay, q, k)]
+    G = chunks[0].cumsum(2)
+    split, pairwise = kda._pair_products(G, chunks[1], chunks[2]), kda._pair_products_pairwise(G, chunks[1], chunks[2])
+    for a, b in zip(split, pairwise, strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-6  # fp32, each product a rounding or two apart
+    steep = _delta_inputs(37, seed=1)
+    steep = (*steep[:3], steep[3] * 6, *steep[4:])  # up to 30 per token: 240 across half a chunk
+    o_ref, s_ref = kda.delta_rule_recurrent(*steep)
+    o, s = kda.delta_rule_chunked(*(a.float() for a in steep))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert float((o.double() - o_ref).norm() / o_ref.norm()) < 1e-5
 
 
 def test_unit_lower_inverse():
@@ -162,3 +184,53 @@ def test_synthetic_activations_stay_order_one_and_routing_spreads(small_dir):
         assert float(rms.min()) > 0.1 and float(rms.max()) < 10, (layer, rms)
     # 50 tokens x 6 active of 48 experts: at least half the experts serve some token in every MoE layer
     assert all(len(used[layer]) >= 24 for layer in cfg.moe_layers), {k: len(v) for k, v in used.items()}
+
+
+@pytest.mark.parametrize("path", ["blockwise", "fused", "dispatch"])
+def test_mla_prefill_attention_equals_one_softmax_over_all_keys(tiny_dir, monkeypatch, path):
+    """Both prefill attention paths (the online softmax over key blocks, memory O(T * block); torch's fused
+    kernel with zero-padded values) and the dispatch between them equal one softmax over all keys, for a
+    chunk of queries after earlier history, across several key blocks and a partial last one."""
+    cfg = load_config(tiny_dir)
+    g = torch.Generator().manual_seed(8)
+    h, r, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    t, s = 37, 301
+    q = torch.randn(t, h, nope + cfg.qk_rope_head_dim, generator=g)
+    lat = torch.randn(s, r + cfg.qk_rope_head_dim, generator=g)
+    kv_b = torch.randn(h * (nope + cfg.v_head_dim), r, generator=g)
+    monkeypatch.setattr(mla, "MLA_BLOCK_BYTES", 64 * 4 * mla._block_floats(cfg, t))  # 64 keys a block: 5 blocks
+    attend = {"blockwise": mla._attend_blockwise, "fused": mla._attend_fused, "dispatch": mla._attend_expanded}
+    got = attend[path](cfg, q, lat, kv_b)
+    kv = (lat[:, :r] @ kv_b.T).view(s, h, -1)
+    k = torch.cat([kv[..., :nope], lat[:, None, r:].expand(s, h, cfg.qk_rope_head_dim)], -1)
+    scores = torch.einsum("thd,shd->hts", q, k) * (nope + cfg.qk_rope_head_dim) ** -0.5
+    scores = scores.masked_fill(mla._causal_mask(t, s, q.device), float("-inf"))
+    want = torch.einsum("hts,shd->thd", torch.softmax(scores, -1), kv[..., nope:])
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-6  # fp32, sums grouped by block in another order
+
+
+def test_mla_prefill_memory_stays_bounded_at_k3_width():
+    """At K3's attention width (96 heads, keys 192 wide) a 512-token chunk after 16K tokens of history
+    would need 3.2 GB of fp32 scores at once; the prefill path stays within the workspace sizing.py counts."""
+    code = """
+import resource, torch
+from types import SimpleNamespace
+from deltafin.models import mla
+from deltafin.sizing import MLA_BLOCK_BYTES
+cfg = SimpleNamespace(num_heads=96, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
+g = torch.Generator().manual_seed(0)
+q = torch.randn(512, 96, 192, generator=g)
+lat = torch.randn(16384, 576, generator=g)
+kv_b = torch.randn(96 * 256, 512, generator=g) / 512 ** 0.5
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = mla._attend_expanded(cfg, q, lat, kv_b)
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+assert torch.isfinite(out).all() and out.shape == (512, 96, 128)
+print(grown, MLA_BLOCK_BYTES + 512 * 96 * (2 * 192 + 3 * 128) * 4)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    grown, budget = map(int, res.stdout.split())
+    # what sizing.py reserves (a 384 MB block and the per-query buffers, 554 MB; measured 430-480 MB) with 25%
+    # for the allocator and BLAS packing buffers, which vary by CPU: still under 1/4 of all scores at once
+    assert grown < 1.25 * budget < 3.2e9 / 4, (grown, budget)

@@ -10,44 +10,90 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from deltafin.config import ModelConfig
 from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
 from deltafin.models.weights import MLAWeights
-from deltafin.sizing import SCORE_BLOCK_VALUES
+from deltafin.sizing import MLA_BLOCK_BYTES
 
 
-def _causal_mask(t: int, s: int, device: torch.device, first: int | None = None) -> torch.Tensor:
-    """[T, S] True where query t (at absolute position `first` + t, by default S-T+t) may not see key s."""
-    start = s - t if first is None else first
-    q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
+def _causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """[T, S] True where query t (at absolute position S-T+t) may not see key s."""
+    q_pos = torch.arange(s - t, s, device=device).unsqueeze(1)
     return torch.arange(s, device=device).unsqueeze(0) > q_pos
 
 
-def _query_blocks(t: int, s: int, heads: int) -> range:
-    """Starts of query blocks whose [H, block, S] fp32 scores stay within SCORE_BLOCK_VALUES (bounded prefill
-    memory at any prompt length; sizing.py counts three such blocks)."""
-    return range(0, t, max(1, SCORE_BLOCK_VALUES // max(1, heads * s)))
+def _block_floats(cfg: ModelConfig, t: int) -> int:
+    """fp32 values one key costs a block of prefill: its scores for T queries, its expanded key (nope+rope)
+    and value per head, and the matmul output both come from (nope+v); the sizing model's MLA term."""
+    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.num_heads * (t + 2 * qk + 2 * v)
+
+
+def _key_block(cfg: ModelConfig, t: int) -> int:
+    """Keys per block of the blockwise loop: everything one block holds within MLA_BLOCK_BYTES."""
+    return max(64, MLA_BLOCK_BYTES // (4 * _block_floats(cfg, t)))
+
+
+def _expand(cfg: ModelConfig, lat: torch.Tensor, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents [S, r+rope] -> per-head fp32 keys [H, S, nope+rope] and values [H, S, v]."""
+    h, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    s = lat.shape[0]
+    kv = (lat[:, :r] @ kv_b.T).view(s, h, nope + cfg.v_head_dim).float().transpose(0, 1)
+    rope = lat[None, :, r:].float().expand(h, s, cfg.qk_rope_head_dim)
+    return torch.cat([kv[..., :nope], rope], dim=-1), kv[..., nope:]
+
+
+def _attend_fused(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+    """torch's fused attention (on CPU the flash kernel: keys in blocks, online softmax inside the kernel).
+    That kernel needs values as wide as keys, so values are zero-padded to the key width and the padding
+    sliced off (exact: padded columns are sums of p * 0). Keys and values of all S tokens are expanded."""
+    s, t = lat.shape[0], q.shape[0]
+    k, v = _expand(cfg, lat, kv_b)
+    dv, dk = v.shape[-1], k.shape[-1]
+    if dv < dk:
+        v = F.pad(v, (0, dk - dv))
+    visible = ~_causal_mask(t, s, q.device)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=visible)
+    return out[0, ..., :dv].transpose(0, 1)  # [T, H, v]
+
+
+def _attend_blockwise(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+    """The same attention written out for devices without a fused kernel that bounds memory (MPS): a block
+    of keys at a time with a running max and sum, memory O(T * block) at any history length S."""
+    h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+    s, t = lat.shape[0], q.shape[0]
+    first = s - t  # absolute position of the first query
+    qh = q.float().transpose(0, 1) * (nope + cfg.qk_rope_head_dim) ** -0.5  # [H, T, nope+rope]
+    q_pos = torch.arange(first, s, device=q.device).unsqueeze(1)
+    top = torch.full((h, t, 1), float("-inf"), device=q.device)
+    total = torch.zeros(h, t, 1, device=q.device)
+    acc = torch.zeros(h, t, cfg.v_head_dim, device=q.device)
+    step = _key_block(cfg, t)
+    for s0 in range(0, s, step):
+        k, v = _expand(cfg, lat[s0:s0 + step], kv_b)
+        scores = torch.bmm(qh, k.transpose(1, 2))  # [H, T, n]
+        if s0 + k.shape[1] - 1 > first:  # the block reaches past the first query: mask what it may not see
+            scores.masked_fill_(torch.arange(s0, s0 + k.shape[1], device=q.device) > q_pos, float("-inf"))
+        new_top = torch.maximum(top, scores.amax(-1, keepdim=True))  # finite: key 0 is visible to every query
+        p = scores.sub_(new_top).exp_()  # in place: one block of scores is all the loop holds
+        keep = torch.exp(top - new_top)
+        total = total * keep + p.sum(-1, keepdim=True)
+        acc = torch.baddbmm(acc * keep, p, v)
+        top = new_top
+        del k, v, scores, p  # free this block before the next one is allocated
+    return (acc / total).transpose(0, 1)  # [T, H, v]
 
 
 def _attend_expanded(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
-    """q [T,H,nope+rope], lat [S, r+rope] -> [T,H,v]: keys/values expanded per head."""
-    h, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    s, t = lat.shape[0], q.shape[0]
-    kv = (lat[:, :r] @ kv_b.T).view(s, h, nope + cfg.v_head_dim)
-    k = torch.cat([kv[..., :nope], lat[:, None, r:].expand(s, h, cfg.qk_rope_head_dim)], dim=-1).float()
-    v = kv[..., nope:].float()
-    blocks = _query_blocks(t, s, h)
-    step = blocks.step
-    outs = []
-    for t0 in blocks:
-        qb = q[t0:t0 + step].float()
-        scores = torch.einsum("thd,shd->hts", qb, k) * (nope + cfg.qk_rope_head_dim) ** -0.5
-        scores = scores.masked_fill(_causal_mask(qb.shape[0], s, q.device, s - t + t0), float("-inf"))
-        outs.append(torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    """q [T,H,nope+rope], lat [S, r+rope] -> [T,H,v]: keys and values expanded per head (prefill).
+    On CPU, torch's flash kernel while all of S fits one block (MLA_BLOCK_BYTES, what sizing.py counts);
+    otherwise, and on devices whose fused kernel may materialize every score (MPS), the blockwise loop."""
+    fused = q.device.type == "cpu" and 4 * lat.shape[0] * _block_floats(cfg, q.shape[0]) <= MLA_BLOCK_BYTES
+    return (_attend_fused if fused else _attend_blockwise)(cfg, q, lat, kv_b)
 
 
 def _attend_absorbed(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
