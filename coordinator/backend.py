@@ -73,13 +73,22 @@ class LocalBackend:
         self.executor.shutdown(wait=True)
 
 
+FORWARD_UNIT = 512  # tokens of one default prompt chunk (--prefill-chunk)
+
+
 @dataclass
 class Timeouts:
-    forward: float = 600.0  # a long prefill streams every expert of a stage once
+    forward: float = 600.0  # deadline of a forward of up to FORWARD_UNIT tokens (it may stream every expert)
     control: float = 15.0  # Info, Release, Stats, Cancel
     assign: float = 3600.0  # loading a stage of K3 reads tens of GB
     probe_interval: float = 2.0  # during a forward, ask the worker whether it is alive this often
     lost_after: float = 10.0  # a worker that has not answered for this long is lost (crashed, frozen, cut off)
+
+    def forward_deadline(self, tokens: int) -> float:
+        """A forward's deadline grows with its tokens: one chunk may read every expert of the stage (the
+        `forward` seconds), and compute grows linearly beyond a chunk. Liveness probes, not the deadline,
+        catch a dead worker; the deadline only bounds one that is alive and stuck."""
+        return self.forward * max(1.0, tokens / FORWARD_UNIT)
 
 
 class WorkerLost(DeltafinError):
@@ -156,7 +165,8 @@ class WorkerClient:
         """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
         the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise)."""
         request = pb.ForwardRequest(request_id=request_id, sequences=codec.encode_inputs(batch), all_logits=all_logits)
-        call = self.stub.Forward(request, timeout=self.timeouts.forward, metadata=self._md("Forward"))
+        tokens = sum(item.num_tokens for item in batch)
+        call = self.stub.Forward(request, timeout=self.timeouts.forward_deadline(tokens), metadata=self._md("Forward"))
         waiter = asyncio.ensure_future(self._await(call))
         last_answer = time.monotonic()
         try:

@@ -22,7 +22,7 @@ from deltafin.config import ModelConfig, load_config
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.progress import Progress
-from deltafin.sizing import SizingOptions
+from deltafin.sizing import SizingOptions, message_tokens
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
 from deltafin.transport.status import RemoteError
@@ -179,7 +179,20 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     finally:
         for bar in bars.values():
             bar.close()
-    return ClusterBackend([c for c, _ in used], min(s.sizing.forward_tokens for s in plan.stages)), plan
+    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan)), plan
+
+
+def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
+    """Tokens one forward carries: what every stage was sized for, and what keeps every message between
+    stages (and the logits coming back) under the gRPC cap, so a prompt of any length crosses each boundary
+    in bounded pieces."""
+    sized = min(s.sizing.forward_tokens for s in plan.stages)
+    fits = message_tokens(cfg, [s.start for s in plan.stages[1:]], spec.act_bytes, spec.max_message_bytes,
+                          all_logits=True)
+    if fits < sized:
+        log.info("forwards carry at most %d tokens: the %d the stages were sized for would pass the %d MB message "
+                 "limit between stages", fits, sized, spec.max_message_bytes >> 20)
+    return min(sized, fits)
 
 
 async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,

@@ -58,7 +58,8 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                      help="a worker that answers nothing for this many seconds during a forward is lost "
                      "(default 10)")
     rec.add_argument("--forward-timeout", type=float, default=600.0,
-                     help="deadline of one stage's forward (default 600: a long prefill streams many experts)")
+                     help="deadline of one stage's forward of up to 512 tokens, longer ones in proportion (default "
+                     "600: one prompt chunk may stream every expert of the stage)")
     rec.add_argument("--no-recovery", action="store_true",
                      help="fail requests when a worker is lost instead of re-planning and replaying")
     rec.add_argument("--replay-journal-tokens", type=int, default=1 << 22,

@@ -27,6 +27,7 @@ the working set fits, SizingError says so with the numbers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -243,6 +244,24 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
     widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
     weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
     return state + per_layer + logits + weight_blocks + t * d * act * 4
+
+
+def boundary_bytes_per_token(cfg: ModelConfig, layer: int, act_bytes: int) -> int:
+    """Bytes one token adds to the message that enters `layer` from the previous stage: the AttnRes state,
+    the banked blocks P and the partial block B (layer = L: what the last stage's head receives)."""
+    return (cfg.blocks_entering(layer) + 1) * cfg.hidden_size * act_bytes
+
+
+def message_tokens(cfg: ModelConfig, boundaries: Sequence[int], act_bytes: int, max_message: int,
+                   all_logits: bool = False) -> int:
+    """Tokens one forward may carry so that no message between stages (nor the fp32 logits the last stage
+    sends back, every position of them with `all_logits`) passes `max_message` bytes; 1/8 of it is left
+    for the protobuf framing and the other sequences' small fields."""
+    usable = max_message - max_message // 8
+    widest = max([boundary_bytes_per_token(cfg, b, act_bytes) for b in boundaries] or [0])
+    if all_logits:
+        widest = max(widest, cfg.vocab_size * 4)
+    return max(1, usable // widest) if widest else usable
 
 
 # ---- one stage ------------------------------------------------------------------------------------------

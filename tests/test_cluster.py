@@ -185,3 +185,56 @@ def test_pipelined_batches_match_solo_runs(small_dir):
         together, stats = asyncio.run(run(addresses, 0, prompts))
     assert together == solo
     assert stats.max_in_flight == 2  # two batches, one per stage
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
+    """16,384 prompt tokens through n worker processes, with a 1 MB gRPC message cap so that the forward
+    limit comes from the message size (the hidden states cross every boundary in pieces): the last position's
+    logits and 4 greedy steps equal single-machine mode fed the same chunks, bit for bit; each worker's peak
+    memory stays within what its stage was planned for."""
+    from deltafin.sizing import SizingOptions
+
+    length = 16384
+    prompt = (torch.arange(length) % 700 + 5).tolist()
+
+    async def drive(backend, chunk: int) -> tuple[torch.Tensor, list[int]]:
+        out = None
+        for pos in range(0, length, chunk):
+            out = (await backend.forward([SeqInput("long", pos, ids=torch.tensor(prompt[pos:pos + chunk]))]))[0]
+        first, ids = out.logits.clone(), []
+        for step in range(4):
+            ids.append(int(out.logits[-1].argmax()))
+            out = (await backend.forward([SeqInput("long", length + step, ids=torch.tensor(ids[-1:]))]))[0]
+        await backend.release(["long"])
+        return first, ids
+
+    with workers(tiny_dir, n) as procs:
+        spec = ClusterSpec(tiny_dir, addresses=[p.address for p in procs], discover=False,
+                           sizing=SizingOptions(sequences=1, context=length + 8), max_message_bytes=1 << 20)
+
+        async def run():
+            backend, plan = await connect_cluster(spec, show_progress=False)
+            try:
+                chunk = backend.max_forward_tokens
+                result = await drive(backend, chunk)
+                return chunk, result, await backend.stats()
+            finally:
+                await backend.close()
+
+        chunk, (logits, ids), stats = asyncio.run(run())
+    assert chunk < 512  # the message cap, not the stages' sizing, set it
+    local = LocalBackend(LocalPipeline.load(tiny_dir, 1, device="cpu"))
+
+    async def run_local():
+        try:
+            return await drive(local, chunk)
+        finally:
+            await local.close()
+
+    want_logits, want_ids = asyncio.run(run_local())
+    assert torch.equal(logits, want_logits) and ids == want_ids
+    for s in stats:
+        print(f"{s['name']}: layers {s['layers']}, peak RSS {s['rss_peak_bytes'] / 1e9:.2f} GB, "
+              f"planned {s['plan']['total'] / 1e9:.2f} GB")
+        assert s["rss_peak_bytes"] < s["plan"]["total"]

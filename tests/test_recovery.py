@@ -109,3 +109,39 @@ async def test_the_journal_is_bounded(tiny_dir: Path) -> None:
         await rc.forward([_step(sid, 0, [1, 2, 3, 4])])
     assert list(rc.journal) == ["b", "c"] and rc.journal_size == 8  # "a", the least recent, lost its record
     await asyncio.sleep(0)
+
+
+def test_forward_deadlines_grow_with_their_tokens():
+    from deltafin.coordinator.backend import FORWARD_UNIT, Timeouts
+
+    t = Timeouts(forward=600.0)
+    assert t.forward_deadline(1) == t.forward_deadline(FORWARD_UNIT) == 600.0
+    assert t.forward_deadline(4 * FORWARD_UNIT) == 2400.0
+
+
+async def test_a_forward_carries_the_deadline_of_its_tokens():
+    """A Forward of 1,536 tokens (two sequences) gets three times the deadline of one 512-token chunk; a
+    decode step gets the one-chunk deadline."""
+    from deltafin.coordinator.backend import Timeouts, WorkerClient
+    from deltafin.transport.generated import deltafin_pb2 as pb
+
+    deadlines = []
+
+    class Stub:
+        def Forward(self, request, timeout, metadata):  # the gRPC method's name
+            deadlines.append(timeout)
+
+            async def answer():
+                return pb.ForwardResponse()
+
+            call = asyncio.ensure_future(answer())
+            return call
+
+    client = WorkerClient("127.0.0.1:1", timeouts=Timeouts(forward=100.0))
+    client.stub = Stub()
+    try:
+        await client.forward([_step("a", 0, list(range(1024))), _step("b", 0, list(range(512)))], False, "r")
+        await client.forward([_step("a", 1024, [7])], False, "r")
+    finally:
+        await client.close()
+    assert deadlines == [300.0, 100.0]

@@ -213,3 +213,20 @@ def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
     assert sizes[1] < sizes[0]
     s = choose(k3, 0, 93, Placement("cpu"), Budget((sizes[0] + sizes[1]) // 2), opts)
     assert len(s.resident_layers) == 1
+
+
+def test_forwards_are_cut_to_what_a_message_between_stages_holds(k3):
+    """At K3's width a token entering layer 90 carries 8 banked AttnRes blocks and the partial one:
+    9 * 7168 * 4 B = 258,048 B in fp32, so 7/8 of a 1 GiB message holds 3,640 tokens (bf16: 7,281); every
+    position's fp32 logits (163,840 * 4 B a token) hold 1,433."""
+    from deltafin.sizing import boundary_bytes_per_token, message_tokens
+
+    assert k3.blocks_entering(90) == 8
+    assert boundary_bytes_per_token(k3, 90, 4) == 9 * 7168 * 4
+    gib = 1 << 30
+    assert message_tokens(k3, [30, 60, 90], 4, gib) == (gib - gib // 8) // (9 * 7168 * 4) == 3640
+    assert message_tokens(k3, [90], 2, gib) == 7281
+    assert message_tokens(k3, [90], 4, gib, all_logits=True) == 1433
+    assert message_tokens(k3, [12], 4, gib) == (gib - gib // 8) // (2 * 7168 * 4)  # early: fewer blocks
+    assert message_tokens(k3, [90], 4, 1000) == 1  # never zero: one token always goes
+
