@@ -19,6 +19,7 @@ import grpc
 
 from deltafin.errors import DeltafinError
 from deltafin.pipeline import LocalPipeline
+from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
@@ -34,9 +35,16 @@ class Backend(Protocol):
         """Tokens one forward may carry (the stages were sized for it); None: no limit."""
         ...
 
+    @property
+    def prefix_stages(self) -> list[PrefixBudget]:
+        """What every stage keeps prefixes within, for the coordinator's prefix index."""
+        ...
+
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
 
-    async def release(self, session_ids: list[str]) -> None: ...
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+        """Free sessions; with `keep_as` (one id each, "" to free), keep each one's state as that prefix."""
+        ...
 
     async def stats(self) -> list[dict[str, Any]]: ...
 
@@ -57,11 +65,16 @@ class LocalBackend:
     def max_forward_tokens(self) -> int | None:
         return self.pipeline.max_forward_tokens
 
+    @property
+    def prefix_stages(self) -> list[PrefixBudget]:
+        return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize) for s in self.pipeline.stages]
+
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
 
-    async def release(self, session_ids: list[str]) -> None:
-        await self._run(lambda: [self.pipeline.release(s) for s in session_ids])
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+        keep = keep_as or [""] * len(session_ids)
+        await self._run(lambda: [self.pipeline.release(s, k or None) for s, k in zip(session_ids, keep, strict=True)])
 
     async def stats(self) -> list[dict[str, Any]]:
         return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
@@ -193,10 +206,10 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
 
-    async def release(self, session_ids: list[str]) -> int:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> int:
         try:
-            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids), timeout=self.timeouts.control,
-                                        metadata=self._md("Release"))
+            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids, keep_as=keep_as or []),
+                                        timeout=self.timeouts.control, metadata=self._md("Release"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return r.released
@@ -224,17 +237,18 @@ class WorkerClient:
 class ClusterBackend:
     """Stages on workers, called in layer order by the coordinator."""
 
-    def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None):
+    def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
+                 prefix_stages: list[PrefixBudget] | None = None):
         self.stages = sorted(stages, key=lambda w: w.start)
         self.max_forward_tokens = max_forward_tokens
+        self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         request_id = uuid.uuid4().hex
         outputs: list[SeqOutput] = []
         for i, worker in enumerate(self.stages):
             if i > 0:
-                batch = [SeqInput(b.session_id, b.cache_len, state=o.state) for b, o in zip(batch, outputs,
-                                                                                            strict=True)]
+                batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
             try:
                 outputs = await worker.forward(batch, all_logits, request_id)
             except asyncio.CancelledError:
@@ -247,8 +261,8 @@ class ClusterBackend:
         with contextlib.suppress(RemoteError):  # best effort: the worker also stops when the call's deadline passes
             await worker.cancel(request_id)
 
-    async def release(self, session_ids: list[str]) -> None:
-        await asyncio.gather(*(w.release(session_ids) for w in self.stages), return_exceptions=True)
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+        await asyncio.gather(*(w.release(session_ids, keep_as) for w in self.stages), return_exceptions=True)
 
     async def stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(w.stats() for w in self.stages)))

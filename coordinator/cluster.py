@@ -21,6 +21,7 @@ from deltafin.checkpoint import fingerprint
 from deltafin.config import ModelConfig, load_config
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
+from deltafin.prefixes import PrefixBudget
 from deltafin.progress import Progress
 from deltafin.sizing import SizingOptions, message_tokens
 from deltafin.transport.auth import ClusterSecurity
@@ -135,7 +136,8 @@ def stage_options(stage: StagePlan, spec: ClusterSpec) -> dict[str, Any]:
     z = stage.sizing
     return {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
             "spine": z.spine, "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
-            "session_bytes": z.sessions, "sequences": spec.sizing.sequences, "context": spec.sizing.context,
+            "session_bytes": z.sessions, "prefix_bytes": z.prefixes, "sequences": spec.sizing.sequences,
+            "context": spec.sizing.context,
             "max_forward_tokens": z.forward_tokens, "max_resident_layers": spec.sizing.max_resident_layers}
 
 
@@ -179,7 +181,9 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     finally:
         for bar in bars.values():
             bar.close()
-    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan)), plan
+    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes)
+                for s in sorted(plan.stages, key=lambda s: s.start)]
+    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan), prefixes), plan
 
 
 def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:

@@ -135,7 +135,7 @@ async def run_demo(args: argparse.Namespace) -> int:
         backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False))
         print(plan.table(), file=sys.stderr)
         tokenizer = K3Tokenizer.load(model)
-        engine = Engine(backend, tokenizer, cfg, model.name)
+        engine = Engine(backend, tokenizer, cfg, model.name, prefix_cache=True)
         try:
             options = ChatOptions(thinking=False)
             ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], options)

@@ -13,11 +13,13 @@ from typing import Any
 
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
+from deltafin.prefixes import PrefixBudget
 from deltafin.sampling import SamplingParams
 from deltafin.tokenizer import K3Tokenizer
 
 from .backend import Backend
 from .generation import Finished, Request, TextView, TokenEvent, generate
+from .prefix import PrefixIndex, PrefixSession, stage_shares
 from .scheduler import Scheduler
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
@@ -43,13 +45,16 @@ class Counters:
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
                  max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
-                 default_max_tokens: int = 4096, pipeline_depth: int = 0):
+                 default_max_tokens: int = 4096, pipeline_depth: int = 0, prefix_cache: bool = False):
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
         self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth)
         self.counters = Counters()
+        # token prefixes whose state the stages keep (coordinator/prefix.py); None: every request prefills
+        self.prefixes = PrefixIndex(cfg) if prefix_cache else None
+        self._prefix_stages: list[PrefixBudget] = []
         self.started = time.time()
         ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
         if cfg.eos_token_id is not None:
@@ -74,6 +79,7 @@ class Engine:
                       prefill_chunk=self._prefill_chunk())
         c = self.counters
         async with self.scheduler.slot():
+            req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
             c.requests += 1
             c.prompt_tokens += len(prompt_ids)
             outcome = "cancelled"  # until the generation finishes or fails
@@ -97,6 +103,19 @@ class Engine:
                     c.failed += 1
                 elif outcome == "cancelled":
                     c.cancelled += 1
+
+    async def _prefix_session(self, prompt_ids: list[int]) -> PrefixSession | None:
+        if self.prefixes is None:
+            return None
+        stages = list(self.backend.prefix_stages)
+        if stages != self._prefix_stages:  # first use, or the cluster was planned again
+            self._prefix_stages = stages
+            evicted = self.prefixes.reshape(stage_shares(self.cfg, stages))
+            if evicted:
+                await self.scheduler.release_prefixes(evicted)
+        if not self.prefixes.enabled:
+            return None
+        return PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
 
     def _prefill_chunk(self) -> int | None:
         """Prompt tokens per forward: what the stages take, less room for every active stream's decode step to

@@ -27,10 +27,14 @@ from deltafin.chat import Delta
 from deltafin.sampling import Choice, Sampler, SamplingParams, StopMatcher
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer, StreamDecoder
+from deltafin.transport.status import is_prefix_missing
+
+from .prefix import PrefixSession
 
 # One sequence's forward, batched with other requests' by the scheduler (or run alone).
 Forward = Callable[[SeqInput], Awaitable[SeqOutput]]
-Release = Callable[[str], Awaitable[None]]
+# Free a session, or keep its state as the prefix named by the second argument.
+Release = Callable[[str, str | None], Awaitable[None]]
 
 
 class TextView(Protocol):
@@ -74,6 +78,7 @@ class TokenEvent:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens resumed from a kept prefix instead of prefilled
 
     @property
     def total_tokens(self) -> int:
@@ -115,6 +120,7 @@ class Request:
     return_logits: bool = False
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
+    prefix: PrefixSession | None = None  # resume from and keep prefixes (coordinator/prefix.py); None: never
 
 
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
@@ -131,10 +137,12 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
     reason, stopped_by = "length", None
     t0 = time.monotonic()
     t_prefill = 0.0
+    prefix = req.prefix
+    consistent = False  # every forward so far succeeded: the state has seen the prompt and `fed`
+    fed: list[int] = []  # generated tokens fed back
     try:
-        step = req.prefill_chunk or length
-        for pos in range(0, length, step):  # a long prompt in the chunks the stages were sized for
-            out = await forward(SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:pos + step])))
+        out = await _prefill(forward, release, req)
+        consistent = True
         t_prefill = time.monotonic() - t0
         while True:
             row = out.logits[-1].float()  # type: ignore[index]
@@ -155,7 +163,10 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             yield TokenEvent(token, delta, choice, row if req.return_logits else None)
             if produced >= req.max_tokens:
                 break
+            consistent = False
             out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token])))
+            consistent = True
+            fed.append(token)
             length += 1
         tail = Delta() if reason == "stop" and isinstance(stopped_by, str) else view.flush()
         if stops is not None and not isinstance(stopped_by, str):
@@ -163,7 +174,39 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             tail.content += "" if hit is not None else stops.flush()
             if hit is not None:
                 reason, stopped_by = "stop", hit
-        yield Finished(reason, Usage(len(req.prompt_ids), produced), tail,
+        cached = prefix.cached_tokens if prefix is not None else 0
+        yield Finished(reason, Usage(len(req.prompt_ids), produced, cached), tail,
                        Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by)
     finally:
-        await release(req.session_id)
+        keep = await prefix.finish(req.prompt_ids + fed) if prefix is not None and consistent else None
+        await release(req.session_id, keep)
+
+
+async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutput:
+    """Feed the prompt in the chunks the stages were sized for, from the kept prefix the request resumes
+    (if any), keeping state where the prefix session asks. A prefix a stage no longer holds: start over."""
+    prefix, length = req.prefix, len(req.prompt_ids)
+    step = req.prefill_chunk or length
+    start = prefix.cached_tokens if prefix is not None else 0
+    pos, out = start, None
+    while pos < length:
+        end = min(pos + step, length)
+        save = await prefix.save_point(pos, end) if prefix is not None else None
+        resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
+            else None
+        item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
+                        save_as=save)
+        try:
+            out = await forward(item)
+        except Exception as e:
+            if save is not None:
+                prefix.failed(save)  # type: ignore[union-attr]
+            if resume is None or not is_prefix_missing(e):
+                raise
+            prefix.missing()  # type: ignore[union-attr]
+            await release(req.session_id, None)  # stages that did resume hold a partial session
+            start = pos = 0
+            continue
+        pos = end
+    assert out is not None
+    return out

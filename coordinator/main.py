@@ -185,7 +185,8 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
                         probe_interval=min(2.0, args.worker_timeout / 3))
     explicit = explicit_options(args)
     sizing = SizingOptions(spine=args.spine, expert_cache_bytes=explicit["expert_cache_bytes"],
-                           sequences=args.sequences, context=args.context, forward_tokens=args.prefill_chunk,
+                           prefix_bytes=explicit["prefix_bytes"], sequences=args.sequences, context=args.context,
+                           forward_tokens=args.prefill_chunk,
                            read_threads=args.threads, max_resident_layers=args.max_resident_layers,
                            spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))))
     return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
@@ -204,7 +205,7 @@ async def open_engine(args: argparse.Namespace, name: str | None = None, **servi
     cfg = load_config(args.model)
     tokenizer = K3Tokenizer.load(args.model)
     backend = await open_backend(args)
-    return Engine(backend, tokenizer, cfg, name or Path(args.model).resolve().name, **serving)
+    return Engine(backend, tokenizer, cfg, name or Path(args.model).resolve().name, prefix_cache=True, **serving)
 
 
 async def cmd_plan(args: argparse.Namespace) -> int:

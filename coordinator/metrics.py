@@ -50,14 +50,27 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
              [({}, len(recoveries))])
     w.metric("deltafin_cluster_last_recovery_seconds", "gauge", "Duration of the last recovery (re-plan and "
              "stage loads; replay comes after).", [({}, recoveries[-1].seconds if recoveries else 0.0)])
+    if engine.prefixes is not None:
+        pc = engine.prefixes.counters
+        w.metric("deltafin_prefix_lookups_total", "counter", "Requests that looked for a kept prefix of their prompt.",
+                 [({}, pc.lookups)])
+        w.metric("deltafin_prefix_hits_total", "counter", "Requests that resumed from a kept prefix.",
+                 [({}, pc.hits)])
+        w.metric("deltafin_prefix_tokens_saved_total", "counter", "Prompt tokens resumed instead of prefilled.",
+                 [({}, pc.tokens_saved)])
+        w.metric("deltafin_prefix_entries", "gauge", "Prefixes the stages keep.", [({}, len(engine.prefixes.entries))])
+        w.metric("deltafin_prefix_evicted_total", "counter", "Kept prefixes dropped for room.", [({}, pc.evicted)])
+        w.metric("deltafin_prefix_missing_total", "counter", "Kept prefixes a stage no longer had (the request "
+                 "prefilled from the start).", [({}, pc.missing)])
     per: dict[str, list[tuple[dict[str, Any], float]]] = {k: [] for k in (
-        "tokens", "sessions", "session_bytes", "bytes_read", "lookups", "hits", "hit_rate", "spine")}
+        "tokens", "sessions", "session_bytes", "prefix_bytes", "bytes_read", "lookups", "hits", "hit_rate", "spine")}
     for stats in workers:
         label = {"worker": stats.get("name", "?")}
         experts = stats.get("experts") or {}
         per["tokens"].append((label, stats.get("tokens", 0)))
         per["sessions"].append((label, stats.get("sessions", 0)))
         per["session_bytes"].append((label, stats.get("session_bytes", 0)))
+        per["prefix_bytes"].append((label, stats.get("prefix_bytes", 0)))
         per["spine"].append((label, stats.get("spine_streamed_bytes", 0)))
         if experts:
             per["bytes_read"].append((label, experts.get("bytes_read", 0)))
@@ -67,6 +80,7 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
     w.metric("deltafin_worker_tokens_total", "counter", "Tokens through each worker's stage.", per["tokens"])
     w.metric("deltafin_worker_sessions", "gauge", "Open sessions (sequence caches) on each worker.", per["sessions"])
     w.metric("deltafin_worker_session_bytes", "gauge", "Bytes held by session caches.", per["session_bytes"])
+    w.metric("deltafin_worker_prefix_bytes", "gauge", "Bytes held by kept prefixes.", per["prefix_bytes"])
     w.metric("deltafin_worker_expert_bytes_read_total", "counter", "Expert bytes read from the disk.",
              per["bytes_read"])
     w.metric("deltafin_worker_spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.",

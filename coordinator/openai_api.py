@@ -20,6 +20,8 @@ from deltafin.chat import EFFORTS, ChatOptions, Delta, ToolCall
 from deltafin.sampling import Choice, SamplingError, SamplingParams
 from deltafin.tokenizer import K3Tokenizer
 
+from .generation import Usage
+
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -269,9 +271,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(u: Usage) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens resumed from a kept prefix (not prefilled)."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def model_card(name: str, created: float) -> dict[str, Any]:
@@ -330,7 +333,7 @@ def chat_delta(delta: Delta, ids: list[str], first_index: int) -> dict[str, Any]
 
 
 def chunk(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-          usage_: dict[str, int] | None = None) -> dict[str, Any]:
+          usage_: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model,
                             "choices": choices}
     if usage_ is not None:

@@ -3,7 +3,9 @@
 `ResilientCluster` wraps the ClusterBackend. For every live session it records the token ids fed to
 stage 0 and how they were chunked (prompt, then one token per step): 4 bytes per token plus 4 per
 forward, at most `journal_tokens` tokens in all (the least recently used sessions lose their record
-first, and would fail rather than recover). Hub routing makes that enough: every stage's input is a
+first, and would fail rather than recover; kept prefixes' records go before any live session's). A
+session resumed from a kept prefix starts with that prefix's record, so it too replays from token 0.
+Hub routing makes that enough: every stage's input is a
 deterministic function of those ids, so replaying them in the same chunks rebuilds every cache exactly,
 bit for bit on the same devices and dtypes, and greedy decoding continues with the same tokens.
 
@@ -38,6 +40,7 @@ import torch
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan
+from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.status import RemoteError
 
@@ -67,6 +70,9 @@ class RecoveryOptions:
 class _Journal:
     ids: array = field(default_factory=lambda: array("i"))  # every token fed to stage 0, in order
     chunks: array = field(default_factory=lambda: array("i"))  # the length of each forward that fed them
+
+    def copy(self) -> _Journal:
+        return _Journal(array("i", self.ids), array("i", self.chunks))
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class ResilientCluster:
         self.spec, self.cfg, self.backend, self.plan = spec, cfg, backend, plan
         self.options = options or RecoveryOptions()
         self.journal: OrderedDict[str, _Journal] = OrderedDict()
+        self.prefix_journal: OrderedDict[str, _Journal] = OrderedDict()  # kept prefixes: how their state was fed
         self.journal_size = 0
         self.stale: set[str] = set()
         self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.stages)]))
@@ -143,6 +150,10 @@ class ResilientCluster:
     @property
     def max_forward_tokens(self) -> int | None:
         return self.backend.max_forward_tokens
+
+    @property
+    def prefix_stages(self) -> list[PrefixBudget]:
+        return self.backend.prefix_stages
 
     @property
     def stages(self) -> list[Any]:
@@ -173,10 +184,17 @@ class ResilientCluster:
                     raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
                 await self.recover(str(e), [b.session_id for b in batch])
 
-    async def release(self, session_ids: list[str]) -> None:
-        for sid in session_ids:
-            self._forget(sid)
-        await self.backend.release(session_ids)
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+        for sid, keep in zip(session_ids, keep_as or [""] * len(session_ids), strict=True):
+            j = self.journal.get(sid)
+            if keep and j is not None:  # the kept prefix is rebuilt the way the session was
+                self.journal.pop(sid)
+                self.stale.discard(sid)
+                self.prefix_journal[keep] = j
+            else:
+                self._forget(sid)
+                self._forget_prefix(sid)
+        await self.backend.release(session_ids, keep_as)
 
     async def stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()
@@ -198,6 +216,11 @@ class ResilientCluster:
                 continue
             if item.cache_len == 0:
                 self._forget(item.session_id)
+            if item.resume_from and item.session_id not in self.journal:
+                kept = self.prefix_journal.get(item.resume_from)
+                if kept is not None:  # a resumed session replays from token 0 the way its prefix was fed
+                    self.journal[item.session_id] = kept.copy()
+                    self.journal_size += len(kept.ids)
             j = self.journal.setdefault(item.session_id, _Journal())
             if len(j.ids) != item.cache_len:  # not a continuation of what was recorded: cannot replay it
                 self._forget(item.session_id)
@@ -206,6 +229,11 @@ class ResilientCluster:
             j.chunks.append(item.num_tokens)
             self.journal_size += item.num_tokens
             self.journal.move_to_end(item.session_id)
+            if item.save_as:
+                self.prefix_journal[item.save_as] = j.copy()
+                self.journal_size += len(j.ids)
+        while self.journal_size > self.options.journal_tokens and self.prefix_journal:
+            self._forget_prefix(next(iter(self.prefix_journal)))
         while self.journal_size > self.options.journal_tokens and len(self.journal) > 1:
             sid, _ = next(iter(self.journal.items()))
             log.warning("session %s no longer fits the replay journal; it cannot survive a worker loss", sid[:8])
@@ -216,6 +244,11 @@ class ResilientCluster:
         if j is not None:
             self.journal_size -= len(j.ids)
         self.stale.discard(sid)
+
+    def _forget_prefix(self, prefix_id: str) -> None:
+        j = self.prefix_journal.pop(prefix_id, None)
+        if j is not None:
+            self.journal_size -= len(j.ids)
 
     def _mark_stale(self, sids: Any) -> None:
         self.stale.update(s for s in sids if s in self.journal)

@@ -95,11 +95,19 @@ class Scheduler:
         self._wake.set()
         return await future
 
-    async def release(self, session_id: str) -> None:
+    async def release(self, session_id: str, keep_as: str | None = None) -> None:
+        """Free a session (or keep it as the prefix `keep_as`)."""
         try:
-            await self.backend.release([session_id])
+            await self.backend.release([session_id], [keep_as] if keep_as else None)
         except Exception as e:  # a worker that is gone has nothing left to free
             log.warning("could not release session %s: %s", session_id[:8], e)
+
+    async def release_prefixes(self, prefix_ids: list[str]) -> None:
+        """Drop kept prefixes on every stage (the prefix index evicted them)."""
+        try:
+            await self.backend.release(prefix_ids)
+        except Exception as e:
+            log.warning("could not drop %d kept prefixes: %s", len(prefix_ids), e)
 
     async def _run(self) -> None:
         while True:

@@ -182,7 +182,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         assert end is not None
         return web.json_response(oa.chunk("text_completion", rid, created, p.model, [
             choice("".join(text), lp.as_dict() if want_logprobs else None, end.reason)],
-            oa.usage(end.usage.prompt_tokens, end.usage.completion_tokens)))
+            oa.usage(end.usage)))
 
     sse = _Sse(request)
     await sse.start()
@@ -198,7 +198,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                                                                       e.reason)]))
             if p.include_usage:
                 await sse.send(oa.chunk("text_completion", rid, created, p.model, [],
-                                        oa.usage(e.usage.prompt_tokens, e.usage.completion_tokens)))
+                                        oa.usage(e.usage)))
             return
         lp = None
         if want_logprobs and e.token_id not in stop_ids:
@@ -252,7 +252,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             message["tool_calls"] = calls
         return web.json_response(oa.chunk("chat.completion", rid, created, p.model, [
             {"index": 0, "message": message, "logprobs": {"content": lps} if want_logprobs else None,
-             "finish_reason": reason_of(end)}], oa.usage(end.usage.prompt_tokens, end.usage.completion_tokens)))
+             "finish_reason": reason_of(end)}], oa.usage(end.usage)))
 
     sse = _Sse(request)
     await sse.start()
@@ -272,7 +272,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason_of(e)}]))
             if p.include_usage:
                 await sse.send(oa.chunk(kind, rid, created, p.model, [],
-                                        oa.usage(e.usage.prompt_tokens, e.usage.completion_tokens)))
+                                        oa.usage(e.usage)))
         elif delta or lp is not None:
             await sse.send(oa.chunk(kind, rid, created, p.model, [
                 {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]))

@@ -34,6 +34,10 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
                    help=f"sequences the memory plan keeps caches for (default {sequences})")
     g.add_argument("--context", type=int, default=4096,
                    help="tokens per sequence the memory plan reserves caches and attention room for (default 4096)")
+    g.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="keep sequence state after a request within this many GB, so that a request that starts "
+                   "with the same tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: "
+                   "as much as the sequences' caches: --sequences states at --context tokens)")
     g.add_argument("--prefill-chunk", type=int, default=512,
                    help="most tokens one forward carries; longer prompts go in chunks (default 512)")
     g.add_argument("--max-resident-layers", type=int, default=None,
@@ -56,7 +60,7 @@ def check_stage_args(args: argparse.Namespace) -> None:
     for name in ("sequences", "context", "prefill_chunk", "threads"):
         if getattr(args, name) < 1:
             raise DeltafinError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("memory_gb", "expert_cache_gb", "max_resident_layers"):
+    for name in ("memory_gb", "expert_cache_gb", "prefix_cache_gb", "max_resident_layers"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise DeltafinError(f"--{name.replace('_', '-')} must not be negative")
@@ -70,7 +74,8 @@ def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
     check_stage_args(args)
     select_kernels(args.kernels)
     gb = lambda v: None if v is None else int(v * GB)
-    return {"spine": args.spine, "expert_cache_bytes": gb(args.expert_cache_gb), "io": args.io,
+    return {"spine": args.spine, "expert_cache_bytes": gb(args.expert_cache_gb),
+            "prefix_bytes": gb(args.prefix_cache_gb), "io": args.io,
             "read_threads": args.threads, "cache_policy": args.policy, "prefetch": not args.no_prefetch,
             "sequences": args.sequences, "context": args.context, "max_forward_tokens": args.prefill_chunk,
             "max_resident_layers": args.max_resident_layers}

@@ -54,14 +54,13 @@ class LocalPipeline:
         outputs: list[SeqOutput] = []
         for i, stage in enumerate(self.stages):
             if i > 0:
-                batch = [SeqInput(b.session_id, b.cache_len, state=o.state) for b, o in zip(batch, outputs,
-                                                                                            strict=True)]
+                batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
             outputs = stage.forward(batch, all_logits=all_logits)
         return outputs
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: str, keep_as: str | None = None) -> None:
         for stage in self.stages:
-            stage.release(session_id)
+            stage.release(session_id, keep_as)
 
     def close(self) -> None:
         for stage in self.stages:

@@ -73,6 +73,7 @@ class SizingOptions:
     spine: str = "auto"  # auto | bf16 | int8
     expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
     session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
+    prefix_bytes: int | None = None  # prefix cache; None: as much as the sessions (a kept state each); 0: off
     sequences: int = 4
     context: int = 4096
     forward_tokens: int = 512  # most tokens one forward takes (longer prompts go in several)
@@ -286,6 +287,7 @@ class StageSizing:
     expert_staging: int  # host: the store's read slots
     expert_landing: int  # device: slots that landed reads are copied into (GPUs)
     sessions: int
+    prefixes: int  # sequence state kept after its request, for the next request that shares its prefix
     workspace: int
     overhead: int  # host: the runtime
     forward_tokens: int
@@ -294,7 +296,7 @@ class StageSizing:
     discrete: bool = False  # host parts live apart from the device's memory
 
     PARTS = ("layers", "top", "stream_buffers", "stream_copies", "expert_cache", "expert_staging", "expert_landing",
-             "sessions", "workspace", "overhead")
+             "sessions", "prefixes", "workspace", "overhead")
     HOST_PARTS = ("stream_buffers", "expert_staging", "overhead")
 
     @property
@@ -358,8 +360,9 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         share = min(1.0, cache_slots / (n_moe * cfg.num_experts)) if n_moe else 0.0
         per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * (1 - share))
     n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
-    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * sequence_bytes(
-        cfg, n_kda, n_mla, options.context, place.act_bytes)
+    one = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
+    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * one
+    prefixes = options.prefix_bytes if options.prefix_bytes is not None else sessions
     last = end == cfg.num_layers
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
@@ -368,8 +371,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         stream_buffers=2 * max((t.span[i] for i in streamed), default=0),
         stream_copies=2 * max((t.stream_copy[i] for i in streamed), default=0),
         experts_resident=expert_cache is None, expert_cache=cache, expert_staging=staging, expert_landing=landing,
-        sessions=sessions, workspace=workspace_bytes(cfg, t, start, end, options.forward_tokens, options.context,
-                                                     last),
+        sessions=sessions, prefixes=prefixes,
+        workspace=workspace_bytes(cfg, t, start, end, options.forward_tokens, options.context, last),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens,
         spine_bytes_per_token=sum(t.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete)

@@ -8,6 +8,7 @@ every session as it was before the call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from deltafin.models.common import activation
 from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
 from deltafin.models.moe import route
 from deltafin.models.weights import ExpertWeights
+from deltafin.prefixes import PrefixStore
 from deltafin.quant import Int8Weight, quantize_int8_rows
 from deltafin.sizing import (
     SPINES,
@@ -72,6 +74,10 @@ class Cancelled(StageError):
     pass
 
 
+class PrefixNotFound(StageError):
+    """A sequence asked to resume from a prefix this stage does not hold (evicted, or never kept)."""
+
+
 @dataclass(frozen=True)
 class SeqInput:
     """One sequence of a forward call: `ids` [T] for stage 0, else the residual state of T tokens."""
@@ -80,10 +86,16 @@ class SeqInput:
     cache_len: int  # tokens already in the session's cache (0 starts a new session)
     ids: torch.Tensor | None = None
     state: ResidualState | None = None
+    resume_from: str | None = None  # a new session starts from this prefix (of cache_len tokens)
+    save_as: str | None = None  # after this forward, keep the session's state as this prefix too
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0]) if self.ids is not None else self.state.num_tokens  # type: ignore[union-attr]
+
+    def carrying(self, state: ResidualState) -> SeqInput:
+        """The same sequence for the next stage: the previous stage's output instead of ids."""
+        return dataclasses.replace(self, ids=None, state=state)
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,7 @@ class StageOptions:
     prefetch: bool = True
     prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
     session_bytes: int | None = None  # budget for session caches (None: `sequences` x `context` with a budget)
+    prefix_bytes: int | None = None  # prefix cache (None: as much as the session budget; 0: off)
     sequences: int = 4  # sequences the session budget is planned for
     context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
     max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
@@ -124,7 +137,8 @@ class StageOptions:
 
     def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
-                             session_bytes=self.session_bytes, sequences=self.sequences, context=self.context,
+                             session_bytes=self.session_bytes, prefix_bytes=self.prefix_bytes,
+                             sequences=self.sequences, context=self.context,
                              forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
                              max_resident_layers=self.max_resident_layers, spans=spans)
 
@@ -197,6 +211,7 @@ class Stage:
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
         self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
+        self.prefixes = PrefixStore(self.sizing.prefixes)
         self.timings = StageTimings()
 
     @property
@@ -241,11 +256,18 @@ class Stage:
 
     # ---- sessions ----------------------------------------------------------------------------------
 
-    def release(self, session_id: str) -> bool:
-        """Free a session's caches; False if it did not exist."""
+    def release(self, session_id: str, keep_as: str | None = None) -> bool:
+        """Free a session's caches, or with `keep_as` turn them into that prefix (nothing is copied); an id
+        that names a prefix instead drops it. False if neither existed."""
         self.evicted.pop(session_id, None)
         self.last_used.pop(session_id, None)
-        return self.sessions.pop(session_id, None) is not None
+        cache = self.sessions.pop(session_id, None)
+        if cache is None:
+            return self.prefixes.drop(session_id)
+        if keep_as:
+            cache.forget_snapshot()
+            self.prefixes.keep(keep_as, cache)
+        return True
 
     def session_bytes(self) -> int:
         return sum(c.nbytes for c in self.sessions.values())
@@ -277,6 +299,8 @@ class Stage:
             self.last_used[sid] = time.monotonic()
             return cache
         cache = self.sessions.get(sid)
+        if cache is None and item.resume_from:
+            cache = self._resume(item, pinned)
         if cache is None:
             why = self.evicted.get(sid)
             raise SessionNotFound(f"session {sid!r} is not on this stage"
@@ -287,6 +311,21 @@ class Stage:
         self.sessions.move_to_end(sid)
         self.last_used[sid] = time.monotonic()
         self._make_room(cache.growth(item.num_tokens), pinned)
+        return cache
+
+    def _resume(self, item: SeqInput, pinned: set[str]) -> SequenceCache:
+        """A new session from a kept prefix of exactly cache_len tokens."""
+        kept = self.prefixes.get(item.resume_from or "")
+        if kept is None:
+            raise PrefixNotFound(f"prefix {item.resume_from!r} is not on stage [{self.start}, {self.end}) (evicted or "
+                                 "never kept); start the session with cache_len 0")
+        if kept.length != item.cache_len:
+            raise InvalidInput(f"prefix {item.resume_from!r} holds {kept.length} tokens, not {item.cache_len}")
+        self._make_room(kept.nbytes + kept.growth(item.num_tokens), pinned)
+        cache = kept.resume(item.num_tokens)
+        self.sessions[item.session_id] = cache
+        self.evicted.pop(item.session_id, None)
+        self.prefixes.stats.resumed += 1
         return cache
 
     @property
@@ -372,6 +411,8 @@ class Stage:
             raise
         for c, item in zip(caches, batch, strict=True):
             c.length += item.num_tokens
+            if item.save_as:
+                self.prefixes.keep(item.save_as, c.share())
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
@@ -421,7 +462,7 @@ class Stage:
                                   "seconds": round(self.timings.seconds, 4),
                                   "spine_streamed_bytes": self.spine.streamed_bytes,
                                   "spine_read_s": round(self.spine.stream_read_s, 4),
-                                  "spine_wait_s": round(self.spine.wait_s, 4)}
+                                  "spine_wait_s": round(self.spine.wait_s, 4), **self.prefixes.as_dict()}
         snapshot = getattr(self.experts, "snapshot_stats", None)
         if snapshot is not None:
             experts = snapshot()
@@ -431,6 +472,7 @@ class Stage:
 
     def close(self) -> None:
         self.sessions.clear()
+        self.prefixes.clear()
         self.last_used.clear()
         self.experts.close()
         self.spine.close()

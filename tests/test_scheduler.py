@@ -31,7 +31,7 @@ class Recording:
         self.in_flight -= 1
         return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
-    async def release(self, session_ids: list[str]) -> None:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
         pass
 
 

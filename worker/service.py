@@ -170,8 +170,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         stage = self.stage
         if stage is None:
             return pb.ReleaseResponse(released=0)
-        ids = list(request.session_ids)
-        released = await self._on_stage_thread(lambda: sum(stage.release(s) for s in ids))
+        ids, keep = list(request.session_ids), list(request.keep_as)
+        if keep and len(keep) != len(ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"keep_as has {len(keep)} ids for {len(ids)} sessions")
+        keep = keep or [""] * len(ids)
+        released = await self._on_stage_thread(
+            lambda: sum(stage.release(s, k or None) for s, k in zip(ids, keep, strict=True)))
         return pb.ReleaseResponse(released=released)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:

@@ -1,7 +1,9 @@
 """Per-sequence state a stage keeps for its layers: KDA conv window + recurrent state, MLA latents.
 
 Updates replace tensors rather than writing into them (KDA) or only append past `length` (MLA), so a
-snapshot is a handful of references and restoring one undoes a failed forward exactly.
+snapshot is a handful of references and restoring one undoes a failed forward exactly. The same holds for
+a prefix kept after its request (`share`): it references the state as it was, whatever the session does
+next; a session resumed from it (`resume`) copies only the MLA latents, the part it will write into.
 """
 
 from __future__ import annotations
@@ -71,9 +73,36 @@ class SequenceCache:
                 out += (mla_capacity(c.length + new_tokens) - c.buf.shape[0]) * c.buf.shape[1] * c.buf.element_size()
         return out
 
+    def share(self) -> SequenceCache:
+        """The state as it is now, by reference (KDA tensors are replaced on update, MLA buffers only appended
+        to past `length`): what a prefix snapshot keeps. Its `nbytes` is what it keeps alive: a buffer grows
+        to mla_capacity(length) at most before it is reallocated, so sharing one costs no more than a copy."""
+        layers: dict[int, LayerCache] = {
+            i: KDACache(c.conv, c.state) if isinstance(c, KDACache) else MLACache(c.buf, c.length)
+            for i, c in self.layers.items()}
+        return SequenceCache(layers, self.length)
+
+    def resume(self, room: int) -> SequenceCache:
+        """A live session that continues from this state: KDA tensors shared, MLA latents copied into buffers
+        of their own with room for `room` more tokens (appending into a shared buffer would overwrite what
+        another holder of it sees)."""
+        layers: dict[int, LayerCache] = {}
+        for i, c in self.layers.items():
+            if isinstance(c, KDACache):
+                layers[i] = KDACache(c.conv, c.state)
+            else:
+                buf = c.buf.new_empty(mla_capacity(c.length + room), c.buf.shape[1])
+                buf[:c.length] = c.buf[:c.length]
+                layers[i] = MLACache(buf, c.length)
+        return SequenceCache(layers, self.length)
+
     def snapshot(self) -> None:
         self._snapshot = (self.length, {i: (c.conv, c.state) if isinstance(c, KDACache) else (c.buf, c.length)
                                         for i, c in self.layers.items()})
+
+    def forget_snapshot(self) -> None:
+        """Drop the references `snapshot()` holds (a state that is kept must not hold older tensors alive)."""
+        self._snapshot = None
 
     def restore(self) -> None:
         """Undo everything since `snapshot()` (a forward that failed half-way)."""

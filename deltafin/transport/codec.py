@@ -18,7 +18,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 2  # 2: budgets are whole-stage memory (sizing.py), worker ids
+PROTOCOL_VERSION = 3  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -64,7 +64,8 @@ def decode_tensor(msg: pb.Tensor, what: str) -> torch.Tensor:
 def encode_inputs(batch: list[SeqInput]) -> list[pb.SequenceInput]:
     out = []
     for item in batch:
-        msg = pb.SequenceInput(session_id=item.session_id, cache_len=item.cache_len)
+        msg = pb.SequenceInput(session_id=item.session_id, cache_len=item.cache_len,
+                               resume_from=item.resume_from or "", save_as=item.save_as or "")
         if item.ids is not None:
             msg.ids.CopyFrom(encode_tensor(item.ids))
         if item.state is not None:
@@ -85,11 +86,14 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         has_ids, has_state = msg.HasField("ids"), msg.HasField("p") or msg.HasField("b")
         if has_ids == has_state:
             raise CodecError(f"{what}: exactly one of ids or (p, b) is required")
+        prefix = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None}
+        if msg.resume_from and msg.cache_len == 0:
+            raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:
-            out.append(SeqInput(msg.session_id, msg.cache_len, ids=decode_tensor(msg.ids, f"{what} ids")))
+            out.append(SeqInput(msg.session_id, msg.cache_len, ids=decode_tensor(msg.ids, f"{what} ids"), **prefix))
         else:
             state = ResidualState(decode_tensor(msg.p, f"{what} p"), decode_tensor(msg.b, f"{what} b"))
-            out.append(SeqInput(msg.session_id, msg.cache_len, state=state))
+            out.append(SeqInput(msg.session_id, msg.cache_len, state=state, **prefix))
     return out
 
 

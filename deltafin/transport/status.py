@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from deltafin.errors import ConfigError, DeltafinError, ModelFormatError
-from deltafin.stage import Cancelled, InvalidInput, OutOfMemory, SessionNotFound, SessionOutOfSync
+from deltafin.stage import Cancelled, InvalidInput, OutOfMemory, PrefixNotFound, SessionNotFound, SessionOutOfSync
 from deltafin.transport.codec import CodecError
 
 
@@ -30,6 +30,7 @@ STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (PrefixNotFound, grpc.StatusCode.ABORTED),  # not lost state: the coordinator starts the session afresh
     (SessionOutOfSync, grpc.StatusCode.FAILED_PRECONDITION),
     (OutOfMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Cancelled, grpc.StatusCode.CANCELLED),
@@ -46,3 +47,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         if isinstance(exc, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def is_prefix_missing(exc: BaseException) -> bool:
+    """A stage (in this process or a worker's) no longer holds the prefix a sequence asked to resume from."""
+    return isinstance(exc, PrefixNotFound) or (isinstance(exc, RemoteError) and exc.code == grpc.StatusCode.ABORTED)
