@@ -178,6 +178,8 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
         yield Finished(reason, Usage(len(req.prompt_ids), produced, cached), tail,
                        Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by)
     finally:
+        if prefix is not None:
+            prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
         keep = await prefix.finish(req.prompt_ids + fed) if prefix is not None and consistent else None
         await release(req.session_id, keep)
 
@@ -207,6 +209,9 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
             await release(req.session_id, None)  # stages that did resume hold a partial session
             start = pos = 0
             continue
+        finally:
+            if resume is not None:
+                prefix.resumed_done()  # type: ignore[union-attr]
         pos = end
     assert out is not None
     return out

@@ -74,6 +74,7 @@ class PrefixIndex:
         self.cfg, self.block = cfg, block
         self.shares = shares or []
         self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.pinned: dict[str, int] = {}  # entries a request is about to resume from: never evicted meanwhile
         self.counters = PrefixCounters()
 
     @property
@@ -83,7 +84,7 @@ class PrefixIndex:
     def reshape(self, shares: list[StageShare]) -> list[str]:
         """The stages changed (a re-plan): their new budgets; entries beyond them are evicted (returned)."""
         self.shares = shares
-        return self._evict_for(0)
+        return self._evict_for(0) or []
 
     def cost(self, share: StageShare, length: int) -> int:
         return sequence_bytes(self.cfg, share.n_kda, share.n_mla, length, share.act_bytes)
@@ -118,19 +119,37 @@ class PrefixIndex:
         if any(self.cost(s, len(want)) > s.budget for s in self.shares):
             return None, []
         evicted = self._evict_for(len(want))
+        if evicted is None:
+            return None, []
         prefix_id = "prefix-" + uuid.uuid4().hex
         self.entries[prefix_id] = Entry(prefix_id, want)
         self.counters.kept += 1
         return prefix_id, evicted
 
-    def _evict_for(self, length: int) -> list[str]:
-        evicted = []
-        while self.entries and any(self.used(s) + (self.cost(s, length) if length else 0) > s.budget
-                                   for s in self.shares):
-            old, _ = self.entries.popitem(last=False)
-            evicted.append(old)
-            self.counters.evicted += 1
-        return evicted
+    def _evict_for(self, length: int) -> list[str] | None:
+        """Evict least-recently-used entries until one of `length` tokens fits every stage (0: until the
+        entries fit); None if it cannot, for the pinned entries (nothing is evicted then)."""
+        over = lambda: any(self.used(s) + (self.cost(s, length) if length else 0) > s.budget for s in self.shares)
+        victims, kept = [], dict(self.entries)
+        for prefix_id in list(self.entries):
+            if not over():
+                break
+            if prefix_id not in self.pinned:
+                victims.append(prefix_id)
+                del self.entries[prefix_id]
+        if over() and length:
+            self.entries = OrderedDict(kept)  # not without a pinned entry: undo
+            return None
+        self.counters.evicted += len(victims)
+        return victims
+
+    def pin(self, prefix_id: str) -> None:
+        self.pinned[prefix_id] = self.pinned.get(prefix_id, 0) + 1
+
+    def unpin(self, prefix_id: str) -> None:
+        n = self.pinned.pop(prefix_id, 0) - 1
+        if n > 0:
+            self.pinned[prefix_id] = n
 
     def drop(self, prefix_id: str) -> None:
         self.entries.pop(prefix_id, None)
@@ -154,17 +173,29 @@ class PrefixSession:
     prompt: list[int]
     resumed: Entry | None = None
     kept: list[str] = field(default_factory=list)
+    _unpinned: bool = False
 
     @classmethod
     def start(cls, index: PrefixIndex, release_ids: ReleaseIds, prompt: list[int]) -> PrefixSession:
-        return cls(index, release_ids, prompt, index.lookup(prompt))
+        """Look the prompt up; a hit is pinned until `resumed_done` (no other request evicts it meanwhile)."""
+        hit = index.lookup(prompt)
+        if hit is not None:
+            index.pin(hit.prefix_id)
+        return cls(index, release_ids, prompt, hit)
 
     @property
     def cached_tokens(self) -> int:
         return 0 if self.resumed is None else self.resumed.length
 
+    def resumed_done(self) -> None:
+        """The forward that resumed from the entry is over (the stages copied what they need): unpin it."""
+        if self.resumed is not None and not self._unpinned:
+            self._unpinned = True
+            self.index.unpin(self.resumed.prefix_id)
+
     def missing(self) -> None:
         """The resume failed on some stage: the request starts from token 0."""
+        self.resumed_done()
         if self.resumed is not None:
             self.index.lost(self.resumed.prefix_id)
             self.index.counters.hits -= 1

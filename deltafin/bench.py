@@ -277,6 +277,59 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     return result
 
 
+def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "auto", dtype: str = "fp32",
+                      options: Any = None, reply: int = 4) -> dict[str, Any]:
+    """A chat's second turn: a `prompt`-token first request generates `reply` tokens; the second request is
+    all of that plus `new` tokens. Its time to first token with the prefix cache (resumed from the first
+    request's kept state) and without (everything prefilled), through the serving engine in process, the
+    stages sized by `options`. The ids are seeded random tokens (a real conversation's would do the same)."""
+    import asyncio
+
+    from deltafin.coordinator.backend import LocalBackend
+    from deltafin.coordinator.engine import Engine
+    from deltafin.coordinator.generation import Finished
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.tokenizer import K3Tokenizer
+
+    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    cfg, tok = pipe.stages[0].cfg, K3Tokenizer.load(model)
+    rng = torch.Generator().manual_seed(0)
+    first = torch.randint(0, cfg.vocab_size - 256, (prompt,), generator=rng).tolist()
+    extra = torch.randint(0, cfg.vocab_size - 256, (new,), generator=rng).tolist()
+
+    async def turn(engine: Engine, ids: list[int], n: int) -> tuple[list[int], float, int]:
+        t0, ttft, out, cached = time.perf_counter(), 0.0, [], 0
+        async for e in engine.run(ids, None, max_tokens=n, ignore_eos=True):
+            if isinstance(e, Finished):
+                cached = e.usage.cached_tokens
+            else:
+                ttft = ttft or time.perf_counter() - t0
+                out.append(e.token_id)
+        return out, ttft, cached
+
+    async def run() -> dict[str, Any]:
+        engine = Engine(LocalBackend(pipe), tok, cfg, "bench", prefix_cache=True)
+        try:
+            reply_ids, ttft1, _ = await turn(engine, first, reply)
+            second = first + reply_ids + extra
+            with_cache = await turn(engine, second, 1)
+            engine.prefixes = None  # the same stages, no reuse
+            without = await turn(engine, second, 1)
+        finally:
+            await engine.close()
+        return {"first_turn_ttft_s": round(ttft1, 3), "second_turn_tokens": len(second),
+                "with_cache": {"ttft_s": round(with_cache[1], 3), "cached_tokens": with_cache[2]},
+                "without_cache": {"ttft_s": round(without[1], 3), "cached_tokens": without[2]},
+                "same_first_token": with_cache[0] == without[0],
+                "speedup": round(without[1] / with_cache[1], 2)}
+
+    result = {"bench": "second_turn", "model": str(Path(model).resolve()), "device": str(pipe.stages[0].device),
+              "dtype": dtype, "prompt": prompt, "reply": reply, "new": new,
+              "chunk": pipe.max_forward_tokens, **asyncio.run(run())}
+    result.update(_peak_memory(pipe.stages[0].device, pipe.stages[0].sizing))
+    return result
+
+
 def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device) -> tuple[list, list[float]]:
     """Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and repeated
     tokens route to the same experts, which would flatter the cache."""

@@ -173,6 +173,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if lengths:  # the stage is sized for the longest prompt
             args.context = max(args.context, *lengths)
         options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+        if args.second_turn:
+            prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
+                else (0, 0)
+            if not prompt:
+                raise DeltafinError(f"--second-turn takes PROMPT,NEW token counts, got {args.second_turn!r}")
+            result = bench.bench_second_turn(args.model, prompt, new, device=args.device, dtype=args.dtype,
+                                             options=options)
+            print(json.dumps(result, indent=2))
+            return 0
         if lengths:
             result = bench.bench_prefill(args.model, lengths, device=args.device, dtype=args.dtype, options=options)
             print(json.dumps(result, indent=2))
@@ -202,13 +211,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
                        "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
-                       "tok/s by prompt length.")
+                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
     p.add_argument("--prefill", metavar="LENGTHS", help="--model: time prefill of prompts of these lengths instead "
                    "(comma-separated, e.g. 1024,4096,16384), in chunks of --prefill-chunk; --context becomes at "
                    "least the longest")
+    p.add_argument("--second-turn", metavar="PROMPT,NEW", help="--model: a chat's second turn (a PROMPT-token "
+                   "first request, 4 generated tokens, NEW more tokens): its time to first token with the prefix "
+                   "cache and without")
     p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16)")
     p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")

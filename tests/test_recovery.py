@@ -73,6 +73,28 @@ async def test_a_lost_worker_replays_the_recorded_chunks_then_retries(tiny_dir: 
     assert not rc.journal and rc.journal_size == 0
 
 
+async def test_a_session_resumed_from_a_kept_prefix_replays_from_token_0(tiny_dir: Path) -> None:
+    """A session kept as a prefix (at release) and one saved mid-prompt (save_as) keep their records; a new
+    session resumed from either starts with that record, so after a worker loss it is rebuilt from token 0
+    in the original chunks (without the prefix, which the new stage does not have) and then retried."""
+    stages = FlakyStages(fail_at={5})
+    rc, _ = _cluster(tiny_dir, stages)
+    await rc.forward([SeqInput("a", 0, ids=torch.tensor([5, 6, 7]), save_as="p3")])
+    await rc.forward([_step("a", 3, [8])])
+    await rc.release(["a"], ["p4"])
+    assert not rc.journal and list(rc.prefix_journal["p4"].ids) == [5, 6, 7, 8]
+    assert list(rc.prefix_journal["p3"].chunks) == [3] and rc.journal_size == 7
+    await rc.forward([SeqInput("b", 4, ids=torch.tensor([9, 10]), resume_from="p4")])  # call 2
+    await rc.forward([SeqInput("c", 3, ids=torch.tensor([11]), resume_from="p3")])  # call 3
+    await rc.forward([_step("b", 6, [12])])  # call 4
+    await rc.forward([_step("b", 7, [13])])  # call 5 fails: replay b from token 0, then retry
+    assert stages.calls[6:] == [[("b", 0, [5, 6, 7])], [("b", 3, [8])], [("b", 4, [9, 10])], [("b", 6, [12])],
+                                [("b", 7, [13])]]
+    assert list(rc.journal["c"].ids) == [5, 6, 7, 11]
+    await rc.release(["p3", "p4", "b", "c"])  # dropping prefixes by id forgets their records too
+    assert not rc.journal and not rc.prefix_journal and rc.journal_size == 0
+
+
 async def test_errors_that_replay_cannot_fix_fail_the_request(tiny_dir: Path) -> None:
     stages = FlakyStages(fail_at={1}, code=grpc.StatusCode.INVALID_ARGUMENT)
     rc, causes = _cluster(tiny_dir, stages)
