@@ -76,15 +76,27 @@ async def discover_addresses(spec: ClusterSpec, timeout: float | None = None) ->
 async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = False,
                         timeout: float | None = None) -> list[Worker]:
     """Connect to each address and keep the workers that answer, run this model and this protocol, and
-    accept this coordinator's key; the others are left out with a warning (a debug line when quiet)."""
+    accept this coordinator's key; the others are left out with a warning. With `quiet` (the probes of
+    recovery and rejoin, repeated while a worker is away), a worker that does not answer is a debug line,
+    and a refusal (credentials, protocol, model) a warning the first time it is seen."""
     mine = fingerprint(spec.model_dir)
     clients = [WorkerClient(a, timeouts=spec.timeouts, security=spec.security,
                             max_message_bytes=spec.max_message_bytes) for a in addresses]
     infos = await asyncio.gather(*(c.info(timeout) for c in clients), return_exceptions=True)
     usable = []
-    say = log.debug if quiet else log.warning
+
+    def say(message: str, *args: Any) -> None:
+        if not quiet:
+            log.warning(message, *args)
+        elif (text := message % args) not in _REFUSALS_SEEN:
+            _REFUSALS_SEEN.add(text)
+            log.warning(text)
+
     for client, info in zip(clients, infos, strict=True):
-        if isinstance(info, RemoteError):
+        if isinstance(info, RemoteError) and info.code in (grpc.StatusCode.UNAVAILABLE,
+                                                           grpc.StatusCode.DEADLINE_EXCEEDED) and quiet:
+            log.debug("leaving out %s: %s", client.address, info)
+        elif isinstance(info, RemoteError):
             if info.code == grpc.StatusCode.UNAUTHENTICATED:
                 say("leaving out %s: it refused this coordinator's credentials (%s)", client.address, info.details)
             else:
@@ -103,6 +115,9 @@ async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = F
             continue
         await client.close()
     return usable
+
+
+_REFUSALS_SEEN: set[str] = set()  # refusals already warned about by quiet probes
 
 
 async def find_workers(spec: ClusterSpec) -> list[Worker]:

@@ -330,7 +330,7 @@ class ResilientCluster:
         try:
             return await discover_addresses(self.spec, timeout=min(self.spec.discover_timeout, 1.5))
         except Exception as e:  # Bonjour trouble must not stop a recovery over the named workers
-            log.debug("browse failed: %s", e)
+            log.warning("looking for workers on Bonjour failed (going on with the named ones): %s", e)
             return []
 
     # ---- workers that come back -----------------------------------------------------------------------
@@ -353,7 +353,8 @@ class ResilientCluster:
                 failures = 0
             except Exception as e:
                 failures += 1
-                log.debug("membership check failed: %s", e)
+                log.warning("checking for lost or returning workers failed (next try in %.0fs): %s",
+                            self.options.rejoin_interval * min(2 ** failures, 16), e)
 
     async def _lost_stages(self) -> str:
         """Names of current stage workers that do not answer (or no longer hold their stage)."""

@@ -43,7 +43,7 @@ class FlakyStages:
 def _cluster(tiny_dir: Path, stages: FlakyStages, **options) -> tuple[ResilientCluster, list[str]]:
     cfg = load_config(tiny_dir)
     rc = ResilientCluster(ClusterSpec(tiny_dir, discover=False), cfg, stages, None,  # type: ignore[arg-type]
-                          RecoveryOptions(rejoin_interval=0, **options))
+                          RecoveryOptions(**{"rejoin_interval": 0, **options}))
     causes: list[str] = []
 
     async def recover(cause: str, sessions: list[str]) -> Recovery:  # a re-plan that keeps the same stages
@@ -167,3 +167,34 @@ async def test_a_forward_carries_the_deadline_of_its_tokens():
     finally:
         await client.close()
     assert deadlines == [300.0, 100.0]
+
+
+async def test_recovery_and_rejoin_failures_are_warnings(tiny_dir: Path, caplog, monkeypatch) -> None:
+    """A failing membership check and a failing Bonjour browse during recovery are logged at WARNING (not
+    hidden at DEBUG), and the loop goes on trying."""
+    import logging
+
+    from deltafin.coordinator import recovery
+
+    rc, _ = _cluster(tiny_dir, FlakyStages(fail_at=set()), rejoin_interval=0.01)
+    calls = []
+
+    async def lost_stages() -> str:
+        calls.append(1)
+        raise RuntimeError("probe exploded")
+
+    async def browse_fails(spec, timeout=None):
+        raise OSError("mDNS socket closed")
+
+    rc._lost_stages = lost_stages  # type: ignore[method-assign]
+    monkeypatch.setattr(recovery, "discover_addresses", browse_fails)
+    rc.spec.discover = True
+    with caplog.at_level(logging.WARNING, logger="deltafin.coordinator.recovery"):
+        rc._watch_membership()
+        await asyncio.sleep(0.2)
+        assert await rc._discovered() == []
+        await rc.close()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("checking for lost or returning workers failed" in m and "probe exploded" in m for m in messages)
+    assert any("Bonjour failed" in m and "mDNS socket closed" in m for m in messages)
+    assert len(calls) >= 2  # it kept trying

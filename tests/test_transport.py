@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -178,3 +179,52 @@ def test_assignment_is_checked(served, tiny_dir):
         service.close()
 
     asyncio.run(run())
+
+
+def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch):
+    """The coordinator gives up on an Assign (deadline) while the stage loads: the worker closes that stage
+    once its load ends, before the next Assign loads another (never two stages in memory), and serves the
+    next assignment."""
+    from deltafin.stage import Stage
+    from deltafin.worker.service import WorkerService
+
+    start, cfg = served
+    events: list[str] = []
+    load = WorkerService._load
+
+    def slow_load(self, old, a, b, options, progress):
+        events.append(f"load {a}-{b}")
+        time.sleep(1.5)
+        stage = load(self, old, a, b, options, progress)
+        events.append(f"loaded {a}-{b}")
+        return stage
+
+    close = Stage.close
+
+    def recorded_close(self):
+        events.append(f"close {self.start}-{self.end}")
+        close(self)
+
+    monkeypatch.setattr(WorkerService, "_load", slow_load)
+    monkeypatch.setattr(Stage, "close", recorded_close)
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Assign(pb.Assignment(start=0, end=3, model_fingerprint=fingerprint(tiny_dir),
+                                                         options=codec.pack({})), timeout=0.5):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.2)
+            assert service.state == "idle" and service.stage is None
+            await _assign(stub, tiny_dir, 3, 6)
+            info = await stub.Info(pb.InfoRequest(), timeout=5)
+        await server.stop(None)
+        service.close()
+        return info
+
+    info = asyncio.run(run())
+    assert events[:4] == ["load 0-3", "loaded 0-3", "close 0-3", "load 3-6"]
+    assert (info.assigned.start, info.assigned.end, info.state) == (3, 6, "ready")

@@ -71,6 +71,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
         self._assign_lock = asyncio.Lock()
+        self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -115,15 +116,22 @@ class WorkerService(pb_grpc.WorkerServicer):
             def progress(message: str, fraction: float) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (message, fraction))
 
+            if self._orphan is not None:  # a cancelled load is closed before another one starts
+                await self._orphan
             old, self.stage, self.state = self.stage, None, "loading"
             task = asyncio.ensure_future(self._on_stage_thread(self._load, old, request.start, request.end,
                                                                options, progress))
-            while not task.done():
-                try:
-                    message, fraction = await asyncio.wait_for(queue.get(), timeout=0.5)
-                    yield pb.AssignProgress(message=message, fraction=fraction)
-                except asyncio.TimeoutError:
-                    continue
+            try:
+                while not task.done():
+                    try:
+                        message, fraction = await asyncio.wait_for(queue.get(), timeout=0.5)
+                        yield pb.AssignProgress(message=message, fraction=fraction)
+                    except asyncio.TimeoutError:
+                        continue
+            except BaseException:  # the coordinator went away (cancelled, deadline): close what it was loading
+                self.state = "idle"
+                self._orphan = asyncio.ensure_future(self._close_when_loaded(task))
+                raise
             try:
                 self.stage = task.result()
             except Exception as e:
@@ -133,6 +141,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.state = "ready"
             yield pb.AssignProgress(message=f"layers {request.start}-{request.end - 1} ready", fraction=1.0,
                                     ready=True)
+
+    async def _close_when_loaded(self, task: asyncio.Future[Stage]) -> None:
+        try:
+            stage = await task
+        except Exception as e:
+            log.info("a cancelled assignment's load failed: %s", e)
+            return
+        await self._on_stage_thread(stage.close)
+        log.info("closed layers %d-%d: their assignment was cancelled while they loaded", stage.start, stage.end - 1)
 
     def _load(self, old: Stage | None, start: int, end: int, options: StageOptions,
               progress: Callable[[str, float], None]) -> Stage:
