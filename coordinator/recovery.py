@@ -180,6 +180,8 @@ class ResilientCluster:
                         return await self._one_by_one(batch, all_logits)
                     raise
                 attempts += 1
+                if attempts > 1 and len(batch) > 1:  # recovery did not help the batch: one sequence may be
+                    return await self._one_by_one(batch, all_logits)  # beyond rebuilding; the others go on
                 if attempts > self.options.max_attempts:
                     raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
                 await self.recover(str(e), [b.session_id for b in batch])

@@ -9,7 +9,9 @@ while stage 1 works on another. A batch is the waiting decode steps plus at most
 of waiting for the whole prompt, and at K3's sizes that costs it no reads (a chunk reads nearly every expert
 anyway; README, Serving). With depth > 1 the decode steps are split into that many batches, so that they
 spread over the stages instead of moving in lockstep. A batch whose requests have all gone away is
-cancelled on the workers. If the batcher itself fails, the requests waiting on it fail with the error and
+cancelled on the workers. A session is released only after every batch carrying it has come back: a
+request that goes away mid-step must not free its state under a batch that still uses it (the stage would
+fail the whole batch, the other requests' steps too). If the batcher itself fails, the requests waiting on it fail with the error and
 the next request starts a new one.
 """
 
@@ -57,7 +59,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._slots = asyncio.Semaphore(max_active)
         self._pending: list[Pending] = []
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight: dict[asyncio.Task[None], frozenset[str]] = {}  # batches in flight: their sessions
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -96,7 +98,14 @@ class Scheduler:
         return await future
 
     async def release(self, session_id: str, keep_as: str | None = None) -> None:
-        """Free a session (or keep it as the prefix `keep_as`)."""
+        """Free a session (or keep it as the prefix `keep_as`), once no batch in flight carries it; the
+        release goes ahead even if the caller is cancelled meanwhile."""
+        carrying = [t for t, sessions in self._inflight.items() if session_id in sessions]
+        await asyncio.shield(self._release_after(carrying, session_id, keep_as))
+
+    async def _release_after(self, batches: list[asyncio.Task[None]], session_id: str, keep_as: str | None) -> None:
+        if batches:
+            await asyncio.wait(batches)
         try:
             await self.backend.release([session_id], [keep_as] if keep_as else None)
         except Exception as e:  # a worker that is gone has nothing left to free
@@ -117,7 +126,7 @@ class Scheduler:
             while self._pending and len(self._inflight) < self.pipeline_depth:
                 batch, self._pending = self._next_batch(self._pending)
                 task = asyncio.create_task(self._send(batch), name="deltafin-batch")
-                self._inflight.add(task)
+                self._inflight[task] = frozenset(s.session_id for s, _ in batch)
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
                 task.add_done_callback(self._sent)
 
@@ -140,7 +149,7 @@ class Scheduler:
         return batch, [p for p in pending if id(p) not in taken]
 
     def _sent(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
+        self._inflight.pop(task, None)
         self._wake.set()  # room for the next batch
 
     def _batcher_ended(self, task: asyncio.Task[None]) -> None:

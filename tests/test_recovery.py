@@ -198,3 +198,28 @@ async def test_recovery_and_rejoin_failures_are_warnings(tiny_dir: Path, caplog,
     assert any("checking for lost or returning workers failed" in m and "probe exploded" in m for m in messages)
     assert any("Bonjour failed" in m and "mDNS socket closed" in m for m in messages)
     assert len(calls) >= 2  # it kept trying
+
+
+async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None:
+    """A session no stage holds and no journal can rebuild (released, or beyond the journal) fails its batch
+    again after the recovery; the batch is then split so that only that sequence fails."""
+
+    class MissingOne(FlakyStages):
+        async def forward(self, batch, all_logits=False):
+            self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
+            if any(b.session_id == "gone" for b in batch):
+                raise RemoteError("w1", grpc.StatusCode.NOT_FOUND, "session 'gone' is not on this stage")
+            return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
+
+    stages = MissingOne(set())
+    rc, causes = _cluster(tiny_dir, stages)
+    await rc.forward([_step("kept", 0, [1])])
+    from deltafin.coordinator.backend import PartialFailure
+
+    with pytest.raises(PartialFailure) as e:
+        await rc.forward([_step("kept", 1, [2]), _step("gone", 1, [3])])
+    ok, bad = e.value.results
+    assert isinstance(ok, SeqOutput) and ok.session_id == "kept"
+    assert isinstance(bad, ClusterUnavailable)
+    assert len(causes) == 1 + rc.options.max_attempts  # one for the batch, then "gone" alone until it gives up
+    assert list(rc.journal["kept"].ids) == [1, 2]

@@ -102,3 +102,39 @@ async def test_a_backend_error_fails_only_its_batch():
         await sched.forward(_seq("bad", 1))
     assert (await sched.forward(_seq("good", 1))).session_id == "good"
     await sched.close()
+
+
+async def test_a_session_is_released_only_after_the_batch_carrying_it_comes_back():
+    """A request that goes away mid-step (its future cancelled, its generator releasing the session) must not
+    free the state a batch in flight still uses: on a worker that fails the whole batch, the other request's
+    step too (the soak's rare 503s)."""
+    events: list[str] = []
+    gate = asyncio.Event()
+
+    class Gated(Recording):
+        async def forward(self, batch, all_logits=False):
+            events.append("forward " + ",".join(b.session_id for b in batch))
+            await gate.wait()
+            events.append("forward done")
+            return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
+
+        async def release(self, session_ids, keep_as=None):
+            events.append("release " + ",".join(session_ids))
+
+    sched = Scheduler(Gated(), max_active=4)
+    leaving = asyncio.create_task(sched.forward(_seq("leaving", 1)))
+    staying = asyncio.create_task(sched.forward(_seq("staying", 1)))
+    await asyncio.sleep(0.01)
+    assert events == ["forward leaving,staying"]
+    leaving.cancel()  # the client went away
+    release = asyncio.create_task(sched.release("leaving"))
+    other = asyncio.create_task(sched.release("idle"))  # a session no batch carries goes at once
+    await asyncio.sleep(0.01)
+    assert events == ["forward leaving,staying", "release idle"]
+    release.cancel()  # the releasing task is cancelled too: the release still happens, after the batch
+    gate.set()
+    assert (await staying).session_id == "staying"
+    await asyncio.sleep(0.01)
+    await other
+    assert events[2:] == ["forward done", "release leaving"]
+    await sched.close()
