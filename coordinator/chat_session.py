@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.chat import ChatOptions, OutputParser, ToolCall, encode
+from deltafin.progress import Reporter
 from deltafin.sampling import SamplingParams
 
 from .engine import Engine
@@ -48,7 +49,7 @@ class ChatSession:
         reply = Reply(prompt_ids=encode(self.engine.tokenizer, messages, options))
         parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
         async for event in self.engine.run(reply.prompt_ids, parser, max_tokens=self.max_tokens,
-                                           sampling=self.sampling):
+                                           sampling=self.sampling, progress=Reporter("prefill", "tokens")):
             d = event.delta
             reply.reasoning += d.reasoning
             reply.content += d.content

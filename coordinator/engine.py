@@ -7,7 +7,7 @@ they share the admission queue, the stop tokens, the context limit and the metri
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,15 @@ STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_S
 
 class PromptTooLong(DeltafinError):
     """The prompt plus the tokens asked for do not fit the context limit."""
+
+
+@dataclass
+class Prefilling:
+    """A request whose prompt is going into the caches: tokens done (resumed ones included) of all."""
+
+    done: int
+    total: int
+    started: float  # monotonic
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Engine:
         # token prefixes whose state the stages keep (coordinator/prefix.py); None: every request prefills
         self.prefixes = PrefixIndex(cfg) if prefix_cache else None
         self._prefix_stages: list[PrefixBudget] = []
+        self.prefilling: dict[str, Prefilling] = {}  # session id -> progress, while its prompt is prefilled
         self.started = time.time()
         ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
         if cfg.eos_token_id is not None:
@@ -63,9 +73,12 @@ class Engine:
 
     async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
                   sampling: SamplingParams | None = None, stop: list[str] | None = None,
-                  ignore_eos: bool = False, return_logits: bool = False) -> AsyncIterator[TokenEvent | Finished]:
+                  ignore_eos: bool = False, return_logits: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
-        the generation's events. `max_tokens=None`: the engine's default, capped by the context left."""
+        the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
+        `progress(done, total)` hears how far the prompt's prefill is, after every chunk (/metrics shows
+        every request's)."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")
         room = self.max_context - len(prompt_ids)
@@ -77,6 +90,17 @@ class Engine:
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
                       prefill_chunk=self._prefill_chunk())
+
+        def track(done: int, total: int) -> None:
+            if done >= total:
+                self.prefilling.pop(req.session_id, None)
+            else:
+                now = self.prefilling.get(req.session_id)
+                self.prefilling[req.session_id] = Prefilling(done, total, now.started if now else time.monotonic())
+            if progress is not None:
+                progress(done, total)
+
+        req.progress = track
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
@@ -99,6 +123,7 @@ class Engine:
                 outcome = "failed"
                 raise
             finally:
+                self.prefilling.pop(req.session_id, None)
                 if outcome == "failed":
                     c.failed += 1
                 elif outcome == "cancelled":

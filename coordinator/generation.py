@@ -121,6 +121,7 @@ class Request:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
     prefix: PrefixSession | None = None  # resume from and keep prefixes (coordinator/prefix.py); None: never
+    progress: Callable[[int, int], None] | None = None  # prompt tokens in the caches so far, of all: per chunk
 
 
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
@@ -191,6 +192,8 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     step = req.prefill_chunk or length
     start = prefix.cached_tokens if prefix is not None else 0
     pos, out = start, None
+    if req.progress is not None:
+        req.progress(pos, length)
     while pos < length:
         end = min(pos + step, length)
         save = await prefix.save_point(pos, end) if prefix is not None else None
@@ -213,5 +216,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
             if resume is not None:
                 prefix.resumed_done()  # type: ignore[union-attr]
         pos = end
+        if req.progress is not None:
+            req.progress(pos, length)
     assert out is not None
     return out

@@ -133,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_serving_options(s)
+    b = sub.add_parser("bench", help="concurrent requests through the serving engine: tok/s and stage utilization",
+                       description="For each concurrency N, N requests at once (seeded random prompts, exactly "
+                       "--max-tokens tokens each) through the same scheduler the server uses; prints JSON: "
+                       "aggregate tok/s, per-request decode tok/s, time to first token, batches, and each stage's "
+                       "utilization (its forwards' time over the wall time).")
+    b.add_argument("--concurrency", default="1,2,4", help="comma-separated request counts (default 1,2,4; "
+                   "--max-active is raised to the largest)")
+    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every request (default 64)")
+    b.add_argument("--max-tokens", type=int, default=16, help="tokens every request generates (default 16)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    add_serving_options(b)
     return p
 
 
@@ -221,6 +232,8 @@ async def cmd_plan(args: argparse.Namespace) -> int:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
+    from deltafin.progress import Reporter
+
     from .generation import Finished, PlainText
 
     params = sampling_params(args)  # bad values fail before anything loads
@@ -235,7 +248,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         text: list[str] = []
         finished = None
         async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens,
-                                      sampling=params, stop=args.stop):
+                                      sampling=params, stop=args.stop, progress=Reporter("prefill", "tokens")):
             if isinstance(event, Finished):
                 finished = event
             else:
@@ -309,6 +322,28 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve_bench import bench_serving
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1:
+        raise DeltafinError("--concurrency takes positive counts (e.g. 1,2,4); --prompt-tokens and --max-tokens "
+                            "must be at least 1")
+    if args.max_active < max(levels):
+        args.max_active = max(levels)
+    engine = await open_engine(args, max_active=args.max_active, queue_depth=args.queue_depth,
+                               max_context=args.max_context, pipeline_depth=args.pipeline_depth)
+    try:
+        result = await bench_serving(engine, levels, args.prompt_tokens, args.max_tokens, args.seed)
+    finally:
+        await engine.close()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file:
         try:
@@ -323,7 +358,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
-    command = {"generate": cmd_generate, "plan": cmd_plan, "serve": cmd_serve}[args.command]
+    command = {"generate": cmd_generate, "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench}[args.command]
     return run_cli(lambda: asyncio.run(command(args)))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .engine import Engine
@@ -40,6 +41,15 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
              [({}, c.decode_steps)])
     w.metric("deltafin_decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
              [({}, c.last_tokens_per_second)])
+    now = time.monotonic()
+    pre = list(engine.prefilling.values())
+    w.metric("deltafin_prefill_requests", "gauge", "Requests whose prompt is being prefilled.", [({}, len(pre))])
+    w.metric("deltafin_prefill_tokens_done", "gauge", "Prompt tokens in the caches of those requests.",
+             [({}, sum(p.done for p in pre))])
+    w.metric("deltafin_prefill_tokens_left", "gauge", "Prompt tokens those requests still have to prefill.",
+             [({}, sum(p.total - p.done for p in pre))])
+    w.metric("deltafin_prefill_oldest_seconds", "gauge", "How long the longest-running prefill has been going.",
+             [({}, max((now - p.started for p in pre), default=0.0))])
     w.metric("deltafin_requests_running", "gauge", "Requests holding a slot.", [({}, s.active)])
     w.metric("deltafin_requests_waiting", "gauge", "Requests queued for a slot.", [({}, s.waiting)])
     w.metric("deltafin_batches_total", "counter", "Forward batches sent to the stages.", [({}, s.batches)])

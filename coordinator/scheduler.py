@@ -11,8 +11,8 @@ anyway; README, Serving). With depth > 1 the decode steps are split into that ma
 spread over the stages instead of moving in lockstep. A batch whose requests have all gone away is
 cancelled on the workers. A session is released only after every batch carrying it has come back: a
 request that goes away mid-step must not free its state under a batch that still uses it (the stage would
-fail the whole batch, the other requests' steps too). If the batcher itself fails, the requests waiting on it fail with the error and
-the next request starts a new one.
+fail the whole batch, the other requests' steps too). If the batcher itself fails, the requests waiting on
+it fail with the error and the next request starts a new one.
 """
 
 from __future__ import annotations

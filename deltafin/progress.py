@@ -76,3 +76,27 @@ class Progress:
             self.stream.flush()
         elif time.monotonic() - self.start >= self.interval:
             log.info(self.line())
+
+
+class Reporter:
+    """A `progress(done, total)` callback for counts that advance in steps (prompt tokens, chunk by
+    chunk): the first call opens a Progress line for what is left (what was already done at the start, say
+    tokens resumed from a cache, does not count towards the rate) and says so once; the last closes it."""
+
+    def __init__(self, desc: str, unit: str, stream: TextIO | None = None, enabled: bool = True):
+        self.desc, self.unit, self.stream, self.enabled = desc, unit, stream, enabled
+        self.bar: Progress | None = None
+        self.base = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if done >= total:
+                return
+            self.base = done
+            already = f" ({done} already in the cache)" if done else ""
+            log.info("%s: %d %s to go%s", self.desc, total - done, self.unit, already)
+            self.bar = Progress(total - done, self.desc, unit=self.unit, stream=self.stream, enabled=self.enabled)
+        self.bar.update(done - self.base - self.bar.done)
+        if done >= total:
+            self.bar.close()
+            self.bar = None
