@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, TextIO
 
-from deltafin.chat import EFFORTS
+from deltafin.chat import EFFORTS, SERVING_EFFORT
 from deltafin.errors import DeltafinError
 
 if TYPE_CHECKING:  # the model stack loads only when a chat starts, not for --help
@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_options(p)
     add_sampling_options(p, temperature=0.6, max_tokens=None)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--thinking", default="max", choices=[*EFFORTS, "off"], help="thinking effort (default max)")
+    p.add_argument("--thinking", default=SERVING_EFFORT, choices=[*EFFORTS, "off"],
+                   help=f"thinking effort (default {SERVING_EFFORT})")
 
 
 class _Lines:

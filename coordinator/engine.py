@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.prefixes import PrefixBudget
@@ -54,12 +55,13 @@ class Counters:
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
                  max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
-                 default_max_tokens: int = 4096, pipeline_depth: int = 0, prefix_cache: bool = False):
+                 default_max_tokens: int = SERVING_MAX_TOKENS, pipeline_depth: int = 0, prefix_cache: bool = False,
+                 ride: bool = True):
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
-        self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth)
+        self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth, ride)
         self.counters = Counters()
         # token prefixes whose state the stages keep (coordinator/prefix.py); None: every request prefills
         self.prefixes = PrefixIndex(cfg) if prefix_cache else None

@@ -3,6 +3,7 @@
     deltafin-coordinator --model DIR plan                    show the plan only
     deltafin-coordinator --model DIR generate "prompt"       generate, printing tokens as they come
     deltafin-coordinator --model DIR serve --port 8000       the OpenAI-compatible HTTP API
+    deltafin-coordinator --model DIR bench --concurrency 1,2,4   concurrent requests: tok/s, stage utilization
     deltafin-coordinator --model DIR --local generate ...    single-machine mode: the same loop, in-process
 
 Workers are found over Bonjour (`_deltafin._tcp.local.`) and/or named with --worker host:port.
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.cli import run_cli, setup_logging
 from deltafin.config import load_config
 from deltafin.errors import DeltafinError
@@ -71,7 +73,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tokens: int | None) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help=f"tokens to generate at most (default {max_tokens or 'up to 4096'})")
+                   help=f"tokens to generate at most (default {max_tokens or f'up to {SERVING_MAX_TOKENS}'})")
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature:g})")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
@@ -102,6 +104,10 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="batches in flight through the stages at once (default 0: one per stage, so every stage "
                    "works; 1: one batch of all active requests, better when the workers share one machine's cores)")
+    p.add_argument("--prefill-batches", default="ride", choices=["ride", "separate"],
+                   help="ride: running streams' decode steps go in the same batch as the next prompt chunk "
+                   "(default; at K3's sizes a chunk reads nearly every expert, so the steps cost no reads); "
+                   "separate: prompt chunks and decode steps take turns in batches of their own")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients ask for (default: the model directory's name)")
-    s.add_argument("--default-max-tokens", type=int, default=4096,
-                   help="max tokens for chat requests that do not say (default 4096)")
+    s.add_argument("--default-max-tokens", type=int, default=SERVING_MAX_TOKENS,
+                   help=f"max tokens for chat requests that do not say (default {SERVING_MAX_TOKENS}: at K3's "
+                   "fraction of a token per second, more is hours)")
     s.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (default 8 MB)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health (or $DELTAFIN_API_KEY, "
@@ -143,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every request (default 64)")
     b.add_argument("--max-tokens", type=int, default=16, help="tokens every request generates (default 16)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    b.add_argument("--long-prompt", type=int, default=0, metavar="T",
+                   help="also start one request with a T-token prompt beside the streams: its time to first token "
+                   "and the streams' speed meanwhile (compare --prefill-batches ride and separate)")
     add_serving_options(b)
     return p
 
@@ -301,7 +311,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
                     args.host)
     engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
                                queue_depth=args.queue_depth, max_context=args.max_context,
-                               default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth)
+                               default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth,
+                               ride=args.prefill_batches == "ride")
     try:
         runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)),
                                           api_key)
@@ -329,15 +340,16 @@ async def cmd_bench(args: argparse.Namespace) -> int:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
         levels = []
-    if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1:
+    if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1 or args.long_prompt < 0:
         raise DeltafinError("--concurrency takes positive counts (e.g. 1,2,4); --prompt-tokens and --max-tokens "
-                            "must be at least 1")
-    if args.max_active < max(levels):
-        args.max_active = max(levels)
+                            "must be at least 1, --long-prompt at least 0")
+    args.max_active = max(args.max_active, max(levels) + bool(args.long_prompt))
     engine = await open_engine(args, max_active=args.max_active, queue_depth=args.queue_depth,
-                               max_context=args.max_context, pipeline_depth=args.pipeline_depth)
+                               max_context=args.max_context, pipeline_depth=args.pipeline_depth,
+                               ride=args.prefill_batches == "ride")
     try:
-        result = await bench_serving(engine, levels, args.prompt_tokens, args.max_tokens, args.seed)
+        result = await bench_serving(engine, levels, args.prompt_tokens, args.max_tokens, args.seed,
+                                     args.long_prompt)
     finally:
         await engine.close()
     print(json.dumps(result, indent=2))

@@ -6,7 +6,7 @@ and OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`), nam
 Supported beyond OpenAI's core fields, as vLLM and llama.cpp's server spell them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and for chat `chat_template_kwargs` {"thinking": bool,
 "thinking_effort": "low"|"high"|"max"}; `reasoning_effort` is OpenAI's name for the effort ("none" turns
-thinking off).
+thinking off); a request that names neither thinks at `SERVING_EFFORT` (low).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.chat import EFFORTS, ChatOptions, Delta, ToolCall
+from deltafin.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.sampling import Choice, SamplingError, SamplingParams
 from deltafin.tokenizer import K3Tokenizer
 
@@ -232,7 +232,7 @@ def _chat_options(body: dict[str, Any]) -> ChatOptions:
     thinking = kwargs.get("thinking", True)
     if not isinstance(thinking, bool):
         raise bad("chat_template_kwargs", "chat_template_kwargs.thinking must be true or false")
-    effort = kwargs.get("thinking_effort", "max")
+    effort = kwargs.get("thinking_effort", SERVING_EFFORT)
     reasoning = _field(body, "reasoning_effort", str, None)
     if reasoning is not None:
         if reasoning == "none":

@@ -49,13 +49,16 @@ Pending = tuple[SeqInput, "asyncio.Future[SeqOutput]"]
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, max_active: int = 4, queue_depth: int = 16, pipeline_depth: int = 0):
+    def __init__(self, backend: Backend, max_active: int = 4, queue_depth: int = 16, pipeline_depth: int = 0,
+                 ride: bool = True):
         if max_active < 1 or queue_depth < 0 or pipeline_depth < 0:
             raise DeltafinError("the scheduler needs at least one active slot, a queue depth >= 0 and a pipeline "
                                 "depth >= 0")
         self.backend = backend
         self.max_active, self.queue_depth = max_active, queue_depth
         self._depth = pipeline_depth
+        self.ride = ride  # decode steps ride with a prompt chunk; False: chunks and steps take turns alone
+        self._chunk_turn = False  # without riding: whether the chunk goes next, rather than the steps
         self.stats = SchedulerStats()
         self._slots = asyncio.Semaphore(max_active)
         self._pending: list[Pending] = []
@@ -133,18 +136,24 @@ class Scheduler:
     def _next_batch(self, pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
         """The decode steps (their share, when pipelining), plus one prompt chunk if the tokens one forward
         may carry allow: a chunk reads nearly every expert of a layer, so the decode steps riding with it read
-        nothing more, and a stream never waits for a prompt's batch to pass before its own."""
+        nothing more, and a stream never waits for a prompt's batch to pass before its own. Without riding,
+        the steps and the chunk take turns in batches of their own."""
         decode = [p for p in pending if p[0].num_tokens == 1]
         if decode and self.pipeline_depth > 1:
             decode = decode[:max(1, -(-max(self.stats.active, len(decode)) // self.pipeline_depth))]
-        chunk = next((p for p in pending if p[0].num_tokens > 1), None)
         limit = self.backend.max_forward_tokens
+        decode = decode[:limit] if limit is not None else decode
+        chunk = next((p for p in pending if p[0].num_tokens > 1), None)
         room = None if limit is None else limit - len(decode)
-        if chunk is not None and room is not None and chunk[0].num_tokens > room:
-            batch = [chunk]  # it does not fit beside the streams (the engine's chunks do): alone, now
+        if chunk is None:
+            batch = decode
+        elif not decode or (room is not None and chunk[0].num_tokens > room):
+            batch = [chunk]  # alone: nothing to ride with it, or it does not fit beside them (the engine's do)
+        elif self.ride:
+            batch = [*decode, chunk]
         else:
-            batch = decode[:limit] if limit is not None else decode
-            batch += [chunk] if chunk is not None else []
+            batch = [chunk] if self._chunk_turn else decode
+            self._chunk_turn = not self._chunk_turn
         taken = {id(p) for p in batch}
         return batch, [p for p in pending if id(p) not in taken]
 

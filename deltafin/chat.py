@@ -22,6 +22,11 @@ OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 IMAGE = "<|kimi_image_placeholder|>"
 MARKERS = (OPEN, CLOSE, SEP, EOM, IMAGE)
 EFFORTS = ("low", "high", "max")
+# What the server and `deltafin-coordinator chat` ask for when a request does not say. The chat template's
+# own default is max; at a fraction of a token per second, max effort's long thinking costs a user hours
+# before the answer starts (README, Defaults).
+SERVING_EFFORT = "low"
+SERVING_MAX_TOKENS = 1024  # a chat reply's length when the request does not say: ~1.5 h at 0.2 tok/s
 TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 DYNAMIC_TOOLS_HEADER = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
                         "You have access to all existing and extended tools.\nHere are the specs for the extended "

@@ -262,6 +262,29 @@ def _segments(text: str) -> list[tuple[str, bool]]:
     return out
 
 
+async def test_chat_defaults_think_at_low_effort_for_the_serving_length(server: Server, tok) -> None:
+    """No reasoning_effort: the prompt is the template's with thinking_effort=low (not the template's max); no
+    max_tokens: --default-max-tokens (1024 unless given), here capped by the context left."""
+    from deltafin.chat import SERVING_MAX_TOKENS
+
+    messages = [{"role": "user", "content": "Hi"}]
+    client = server.client()
+    prompts, run = [], server.engine.run
+
+    def spy(ids, *args, **kwargs):
+        prompts.append(ids)
+        return run(ids, *args, **kwargs)
+
+    server.engine.run = spy  # type: ignore[method-assign]
+    await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    low, top = encode(tok, messages, ChatOptions(effort="low")), encode(tok, messages, ChatOptions(effort="max"))
+    assert prompts == [low] and low != top
+    assert SERVING_MAX_TOKENS == 1024 and server.engine.default_max_tokens == SERVING_MAX_TOKENS
+    r = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == min(SERVING_MAX_TOKENS, server.engine.max_context - r.usage.prompt_tokens)
+
+
 async def test_chat_tool_calls_and_reasoning(tok: K3Tokenizer, tiny_dir: Path) -> None:
     args = {"city": "Zürich", "days": 2}
     assistant = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Need the weather.",

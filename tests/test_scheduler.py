@@ -138,3 +138,23 @@ async def test_a_session_is_released_only_after_the_batch_carrying_it_comes_back
     await other
     assert events[2:] == ["forward done", "release leaving"]
     await sched.close()
+
+
+async def test_separate_prefill_batches_take_turns_with_the_decode_steps():
+    backend = Recording(limit=512, delay=0.02)
+    sched = Scheduler(backend, max_active=4, ride=False)
+
+    async def stream(sid: str) -> None:
+        for _ in range(6):
+            await sched.forward(_seq(sid, 1))
+
+    async def prompt() -> None:
+        await asyncio.sleep(0.005)  # the streams are running when it arrives
+        for _ in range(3):
+            await sched.forward(_seq("p", 200))
+
+    await asyncio.gather(stream("a"), stream("b"), prompt())
+    await sched.close()
+    assert all(b == [200] or set(b) == {1} for b in backend.batches)  # never mixed
+    chunks = [i for i, b in enumerate(backend.batches) if b == [200]]
+    assert len(chunks) == 3 and all(backend.batches[i + 1] == [1, 1] for i in chunks)  # steps between chunks

@@ -130,6 +130,12 @@ async def test_serving_bench_counts_tokens_batches_and_stage_time(local_engine: 
         assert stage["layers"] == [0, local_engine.cfg.num_layers]
         assert 0 < stage["busy_s"] <= level["wall_s"] * 1.01 and 0 < stage["utilization"] <= 1.01
         assert level["aggregate_tok_per_s"] == pytest.approx(level["tokens"] / level["wall_s"], rel=0.01)
+    local_engine.scheduler.max_active = 4
+    for ride in (True, False):
+        local_engine.scheduler.ride = ride
+        (level,) = (await bench_serving(local_engine, [2], prompt_tokens=8, max_tokens=6, long_prompt=40))["levels"]
+        assert level["tokens"] == 12 and level["long_prompt_tokens"] == 40
+        assert 0 < level["long_prompt_ttft_s"] < level["wall_s"]
     await local_engine.close()
 
 
