@@ -40,6 +40,11 @@ class Backend(Protocol):
         """What every stage keeps prefixes within, for the coordinator's prefix index."""
         ...
 
+    @property
+    def parallel_stages(self) -> int:
+        """Stages that can compute at the same time: the scheduler's default number of batches in flight."""
+        ...
+
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
@@ -68,6 +73,10 @@ class LocalBackend:
     @property
     def prefix_stages(self) -> list[PrefixBudget]:
         return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize) for s in self.pipeline.stages]
+
+    @property
+    def parallel_stages(self) -> int:
+        return 1  # the stages run one after another on this process's one stage thread
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
@@ -238,10 +247,11 @@ class ClusterBackend:
     """Stages on workers, called in layer order by the coordinator."""
 
     def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
-                 prefix_stages: list[PrefixBudget] | None = None):
+                 prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None):
         self.stages = sorted(stages, key=lambda w: w.start)
         self.max_forward_tokens = max_forward_tokens
         self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)
+        self.parallel_stages = parallel_stages or len(self.stages)
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         request_id = uuid.uuid4().hex

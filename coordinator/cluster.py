@@ -198,7 +198,16 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
             bar.close()
     prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes)
                 for s in sorted(plan.stages, key=lambda s: s.start)]
-    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan), prefixes), plan
+    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan), prefixes,
+                          parallel_stages([d for _, d in used])), plan
+
+
+def parallel_stages(workers: list[WorkerDescription]) -> int:
+    """Stages that can compute at once: one per worker, but CPU workers on one host share its cores, so they
+    count once (two CPU workers on 2 cores with a batch each ran 2-4x slower than with one batch between them;
+    workers sharing one GPU did gain, README, Serving at K3 scale)."""
+    return len({(d.address.rsplit(":", 1)[0], "cpu") if d.device.split(":")[0] == "cpu" else d.key
+                for d in workers})
 
 
 def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:

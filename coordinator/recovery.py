@@ -159,6 +159,10 @@ class ResilientCluster:
     def stages(self) -> list[Any]:
         return self.backend.stages
 
+    @property
+    def parallel_stages(self) -> int:
+        return self.backend.parallel_stages
+
     # ---- the Backend interface ------------------------------------------------------------------------
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:

@@ -68,9 +68,9 @@ class Scheduler:
 
     @property
     def pipeline_depth(self) -> int:
-        """Batches in flight at most: as given, or (0) one per stage of the backend; in-process stages share
-        one thread, so 1 there."""
-        return self._depth or max(1, len(getattr(self.backend, "stages", ())))
+        """Batches in flight at most: as given, or (0) one per stage that can compute at the same time as
+        the others (the backend's `parallel_stages`: 1 in-process; CPU workers on one host count once)."""
+        return self._depth or max(1, self.backend.parallel_stages)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:

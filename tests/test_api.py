@@ -217,6 +217,7 @@ class ScriptedBackend:
     """A 'model' that emits a fixed token sequence (one-hot logits), for checking the response plumbing."""
 
     max_forward_tokens = None
+    parallel_stages = 1
 
     def __init__(self, vocab: int, script: list[int]):
         self.vocab, self.script = vocab, script

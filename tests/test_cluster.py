@@ -149,6 +149,7 @@ def test_workers_with_the_same_name_on_one_host_form_a_cluster(tiny_dir):
             assert len(plan.stages) == 2 and plan.stages[0].worker == plan.stages[1].worker  # one name ...
             assert len({s.key for s in plan.stages}) == 2  # ... two workers
             assert sorted(w.address for w in backend.stages) == sorted(addresses)
+            assert backend.parallel_stages == 1  # CPU workers on one host share its cores: one batch in flight
             return await _run(backend)
 
         prefill, ids, rows = asyncio.run(run())
@@ -157,7 +158,8 @@ def test_workers_with_the_same_name_on_one_host_form_a_cluster(tiny_dir):
             p.stop()
     assert torch.equal(prefill, local[0]) and ids == local[1]
 def test_pipelined_batches_match_solo_runs(small_dir):
-    """--pipeline-depth 0: one batch per stage in flight; every request still gets its own greedy tokens."""
+    """One batch per stage in flight (--pipeline-depth 2: CPU workers on one host would get 1 by default);
+    every request still gets its own greedy tokens."""
     from deltafin.config import load_config
     from deltafin.coordinator.engine import Engine
     from deltafin.tokenizer import K3Tokenizer
@@ -182,7 +184,7 @@ def test_pipelined_batches_match_solo_runs(small_dir):
     with workers(small_dir, 2) as procs:
         addresses = [p.address for p in procs]
         solo = [asyncio.run(run(addresses, 1, [p]))[0][0] for p in prompts]
-        together, stats = asyncio.run(run(addresses, 0, prompts))
+        together, stats = asyncio.run(run(addresses, 2, prompts))
     assert together == solo
     assert stats.max_in_flight == 2  # two batches, one per stage
 
@@ -238,3 +240,17 @@ def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
         print(f"{s['name']}: layers {s['layers']}, peak RSS {s['rss_peak_bytes'] / 1e9:.2f} GB, "
               f"planned {s['plan']['total'] / 1e9:.2f} GB")
         assert s["rss_peak_bytes"] < s["plan"]["total"]
+
+
+def test_parallel_stages_count_cpu_workers_on_one_host_once():
+    from deltafin.coordinator.cluster import parallel_stages
+    from deltafin.transport.codec import WorkerDescription
+
+    def worker(address: str, device: str, wid: str) -> WorkerDescription:
+        return WorkerDescription("mac", address, device, 1 << 36, 5.0, "fp", ((0, 8),), True, worker_id=wid)
+
+    assert parallel_stages([worker("10.0.0.1:1", "cpu", "a"), worker("10.0.0.1:2", "cpu", "b")]) == 1
+    assert parallel_stages([worker("10.0.0.1:1", "cpu", "a"), worker("10.0.0.2:1", "cpu", "b")]) == 2
+    assert parallel_stages([worker("10.0.0.1:1", "cuda:0", "a"), worker("10.0.0.1:2", "cuda:1", "b"),
+                            worker("10.0.0.1:3", "cuda:0", "c")]) == 3  # GPUs, even one shared, overlap work
+    assert parallel_stages([worker("10.0.0.1:1", "mps", "a"), worker("10.0.0.2:1", "mps", "b")]) == 2

@@ -17,7 +17,7 @@ class Recording:
     """A backend of `stages` stages that records each batch and holds it `delay` seconds."""
 
     def __init__(self, stages: int = 1, limit: int | None = None, delay: float = 0.01):
-        self.stages = [object()] * stages
+        self.parallel_stages = stages
         self.max_forward_tokens = limit
         self.delay = delay
         self.batches: list[list[int]] = []  # tokens of each sequence, per batch
