@@ -8,7 +8,10 @@
 
 Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
 413 body too large, 429 queue full, 500/503 a worker failed). A client that disconnects cancels its
-generation, which frees its sessions on every worker.
+generation, which frees its sessions on every worker. A stream whose first token takes longer than
+HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
+comment every HEARTBEAT_S, so that read timeouts and proxies see bytes; a failure after that is an error
+event in the stream.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from .recovery import ClusterUnavailable
 from .scheduler import QueueFull
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0
 
 ENGINE = web.AppKey("engine", Engine)
 REQUESTS = web.AppKey("requests", dict)
@@ -123,9 +128,14 @@ class _Sse:
         self.request = request
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.started = False
 
     async def start(self) -> None:
+        self.started = True
         await self.response.prepare(self.request)
+
+    async def comment(self, text: str) -> None:
+        await self.response.write(b": " + text.encode() + b"\n\n")
 
     async def send(self, obj: dict[str, Any]) -> None:
         await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
@@ -134,6 +144,45 @@ class _Sse:
         await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response
+
+
+class _Prefill:
+    """A request's prefill progress, as its progress callback hears it."""
+
+    def __init__(self) -> None:
+        self.done, self.total = 0, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+
+    def say(self) -> str:
+        return f"prefill {self.done}/{self.total} tokens" if self.total else "waiting for a slot"
+
+
+async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill: _Prefill
+                          ) -> TokenEvent | Finished | None:
+    """A stream's first event. Until it comes, every HEARTBEAT_S the stream opens (if it has not) and a
+    comment says how far the request is (clients skip comments). Errors before the stream opened are
+    statuses, as `_first` makes them; after, an error event ends the stream and None is returned."""
+    first = asyncio.ensure_future(_first(events, prompt_param))
+    try:
+        while not (await asyncio.wait({first}, timeout=HEARTBEAT_S))[0]:
+            if not sse.started:
+                await sse.start()
+            await sse.comment(prefill.say())
+    except BaseException:
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        raise
+    try:
+        return first.result()
+    except Exception as e:
+        if not sse.started or isinstance(e, ConnectionResetError):
+            raise
+        await sse.send(_as_api_error(e).body())
+        await sse.finish()
+        return None
 
 
 async def _stream_errors(sse: _Sse, events: Events, emit: Callable[[TokenEvent | Finished], Awaitable[None]]
@@ -156,9 +205,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
+    prefill = _Prefill()
     events = engine.run(req.prompt_ids, PlainText(engine.tokenizer), max_tokens=p.max_tokens or 16,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
-    first = await _first(events, "prompt")
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill)
+    sse = _Sse(request)
+    first = await (_first_streamed(sse, events, "prompt", prefill) if p.stream else _first(events, "prompt"))
+    if first is None:
+        return sse.response
     rid, created = oa.new_id("cmpl"), oa.now()
     want_logprobs = p.sampling.logprobs is not None
     stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
@@ -184,8 +237,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             choice("".join(text), lp.as_dict() if want_logprobs else None, end.reason)],
             oa.usage(end.usage)))
 
-    sse = _Sse(request)
-    await sse.start()
+    if not sse.started:
+        await sse.start()
     offset = 0
     if prefix:
         await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(prefix, None, None)]))
@@ -220,9 +273,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    prefill = _Prefill()
     events = engine.run(ids, OutputParser(engine.tokenizer, thinking=req.options.thinking), max_tokens=p.max_tokens,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos)
-    first = await _first(events, "messages")
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill)
+    sse = _Sse(request)
+    first = await (_first_streamed(sse, events, "messages", prefill) if p.stream else _first(events, "messages"))
+    if first is None:
+        return sse.response
     rid, created = oa.new_id("chatcmpl"), oa.now()
     want_logprobs = req.top_logprobs is not None
     stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
@@ -254,8 +311,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             {"index": 0, "message": message, "logprobs": {"content": lps} if want_logprobs else None,
              "finish_reason": reason_of(end)}], oa.usage(end.usage)))
 
-    sse = _Sse(request)
-    await sse.start()
+    if not sse.started:
+        await sse.start()
     kind = "chat.completion.chunk"
     await sse.send(oa.chunk(kind, rid, created, p.model, [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from deltafin.chat import ChatOptions, encode, render_text
 from deltafin.config import load_config
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
+from deltafin.coordinator.recovery import ClusterUnavailable
 from deltafin.coordinator.server import start
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput, SeqOutput
@@ -421,3 +423,51 @@ async def test_metrics_count_tokens(server: Server) -> None:
                          'route="/v1/completions",status="200"') == 1
     assert await _metric(server.url, "deltafin_worker_sessions", 'worker="local-0"') == 0
     assert await _metric(server.url, "deltafin_decode_tokens_per_second") > 0
+
+
+async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(tok, tiny_dir: Path,
+                                                                                   monkeypatch) -> None:
+    """A long prefill (minutes at K3's size) opens the stream and sends SSE comments with its progress, which
+    clients skip; a failure after that arrives as an error event in the stream, not as a lost request."""
+    from deltafin.coordinator import server as server_module
+
+    monkeypatch.setattr(server_module, "HEARTBEAT_S", 0.05)
+
+    class SlowPrefill(ScriptedBackend):
+        max_forward_tokens = 8  # the prompt goes in chunks, each slower than a heartbeat
+        fail = False
+
+        async def forward(self, batch, all_logits=False):
+            if any(b.num_tokens > 1 for b in batch):
+                await asyncio.sleep(0.12)
+                if self.fail:
+                    raise ClusterUnavailable("the workers that answer cannot run the model")
+            return await super().forward(batch, all_logits)
+
+    script = tok.encode("a b c")
+    backend = SlowPrefill(tok.vocab_size, script)
+    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1)
+    prompt = list(range(100, 130))  # 30 tokens, in chunks of 7 (8 less the room kept for a decode step)
+    try:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s, s.post(srv.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            lines = [line for line in (await r.text()).split("\n") if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+        comments = lines[:first_data]
+        assert comments and all(re.fullmatch(r": prefill \d+/30 tokens", c) for c in comments), lines
+        done = [int(c.split()[2].split("/")[0]) for c in comments]
+        assert done == sorted(done) and done[-1] > 0  # it moves
+        stream = await srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=3, stream=True,
+                                                       extra_body={"ignore_eos": True})
+        raw = "".join(c["text"] for line in lines[first_data:] if line != "data: [DONE]"
+                      for c in json.loads(line[len("data: "):])["choices"])
+        assert raw and "".join([c.choices[0].text async for c in stream if c.choices]) == raw  # comments skipped
+        backend.fail = True
+        async with aiohttp.ClientSession() as s, s.post(srv.url + "/v1/completions", json=body) as r:
+            assert r.status == 200  # the stream had opened: the failure is an event in it
+            text = await r.text()
+        assert ": prefill" in text and "cluster_unavailable" in text and text.rstrip().endswith("data: [DONE]")
+    finally:
+        await runner.cleanup()
+        await engine.scheduler.close()
