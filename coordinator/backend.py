@@ -47,8 +47,10 @@ class Backend(Protocol):
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
-        """Free sessions; with `keep_as` (one id each, "" to free), keep each one's state as that prefix."""
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        """Free sessions; with `keep_as` (one id each, "" to free), keep each one's state as that prefix, of
+        its first `keep_lengths` tokens (one each, 0: all)."""
         ...
 
     async def stats(self) -> list[dict[str, Any]]: ...
@@ -81,9 +83,11 @@ class LocalBackend:
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
-        keep = keep_as or [""] * len(session_ids)
-        await self._run(lambda: [self.pipeline.release(s, k or None) for s, k in zip(session_ids, keep, strict=True)])
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        keep, lengths = keep_as or [""] * len(session_ids), keep_lengths or [0] * len(session_ids)
+        await self._run(lambda: [self.pipeline.release(s, k or None, n)
+                                 for s, k, n in zip(session_ids, keep, lengths, strict=True)])
 
     async def stats(self) -> list[dict[str, Any]]:
         return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
@@ -215,9 +219,11 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> int:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> int:
         try:
-            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids, keep_as=keep_as or []),
+            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids, keep_as=keep_as or [],
+                                                          keep_lengths=keep_lengths or []),
                                         timeout=self.timeouts.control, metadata=self._md("Release"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
@@ -271,8 +277,10 @@ class ClusterBackend:
         with contextlib.suppress(RemoteError):  # best effort: the worker also stops when the call's deadline passes
             await worker.cancel(request_id)
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
-        await asyncio.gather(*(w.release(session_ids, keep_as) for w in self.stages), return_exceptions=True)
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        await asyncio.gather(*(w.release(session_ids, keep_as, keep_lengths) for w in self.stages),
+                             return_exceptions=True)
 
     async def stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(w.stats() for w in self.stages)))

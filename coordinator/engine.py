@@ -16,10 +16,11 @@ from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.prefixes import PrefixBudget
 from deltafin.sampling import SamplingParams
+from deltafin.speculative import MODES, DraftLength, NgramDrafter, default_cost
 from deltafin.tokenizer import K3Tokenizer
 
 from .backend import Backend
-from .generation import Finished, Request, TextView, TokenEvent, generate
+from .generation import Finished, Request, Speculation, TextView, TokenEvent, generate
 from .prefix import PrefixIndex, PrefixSession, stage_shares
 from .scheduler import Scheduler
 
@@ -50,17 +51,23 @@ class Counters:
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     failed: int = 0
     cancelled: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafted tokens verified
+    accepted_tokens: int = 0  # of them, taken
+    forwards: int = 0  # forwards after the prefills
 
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
                  max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
                  default_max_tokens: int = SERVING_MAX_TOKENS, pipeline_depth: int = 0, prefix_cache: bool = False,
-                 ride: bool = True):
+                 ride: bool = True, speculative: str = "none", max_drafts: int = 8):
+        if speculative not in MODES:
+            raise DeltafinError(f"unknown speculative mode {speculative!r}: {', '.join(MODES)}")
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
+        self.speculative, self.max_drafts = speculative, max_drafts  # requests that do not say draft this way
         self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth, ride)
         self.counters = Counters()
         # token prefixes whose state the stages keep (coordinator/prefix.py); None: every request prefills
@@ -76,11 +83,12 @@ class Engine:
     async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
                   sampling: SamplingParams | None = None, stop: list[str] | None = None,
                   ignore_eos: bool = False, return_logits: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> AsyncIterator[TokenEvent | Finished]:
+                  progress: Callable[[int, int], None] | None = None,
+                  speculative: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
         the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
         `progress(done, total)` hears how far the prompt's prefill is, after every chunk (/metrics shows
-        every request's)."""
+        every request's). `speculative`: none | ngram, for this request (None: the engine's)."""
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")
         room = self.max_context - len(prompt_ids)
@@ -91,7 +99,7 @@ class Engine:
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
-                      prefill_chunk=self._prefill_chunk())
+                      prefill_chunk=self._prefill_chunk(), speculation=self._speculation(speculative))
 
         def track(done: int, total: int) -> None:
             if done >= total:
@@ -118,6 +126,9 @@ class Engine:
                         c.decode_steps += event.timing.decode_steps
                         if event.timing.decode_steps:
                             c.last_tokens_per_second = event.timing.tokens_per_second
+                        c.draft_tokens += event.drafting.draft_tokens
+                        c.accepted_tokens += event.drafting.accepted_tokens
+                        c.forwards += event.drafting.forwards
                     else:
                         c.generated_tokens += 1
                     yield event
@@ -145,10 +156,24 @@ class Engine:
         return PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
 
     def _prefill_chunk(self) -> int | None:
-        """Prompt tokens per forward: what the stages take, less room for every active stream's decode step to
-        ride in the same batch (scheduler.py)."""
+        """Prompt tokens per forward: what the stages take, less room for every active stream's decode step
+        (with its drafts, when speculating) to ride in the same batch (scheduler.py)."""
         limit = self.backend.max_forward_tokens
-        return None if limit is None else max(1, limit - self.scheduler.max_active)
+        step = 1 + (self.max_drafts if self.speculative != "none" else 0)
+        return None if limit is None else max(1, limit - self.scheduler.max_active * step)
+
+    def _speculation(self, mode: str | None) -> Speculation | None:
+        mode = mode or self.speculative
+        if mode not in MODES:
+            raise DeltafinError(f"unknown speculative mode {mode!r}: {', '.join(MODES)}")
+        if mode == "none":
+            return None
+        limit = self.backend.max_forward_tokens
+        max_k = self.max_drafts if limit is None else min(self.max_drafts, limit - 1)  # a pass fits one forward
+        if max_k < 1:
+            return None
+        cost = default_cost(self.cfg.num_experts, self.cfg.experts_per_token)
+        return Speculation(NgramDrafter(), DraftLength(cost, max_k=max_k))
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()

@@ -1,4 +1,5 @@
-"""The token loop: prefill the prompt, then one forward per token, over any Backend.
+"""The token loop: prefill the prompt, then one forward per token (or, speculating, per pass: the last
+token and the drafts after it, verified at once; the sampler takes a prefix of them), over any Backend.
 
 `generate` is an async generator of events:
 
@@ -6,7 +7,7 @@
   finished tool calls, as the request's `TextView` splits them; never half a UTF-8 character, never text
   that might still turn into a stop string), its logprob and top alternatives when asked for.
 - `Finished` once at the end: why (`stop` on a stop token or stop string, `length` at max_tokens), the
-  text still held back, token usage and timing.
+  text still held back, token usage, timing and the drafting counts.
 
 Stop strings match the response text only (the `content` of a delta; reasoning is never cut). The stop
 token and the stop string themselves are not part of the output. Closing the generator early (a
@@ -25,6 +26,7 @@ import torch
 
 from deltafin.chat import Delta
 from deltafin.sampling import Choice, Sampler, SamplingParams, StopMatcher
+from deltafin.speculative import Drafter, DraftLength
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer, StreamDecoder
 from deltafin.transport.status import is_prefix_missing
@@ -33,8 +35,8 @@ from .prefix import PrefixSession
 
 # One sequence's forward, batched with other requests' by the scheduler (or run alone).
 Forward = Callable[[SeqInput], Awaitable[SeqOutput]]
-# Free a session, or keep its state as the prefix named by the second argument.
-Release = Callable[[str, str | None], Awaitable[None]]
+# Free a session, or keep its state as the prefix named by the second argument, of its first (third) tokens.
+Release = Callable[[str, str | None, int], Awaitable[None]]
 
 
 class TextView(Protocol):
@@ -101,6 +103,27 @@ class Timing:
         return 0.0 if self.decode_steps == 0 else self.decode_s / self.decode_steps
 
 
+@dataclass
+class Drafting:
+    """Speculative decoding's counts for one request."""
+
+    draft_tokens: int = 0  # drafted tokens verified
+    accepted_tokens: int = 0  # of them, taken
+    forwards: int = 0  # forwards after the prefill (one per token without drafts)
+
+    def note(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+
+@dataclass
+class Speculation:
+    """How a request drafts: the drafter and the draft-length controller (deltafin/speculative.py)."""
+
+    drafter: Drafter
+    lengths: DraftLength
+
+
 @dataclass(frozen=True)
 class Finished:
     reason: str  # "stop" | "length"
@@ -108,6 +131,7 @@ class Finished:
     delta: Delta  # text held back until the end (an incomplete character, a partial stop-string match)
     timing: Timing
     stopped_by: int | str | None = None  # the stop token id or stop string that ended it
+    drafting: Drafting = field(default_factory=Drafting)
 
 
 @dataclass
@@ -122,6 +146,7 @@ class Request:
     prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
     prefix: PrefixSession | None = None  # resume from and keep prefixes (coordinator/prefix.py); None: never
     progress: Callable[[int, int], None] | None = None  # prompt tokens in the caches so far, of all: per chunk
+    speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time
 
 
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
@@ -133,8 +158,10 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
     view = view if view is not None else _NoText()
     sampler = Sampler(req.sampling, req.prompt_ids)
     stops = StopMatcher(req.stop_strings) if req.stop_strings else None
-    length = len(req.prompt_ids)
-    produced = 0
+    spec = req.speculation
+    length = len(req.prompt_ids)  # tokens the stages hold that belong to the text (drafts beyond it may follow)
+    produced, output = 0, []  # tokens generated
+    drafting = Drafting()
     reason, stopped_by = "length", None
     t0 = time.monotonic()
     t_prefill = 0.0
@@ -145,27 +172,53 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
         out = await _prefill(forward, release, req)
         consistent = True
         t_prefill = time.monotonic() - t0
-        while True:
-            row = out.logits[-1].float()  # type: ignore[index]
-            choice = sampler(row)
-            token = choice.token_id
-            produced += 1
-            if token in req.stop_ids:
-                reason, stopped_by = "stop", token
-                yield TokenEvent(token, Delta(), choice, row if req.return_logits else None)
-                break
-            delta = view.push(token)
-            if stops is not None and delta.content:
-                delta.content, hit = stops.push(delta.content)
-                if hit is not None:
-                    reason, stopped_by = "stop", hit
-                    yield TokenEvent(token, delta, choice, row if req.return_logits else None)
+        drafts: list[int] = []  # what the last forward verified after its first token
+        done = False
+        while not done:
+            rows = out.logits[-len(drafts) - 1:].float()  # type: ignore[index]
+            emitted = 0
+            for i, row in enumerate(rows):
+                if i < len(drafts):
+                    choice, accepted = sampler.verify(row, drafts[i])
+                else:
+                    choice, accepted = sampler(row), False
+                token = choice.token_id
+                produced += 1
+                emitted += 1
+                output.append(token)
+                done = True
+                if token in req.stop_ids:
+                    reason, stopped_by = "stop", token
+                    yield TokenEvent(token, Delta(), choice, row if req.return_logits else None)
                     break
-            yield TokenEvent(token, delta, choice, row if req.return_logits else None)
-            if produced >= req.max_tokens:
+                delta = view.push(token)
+                if stops is not None and delta.content:
+                    delta.content, hit = stops.push(delta.content)
+                    if hit is not None:
+                        reason, stopped_by = "stop", hit
+                        yield TokenEvent(token, delta, choice, row if req.return_logits else None)
+                        break
+                yield TokenEvent(token, delta, choice, row if req.return_logits else None)
+                if produced >= req.max_tokens:
+                    break
+                done = False
+                if not accepted:
+                    break
+            if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
+                taken = emitted - 1
+                drafting.note(len(drafts), taken)
+                if spec is not None:
+                    spec.lengths.update(len(drafts), taken)
+                fed += drafts[:taken]
+                length += taken
+            if done:
                 break
+            token = output[-1]
+            drafts = _drafts(spec, req.prompt_ids + output, req.max_tokens - produced)
             consistent = False
-            out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token])))
+            out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]),
+                                         speculative=bool(drafts)))
+            drafting.forwards += 1
             consistent = True
             fed.append(token)
             length += 1
@@ -177,12 +230,22 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
                 reason, stopped_by = "stop", hit
         cached = prefix.cached_tokens if prefix is not None else 0
         yield Finished(reason, Usage(len(req.prompt_ids), produced, cached), tail,
-                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by)
+                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by,
+                       drafting)
     finally:
         if prefix is not None:
             prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
         keep = await prefix.finish(req.prompt_ids + fed) if prefix is not None and consistent else None
-        await release(req.session_id, keep)
+        await release(req.session_id, keep, length)
+
+
+def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:
+    """The drafts for the next forward: what the drafter proposes, as many as the cost model says pay, and
+    no more than the tokens still to generate after the one fed (room - 1)."""
+    if spec is None or room < 2:
+        return []
+    proposed = spec.drafter.propose(text, min(spec.lengths.max_k, room - 1))
+    return proposed[:spec.lengths.next(len(proposed))]
 
 
 async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutput:
@@ -209,7 +272,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
             if resume is None or not is_prefix_missing(e):
                 raise
             prefix.missing()  # type: ignore[union-attr]
-            await release(req.session_id, None)  # stages that did resume hold a partial session
+            await release(req.session_id, None, 0)  # stages that did resume hold a partial session
             start = pos = 0
             continue
         finally:

@@ -71,7 +71,15 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                      help="seconds between looks for returning or new workers while idle (0: never; default 5)")
 
 
+def add_speculative_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                   help="ngram: draft tokens from the prompt and the output so far and verify several in one "
+                   "forward (the same output; fewer passes over the weights when drafts land); none: one token "
+                   "per forward (default)")
+
+
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tokens: int | None) -> None:
+    add_speculative_option(p)
     p.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"tokens to generate at most (default {max_tokens or f'up to {SERVING_MAX_TOKENS}'})")
     p.add_argument("--temperature", type=float, default=temperature,
@@ -95,6 +103,7 @@ def sampling_params(args: argparse.Namespace):  # -> SamplingParams
 
 
 def add_serving_options(p: argparse.ArgumentParser) -> None:
+    add_speculative_option(p)
     p.add_argument("--max-active", type=int, default=4,
                    help="requests generating at once; their steps are batched (default 4)")
     p.add_argument("--queue-depth", type=int, default=16,
@@ -226,6 +235,7 @@ async def open_engine(args: argparse.Namespace, name: str | None = None, **servi
     cfg = load_config(args.model)
     tokenizer = K3Tokenizer.load(args.model)
     backend = await open_backend(args)
+    serving.setdefault("speculative", args.speculative)
     return Engine(backend, tokenizer, cfg, name or Path(args.model).resolve().name, prefix_cache=True, **serving)
 
 
@@ -289,13 +299,17 @@ def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
     return {"prompt_tokens": finished.usage.prompt_tokens, "completion_tokens": finished.usage.completion_tokens,
             "tok_per_s": t.tokens_per_second, "s_per_token": t.seconds_per_token, "prefill_s": t.prefill_s,
             "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
-            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None}
+            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None,
+            "draft_tokens": finished.drafting.draft_tokens, "accepted_tokens": finished.drafting.accepted_tokens,
+            "forwards": finished.drafting.forwards}
 
 
 def format_summary(s: dict[str, Any]) -> str:
     hit = "all experts resident" if s["hit_rate"] is None else f"expert hit rate {s['hit_rate']:.1%}"
+    drafts = (f", {s['accepted_tokens']}/{s['draft_tokens']} drafts taken in {s['forwards']} forwards"
+              if s["draft_tokens"] else "")
     return (f"[{s['completion_tokens']} tokens, {s['tok_per_s']:.2f} tok/s, {s['s_per_token']:.3f} s/token, "
-            f"prefill {s['prefill_s']:.2f} s, {s['bytes_read'] / 1e9:.3f} GB read, {hit}]")
+            f"prefill {s['prefill_s']:.2f} s, {s['bytes_read'] / 1e9:.3f} GB read, {hit}{drafts}]")
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:

@@ -41,6 +41,11 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
              [({}, c.decode_steps)])
     w.metric("deltafin_decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
              [({}, c.last_tokens_per_second)])
+    w.metric("deltafin_draft_tokens_total", "counter", "Drafted tokens verified (speculative decoding).",
+             [({}, c.draft_tokens)])
+    w.metric("deltafin_accepted_tokens_total", "counter", "Drafted tokens taken.", [({}, c.accepted_tokens)])
+    w.metric("deltafin_decode_forwards_total", "counter", "Forwards after the prefills (one per token without "
+             "drafting).", [({}, c.forwards)])
     now = time.monotonic()
     pre = list(engine.prefilling.values())
     w.metric("deltafin_prefill_requests", "gauge", "Requests whose prompt is being prefilled.", [({}, len(pre))])

@@ -5,7 +5,8 @@ and OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`), nam
 
 Supported beyond OpenAI's core fields, as vLLM and llama.cpp's server spell them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and for chat `chat_template_kwargs` {"thinking": bool,
-"thinking_effort": "low"|"high"|"max"}; `reasoning_effort` is OpenAI's name for the effort ("none" turns
+"thinking_effort": "low"|"high"|"max"}; Deltafin's own `speculative` ("ngram" | "none", the server's
+`--speculative` when absent); `reasoning_effort` is OpenAI's name for the effort ("none" turns
 thinking off); a request that names neither thinks at `SERVING_EFFORT` (low).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from deltafin.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.sampling import Choice, SamplingError, SamplingParams
+from deltafin.speculative import MODES
 from deltafin.tokenizer import K3Tokenizer
 
 from .generation import Usage
@@ -76,6 +78,7 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    speculative: str | None = None  # none | ngram for this request; None: the server's --speculative
 
 
 def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
@@ -128,7 +131,11 @@ def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
             seed=_field(body, "seed", int, None), logprobs=logprobs, logit_bias=bias)
     except SamplingError as e:
         raise bad(e.param, str(e)) from None
-    return Params(model, max_tokens, sampling, stops, stream, include_usage, _field(body, "ignore_eos", bool, False))
+    speculative = _field(body, "speculative", str, None)
+    if speculative is not None and speculative not in MODES:
+        raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
+    return Params(model, max_tokens, sampling, stops, stream, include_usage, _field(body, "ignore_eos", bool, False),
+                  speculative)
 
 
 def _check_bias(params: Params, vocab_size: int) -> None:

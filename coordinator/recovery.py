@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from array import array
@@ -70,9 +71,38 @@ class RecoveryOptions:
 class _Journal:
     ids: array = field(default_factory=lambda: array("i"))  # every token fed to stage 0, in order
     chunks: array = field(default_factory=lambda: array("i"))  # the length of each forward that fed them
+    starts: array = field(default_factory=lambda: array("i"))  # the cache_len each forward continued from
+    speculative: array = field(default_factory=lambda: array("b"))  # whether it was (the next may rewind)
 
     def copy(self) -> _Journal:
-        return _Journal(array("i", self.ids), array("i", self.chunks))
+        return _Journal(array("i", self.ids), array("i", self.chunks), array("i", self.starts),
+                        array("b", self.speculative))
+
+    @property
+    def end(self) -> int:
+        return self.starts[-1] + self.chunks[-1] if self.chunks else 0
+
+    def continues(self, cache_len: int) -> bool:
+        """Whether a forward from `cache_len` follows what is recorded: from its end, or from a position of
+        the last forward if that was speculative (the stages rewind there)."""
+        if cache_len == self.end:
+            return True
+        return bool(self.chunks) and bool(self.speculative[-1]) and self.starts[-1] < cache_len <= self.end
+
+    def add(self, item: SeqInput) -> None:
+        self.ids.extend(int(t) for t in item.ids.tolist())  # type: ignore[union-attr]
+        self.chunks.append(item.num_tokens)
+        self.starts.append(item.cache_len)
+        self.speculative.append(item.speculative)
+
+    def forwards(self) -> list[SeqInput]:
+        """The recorded forwards again, for a session id filled in by the caller."""
+        out, pos = [], 0
+        for n, start, spec in zip(self.chunks, self.starts, self.speculative, strict=True):
+            out.append(SeqInput("", start, ids=torch.tensor(self.ids[pos:pos + n], dtype=torch.long),
+                                speculative=bool(spec)))
+            pos += n
+        return out
 
 
 @dataclass(frozen=True)
@@ -190,7 +220,8 @@ class ResilientCluster:
                     raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
                 await self.recover(str(e), [b.session_id for b in batch])
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
         for sid, keep in zip(session_ids, keep_as or [""] * len(session_ids), strict=True):
             j = self.journal.get(sid)
             if keep and j is not None:  # the kept prefix is rebuilt the way the session was
@@ -200,7 +231,7 @@ class ResilientCluster:
             else:
                 self._forget(sid)
                 self._forget_prefix(sid)
-        await self.backend.release(session_ids, keep_as)
+        await self.backend.release(session_ids, keep_as, keep_lengths)
 
     async def stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()
@@ -228,11 +259,10 @@ class ResilientCluster:
                     self.journal[item.session_id] = kept.copy()
                     self.journal_size += len(kept.ids)
             j = self.journal.setdefault(item.session_id, _Journal())
-            if len(j.ids) != item.cache_len:  # not a continuation of what was recorded: cannot replay it
+            if not j.continues(item.cache_len):  # not a continuation of what was recorded: cannot replay it
                 self._forget(item.session_id)
                 continue
-            j.ids.extend(int(t) for t in item.ids.tolist())
-            j.chunks.append(item.num_tokens)
+            j.add(item)
             self.journal_size += item.num_tokens
             self.journal.move_to_end(item.session_id)
             if item.save_as:
@@ -266,17 +296,15 @@ class ResilientCluster:
         if j is None or item.cache_len == 0:
             self.stale.discard(sid)
             return
-        if len(j.ids) != item.cache_len:
+        if not j.continues(item.cache_len):
             self._forget(sid)
-            raise ClusterUnavailable(f"session {sid[:8]} cannot be rebuilt: its record holds {len(j.ids)} tokens "
+            raise ClusterUnavailable(f"session {sid[:8]} cannot be rebuilt: its record ends at {j.end} tokens "
                                      f"but the call continues at {item.cache_len}")
-        t0, pos = time.monotonic(), 0
-        for n in j.chunks:
-            ids = torch.tensor(j.ids[pos:pos + n], dtype=torch.long)
-            await self.backend.forward([SeqInput(sid, pos, ids=ids)])
-            pos += n
+        t0 = time.monotonic()
+        for fwd in j.forwards():  # the same chunks, speculative ones too: the stages rewind as they did
+            await self.backend.forward([dataclasses.replace(fwd, session_id=sid)])
         self.stale.discard(sid)
-        log.info("replayed session %s: %d tokens in %d forwards, %.2fs", sid[:8], pos, len(j.chunks),
+        log.info("replayed session %s: %d tokens in %d forwards, %.2fs", sid[:8], len(j.ids), len(j.chunks),
                  time.monotonic() - t0)
 
     async def _one_by_one(self, batch: list[SeqInput], all_logits: bool) -> list[SeqOutput]:

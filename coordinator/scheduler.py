@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -100,17 +101,19 @@ class Scheduler:
         self._wake.set()
         return await future
 
-    async def release(self, session_id: str, keep_as: str | None = None) -> None:
+    async def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> None:
         """Free a session (or keep it as the prefix `keep_as`), once no batch in flight carries it; the
         release goes ahead even if the caller is cancelled meanwhile."""
         carrying = [t for t, sessions in self._inflight.items() if session_id in sessions]
-        await asyncio.shield(self._release_after(carrying, session_id, keep_as))
+        await asyncio.shield(self._release_after(carrying, session_id, keep_as, keep_length))
 
-    async def _release_after(self, batches: list[asyncio.Task[None]], session_id: str, keep_as: str | None) -> None:
+    async def _release_after(self, batches: list[asyncio.Task[None]], session_id: str, keep_as: str | None,
+                             keep_length: int) -> None:
         if batches:
             await asyncio.wait(batches)
         try:
-            await self.backend.release([session_id], [keep_as] if keep_as else None)
+            await self.backend.release([session_id], [keep_as] if keep_as else None,
+                                       [keep_length] if keep_as and keep_length else None)
         except Exception as e:  # a worker that is gone has nothing left to free
             log.warning("could not release session %s: %s", session_id[:8], e)
 
@@ -138,13 +141,15 @@ class Scheduler:
         may carry allow: a chunk reads nearly every expert of a layer, so the decode steps riding with it read
         nothing more, and a stream never waits for a prompt's batch to pass before its own. Without riding,
         the steps and the chunk take turns in batches of their own."""
-        decode = [p for p in pending if p[0].num_tokens == 1]
+        decode = [p for p in pending if _is_step(p[0])]
         if decode and self.pipeline_depth > 1:
             decode = decode[:max(1, -(-max(self.stats.active, len(decode)) // self.pipeline_depth))]
         limit = self.backend.max_forward_tokens
-        decode = decode[:limit] if limit is not None else decode
-        chunk = next((p for p in pending if p[0].num_tokens > 1), None)
-        room = None if limit is None else limit - len(decode)
+        if limit is not None:  # the steps that fit one forward (a speculative one carries its drafts)
+            fits = list(itertools.accumulate(p[0].num_tokens for p in decode))
+            decode = decode[:max(1, sum(n <= limit for n in fits))] if decode else decode
+        chunk = next((p for p in pending if not _is_step(p[0])), None)
+        room = None if limit is None else limit - sum(p[0].num_tokens for p in decode)
         if chunk is None:
             batch = decode
         elif not decode or (room is not None and chunk[0].num_tokens > room):
@@ -175,7 +180,7 @@ class Scheduler:
     async def _send(self, batch: list[Pending]) -> None:
         self.stats.batches += 1
         self.stats.batched_sequences += len(batch)
-        self.stats.prefill_batches += any(s.num_tokens > 1 for s, _ in batch)
+        self.stats.prefill_batches += any(not _is_step(s) for s, _ in batch)
         futures = [f for _, f in batch]
         try:
             call = asyncio.ensure_future(self.backend.forward([s for s, _ in batch]))
@@ -219,6 +224,11 @@ class Scheduler:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+def _is_step(seq: SeqInput) -> bool:
+    """A decode step (one token, or one with drafts to verify) rather than a prompt chunk."""
+    return seq.num_tokens == 1 or seq.speculative
 
 
 def _fail(futures: list[asyncio.Future[SeqOutput]], error: BaseException) -> None:

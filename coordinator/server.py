@@ -207,7 +207,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     p = req.params
     prefill = _Prefill()
     events = engine.run(req.prompt_ids, PlainText(engine.tokenizer), max_tokens=p.max_tokens or 16,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill)
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill,
+                        speculative=p.speculative)
     sse = _Sse(request)
     first = await (_first_streamed(sse, events, "prompt", prefill) if p.stream else _first(events, "prompt"))
     if first is None:
@@ -275,7 +276,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
     prefill = _Prefill()
     events = engine.run(ids, OutputParser(engine.tokenizer, thinking=req.options.thinking), max_tokens=p.max_tokens,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill)
+                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill,
+                        speculative=p.speculative)
     sse = _Sse(request)
     first = await (_first_streamed(sse, events, "messages", prefill) if p.stream else _first(events, "messages"))
     if first is None:

@@ -58,9 +58,9 @@ class LocalPipeline:
             outputs = stage.forward(batch, all_logits=all_logits)
         return outputs
 
-    def release(self, session_id: str, keep_as: str | None = None) -> None:
+    def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> None:
         for stage in self.stages:
-            stage.release(session_id, keep_as)
+            stage.release(session_id, keep_as, keep_length)
 
     def close(self) -> None:
         for stage in self.stages:

@@ -92,6 +92,31 @@ class Sampler:
         else:
             scores = self._filtered(scores / p.temperature)
             token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator))
+        return self._chosen(raw, token)
+
+    def verify(self, logits: torch.Tensor, draft: int) -> tuple[Choice, bool]:
+        """The token at a position where `draft` was proposed, and whether it is the draft. Greedy: the
+        argmax. Sampling (speculative sampling with a draft that is certain, q = 1 at the draft): accept it
+        with probability p(draft), else sample from p with the draft removed; either way the token is
+        distributed as p, exactly as `__call__` would draw it."""
+        p = self.params
+        raw = logits.detach().float().cpu()
+        scores = self._penalized(raw)
+        if p.greedy:
+            token = int(scores.argmax())
+        else:
+            probs = torch.softmax(self._filtered(scores / p.temperature), -1)
+            u = float(torch.rand((), generator=self.generator))
+            if u < float(probs[draft]):
+                token = draft
+            else:
+                rest = probs.clone()
+                rest[draft] = 0.0
+                token = int(torch.multinomial(rest, 1, generator=self.generator))
+        return self._chosen(raw, token), token == draft
+
+    def _chosen(self, raw: torch.Tensor, token: int) -> Choice:
+        p = self.params
         self.counts[token] = self.counts.get(token, 0) + 1
         if p.logprobs is None:
             return Choice(token)

@@ -9,6 +9,7 @@ every session as it was before the call.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.common import activation
 from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
+from deltafin.models.kda import delta_rule_recurrent
 from deltafin.models.moe import route
 from deltafin.models.weights import ExpertWeights
 from deltafin.prefixes import PrefixStore
@@ -88,6 +90,9 @@ class SeqInput:
     state: ResidualState | None = None
     resume_from: str | None = None  # a new session starts from this prefix (of cache_len tokens)
     save_as: str | None = None  # after this forward, keep the session's state as this prefix too
+    # drafted tokens to verify: logits for every token come back, and the next forward may continue from any
+    # of its positions (cache_len below the session's length drops the drafts after it)
+    speculative: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -256,16 +261,23 @@ class Stage:
 
     # ---- sessions ----------------------------------------------------------------------------------
 
-    def release(self, session_id: str, keep_as: str | None = None) -> bool:
-        """Free a session's caches, or with `keep_as` turn them into that prefix (nothing is copied); an id
-        that names a prefix instead drops it. False if neither existed."""
+    def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> bool:
+        """Free a session's caches, or with `keep_as` turn them into that prefix (nothing is copied), of its
+        first `keep_length` tokens if given (a position of its last speculative forward); an id that names a
+        prefix instead drops it. False if neither existed."""
         self.evicted.pop(session_id, None)
         self.last_used.pop(session_id, None)
         cache = self.sessions.pop(session_id, None)
         if cache is None:
             return self.prefixes.drop(session_id)
+        if keep_as and keep_length and keep_length != cache.length \
+                and not cache.rewind(keep_length, delta_rule_recurrent):
+            log.warning("session %s holds %d tokens and cannot be kept as %d of them: not kept", session_id[:8],
+                        cache.length, keep_length)
+            return True
         if keep_as:
             cache.forget_snapshot()
+            cache.marks = None
             self.prefixes.keep(keep_as, cache)
         return True
 
@@ -305,7 +317,7 @@ class Stage:
             why = self.evicted.get(sid)
             raise SessionNotFound(f"session {sid!r} is not on this stage"
                                   + (f" ({why})" if why else "") + "; start it again with cache_len 0")
-        if cache.length != item.cache_len:
+        if cache.length != item.cache_len and not cache.rewind(item.cache_len, delta_rule_recurrent):
             raise SessionOutOfSync(f"session {sid!r}: this stage holds {cache.length} tokens but the call says "
                                    f"{item.cache_len} (a replayed or concurrent call?)")
         self.sessions.move_to_end(sid)
@@ -392,8 +404,10 @@ class Stage:
         t0 = time.monotonic()
         pinned = {b.session_id for b in batch}
         caches = [self._session(item, pinned) for item in batch]
-        for c in caches:
+        for c, item in zip(caches, batch, strict=True):
             c.snapshot()
+            if item.speculative:
+                c.start_trail()
         try:
             state, spans = self._input(batch, caches)
             for layer in self.layers_range:
@@ -408,9 +422,11 @@ class Stage:
         except BaseException:
             for c in caches:
                 c.restore()
+                c.drop_trail()
             raise
         for c, item in zip(caches, batch, strict=True):
             c.length += item.num_tokens
+            c.end_trail(item.num_tokens if item.speculative else 0)
             if item.save_as:
                 self.prefixes.keep(item.save_as, c.share())
         self.timings.forwards += 1
@@ -448,10 +464,13 @@ class Stage:
         if not self.last:
             return [SeqOutput(b.session_id, state=s) for b, s in zip(batch, state.split([s.length for s in spans]),
                                                                         strict=True)]
-        if not all_logits:
-            rows = torch.tensor([s.start + s.length - 1 for s in spans], device=state.P.device)
+        if not all_logits:  # the last token's, but every token's of a speculative sequence
+            keep = [(s.start, s.length) if b.speculative else (s.start + s.length - 1, 1) for b, s in zip(batch, spans,
+                                                                                                       strict=True)]
+            rows = torch.tensor([r for start, n in keep for r in range(start, start + n)], device=state.P.device)
             state = ResidualState(state.P[rows], state.B[rows])
-            spans = [Span(i, 1, s.cache) for i, s in enumerate(spans)]
+            at = [0, *itertools.accumulate(n for _, n in keep)]
+            spans = [Span(at[i], n, s.cache) for i, ((_, n), s) in enumerate(zip(keep, spans, strict=True))]
         logits = head(self.cfg, self.top, state)  # type: ignore[arg-type]
         return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
                                                                                                      strict=True)]

@@ -236,7 +236,7 @@ class ScriptedBackend:
             out.append(SeqOutput(b.session_id, logits=logits))
         return out
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
         self.released += session_ids
 
     async def stats(self) -> list[dict]:

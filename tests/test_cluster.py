@@ -34,7 +34,7 @@ async def _run(backend, steps: int = 6) -> tuple[torch.Tensor, list[int], list[t
         async def forward(seq: SeqInput):
             return (await backend.forward([seq]))[0]
 
-        async def release(session_id: str, keep_as: str | None = None) -> None:
+        async def release(session_id: str, keep_as: str | None = None, keep_length: int = 0) -> None:
             await backend.release([session_id])
 
         async for event in generate(forward, release, None, Request(PROMPT, steps, return_logits=True)):

@@ -33,7 +33,7 @@ class FlakyStages:
             raise RemoteError("w1", self.code, "gone")
         return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
         pass
 
     async def close(self) -> None:

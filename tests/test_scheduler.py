@@ -31,7 +31,7 @@ class Recording:
         self.in_flight -= 1
         return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None) -> None:
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
         pass
 
 
@@ -118,7 +118,7 @@ async def test_a_session_is_released_only_after_the_batch_carrying_it_comes_back
             events.append("forward done")
             return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
-        async def release(self, session_ids, keep_as=None):
+        async def release(self, session_ids, keep_as=None, keep_lengths=None):
             events.append("release " + ",".join(session_ids))
 
     sched = Scheduler(Gated(), max_active=4)

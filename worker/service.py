@@ -187,13 +187,16 @@ class WorkerService(pb_grpc.WorkerServicer):
         stage = self.stage
         if stage is None:
             return pb.ReleaseResponse(released=0)
-        ids, keep = list(request.session_ids), list(request.keep_as)
-        if keep and len(keep) != len(ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"keep_as has {len(keep)} ids for {len(ids)} sessions")
-        keep = keep or [""] * len(ids)
+        ids, keep, lengths = list(request.session_ids), list(request.keep_as), list(request.keep_lengths)
+        for name, given in (("keep_as", keep), ("keep_lengths", lengths)):
+            if given and len(given) != len(ids):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{name} has {len(given)} entries for {len(ids)} sessions")
+        if any(n < 0 for n in lengths):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "keep_lengths must be >= 0")
+        keep, lengths = keep or [""] * len(ids), lengths or [0] * len(ids)
         released = await self._on_stage_thread(
-            lambda: sum(stage.release(s, k or None) for s, k in zip(ids, keep, strict=True)))
+            lambda: sum(stage.release(s, k or None, n) for s, k, n in zip(ids, keep, lengths, strict=True)))
         return pb.ReleaseResponse(released=released)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:

@@ -8,6 +8,7 @@ next; a session resumed from it (`resume`) copies only the MLA latents, the part
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,10 +17,26 @@ from deltafin.config import LayerKind, ModelConfig
 from deltafin.sizing import mla_capacity
 
 
+@dataclass(frozen=True)
+class KDATrail:
+    """What a speculative forward fed one KDA layer, enough to recompute its state after any of its tokens
+    (a few vectors per token, where a state per token would be 4 MB per layer at K3's width)."""
+
+    conv: torch.Tensor  # [3, K-1+T, P]: the window before the forward, then the T tokens' conv inputs
+    state: torch.Tensor  # [H, dk, dv] before the forward
+    k: torch.Tensor  # [T, H, dk]
+    v: torch.Tensor  # [T, H, dv]
+    g: torch.Tensor  # [T, H, dk]
+    beta: torch.Tensor  # [T, H]
+
+
 @dataclass
 class KDACache:
     conv: torch.Tensor  # [3, K-1, P] fp32: the last K-1 pre-convolution q, k, v inputs
     state: torch.Tensor  # [H, dk, dv] fp32
+    # a speculative forward sets `speculative`; the layer runs the exact recurrence and leaves its `trail`
+    speculative: bool = field(default=False, repr=False)
+    trail: KDATrail | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +77,9 @@ class SequenceCache:
     layers: dict[int, LayerCache]
     length: int = 0  # tokens this stage has processed for the session
     _snapshot: tuple | None = field(default=None, repr=False)
+    # after a speculative forward of tokens [start, length): start and its KDA layers' trails, so that the
+    # next forward may continue from any of its positions (the drafts after it rejected)
+    marks: tuple[int, dict[int, KDATrail]] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +115,48 @@ class SequenceCache:
                 buf[:c.length] = c.buf[:c.length]
                 layers[i] = MLACache(buf, c.length)
         return SequenceCache(layers, self.length)
+
+    def start_trail(self) -> None:
+        """Before a speculative forward: its KDA layers keep what they were fed (`KDATrail`)."""
+        for c in self.layers.values():
+            if isinstance(c, KDACache):
+                c.speculative, c.trail = True, None
+
+    def end_trail(self, tokens: int) -> None:
+        """After a forward (`length` already counts its tokens): a speculative one of `tokens` tokens leaves
+        marks to rewind to any of its positions; any other (0) drops them, since it continued from what came
+        before."""
+        self.marks = None
+        if tokens:
+            self.marks = (self.length - tokens, {i: c.trail for i, c in self.layers.items()  # type: ignore[misc]
+                                                 if isinstance(c, KDACache)})
+        self.drop_trail()
+
+    def drop_trail(self) -> None:
+        for c in self.layers.values():
+            if isinstance(c, KDACache):
+                c.speculative, c.trail = False, None
+
+    def rewind(self, length: int, recurrence: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Continue from `length` tokens, one of the positions the last speculative forward fed (after its
+        first token); False if it is none. KDA states are recomputed from the trails with `recurrence`, the
+        function the forward ran, so they are the states it had there."""
+        if self.marks is None:
+            return False
+        start, trails = self.marks
+        if not start < length <= self.length:
+            return False
+        n = length - start
+        for i, c in self.layers.items():
+            if isinstance(c, KDACache):
+                t = trails[i]
+                _, c.state = recurrence(t.k[:n], t.k[:n], t.v[:n], t.g[:n], t.beta[:n], t.state)
+                c.conv = t.conv[:, n:n + t.conv.shape[1] - t.k.shape[0]]
+            else:
+                c.length = length
+        self.length = length
+        self.marks = None
+        return True
 
     def snapshot(self) -> None:
         self._snapshot = (self.length, {i: (c.conv, c.state) if isinstance(c, KDACache) else (c.buf, c.length)

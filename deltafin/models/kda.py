@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from deltafin.config import ModelConfig
 from deltafin.kernels.linear import linear
-from deltafin.models.cache import KDACache
+from deltafin.models.cache import KDACache, KDATrail
 from deltafin.models.common import l2_normalize, rms_norm
 from deltafin.models.weights import KDAWeights
 
@@ -146,7 +146,9 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,
                 spans: Sequence[tuple[int, int, KDACache]]) -> torch.Tensor:
     """One KDA layer over packed tokens x [N, D]. `spans` are (start, length, cache) per sequence; caches
-    are updated. A one-token span (decode) runs the recurrence; longer spans (prefill) the chunked form."""
+    are updated. A one-token span (decode) runs the recurrence; longer spans (prefill) the chunked form, but
+    for a speculative sequence (`cache.speculative`), which runs the recurrence and leaves a `KDATrail` so
+    that its state after any of its tokens can be recomputed exactly (cache.SequenceCache.rewind)."""
     n_tok = x.shape[0]
     h, d = cfg.kda_heads, cfg.kda_head_dim
     proj = torch.stack([linear(x, w.q), linear(x, w.k), linear(x, w.v)])  # [3, N, P]
@@ -164,8 +166,11 @@ def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,
         q = l2_normalize(qkv[0], cfg.qk_norm_eps) * d ** -0.5
         k = l2_normalize(qkv[1], cfg.qk_norm_eps)
         g = kda_decay(cfg, w, graw[sl])
-        rule = delta_rule_recurrent if length == 1 else delta_rule_chunked
+        rule = delta_rule_recurrent if length == 1 or cache.speculative else delta_rule_chunked
         o, state = rule(q, k, qkv[2], g, beta[sl], cache.state)
+        if cache.speculative:
+            fed = torch.stack([torch.cat([cache.conv[j], proj[j, sl].float()]) for j in range(3)])
+            cache.trail = KDATrail(fed, cache.state, k, qkv[2], g, beta[sl])
         cache.conv, cache.state = torch.stack(windows), state
         outs.append(o)
     o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H, d] fp32

@@ -18,7 +18,8 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache
+PROTOCOL_VERSION = 4  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
+# 4: speculative forwards and releases that keep a session's first N tokens
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -65,7 +66,8 @@ def encode_inputs(batch: list[SeqInput]) -> list[pb.SequenceInput]:
     out = []
     for item in batch:
         msg = pb.SequenceInput(session_id=item.session_id, cache_len=item.cache_len,
-                               resume_from=item.resume_from or "", save_as=item.save_as or "")
+                               resume_from=item.resume_from or "", save_as=item.save_as or "",
+                               speculative=item.speculative)
         if item.ids is not None:
             msg.ids.CopyFrom(encode_tensor(item.ids))
         if item.state is not None:
@@ -86,7 +88,8 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         has_ids, has_state = msg.HasField("ids"), msg.HasField("p") or msg.HasField("b")
         if has_ids == has_state:
             raise CodecError(f"{what}: exactly one of ids or (p, b) is required")
-        prefix = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None}
+        prefix = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None,
+                  "speculative": msg.speculative}
         if msg.resume_from and msg.cache_len == 0:
             raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64\x65ltafin.proto\x12\x0b\x64\x65ltafin.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x02\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x11\n\tdisk_gbps\x18\x05 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\'\n\x06layers\x18\x07 \x03(\x0b\x32\x17.deltafin.v1.LayerRange\x12\x0f\n\x07has_top\x18\x08 \x01(\x08\x12)\n\x08\x61ssigned\x18\t \x01(\x0b\x32\x17.deltafin.v1.LayerRange\x12\r\n\x05state\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x19\n\x11host_memory_bytes\x18\x0c \x01(\x03\x12\x11\n\tworker_id\x18\r \x01(\t\"T\n\nAssignment\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07options\x18\x04 \x01(\x0c\"B\n\x0e\x41ssignProgress\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x01\x12\r\n\x05ready\x18\x03 \x01(\x08\"\xbe\x01\n\rSequenceInput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\x03\x12 \n\x03ids\x18\x03 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01p\x18\x04 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01\x62\x18\x05 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x13\n\x0bresume_from\x18\x06 \x01(\t\x12\x0f\n\x07save_as\x18\x07 \x01(\t\"g\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.deltafin.v1.SequenceInput\x12\x12\n\nall_logits\x18\x03 \x01(\x08\"\x89\x01\n\x0eSequenceOutput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1e\n\x01p\x18\x02 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01\x62\x18\x03 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12#\n\x06logits\x18\x04 \x01(\x0b\x32\x13.deltafin.v1.Tensor\"A\n\x0f\x46orwardResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.deltafin.v1.SequenceOutput\"6\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x0f\n\x07keep_as\x18\x02 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1e\n\rStatsResponse\x12\r\n\x05stats\x18\x01 \x01(\x0c\x32\x94\x03\n\x06Worker\x12\x39\n\x04Info\x12\x18.deltafin.v1.InfoRequest\x1a\x17.deltafin.v1.WorkerInfo\x12@\n\x06\x41ssign\x12\x17.deltafin.v1.Assignment\x1a\x1b.deltafin.v1.AssignProgress0\x01\x12\x44\n\x07\x46orward\x12\x1b.deltafin.v1.ForwardRequest\x1a\x1c.deltafin.v1.ForwardResponse\x12\x44\n\x07Release\x12\x1b.deltafin.v1.ReleaseRequest\x1a\x1c.deltafin.v1.ReleaseResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.deltafin.v1.CancelRequest\x1a\x1b.deltafin.v1.CancelResponse\x12>\n\x05Stats\x12\x19.deltafin.v1.StatsRequest\x1a\x1a.deltafin.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64\x65ltafin.proto\x12\x0b\x64\x65ltafin.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\"\r\n\x0bInfoRequest\"\xbb\x02\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x11\n\tdisk_gbps\x18\x05 \x01(\x01\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\'\n\x06layers\x18\x07 \x03(\x0b\x32\x17.deltafin.v1.LayerRange\x12\x0f\n\x07has_top\x18\x08 \x01(\x08\x12)\n\x08\x61ssigned\x18\t \x01(\x0b\x32\x17.deltafin.v1.LayerRange\x12\r\n\x05state\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x19\n\x11host_memory_bytes\x18\x0c \x01(\x03\x12\x11\n\tworker_id\x18\r \x01(\t\"T\n\nAssignment\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07options\x18\x04 \x01(\x0c\"B\n\x0e\x41ssignProgress\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x01\x12\r\n\x05ready\x18\x03 \x01(\x08\"\xd3\x01\n\rSequenceInput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\x03\x12 \n\x03ids\x18\x03 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01p\x18\x04 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01\x62\x18\x05 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x13\n\x0bresume_from\x18\x06 \x01(\t\x12\x0f\n\x07save_as\x18\x07 \x01(\t\x12\x13\n\x0bspeculative\x18\x08 \x01(\x08\"g\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.deltafin.v1.SequenceInput\x12\x12\n\nall_logits\x18\x03 \x01(\x08\"\x89\x01\n\x0eSequenceOutput\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1e\n\x01p\x18\x02 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12\x1e\n\x01\x62\x18\x03 \x01(\x0b\x32\x13.deltafin.v1.Tensor\x12#\n\x06logits\x18\x04 \x01(\x0b\x32\x13.deltafin.v1.Tensor\"A\n\x0f\x46orwardResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.deltafin.v1.SequenceOutput\"L\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x0f\n\x07keep_as\x18\x02 \x03(\t\x12\x14\n\x0ckeep_lengths\x18\x03 \x03(\x03\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1e\n\rStatsResponse\x12\r\n\x05stats\x18\x01 \x01(\x0c\x32\x94\x03\n\x06Worker\x12\x39\n\x04Info\x12\x18.deltafin.v1.InfoRequest\x1a\x17.deltafin.v1.WorkerInfo\x12@\n\x06\x41ssign\x12\x17.deltafin.v1.Assignment\x1a\x1b.deltafin.v1.AssignProgress0\x01\x12\x44\n\x07\x46orward\x12\x1b.deltafin.v1.ForwardRequest\x1a\x1c.deltafin.v1.ForwardResponse\x12\x44\n\x07Release\x12\x1b.deltafin.v1.ReleaseRequest\x1a\x1c.deltafin.v1.ReleaseResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.deltafin.v1.CancelRequest\x1a\x1b.deltafin.v1.CancelResponse\x12>\n\x05Stats\x12\x19.deltafin.v1.StatsRequest\x1a\x1a.deltafin.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNPROGRESS']._serialized_start=546
   _globals['_ASSIGNPROGRESS']._serialized_end=612
   _globals['_SEQUENCEINPUT']._serialized_start=615
-  _globals['_SEQUENCEINPUT']._serialized_end=805
-  _globals['_FORWARDREQUEST']._serialized_start=807
-  _globals['_FORWARDREQUEST']._serialized_end=910
-  _globals['_SEQUENCEOUTPUT']._serialized_start=913
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1050
-  _globals['_FORWARDRESPONSE']._serialized_start=1052
-  _globals['_FORWARDRESPONSE']._serialized_end=1117
-  _globals['_RELEASEREQUEST']._serialized_start=1119
-  _globals['_RELEASEREQUEST']._serialized_end=1173
-  _globals['_RELEASERESPONSE']._serialized_start=1175
-  _globals['_RELEASERESPONSE']._serialized_end=1210
-  _globals['_CANCELREQUEST']._serialized_start=1212
-  _globals['_CANCELREQUEST']._serialized_end=1247
-  _globals['_CANCELRESPONSE']._serialized_start=1249
-  _globals['_CANCELRESPONSE']._serialized_end=1284
-  _globals['_STATSREQUEST']._serialized_start=1286
-  _globals['_STATSREQUEST']._serialized_end=1300
-  _globals['_STATSRESPONSE']._serialized_start=1302
-  _globals['_STATSRESPONSE']._serialized_end=1332
-  _globals['_WORKER']._serialized_start=1335
-  _globals['_WORKER']._serialized_end=1739
+  _globals['_SEQUENCEINPUT']._serialized_end=826
+  _globals['_FORWARDREQUEST']._serialized_start=828
+  _globals['_FORWARDREQUEST']._serialized_end=931
+  _globals['_SEQUENCEOUTPUT']._serialized_start=934
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1071
+  _globals['_FORWARDRESPONSE']._serialized_start=1073
+  _globals['_FORWARDRESPONSE']._serialized_end=1138
+  _globals['_RELEASEREQUEST']._serialized_start=1140
+  _globals['_RELEASEREQUEST']._serialized_end=1216
+  _globals['_RELEASERESPONSE']._serialized_start=1218
+  _globals['_RELEASERESPONSE']._serialized_end=1253
+  _globals['_CANCELREQUEST']._serialized_start=1255
+  _globals['_CANCELREQUEST']._serialized_end=1290
+  _globals['_CANCELRESPONSE']._serialized_start=1292
+  _globals['_CANCELRESPONSE']._serialized_end=1327
+  _globals['_STATSREQUEST']._serialized_start=1329
+  _globals['_STATSREQUEST']._serialized_end=1343
+  _globals['_STATSRESPONSE']._serialized_start=1345
+  _globals['_STATSRESPONSE']._serialized_end=1375
+  _globals['_WORKER']._serialized_start=1378
+  _globals['_WORKER']._serialized_end=1782
 # @@protoc_insertion_point(module_scope)

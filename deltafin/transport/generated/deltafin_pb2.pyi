@@ -81,7 +81,7 @@ class AssignProgress(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "save_as")
+    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "save_as", "speculative")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class SequenceInput(_message.Message):
     B_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     SAVE_AS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_len: int
     ids: Tensor
@@ -96,7 +97,8 @@ class SequenceInput(_message.Message):
     b: Tensor
     resume_from: str
     save_as: str
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., save_as: _Optional[str] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., save_as: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("request_id", "sequences", "all_logits")
@@ -127,12 +129,14 @@ class ForwardResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_ids", "keep_as")
+    __slots__ = ("session_ids", "keep_as", "keep_lengths")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     KEEP_AS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     keep_as: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., keep_as: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., keep_as: _Optional[_Iterable[str]] = ..., keep_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -1,0 +1,123 @@
+"""Speculative decoding without a draft model: drafts from the text so far, and how many to draft.
+
+A pass feeds the last token and k drafted ones in one forward; the stages return logits for every position
+and can continue from any of them (stage.SeqInput.speculative). The sampler accepts a prefix of the drafts
+(`Sampler.verify`: exact for greedy and for sampling), so the output is what plain decoding would give.
+
+- `Drafter` is what proposes tokens; `NgramDrafter` is prompt lookup: the continuation of the latest earlier
+  occurrence of the last n tokens (n from `max_ngram` down to `min_ngram`) in the prompt and the output so
+  far. A small draft model can implement the same protocol later.
+- `DraftLength` picks k for the next pass: the k that maximises expected tokens per second, from the
+  acceptance measured so far and a cost model of one pass (`PassCost`). At K3's size a pass costs the
+  spine's reads once, whatever k, plus the distinct experts its k+1 tokens route to: with a uniform router
+  E·(1−(1−K/E)^(k+1)) per layer, so drafting is cheap where the spine streams and dear where it does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+MODES = ("none", "ngram")
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that may follow `tokens` (the prompt and the output so far); [] for none."""
+        ...
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    max_ngram: int = 3
+    min_ngram: int = 1
+    window: int = 4096  # look this far back (a long prompt stays cheap to search)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k < 1 or len(tokens) < 2:
+            return []
+        recent = tokens[-self.window:]
+        for n in range(min(self.max_ngram, len(recent) - 1), self.min_ngram - 1, -1):
+            tail = recent[-n:]
+            for start in range(len(recent) - n - 1, -1, -1):  # the latest occurrence before the tail itself
+                if recent[start:start + n] == tail:
+                    return recent[start + n:start + n + k]
+        return []
+
+
+def distinct_experts(tokens: int, experts: int, active: int) -> float:
+    """Experts a layer reads for `tokens` tokens under a uniform router."""
+    return experts * (1.0 - (1.0 - active / experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Seconds of one verification pass of n tokens: `fixed` (the spine's streamed part, the hops, the
+    head) plus `per_expert` for each distinct expert read, per MoE layer (`experts` of which `active` per
+    token)."""
+
+    fixed: float
+    per_expert: float
+    experts: int
+    active: int
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed + self.per_expert * distinct_experts(tokens, self.experts, self.active)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one pass yields with k drafts, each accepted with probability `acceptance` given the ones
+    before it: 1 + a + a^2 + ... + a^k."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def default_cost(experts: int, active: int) -> PassCost:
+    """Half of a one-token pass fixed, half its experts: one 64 GB Mac's split at K3's size (26 GB of spine
+    streamed, 25.8 GB of experts per token; README, Speculative decoding), until `deltafin bench` measures."""
+    return PassCost(fixed=1.0, per_expert=1.0 / active, experts=experts, active=active)
+
+
+@dataclass
+class DraftLength:
+    """The number of drafts for the next pass, from the acceptance so far and the cost model: the k in
+    [0, max_k] with the most expected tokens per second. Acceptance is the share of drafts taken, each pass's
+    tokens up to its first rejection counting (later ones were never judged), older passes decaying."""
+
+    cost: PassCost
+    max_k: int = 8
+    prior: float = 0.5  # the acceptance assumed before any pass, worth `prior_weight` drafts
+    prior_weight: float = 4.0
+    decay: float = 0.9  # per pass: recent passes count more (a conversation changes character)
+    probe_every: int = 8
+    taken: float = field(init=False)
+    judged: float = field(init=False)
+    _idle: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.taken, self.judged = self.prior * self.prior_weight, self.prior_weight
+
+    @property
+    def acceptance(self) -> float:
+        return self.taken / self.judged
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a pass: `accepted` of its `drafted` tokens were taken."""
+        if drafted <= 0:
+            return
+        self.taken = self.decay * self.taken + accepted
+        self.judged = self.decay * self.judged + accepted + (1 if accepted < drafted else 0)
+
+    def next(self, available: int) -> int:
+        """Drafts to verify when the drafter has `available` of them. When none pay, every `probe_every`-th
+        such step still verifies one, so that a text that turns repetitive is noticed."""
+        best, best_rate = 0, 1.0 / self.cost.seconds(1)
+        for k in range(1, min(self.max_k, available) + 1):
+            rate = expected_tokens(self.acceptance, k) / self.cost.seconds(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and available:
+            self._idle += 1
+            if self._idle >= self.probe_every:
+                self._idle, best = 0, 1
+        return best
