@@ -277,6 +277,55 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     return result
 
 
+def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto", dtype: str = "fp32",
+                 options: Any = None, prompt: int = 16, repeats: int = 3) -> dict[str, Any]:
+    """One speculative verification pass (the last token and k drafts in one forward) for each k: its
+    seconds and the bytes it reads, experts and streamed spine apart, the median of `repeats` passes. Every
+    pass continues after the first token of the one before (its drafts rejected), so the context grows by
+    one token a pass; the ids are seeded random tokens, so each pass routes to fresh experts as a new text
+    would."""
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.speculative import distinct_experts
+    from deltafin.stage import SeqInput
+
+    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    stage, cfg = pipe.stages[0], pipe.stages[0].cfg
+    dev = stage.device
+    rng = torch.Generator().manual_seed(0)
+    vocab = cfg.vocab_size - 256
+    passes: dict[str, Any] = {}
+    try:
+        pipe.forward([SeqInput("verify", 0, ids=torch.randint(0, vocab, (prompt,), generator=rng))])
+        pipe.forward([SeqInput("verify", prompt, ids=torch.randint(0, vocab, (2,), generator=rng), speculative=True)])
+        pos = prompt + 1  # warm: first-call costs paid
+        for k in [0, *(k for k in drafts if k)]:  # k = 0: a plain one-token step, the baseline
+            runs = []
+            for _ in range(repeats):
+                ids = torch.randint(0, vocab, (k + 1,), generator=rng)
+                before = _io_counters(stage)
+                t0 = time.perf_counter()
+                pipe.forward([SeqInput("verify", pos, ids=ids, speculative=True)])
+                pos += 1
+                synchronize(dev)
+                seconds = time.perf_counter() - t0
+                after = _io_counters(stage)
+                runs.append((seconds, after["expert_bytes"] - before["expert_bytes"],
+                             after["spine_bytes"] - before["spine_bytes"]))
+            seconds, experts, spine = (statistics.median(r[i] for r in runs) for i in range(3))
+            passes[str(k)] = {"tokens": k + 1, "seconds": round(seconds, 3), "expert_gb": round(experts / GB, 3),
+                              "spine_gb": round(spine / GB, 3),
+                              "uniform_router_experts_per_layer": round(distinct_experts(
+                                  k + 1, cfg.num_experts, cfg.experts_per_token), 1)}
+        pipe.release("verify")
+        result = {"bench": "verify", "model": str(Path(model).resolve()), "device": str(dev), "dtype": dtype,
+                  "prompt": prompt, "repeats": repeats, "moe_layers": len(stage.cfg.moe_layers),
+                  "passes": passes}
+        result.update(_peak_memory(dev, stage.sizing))
+    finally:
+        pipe.close()
+    return result
+
+
 def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "auto", dtype: str = "fp32",
                       options: Any = None, reply: int = 4) -> dict[str, Any]:
     """A chat's second turn: a `prompt`-token first request generates `reply` tokens; the second request is

@@ -173,6 +173,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if lengths:  # the stage is sized for the longest prompt
             args.context = max(args.context, *lengths)
         options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+        if args.verify:
+            result = bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), device=args.device,
+                                        dtype=args.dtype, options=options, prompt=args.prompt)
+            print(json.dumps(result, indent=2))
+            return 0
         if args.second_turn:
             prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
                 else (0, 0)
@@ -211,13 +216,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
                        "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
-                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves.")
+                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: what a "
+                       "speculative verification pass of k drafts costs.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
     p.add_argument("--prefill", metavar="LENGTHS", help="--model: time prefill of prompts of these lengths instead "
                    "(comma-separated, e.g. 1024,4096,16384), in chunks of --prefill-chunk; --context becomes at "
                    "least the longest")
+    p.add_argument("--verify", metavar="KS", help="--model: one speculative verification pass (the last token "
+                   "and k drafts in one forward) for each k (comma-separated, e.g. 1,2,3,4,5,6,7,8): seconds, "
+                   "expert and spine GB read")
     p.add_argument("--second-turn", metavar="PROMPT,NEW", help="--model: a chat's second turn (a PROMPT-token "
                    "first request, 4 generated tokens, NEW more tokens): its time to first token with the prefix "
                    "cache and without")

@@ -270,14 +270,13 @@ class Stage:
         cache = self.sessions.pop(session_id, None)
         if cache is None:
             return self.prefixes.drop(session_id)
-        if keep_as and keep_length and keep_length != cache.length \
-                and not cache.rewind(keep_length, delta_rule_recurrent):
+        if keep_as and (cache.pending or keep_length and keep_length != cache.length) \
+                and not cache.rewind(keep_length or cache.length, delta_rule_recurrent):
             log.warning("session %s holds %d tokens and cannot be kept as %d of them: not kept", session_id[:8],
                         cache.length, keep_length)
             return True
         if keep_as:
             cache.forget_snapshot()
-            cache.marks = None
             self.prefixes.keep(keep_as, cache)
         return True
 
@@ -317,7 +316,8 @@ class Stage:
             why = self.evicted.get(sid)
             raise SessionNotFound(f"session {sid!r} is not on this stage"
                                   + (f" ({why})" if why else "") + "; start it again with cache_len 0")
-        if cache.length != item.cache_len and not cache.rewind(item.cache_len, delta_rule_recurrent):
+        if (cache.pending or cache.length != item.cache_len) and not cache.rewind(item.cache_len,
+                                                                                delta_rule_recurrent):
             raise SessionOutOfSync(f"session {sid!r}: this stage holds {cache.length} tokens but the call says "
                                    f"{item.cache_len} (a replayed or concurrent call?)")
         self.sessions.move_to_end(sid)
@@ -370,6 +370,9 @@ class Stage:
     def _validate(self, item: SeqInput) -> None:
         if item.cache_len < 0:
             raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
+        if item.speculative and item.save_as:
+            raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
+                               "drafts are not decided yet)")
         if self.first:
             ids = item.ids
             if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):

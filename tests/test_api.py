@@ -471,3 +471,18 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
     finally:
         await runner.cleanup()
         await engine.scheduler.close()
+
+
+async def test_speculative_per_request_same_text_and_counted(server: Server) -> None:
+    client = server.client()
+    body = {"ignore_eos": True}
+    plain = await client.completions.create(model=MODEL, prompt="a b a b a b a b", max_tokens=20, temperature=0,
+                                            extra_body=body)
+    fast = await client.completions.create(model=MODEL, prompt="a b a b a b a b", max_tokens=20, temperature=0,
+                                           extra_body={**body, "speculative": "ngram"})
+    assert fast.choices[0].text == plain.choices[0].text
+    assert await _metric(server.url, "deltafin_draft_tokens_total") == server.engine.counters.draft_tokens > 0
+    assert await _metric(server.url, "deltafin_decode_forwards_total") == server.engine.counters.forwards
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"speculative": "eagle"})
+    assert e.value.body["param"] == "speculative"  # type: ignore[index]

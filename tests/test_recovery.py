@@ -223,3 +223,23 @@ async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None
     assert isinstance(bad, ClusterUnavailable)
     assert len(causes) == 1 + rc.options.max_attempts  # one for the batch, then "gone" alone until it gives up
     assert list(rc.journal["kept"].ids) == [1, 2]
+
+
+async def test_speculative_forwards_replay_as_they_ran(tiny_dir: Path) -> None:
+    """A session that verified drafts and continued from a position inside them is replayed with the same
+    forwards (speculative ones included), so the new stages rewind where the old ones did."""
+    stages = FlakyStages(fail_at={4})
+    rc, _ = _cluster(tiny_dir, stages)
+    await rc.forward([_step("s", 0, [5, 6, 7])])
+    await rc.forward([SeqInput("s", 3, ids=torch.tensor([8, 9, 10, 11]), speculative=True)])  # 8 + three drafts
+    await rc.forward([_step("s", 5, [12])])  # one draft taken (9): continue after it
+    await rc.forward([SeqInput("s", 6, ids=torch.tensor([13, 14]), speculative=True)])
+    await rc.forward([_step("s", 8, [15])])  # call 4 fails: replay, then retry
+    replayed = stages.calls[5:9]
+    assert replayed == [[("s", 0, [5, 6, 7])], [("s", 3, [8, 9, 10, 11])], [("s", 5, [12])], [("s", 6, [13, 14])]]
+    assert stages.calls[9] == [("s", 8, [15])]
+    flags = [c.speculative for c in rc.journal["s"].forwards()]
+    assert flags == [False, True, False, True, False]
+    with pytest.raises(ClusterUnavailable, match="cannot be rebuilt"):  # 3 is not a position of the last forward
+        rc.stale.add("s")
+        await rc.forward([_step("s", 3, [1])])

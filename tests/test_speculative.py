@@ -261,3 +261,92 @@ async def test_sampling_with_drafts_keeps_the_distribution(tiny_dir: Path) -> No
     assert chi2 < 26.1, (chi2, counts, exact)
     expected_accepted = sum(q for (t1, t2), q in exact.items() if t2 == likeliest[t1])
     assert abs(accepted / n - expected_accepted) < 0.07  # the draft lands as often as it is the sample
+
+
+async def test_drafts_through_worker_processes_and_a_lost_worker(tiny_dir: Path) -> None:
+    """Two worker processes (speculative forwards and keep lengths over gRPC): the output equals plain
+    decoding's, and after kill -9 of the second worker mid-generation the re-planned cluster replays the
+    session's forwards, speculative ones included, and the output is still the same."""
+    import signal
+
+    from cluster_util import workers
+
+    from deltafin.config import load_config
+    from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+    from deltafin.coordinator.engine import Engine
+    from deltafin.coordinator.generation import Finished, Speculation
+    from deltafin.tokenizer import K3Tokenizer
+
+    tok, cfg = K3Tokenizer.load(tiny_dir), load_config(tiny_dir)
+    with workers(tiny_dir, 2) as procs:
+        addresses = [p.address for p in procs]
+
+        async def run(kill_after: int | None) -> tuple[list[int], list[int], object]:
+            backend, _ = await connect_cluster(ClusterSpec(tiny_dir, addresses=addresses, discover=False),
+                                               show_progress=False)
+            engine = Engine(backend, tok, cfg, "tiny", prefix_cache=True)
+            try:
+                plain, _ = await _tokens(engine, PROMPT, 24)
+                engine._speculation = lambda mode: Speculation(Scripted(PROMPT, plain), _always(4))
+                out, end = [], None
+                async for e in engine.run(PROMPT, None, max_tokens=24, ignore_eos=True):
+                    if isinstance(e, Finished):
+                        end = e
+                        continue
+                    out.append(e.token_id)
+                    if kill_after is not None and len(out) == kill_after:
+                        procs[1].proc.send_signal(signal.SIGKILL)
+                return plain, out, (end, list(backend.recoveries))
+            finally:
+                await engine.close()
+
+        plain, fast, (end, recoveries) = await run(None)
+        assert fast == plain and end.drafting.accepted_tokens >= 10 and not recoveries
+        plain, fast, (end, recoveries) = await run(8)
+        assert fast == plain and len(recoveries) >= 1
+
+
+def test_generate_json_reports_the_drafting_counts(tiny_dir: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    def generate(*extra: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "deltafin.coordinator.main", "--model", str(tiny_dir),
+                               "--local", "-q", "generate", "a b a b a b a b", "--max-tokens", "16", "--json",
+                               *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    plain, fast = generate(), generate("--speculative", "ngram")
+    assert fast["ids"] == plain["ids"]
+    assert plain["draft_tokens"] == 0 and plain["forwards"] == len(plain["ids"]) - 1
+    assert fast["draft_tokens"] > 0 and fast["forwards"] == len(fast["ids"]) - 1 - fast["accepted_tokens"]
+
+
+def test_a_session_that_may_rewind_holds_one_state_per_layer(pipe) -> None:
+    """Between a speculative forward and the next, a KDA layer holds the state before the forward (and a few
+    vectors per token to recompute the others), never two states: the plan's per-sequence bytes still hold."""
+    stage = pipe.stages[0]
+    pipe.forward([SeqInput("m", 0, ids=torch.tensor(PROMPT))])
+    plain = stage.sessions["m"].nbytes
+    kda = {i: c.state for i, c in stage.sessions["m"].layers.items() if hasattr(c, "state")}
+    pipe.forward([SeqInput("m", len(PROMPT), ids=torch.tensor([1, 2, 3]), speculative=True)])
+    cache = stage.sessions["m"]
+    assert kda and cache.pending and cache.nbytes == plain
+    assert all(cache.layers[i].state is s for i, s in kda.items())  # the state from before, not a copy
+    pipe.forward([SeqInput("m", len(PROMPT) + 3, ids=torch.tensor([4]))])  # all three taken: continue
+    assert not cache.pending and cache.nbytes == plain
+    pipe.release("m")
+
+
+def test_verify_bench_reports_a_pass_per_draft_count(small_dir: Path) -> None:
+    from deltafin import bench
+    from deltafin.stage import StageOptions
+
+    result = bench.bench_verify(small_dir, [1, 8], device="cpu", options=StageOptions(expert_cache_bytes=10 ** 7))
+    passes = result["passes"]
+    assert list(passes) == ["0", "1", "8"] and [p["tokens"] for p in passes.values()] == [1, 2, 9]
+    assert 0 < passes["0"]["expert_gb"] < passes["8"]["expert_gb"]  # more tokens route to more experts
+    assert passes["8"]["uniform_router_experts_per_layer"] > passes["1"]["uniform_router_experts_per_layer"]
+    assert all(p["spine_gb"] == 0 and p["seconds"] > 0 for p in passes.values())  # the spine is resident

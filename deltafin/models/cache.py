@@ -77,8 +77,8 @@ class SequenceCache:
     layers: dict[int, LayerCache]
     length: int = 0  # tokens this stage has processed for the session
     _snapshot: tuple | None = field(default=None, repr=False)
-    # after a speculative forward of tokens [start, length): start and its KDA layers' trails, so that the
-    # next forward may continue from any of its positions (the drafts after it rejected)
+    # after a speculative forward of tokens [start, length): start and its KDA layers' trails (their state
+    # is the one before it), until the next forward says where to continue (the drafts after it rejected)
     marks: tuple[int, dict[int, KDATrail]] | None = field(default=None, repr=False)
 
     @property
@@ -123,13 +123,18 @@ class SequenceCache:
                 c.speculative, c.trail = True, None
 
     def end_trail(self, tokens: int) -> None:
-        """After a forward (`length` already counts its tokens): a speculative one of `tokens` tokens leaves
-        marks to rewind to any of its positions; any other (0) drops them, since it continued from what came
-        before."""
+        """After a forward (`length` already counts its tokens). A speculative one of `tokens` tokens leaves
+        its KDA layers at the state before it, with the trail to recompute any of its positions: the next
+        forward (or release) says which (`rewind`), and no second state per layer is ever held. Any other
+        forward continued from what came before: nothing to keep."""
         self.marks = None
         if tokens:
-            self.marks = (self.length - tokens, {i: c.trail for i, c in self.layers.items()  # type: ignore[misc]
-                                                 if isinstance(c, KDACache)})
+            trails = {}
+            for i, c in self.layers.items():
+                if isinstance(c, KDACache):
+                    t = trails[i] = c.trail
+                    c.state, c.conv = t.state, t.conv[:, :t.conv.shape[1] - t.k.shape[0]]  # type: ignore[union-attr]
+            self.marks = (self.length - tokens, trails)  # type: ignore[assignment]
         self.drop_trail()
 
     def drop_trail(self) -> None:
@@ -137,10 +142,15 @@ class SequenceCache:
             if isinstance(c, KDACache):
                 c.speculative, c.trail = False, None
 
+    @property
+    def pending(self) -> bool:
+        """A speculative forward's position has yet to be chosen (`rewind`) before the state can be used."""
+        return self.marks is not None
+
     def rewind(self, length: int, recurrence: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Continue from `length` tokens, one of the positions the last speculative forward fed (after its
-        first token); False if it is none. KDA states are recomputed from the trails with `recurrence`, the
-        function the forward ran, so they are the states it had there."""
+        first token, up to its end); False if it is none. KDA states are recomputed from the trails with
+        `recurrence`, the function the forward ran, so they are the states it had there."""
         if self.marks is None:
             return False
         start, trails = self.marks
@@ -150,6 +160,7 @@ class SequenceCache:
         for i, c in self.layers.items():
             if isinstance(c, KDACache):
                 t = trails[i]
+                # the outputs are not needed: any query will do (k); the state sequence is the forward's
                 _, c.state = recurrence(t.k[:n], t.k[:n], t.v[:n], t.g[:n], t.beta[:n], t.state)
                 c.conv = t.conv[:, n:n + t.conv.shape[1] - t.k.shape[0]]
             else:
