@@ -173,9 +173,9 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
         consistent = True
         t_prefill = time.monotonic() - t0
         drafts: list[int] = []  # what the last forward verified after its first token
-        done = False
-        while not done:
-            rows = out.logits[-len(drafts) - 1:].float()  # type: ignore[index]
+        finished = False
+        while not finished:
+            rows = out.logits[-len(drafts) - 1:].float()  # type: ignore[index]  # one per draft, and one more
             emitted = 0
             for i, row in enumerate(rows):
                 if i < len(drafts):
@@ -186,23 +186,22 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
                 produced += 1
                 emitted += 1
                 output.append(token)
-                done = True
                 if token in req.stop_ids:
-                    reason, stopped_by = "stop", token
+                    reason, stopped_by, finished = "stop", token, True
                     yield TokenEvent(token, Delta(), choice, row if req.return_logits else None)
                     break
                 delta = view.push(token)
                 if stops is not None and delta.content:
                     delta.content, hit = stops.push(delta.content)
                     if hit is not None:
-                        reason, stopped_by = "stop", hit
+                        reason, stopped_by, finished = "stop", hit, True
                         yield TokenEvent(token, delta, choice, row if req.return_logits else None)
                         break
                 yield TokenEvent(token, delta, choice, row if req.return_logits else None)
                 if produced >= req.max_tokens:
+                    finished = True
                     break
-                done = False
-                if not accepted:
+                if not accepted:  # the draft after a rejected one was fed after the wrong token
                     break
             if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
                 taken = emitted - 1
@@ -211,7 +210,7 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
                     spec.lengths.update(len(drafts), taken)
                 fed += drafts[:taken]
                 length += taken
-            if done:
+            if finished:
                 break
             token = output[-1]
             drafts = _drafts(spec, req.prompt_ids + output, req.max_tokens - produced)

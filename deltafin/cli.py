@@ -216,8 +216,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
                        "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
-                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: what a "
-                       "speculative verification pass of k drafts costs.")
+                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
+                       "what a speculative verification pass of k drafts costs.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")

@@ -203,7 +203,11 @@ async def test_greedy_output_is_the_same_with_drafts_taken_and_rejected(tiny_dir
     engine, _ = _engine(tiny_dir, prefix_cache=True)
     try:
         for prompt in (PROMPT, [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]):
+            index, engine.prefixes = engine.prefixes, None  # nothing kept by the plain run
             plain, _ = await _tokens(engine, prompt, 30)
+            longer = prompt + plain[:29] + [plain[29], 7]
+            expected, _ = await _tokens(engine, longer, 5)
+            engine.prefixes = index
             engine._speculation = lambda mode, p=prompt, t=plain: Speculation(Scripted(p, t), _always(4))
             fast, end = await _tokens(engine, prompt, 30)
             assert fast == plain
@@ -211,7 +215,11 @@ async def test_greedy_output_is_the_same_with_drafts_taken_and_rejected(tiny_dir
             assert d.accepted_tokens >= 15 and d.draft_tokens > d.accepted_tokens  # both kinds happened
             assert d.forwards == 29 - d.accepted_tokens  # every pass: one forward, 1 + accepted tokens
             del engine._speculation
-            ngram, end = await _tokens(engine, prompt, 30, speculative="ngram")
+            # the speculative run kept its state at prompt + 29 tokens (its rejected drafts dropped): a prompt
+            # that extends it resumes there and continues as a full prefill does
+            resumed, end = await _tokens(engine, longer, 5)
+            assert end.usage.cached_tokens == len(prompt) + 29 and resumed == expected
+            ngram, _ = await _tokens(engine, prompt, 30, speculative="ngram")
             assert ngram == plain
     finally:
         await engine.close()

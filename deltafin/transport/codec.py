@@ -88,15 +88,15 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         has_ids, has_state = msg.HasField("ids"), msg.HasField("p") or msg.HasField("b")
         if has_ids == has_state:
             raise CodecError(f"{what}: exactly one of ids or (p, b) is required")
-        prefix = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None,
-                  "speculative": msg.speculative}
+        extra = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None,
+                 "speculative": msg.speculative}
         if msg.resume_from and msg.cache_len == 0:
             raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:
-            out.append(SeqInput(msg.session_id, msg.cache_len, ids=decode_tensor(msg.ids, f"{what} ids"), **prefix))
+            out.append(SeqInput(msg.session_id, msg.cache_len, ids=decode_tensor(msg.ids, f"{what} ids"), **extra))
         else:
             state = ResidualState(decode_tensor(msg.p, f"{what} p"), decode_tensor(msg.b, f"{what} b"))
-            out.append(SeqInput(msg.session_id, msg.cache_len, state=state, **prefix))
+            out.append(SeqInput(msg.session_id, msg.cache_len, state=state, **extra))
     return out
 
 
