@@ -32,7 +32,7 @@ HELP = """commands:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .main import add_cluster_options, add_sampling_options
+    from .options import add_cluster_options, add_sampling_options
 
     add_cluster_options(p)
     add_sampling_options(p, temperature=0.6, max_tokens=None)
@@ -61,7 +61,8 @@ class _Lines:
 
 async def run_chat(args: argparse.Namespace) -> int:
     from .chat_session import ChatSession
-    from .main import format_summary, open_engine, run_summary, sampling_params
+    from .options import open_engine, sampling_params
+    from .report import format_summary, run_summary
 
     sampling = sampling_params(args)
     if args.max_tokens is not None and args.max_tokens < 1:

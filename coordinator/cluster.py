@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from deltafin.checkpoint import fingerprint
-from deltafin.config import ModelConfig, load_config
+from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.prefixes import PrefixBudget
@@ -31,7 +31,7 @@ from deltafin.transport.status import RemoteError
 from .backend import ClusterBackend, Timeouts, WorkerClient
 
 if TYPE_CHECKING:
-    from .recovery import RecoveryOptions, ResilientCluster
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -221,13 +221,3 @@ def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
         log.info("forwards carry at most %d tokens: the %d the stages were sized for would pass the %d MB message "
                  "limit between stages", fits, sized, spec.max_message_bytes >> 20)
     return min(sized, fits)
-
-
-async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,
-                          recovery: RecoveryOptions | None = None) -> tuple[ResilientCluster, Plan]:
-    """Find the workers, plan, load the stages; the result recovers from losing workers (recovery.py)."""
-    from .recovery import ResilientCluster
-
-    cfg = load_config(spec.model_dir)
-    backend, plan = await assign_plan(spec, cfg, await find_workers(spec), show_progress)
-    return ResilientCluster(spec, cfg, backend, plan, recovery), plan

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deltafin import paths
 from deltafin.errors import DeltafinError
 
 log = logging.getLogger(__name__)
@@ -35,17 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
     p.add_argument("--preset", default="small", choices=["tiny", "small"], help="synthetic checkpoint (default small)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
-    p.add_argument("--cache-dir", default=None, help="where the checkpoint is kept (default ~/.cache/deltafin)")
+    p.add_argument("--cache-dir", default=None, help="where the checkpoint is kept (default: $DELTAFIN_CACHE, else "
+                   "$XDG_CACHE_HOME/deltafin, else ~/.cache/deltafin)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="the worker's device")
 
 
 def cache_dir(explicit: str | None = None) -> Path:
-    if explicit:
-        return Path(explicit)
-    if os.environ.get("DELTAFIN_CACHE"):
-        return Path(os.environ["DELTAFIN_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "deltafin"
+    return Path(explicit) if explicit else paths.cache_dir()
 
 
 def ensure_checkpoint(preset: str, seed: int, root: Path) -> Path:
@@ -116,10 +113,11 @@ async def run_demo(args: argparse.Namespace) -> int:
     from deltafin.config import load_config
     from deltafin.tokenizer import K3Tokenizer
 
-    from .cluster import ClusterSpec, connect_cluster
+    from .cluster import ClusterSpec
     from .engine import Engine
     from .generation import Finished
-    from .main import format_summary, run_summary
+    from .recovery import connect_cluster
+    from .report import format_summary, run_summary
 
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")

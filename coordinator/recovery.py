@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 import torch
 
-from deltafin.config import ModelConfig
+from deltafin.config import ModelConfig, load_config
 from deltafin.errors import DeltafinError
 from deltafin.planner import Plan
 from deltafin.prefixes import PrefixBudget
@@ -46,7 +46,7 @@ from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.status import RemoteError
 
 from .backend import ClusterBackend, PartialFailure, WorkerLost
-from .cluster import ClusterSpec, Worker, assign_plan, discover_addresses, plan_cluster, probe_workers
+from .cluster import ClusterSpec, Worker, assign_plan, discover_addresses, find_workers, plan_cluster, probe_workers
 
 log = logging.getLogger(__name__)
 
@@ -427,3 +427,11 @@ class ResilientCluster:
             self._mark_stale(self.journal)
         log.warning("worker(s) %s joined; new plan %s", ", ".join(d.name for _, d in new),
                     " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in self.backend.stages))
+
+
+async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,
+                          recovery: RecoveryOptions | None = None) -> tuple[ResilientCluster, Plan]:
+    """Find the workers, plan, load the stages; the result recovers from losing workers."""
+    cfg = load_config(spec.model_dir)
+    backend, plan = await assign_plan(spec, cfg, await find_workers(spec), show_progress)
+    return ResilientCluster(spec, cfg, backend, plan, recovery), plan

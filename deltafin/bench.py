@@ -25,7 +25,8 @@ from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.quant import MXFP4Weight
 from deltafin.weights.directio import ALIGN, align_down, align_up
-from deltafin.weights.reader import DEMAND, ExpertReader, Extent, ReadPlan, ShardFiles, SlotPool, plan_read
+from deltafin.weights.diskspeed import expert_read_speed, measure_reads
+from deltafin.weights.reader import Extent, ReadPlan
 
 K3_EXPERT = {"w1": (3072, 3584), "w2": (3584, 3072), "w3": (3072, 3584)}  # logical [rows, cols]
 GB = 1e9
@@ -50,25 +51,6 @@ def _sustained_seconds(fn: Callable[[], object], device: torch.device, repeats: 
 # ---- disk ---------------------------------------------------------------------------------------------
 
 
-def _read_all(plans: list[ReadPlan], io: str, threads: int) -> dict[str, Any]:
-    """Read every plan with the runtime's reader (aligned slots, `threads` readers); GB/s of bytes read."""
-    files = ShardFiles(io)
-    reader = ExpertReader(files, threads=threads)
-    pool = SlotPool(2 * threads, max(p.span for p in plans))
-    try:
-        t0 = time.perf_counter()
-        futures = [reader.submit((0, DEMAND), p, pool, lambda slot, plan: pool.release(slot)) for p in plans]
-        for f in futures:
-            f.result()
-        seconds = time.perf_counter() - t0
-    finally:
-        reader.close()
-        files.close()
-    return {"disk_GBps": round(files.stats.bytes_read / seconds / GB, 3), "read_bytes": files.stats.bytes_read,
-            "reads": files.stats.reads, "read_size": max(p.span for p in plans), "threads": threads, "io": io,
-            "direct_io_in_effect": files.direct_in_effect, "seconds": round(seconds, 3)}
-
-
 def bench_disk(path: str | Path, read_size: int = 17_547_264, threads: int = 8, io: str = "direct",
                total_bytes: int = 4 * 10**9, seed: int = 0) -> dict[str, Any]:
     """Random whole-block reads of `read_size` bytes from the files under `path` (at least 1 GB of them)."""
@@ -89,17 +71,7 @@ def bench_disk(path: str | Path, read_size: int = 17_547_264, threads: int = 8, 
         seen.add((f, start))
         span = align_up(read_size)
         plans.append(ReadPlan((Extent(f, start, start + span, 0, span),), ()))
-    return {"bench": "disk", "path": str(path), **_read_all(plans, io, threads)}
-
-
-def disk_for_model(ckpt: Any, layers: Iterable[int], threads: int, io: str, total_bytes: int = 3 * 10**9,
-                   seed: int = 1) -> dict[str, Any]:
-    """The disk as the expert store sees it: distinct random whole experts of these layers."""
-    rng = random.Random(seed)
-    keys = [(layer, e) for layer in layers for e in range(ckpt.config.num_experts)]
-    rng.shuffle(keys)
-    count = max(8, min(len(keys), total_bytes // ckpt.config.bytes_per_expert))
-    return _read_all([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)
+    return {"bench": "disk", "path": str(path), **measure_reads(plans, io, threads)}
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
@@ -221,7 +193,7 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     try:
         streams = plan.streaming or bool(plan.streamed_layers)
         if streams and measure_disk and cfg.moe_layers:
-            result["disk"] = disk_for_model(stage.ckpt, cfg.moe_layers, opts.read_threads, opts.io)
+            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, opts.read_threads, opts.io)
         recorder = _Recorder(stage.experts)
         stage.experts = recorder
         ids = torch.arange(prompt) % (cfg.vocab_size - 256)

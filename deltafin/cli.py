@@ -13,41 +13,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from deltafin.console import VERBOSE_HELP, run_cli, setup_logging
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options
 
 log = logging.getLogger("deltafin")
-
-Handler = Callable[[argparse.Namespace], int]
-
-
-def setup_logging(verbose: int = 0) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-
-
-def run_cli(main_fn: Callable[[], int]) -> int:
-    """Run an entry point: DeltafinError -> one line and exit 1; Ctrl-C -> exit 130; anything else is a bug:
-    one line too, with the traceback in the debug log (-vv)."""
-    try:
-        return main_fn()
-    except DeltafinError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    except Exception as e:
-        log.debug("unexpected error", exc_info=True)
-        print(f"error: unexpected {type(e).__name__}: {e} (run with -vv for details; please report it)",
-              file=sys.stderr)
-        return 1
-
-
-# ---- subcommands -------------------------------------------------------------------------------------
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
@@ -326,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
     parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     parser.add_argument("-q", "--quiet-logs", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:

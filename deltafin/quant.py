@@ -118,3 +118,8 @@ def quantize_int8_rows(w: torch.Tensor, block_rows: int = 1024) -> Int8Weight:
 
 def dequantize_int8_rows(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.q.to(dtype) * w.scale.to(dtype)
+
+
+def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
+    """x @ W.T with W dequantized: the definition every MXFP4 kernel is checked against."""
+    return torch.nn.functional.linear(x, dequantize_mxfp4(w, x.dtype))

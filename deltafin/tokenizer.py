@@ -3,26 +3,29 @@
 The ranks become a vocabulary and merges (each merged token split back into the two lower-ranked tokens
 BPE would join), the pre-tokenizer is K3's regex (Oniguruma handles its `&&` class intersections), and
 `ignore_merges` reproduces tiktoken's rule that a chunk already in the vocabulary is one token. The
-result is cached as `tokenizer.json` beside the model when the directory is writable.
+result is cached under the cache directory (deltafin/paths.py), keyed by the sha256 of the ranks file and
+the special tokens; never in the model's directory.
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from deltafin import vocab
+from deltafin import paths, vocab
 from deltafin.errors import DeltafinError
 
 log = logging.getLogger(__name__)
 
-CACHE_NAME = "tokenizer.json"
+BUILD = 1  # bump when build_tokenizer changes what it builds: older cached files are then not used
 
 
 @lru_cache(maxsize=1)
@@ -94,19 +97,24 @@ class K3Tokenizer:
         except ValueError as e:
             raise DeltafinError(str(e)) from None
         specials = _read_specials(model_dir, len(ranks))
-        cached = model_dir / CACHE_NAME
+        key = hashlib.sha256(path.read_bytes() + json.dumps(sorted(specials.items())).encode()
+                             + f"build {BUILD}".encode()).hexdigest()
+        cached = paths.cache_dir("tokenizers", f"{key}.json")
         tok = None
-        if cached.is_file() and cached.stat().st_mtime >= path.stat().st_mtime:
+        if cached.is_file():
             try:
                 tok = Tokenizer.from_file(str(cached))
-            except Exception:  # a stale or foreign tokenizer.json: rebuild it
+            except Exception:  # a truncated or foreign file: rebuild it
                 tok = None
         if tok is None:
             tok = build_tokenizer(ranks, specials)
             try:
-                tok.save(str(cached))
-            except OSError:
-                log.debug("cannot cache %s (read-only model directory)", cached)
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                partial = cached.with_suffix(f".{os.getpid()}.tmp")
+                tok.save(str(partial))
+                partial.replace(cached)  # whole or not at all: another process may be reading it
+            except OSError as e:
+                log.debug("cannot cache the tokenizer in %s: %s", cached.parent, e)
         return cls(tok, ranks, specials)
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 N_SPECIAL = 256
-K3_BASE = 163584
 
 # offset from the first special id -> token text (K3: 163584 + offset)
 NAMED_SPECIALS = {

@@ -16,14 +16,15 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from deltafin import paths
+
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 MEMBER = "vendor/llama.cpp/models/templates/Kimi-K3.jinja"
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "deltafin" / "reference"
+    return paths.cache_dir("reference")
 
 
 def _download_sdist() -> bytes:

@@ -16,8 +16,9 @@ import torch
 from cluster_util import workers
 
 from deltafin.coordinator.backend import LocalBackend
-from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+from deltafin.coordinator.cluster import ClusterSpec
 from deltafin.coordinator.generation import Finished, Request, generate
+from deltafin.coordinator.recovery import connect_cluster
 from deltafin.discovery import browse
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput

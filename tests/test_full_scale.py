@@ -65,7 +65,8 @@ def _memlimit_usable() -> bool:
 
 
 def _decode(model: Path, address: str) -> tuple[torch.Tensor, list[dict]]:
-    from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+    from deltafin.coordinator.cluster import ClusterSpec
+    from deltafin.coordinator.recovery import connect_cluster
     from deltafin.stage import SeqInput
 
     async def run():

@@ -288,7 +288,8 @@ def test_through_worker_processes_each_stage_keeps_its_part(tiny_dir):
     generates the same tokens."""
     from cluster_util import workers
 
-    from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+    from deltafin.coordinator.cluster import ClusterSpec
+    from deltafin.coordinator.recovery import connect_cluster
 
     tok, cfg = K3Tokenizer.load(tiny_dir), load_config(tiny_dir)
     turns = _turns()

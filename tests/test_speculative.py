@@ -280,9 +280,10 @@ async def test_drafts_through_worker_processes_and_a_lost_worker(tiny_dir: Path)
     from cluster_util import workers
 
     from deltafin.config import load_config
-    from deltafin.coordinator.cluster import ClusterSpec, connect_cluster
+    from deltafin.coordinator.cluster import ClusterSpec
     from deltafin.coordinator.engine import Engine
     from deltafin.coordinator.generation import Finished, Speculation
+    from deltafin.coordinator.recovery import connect_cluster
     from deltafin.tokenizer import K3Tokenizer
 
     tok, cfg = K3Tokenizer.load(tiny_dir), load_config(tiny_dir)

@@ -106,15 +106,32 @@ def test_specials_disabled_by_default(tiny_dir: Path) -> None:
     assert tok.decode(tok.encode(text, allow_special=True), skip_special=True) == "message"
 
 
-def test_tokenizer_json_cache_is_written_and_reused(tiny_dir: Path, tmp_path: Path) -> None:
+def test_the_derived_tokenizer_is_cached_outside_the_model_directory(tiny_dir: Path, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A model directory may be read-only or shared: nothing is written into it. The derived tokenizer goes
+    to the cache directory and is used from there next time (building it again would fail here)."""
+    import deltafin.tokenizer as tokenizer_module
+
     d = tmp_path / "m"
     d.mkdir()
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(tiny_dir / name, d / name)
-    first = K3Tokenizer.load(d)
-    assert (d / "tokenizer.json").is_file()
-    again = K3Tokenizer.load(d)
-    assert again.encode(CORPUS[2]) == first.encode(CORPUS[2])
+    d.chmod(0o555)
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    try:
+        first = K3Tokenizer.load(d)
+        assert sorted(p.name for p in d.iterdir()) == ["tiktoken.model", "tokenizer_config.json"]
+        (cached,) = (tmp_path / "cache" / "tokenizers").iterdir()
+        assert cached.suffix == ".json"
+
+        def no_build(*_args):
+            raise AssertionError("the cached tokenizer was not used")
+
+        monkeypatch.setattr(tokenizer_module, "build_tokenizer", no_build)
+        again = K3Tokenizer.load(d)
+        assert again.encode(CORPUS[2]) == first.encode(CORPUS[2])
+    finally:
+        d.chmod(0o755)
 
 
 def test_tokenize_and_detokenize_commands(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

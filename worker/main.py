@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import random
 import signal
 import socket
 import sys
@@ -19,8 +18,8 @@ import uuid
 
 from deltafin import __version__
 from deltafin.checkpoint import fingerprint, scan_checkpoint
-from deltafin.cli import run_cli, setup_logging
 from deltafin.config import load_config
+from deltafin.console import VERBOSE_HELP, run_cli, setup_logging
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, stage_options
@@ -59,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
     sec.add_argument("--tls-client-ca", default=None,
                      help="mutual TLS: accept only coordinators whose certificate this CA signed")
-    p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     add_stage_options(p)
     return p
 
@@ -67,16 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 def measure_disk(ckpt, threads: int, io: str, budget_bytes: int = 256 << 20) -> float:
     """GB/s of whole-expert reads with the runtime's reader (a quick sample; `deltafin bench --disk`
     measures properly)."""
-    from deltafin.bench import _read_all
-    from deltafin.weights.reader import plan_read
+    from deltafin.weights.diskspeed import expert_read_speed
 
-    cfg = ckpt.config
-    keys = [(layer, e) for layer in ckpt.layers_available() if cfg.is_moe(layer) for e in range(cfg.num_experts)]
-    if not keys:
+    layers = [layer for layer in ckpt.layers_available() if ckpt.config.is_moe(layer)]
+    if not layers:
         return 0.0
-    random.Random(0).shuffle(keys)
-    count = max(1, min(len(keys), budget_bytes // cfg.bytes_per_expert))
-    return _read_all([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)["disk_GBps"]
+    return expert_read_speed(ckpt, layers, threads, io, total_bytes=budget_bytes, seed=0)["disk_GBps"]
 
 
 def _loopback(host: str) -> bool:

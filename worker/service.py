@@ -49,10 +49,6 @@ def options_from_wire(data: bytes, defaults: StageOptions) -> StageOptions:
         raise CodecError(f"bad stage options: {e}") from None
 
 
-def options_to_wire(options: dict[str, Any]) -> bytes:
-    return codec.pack(options)
-
-
 def peak_rss() -> int:
     """This process's peak resident memory in bytes."""
     import resource

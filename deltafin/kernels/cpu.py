@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from deltafin import paths
 from deltafin.quant import Int8Weight, MXFP4Weight
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ _BLOCK_ROWS = 2048  # rows decoded at a time on the BLAS path (bounded temporary
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache" / "deltafin")) / "kernels"
+    return paths.cache_dir("kernels")
 
 
 def _compile(out: Path, archs: list[list[str]]) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
 from deltafin.kernels.activations import GatedActivation
-from deltafin.quant import Int8Weight, MXFP4Weight, dequantize_mxfp4
+from deltafin.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
 from deltafin.sizing import WEIGHT_BLOCK_VALUES
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,6 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     if kernel is not None:
         return kernel(x, w)
     return int8_linear_reference(x, w)
-
-
-def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
-    return F.linear(x, dequantize_mxfp4(w, x.dtype))
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

@@ -142,8 +142,7 @@ def verified(act: GatedActivation) -> bool:
 def self_check(cfg: ModelConfig, act: GatedActivation) -> bool:
     """MLX's experts against the torch reference on random MXFP4 experts of this model's shapes (every code,
     several scales, more (token, expert) pairs than experts): relative error at fp32 rounding."""
-    from deltafin.kernels.linear import mxfp4_linear_reference
-    from deltafin.quant import MXFP4Weight
+    from deltafin.quant import MXFP4Weight, mxfp4_linear_reference
 
     g = torch.Generator().manual_seed(4321)
     i, d, n_exp = cfg.moe_intermediate_size, cfg.expert_dim, 3

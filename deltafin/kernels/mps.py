@@ -20,7 +20,7 @@ class MPSKernels:
     isa = "mps (int8 pack matmul)"
 
     def __call__(self, x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
-        from deltafin.kernels.linear import mxfp4_linear_reference
+        from deltafin.quant import mxfp4_linear_reference
 
         return mxfp4_linear_reference(x, w)
 

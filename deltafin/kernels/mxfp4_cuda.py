@@ -113,7 +113,7 @@ class CUDAMatmul:
         rows, cols = w.shape
         xf = self._prepare(x, cols)
         if xf is None:
-            from deltafin.kernels.linear import mxfp4_linear_reference
+            from deltafin.quant import mxfp4_linear_reference
 
             return mxfp4_linear_reference(x, w)
         ntok = xf.shape[0]

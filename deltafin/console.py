@@ -1,0 +1,44 @@
+"""What every entry point shares: logging levels from -q/-v/-vv, and turning errors into one line and an
+exit status (never a traceback for a user's mistake)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from deltafin.errors import DeltafinError
+
+log = logging.getLogger("deltafin")
+
+VERBOSE_HELP = "more logging: -v Deltafin's debug log, -vv every library's too"
+
+
+def setup_logging(verbose: int = 0) -> None:
+    """-1 (-q): warnings and errors; 0: Deltafin's progress (INFO); 1 (-v): Deltafin's debug log too; 2 (-vv):
+    the libraries' debug logs as well (gRPC, asyncio, zeroconf)."""
+    root = logging.WARNING if verbose < 0 else logging.DEBUG if verbose >= 2 else logging.INFO
+    logging.basicConfig(level=root, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    if verbose == 1:
+        logging.getLogger("deltafin").setLevel(logging.DEBUG)
+
+
+def run_cli(main_fn: Callable[[], int]) -> int:
+    """Run an entry point: DeltafinError -> one line and exit 1; Ctrl-C -> exit 130; anything else is a bug:
+    one line too, with the traceback in the debug log (-v)."""
+    try:
+        return main_fn()
+    except DeltafinError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:
+        log.debug("unexpected error", exc_info=True)
+        print(f"error: unexpected {type(e).__name__}: {e} (run with -v for details; please report it)",
+              file=sys.stderr)
+        return 1

@@ -1,0 +1,106 @@
+"""The package's structure, as DESIGN.md draws it, checked by walking every module's imports (function-level
+ones too): the dependency direction, no entry point imported by the library, no private name used across
+modules, no import cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"deltafin": ROOT / "deltafin", "deltafin.coordinator": ROOT / "coordinator",
+            "deltafin.worker": ROOT / "worker"}
+ENTRY_POINTS = {"deltafin.cli", "deltafin.__main__", "deltafin.coordinator.main", "deltafin.worker.main"}
+# layer -> what it may not import (DESIGN.md: models -> weights -> stage -> transport -> worker / coordinator)
+FORBIDDEN = {
+    "deltafin.models": ("deltafin.weights", "deltafin.stage", "deltafin.pipeline", "deltafin.transport",
+                        "deltafin.coordinator", "deltafin.worker"),
+    "deltafin.weights": ("deltafin.stage", "deltafin.pipeline", "deltafin.transport", "deltafin.coordinator",
+                         "deltafin.worker"),
+    "deltafin.stage": ("deltafin.transport", "deltafin.coordinator", "deltafin.worker"),
+    "deltafin.transport": ("deltafin.coordinator", "deltafin.worker"),
+    "deltafin.worker": ("deltafin.coordinator",),
+    "deltafin.coordinator": ("deltafin.worker",),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            if "generated" in path.parts:
+                continue
+            parts = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
+            if package == "deltafin" and parts and parts[0] in ("coordinator", "worker"):
+                continue
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or None, line) for every import in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name.startswith("deltafin")]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join([*base, *([node.module] if node.module else [])]) if node.level else node.module or ""
+            if not target.startswith("deltafin"):
+                continue
+            for a in node.names:
+                full = f"{target}.{a.name}"
+                out.append((full, None, node.lineno) if full in MODULES else (target, a.name, node.lineno))
+    return out
+
+
+def test_layers_import_only_leftwards_and_the_library_no_entry_point() -> None:
+    bad = []
+    for name, path in MODULES.items():
+        for target, _, line in _imports(name, path):
+            if target in ENTRY_POINTS and name not in ENTRY_POINTS:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports the entry point {target}")
+            for layer, forbidden in FORBIDDEN.items():
+                if (name == layer or name.startswith(layer + ".")) and target.startswith(forbidden):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    bad = []
+    for name, path in MODULES.items():
+        aliases = set()
+        for target, taken, line in _imports(name, path):
+            if taken and taken.startswith("_") and not taken.startswith("__") and target != name:
+                bad.append(f"{path.relative_to(ROOT)}:{line} takes {taken} from {target}")
+            aliases.add((taken or target).rpartition(".")[2])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    graph = {name: {t for t, _, _ in _imports(name, path) if t in MODULES and t != name}
+             for name, path in MODULES.items()}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    # a package's __init__ importing its own modules is not a cycle worth breaking; none of ours does
+    assert not cycles, "\n".join(cycles)
