@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from deltafin.errors import DeltafinError
+from deltafin.errors import RemoteError, WorkerLost
 from deltafin.pipeline import LocalPipeline
 from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
@@ -26,7 +26,6 @@ from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
-from deltafin.transport.status import RemoteError
 
 
 class Backend(Protocol):
@@ -117,21 +116,8 @@ class Timeouts:
         return self.forward * max(1.0, tokens / FORWARD_UNIT)
 
 
-class WorkerLost(DeltafinError):
-    """A worker stopped answering while it held a forward."""
-
-    def __init__(self, worker: str, seconds: float):
-        self.worker = worker
-        super().__init__(f"worker {worker} has not answered for {seconds:.1f}s: treating it as lost")
 
 
-class PartialFailure(DeltafinError):
-    """Some sequences of a batch failed and the others did not: `results` holds an output or an error each."""
-
-    def __init__(self, results: list[Any]):
-        self.results = results
-        errors = [r for r in results if isinstance(r, BaseException)]
-        super().__init__(f"{len(errors)} of {len(results)} sequences failed: {errors[0]}")
 
 
 SERVICE = "/deltafin.v1.Worker/"

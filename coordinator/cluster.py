@@ -19,14 +19,13 @@ import grpc
 
 from deltafin.checkpoint import fingerprint
 from deltafin.config import ModelConfig
-from deltafin.errors import DeltafinError
+from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.prefixes import PrefixBudget
 from deltafin.progress import Progress
 from deltafin.sizing import SizingOptions, message_tokens
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
-from deltafin.transport.status import RemoteError
 
 from .backend import ClusterBackend, Timeouts, WorkerClient
 
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ClusterError(DeltafinError):
-    pass
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import ModelConfig
-from deltafin.errors import DeltafinError
+from deltafin.errors import DeltafinError, PromptTooLong
 from deltafin.prefixes import PrefixBudget
 from deltafin.sampling import SamplingParams
 from deltafin.speculative import MODES, DraftLength, NgramDrafter, default_cost
@@ -27,8 +27,6 @@ from .scheduler import Scheduler
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
 
 
-class PromptTooLong(DeltafinError):
-    """The prompt plus the tokens asked for do not fit the context limit."""
 
 
 @dataclass

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
-from deltafin.sampling import Choice, SamplingError, SamplingParams
+from deltafin.errors import SamplingError
+from deltafin.sampling import Choice, SamplingParams
 from deltafin.speculative import MODES
 from deltafin.tokenizer import K3Tokenizer
 

@@ -39,13 +39,12 @@ import grpc
 import torch
 
 from deltafin.config import ModelConfig, load_config
-from deltafin.errors import DeltafinError
+from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
 from deltafin.planner import Plan
 from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
-from deltafin.transport.status import RemoteError
 
-from .backend import ClusterBackend, PartialFailure, WorkerLost
+from .backend import ClusterBackend
 from .cluster import ClusterSpec, Worker, assign_plan, discover_addresses, find_workers, plan_cluster, probe_workers
 
 log = logging.getLogger(__name__)
@@ -55,8 +54,6 @@ GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 STATE_LOST = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-class ClusterUnavailable(DeltafinError):
-    """The workers that answer cannot run the model (or kept failing): this request fails."""
 
 
 @dataclass(frozen=True)

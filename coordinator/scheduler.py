@@ -24,16 +24,14 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from deltafin.errors import DeltafinError
+from deltafin.errors import DeltafinError, PartialFailure, QueueFull
 from deltafin.stage import SeqInput, SeqOutput
 
-from .backend import Backend, PartialFailure
+from .backend import Backend
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(DeltafinError):
-    """Every slot is busy and the waiting queue is full."""
 
 
 @dataclass

@@ -26,17 +26,13 @@ from typing import Any
 
 from aiohttp import web
 
-from deltafin.chat import ChatFormatError, OutputParser
+from deltafin.chat import OutputParser
 from deltafin.chat import encode as chat_encode
-from deltafin.errors import DeltafinError
-from deltafin.transport.status import RemoteError
+from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
 
 from . import openai_api as oa
-from .backend import WorkerLost
-from .engine import Engine, PromptTooLong
+from .engine import Engine
 from .generation import Finished, PlainText, TokenEvent
-from .recovery import ClusterUnavailable
-from .scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +49,20 @@ def _error_response(err: oa.ApiError) -> web.Response:
 
 
 def _as_api_error(e: BaseException) -> oa.ApiError:
+    """The API's answer to an error: its own, or the one deltafin/errors.py's HTTP_STATUS gives it."""
     if isinstance(e, oa.ApiError):
         return e
-    if isinstance(e, QueueFull):
-        return oa.ApiError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded")
-    if isinstance(e, ChatFormatError):
-        return oa.ApiError(400, str(e), param="messages")
-    if isinstance(e, ClusterUnavailable):
-        return oa.ApiError(503, str(e), type="server_error", code="cluster_unavailable")
-    if isinstance(e, (RemoteError, WorkerLost)):
-        return oa.ApiError(503, f"a worker failed: {e}", type="server_error", code="worker_unavailable")
-    if isinstance(e, DeltafinError):
-        return oa.ApiError(500, str(e), type="server_error")
-    log.exception("unexpected error serving a request")
-    return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+    found = lookup(HTTP_STATUS, e)
+    if found is None:
+        log.exception("unexpected error serving a request")
+        return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+    status, kind, code = found
+    message = f"a worker failed: {e}" if code == "worker_unavailable" else str(e)
+    return oa.ApiError(status, message, type=kind, param=_PARAMS.get(type(e), getattr(e, "param", None)), code=code)
+
+
+# the request field an error is about, where the error does not say
+_PARAMS: dict[type[BaseException], str] = {ChatFormatError: "messages"}
 
 
 @web.middleware

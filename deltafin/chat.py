@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.errors import DeltafinError
+from deltafin.errors import ChatFormatError
 from deltafin.tokenizer import K3Tokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -41,8 +41,6 @@ JSON_SCHEMA = ("The system is invoked with `response_format=json_schema`.\nYour 
                "following schema:\n```json\n{}\n```")
 
 
-class ChatFormatError(DeltafinError):
-    """A conversation the K3 format cannot express (the HTTP API answers 400)."""
 
 
 @dataclass(frozen=True)

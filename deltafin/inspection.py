@@ -8,8 +8,8 @@ from typing import Any
 
 from deltafin.checkpoint import Checkpoint, scan_checkpoint
 from deltafin.config import load_config
-from deltafin.errors import ModelFormatError
-from deltafin.sizing import Budget, Placement, SizingError, SizingOptions, StageSizing, choose, layer_table
+from deltafin.errors import ModelFormatError, SizingError
+from deltafin.sizing import Budget, Placement, SizingOptions, StageSizing, choose, layer_table
 from deltafin.weights.reader import layer_spans
 
 

@@ -14,14 +14,12 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from deltafin.config import ModelConfig
-from deltafin.errors import DeltafinError
-from deltafin.sizing import Budget, Placement, SizingError, SizingOptions, StageSizing, choose
+from deltafin.errors import PlanError, SizingError
+from deltafin.sizing import Budget, Placement, SizingOptions, StageSizing, choose
 
 GB = 1e9
 
 
-class PlanError(DeltafinError):
-    pass
 
 
 @dataclass(frozen=True)

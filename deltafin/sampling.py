@@ -13,15 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.errors import DeltafinError
-
-
-class SamplingError(DeltafinError):
-    """Invalid sampling parameters (the HTTP API answers 400 with the parameter named)."""
-
-    def __init__(self, param: str, message: str):
-        self.param = param
-        super().__init__(message)
+from deltafin.errors import SamplingError
 
 
 @dataclass(frozen=True)

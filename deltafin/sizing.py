@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from deltafin.config import LayerKind, ModelConfig, TensorSpec
-from deltafin.errors import DeltafinError
+from deltafin.errors import SizingError
 
 GB = 1e9
 ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
@@ -43,8 +43,6 @@ MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
 SPINES = ("auto", "bf16", "int8")
 
 
-class SizingError(DeltafinError):
-    """What was asked cannot fit in the memory given; the message has the numbers."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,16 @@ import torch
 
 from deltafin.checkpoint import Checkpoint
 from deltafin.config import LayerKind, ModelConfig
-from deltafin.errors import DeltafinError
+from deltafin.errors import (
+    Cancelled,
+    DeltafinError,
+    InvalidInput,
+    OutOfMemory,
+    PrefixNotFound,
+    SessionNotFound,
+    SessionOutOfSync,
+    SizingError,
+)
 from deltafin.kernels.linear import Weight, expert_backend
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, new_sequence_cache
@@ -36,7 +45,6 @@ from deltafin.sizing import (
     SPINES,
     Budget,
     Placement,
-    SizingError,
     SizingOptions,
     StageSizing,
     choose,
@@ -52,32 +60,18 @@ from deltafin.weights.store import ExpertStore
 log = logging.getLogger(__name__)
 
 
-class StageError(DeltafinError):
-    """A request this stage cannot serve (the stage itself stays usable)."""
 
 
-class InvalidInput(StageError):
-    pass
 
 
-class SessionNotFound(StageError):
-    pass
 
 
-class SessionOutOfSync(StageError):
-    pass
 
 
-class OutOfMemory(StageError):
-    pass
 
 
-class Cancelled(StageError):
-    pass
 
 
-class PrefixNotFound(StageError):
-    """A sequence asked to resume from a prefix this stage does not hold (evicted, or never kept)."""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from deltafin.chat import ChatOptions, encode, render_text
 from deltafin.config import load_config
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
-from deltafin.coordinator.recovery import ClusterUnavailable
 from deltafin.coordinator.server import start
+from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer

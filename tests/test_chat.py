@@ -10,7 +10,8 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from reference_files import kimi_k3_template
 
-from deltafin.chat import ChatFormatError, ChatOptions, OutputParser, encode, render, render_text
+from deltafin.chat import ChatOptions, OutputParser, encode, render, render_text
+from deltafin.errors import ChatFormatError
 from deltafin.tokenizer import K3Tokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -29,10 +29,10 @@ from deltafin.config import load_config
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
 from deltafin.coordinator.server import start
+from deltafin.errors import CodecError
 from deltafin.pipeline import LocalPipeline
 from deltafin.tokenizer import K3Tokenizer
 from deltafin.transport import codec
-from deltafin.transport.codec import CodecError
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltafin.config import parse_config
-from deltafin.planner import PlanError, WorkerCapacity, plan_layers
+from deltafin.errors import PlanError
+from deltafin.planner import WorkerCapacity, plan_layers
 from deltafin.sizing import SizingOptions
 
 GB = 10**9

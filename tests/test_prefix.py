@@ -16,9 +16,10 @@ from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
 from deltafin.coordinator.generation import Finished
 from deltafin.coordinator.prefix import PrefixIndex, StageShare
+from deltafin.errors import InvalidInput, PrefixNotFound
 from deltafin.pipeline import LocalPipeline
 from deltafin.sizing import kda_state_bytes, mla_capacity, mla_row_bytes
-from deltafin.stage import InvalidInput, PrefixNotFound, SeqInput, Stage, StageOptions
+from deltafin.stage import SeqInput, Stage, StageOptions
 from deltafin.tokenizer import K3Tokenizer
 
 CPU = torch.device("cpu")

@@ -11,9 +11,9 @@ import torch
 
 from deltafin.config import load_config
 from deltafin.coordinator.cluster import ClusterSpec
-from deltafin.coordinator.recovery import ClusterUnavailable, Recovery, RecoveryOptions, ResilientCluster
+from deltafin.coordinator.recovery import Recovery, RecoveryOptions, ResilientCluster
+from deltafin.errors import ClusterUnavailable, RemoteError
 from deltafin.stage import SeqInput, SeqOutput
-from deltafin.transport.status import RemoteError
 
 
 class FlakyStages:
@@ -109,7 +109,7 @@ async def test_a_bad_sequence_does_not_fail_its_batch_neighbours(tiny_dir: Path)
     rc, _ = _cluster(tiny_dir, stages)
     await rc.forward([_step("a", 0, [1])])
     await rc.forward([_step("b", 0, [2])])
-    from deltafin.coordinator.backend import PartialFailure
+    from deltafin.errors import PartialFailure
 
     # call 2 (the batch) fails; each is replayed alone (3, 5), then "a" works (4) and "b" fails (6)
     with pytest.raises(PartialFailure) as e:
@@ -214,7 +214,7 @@ async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None
     stages = MissingOne(set())
     rc, causes = _cluster(tiny_dir, stages)
     await rc.forward([_step("kept", 0, [1])])
-    from deltafin.coordinator.backend import PartialFailure
+    from deltafin.errors import PartialFailure
 
     with pytest.raises(PartialFailure) as e:
         await rc.forward([_step("kept", 1, [2]), _step("gone", 1, [3])])

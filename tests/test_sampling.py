@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from deltafin.sampling import Sampler, SamplingError, SamplingParams, StopMatcher
+from deltafin.errors import SamplingError
+from deltafin.sampling import Sampler, SamplingParams, StopMatcher
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

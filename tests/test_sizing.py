@@ -10,9 +10,10 @@ import torch
 
 from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config, parse_config
+from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
 from deltafin.quant import Int8Weight, MXFP4Weight
-from deltafin.sizing import Budget, Placement, SizingError, SizingOptions, choose, layer_table, size_stage
+from deltafin.sizing import Budget, Placement, SizingOptions, choose, layer_table, size_stage
 from deltafin.stage import SeqInput, Stage, StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltafin.errors import SessionOutOfSync
 from deltafin.pipeline import LocalPipeline
-from deltafin.stage import SeqInput, SessionOutOfSync
+from deltafin.stage import SeqInput
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 7, 64, 12]
 

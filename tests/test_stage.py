@@ -9,18 +9,10 @@ import torch
 from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config
 from deltafin.devices import resolve_device
-from deltafin.errors import DeltafinError
+from deltafin.errors import DeltafinError, InvalidInput, OutOfMemory, SessionNotFound, SessionOutOfSync
 from deltafin.models.attn_res import ResidualState
 from deltafin.sizing import sequence_bytes
-from deltafin.stage import (
-    InvalidInput,
-    OutOfMemory,
-    SeqInput,
-    SessionNotFound,
-    SessionOutOfSync,
-    Stage,
-    StageOptions,
-)
+from deltafin.stage import SeqInput, Stage, StageOptions
 
 CPU = torch.device("cpu")
 

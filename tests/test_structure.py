@@ -104,3 +104,32 @@ def test_no_import_cycles() -> None:
             visit(name, [name])
     # a package's __init__ importing its own modules is not a cycle worth breaking; none of ours does
     assert not cycles, "\n".join(cycles)
+
+
+def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None:
+    import grpc
+
+    from deltafin import errors
+    from deltafin.coordinator.server import _as_api_error
+    from deltafin.transport.status import status_for
+
+    defined = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for name, path in MODULES.items()
+               if name != "deltafin.errors" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "").endswith("Error") or
+                                                          getattr(b, "id", "") == "DeltafinError" for b in node.bases)]
+    assert not defined, "errors defined outside deltafin/errors.py:\n" + "\n".join(defined)
+    assert status_for(errors.SessionNotFound("x")) == grpc.StatusCode.NOT_FOUND
+    assert status_for(errors.PrefixNotFound("x")) == grpc.StatusCode.ABORTED
+    assert status_for(errors.CodecError("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(ValueError("a bug")) == grpc.StatusCode.INTERNAL
+    cases = [(errors.QueueFull("busy"), 429, "rate_limit_exceeded"),
+             (errors.PromptTooLong("long"), 400, "context_length_exceeded"),
+             (errors.ClusterUnavailable("gone"), 503, "cluster_unavailable"),
+             (errors.RemoteError("w1", grpc.StatusCode.UNAVAILABLE, "down"), 503, "worker_unavailable"),
+             (errors.WorkerLost("w1", 10.0), 503, "worker_unavailable"),
+             (errors.SizingError("too big"), 500, None)]
+    for error, status, code in cases:
+        api = _as_api_error(error)
+        assert (api.status, api.code) == (status, code), error
+    assert _as_api_error(errors.ChatFormatError("bad roles")).param == "messages"
+    assert _as_api_error(errors.SamplingError("top_p", "top_p must be in (0, 1]")).param == "top_p"

@@ -14,10 +14,11 @@ import torch
 
 from deltafin.checkpoint import fingerprint, scan_checkpoint
 from deltafin.config import load_config
+from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.stage import SeqInput, SeqOutput, StageOptions
 from deltafin.transport import codec
-from deltafin.transport.codec import CodecError, WorkerDescription, layer_ranges
+from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 

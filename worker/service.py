@@ -21,14 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint import Checkpoint
 from deltafin.devices import exact_fp32, resolve_dtype
-from deltafin.errors import DeltafinError
+from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ServerTls
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, CodecError, WorkerDescription
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
-from deltafin.transport.status import FingerprintMismatch, NotAssigned, status_for
+from deltafin.transport.status import status_for
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from deltafin.errors import DeltafinError
+from deltafin.errors import AuthError
 
 HEADER = "x-deltafin-auth"
 ENV_KEY = "DELTAFIN_CLUSTER_KEY"
@@ -34,8 +34,6 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 MIN_KEY_BYTES = 16
 
 
-class AuthError(DeltafinError):
-    pass
 
 
 def load_key(key: str | None, key_file: str | None, env: dict[str, str] | None = None) -> bytes | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-from deltafin.errors import DeltafinError
+from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -31,8 +31,6 @@ if sys.byteorder != "little":  # pragma: no cover - every supported machine is l
     raise ImportError("the Deltafin wire format is little-endian")
 
 
-class CodecError(DeltafinError):
-    """A message that does not decode: wrong sizes, dtypes or shapes."""
 
 
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:

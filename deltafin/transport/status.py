@@ -1,52 +1,17 @@
-"""One table from Deltafin errors to gRPC status codes, and back on the client side."""
+"""Deltafin errors as gRPC status codes (the table is deltafin/errors.py's GRPC_STATUS), and back on the client
+side."""
 
 from __future__ import annotations
 
 import grpc
 
-from deltafin.errors import ConfigError, DeltafinError, ModelFormatError
-from deltafin.stage import Cancelled, InvalidInput, OutOfMemory, PrefixNotFound, SessionNotFound, SessionOutOfSync
-from deltafin.transport.codec import CodecError
-
-
-class NotAssigned(DeltafinError):
-    """The worker has no stage loaded (yet)."""
-
-
-class FingerprintMismatch(DeltafinError):
-    """Coordinator and worker hold different checkpoints."""
-
-
-class RemoteError(DeltafinError):
-    """An RPC to a worker failed; `code` is its gRPC status."""
-
-    def __init__(self, worker: str, code: grpc.StatusCode, details: str):
-        self.worker, self.code, self.details = worker, code, details
-        super().__init__(f"worker {worker}: {code.name}: {details}")
-
-
-# most specific first
-STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (PrefixNotFound, grpc.StatusCode.ABORTED),  # not lost state: the coordinator starts the session afresh
-    (SessionOutOfSync, grpc.StatusCode.FAILED_PRECONDITION),
-    (OutOfMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Cancelled, grpc.StatusCode.CANCELLED),
-    (NotAssigned, grpc.StatusCode.FAILED_PRECONDITION),
-    (FingerprintMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-    (ModelFormatError, grpc.StatusCode.DATA_LOSS),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (DeltafinError, grpc.StatusCode.INTERNAL),
-]
+from deltafin.errors import GRPC_STATUS, PrefixNotFound, RemoteError, lookup
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    for kind, code in STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The status a worker answers with (deltafin/errors.py, GRPC_STATUS); anything else is INTERNAL."""
+    name = lookup(GRPC_STATUS, exc)
+    return getattr(grpc.StatusCode, name) if name else grpc.StatusCode.INTERNAL
 
 
 def is_prefix_missing(exc: BaseException) -> bool:
