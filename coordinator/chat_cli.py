@@ -68,8 +68,7 @@ async def run_chat(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
     engine = await open_engine(args)
-    tty = sys.stdout.isatty()
-    dim, plain = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+    printer = _Printer(sys.stdout.isatty())
     session = ChatSession(engine, sampling, args.max_tokens, args.system, args.thinking)
     lines = _Lines(sys.stdin)
     loop = asyncio.get_running_loop()
@@ -97,16 +96,8 @@ async def run_chat(args: argparse.Namespace) -> int:
                 if await _command(text, session, engine):
                     return 0
                 continue
-            channel = ""
-
-            def sink(kind: str, piece: str) -> None:
-                nonlocal channel
-                if kind != channel:
-                    print("\n" if channel else "", end="")
-                    channel = kind
-                print(f"{dim}{piece}{plain}" if kind == "reasoning" else piece, end="", flush=True)
-
-            current = asyncio.create_task(session.turn(text, sink))
+            printer.channel = ""
+            current = asyncio.create_task(session.turn(text, printer))
             try:
                 reply = await current
             except asyncio.CancelledError:
@@ -122,6 +113,20 @@ async def run_chat(args: argparse.Namespace) -> int:
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await engine.close()
+
+
+class _Printer:
+    """A reply as it streams: reasoning dimmed on a terminal, a line break where the channel changes."""
+
+    def __init__(self, tty: bool):
+        self.dim, self.plain = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+        self.channel = ""
+
+    def __call__(self, kind: str, piece: str) -> None:
+        if kind != self.channel:
+            print("\n" if self.channel else "", end="")
+            self.channel = kind
+        print(f"{self.dim}{piece}{self.plain}" if kind == "reasoning" else piece, end="", flush=True)
 
 
 async def _command(text: str, session: ChatSession, engine: Engine) -> bool:

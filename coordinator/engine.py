@@ -53,6 +53,17 @@ class Counters:
     accepted_tokens: int = 0  # of them, taken
     forwards: int = 0  # forwards after the prefills
 
+    def count(self, end: Finished) -> None:
+        """A generation that finished."""
+        self.finished[end.reason] = self.finished.get(end.reason, 0) + 1
+        self.decode_seconds += end.timing.decode_s
+        self.decode_steps += end.timing.decode_steps
+        if end.timing.decode_steps:
+            self.last_tokens_per_second = end.timing.tokens_per_second
+        self.draft_tokens += end.drafting.draft_tokens
+        self.accepted_tokens += end.drafting.accepted_tokens
+        self.forwards += end.drafting.forwards
+
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
@@ -98,17 +109,7 @@ class Engine:
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
                       prefill_chunk=self._prefill_chunk(), speculation=self._speculation(speculative))
-
-        def track(done: int, total: int) -> None:
-            if done >= total:
-                self.prefilling.pop(req.session_id, None)
-            else:
-                now = self.prefilling.get(req.session_id)
-                self.prefilling[req.session_id] = Prefilling(done, total, now.started if now else time.monotonic())
-            if progress is not None:
-                progress(done, total)
-
-        req.progress = track
+        req.progress = lambda done, total: self._track(req.session_id, done, total, progress)
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
@@ -119,14 +120,7 @@ class Engine:
                 async for event in generate(self.scheduler.forward, self.scheduler.release, view, req):
                     if isinstance(event, Finished):
                         outcome = "finished"
-                        c.finished[event.reason] = c.finished.get(event.reason, 0) + 1
-                        c.decode_seconds += event.timing.decode_s
-                        c.decode_steps += event.timing.decode_steps
-                        if event.timing.decode_steps:
-                            c.last_tokens_per_second = event.timing.tokens_per_second
-                        c.draft_tokens += event.drafting.draft_tokens
-                        c.accepted_tokens += event.drafting.accepted_tokens
-                        c.forwards += event.drafting.forwards
+                        c.count(event)
                     else:
                         c.generated_tokens += 1
                     yield event
@@ -139,6 +133,16 @@ class Engine:
                     c.failed += 1
                 elif outcome == "cancelled":
                     c.cancelled += 1
+
+    def _track(self, session_id: str, done: int, total: int, progress: Callable[[int, int], None] | None) -> None:
+        """A prefill's progress: in `prefilling` (for /metrics) until it is done, and to the caller's callback."""
+        if done >= total:
+            self.prefilling.pop(session_id, None)
+        else:
+            now = self.prefilling.get(session_id)
+            self.prefilling[session_id] = Prefilling(done, total, now.started if now else time.monotonic())
+        if progress is not None:
+            progress(done, total)
 
     async def _prefix_session(self, prompt_ids: list[int]) -> PrefixSession | None:
         if self.prefixes is None:

@@ -149,23 +149,67 @@ class Request:
     speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time
 
 
+class _Output:
+    """What one request has generated: the sampler's choices, turned into text and checked against the stop
+    tokens, the stop strings and max_tokens."""
+
+    def __init__(self, req: Request, view: TextView):
+        self.req, self.view = req, view
+        self.sampler = Sampler(req.sampling, req.prompt_ids)
+        self.stops = StopMatcher(req.stop_strings) if req.stop_strings else None
+        self.tokens: list[int] = []
+        self.reason: str = "length"
+        self.stopped_by: int | str | None = None
+
+    def judge(self, rows: torch.Tensor, drafts: list[int]) -> tuple[list[TokenEvent], bool]:
+        """The tokens of one forward's rows (a row per draft, then one more): each draft up to the first
+        the sampler does not take, then the sampler's own. Returns their events and whether generation ended."""
+        events = []
+        for i, row in enumerate(rows):
+            choice, accepted = self.sampler.verify(row, drafts[i]) if i < len(drafts) else (self.sampler(row), False)
+            token = choice.token_id
+            self.tokens.append(token)
+            logits = row if self.req.return_logits else None
+            if token in self.req.stop_ids:
+                self.reason, self.stopped_by = "stop", token
+                return [*events, TokenEvent(token, Delta(), choice, logits)], True
+            delta = self.view.push(token)
+            if self.stops is not None and delta.content:
+                delta.content, hit = self.stops.push(delta.content)
+                if hit is not None:
+                    self.reason, self.stopped_by = "stop", hit
+                    return [*events, TokenEvent(token, delta, choice, logits)], True
+            events.append(TokenEvent(token, delta, choice, logits))
+            if len(self.tokens) >= self.req.max_tokens:
+                return events, True
+            if not accepted:  # the drafts after a rejected one followed the wrong token
+                break
+        return events, False
+
+    def tail(self) -> Delta:
+        """Text held back until the end (an incomplete character, a partial stop-string match)."""
+        if self.reason == "stop" and isinstance(self.stopped_by, str):
+            return Delta()
+        tail = self.view.flush()
+        if self.stops is not None:
+            tail.content, hit = self.stops.push(tail.content)
+            tail.content += "" if hit is not None else self.stops.flush()
+            if hit is not None:
+                self.reason, self.stopped_by = "stop", hit
+        return tail
+
+
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
         TokenEvent | Finished]:
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
     if req.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    view = view if view is not None else _NoText()
-    sampler = Sampler(req.sampling, req.prompt_ids)
-    stops = StopMatcher(req.stop_strings) if req.stop_strings else None
-    spec = req.speculation
+    text = _Output(req, view if view is not None else _NoText())
     length = len(req.prompt_ids)  # tokens the stages hold that belong to the text (drafts beyond it may follow)
-    produced, output = 0, []  # tokens generated
     drafting = Drafting()
-    reason, stopped_by = "length", None
     t0 = time.monotonic()
     t_prefill = 0.0
-    prefix = req.prefix
     consistent = False  # every forward so far succeeded: the state has seen the prompt and `fed`
     fed: list[int] = []  # generated tokens fed back
     try:
@@ -173,47 +217,21 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
         consistent = True
         t_prefill = time.monotonic() - t0
         drafts: list[int] = []  # what the last forward verified after its first token
-        finished = False
-        while not finished:
-            rows = out.logits[-len(drafts) - 1:].float()  # type: ignore[index]  # one per draft, and one more
-            emitted = 0
-            for i, row in enumerate(rows):
-                if i < len(drafts):
-                    choice, accepted = sampler.verify(row, drafts[i])
-                else:
-                    choice, accepted = sampler(row), False
-                token = choice.token_id
-                produced += 1
-                emitted += 1
-                output.append(token)
-                if token in req.stop_ids:
-                    reason, stopped_by, finished = "stop", token, True
-                    yield TokenEvent(token, Delta(), choice, row if req.return_logits else None)
-                    break
-                delta = view.push(token)
-                if stops is not None and delta.content:
-                    delta.content, hit = stops.push(delta.content)
-                    if hit is not None:
-                        reason, stopped_by, finished = "stop", hit, True
-                        yield TokenEvent(token, delta, choice, row if req.return_logits else None)
-                        break
-                yield TokenEvent(token, delta, choice, row if req.return_logits else None)
-                if produced >= req.max_tokens:
-                    finished = True
-                    break
-                if not accepted:  # the draft after a rejected one was fed after the wrong token
-                    break
+        while True:
+            events, ended = text.judge(out.logits[-len(drafts) - 1:].float(), drafts)  # type: ignore[index]
+            for event in events:
+                yield event
             if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
-                taken = emitted - 1
+                taken = len(events) - 1
                 drafting.note(len(drafts), taken)
-                if spec is not None:
-                    spec.lengths.update(len(drafts), taken)
+                if req.speculation is not None:
+                    req.speculation.lengths.update(len(drafts), taken)
                 fed += drafts[:taken]
                 length += taken
-            if finished:
+            if ended:
                 break
-            token = output[-1]
-            drafts = _drafts(spec, req.prompt_ids + output, req.max_tokens - produced)
+            token = text.tokens[-1]
+            drafts = _drafts(req.speculation, req.prompt_ids + text.tokens, req.max_tokens - len(text.tokens))
             consistent = False
             out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]),
                                          speculative=bool(drafts)))
@@ -221,20 +239,15 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             consistent = True
             fed.append(token)
             length += 1
-        tail = Delta() if reason == "stop" and isinstance(stopped_by, str) else view.flush()
-        if stops is not None and not isinstance(stopped_by, str):
-            tail.content, hit = stops.push(tail.content)
-            tail.content += "" if hit is not None else stops.flush()
-            if hit is not None:
-                reason, stopped_by = "stop", hit
-        cached = prefix.cached_tokens if prefix is not None else 0
-        yield Finished(reason, Usage(len(req.prompt_ids), produced, cached), tail,
-                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), stopped_by,
+        tail, produced = text.tail(), len(text.tokens)
+        cached = req.prefix.cached_tokens if req.prefix is not None else 0
+        yield Finished(text.reason, Usage(len(req.prompt_ids), produced, cached), tail,
+                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), text.stopped_by,
                        drafting)
     finally:
-        if prefix is not None:
-            prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
-        keep = await prefix.finish(req.prompt_ids + fed) if prefix is not None and consistent else None
+        if req.prefix is not None:
+            req.prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
+        keep = await req.prefix.finish(req.prompt_ids + fed) if req.prefix is not None and consistent else None
         await release(req.session_id, keep, length)
 
 

@@ -27,10 +27,20 @@ class _Writer:
 
 
 def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[str, int], int]) -> str:
-    c, s = engine.counters, engine.scheduler.stats
     w = _Writer()
     w.metric("deltafin_http_requests_total", "counter", "HTTP requests by route and status.",
              [({"route": r, "status": st}, n) for (r, st), n in sorted(requests.items())])
+    _generations(w, engine)
+    _prefills(w, engine)
+    _scheduling(w, engine)
+    if engine.prefixes is not None:
+        _prefixes(w, engine)
+    _workers(w, workers)
+    return w.text()
+
+
+def _generations(w: _Writer, engine: Engine) -> None:
+    c = engine.counters
     w.metric("deltafin_generations_total", "counter", "Generations by outcome.",
              [({"outcome": reason}, n) for reason, n in sorted(c.finished.items())]
              + [({"outcome": "cancelled"}, c.cancelled), ({"outcome": "failed"}, c.failed)])
@@ -46,6 +56,9 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
     w.metric("deltafin_accepted_tokens_total", "counter", "Drafted tokens taken.", [({}, c.accepted_tokens)])
     w.metric("deltafin_decode_forwards_total", "counter", "Forwards after the prefills (one per token without "
              "drafting).", [({}, c.forwards)])
+
+
+def _prefills(w: _Writer, engine: Engine) -> None:
     now = time.monotonic()
     pre = list(engine.prefilling.values())
     w.metric("deltafin_prefill_requests", "gauge", "Requests whose prompt is being prefilled.", [({}, len(pre))])
@@ -55,6 +68,10 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
              [({}, sum(p.total - p.done for p in pre))])
     w.metric("deltafin_prefill_oldest_seconds", "gauge", "How long the longest-running prefill has been going.",
              [({}, max((now - p.started for p in pre), default=0.0))])
+
+
+def _scheduling(w: _Writer, engine: Engine) -> None:
+    s = engine.scheduler.stats
     w.metric("deltafin_requests_running", "gauge", "Requests holding a slot.", [({}, s.active)])
     w.metric("deltafin_requests_waiting", "gauge", "Requests queued for a slot.", [({}, s.waiting)])
     w.metric("deltafin_batches_total", "counter", "Forward batches sent to the stages.", [({}, s.batches)])
@@ -65,44 +82,44 @@ def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[s
              [({}, len(recoveries))])
     w.metric("deltafin_cluster_last_recovery_seconds", "gauge", "Duration of the last recovery (re-plan and "
              "stage loads; replay comes after).", [({}, recoveries[-1].seconds if recoveries else 0.0)])
-    if engine.prefixes is not None:
-        pc = engine.prefixes.counters
-        w.metric("deltafin_prefix_lookups_total", "counter", "Requests that looked for a kept prefix of their prompt.",
-                 [({}, pc.lookups)])
-        w.metric("deltafin_prefix_hits_total", "counter", "Requests that resumed from a kept prefix.",
-                 [({}, pc.hits)])
-        w.metric("deltafin_prefix_tokens_saved_total", "counter", "Prompt tokens resumed instead of prefilled.",
-                 [({}, pc.tokens_saved)])
-        w.metric("deltafin_prefix_entries", "gauge", "Prefixes the stages keep.", [({}, len(engine.prefixes.entries))])
-        w.metric("deltafin_prefix_evicted_total", "counter", "Kept prefixes dropped for room.", [({}, pc.evicted)])
-        w.metric("deltafin_prefix_missing_total", "counter", "Kept prefixes a stage no longer had (the request "
-                 "prefilled from the start).", [({}, pc.missing)])
-    per: dict[str, list[tuple[dict[str, Any], float]]] = {k: [] for k in (
-        "tokens", "sessions", "session_bytes", "prefix_bytes", "bytes_read", "lookups", "hits", "hit_rate", "spine")}
-    for stats in workers:
-        label = {"worker": stats.get("name", "?")}
-        experts = stats.get("experts") or {}
-        per["tokens"].append((label, stats.get("tokens", 0)))
-        per["sessions"].append((label, stats.get("sessions", 0)))
-        per["session_bytes"].append((label, stats.get("session_bytes", 0)))
-        per["prefix_bytes"].append((label, stats.get("prefix_bytes", 0)))
-        per["spine"].append((label, stats.get("spine_streamed_bytes", 0)))
-        if experts:
-            per["bytes_read"].append((label, experts.get("bytes_read", 0)))
-            per["lookups"].append((label, experts.get("lookups", 0)))
-            per["hits"].append((label, experts.get("hits", 0)))
-            per["hit_rate"].append((label, experts.get("hit_rate", 0.0)))
-    w.metric("deltafin_worker_tokens_total", "counter", "Tokens through each worker's stage.", per["tokens"])
-    w.metric("deltafin_worker_sessions", "gauge", "Open sessions (sequence caches) on each worker.", per["sessions"])
-    w.metric("deltafin_worker_session_bytes", "gauge", "Bytes held by session caches.", per["session_bytes"])
-    w.metric("deltafin_worker_prefix_bytes", "gauge", "Bytes held by kept prefixes.", per["prefix_bytes"])
-    w.metric("deltafin_worker_expert_bytes_read_total", "counter", "Expert bytes read from the disk.",
-             per["bytes_read"])
-    w.metric("deltafin_worker_spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.",
-             per["spine"])
-    w.metric("deltafin_worker_expert_lookups_total", "counter", "Routed-expert lookups.", per["lookups"])
-    w.metric("deltafin_worker_expert_hits_total", "counter", "Routed-expert lookups served from memory.",
-             per["hits"])
-    w.metric("deltafin_worker_expert_hit_rate", "gauge", "Expert cache hit rate since the stage was loaded.",
-             per["hit_rate"])
-    return w.text()
+
+
+def _prefixes(w: _Writer, engine: Engine) -> None:
+    index = engine.prefixes
+    assert index is not None
+    pc = index.counters
+    w.metric("deltafin_prefix_lookups_total", "counter", "Requests that looked for a kept prefix of their prompt.",
+             [({}, pc.lookups)])
+    w.metric("deltafin_prefix_hits_total", "counter", "Requests that resumed from a kept prefix.", [({}, pc.hits)])
+    w.metric("deltafin_prefix_tokens_saved_total", "counter", "Prompt tokens resumed instead of prefilled.",
+             [({}, pc.tokens_saved)])
+    w.metric("deltafin_prefix_entries", "gauge", "Prefixes the stages keep.", [({}, len(index.entries))])
+    w.metric("deltafin_prefix_evicted_total", "counter", "Kept prefixes dropped for room.", [({}, pc.evicted)])
+    w.metric("deltafin_prefix_missing_total", "counter", "Kept prefixes a stage no longer had (the request "
+             "prefilled from the start).", [({}, pc.missing)])
+
+
+# name, type, help, where in a worker's stats (a key, or ("experts", key))
+_WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
+    ("tokens_total", "counter", "Tokens through each worker's stage.", "tokens"),
+    ("sessions", "gauge", "Open sessions (sequence caches) on each worker.", "sessions"),
+    ("session_bytes", "gauge", "Bytes held by session caches.", "session_bytes"),
+    ("prefix_bytes", "gauge", "Bytes held by kept prefixes.", "prefix_bytes"),
+    ("expert_bytes_read_total", "counter", "Expert bytes read from the disk.", ("experts", "bytes_read")),
+    ("spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.", "spine_streamed_bytes"),
+    ("expert_lookups_total", "counter", "Routed-expert lookups.", ("experts", "lookups")),
+    ("expert_hits_total", "counter", "Routed-expert lookups served from memory.", ("experts", "hits")),
+    ("expert_hit_rate", "gauge", "Expert cache hit rate since the stage was loaded.", ("experts", "hit_rate")),
+]
+
+
+def _workers(w: _Writer, workers: list[dict[str, Any]]) -> None:
+    """Each worker's counters; expert ones only where its experts stream (resident experts have none)."""
+    for name, kind, help_, where in _WORKER_METRICS:
+        samples = []
+        for stats in workers:
+            source, key = (stats.get("experts") or {}, where[1]) if isinstance(where, tuple) else (stats, where)
+            if isinstance(where, tuple) and not source:
+                continue
+            samples.append(({"worker": stats.get("name", "?")}, source.get(key, 0)))
+        w.metric(f"deltafin_worker_{name}", kind, help_, samples)

@@ -22,7 +22,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -32,7 +32,7 @@ from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
 
 from . import openai_api as oa
 from .engine import Engine
-from .generation import Finished, PlainText, TokenEvent
+from .generation import Finished, PlainText, TextView, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -181,15 +181,45 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
         return None
 
 
-async def _stream_errors(sse: _Sse, events: Events, emit: Callable[[TokenEvent | Finished], Awaitable[None]]
-                         ) -> web.StreamResponse:
-    """Drive a started stream; a failure after the headers went out becomes an error event, then [DONE]."""
+async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params, max_tokens: int | None,
+               prompt_param: str) -> tuple[Events | None, _Sse]:
+    """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
+    before that (heartbeats), and then an error ends it as an event: None instead of the events."""
+    engine = request.app[ENGINE]
+    prefill = _Prefill()
+    events = engine.run(prompt_ids, view, max_tokens=max_tokens, sampling=p.sampling, stop=p.stop,
+                        ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative)
+    sse = _Sse(request)
+    first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
+    return (None if first is None else _rest(first, events)), sse
+
+
+class _Format(Protocol):
+    """A response's JSON: whole (`whole`), or streamed (`opening`, then `chunks` of each event)."""
+
+    async def whole(self, events: Events) -> dict[str, Any]: ...
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, event: TokenEvent | Finished) -> list[dict[str, Any]]: ...
+
+
+async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool) -> web.StreamResponse:
+    if events is None:  # the stream opened and already ended with an error event
+        return sse.response
+    if not stream:
+        return web.json_response(await fmt.whole(events))
+    if not sse.started:
+        await sse.start()
     try:
+        for chunk in fmt.opening():
+            await sse.send(chunk)
         async for event in events:
-            await emit(event)
+            for chunk in fmt.chunks(event):
+                await sse.send(chunk)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
-    except Exception as e:
+    except Exception as e:  # the headers went out: the failure is an error event, then [DONE]
         await sse.send(_as_api_error(e).body())
     return await sse.finish()
 
@@ -201,65 +231,58 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
-    prefill = _Prefill()
-    events = engine.run(req.prompt_ids, PlainText(engine.tokenizer), max_tokens=p.max_tokens or 16,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill,
-                        speculative=p.speculative)
-    sse = _Sse(request)
-    first = await (_first_streamed(sse, events, "prompt", prefill) if p.stream else _first(events, "prompt"))
-    if first is None:
-        return sse.response
-    rid, created = oa.new_id("cmpl"), oa.now()
-    want_logprobs = p.sampling.logprobs is not None
-    stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
-    prefix = req.prompt_text if req.echo else ""
+    events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, p.max_tokens or 16, "prompt")
+    return await _respond(sse, events, _TextFormat(engine, req), p.stream)
 
-    def choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+
+class _TextFormat:
+    """/v1/completions' response: text (after the prompt with `echo`), logprobs at text offsets, usage."""
+
+    def __init__(self, engine: Engine, req: oa.CompletionRequest):
+        self.engine, self.p = engine, req.params
+        self.id, self.created = oa.new_id("cmpl"), oa.now()
+        self.logprobs = self.p.sampling.logprobs is not None
+        self.stop_ids = frozenset() if self.p.ignore_eos else engine.stop_ids  # stop tokens are not output
+        self.prefix = req.prompt_text if req.echo else ""
+        self.offset = len(self.prefix)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return oa.chunk("text_completion", self.id, self.created, self.p.model, choices, usage)
+
+    @staticmethod
+    def _choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    if not p.stream:
-        text, lp, end = [prefix], oa.CompletionLogprobs(), None
-        offset = len(prefix)
-        async for e in _rest(first, events):
+    def _logprobs(self, e: TokenEvent, into: oa.CompletionLogprobs) -> bool:
+        if self.logprobs and e.token_id not in self.stop_ids:
+            into.add(self.engine.tokenizer, e.choice, self.offset)
+            return True
+        return False
+
+    async def whole(self, events: Events) -> dict[str, Any]:
+        text, lp, end = [self.prefix], oa.CompletionLogprobs(), None
+        async for e in events:
+            text.append(e.delta.content)
             if isinstance(e, Finished):
                 end = e
-                text.append(e.delta.content)
             else:
-                if want_logprobs and e.token_id not in stop_ids:
-                    lp.add(engine.tokenizer, e.choice, offset)
-                text.append(e.delta.content)
-                offset += len(e.delta.content)
+                self._logprobs(e, lp)
+                self.offset += len(e.delta.content)
         assert end is not None
-        return web.json_response(oa.chunk("text_completion", rid, created, p.model, [
-            choice("".join(text), lp.as_dict() if want_logprobs else None, end.reason)],
-            oa.usage(end.usage)))
+        return self._chunk([self._choice("".join(text), lp.as_dict() if self.logprobs else None, end.reason)],
+                           oa.usage(end.usage))
 
-    if not sse.started:
-        await sse.start()
-    offset = 0
-    if prefix:
-        await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(prefix, None, None)]))
-        offset = len(prefix)
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice(self.prefix, None, None)])] if self.prefix else []
 
-    async def emit(e: TokenEvent | Finished) -> None:
-        nonlocal offset
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
         if isinstance(e, Finished):
-            await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(e.delta.content, None,
-                                                                                      e.reason)]))
-            if p.include_usage:
-                await sse.send(oa.chunk("text_completion", rid, created, p.model, [],
-                                        oa.usage(e.usage)))
-            return
-        lp = None
-        if want_logprobs and e.token_id not in stop_ids:
-            one = oa.CompletionLogprobs()
-            one.add(engine.tokenizer, e.choice, offset)
-            lp = one.as_dict()
-        if e.delta.content or lp is not None:
-            await sse.send(oa.chunk("text_completion", rid, created, p.model, [choice(e.delta.content, lp, None)]))
-        offset += len(e.delta.content)
-
-    return await _stream_errors(sse, _rest(first, events), emit)
+            out = [self._chunk([self._choice(e.delta.content, None, e.reason)])]
+            return out + ([self._chunk([], oa.usage(e.usage))] if self.p.include_usage else [])
+        one = oa.CompletionLogprobs()
+        lp = one.as_dict() if self._logprobs(e, one) else None
+        self.offset += len(e.delta.content)
+        return [self._chunk([self._choice(e.delta.content, lp, None)])] if e.delta.content or lp is not None else []
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------------------
@@ -270,69 +293,73 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
-    prefill = _Prefill()
-    events = engine.run(ids, OutputParser(engine.tokenizer, thinking=req.options.thinking), max_tokens=p.max_tokens,
-                        sampling=p.sampling, stop=p.stop, ignore_eos=p.ignore_eos, progress=prefill,
-                        speculative=p.speculative)
-    sse = _Sse(request)
-    first = await (_first_streamed(sse, events, "messages", prefill) if p.stream else _first(events, "messages"))
-    if first is None:
-        return sse.response
-    rid, created = oa.new_id("chatcmpl"), oa.now()
-    want_logprobs = req.top_logprobs is not None
-    stop_ids = frozenset() if p.ignore_eos else engine.stop_ids  # the stop token is not part of the output
-    call_ids: list[str] = []
+    view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
+    events, sse = await _run(request, ids, view, p, p.max_tokens, "messages")
+    return await _respond(sse, events, _ChatFormat(engine, req), p.stream)
 
-    def reason_of(e: Finished) -> str:
-        return "tool_calls" if call_ids and e.reason == "stop" else e.reason
 
-    if not p.stream:
+class _ChatFormat:
+    """/v1/chat/completions' response: reasoning_content, content, tool calls (finish_reason tool_calls),
+    logprobs per token, usage."""
+
+    def __init__(self, engine: Engine, req: oa.ChatRequest):
+        self.engine, self.p, self.thinking = engine, req.params, req.options.thinking
+        self.id, self.created = oa.new_id("chatcmpl"), oa.now()
+        self.logprobs = req.top_logprobs is not None
+        self.stop_ids = frozenset() if self.p.ignore_eos else engine.stop_ids  # stop tokens are not output
+        self.call_ids: list[str] = []
+
+    def _chunk(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return oa.chunk(kind, self.id, self.created, self.p.model, choices, usage)
+
+    def _reason(self, e: Finished) -> str:
+        return "tool_calls" if self.call_ids and e.reason == "stop" else e.reason
+
+    def _logprob(self, e: TokenEvent | Finished) -> dict[str, Any] | None:
+        if isinstance(e, TokenEvent) and self.logprobs and e.token_id not in self.stop_ids:
+            return oa.chat_logprob(self.engine.tokenizer, e.choice)
+        return None
+
+    async def whole(self, events: Events) -> dict[str, Any]:
         reasoning, content, calls, lps, end = [], [], [], [], None
-        async for e in _rest(first, events):
-            d = e.delta
-            reasoning.append(d.reasoning)
-            content.append(d.content)
-            for c in d.tool_calls:
-                call_ids.append(oa.new_id("call"))
-                calls.append(oa.tool_call_json(c, call_ids[-1]))
+        async for e in events:
+            reasoning.append(e.delta.reasoning)
+            content.append(e.delta.content)
+            for c in e.delta.tool_calls:
+                self.call_ids.append(oa.new_id("call"))
+                calls.append(oa.tool_call_json(c, self.call_ids[-1]))
             if isinstance(e, Finished):
                 end = e
-            elif want_logprobs and e.token_id not in stop_ids:
-                lps.append(oa.chat_logprob(engine.tokenizer, e.choice))
+            elif (lp := self._logprob(e)) is not None:
+                lps.append(lp)
         assert end is not None
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
-        if req.options.thinking:
+        if self.thinking:
             message["reasoning_content"] = "".join(reasoning)
         if calls:
             message["tool_calls"] = calls
-        return web.json_response(oa.chunk("chat.completion", rid, created, p.model, [
-            {"index": 0, "message": message, "logprobs": {"content": lps} if want_logprobs else None,
-             "finish_reason": reason_of(end)}], oa.usage(end.usage)))
+        return self._chunk("chat.completion", [{"index": 0, "message": message, "logprobs": {"content": lps} if
+                                                self.logprobs else None, "finish_reason": self._reason(end)}],
+                           oa.usage(end.usage))
 
-    if not sse.started:
-        await sse.start()
-    kind = "chat.completion.chunk"
-    await sse.send(oa.chunk(kind, rid, created, p.model, [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])]
 
-    async def emit(e: TokenEvent | Finished) -> None:
-        first_index = len(call_ids)
-        call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
-        delta = oa.chat_delta(e.delta, call_ids[first_index:], first_index)
-        lp = None
-        if isinstance(e, TokenEvent) and want_logprobs and e.token_id not in stop_ids:
-            lp = {"content": [oa.chat_logprob(engine.tokenizer, e.choice)]}
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
+        first = len(self.call_ids)
+        self.call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
+        delta = oa.chat_delta(e.delta, self.call_ids[first:], first)
+        kind = "chat.completion.chunk"
         if isinstance(e, Finished):
-            await sse.send(oa.chunk(kind, rid, created, p.model, [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason_of(e)}]))
-            if p.include_usage:
-                await sse.send(oa.chunk(kind, rid, created, p.model, [],
-                                        oa.usage(e.usage)))
-        elif delta or lp is not None:
-            await sse.send(oa.chunk(kind, rid, created, p.model, [
-                {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]))
-
-    return await _stream_errors(sse, _rest(first, events), emit)
+            end = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self._reason(e)}
+            out = [self._chunk(kind, [end])]
+            return out + ([self._chunk(kind, [], oa.usage(e.usage))] if self.p.include_usage else [])
+        lp = self._logprob(e)
+        if not delta and lp is None:
+            return []
+        return [self._chunk(kind, [{"index": 0, "delta": delta, "logprobs": {"content": [lp]} if lp is not None
+                                    else None, "finish_reason": None}])]
 
 
 # ---- models, health, metrics --------------------------------------------------------------------------------

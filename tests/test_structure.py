@@ -133,3 +133,10 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
         assert (api.status, api.code) == (status, code), error
     assert _as_api_error(errors.ChatFormatError("bad roles")).param == "messages"
     assert _as_api_error(errors.SamplingError("top_p", "top_p must be in (0, 1]")).param == "top_p"
+
+
+def test_no_function_runs_over_60_lines() -> None:
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in MODULES.values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]
+    assert not long, "\n".join(long)
