@@ -164,7 +164,8 @@ class WorkerClient:
 
     async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
                      progress: Any = None) -> None:
-        request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint, options=codec.pack(options))
+        request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
+                                options=codec.encode_stage_options(options))
         try:
             async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
                 if progress is not None:
@@ -229,7 +230,7 @@ class WorkerClient:
             r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control, metadata=self._md("Stats"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        return codec.unpack(r.stats, f"stats of {self.name}")
+        return codec.decode_stats(r.stats)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -74,6 +74,7 @@ class TokenEvent:
     delta: Delta
     choice: Choice  # the id again, with its logprob and the top alternatives when asked for
     logits: torch.Tensor | None = None  # fp32 [vocab] when the request asks for them (tests, tools)
+    stop: bool = False  # the stop token that ended the generation: not part of the output (nor its logprobs)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class _Output:
             logits = row if self.req.return_logits else None
             if token in self.req.stop_ids:
                 self.reason, self.stopped_by = "stop", token
-                return [*events, TokenEvent(token, Delta(), choice, logits)], True
+                return [*events, TokenEvent(token, Delta(), choice, logits, stop=True)], True
             delta = self.view.push(token)
             if self.stops is not None and delta.content:
                 delta.content, hit = self.stops.push(delta.content)

@@ -242,7 +242,6 @@ class _TextFormat:
         self.engine, self.p = engine, req.params
         self.id, self.created = oa.new_id("cmpl"), oa.now()
         self.logprobs = self.p.sampling.logprobs is not None
-        self.stop_ids = frozenset() if self.p.ignore_eos else engine.stop_ids  # stop tokens are not output
         self.prefix = req.prompt_text if req.echo else ""
         self.offset = len(self.prefix)
 
@@ -254,7 +253,7 @@ class _TextFormat:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, e: TokenEvent, into: oa.CompletionLogprobs) -> bool:
-        if self.logprobs and e.token_id not in self.stop_ids:
+        if self.logprobs and not e.stop:
             into.add(self.engine.tokenizer, e.choice, self.offset)
             return True
         return False
@@ -306,7 +305,6 @@ class _ChatFormat:
         self.engine, self.p, self.thinking = engine, req.params, req.options.thinking
         self.id, self.created = oa.new_id("chatcmpl"), oa.now()
         self.logprobs = req.top_logprobs is not None
-        self.stop_ids = frozenset() if self.p.ignore_eos else engine.stop_ids  # stop tokens are not output
         self.call_ids: list[str] = []
 
     def _chunk(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -316,7 +314,7 @@ class _ChatFormat:
         return "tool_calls" if self.call_ids and e.reason == "stop" else e.reason
 
     def _logprob(self, e: TokenEvent | Finished) -> dict[str, Any] | None:
-        if isinstance(e, TokenEvent) and self.logprobs and e.token_id not in self.stop_ids:
+        if isinstance(e, TokenEvent) and self.logprobs and not e.stop:
             return oa.chat_logprob(self.engine.tokenizer, e.choice)
         return None
 

@@ -1,7 +1,10 @@
-"""Shared fixtures: synthetic checkpoints are built once per test session."""
+"""Shared fixtures: synthetic checkpoints are built once per test session. And the `slow` mark: a test is
+slow when it starts processes (workers, servers, a command line), itself or through a fixture; CI runs the
+others first (`-m "not slow"`), then these (`-m slow`)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -11,6 +14,24 @@ from deltafin.synth import synthesize
 
 # The real Kimi K3 config.json, verbatim (copied from ../shared/fixtures/kimi-k3/).
 K3_FIXTURE = Path(__file__).parent / "data" / "kimi-k3-config.json"
+
+_STARTS_PROCESSES = ("workers(", "WorkerProcess(", "ServerProcess(", "subprocess.", "run_soak(")
+_PROCESS_FIXTURES = {"worker", "api_url"}
+
+
+def _starts_processes(function: object) -> bool:
+    try:
+        source = inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _STARTS_PROCESSES)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if _starts_processes(function) or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from cluster_util import workers
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -104,13 +105,42 @@ def plausible(draw, first: bool, hidden: int, blocks: int, vocab: int) -> pb.Seq
     return msg
 
 
+_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}  # proto/deltafin.proto, Tensor
+
+
+def _tensor_ok(t: pb.Tensor) -> bool:
+    """The wire format's rules for a tensor, written from the protocol (not from the codec)."""
+    numel = 1
+    for d in t.shape:
+        numel *= d
+    return (t.dtype in _SIZES and len(t.shape) <= 4 and all(d >= 0 for d in t.shape) and numel <= 1 << 31
+            and len(t.data) == numel * _SIZES[t.dtype])
+
+
+def _well_formed(msg: pb.SequenceInput) -> bool:
+    has_ids, has_p, has_b = msg.HasField("ids"), msg.HasField("p"), msg.HasField("b")
+    if not msg.session_id or msg.cache_len < 0 or (msg.resume_from and msg.cache_len == 0):
+        return False
+    if has_ids:
+        return not (has_p or has_b) and _tensor_ok(msg.ids)
+    return has_p and has_b and _tensor_ok(msg.p) and _tensor_ok(msg.b)
+
+
 def _check_decoded(msgs: list[pb.SequenceInput]) -> None:
+    """Every message decodes to exactly what it says, unless it breaks the wire format's rules: then the
+    whole call is refused (a codec that refused everything would fail here)."""
     try:
         out = codec.decode_inputs(msgs)
     except CodecError:
+        assert not all(_well_formed(m) for m in msgs), [str(m)[:200] for m in msgs]
         return
+    assert all(_well_formed(m) for m in msgs)
     for item, msg in zip(out, msgs, strict=True):
         assert item.session_id == msg.session_id and item.cache_len == msg.cache_len
+        tensor = msg.ids if item.ids is not None else msg.p
+        got = item.ids if item.ids is not None else item.state.P
+        assert list(got.shape) == list(tensor.shape)
+        assert got.reshape(-1).view(torch.uint8).numpy().tobytes() == tensor.data
 
 
 @settings(max_examples=300, deadline=None)
@@ -140,7 +170,7 @@ class Worker:
 
     def assign(self, start: int, end: int, **options) -> None:
         for _ in self.stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(self.model),
-                                                options=codec.pack(options)), timeout=120):
+                                                options=codec.encode_stage_options(options)), timeout=120):
             pass
 
     def forward(self, *seqs: pb.SequenceInput, timeout: float = 60) -> str:
@@ -237,7 +267,7 @@ def test_idle_sessions_expire(worker, tiny_dir: Path) -> None:
     time.sleep(4.5)  # --session-ttl 2, swept every second
     code, detail = client.forward_detail(ids_seq("idle", [3], cache_len=2))
     assert code == "NOT_FOUND" and "expired" in detail
-    stats = codec.unpack(client.stub.Stats(pb.StatsRequest(), timeout=10).stats, "stats")
+    stats = codec.decode_stats(client.stub.Stats(pb.StatsRequest(), timeout=10).stats)
     assert stats["sessions"] == 0
 
 

@@ -108,16 +108,18 @@ def test_mxfp4_gap_is_llamacpps_q8_0_input_rounding(stage, golden, monkeypatch):
     ref = golden["logits_mxfp4"]
     plain = _prefill(stage, golden["ids"], "mxfp4-plain")
     gap = _rel(plain, ref)
-    # Recorded agreement without emulation (tiny random model, 20 positions): top-1 20/20, median relative
-    # L2 1.1%, worst 23% where the rounding flips a routing choice. The gap is real and large...
-    assert 0.003 < float(np.median(gap)) < 0.05 and gap.max() > 0.1
+    # Without emulation the two compute slightly different functions (tiny random model, 20 positions,
+    # measured on the seed-0 goldens: top-1 17/20, median relative L2 2.2%, worst 106% where the rounding flips
+    # a routing choice); bound how far apart they may be, not that they differ
+    assert float(np.median(gap)) < 0.05
     assert (plain.argmax(1) == ref.argmax(1)).mean() >= 0.8
-    # ...and it is llama.cpp's Q8_0 rounding of the expert inputs: emulate it and the logits agree.
+    # the difference is llama.cpp's Q8_0 rounding of the expert inputs: emulate it and the logits agree
     monkeypatch.setitem(linear_mod.MXFP4_FAST_PATHS, "cpu",
                         lambda x, w: linear_mod.mxfp4_linear_reference(_q8_0(x), w))
     emulated = _prefill(stage, golden["ids"], "mxfp4-emulated")
     close = _rel(emulated, ref)
     assert np.array_equal(emulated.argmax(1), ref.argmax(1))
-    # median at fp32 rounding; the worst position (4.2e-4 on the seed-0 goldens) is one where the random
-    # network amplifies a last-bit difference in the Q8_0 block scales (fp16 of amax/127) by ~1e3
+    # median at fp32 rounding (measured 2.3e-6, worst 9.2e-6); the bound leaves room for a position where the
+    # random network amplifies a last-bit difference in the Q8_0 block scales (fp16 of amax/127) by ~1e3, as an
+    # earlier set of goldens had (4.2e-4)
     assert float(np.median(close)) < 1e-5 and close.max() < 1e-3

@@ -91,7 +91,7 @@ def served(tiny_dir):
 
 async def _assign(stub, tiny_dir, start, end):
     async for _ in stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(tiny_dir),
-                                             options=codec.pack({"dtype": "fp32"})), timeout=60):
+                                             options=codec.encode_stage_options({"dtype": "fp32"})), timeout=60):
         pass
 
 
@@ -142,7 +142,7 @@ def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(se
 
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            stats = codec.unpack((await stub.Stats(pb.StatsRequest(), timeout=5)).stats, "stats")
+            stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
             assert stats["state"] == "ready" and stats["layers"] == [3, 6] and stats["sessions"] == 1
             released = await stub.Release(pb.ReleaseRequest(session_ids=["s", "nope"]), timeout=5)
             assert released.released == 1
@@ -162,10 +162,11 @@ def test_assignment_is_checked(served, tiny_dir):
             for assignment, code, message in [
                 (pb.Assignment(start=0, end=6, model_fingerprint="0" * 16), grpc.StatusCode.FAILED_PRECONDITION,
                  "both must use the same model files"),
-                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir), options=b"\xc1"),
-                 grpc.StatusCode.INVALID_ARGUMENT, "not a msgpack map"),
                 (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
-                               options=codec.pack({"warp_drive": True})), grpc.StatusCode.INVALID_ARGUMENT,
+                               options=pb.StageOptions(dtype="fp64")), grpc.StatusCode.INVALID_ARGUMENT,
+                 "fp32 or bf16"),
+                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
+                               options=pb.StageOptions(none=["warp_drive"])), grpc.StatusCode.INVALID_ARGUMENT,
                  "unknown stage options"),
                 (pb.Assignment(start=4, end=9, model_fingerprint=fingerprint(tiny_dir)),
                  grpc.StatusCode.FAILED_PRECONDITION, "not all on this worker's disk"),
@@ -215,7 +216,7 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Assign(pb.Assignment(start=0, end=3, model_fingerprint=fingerprint(tiny_dir),
-                                                         options=codec.pack({})), timeout=0.5):
+                                                         options=codec.encode_stage_options({})), timeout=0.5):
                     pass
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.sleep(0.2)
@@ -229,3 +230,38 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     info = asyncio.run(run())
     assert events[:4] == ["load 0-3", "loaded 0-3", "close 0-3", "load 3-6"]
     assert (info.assigned.start, info.assigned.end, info.state) == (3, 6, "ready")
+
+
+def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> None:
+    import torch
+
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.stage import StageOptions
+
+    defaults = StageOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3)
+    sent = {"dtype": "bf16", "memory_bytes": 7 << 30, "expert_cache_bytes": None, "session_bytes": 123,
+            "prefetch": False, "max_resident_layers": None}
+    got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
+                                                                .SerializeToString()), defaults)
+    assert (got.dtype, got.memory_bytes, got.expert_cache_bytes, got.session_bytes, got.prefetch) == (
+        torch.bfloat16, 7 << 30, None, 123, False)
+    assert got.max_resident_layers is None and got.read_threads == 4  # unset: the worker's own
+    for bad in ({"warp_drive": 1}, {"read_threads": "many"}):
+        with pytest.raises(CodecError):
+            codec.encode_stage_options(bad)
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(expert_cache_bytes=200_000))
+    try:
+        from deltafin.stage import SeqInput
+
+        pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
+        stage = pipe.stages[0]
+        stats = {"state": "ready", "name": "w0", **stage.stats(), "sessions": 1, "layers": [0, 6],
+                 "plan": stage.sizing.as_dict()}
+        back = codec.decode_stats(pb.StageStats.FromString(codec.encode_stats(stats).SerializeToString()))
+        assert back["experts"]["lookups"] == stats["experts"]["lookups"] > 0
+        assert back["plan"]["total"] == stage.sizing.total and back["layers"] == [0, 6]
+        assert back["tokens"] == 3 and back["state"] == "ready"
+        with pytest.raises(CodecError, match="no field 'bogus'"):
+            codec.encode_stats({**stats, "bogus": 1})
+    finally:
+        pipe.close()

@@ -20,8 +20,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint import Checkpoint
-from deltafin.devices import exact_fp32, resolve_dtype
-from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned
+from deltafin.devices import exact_fp32
+from deltafin.errors import DeltafinError, FingerprintMismatch, NotAssigned
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ServerTls
@@ -32,21 +32,6 @@ from deltafin.transport.status import status_for
 
 log = logging.getLogger(__name__)
 
-
-
-def options_from_wire(data: bytes, defaults: StageOptions) -> StageOptions:
-    """Stage options sent by the coordinator (msgpack map) over this worker's defaults."""
-    raw = codec.unpack(data, "assignment options")
-    known = {f.name for f in dataclasses.fields(StageOptions)}
-    unknown = set(raw) - known
-    if unknown:
-        raise CodecError(f"unknown stage options {sorted(unknown)}")
-    if "dtype" in raw:
-        raw["dtype"] = resolve_dtype(str(raw["dtype"]))
-    try:
-        return dataclasses.replace(defaults, **raw)
-    except TypeError as e:
-        raise CodecError(f"bad stage options: {e}") from None
 
 
 def peak_rss() -> int:
@@ -98,7 +83,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise FingerprintMismatch(
                     f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
                     f"{request.model_fingerprint}: both must use the same model files")
-            options = options_from_wire(request.options, self.defaults)
+            options = codec.decode_stage_options(request.options, self.defaults)
             if not self.description.has_layers(request.start, request.end):
                 raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
                                   f"(it has {self.description.layers})")
@@ -211,7 +196,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             stats["layers"] = [stage.start, stage.end]
             stats["plan"] = stage.sizing.as_dict()
         stats["rss_peak_bytes"] = peak_rss()
-        return pb.StatsResponse(stats=codec.pack(stats))
+        return pb.StatsResponse(stats=codec.encode_stats(stats))
 
     async def expire_sessions(self, idle_seconds: float) -> None:
         """Forever: every so often, drop sessions idle for longer than `idle_seconds`."""

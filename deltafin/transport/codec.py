@@ -6,20 +6,22 @@ Anything malformed raises CodecError, which the servicer turns into INVALID_ARGU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
-import msgpack
 import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.stage import SeqInput, SeqOutput
+from deltafin.stage import SeqInput, SeqOutput, StageOptions
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 4  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
-# 4: speculative forwards and releases that keep a session's first N tokens
+PROTOCOL_VERSION = 5  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
+# 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters
+# as messages
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -123,18 +125,71 @@ def decode_outputs(msgs: list[pb.SequenceOutput]) -> list[SeqOutput]:
     return out
 
 
-def pack(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+# ---- stage options and counters ------------------------------------------------------------------------------
+
+_OPTIONS = {f.name for f in pb.StageOptions.DESCRIPTOR.fields} - {"none"}
 
 
-def unpack(data: bytes, what: str) -> dict:
-    try:
-        obj = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20, max_str_len=1 << 20) if data else {}
-    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as e:
-        raise CodecError(f"{what}: not a msgpack map ({e})") from None
-    if not isinstance(obj, dict):
-        raise CodecError(f"{what}: not a msgpack map")
-    return obj
+def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
+    """A coordinator's stage options (StageOptions' field names; dtype as "fp32"/"bf16"; None allowed)."""
+    msg = pb.StageOptions()
+    for key, value in options.items():
+        if key not in _OPTIONS:
+            raise CodecError(f"unknown stage option {key!r}")
+        if value is None:
+            msg.none.append(key)
+            continue
+        try:
+            setattr(msg, key, value)
+        except (TypeError, ValueError) as e:
+            raise CodecError(f"stage option {key}={value!r}: {e}") from None
+    return msg
+
+
+def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageOptions:
+    """The options a coordinator sent, over this worker's `defaults`."""
+    unknown = set(msg.none) - _OPTIONS
+    if unknown:
+        raise CodecError(f"unknown stage options {sorted(unknown)}")
+    changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields() if f.name != "none"}
+    changes.update(dict.fromkeys(msg.none))
+    if "dtype" in changes:
+        if changes["dtype"] not in ("fp32", "bf16"):
+            raise CodecError(f"stage option dtype={changes['dtype']!r}: fp32 or bf16")
+        changes["dtype"] = torch.float32 if changes["dtype"] == "fp32" else torch.bfloat16
+    return dataclasses.replace(defaults, **changes)
+
+
+def encode_stats(stats: dict[str, Any]) -> pb.StageStats:
+    """A worker's counters (stage.stats() and what the servicer adds) as the typed message."""
+    msg = pb.StageStats()
+    _fill(msg, stats, "stats")
+    return msg
+
+
+def decode_stats(msg: pb.StageStats) -> dict[str, Any]:
+    """The counters as a dict again: the fields that were set, nested messages as dicts."""
+    return _as_dict(msg)
+
+
+def _fill(msg: Any, values: dict[str, Any], what: str) -> None:
+    for key, value in values.items():
+        field = msg.DESCRIPTOR.fields_by_name.get(key)
+        if field is None:
+            raise CodecError(f"{what}: no field {key!r} in {msg.DESCRIPTOR.name}")
+        if value is None:
+            continue
+        if field.message_type is not None:
+            _fill(getattr(msg, key), value, f"{what}.{key}")
+        elif field.is_repeated:
+            getattr(msg, key).extend(value)
+        else:
+            setattr(msg, key, value)
+
+
+def _as_dict(msg: Any) -> dict[str, Any]:
+    return {f.name: _as_dict(v) if f.message_type is not None else list(v) if f.is_repeated else v
+            for f, v in msg.ListFields()}
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,46 @@ class Assignment(_message.Message):
     start: int
     end: int
     model_fingerprint: str
-    options: bytes
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[bytes] = ...) -> None: ...
+    options: StageOptions
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ...) -> None: ...
+
+class StageOptions(_message.Message):
+    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_bytes", "sequences", "context", "max_forward_tokens", "max_resident_layers", "none")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPINE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IO_FIELD_NUMBER: _ClassVar[int]
+    READ_THREADS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    memory_bytes: int
+    host_memory_bytes: int
+    spine: str
+    expert_cache_bytes: int
+    io: str
+    read_threads: int
+    cache_policy: str
+    prefetch: bool
+    prefetch_layers: int
+    session_bytes: int
+    prefix_bytes: int
+    sequences: int
+    context: int
+    max_forward_tokens: int
+    max_resident_layers: int
+    none: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready")
@@ -163,5 +201,139 @@ class StatsRequest(_message.Message):
 class StatsResponse(_message.Message):
     __slots__ = ("stats",)
     STATS_FIELD_NUMBER: _ClassVar[int]
-    stats: bytes
-    def __init__(self, stats: _Optional[bytes] = ...) -> None: ...
+    stats: StageStats
+    def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SPINE_STREAMED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPINE_READ_S_FIELD_NUMBER: _ClassVar[int]
+    SPINE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    name: str
+    rss_peak_bytes: int
+    forwards: int
+    tokens: int
+    seconds: float
+    compute_s: float
+    spine_streamed_bytes: int
+    spine_read_s: float
+    spine_wait_s: float
+    sessions: int
+    session_bytes: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    prefixes: int
+    prefix_bytes: int
+    prefix_budget: int
+    prefixes_kept: int
+    prefixes_resumed: int
+    prefixes_evicted: int
+    prefixes_refused: int
+    experts: ExpertStats
+    plan: StageSizing
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ...) -> None: ...
+
+class ExpertStats(_message.Message):
+    __slots__ = ("lookups", "hits", "prefetch_hits", "misses", "prefetch_issued", "prefetch_bytes", "prefetch_cancelled", "wasted_bytes", "io_wait_s", "reads", "bytes_read", "read_seconds", "hit_rate", "prefetch_recall")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    WASTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IO_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_RECALL_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hits: int
+    prefetch_hits: int
+    misses: int
+    prefetch_issued: int
+    prefetch_bytes: int
+    prefetch_cancelled: int
+    wasted_bytes: int
+    io_wait_s: float
+    reads: int
+    bytes_read: int
+    read_seconds: float
+    hit_rate: float
+    prefetch_recall: float
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
+
+class StageSizing(_message.Message):
+    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SPINE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_STAGING_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LANDING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPINE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DISCRETE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    device: str
+    spine: str
+    resident_layers: _containers.RepeatedScalarFieldContainer[int]
+    streamed_layers: _containers.RepeatedScalarFieldContainer[int]
+    layers: int
+    top: int
+    stream_buffers: int
+    stream_copies: int
+    experts_resident: bool
+    expert_cache: int
+    expert_staging: int
+    expert_landing: int
+    sessions: int
+    prefixes: int
+    workspace: int
+    overhead: int
+    forward_tokens: int
+    spine_bytes_per_token: int
+    expert_bytes_per_token: int
+    discrete: bool
+    total: int
+    host: int
+    device_total: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ...) -> None: ...
