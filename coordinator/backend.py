@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import grpc
 
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.pipeline import LocalPipeline
+from deltafin.pipeline import LocalPipeline, route
 from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
@@ -248,16 +248,19 @@ class ClusterBackend:
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         request_id = uuid.uuid4().hex
-        outputs: list[SeqOutput] = []
-        for i, worker in enumerate(self.stages):
-            if i > 0:
-                batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
+        hops = route(len(self.stages), batch)
+        i, inputs = next(hops)
+        while True:
+            worker = self.stages[i]
             try:
-                outputs = await worker.forward(batch, all_logits, request_id)
+                outputs = await worker.forward(inputs, all_logits, request_id)
             except asyncio.CancelledError:
                 await asyncio.shield(self._cancel(worker, request_id))
                 raise
-        return outputs
+            try:
+                i, inputs = hops.send(outputs)
+            except StopIteration as done:
+                return done.value
 
     @staticmethod
     async def _cancel(worker: WorkerClient, request_id: str) -> None:

@@ -7,6 +7,7 @@ This is the baseline every cluster result is compared with: the coordinator's `-
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,21 @@ from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.progress import Progress
 from deltafin.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layers
+
+# the hub's route for one forward: yields (stage index, its inputs), is sent that stage's outputs
+Route = Generator[tuple[int, list[SeqInput]], list[SeqOutput], list[SeqOutput]]
+
+
+def route(n_stages: int, batch: list[SeqInput]) -> Route:
+    """One forward through `n_stages` stages in layer order, without the calls themselves: each sequence's
+    residual state goes from one stage to the next, and the last stage's outputs are returned. In-process
+    stages (LocalPipeline.forward) and workers (coordinator/backend.py, ClusterBackend.forward) drive it."""
+    outputs: list[SeqOutput] = []
+    for i in range(n_stages):
+        if i > 0:
+            batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
+        outputs = yield i, batch
+    return outputs
 
 
 class LocalPipeline:
@@ -51,12 +67,13 @@ class LocalPipeline:
         return min(limits) if limits else None
 
     def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
-        outputs: list[SeqOutput] = []
-        for i, stage in enumerate(self.stages):
-            if i > 0:
-                batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
-            outputs = stage.forward(batch, all_logits=all_logits)
-        return outputs
+        hops = route(len(self.stages), batch)
+        i, inputs = next(hops)
+        while True:
+            try:
+                i, inputs = hops.send(self.stages[i].forward(inputs, all_logits=all_logits))
+            except StopIteration as done:
+                return done.value
 
     def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> None:
         for stage in self.stages:
