@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-client-ca", default=None,
                      help="mutual TLS: accept only coordinators whose certificate this CA signed")
     p.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     add_stage_options(p)
     return p
 
@@ -135,7 +136,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(-1 if args.quiet else args.verbose)
     return run_cli(lambda: asyncio.run(serve(args)))
 
 
