@@ -96,8 +96,9 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=131072,
                    help="prompt + generated tokens per request (default 131072)")
     p.add_argument("--pipeline-depth", type=int, default=0,
-                   help="batches in flight through the stages at once (default 0: one per stage, so every stage "
-                   "works; 1: one batch of all active requests, better when the workers share one machine's cores)")
+                   help="batches in flight through the stages at once (default 0: one per stage that computes "
+                   "beside the others, so every stage works; CPU workers on one host share its cores and count "
+                   "once; 1: one batch of all active requests)")
     p.add_argument("--prefill-batches", default="ride", choices=["ride", "separate"],
                    help="ride: running streams' decode steps go in the same batch as the next prompt chunk "
                    "(default; at K3's sizes a chunk reads nearly every expert, so the steps cost no reads); "
