@@ -62,7 +62,6 @@ class _Lines:
 async def run_chat(args: argparse.Namespace) -> int:
     from .chat_session import ChatSession
     from .options import open_engine, sampling_params
-    from .report import format_summary, run_summary
 
     sampling = sampling_params(args)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -105,14 +104,21 @@ async def run_chat(args: argparse.Namespace) -> int:
                 continue
             finally:
                 current = None
-            print()
-            for call in reply.tool_calls:
-                print(f"[tool call] {call.name}({call.arguments})")
-            if reply.finished is not None:
-                print(format_summary(run_summary(reply.finished, await engine.worker_stats())), file=sys.stderr)
+            await _show_end(reply, engine)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await engine.close()
+
+
+async def _show_end(reply: Reply, engine: Engine) -> None:
+    """After a reply: its tool calls, and the stats line."""
+    from .report import format_summary, run_summary
+
+    print()
+    for call in reply.tool_calls:
+        print(f"[tool call] {call.name}({call.arguments})")
+    if reply.finished is not None:
+        print(format_summary(run_summary(reply.finished, await engine.worker_stats())), file=sys.stderr)
 
 
 class _Printer:

@@ -98,13 +98,7 @@ class Engine:
         the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
         `progress(done, total)` hears how far the prompt's prefill is, after every chunk (/metrics shows
         every request's). `speculative`: none | ngram, for this request (None: the engine's)."""
-        if not prompt_ids:
-            raise PromptTooLong("the prompt is empty")
-        room = self.max_context - len(prompt_ids)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
-            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
-                                f"{self.max_context} tokens")
+        room = self._room(prompt_ids, max_tokens)
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
@@ -133,6 +127,17 @@ class Engine:
                     c.failed += 1
                 elif outcome == "cancelled":
                     c.cancelled += 1
+
+    def _room(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """Tokens the context has left after the prompt; PromptTooLong if that is none or less than asked."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        room = self.max_context - len(prompt_ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
+                                f"{self.max_context} tokens")
+        return room
 
     def _track(self, session_id: str, done: int, total: int, progress: Callable[[int, int], None] | None) -> None:
         """A prefill's progress: in `prefilling` (for /metrics) until it is done, and to the caller's callback."""

@@ -112,9 +112,13 @@ class Drafting:
     accepted_tokens: int = 0  # of them, taken
     forwards: int = 0  # forwards after the prefill (one per token without drafts)
 
-    def note(self, drafted: int, accepted: int) -> None:
+    def note(self, drafted: int, accepted: int, speculation: Speculation | None = None) -> int:
+        """A pass verified `drafted` drafts and took `accepted`; the draft-length controller hears it too."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        if speculation is not None:
+            speculation.lengths.update(drafted, accepted)
+        return accepted
 
 
 @dataclass
@@ -155,6 +159,10 @@ class _Output:
     tokens, the stop strings and max_tokens."""
 
     def __init__(self, req: Request, view: TextView):
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
         self.req, self.view = req, view
         self.sampler = Sampler(req.sampling, req.prompt_ids)
         self.stops = StopMatcher(req.stop_strings) if req.stop_strings else None
@@ -187,6 +195,12 @@ class _Output:
                 break
         return events, False
 
+    def finished(self, timing: Timing, drafting: Drafting) -> Finished:
+        tail = self.tail()
+        cached = self.req.prefix.cached_tokens if self.req.prefix is not None else 0
+        return Finished(self.reason, Usage(len(self.req.prompt_ids), len(self.tokens), cached), tail, timing,
+                        self.stopped_by, drafting)
+
     def tail(self) -> Delta:
         """Text held back until the end (an incomplete character, a partial stop-string match)."""
         if self.reason == "stop" and isinstance(self.stopped_by, str):
@@ -202,10 +216,6 @@ class _Output:
 
 async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
         TokenEvent | Finished]:
-    if not req.prompt_ids:
-        raise ValueError("the prompt is empty")
-    if req.max_tokens < 1:
-        raise ValueError("max_tokens must be at least 1")
     text = _Output(req, view if view is not None else _NoText())
     length = len(req.prompt_ids)  # tokens the stages hold that belong to the text (drafts beyond it may follow)
     drafting = Drafting()
@@ -223,10 +233,7 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             for event in events:
                 yield event
             if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
-                taken = len(events) - 1
-                drafting.note(len(drafts), taken)
-                if req.speculation is not None:
-                    req.speculation.lengths.update(len(drafts), taken)
+                taken = drafting.note(len(drafts), len(events) - 1, req.speculation)
                 fed += drafts[:taken]
                 length += taken
             if ended:
@@ -240,11 +247,8 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             consistent = True
             fed.append(token)
             length += 1
-        tail, produced = text.tail(), len(text.tokens)
-        cached = req.prefix.cached_tokens if req.prefix is not None else 0
-        yield Finished(text.reason, Usage(len(req.prompt_ids), produced, cached), tail,
-                       Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, produced - 1)), text.stopped_by,
-                       drafting)
+        yield text.finished(Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, len(text.tokens) - 1)),
+                            drafting)
     finally:
         if req.prefix is not None:
             req.prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too

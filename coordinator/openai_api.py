@@ -100,6 +100,19 @@ def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    include_usage = bool(options and _field(options, "include_usage", bool, False))
+    speculative = _field(body, "speculative", str, None)
+    if speculative is not None and speculative not in MODES:
+        raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
+    return Params(model, max_tokens, _sampling(body, logprobs), _stops(body), stream, include_usage,
+                  _field(body, "ignore_eos", bool, False), speculative)
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -111,18 +124,17 @@ def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
         raise bad("stop", "'stop' must be a string or an array of strings")
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad("stop", f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings")
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict, None)
-    if options is not None and not stream:
-        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    include_usage = bool(options and _field(options, "include_usage", bool, False))
+    return stops
+
+
+def _sampling(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
     bias_in = _field(body, "logit_bias", dict, {})
     try:
         bias = tuple((int(k), float(v)) for k, v in bias_in.items())
     except (TypeError, ValueError):
         raise bad("logit_bias", "'logit_bias' maps token ids (strings of integers) to numbers") from None
     try:
-        sampling = SamplingParams(
+        return SamplingParams(
             temperature=_field(body, "temperature", float, 1.0), top_p=_field(body, "top_p", float, 1.0),
             top_k=max(0, _field(body, "top_k", int, 0)),  # vLLM spells "off" as -1
             min_p=_field(body, "min_p", float, 0.0),
@@ -132,11 +144,6 @@ def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
             seed=_field(body, "seed", int, None), logprobs=logprobs, logit_bias=bias)
     except SamplingError as e:
         raise bad(e.param, str(e)) from None
-    speculative = _field(body, "speculative", str, None)
-    if speculative is not None and speculative not in MODES:
-        raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
-    return Params(model, max_tokens, sampling, stops, stream, include_usage, _field(body, "ignore_eos", bool, False),
-                  speculative)
 
 
 def _check_bias(params: Params, vocab_size: int) -> None:

@@ -179,17 +179,7 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     stage = pipe.stages[0]
     cfg, dev, plan = stage.cfg, stage.device, stage.sizing
     opts = stage.options
-    result: dict[str, Any] = {
-        "bench": "decode", "model": str(Path(model).resolve()), "device": str(dev), "dtype": dtype,
-        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
-        "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
-        "expert_bytes": cfg.bytes_per_expert, "io": opts.io, "read_threads": opts.read_threads,
-        "policy": opts.cache_policy, "prefetch": opts.prefetch,
-        "memory_budget_gb": None if opts.memory_bytes is None else round(opts.memory_bytes / GB, 3),
-        "spine": plan.spine, "experts_streamed": plan.streaming, "expert_cache_gb": round(plan.expert_cache / GB, 3),
-        "spine_resident_layers": len(plan.resident_layers), "spine_streamed_layers": len(plan.streamed_layers),
-        "plan_gb": {k: round(v / GB, 3) for k, v in plan.as_dict().items() if isinstance(v, int)
-                    and not isinstance(v, bool) and k not in ("start", "end", "forward_tokens")}}
+    result = _decode_setup(model, stage, dtype)
     try:
         streams = plan.streaming or bool(plan.streamed_layers)
         if streams and measure_disk and cfg.moe_layers:
@@ -213,6 +203,22 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     finally:
         pipe.close()
     return result
+
+
+def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
+    """What a decode benchmark ran: the model's shape, the stage's options and its memory plan."""
+    cfg, plan, opts = stage.cfg, stage.sizing, stage.options
+    return {
+        "bench": "decode", "model": str(Path(model).resolve()), "device": str(stage.device), "dtype": dtype,
+        "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+        "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
+        "expert_bytes": cfg.bytes_per_expert, "io": opts.io, "read_threads": opts.read_threads,
+        "policy": opts.cache_policy, "prefetch": opts.prefetch,
+        "memory_budget_gb": None if opts.memory_bytes is None else round(opts.memory_bytes / GB, 3),
+        "spine": plan.spine, "experts_streamed": plan.streaming, "expert_cache_gb": round(plan.expert_cache / GB, 3),
+        "spine_resident_layers": len(plan.resident_layers), "spine_streamed_layers": len(plan.streamed_layers),
+        "plan_gb": {k: round(v / GB, 3) for k, v in plan.as_dict().items() if isinstance(v, int)
+                    and not isinstance(v, bool) and k not in ("start", "end", "forward_tokens")}}
 
 
 def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto", dtype: str = "fp32",
@@ -249,6 +255,21 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     return result
 
 
+def _verify_pass(pipe: Any, pos: int, ids: torch.Tensor) -> tuple[float, int, int]:
+    """One speculative forward of `ids` at `pos` (after the first token of the last one): seconds, expert
+    bytes and streamed spine bytes it read."""
+    from deltafin.stage import SeqInput
+
+    stage = pipe.stages[0]
+    before = _io_counters(stage)
+    t0 = time.perf_counter()
+    pipe.forward([SeqInput("verify", pos, ids=ids, speculative=True)])
+    synchronize(stage.device)
+    seconds = time.perf_counter() - t0
+    after = _io_counters(stage)
+    return seconds, after["expert_bytes"] - before["expert_bytes"], after["spine_bytes"] - before["spine_bytes"]
+
+
 def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto", dtype: str = "fp32",
                  options: Any = None, prompt: int = 16, repeats: int = 3) -> dict[str, Any]:
     """One speculative verification pass (the last token and k drafts in one forward) for each k: its
@@ -273,16 +294,8 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
         for k in [0, *(k for k in drafts if k)]:  # k = 0: a plain one-token step, the baseline
             runs = []
             for _ in range(repeats):
-                ids = torch.randint(0, vocab, (k + 1,), generator=rng)
-                before = _io_counters(stage)
-                t0 = time.perf_counter()
-                pipe.forward([SeqInput("verify", pos, ids=ids, speculative=True)])
+                runs.append(_verify_pass(pipe, pos, torch.randint(0, vocab, (k + 1,), generator=rng)))
                 pos += 1
-                synchronize(dev)
-                seconds = time.perf_counter() - t0
-                after = _io_counters(stage)
-                runs.append((seconds, after["expert_bytes"] - before["expert_bytes"],
-                             after["spine_bytes"] - before["spine_bytes"]))
             seconds, experts, spine = (statistics.median(r[i] for r in runs) for i in range(3))
             passes[str(k)] = {"tokens": k + 1, "seconds": round(seconds, 3), "expert_gb": round(experts / GB, 3),
                               "spine_gb": round(spine / GB, 3),
@@ -298,6 +311,20 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
     return result
 
 
+async def _turn(engine: Any, ids: list[int], n: int) -> tuple[list[int], float, int]:
+    """One request through the serving engine: its tokens, time to first token, prompt tokens resumed."""
+    from deltafin.coordinator.generation import Finished
+
+    t0, ttft, out, cached = time.perf_counter(), 0.0, [], 0
+    async for e in engine.run(ids, None, max_tokens=n, ignore_eos=True):
+        if isinstance(e, Finished):
+            cached = e.usage.cached_tokens
+        else:
+            ttft = ttft or time.perf_counter() - t0
+            out.append(e.token_id)
+    return out, ttft, cached
+
+
 def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "auto", dtype: str = "fp32",
                       options: Any = None, reply: int = 4) -> dict[str, Any]:
     """A chat's second turn: a `prompt`-token first request generates `reply` tokens; the second request is
@@ -308,7 +335,6 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
 
     from deltafin.coordinator.backend import LocalBackend
     from deltafin.coordinator.engine import Engine
-    from deltafin.coordinator.generation import Finished
     from deltafin.pipeline import LocalPipeline
     from deltafin.tokenizer import K3Tokenizer
 
@@ -318,24 +344,14 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
     first = torch.randint(0, cfg.vocab_size - 256, (prompt,), generator=rng).tolist()
     extra = torch.randint(0, cfg.vocab_size - 256, (new,), generator=rng).tolist()
 
-    async def turn(engine: Engine, ids: list[int], n: int) -> tuple[list[int], float, int]:
-        t0, ttft, out, cached = time.perf_counter(), 0.0, [], 0
-        async for e in engine.run(ids, None, max_tokens=n, ignore_eos=True):
-            if isinstance(e, Finished):
-                cached = e.usage.cached_tokens
-            else:
-                ttft = ttft or time.perf_counter() - t0
-                out.append(e.token_id)
-        return out, ttft, cached
-
     async def run() -> dict[str, Any]:
         engine = Engine(LocalBackend(pipe), tok, cfg, "bench", prefix_cache=True)
         try:
-            reply_ids, ttft1, _ = await turn(engine, first, reply)
+            reply_ids, ttft1, _ = await _turn(engine, first, reply)
             second = first + reply_ids + extra
-            with_cache = await turn(engine, second, 1)
+            with_cache = await _turn(engine, second, 1)
             engine.prefixes = None  # the same stages, no reuse
-            without = await turn(engine, second, 1)
+            without = await _turn(engine, second, 1)
         finally:
             await engine.close()
         return {"first_turn_ttft_s": round(ttft1, 3), "second_turn_tokens": len(second),

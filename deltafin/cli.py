@@ -136,37 +136,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         select_kernels(args.kernels)
         result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
     elif args.model:
-        from deltafin.devices import resolve_device, resolve_dtype
-        from deltafin.options import stage_options
-
-        lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
-        if lengths:  # the stage is sized for the longest prompt
-            args.context = max(args.context, *lengths)
-        options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
-        if args.verify:
-            result = bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), device=args.device,
-                                        dtype=args.dtype, options=options, prompt=args.prompt)
-            print(json.dumps(result, indent=2))
-            return 0
-        if args.second_turn:
-            prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
-                else (0, 0)
-            if not prompt:
-                raise DeltafinError(f"--second-turn takes PROMPT,NEW token counts, got {args.second_turn!r}")
-            result = bench.bench_second_turn(args.model, prompt, new, device=args.device, dtype=args.dtype,
-                                             options=options)
-            print(json.dumps(result, indent=2))
-            return 0
-        if lengths:
-            result = bench.bench_prefill(args.model, lengths, device=args.device, dtype=args.dtype, options=options)
-            print(json.dumps(result, indent=2))
-            return 0
-        result = bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, device=args.device,
-                                    dtype=args.dtype, options=options, measure_disk=not args.no_disk)
+        result = _bench_model(args)
     else:
         raise DeltafinError("deltafin bench needs --model DIR, --disk PATH or --kernel")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _bench_model(args: argparse.Namespace) -> dict:
+    """`deltafin bench --model`: decode, or with --verify / --second-turn / --prefill, that benchmark."""
+    from deltafin import bench
+    from deltafin.devices import resolve_device, resolve_dtype
+    from deltafin.options import stage_options
+
+    lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
+    if lengths:  # the stage is sized for the longest prompt
+        args.context = max(args.context, *lengths)
+    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+    common = {"device": args.device, "dtype": args.dtype, "options": options}
+    if args.verify:
+        return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)
+    if args.second_turn:
+        prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
+            else (0, 0)
+        if not prompt:
+            raise DeltafinError(f"--second-turn takes PROMPT,NEW token counts, got {args.second_turn!r}")
+        return bench.bench_second_turn(args.model, prompt, new, **common)
+    if lengths:
+        return bench.bench_prefill(args.model, lengths, **common)
+    return bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, measure_disk=not args.no_disk,
+                              **common)
 
 
 def _positive_ints(text: str, flag: str) -> list[int]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
 import sys
 import time
 import uuid
+from typing import Any
 
 from deltafin import __version__
 from deltafin.checkpoint import fingerprint, scan_checkpoint
@@ -79,10 +81,8 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from deltafin.discovery import Announcer
-    from deltafin.worker.service import WorkerService, create_server
-
+def _security(args: argparse.Namespace) -> tuple[bytes | None, ServerTls | None]:
+    """The cluster key and TLS files, checked; a warning when a key-less worker listens beyond loopback."""
     key = load_key(args.cluster_key, args.cluster_key_file)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise DeltafinError("--tls-cert and --tls-key go together")
@@ -93,24 +93,37 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("listening on %s WITHOUT a cluster key: anyone who can reach this port can load layers and "
                     "run forwards on this machine. Set --cluster-key (and --tls-cert) on a shared network.",
                     args.host)
+    return key, tls
+
+
+def _describe(args: argparse.Namespace, ckpt: Any, device: Any, options: Any) -> WorkerDescription:
+    """What this worker announces: its layers on disk, memory budget, measured disk speed, a fresh id."""
+    disk = args.disk_gbps if args.disk_gbps is not None else measure_disk(ckpt, args.threads, args.io)
+    return WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
+                             memory_bytes=options.memory_bytes, disk_gbps=disk,
+                             model_fingerprint=fingerprint(args.model),
+                             layers=layer_ranges(ckpt.layers_available()), has_top=ckpt.top_available,
+                             version=__version__, host_memory_bytes=options.host_memory_bytes or 0,
+                             worker_id=uuid.uuid4().hex[:12])
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from deltafin.discovery import Announcer
+    from deltafin.worker.service import WorkerService, create_server
+
+    key, tls = _security(args)
     cfg = load_config(args.model)
     ckpt = scan_checkpoint(args.model, cfg)
-    layers = ckpt.layers_available()
-    if not layers:
+    if not ckpt.layers_available():
         raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
     device = resolve_device(args.device)
     options = stage_options(args, device, resolve_dtype(args.dtype))  # the memory budget, found or given
-    disk = args.disk_gbps if args.disk_gbps is not None else measure_disk(ckpt, args.threads, args.io)
-    desc = WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
-                             memory_bytes=options.memory_bytes, disk_gbps=disk,
-                             model_fingerprint=fingerprint(args.model),
-                             layers=layer_ranges(layers), has_top=ckpt.top_available, version=__version__,
-                             host_memory_bytes=options.host_memory_bytes or 0, worker_id=uuid.uuid4().hex[:12])
+    desc = _describe(args, ckpt, device, options)
     service = WorkerService(ckpt, desc, device, options)
     server, port = await create_server(service, args.host, args.port, int(args.max_message_mb * (1 << 20)), key,
                                        tls)
     sweeper = asyncio.ensure_future(service.expire_sessions(args.session_ttl))
-    desc = desc.__class__(**{**desc.__dict__, "address": f"{args.host}:{port}"})
+    desc = dataclasses.replace(desc, address=f"{args.host}:{port}")
     service.description = desc
     # zeroconf's blocking API runs its own loop: keep it off ours
     announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
@@ -120,7 +133,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
-          f"memory {desc.memory_bytes / 1e9:.1f} GB, disk {disk:.2f} GB/s, id {desc.worker_id})", flush=True)
+          f"memory {desc.memory_bytes / 1e9:.1f} GB, disk {desc.disk_gbps:.2f} GB/s, id {desc.worker_id})",
+          flush=True)
     await stop.wait()
     sweeper.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
