@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from deltafin import paths
 from deltafin.errors import DeltafinError
@@ -108,16 +109,32 @@ class LocalWorker:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-async def run_demo(args: argparse.Namespace) -> int:
+async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
+    """One chat reply, streamed to stdout, and its stats line on stderr."""
     from deltafin.chat import ChatOptions, OutputParser, encode
+
+    from .generation import Finished
+    from .report import format_summary, run_summary
+
+    ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions(thinking=False))
+    print(f"user: {prompt}\nassistant: ", end="", flush=True)
+    finished = None
+    async for event in engine.run(ids, OutputParser(engine.tokenizer, thinking=False), max_tokens=max_tokens):
+        print(event.delta.content + event.delta.reasoning, end="", flush=True)
+        if isinstance(event, Finished):
+            finished = event
+    print()
+    assert finished is not None
+    print(format_summary(run_summary(finished, await engine.worker_stats())), file=sys.stderr)
+
+
+async def run_demo(args: argparse.Namespace) -> int:
     from deltafin.config import load_config
     from deltafin.tokenizer import K3Tokenizer
 
     from .cluster import ClusterSpec
     from .engine import Engine
-    from .generation import Finished
     from .recovery import connect_cluster
-    from .report import format_summary, run_summary
 
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
@@ -135,18 +152,7 @@ async def run_demo(args: argparse.Namespace) -> int:
         tokenizer = K3Tokenizer.load(model)
         engine = Engine(backend, tokenizer, cfg, model.name, prefix_cache=True)
         try:
-            options = ChatOptions(thinking=False)
-            ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], options)
-            print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
-            finished = None
-            async for event in engine.run(ids, OutputParser(tokenizer, thinking=False), max_tokens=args.max_tokens):
-                text = event.delta.content + event.delta.reasoning
-                print(text, end="", flush=True)
-                if isinstance(event, Finished):
-                    finished = event
-            print()
-            assert finished is not None
-            print(format_summary(run_summary(finished, await engine.worker_stats())), file=sys.stderr)
+            await _reply(engine, args.prompt, args.max_tokens)
         finally:
             await engine.close()
     finally:

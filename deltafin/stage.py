@@ -191,19 +191,7 @@ class Stage:
                                 last=self.last, progress=progress, threads=opts.read_threads)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
-        if experts is None:
-            moe = [i for i in self.layers_range if cfg.is_moe(i)]
-            if self.sizing.streaming:
-                experts = ExpertStore(ckpt, moe, device=device, cache_bytes=self.sizing.expert_cache, io=opts.io,
-                                      threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch,
-                                      backend=self.expert_backend, act=activation(cfg))
-            elif self.expert_backend == "mlx":
-                from deltafin.weights.mlx_slots import MLXResidentExperts
-
-                experts = MLXResidentExperts(ckpt, moe, activation(cfg), io=opts.io)
-            else:
-                experts = ResidentExperts(ckpt, moe, device, io=opts.io)
-        self.experts = experts
+        self.experts = experts if experts is not None else self._load_experts()
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(plan.resident), len(plan.streamed),
                  "streamed" if self.sizing.streaming else "resident")
@@ -212,6 +200,20 @@ class Stage:
         self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
         self.prefixes = PrefixStore(self.sizing.prefixes)
         self.timings = StageTimings()
+
+    def _load_experts(self) -> ExpertProvider:
+        """The routed experts as the plan says: streamed through a cache, or resident (on MLX, or torch)."""
+        cfg, opts = self.cfg, self.options
+        moe = [i for i in self.layers_range if cfg.is_moe(i)]
+        if self.sizing.streaming:
+            return ExpertStore(self.ckpt, moe, device=self.device, cache_bytes=self.sizing.expert_cache, io=opts.io,
+                               threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch,
+                               backend=self.expert_backend, act=activation(cfg))
+        if self.expert_backend == "mlx":
+            from deltafin.weights.mlx_slots import MLXResidentExperts
+
+            return MLXResidentExperts(self.ckpt, moe, activation(cfg), io=opts.io)
+        return ResidentExperts(self.ckpt, moe, self.device, io=opts.io)
 
     @property
     def layers_range(self) -> range:
@@ -390,14 +392,7 @@ class Stage:
         """Run the stage on a batch of sequences. The last stage returns logits for the last token of
         each sequence (or every token with `all_logits`); the others return the residual state.
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes."""
-        if not batch or len({b.session_id for b in batch}) != len(batch):
-            raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
-        for item in batch:
-            self._validate(item)
-        limit, tokens = self.max_forward_tokens, sum(b.num_tokens for b in batch)
-        if limit is not None and tokens > limit:
-            raise InvalidInput(f"this forward carries {tokens} tokens; stage [{self.start}, {self.end}) was sized for "
-                               f"at most {limit} per forward: send longer prompts in chunks")
+        self._validate_batch(batch)
         t0 = time.monotonic()
         pinned = {b.session_id for b in batch}
         caches = [self._session(item, pinned) for item in batch]
@@ -407,14 +402,7 @@ class Stage:
                 c.start_trail()
         try:
             state, spans = self._input(batch, caches)
-            for layer in self.layers_range:
-                if should_stop is not None and should_stop():
-                    raise Cancelled("the forward was cancelled")
-                weights = self.spine.layer(layer)
-                self.spine.prefetch_after(layer)
-                self._prefetch_experts(layer, state)
-                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
-                                      fused=getattr(self.experts, "fused", None))
+            state = self._layers(state, spans, should_stop)
             outputs = self._output(batch, spans, state, all_logits)
         except BaseException:
             for c in caches:
@@ -430,6 +418,29 @@ class Stage:
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
         return outputs
+
+    def _validate_batch(self, batch: list[SeqInput]) -> None:
+        if not batch or len({b.session_id for b in batch}) != len(batch):
+            raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
+        for item in batch:
+            self._validate(item)
+        limit, tokens = self.max_forward_tokens, sum(b.num_tokens for b in batch)
+        if limit is not None and tokens > limit:
+            raise InvalidInput(f"this forward carries {tokens} tokens; stage [{self.start}, {self.end}) was sized for "
+                               f"at most {limit} per forward: send longer prompts in chunks")
+
+    def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None
+                ) -> ResidualState:
+        """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead."""
+        for layer in self.layers_range:
+            if should_stop is not None and should_stop():
+                raise Cancelled("the forward was cancelled")
+            weights = self.spine.layer(layer)
+            self.spine.prefetch_after(layer)
+            self._prefetch_experts(layer, state)
+            state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
+                                  fused=getattr(self.experts, "fused", None))
+        return state
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied

@@ -135,8 +135,33 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
     assert _as_api_error(errors.SamplingError("top_p", "top_p must be in (0, 1]")).param == "top_p"
 
 
-def test_no_function_runs_over_60_lines() -> None:
-    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path in MODULES.values() for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60]
-    assert not long, "\n".join(long)
+# the functions over 40 lines, and why each reads best whole
+LONG_FUNCTIONS = {
+    ("deltafin.chat", "render"): "the chat template's parts in the template's order, to read beside Kimi-K3.jinja",
+    ("deltafin.config", "parse_config"): "one ModelConfig field per line, as config.json names it",
+    ("deltafin.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",
+    ("deltafin.inspection", "inspect_model"): "the fields of `deltafin inspect`, each computed where it is named",
+    ("deltafin.inspection", "format_report"): "the report's lines in the order they are printed",
+    ("deltafin.weights.store", "__init__"): "the slot pools, cache and reader, wired in the order they depend on",
+    ("deltafin.coordinator.chat_cli", "run_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
+    ("deltafin.coordinator.cluster", "probe_workers"): "concurrent probes and every reason to leave a worker out",
+    ("deltafin.coordinator.cluster", "assign_plan"): "plan, parallel loads with progress, all clients closed on "
+                                                     "failure: one transaction",
+    ("deltafin.coordinator.main", "build_parser"): "the command line's table of commands and options",
+}
+
+
+def test_functions_are_short_and_the_long_ones_say_why() -> None:
+    over_60, unexplained = [], []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
+            if lines > 60:
+                over_60.append(where)
+            elif lines > 40 and (name, node.name) not in LONG_FUNCTIONS:
+                unexplained.append(where)
+    assert not over_60, "over 60 lines:\n" + "\n".join(over_60)
+    assert not unexplained, "over 40 lines with no reason in LONG_FUNCTIONS:\n" + "\n".join(unexplained)

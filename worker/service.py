@@ -79,14 +79,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
         try:
-            if request.model_fingerprint != self.description.model_fingerprint:
-                raise FingerprintMismatch(
-                    f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
-                    f"{request.model_fingerprint}: both must use the same model files")
-            options = codec.decode_stage_options(request.options, self.defaults)
-            if not self.description.has_layers(request.start, request.end):
-                raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
-                                  f"(it has {self.description.layers})")
+            options = self._check_assignment(request)
         except Exception as e:
             await self._fail(context, e)
             return
@@ -122,6 +115,18 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.state = "ready"
             yield pb.AssignProgress(message=f"layers {request.start}-{request.end - 1} ready", fraction=1.0,
                                     ready=True)
+
+    def _check_assignment(self, request: pb.Assignment) -> StageOptions:
+        """The options of an assignment this worker can take (same checkpoint, layers on its disk)."""
+        if request.model_fingerprint != self.description.model_fingerprint:
+            raise FingerprintMismatch(
+                f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
+                f"{request.model_fingerprint}: both must use the same model files")
+        options = codec.decode_stage_options(request.options, self.defaults)
+        if not self.description.has_layers(request.start, request.end):
+            raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
+                              f"(it has {self.description.layers})")
+        return options
 
     async def _close_when_loaded(self, task: asyncio.Future[Stage]) -> None:
         try:
