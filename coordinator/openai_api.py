@@ -12,6 +12,7 @@ thinking off); a request that names neither thinks at `SERVING_EFFORT` (low).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from deltafin.tokenizer import K3Tokenizer
 
 from .generation import Usage
 
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -170,6 +172,8 @@ def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer) -> Completi
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
     params = _params(body, served, logprobs)
+    if params.max_tokens is None:  # OpenAI's default for text completions; chat's is the server's (engine.py)
+        params = dataclasses.replace(params, max_tokens=COMPLETION_MAX_TOKENS)
     _check_bias(params, tokenizer.vocab_size)
     if body.get("suffix"):
         raise bad("suffix", "'suffix' (fill-in-the-middle) is not supported by Kimi K3")

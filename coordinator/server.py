@@ -181,13 +181,13 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
         return None
 
 
-async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params, max_tokens: int | None,
+async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params,
                prompt_param: str) -> tuple[Events | None, _Sse]:
     """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
     before that (heartbeats), and then an error ends it as an event: None instead of the events."""
     engine = request.app[ENGINE]
     prefill = _Prefill()
-    events = engine.run(prompt_ids, view, max_tokens=max_tokens, sampling=p.sampling, stop=p.stop,
+    events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
                         ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative)
     sse = _Sse(request)
     first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
@@ -231,7 +231,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer)
     p = req.params
-    events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, p.max_tokens or 16, "prompt")
+    events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
     return await _respond(sse, events, _TextFormat(engine, req), p.stream)
 
 
@@ -293,7 +293,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     p = req.params
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
-    events, sse = await _run(request, ids, view, p, p.max_tokens, "messages")
+    events, sse = await _run(request, ids, view, p, "messages")
     return await _respond(sse, events, _ChatFormat(engine, req), p.stream)
 
 
