@@ -76,13 +76,10 @@ class Sampler:
         self._seen = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long)
 
     def __call__(self, logits: torch.Tensor) -> Choice:
-        p = self.params
-        raw = logits.detach().float().cpu()
-        scores = self._penalized(raw)
-        if p.greedy:
+        raw, scores = self._scores(logits)
+        if self.params.greedy:
             token = int(scores.argmax())
         else:
-            scores = self._filtered(scores / p.temperature)
             token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator))
         return self._chosen(raw, token)
 
@@ -91,13 +88,11 @@ class Sampler:
         argmax. Sampling (speculative sampling with a draft that is certain, q = 1 at the draft): accept it
         with probability p(draft), else sample from p with the draft removed; either way the token is
         distributed as p, exactly as `__call__` would draw it."""
-        p = self.params
-        raw = logits.detach().float().cpu()
-        scores = self._penalized(raw)
-        if p.greedy:
+        raw, scores = self._scores(logits)
+        if self.params.greedy:
             token = int(scores.argmax())
         else:
-            probs = torch.softmax(self._filtered(scores / p.temperature), -1)
+            probs = torch.softmax(scores, -1)
             u = float(torch.rand((), generator=self.generator))
             if u < float(probs[draft]):
                 token = draft
@@ -106,6 +101,15 @@ class Sampler:
                 rest[draft] = 0.0
                 token = int(torch.multinomial(rest, 1, generator=self.generator))
         return self._chosen(raw, token), token == draft
+
+    def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits as fp32 on the CPU, and the scores a token is chosen from: penalized, and when sampling
+        also tempered and filtered (top-k, top-p, min-p)."""
+        raw = logits.detach().float().cpu()
+        scores = self._penalized(raw)
+        if not self.params.greedy:
+            scores = self._filtered(scores / self.params.temperature)
+        return raw, scores
 
     def _chosen(self, raw: torch.Tensor, token: int) -> Choice:
         p = self.params

@@ -3,7 +3,6 @@ straight from the shards, and the fused layer call that runs the experts on MLX.
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Iterator
 
 import torch
@@ -15,28 +14,17 @@ from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
 from deltafin.models.weights import ExpertWeights
 from deltafin.quant import E8M0_NAN, MXFP4Weight
-from deltafin.weights.reader import ReadPlan, ShardFiles, plan_read
+from deltafin.weights.reader import FreeSlots, ReadPlan, ShardFiles, plan_read
 
 
-class MLXSlotPool:
+class MLXSlotPool(FreeSlots):
     """`count` MLX expert slots with a blocking `acquire`, as the host SlotPool has; `fill` reads an expert's six
     tensors into the slot's six places (buffered reads on Linux, F_NOCACHE on macOS: no alignment needed)."""
 
     def __init__(self, cfg: ModelConfig, count: int):
+        super().__init__(count, "MLX expert slot")
         self.slots = MLXSlots(cfg, count)
-        self.count, self.size = count, self.slots.size
-        self.free: queue.LifoQueue[int] = queue.LifoQueue()
-        for i in range(count):
-            self.free.put(i)
-
-    def acquire(self, timeout: float | None = None) -> int:
-        try:
-            return self.free.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"no free MLX expert slot after {timeout}s: all {self.count} are in use") from None
-
-    def release(self, slot: int) -> None:
-        self.free.put(slot)
+        self.size = self.slots.size
 
     def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
         files.read_scatter(plan.sources, self.slots.regions(slot), abort)

@@ -93,13 +93,33 @@ def plan_tensors(tensors: tuple[TensorLocation, ...]) -> ReadPlan:
     return ReadPlan(tuple(extents), tuple(placed[t.name] for t in tensors), tuple(tensors))
 
 
-class SlotPool:
+class FreeSlots:
+    """Slot numbers 0..count-1 handed out and taken back; `acquire` blocks while none is free. The slot
+    released last is handed out first (its memory is the warmest)."""
+
+    def __init__(self, count: int, what: str):
+        self.count, self._what = count, what
+        self.free: queue.LifoQueue[int] = queue.LifoQueue()
+        for i in range(count):
+            self.free.put(i)
+
+    def acquire(self, timeout: float | None = None) -> int:
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no free {self._what} after {timeout}s: all {self.count} are in use") from None
+
+    def release(self, slot: int) -> None:
+        self.free.put(slot)
+
+
+class SlotPool(FreeSlots):
     """`count` page-aligned buffers of `size` bytes from one anonymous mapping; `acquire` blocks. `pinned`:
     page-locked memory instead (CUDA staging: the GPU copies from it asynchronously, at the bus's speed)."""
 
     def __init__(self, count: int, size: int, pinned: bool = False):
+        super().__init__(count, "expert buffer")
         self.size = align_up(size)
-        self.count = count
         if pinned:
             import torch
 
@@ -109,19 +129,6 @@ class SlotPool:
         else:
             self.buf = aligned_buffer(self.size * count, prefault=True)
             self.view = memoryview(self.buf)
-        self.free: queue.LifoQueue[int] = queue.LifoQueue()
-        for i in range(count):
-            self.free.put(i)
-
-    def acquire(self, timeout: float | None = None) -> int:
-        try:
-            return self.free.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"no free expert buffer after {timeout}s: every one of {self.count} is in use") \
-                from None
-
-    def release(self, slot: int) -> None:
-        self.free.put(slot)
 
     def memory(self, slot: int) -> memoryview:
         return self.view[slot * self.size:(slot + 1) * self.size]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from deltafin.weights.reader import (
     DEMAND,
     PREFETCH,
     ExpertReader,
+    FreeSlots,
     ReadAborted,
     ReadPlan,
     ShardFiles,
@@ -89,25 +89,14 @@ class Loaded:
     claimed: bool = False  # taken by the compute thread: whoever else sees it must leave it alone
 
 
-class DeviceSlots:
+class DeviceSlots(FreeSlots):
     """`count` expert slots in one device tensor (a GPU's expert cache): exact accounting, no allocator
     rounding per expert, and a blocking `acquire` like the host pool's."""
 
     def __init__(self, count: int, size: int, device: torch.device):
-        self.size, self.count = size, count
+        super().__init__(count, "device expert slot")
+        self.size = size
         self.tensor = torch.empty((count, size), dtype=torch.uint8, device=device)
-        self.free: queue.LifoQueue[int] = queue.LifoQueue()
-        for i in range(count):
-            self.free.put(i)
-
-    def acquire(self, timeout: float | None = None) -> int:
-        try:
-            return self.free.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"no free device expert slot after {timeout}s: all {self.count} are in use") from None
-
-    def release(self, slot: int) -> None:
-        self.free.put(slot)
 
     @property
     def nbytes(self) -> int:
