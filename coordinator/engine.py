@@ -16,6 +16,7 @@ from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError, PromptTooLong
 from deltafin.prefixes import PrefixBudget
 from deltafin.sampling import SamplingParams
+from deltafin.sizing import SPECULATIVE_TOKENS
 from deltafin.speculative import MODES, DraftLength, NgramDrafter, default_cost
 from deltafin.tokenizer import K3Tokenizer
 
@@ -176,7 +177,8 @@ class Engine:
         if mode == "none":
             return None
         limit = self.backend.max_forward_tokens
-        max_k = self.max_drafts if limit is None else min(self.max_drafts, limit - 1)  # a pass fits one forward
+        # a pass fits one forward, and the stages' plan (sizing.SPECULATIVE_TOKENS)
+        max_k = min(self.max_drafts, SPECULATIVE_TOKENS - 1, *(() if limit is None else (limit - 1,)))
         if max_k < 1:
             return None
         cost = default_cost(self.cfg.num_experts, self.cfg.experts_per_token)

@@ -209,6 +209,18 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
     return (3 * (cfg.conv_kernel - 1) * cfg.kda_dim + cfg.kda_heads * cfg.kda_head_dim ** 2) * 4
 
 
+SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
+
+
+def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:
+    """What one KDA layer keeps after a speculative forward of `tokens` tokens, until the next forward picks
+    the position to continue from: each token's k, v, decay, beta and conv inputs, and the window before.
+    Not in the plan's session bytes: with speculative decoding a sequence holds up to this much more per KDA
+    layer (0.21 GB per sequence at K3's width: README, Speculative decoding)."""
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    return (tokens * (3 * h * d + h + 3 * cfg.kda_dim) + 3 * (cfg.conv_kernel - 1) * cfg.kda_dim) * 4
+
+
 def mla_row_bytes(cfg: ModelConfig, act_bytes: int) -> int:
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
 

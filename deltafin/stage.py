@@ -42,6 +42,7 @@ from deltafin.models.weights import ExpertWeights
 from deltafin.prefixes import PrefixStore
 from deltafin.quant import Int8Weight, quantize_int8_rows
 from deltafin.sizing import (
+    SPECULATIVE_TOKENS,
     SPINES,
     Budget,
     Placement,
@@ -366,6 +367,9 @@ class Stage:
     def _validate(self, item: SeqInput) -> None:
         if item.cache_len < 0:
             raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
+        if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
+            raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
+                               f"{SPECULATIVE_TOKENS} tokens (the memory plan holds that many)")
         if item.speculative and item.save_as:
             raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
                                "drafts are not decided yet)")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltafin.errors import SessionOutOfSync
+from deltafin.errors import InvalidInput, SessionOutOfSync
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput
 
@@ -334,9 +334,11 @@ def test_generate_json_reports_the_drafting_counts(tiny_dir: Path) -> None:
     assert fast["draft_tokens"] > 0 and fast["forwards"] == len(fast["ids"]) - 1 - fast["accepted_tokens"]
 
 
-def test_a_session_that_may_rewind_holds_one_state_per_layer(pipe) -> None:
-    """Between a speculative forward and the next, a KDA layer holds the state before the forward (and a few
-    vectors per token to recompute the others), never two states: the plan's per-sequence bytes still hold."""
+def test_a_session_that_may_rewind_holds_its_trail_not_a_state_per_token(pipe) -> None:
+    """Between a speculative forward and the next, a KDA layer holds the state from before the forward and
+    each token's k, v, decay, beta and conv inputs (sizing.kda_trail_bytes), never a state per token."""
+    from deltafin.sizing import kda_trail_bytes
+
     stage = pipe.stages[0]
     pipe.forward([SeqInput("m", 0, ids=torch.tensor(PROMPT))])
     plain = stage.sessions["m"].nbytes
@@ -344,9 +346,12 @@ def test_a_session_that_may_rewind_holds_one_state_per_layer(pipe) -> None:
     pipe.forward([SeqInput("m", len(PROMPT), ids=torch.tensor([1, 2, 3]), speculative=True)])
     cache = stage.sessions["m"]
     assert kda and cache.pending and cache.nbytes == plain
+    assert cache.trail_bytes == len(kda) * kda_trail_bytes(stage.cfg, 3) <= len(kda) * kda_trail_bytes(stage.cfg)
     assert all(cache.layers[i].state is s for i, s in kda.items())  # the state from before, not a copy
     pipe.forward([SeqInput("m", len(PROMPT) + 3, ids=torch.tensor([4]))])  # all three taken: continue
-    assert not cache.pending and cache.nbytes == plain
+    assert not cache.pending and cache.nbytes == plain and cache.trail_bytes == 0
+    with pytest.raises(InvalidInput, match="at most 9 tokens"):
+        pipe.forward([SeqInput("m", len(PROMPT) + 4, ids=torch.arange(10), speculative=True)])
     pipe.release("m")
 
 

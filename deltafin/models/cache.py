@@ -29,6 +29,10 @@ class KDATrail:
     g: torch.Tensor  # [T, H, dk]
     beta: torch.Tensor  # [T, H]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.k, self.v, self.g, self.beta))
+
 
 @dataclass
 class KDACache:
@@ -83,7 +87,13 @@ class SequenceCache:
 
     @property
     def nbytes(self) -> int:
+        """Its caches (what the session budget holds; not the trails of a speculative forward)."""
         return sum(c.nbytes for c in self.layers.values())
+
+    @property
+    def trail_bytes(self) -> int:
+        """While a speculative forward's position is undecided: what its KDA layers keep to rewind with."""
+        return 0 if self.marks is None else sum(t.nbytes for t in self.marks[1].values())
 
     def growth(self, new_tokens: int) -> int:
         """Bytes the caches grow by when `new_tokens` more tokens arrive."""
