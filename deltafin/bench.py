@@ -225,7 +225,7 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
                   options: Any = None) -> dict[str, Any]:
     """Prefill prompts of each length in chunks of the stage's forward limit (options.max_forward_tokens, as
     the engine sends them): seconds and tok/s per length, and the process's peak memory. The ids are
-    i % 700 + 5, the same prompt tests/peer/prefill_llamacpp.py gives llama.cpp."""
+    i % 700 + 5, the same prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     from deltafin.pipeline import LocalPipeline
     from deltafin.stage import SeqInput, StageOptions
 

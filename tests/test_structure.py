@@ -165,3 +165,37 @@ def test_functions_are_short_and_the_long_ones_say_why() -> None:
                 unexplained.append(where)
     assert not over_60, "over 60 lines:\n" + "\n".join(over_60)
     assert not unexplained, "over 40 lines with no reason in LONG_FUNCTIONS:\n" + "\n".join(unexplained)
+
+
+# tests/ beside the mirrored packages: what is not one module's test, each folder with its one purpose
+TEST_FOLDERS = {
+    "reference": "against independent implementations (transformers, llama.cpp)",
+    "system": "real processes end to end: worker loss, soak, the full-width checkpoint under a memory cap",
+    "platform": "the darwin branches (platform monkeypatched) and the CUDA path (on a GPU)",
+    "support": "helpers the tests share: worker and server processes, hypothesis strategies, registry files",
+    "data": "fixture files",
+}
+MIRRORS = {"deltafin": ROOT / "deltafin", "coordinator": ROOT / "coordinator", "worker": ROOT / "worker"}
+
+
+def test_tests_mirror_the_package() -> None:
+    """tests/<package path>/test_<module>[_<aspect>].py for a module that exists there, so a module's tests are
+    found where the module is; anything else lives in one of TEST_FOLDERS."""
+    tests, bad = ROOT / "tests", []
+    for folder in sorted(p for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        if folder.name not in MIRRORS and folder.name not in TEST_FOLDERS:
+            bad.append(f"tests/{folder.name}/ is neither a package mirror nor one of TEST_FOLDERS")
+    for path in sorted(tests.rglob("test_*.py")):
+        parts = path.relative_to(tests).parts
+        if len(parts) == 1:
+            if path.stem not in ("test_structure", "test_repo"):  # the repository itself
+                bad.append(f"tests/{parts[0]}: a test at the top level that tests no module")
+            continue
+        if parts[0] not in MIRRORS:
+            continue
+        package = MIRRORS[parts[0]].joinpath(*parts[1:-1])
+        modules = {p.stem for p in package.glob("*.py")} if package.is_dir() else set()
+        words = path.stem.removeprefix("test_").split("_")
+        if not any("_".join(words[:n]) in modules for n in range(len(words), 0, -1)):
+            bad.append(f"{path.relative_to(ROOT)} names no module of {package.relative_to(ROOT)}/")
+    assert not bad, "\n".join(bad)

@@ -1,6 +1,7 @@
 """Regenerate the gRPC code from proto/deltafin.proto: `python -m deltafin.transport.generate`.
 
-The output is committed (deltafin/transport/generated/); tests/test_transport.py fails when it is stale.
+The output is committed (deltafin/transport/generated/); tests/deltafin/transport/test_generate.py fails
+when it is stale.
 Needs grpcio-tools (the `dev` extra).
 """
 

@@ -1,0 +1,21 @@
+"""`deltafin demo`: writes its synthetic checkpoint once into the cache, runs a one-worker cluster, reuses the
+checkpoint on the next run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_runs_and_reuses_its_checkpoint(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "deltafin", "demo", "--preset", "tiny", "--cache-dir", str(tmp_path),
+           "--max-tokens", "6"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "RANDOM WEIGHTS" in first.stderr and "writing a synthetic K3 checkpoint" in first.stderr
+    assert "deltafin-worker on 127.0.0.1:" in first.stderr and "[6 tokens" in first.stderr
+    assert first.stdout.startswith("user: ")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "using the cached checkpoint" in again.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["synthetic-k3-tiny-seed0"]

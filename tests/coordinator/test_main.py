@@ -1,0 +1,77 @@
+"""`deltafin-coordinator`'s command line: options before or after the command, errors as one line, and the
+API server over a worker gives what `generate` gives."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from deltafin.tokenizer import K3Tokenizer
+from tests.support.cluster import COORDINATOR, workers
+
+PROMPT = "Pipeline parallelism buys memory and disk bandwidth"
+
+
+
+
+def test_api_greedy_equals_generate_command(small_dir: Path) -> None:
+    tok = K3Tokenizer.load(small_dir)
+    with workers(small_dir, 1) as (w,):
+        cluster = ["--model", str(small_dir), "--worker", w.address, "--no-discover", "-q"]
+        done = subprocess.run([*COORDINATOR, *cluster, "generate", PROMPT, "--max-tokens", "12", "--json"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        expected = json.loads(done.stdout)
+        server = subprocess.Popen([*COORDINATOR, *cluster, "serve", "--port", "0", "--served-model-name", "k3"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = server.stdout.readline()  # type: ignore[union-attr]
+            m = re.search(r"serving (http://[\d.]+:\d+)", line)
+            assert m, line + server.stderr.read()  # type: ignore[union-attr]
+            client = openai.OpenAI(base_url=m.group(1) + "/v1", api_key="unused", max_retries=0, timeout=300)
+            r = client.completions.create(model="k3", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+            assert r.choices[0].text == expected["text"]
+            assert r.choices[0].finish_reason == expected["finish_reason"]
+            assert r.usage.completion_tokens == len(expected["ids"])
+            assert r.usage.prompt_tokens == len(expected["prompt_ids"])
+            stop = {tok.specials["<|end_of_msg|>"], tok.specials["[EOS]"]}
+            assert r.choices[0].logprobs.tokens == [tok.token_bytes(i).decode("utf-8", errors="replace")
+                                                    for i in expected["ids"] if i not in stop]
+            chat = client.chat.completions.create(model="k3", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=4, temperature=0)
+            assert chat.usage.completion_tokens == 4
+            # the next request extends the first one's prompt: it resumes from the state kept at its end
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+            more = client.completions.create(model="k3", prompt=PROMPT + " across four machines", max_tokens=2,
+                                             temperature=0)
+            cached = more.usage.prompt_tokens_details.cached_tokens
+            assert len(expected["prompt_ids"]) - 1 <= cached < more.usage.prompt_tokens, (cached, more.usage)
+            metrics = urllib.request.urlopen(m.group(1) + "/metrics", timeout=30).read().decode()
+            assert re.search(r"^deltafin_prefix_hits_total 1(\.0)?$", metrics, re.M), metrics
+            assert re.search(rf"^deltafin_prefix_tokens_saved_total {cached}(\.0)?$", metrics, re.M)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(30) == 0
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*COORDINATOR, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cluster_options_go_before_or_after_the_command(tiny_dir: Path) -> None:
+    before = _run("--model", str(tiny_dir), "--local", "-q", "generate", "hi", "--max-tokens", "3", "--json")
+    after = _run("generate", "hi", "--max-tokens", "3", "--json", "--model", str(tiny_dir), "--local", "-q")
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    assert json.loads(before.stdout)["ids"] == json.loads(after.stdout)["ids"]
+    # given on both sides, the one after the command wins
+    mixed = _run("--model", "/nonexistent", "generate", "hi", "--max-tokens", "1", "--model", str(tiny_dir),
+                 "--local", "-q")
+    assert mixed.returncode == 0, mixed.stderr
+    missing = _run("generate", "hi", "--local")
+    assert missing.returncode == 2 and "--model" in missing.stderr and "Traceback" not in missing.stderr

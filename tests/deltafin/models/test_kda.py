@@ -1,0 +1,70 @@
+"""Kimi Delta Attention: the chunked form equals the recurrence, and its pieces equal their plain forms."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltafin.models import kda
+from deltafin.models.common import l2_normalize
+
+
+def _delta_inputs(t: int, h: int = 3, d: int = 16, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(t, h, d, generator=g, dtype=dtype), 1e-6) * d ** -0.5
+    k = l2_normalize(torch.randn(t, h, d, generator=g, dtype=dtype), 1e-6)
+    v = torch.randn(t, h, d, generator=g, dtype=dtype)
+    decay = -5 * torch.sigmoid(2 * torch.randn(t, h, d, generator=g, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(t, h, generator=g, dtype=dtype))
+    S0 = torch.randn(h, d, d, generator=g, dtype=dtype) * 0.1
+    return q, k, v, decay, beta, S0
+
+
+def test_chunked_kda_equals_recurrent():
+    for t in (1, 5, 16, 37, 70):  # shorter than, equal to and across several chunks, with padding
+        args = _delta_inputs(t)
+        o_ref, s_ref = kda.delta_rule_recurrent(*args)
+        o, s = kda.delta_rule_chunked(*args)
+        # float64: the two forms are the same algebra, so only double rounding (~1e-15) separates them
+        assert torch.allclose(o, o_ref, rtol=1e-10, atol=1e-12) and torch.allclose(s, s_ref, rtol=1e-10, atol=1e-12)
+        o32, s32 = kda.delta_rule_chunked(*(a.float() for a in args))
+        per_token = (o32.double() - o_ref).norm(dim=(1, 2)) / o_ref.norm(dim=(1, 2))
+        assert per_token.max() < 1e-5  # fp32, chunk 16
+
+
+def test_pair_products_split_at_the_middle_equal_the_pairwise_form():
+    """The two-matmul form (decay split at the chunk's middle) == every decay formed from its own difference,
+    at K3's bounded gate; with a decay steep enough to overflow a split factor (Kimi Linear's gate is
+    unbounded) the pairwise form is taken and the chunked rule still equals the recurrence."""
+    q, k, v, decay, beta, S0 = _delta_inputs(64, dtype=torch.float32)
+    chunks = [x.view(4, 16, 3, 16).transpose(1, 2) for x in (decay, q, k)]
+    G = chunks[0].cumsum(2)
+    split, pairwise = kda._pair_products(G, chunks[1], chunks[2]), kda._pair_products_pairwise(G, chunks[1], chunks[2])
+    for a, b in zip(split, pairwise, strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-6  # fp32, each product a rounding or two apart
+    steep = _delta_inputs(37, seed=1)
+    steep = (*steep[:3], steep[3] * 6, *steep[4:])  # up to 30 per token: 240 across half a chunk
+    o_ref, s_ref = kda.delta_rule_recurrent(*steep)
+    o, s = kda.delta_rule_chunked(*(a.float() for a in steep))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert float((o.double() - o_ref).norm() / o_ref.norm()) < 1e-5
+
+
+def test_unit_lower_inverse():
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(2, 16, 16, generator=g, dtype=torch.float64).tril(-1)
+    eye = torch.eye(16, dtype=torch.float64)
+    # float64 products of a 16x16 factorization against LAPACK's inverse: ~1e-13 in practice
+    assert torch.allclose(kda._unit_lower_inverse(A), torch.linalg.inv(eye + A), rtol=1e-9, atol=1e-9)
+
+
+def test_causal_conv_matches_conv1d():
+    g = torch.Generator().manual_seed(4)
+    z, w = torch.randn(9, 6, generator=g), torch.randn(6, 4, generator=g)
+    want = F.conv1d(z.T.unsqueeze(0), w.unsqueeze(1), padding=3, groups=6)[0, :, :9].T
+    y, window = kda.causal_conv(z, w, torch.zeros(3, 6))
+    assert torch.allclose(y, want, atol=1e-6) and torch.equal(window, z[-3:])  # 4-term fp32 sums, O(1) values
+    # continuing from a window equals convolving the whole sequence
+    y1, win1 = kda.causal_conv(z[:5], w, torch.zeros(3, 6))
+    y2, _ = kda.causal_conv(z[5:], w, win1)
+    assert torch.allclose(torch.cat([y1, y2]), want, atol=1e-6)

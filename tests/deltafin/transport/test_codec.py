@@ -1,0 +1,89 @@
+"""Wire format: residual states of every block count round-trip exactly; malformed tensors are refused;
+layer ranges; stage options and counters travel as typed messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafin.errors import CodecError
+from deltafin.models.attn_res import ResidualState
+from deltafin.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.transport import codec
+from deltafin.transport.codec import WorkerDescription, layer_ranges
+from deltafin.transport.generated import deltafin_pb2 as pb
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_states_round_trip_exactly(blocks, dtype):
+    g = torch.Generator().manual_seed(blocks)
+    state = ResidualState(torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, blocks, 64, generator=g).to(dtype))
+    msgs = codec.encode_inputs([SeqInput("s", 3, state=state), SeqInput("t", 0, ids=torch.tensor([1, 2, 3]))])
+    wire = pb.ForwardRequest(sequences=msgs).SerializeToString()
+    back = codec.decode_inputs(list(pb.ForwardRequest.FromString(wire).sequences))
+    assert torch.equal(back[0].state.P, state.P) and torch.equal(back[0].state.B, state.B)
+    assert back[0].state.B.dtype == dtype and back[0].cache_len == 3
+    assert torch.equal(back[1].ids, torch.tensor([1, 2, 3]))
+    # size per token on the wire: (1 + n) * D * dtype size, plus a few bytes of framing
+    per_token = ResidualState.nbytes_per_token(blocks, 64, state.P.element_size())
+    assert len(msgs[0].p.data) + len(msgs[0].b.data) == 5 * per_token
+    out = codec.decode_outputs(codec.encode_outputs([SeqOutput("s", logits=torch.randn(2, 10))]))
+    assert out[0].logits.shape == (2, 10)
+
+
+BAD = [
+    ("unknown dtype", pb.Tensor(dtype="float64", shape=[1, 64], data=b"\0" * 512), "unknown dtype"),
+    ("short data", pb.Tensor(dtype="float32", shape=[2, 64], data=b"\0" * 100), "bytes of data"),
+    ("absurd shape", pb.Tensor(dtype="float32", shape=[1 << 40, 1 << 20], data=b""), "absurd"),
+    ("negative dim", pb.Tensor(dtype="float32", shape=[-1, 64], data=b""), "invalid shape"),
+    ("rank 9", pb.Tensor(dtype="float32", shape=[1] * 9, data=b"\0" * 4), "invalid shape"),
+]
+
+
+@pytest.mark.parametrize("name, tensor, message", BAD, ids=[b[0] for b in BAD])
+def test_codec_rejects_malformed_tensors(name, tensor, message):
+    with pytest.raises(CodecError, match=message):
+        codec.decode_tensor(tensor, "t")
+
+
+def test_layer_ranges():
+    assert layer_ranges([0, 1, 2, 5, 6, 9]) == ((0, 3), (5, 7), (9, 10))
+    d = WorkerDescription("w", "", "cpu", 1, 1.0, "fp", ((0, 3), (5, 7)), True)
+    assert d.has_layers(0, 3) and d.has_layers(5, 7) and not d.has_layers(2, 6)
+
+
+def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> None:
+    import torch
+
+    from deltafin.pipeline import LocalPipeline
+
+    defaults = StageOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3)
+    sent = {"dtype": "bf16", "memory_bytes": 7 << 30, "expert_cache_bytes": None, "session_bytes": 123,
+            "prefetch": False, "max_resident_layers": None}
+    got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
+                                                                .SerializeToString()), defaults)
+    assert (got.dtype, got.memory_bytes, got.expert_cache_bytes, got.session_bytes, got.prefetch) == (
+        torch.bfloat16, 7 << 30, None, 123, False)
+    assert got.max_resident_layers is None and got.read_threads == 4  # unset: the worker's own
+    for bad in ({"warp_drive": 1}, {"read_threads": "many"}):
+        with pytest.raises(CodecError):
+            codec.encode_stage_options(bad)
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(expert_cache_bytes=200_000))
+    try:
+        from deltafin.stage import SeqInput
+
+        pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
+        stage = pipe.stages[0]
+        stats = {"state": "ready", "name": "w0", **stage.stats(), "sessions": 1, "layers": [0, 6],
+                 "plan": stage.sizing.as_dict()}
+        back = codec.decode_stats(pb.StageStats.FromString(codec.encode_stats(stats).SerializeToString()))
+        assert back["experts"]["lookups"] == stats["experts"]["lookups"] > 0
+        assert back["plan"]["total"] == stage.sizing.total and back["layers"] == [0, 6]
+        assert back["tokens"] == 3 and back["state"] == "ready"
+        with pytest.raises(CodecError, match="no field 'bogus'"):
+            codec.encode_stats({**stats, "bogus": 1})
+    finally:
+        pipe.close()

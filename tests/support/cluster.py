@@ -1,0 +1,133 @@
+"""Helpers for tests that run real worker processes on the loopback interface."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+# The entry points as commands of this interpreter (so a test runs the checkout it imports).
+WORKER = [sys.executable, "-m", "deltafin.worker.main"]
+COORDINATOR = [sys.executable, "-m", "deltafin.coordinator.main"]
+
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+class WorkerProcess:
+    """A worker on 127.0.0.1. `name=None` leaves the default (the host name); `memory_gb=None` leaves the budget
+    to the worker (the memory it finds); `prefix` runs it under a wrapper (e.g. memlimit)."""
+
+    def __init__(self, model: Path, name: str | None, *extra: str, announce: bool = False,
+                 memory_gb: float | None = 4, prefix: tuple[str, ...] = ()):
+        cmd = [*prefix, *WORKER, "--model", str(model), "--port", "0",
+               "--disk-gbps", "2.0", "--grace", "3", *extra]
+        cmd += ["--name", name] if name is not None else []
+        cmd += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []
+        cmd += ["--interface", "127.0.0.1"] if announce else ["--no-announce"]
+        self.name = name or "default"
+        self.wrapped = bool(prefix)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.address = ""
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker {self.name} exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                continue
+            m = LISTENING.search(line)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                return self.address
+        raise TimeoutError(f"worker {self.name} did not start")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Signal the worker (under a wrapper, the wrapper's children: the wrapper then exits with the
+        worker's status) and wait; returns the exit status."""
+        if self.proc.poll() is None:
+            targets = _children(self.proc.pid) if self.wrapped else []
+            for pid in targets:
+                os.kill(pid, sig)
+            if not targets:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+@contextmanager
+def workers(model: Path, n: int, *extra: str, announce: bool = False, prefix: str = "w"):
+    procs = [WorkerProcess(model, f"{prefix}{i}", *extra, announce=announce) for i in range(n)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+SERVING = re.compile(r"serving (http://[\d.]+:\d+)")
+
+
+class ServerProcess:
+    """`deltafin-coordinator ... serve --port 0` as a subprocess; `url` once it is ready."""
+
+    def __init__(self, model: Path, *args: str, serve_args: tuple[str, ...] = ()):
+        cmd = [*COORDINATOR, "--model", str(model), "--no-discover", "-q",
+               *args, "serve", "--port", "0", *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        m = SERVING.search(line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read()}")  # type: ignore[union-attr]
+        self.url = m.group(1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, str]:
+    """(status, body) of a GET, error statuses included."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

@@ -1,0 +1,180 @@
+"""The worker's servicer: malformed forwards get INVALID_ARGUMENT and the worker keeps serving; assignments
+are checked; a cancelled Assign closes what it loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from deltafin.checkpoint import fingerprint, scan_checkpoint
+from deltafin.config import load_config
+from deltafin.stage import StageOptions
+from deltafin.transport import codec
+from deltafin.transport.codec import WorkerDescription, layer_ranges
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+def served(tiny_dir):
+    """An in-process worker serving the last layers of `tiny` (a middle/last stage takes residual states)."""
+    from deltafin.worker.service import WorkerService, create_server
+
+    cfg = load_config(tiny_dir)
+    ckpt = scan_checkpoint(tiny_dir, cfg)
+    desc = WorkerDescription("t", "", "cpu", 10**9, 1.0, fingerprint(tiny_dir), layer_ranges(ckpt.layers_available()),
+                             True)
+
+    async def start():
+        service = WorkerService(ckpt, desc, torch.device("cpu"), StageOptions())
+        server, port = await create_server(service, "127.0.0.1", 0)
+        return service, server, port
+
+    return start, cfg
+
+
+async def _assign(stub, tiny_dir, start, end):
+    async for _ in stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(tiny_dir),
+                                             options=codec.encode_stage_options({"dtype": "fp32"})), timeout=60):
+        pass
+
+
+def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(served, tiny_dir):
+    start, cfg = served
+    d = cfg.hidden_size
+    n = cfg.blocks_entering(3)
+
+    def seq(**kw) -> pb.SequenceInput:
+        return pb.SequenceInput(session_id="s", cache_len=0, **kw)
+
+    def f32(*shape, nbytes=None) -> pb.Tensor:
+        size = 4 * int(torch.tensor(shape).prod()) if nbytes is None else nbytes
+        return pb.Tensor(dtype="float32", shape=list(shape), data=b"\0" * size)
+
+    cases = [
+        ("no input", seq(), "exactly one of ids"),
+        ("ids and state", seq(ids=pb.Tensor(dtype="int64", shape=[1], data=b"\0" * 8), p=f32(1, d), b=f32(1, n, d)),
+         "exactly one of ids"),
+        ("wrong width", seq(p=f32(1, d + 1), b=f32(1, n, d + 1)), "P [T, 64]"),
+        ("wrong block count", seq(p=f32(1, d), b=f32(1, n + 1, d)), f"B [T, {n}, 64]"),
+        ("wrong size", seq(p=f32(1, d, nbytes=3), b=f32(1, n, d)), "bytes of data"),
+        ("bad dtype", seq(p=pb.Tensor(dtype="complex64", shape=[1, d], data=b""), b=f32(1, n, d)), "unknown dtype"),
+        ("empty session", pb.SequenceInput(session_id="", p=f32(1, d), b=f32(1, n, d)), "empty session id"),
+    ]
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing assigned yet
+                await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(1, d), b=f32(1, n, d))]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await _assign(stub, tiny_dir, 3, 6)
+            for name, s, message in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Forward(pb.ForwardRequest(sequences=[s]), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert message in e.value.details(), (name, e.value.details())
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # an unknown session
+                await stub.Forward(pb.ForwardRequest(sequences=[pb.SequenceInput(session_id="x", cache_len=5,
+                                                                                  p=f32(1, d), b=f32(1, n, d))]),
+                                   timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            ok = await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(2, d), b=f32(2, n, d))]), timeout=30)
+            assert ok.sequences[0].logits.shape == [1, cfg.vocab_size]
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
+            assert stats["state"] == "ready" and stats["layers"] == [3, 6] and stats["sessions"] == 1
+            released = await stub.Release(pb.ReleaseRequest(session_ids=["s", "nope"]), timeout=5)
+            assert released.released == 1
+        await server.stop(0)
+        service.close()
+
+    asyncio.run(run())
+
+
+def test_assignment_is_checked(served, tiny_dir):
+    start, _ = served
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            for assignment, code, message in [
+                (pb.Assignment(start=0, end=6, model_fingerprint="0" * 16), grpc.StatusCode.FAILED_PRECONDITION,
+                 "both must use the same model files"),
+                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
+                               options=pb.StageOptions(dtype="fp64")), grpc.StatusCode.INVALID_ARGUMENT,
+                 "fp32 or bf16"),
+                (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
+                               options=pb.StageOptions(none=["warp_drive"])), grpc.StatusCode.INVALID_ARGUMENT,
+                 "unknown stage options"),
+                (pb.Assignment(start=4, end=9, model_fingerprint=fingerprint(tiny_dir)),
+                 grpc.StatusCode.FAILED_PRECONDITION, "not all on this worker's disk"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Assign(assignment, timeout=10):
+                        pass
+                assert e.value.code() == code and message in e.value.details()
+            info = await stub.Info(pb.InfoRequest(), timeout=5)
+            assert info.state == "idle"
+        await server.stop(0)
+        service.close()
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch):
+    """The coordinator gives up on an Assign (deadline) while the stage loads: the worker closes that stage
+    once its load ends, before the next Assign loads another (never two stages in memory), and serves the
+    next assignment."""
+    from deltafin.stage import Stage
+    from deltafin.worker.service import WorkerService
+
+    start, cfg = served
+    events: list[str] = []
+    load = WorkerService._load
+
+    def slow_load(self, old, a, b, options, progress):
+        events.append(f"load {a}-{b}")
+        time.sleep(1.5)
+        stage = load(self, old, a, b, options, progress)
+        events.append(f"loaded {a}-{b}")
+        return stage
+
+    close = Stage.close
+
+    def recorded_close(self):
+        events.append(f"close {self.start}-{self.end}")
+        close(self)
+
+    monkeypatch.setattr(WorkerService, "_load", slow_load)
+    monkeypatch.setattr(Stage, "close", recorded_close)
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Assign(pb.Assignment(start=0, end=3, model_fingerprint=fingerprint(tiny_dir),
+                                                         options=codec.encode_stage_options({})), timeout=0.5):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.2)
+            assert service.state == "idle" and service.stage is None
+            await _assign(stub, tiny_dir, 3, 6)
+            info = await stub.Info(pb.InfoRequest(), timeout=5)
+        await server.stop(None)
+        service.close()
+        return info
+
+    info = asyncio.run(run())
+    assert events[:4] == ["load 0-3", "loaded 0-3", "close 0-3", "load 3-6"]
+    assert (info.assigned.start, info.assigned.end, info.state) == (3, 6, "ready")

@@ -1,0 +1,189 @@
+"""Bad input to a real worker, by property-based tests: every malformed or adversarial payload gets a
+specific status (never INTERNAL/UNKNOWN, never a crash) and the worker keeps serving. Also: unknown and
+replayed session ids, concurrent calls on one session, cache budgets, message size limits, idle session
+expiry, and a checkpoint shard truncated while the worker runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltafin.checkpoint import fingerprint
+from deltafin.config import load_config
+from deltafin.transport import codec
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from tests.support.cluster import workers
+from tests.support.strategies import sequences
+
+SPECIFIC = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE"}
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+@st.composite
+def plausible(draw, first: bool, hidden: int, blocks: int, vocab: int) -> pb.SequenceInput:
+    """A well-formed sequence whose session may or may not exist (so the stage, not the codec, judges it)."""
+
+    sid = draw(st.sampled_from(["a", "b", "c"]))
+    t = draw(st.integers(1, 4))
+    msg = pb.SequenceInput(session_id=sid, cache_len=draw(st.sampled_from([0, 0, 1, 2, 4])))
+    if first:
+        ids = draw(st.lists(st.integers(0, vocab - 1), min_size=t, max_size=t))
+        msg.ids.CopyFrom(codec.encode_tensor(torch.tensor(ids, dtype=torch.long)))
+    else:
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        msg.p.CopyFrom(codec.encode_tensor(torch.randn(t, hidden, generator=g)))
+        msg.b.CopyFrom(codec.encode_tensor(torch.randn(t, blocks, hidden, generator=g)))
+    return msg
+
+
+# ---- a real worker -----------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, address: str, model: Path):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.model = model
+
+    def assign(self, start: int, end: int, **options) -> None:
+        for _ in self.stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(self.model),
+                                                options=codec.encode_stage_options(options)), timeout=120):
+            pass
+
+    def forward(self, *seqs: pb.SequenceInput, timeout: float = 60) -> str:
+        try:
+            self.stub.Forward(pb.ForwardRequest(request_id="f", sequences=list(seqs)), timeout=timeout)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    def forward_detail(self, *seqs: pb.SequenceInput) -> tuple[str, str]:
+        try:
+            self.stub.Forward(pb.ForwardRequest(sequences=list(seqs)), timeout=60)
+            return "OK", ""
+        except grpc.RpcError as e:
+            return e.code().name, e.details()
+
+    def healthy(self) -> bool:
+        h = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        info = self.stub.Info(pb.InfoRequest(), timeout=10)
+        return h.status == health_pb2.HealthCheckResponse.SERVING and info.state == "ready"
+
+
+def ids_seq(sid: str, ids: list[int], cache_len: int = 0) -> pb.SequenceInput:
+
+    return pb.SequenceInput(session_id=sid, cache_len=cache_len,
+                            ids=codec.encode_tensor(torch.tensor(ids, dtype=torch.long)))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir: Path):
+    with workers(tiny_dir, 1, "--max-message-mb", "1", "--session-ttl", "2") as (w,):
+        yield Worker(w.address, tiny_dir), w
+
+
+def test_fuzzed_forwards_get_specific_statuses(worker, tiny_dir: Path) -> None:
+    client, proc = worker
+    cfg = load_config(tiny_dir)
+    seen: dict[str, int] = {}
+
+    for first, last in [(0, cfg.num_layers), (3, cfg.num_layers)]:  # ids in, then residual states in
+        client.assign(first, last)
+        blocks = cfg.blocks_entering(first)
+        good = plausible(first == 0, cfg.hidden_size, blocks, cfg.vocab_size)
+        hostile = sequences(hidden=cfg.hidden_size, blocks=blocks, vocab=cfg.vocab_size)
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.lists(good | hostile, min_size=1, max_size=3))
+        def fuzz(msgs: list[pb.SequenceInput]) -> None:
+            code = client.forward(*msgs)
+            seen[code] = seen.get(code, 0) + 1
+            assert code == "OK" or code in SPECIFIC, (code, msgs)
+
+        fuzz()
+        assert client.healthy() and proc.proc.poll() is None
+    print(f"\nfuzzed forwards: {sum(seen.values())}, statuses {seen}")
+    client.assign(0, cfg.num_layers)
+    assert client.forward(ids_seq("ok", [1, 2, 3])) == "OK"
+
+
+def test_session_misuse_and_limits(worker, tiny_dir: Path) -> None:
+    client, _ = worker
+    cfg = load_config(tiny_dir)
+    client.assign(0, cfg.num_layers, session_bytes=150_000)
+    assert client.forward_detail(ids_seq("ghost", [5], cache_len=4))[0] == "NOT_FOUND"
+    assert client.forward(ids_seq("s", [1, 2, 3])) == "OK"
+    assert client.forward(ids_seq("s", [4], cache_len=3)) == "OK"
+    code, detail = client.forward_detail(ids_seq("s", [4], cache_len=3))  # the same call again
+    assert code == "FAILED_PRECONDITION" and "replayed or concurrent" in detail
+    assert client.forward(ids_seq("d", [1]), ids_seq("d", [2])) == "INVALID_ARGUMENT"  # one session twice
+    # concurrent continuations of one session: exactly one wins
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(client.forward(ids_seq("s", [7], cache_len=4))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["FAILED_PRECONDITION", "OK"]
+    code, detail = client.forward_detail(ids_seq("long", [7] * 3000))  # past the tokens a forward may carry
+    assert code == "INVALID_ARGUMENT" and "in chunks" in detail
+    code, detail = client.forward_detail(ids_seq("long", [7] * 500))  # past the cache budget
+    assert code == "RESOURCE_EXHAUSTED" and "budget" in detail
+    big = pb.SequenceInput(session_id="big", cache_len=0, ids=pb.Tensor(dtype="int64", shape=[200_000],
+                                                                         data=b"\0" * 1_600_000))
+    assert client.forward(big) == "RESOURCE_EXHAUSTED"  # over --max-message-mb 1
+    assert client.healthy()
+
+
+def test_idle_sessions_expire(worker, tiny_dir: Path) -> None:
+    client, _ = worker
+    client.assign(0, load_config(tiny_dir).num_layers)
+    assert client.forward(ids_seq("idle", [1, 2])) == "OK"
+    time.sleep(4.5)  # --session-ttl 2, swept every second
+    code, detail = client.forward_detail(ids_seq("idle", [3], cache_len=2))
+    assert code == "NOT_FOUND" and "expired" in detail
+    stats = codec.decode_stats(client.stub.Stats(pb.StatsRequest(), timeout=10).stats)
+    assert stats["sessions"] == 0
+
+
+def test_truncated_shard_fails_the_request_clearly(tiny_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_dir, model)
+    cfg = load_config(model)
+    with workers(model, 1, "--expert-cache-gb", "0.0001", "--no-prefetch") as (w,):
+        client = Worker(w.address, model)
+        client.assign(0, cfg.num_layers, expert_cache_bytes=1, prefetch=False)
+        assert client.forward(ids_seq("a", [1, 2, 3])) == "OK"
+        index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+        shard = next(f for name, f in index.items() if ".experts." in name)
+        size = os.path.getsize(model / shard)
+        os.truncate(model / shard, size // 2)
+        codes = [client.forward_detail(ids_seq(f"t{i}", [i + 1, 40, 90, 7])) for i in range(4)]
+        failed = [(c, d) for c, d in codes if c != "OK"]
+        assert failed and all(c == "DATA_LOSS" and shard in d and "truncated" in d for c, d in failed)
+        h = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING and w.proc.poll() is None
