@@ -73,8 +73,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def default_cost(experts: int, active: int) -> PassCost:
-    """Half of a one-token pass fixed, half its experts: one 64 GB Mac's split at K3's size (26 GB of spine
-    streamed, 25.8 GB of experts per token; README, Speculative decoding), until `deltafin bench` measures."""
+    """Half of a one-token pass fixed, half its experts: about one 64 GB Mac's split at K3's size (its MPS plan
+    streams 36.8 GB of spine and 25.8 GB of experts per token; README, Speculative decoding)."""
     return PassCost(fixed=1.0, per_expert=1.0 / active, experts=experts, active=active)
 
 

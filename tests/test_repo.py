@@ -1,11 +1,18 @@
-"""The repository's own promises: CI runs exactly the README's test command."""
+"""The repository's own promises: CI runs exactly the README's test command, and the README's figures for
+defaults and K3's sizes are the code's (computed here from the code and the real K3 config, not copied)."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
+import shutil
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+README = " ".join((ROOT / "README.md").read_text().split())  # one line: a figure may wrap anywhere
 
 
 def test_ci_runs_the_readme_test_command():
@@ -16,3 +23,173 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci]
     assert "pip install -q torch==2.13.0" in "\n".join(ci)
+
+
+def _defaults() -> list[str]:
+    from deltafin.chat import SERVING_MAX_TOKENS
+    from deltafin.coordinator.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
+    from deltafin.coordinator.options import add_cluster_options
+    from deltafin.coordinator.prefix import PREFIX_BLOCK
+    from deltafin.coordinator.server import HEARTBEAT_S
+    from deltafin.memory import MARGIN
+    from deltafin.options import add_stage_options
+    from deltafin.sizing import MLA_BLOCK_BYTES, MLA_BLOCK_TOKENS, RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
+    from deltafin.speculative import DraftLength
+    from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+    from deltafin.weights.reader import CHUNK
+    from deltafin.worker.main import build_parser as worker_parser
+
+    stage, cluster = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_stage_options(stage)
+    add_cluster_options(cluster)
+    worker = worker_parser()
+    s, c = stage.get_default, cluster.get_default
+    return [
+        f"`--sequences N` and `--context T` are the sequences and tokens the plan keeps caches and attention room "
+        f"for ({s('sequences')} and {s('context')};",
+        f"`--prefill-chunk N` is the most tokens one forward carries ({s('prefill_chunk')}:",
+        f"and {RUNTIME_OVERHEAD >> 30} GiB for the runtime",
+        f"grown in {MLA_BLOCK_TOKENS}-token blocks",
+        f"keeps {MARGIN['host']:.0%} ({MARGIN['discrete']:.0%} of a GPU) free",
+        f"(split in {CHUNK >> 20} MiB pieces)",
+        f"by {s('threads')} reader threads",
+        f"so {s('policy').upper()} is the default",
+        f"`--worker-timeout`, {c('worker_timeout'):g} s)",
+        f"within `--worker-timeout` ({c('worker_timeout'):g} s)",
+        f"A forward has {c('forward_timeout'):g} s per 512 tokens",
+        f"`--session-ttl` ({worker.get_default('session_ttl'):g} s)",
+        f"(`--max-message-mb`, {DEFAULT_MAX_MESSAGE >> 30} GiB)",
+        f"at most {c('replay_journal_tokens') * 4 >> 20} MiB in all by default",
+        f"`--default-max-tokens` ({SERVING_MAX_TOKENS})",
+        f"text completions without it get {COMPLETION_MAX_TOKENS}",
+        f"`stop` (up to {MAX_STOP_STRINGS} strings",
+        f"sends an SSE comment every {HEARTBEAT_S:g} s",
+        f"and every {PREFIX_BLOCK:,} prompt tokens inside a long one",
+        f"`MLA_BLOCK_BYTES`, {MLA_BLOCK_BYTES >> 20} MiB",
+        f"every {DraftLength.probe_every}th step probes with one draft",
+        f"a forward verifies at most {SPECULATIVE_TOKENS} tokens",
+    ]
+
+
+@pytest.mark.parametrize("figure", _defaults())
+def test_the_readmes_defaults_are_the_codes(figure: str) -> None:
+    assert figure in README, f"README does not say: {figure}"
+
+
+def _k3_figures(tmp: Path) -> list[str]:
+    from deltafin.config import LayerKind, load_config
+    from deltafin.sizing import (
+        SPECULATIVE_TOKENS,
+        Placement,
+        boundary_bytes_per_token,
+        kda_state_bytes,
+        kda_trail_bytes,
+        layer_table,
+        mla_row_bytes,
+    )
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp / "config.json")
+    cfg = load_config(tmp)
+    moe, k = len(cfg.moe_layers), cfg.experts_per_token
+    specs = [s for i in range(cfg.num_layers) for s in cfg.layer_tensor_specs(i)] + list(cfg.top_tensor_specs())
+    spine_bytes, spine_params = sum(s.nbytes for s in specs), sum(math.prod(s.shape) for s in specs)
+    expert_params = sum(math.prod(s.shape) for s in cfg.expert_tensor_specs(1, 0) if s.name.endswith("packed")) * 2
+    all_experts = cfg.num_experts * moe * cfg.bytes_per_expert
+    total_params = spine_params + cfg.num_experts * moe * expert_params
+    active = spine_params + k * moe * expert_params
+    table = layer_table(cfg, Placement("cpu"))
+    n_kda = sum(kind is LayerKind.KDA for kind in cfg.layer_kinds)
+    wire = lambda layer: boundary_bytes_per_token(cfg, layer, 4) / 1e3
+    return [
+        f"{total_params / 1e12:.1f}T-parameter",
+        f"{cfg.num_layers} layers: {n_kda} Kimi Delta Attention + {cfg.num_layers - n_kda} NoPE MLA, "
+        f"{cfg.num_experts} MXFP4 experts per layer with {k} active",
+        f"{(spine_bytes + all_experts) / 1e12:.2f} TB on disk, {all_experts / 1e12:.2f} TB of it experts",
+        f"{k} of {cfg.num_experts} experts in each of {moe} MoE layers: {k} × {cfg.bytes_per_expert / 1e6:.1f} MB × "
+        f"{moe} = **{cfg.expert_bytes_per_token() / 1e9:.1f} GB of expert bytes per token**",
+        f"~{spine_params / 1e9:.0f}B dense parameters ({spine_bytes / 1e9:.0f} GB bf16, "
+        f"~{table.int8[-1] / 1e9:.0f} GB as row-int8)",
+        f"(KDA {kda_state_bytes(cfg) * n_kda / 1e9:.2f} GB per sequence at K3 width, "
+        f"MLA {mla_row_bytes(cfg, 1)} values per token per layer",
+        f"2 × {active / 1e9:.0f}B active parameters = {2 * active / 1e12:.2f} TFLOP per token",
+        f"{wire(0):.1f} KB (l = 0) to {wire(cfg.num_layers - 1):.0f} KB (l = {cfg.num_layers - 1}); "
+        f"{wire(46):.0f} KB for a two-Mac split at layer 46",
+        f"that trail is {kda_trail_bytes(cfg) * n_kda / 1e9:.2f} GB per speculating sequence for a "
+        f"{SPECULATIVE_TOKENS}-token pass over {n_kda} KDA layers",
+        f"the {all_experts / 1e9:,.0f} GB of experts",
+    ]
+
+
+def test_the_readmes_k3_figures_are_the_codes(tmp_path: Path) -> None:
+    missing = [f for f in _k3_figures(tmp_path) if f not in README]
+    assert not missing, "README does not say:\n" + "\n".join(missing)
+
+
+# the projection for Macs: the planner's MPS plans at a Mac's budget and SSD, at an assumed streaming efficiency
+MAC_SSD_GBPS, EFFICIENCY = 6.6, 0.85
+MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 GB", 4, 56),
+        ("2 × 128 GB (112 GB budgets)", 2, 112))
+
+
+def _mac_projection(cfg) -> list[str]:
+    from deltafin.planner import WorkerCapacity, plan_layers
+
+    rows = []
+    for label, n, budget_gb in MACS:
+        workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
+                                  device="mps", worker_id=str(i)) for i in range(n)]
+        stages = [s.sizing for s in plan_layers(cfg, workers).stages]
+        resident = sum(len(z.resident_layers) for z in stages)
+        experts = sum(z.expert_bytes_per_token for z in stages) / 1e9
+        spine = sum(z.spine_bytes_per_token for z in stages) / 1e9
+        cache = sum(z.expert_cache for z in stages) / 1e9
+        seconds = (experts + spine) / MAC_SSD_GBPS / EFFICIENCY
+        what = f"{stages[0].spine} spine, {resident} of {cfg.num_layers} layers resident"
+        what += f", {cache:.0f} GB of expert cache" if n > 1 else ""
+        rows.append(f"| {label} | {what} | {experts:.1f} + {spine:.1f} = {experts + spine:.1f} | "
+                    f"{seconds:.1f} s | {1 / seconds:.3f} |")
+    return rows
+
+
+def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
+    from deltafin.config import load_config
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    rows = _mac_projection(load_config(tmp_path))
+    missing = [r for r in rows if r not in (ROOT / "README.md").read_text().splitlines()]
+    assert not missing, "README's projection table lacks these rows:\n" + "\n".join(missing)
+
+
+def _speculative_projection(cfg, lines: list[str]) -> list[str]:
+    """The drafting table for one 64 GB Mac: its MPS plan's fixed spine and experts, the experts a pass of k
+    drafts reads as measured on the k3-slice (the README's row) and under a uniform router, the best k."""
+    from deltafin.planner import WorkerCapacity, plan_layers
+    from deltafin.speculative import distinct_experts, expected_tokens
+
+    (stage,) = plan_layers(cfg, [WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
+                                                device="mps")]).stages
+    spine, experts = stage.sizing.spine_bytes_per_token / 1e9, stage.sizing.expert_bytes_per_token / 1e9
+    (measured,) = [[float(x) for x in line.strip("|").split("|")[1:]] for line in lines
+                   if line.startswith("| × one token's experts |")]
+    uniform = [distinct_experts(k + 1, cfg.num_experts, cfg.experts_per_token) / cfg.experts_per_token
+               for k in range(len(measured))]
+
+    def best(a: float, growth: list[float]) -> tuple[float, int, float, float]:
+        return max((expected_tokens(a, k) / s, k, expected_tokens(a, k), s) for k, s in
+                   enumerate((spine + experts * g) / MAC_SSD_GBPS / EFFICIENCY for g in growth))
+
+    rows = []
+    for a in (0.3, 0.5, 0.7, 0.8, 0.9):
+        m, u = best(a, measured), best(a, uniform)
+        rows.append(f"| {a} | {m[1]} ({u[1]}) | {m[2]:.1f} ({u[2]:.1f}) | {m[3]:.1f} ({u[3]:.1f}) | "
+                    f"{m[0]:.3f} ({u[0]:.3f}) |")
+    return rows
+
+
+def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) -> None:
+    from deltafin.config import load_config
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    lines = (ROOT / "README.md").read_text().splitlines()
+    missing = [r for r in _speculative_projection(load_config(tmp_path), lines) if r not in lines]
+    assert not missing, "README's drafting projection lacks these rows:\n" + "\n".join(missing)

@@ -17,7 +17,7 @@ from deltafin.models.cache import KDACache, KDATrail
 from deltafin.models.common import l2_normalize, rms_norm
 from deltafin.models.weights import KDAWeights
 
-CHUNK = 16  # 64 loses ~6e-6 per token in fp32 (the (I+A)^-1 of a longer chunk); 16 keeps ~1e-6
+CHUNK = 16  # in fp32 a 64-token chunk's (I+A)^-1 loses ~3x more per token (tests/deltafin/models/test_kda.py)
 _PAIR_BUDGET = 1 << 24  # floats in one [heads, C, C, d] decay block (64 MB): bounds prefill memory
 
 
