@@ -23,7 +23,7 @@ from typing import Any
 
 from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import load_config
-from deltafin.console import VERBOSE_HELP, run_cli, setup_logging
+from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.errors import DeltafinError
 
 from .options import (
@@ -44,8 +44,7 @@ def _common_options(after_command: bool) -> argparse.ArgumentParser:
     own (argparse.SUPPRESS), so that they override what came before it rather than reset it."""
     common = argparse.ArgumentParser(add_help=False)
     add_cluster_options(common, model_required=False)  # checked after parsing: it may come on either side
-    common.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
-    common.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    add_logging_options(common)
     if after_command:
         for action in common._actions:
             action.default = argparse.SUPPRESS
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("the following arguments are required: --model")
-    setup_logging(-1 if args.quiet else args.verbose)
+    setup_logging(log_level(args))
     command = {"generate": cmd_generate, "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench}[args.command]
     return run_cli(lambda: asyncio.run(command(args)))
 

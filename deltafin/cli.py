@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from deltafin.console import VERBOSE_HELP, run_cli, setup_logging
+from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options
 
@@ -295,17 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
     parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
-    parser.add_argument("-q", "--quiet-logs", action="store_true", help="warnings and errors only")
+    add_logging_options(parser, "--quiet-logs")  # `synth --quiet` is its progress bar's
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(sub)
+    for command in sub.choices.values():  # and after any command's name as well
+        add_logging_options(command, "--quiet-logs", after_command=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(-1 if args.quiet_logs else args.verbose)
+    setup_logging(log_level(args))
     return run_cli(lambda: args.func(args))
 
 

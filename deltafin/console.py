@@ -3,6 +3,7 @@ exit status (never a traceback for a user's mistake)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Callable
@@ -12,6 +13,20 @@ from deltafin.errors import DeltafinError
 log = logging.getLogger("deltafin")
 
 VERBOSE_HELP = "more logging: -v Deltafin's debug log, -vv every library's too"
+
+
+def add_logging_options(p: argparse.ArgumentParser, quiet: str = "--quiet", after_command: bool = False) -> None:
+    """-v/-vv and -q (long name `quiet`, read back by `log_level`). After a command's name they have no defaults
+    of their own (argparse.SUPPRESS), so that they override what came before the name rather than reset it."""
+    verbose, quiet_logs = (argparse.SUPPRESS, argparse.SUPPRESS) if after_command else (0, False)
+    p.add_argument("-v", "--verbose", action="count", default=verbose, help=VERBOSE_HELP)
+    p.add_argument("-q", quiet, dest="quiet_logs", action="store_true", default=quiet_logs,
+                   help="warnings and errors only")
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """The `setup_logging` level of the options `add_logging_options` added."""
+    return -1 if args.quiet_logs else args.verbose
 
 
 def setup_logging(verbose: int = 0) -> None:

@@ -33,8 +33,14 @@ def _defaults() -> list[str]:
     from deltafin.coordinator.server import HEARTBEAT_S
     from deltafin.memory import MARGIN
     from deltafin.options import add_stage_options
-    from deltafin.sizing import MLA_BLOCK_BYTES, MLA_BLOCK_TOKENS, RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
-    from deltafin.speculative import DraftLength
+    from deltafin.sizing import (
+        MLA_BLOCK_BYTES,
+        MLA_BLOCK_TOKENS,
+        RUNTIME_OVERHEAD,
+        SPECULATIVE_TOKENS,
+        WEIGHT_BLOCK_VALUES,
+    )
+    from deltafin.speculative import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
     from deltafin.worker.main import build_parser as worker_parser
@@ -44,6 +50,7 @@ def _defaults() -> list[str]:
     add_cluster_options(cluster)
     worker = worker_parser()
     s, c = stage.get_default, cluster.get_default
+    ngrams = list(range(NgramDrafter.max_ngram, NgramDrafter.min_ngram - 1, -1))
     return [
         f"`--sequences N` and `--context T` are the sequences and tokens the plan keeps caches and attention room "
         f"for ({s('sequences')} and {s('context')};",
@@ -67,6 +74,11 @@ def _defaults() -> list[str]:
         f"and every {PREFIX_BLOCK:,} prompt tokens inside a long one",
         f"`MLA_BLOCK_BYTES`, {MLA_BLOCK_BYTES >> 20} MiB",
         f"every {DraftLength.probe_every}th step probes with one draft",
+        f"(a decaying count, starting at {DraftLength.prior})",
+        f"the last {', '.join(map(str, ngrams[:-1]))} or {ngrams[-1]} tokens",
+        "The default cost model splits a one-token pass half and half"
+        if (cost := default_cost(896, 16)).fixed == cost.per_expert * 16 else "(the cost model's split changed)",
+        f"bf16 converted in {WEIGHT_BLOCK_VALUES * 4 >> 20} MiB row blocks",
         f"a forward verifies at most {SPECULATIVE_TOKENS} tokens",
     ]
 
@@ -193,3 +205,21 @@ def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) ->
     lines = (ROOT / "README.md").read_text().splitlines()
     missing = [r for r in _speculative_projection(load_config(tmp_path), lines) if r not in lines]
     assert not missing, "README's drafting projection lacks these rows:\n" + "\n".join(missing)
+
+
+def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
+    """The `plan` command's output in the README (real workers, CPU placement) is what the planner gives now."""
+    from deltafin.config import load_config
+    from deltafin.planner import WorkerCapacity, plan_layers
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    cfg = load_config(tmp_path)
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^# (\d+) x (\d+) GB .*?\n(.*?)\ntotal +([^\n]*)", text, re.M | re.S)
+    assert len(blocks) == 4, "README's four plan tables"
+    for n, budget_gb, rows, total in blocks:
+        workers = [WorkerCapacity(f"mac{i + 1}", int(budget_gb) * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),),
+                                  True, worker_id=str(i)) for i in range(int(n))]
+        table = plan_layers(cfg, workers).table().splitlines()
+        shown = [[t for t in row.split() if not t.startswith("127.0.0.1:")] for row in rows.splitlines()[1:]]
+        assert shown + [["total", *total.split()]] == [row.split() for row in table[1:-1]], (n, budget_gb)

@@ -21,7 +21,7 @@ from typing import Any
 from deltafin import __version__
 from deltafin.checkpoint import fingerprint, scan_checkpoint
 from deltafin.config import load_config
-from deltafin.console import VERBOSE_HELP, run_cli, setup_logging
+from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, stage_options
@@ -60,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
     sec.add_argument("--tls-client-ca", default=None,
                      help="mutual TLS: accept only coordinators whose certificate this CA signed")
-    p.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
-    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    add_logging_options(p)
     add_stage_options(p)
     return p
 
@@ -150,7 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(-1 if args.quiet else args.verbose)
+    setup_logging(log_level(args))
     return run_cli(lambda: asyncio.run(serve(args)))
 
 
