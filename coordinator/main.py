@@ -30,6 +30,7 @@ from .options import (
     add_cluster_options,
     add_sampling_options,
     add_serving_options,
+    add_speculative_option,
     cluster_spec,
     open_engine,
     sampling_params,
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text")
     add_sampling_options(g, temperature=0.0, max_tokens=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
-    command("plan", help="find workers and print the layer plan (assigns nothing)")
+    add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing)"))
     s = command("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
                        "/metrics. Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,16 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
 def add_speculative_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="none", choices=["none", "ngram"],
                    help="ngram: draft tokens from the prompt and the output so far and verify several in one "
-                   "forward (the same output; fewer passes over the weights when drafts land); none: one token "
+                   "forward (the same output; fewer passes over the weights when drafts land; the plan gives "
+                   "every sequence room for a verification's KDA trail, 0.21 GB at K3's width); none: one token "
                    "per forward (default)")
+
+
+def speculative_tokens(args: argparse.Namespace) -> int:
+    """Tokens one speculative forward verifies, for the memory plan: the most with --speculative, else 0."""
+    from deltafin.sizing import SPECULATIVE_TOKENS
+
+    return SPECULATIVE_TOKENS if args.speculative != "none" else 0
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tokens: int | None) -> None:
@@ -120,7 +129,8 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
         from deltafin.devices import resolve_device, resolve_dtype
         from deltafin.pipeline import LocalPipeline
 
-        options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+        options = dataclasses.replace(stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype)),
+                                      speculative_tokens=speculative_tokens(args))
         pipe = await asyncio.to_thread(LocalPipeline.load, args.model, args.local_stages, args.device, args.dtype,
                                        "hf", options, show_progress)
         return LocalBackend(pipe)
@@ -157,7 +167,8 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
                            prefix_bytes=explicit["prefix_bytes"], sequences=args.sequences, context=args.context,
                            forward_tokens=args.prefill_chunk,
                            read_threads=args.threads, max_resident_layers=args.max_resident_layers,
-                           spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))))
+                           spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))),
+                           speculative_tokens=speculative_tokens(args))
     return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
                        options=options or {}, sizing=sizing, act_bytes=2 if args.dtype == "bf16" else 4,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -154,7 +155,10 @@ def _bench_model(args: argparse.Namespace) -> dict:
         args.context = max(args.context, *lengths)
     options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
     common = {"device": args.device, "dtype": args.dtype, "options": options}
-    if args.verify:
+    if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
+        from deltafin.sizing import SPECULATIVE_TOKENS
+
+        common["options"] = dataclasses.replace(options, speculative_tokens=SPECULATIVE_TOKENS)
         return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)
     if args.second_turn:
         prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \

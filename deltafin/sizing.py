@@ -78,6 +78,7 @@ class SizingOptions:
     read_threads: int = 8
     max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
+    speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
 
 
 # ---- placement rules (the stage follows these) ----------------------------------------------------------
@@ -215,8 +216,8 @@ SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last
 def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:
     """What one KDA layer keeps after a speculative forward of `tokens` tokens, until the next forward picks
     the position to continue from: each token's k, v, decay, beta and conv inputs, and the window before.
-    Not in the plan's session bytes: with speculative decoding a sequence holds up to this much more per KDA
-    layer (0.21 GB per sequence at K3's width: README, Speculative decoding)."""
+    A plan for speculative decoding (`SizingOptions.speculative_tokens`) reserves it for every sequence beside
+    the sequence's caches (0.21 GB per sequence at K3's width: README, Speculative decoding)."""
     h, d = cfg.kda_heads, cfg.kda_head_dim
     return (tokens * (3 * h * d + h + 3 * cfg.kda_dim) + 3 * (cfg.conv_kernel - 1) * cfg.kda_dim) * 4
 
@@ -370,9 +371,11 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         share = min(1.0, cache_slots / (n_moe * cfg.num_experts)) if n_moe else 0.0
         per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * (1 - share))
     n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
-    one = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
-    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * one
-    prefixes = options.prefix_bytes if options.prefix_bytes is not None else sessions
+    state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
+    trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
+    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * (state + trail)
+    kept = options.session_bytes if options.session_bytes is not None else options.sequences * state
+    prefixes = options.prefix_bytes if options.prefix_bytes is not None else kept  # a kept state each, no trail
     last = end == cfg.num_layers
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,

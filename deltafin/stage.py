@@ -134,13 +134,15 @@ class StageOptions:
     context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
     max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
     max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
+    speculative_tokens: int = 0  # plan each sequence room for a speculative forward of this many tokens (0: none)
 
     def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
                              session_bytes=self.session_bytes, prefix_bytes=self.prefix_bytes,
                              sequences=self.sequences, context=self.context,
                              forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
-                             max_resident_layers=self.max_resident_layers, spans=spans)
+                             max_resident_layers=self.max_resident_layers, spans=spans,
+                             speculative_tokens=self.speculative_tokens)
 
 
 @dataclass
@@ -278,7 +280,9 @@ class Stage:
         return True
 
     def session_bytes(self) -> int:
-        return sum(c.nbytes for c in self.sessions.values())
+        """What the sessions hold against their budget: caches, and a speculative forward's trail until the next
+        forward picks the position (planned room with `speculative_tokens`, else taken from the caches' room)."""
+        return sum(c.nbytes + c.trail_bytes for c in self.sessions.values())
 
     def expire(self, idle_seconds: float, now: float | None = None) -> list[str]:
         """Drop sessions unused for `idle_seconds` (a coordinator that vanished never releases them)."""
@@ -369,7 +373,7 @@ class Stage:
             raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
         if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
             raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
-                               f"{SPECULATIVE_TOKENS} tokens (the memory plan holds that many)")
+                               f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
         if item.speculative and item.save_as:
             raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
                                "drafts are not decided yet)")

@@ -12,12 +12,11 @@ from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config, parse_config
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
-from deltafin.quant import Int8Weight, MXFP4Weight
 from deltafin.sizing import Budget, Placement, SizingOptions, choose, layer_table, size_stage
 from deltafin.stage import SeqInput, Stage, StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
-from deltafin.weights.store import ExpertStore
+from tests.support.sizing import held, plan_of
 
 GB = 10**9
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -103,55 +102,10 @@ def test_sessions_are_sequences_at_context(k3):
 # ---- planned == allocated -------------------------------------------------------------------------------
 
 
-def _tensors(obj, seen: set[int]):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (MXFP4Weight, Int8Weight)) or dataclasses.is_dataclass(obj):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), seen)
-
-
-def _weight_bytes(objs) -> int:
-    """Bytes of every tensor held, each counted once (by storage on the CPU; placed tensors on a discrete
-    device are separate allocations)."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    total = 0
-    for obj in objs:
-        for t in _tensors(obj, seen):
-            if t.device.type == "meta":
-                total += t.numel() * t.element_size()
-            else:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return total + sum(storages.values())
-
-
-def _allocated(stage: Stage) -> dict[str, int]:
-    experts = stage.experts
-    if isinstance(experts, ExpertStore):
-        host = experts.pool.nbytes
-        device = experts.device_slots.nbytes if experts.device_slots is not None else 0
-    else:
-        assert isinstance(experts, ResidentExperts)
-        host, device = (0, experts.resident_bytes()) if stage.device.type != "cpu" else (experts.resident_bytes(), 0)
-    return {"spine": _weight_bytes([*stage.spine.resident.values(), stage.top]),
-            "buffers": sum(len(b) for b in stage.spine._buffers), "experts": host + device,
-            "sessions": stage.session_bytes()}
-
-
-def _planned(stage: Stage) -> dict[str, int]:
-    z = stage.sizing
-    return {"spine": z.layers + z.top, "buffers": z.stream_buffers,
-            "experts": z.expert_cache + z.expert_staging + z.expert_landing, "sessions": z.sessions}
-
-
 @pytest.mark.parametrize("device", [CPU, META], ids=["cpu", "discrete"])
 @pytest.mark.parametrize("spine", ["bf16", "int8"])
 @pytest.mark.parametrize("layout", ["resident", "streamed"])
-def test_planned_equals_allocated(tiny_dir, device, spine, layout):
+def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     """Every part the plan counts is what the stage holds: weights (to 1%: the plan counts AttnRes and A_log
     vectors as placed, exactly), buffers and expert slots (exactly), sessions at the planned length (exactly)."""
     cfg = load_config(tiny_dir)
@@ -170,7 +124,7 @@ def test_planned_equals_allocated(tiny_dir, device, spine, layout):
         if device.type == "cpu":  # sessions at the planned length (a meta device computes nothing)
             for sid in ("a", "b"):
                 stage.forward([SeqInput(sid, 0, ids=torch.arange(context) % 700)])
-        planned, allocated = _planned(stage), _allocated(stage)
+        planned, allocated = plan_of(stage), held(stage)
         assert abs(allocated["spine"] - planned["spine"]) <= 0.01 * planned["spine"]
         assert allocated["buffers"] <= planned["buffers"] and planned["buffers"] - allocated["buffers"] <= 2 * 8192
         assert allocated["experts"] == planned["experts"]

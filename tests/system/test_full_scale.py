@@ -111,12 +111,11 @@ def test_a_worker_with_no_sizing_flags_fits_its_cap(k3_cut: Path, monkeypatch):
 def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     """Where no cgroup can be made (not root, cgroup v2 only): the worker's option parsing and memory discovery
     in this process, the cgroup limit read from a stand-in; planned == allocated by the stage's own tensors."""
-    from test_sizing import _allocated, _planned
-
     from deltafin import memory
     from deltafin.options import stage_options
     from deltafin.stage import SeqInput, Stage
     from deltafin.worker.main import build_parser
+    from tests.support.sizing import held, plan_of
 
     monkeypatch.setattr(memory, "cgroup_limit", lambda *a, **k: CAP_BYTES)
     options = stage_options(build_parser().parse_args(["--model", str(model), "--threads", "4"]), torch.device("cpu"))
@@ -128,7 +127,7 @@ def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
         stage.forward([SeqInput("s", 0, ids=torch.tensor([5, 100]))])
         logits = stage.forward([SeqInput("s", 2, ids=torch.tensor([7]))])[0].logits
         assert logits.shape == (1, 163_840) and bool(torch.isfinite(logits).all())
-        planned, allocated = _planned(stage), _allocated(stage)
+        planned, allocated = plan_of(stage), held(stage)
         assert abs(allocated["spine"] - planned["spine"]) <= 0.01 * planned["spine"]
         assert allocated["experts"] == planned["experts"] and allocated["buffers"] <= planned["buffers"]
     finally:
