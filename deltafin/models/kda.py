@@ -17,7 +17,7 @@ from deltafin.models.cache import KDACache, KDATrail
 from deltafin.models.common import l2_normalize, rms_norm
 from deltafin.models.weights import KDAWeights
 
-CHUNK = 16  # in fp32 a 64-token chunk's (I+A)^-1 loses ~3x more per token (tests/deltafin/models/test_kda.py)
+CHUNK = 16  # in fp32 a 64-token chunk's (I+A)^-1 loses over 2x more per token (tests/deltafin/models/test_kda.py)
 _PAIR_BUDGET = 1 << 24  # floats in one [heads, C, C, d] decay block (64 MB): bounds prefill memory
 
 
