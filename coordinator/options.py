@@ -146,7 +146,7 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
 
 def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None):  # -> ClusterSpec
     from deltafin.checkpoint import scan_checkpoint
-    from deltafin.sizing import SizingOptions
+    from deltafin.stage import StageOptions
     from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
     from deltafin.weights.reader import layer_spans
 
@@ -162,13 +162,8 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
     security = ClusterSecurity(load_key(args.cluster_key, args.cluster_key_file), tls)
     timeouts = Timeouts(forward=args.forward_timeout, lost_after=args.worker_timeout,
                         probe_interval=min(2.0, args.worker_timeout / 3))
-    explicit = explicit_options(args)
-    sizing = SizingOptions(spine=args.spine, expert_cache_bytes=explicit["expert_cache_bytes"],
-                           prefix_bytes=explicit["prefix_bytes"], sequences=args.sequences, context=args.context,
-                           forward_tokens=args.prefill_chunk,
-                           read_threads=args.threads, max_resident_layers=args.max_resident_layers,
-                           spans=layer_spans(scan_checkpoint(args.model, load_config(args.model))),
-                           speculative_tokens=speculative_tokens(args))
+    wanted = StageOptions(**explicit_options(args), speculative_tokens=speculative_tokens(args))
+    sizing = wanted.sizing_options(layer_spans(scan_checkpoint(args.model, load_config(args.model))))
     return ClusterSpec(Path(args.model), addresses=args.worker, discover=not args.no_discover,
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
                        options=options or {}, sizing=sizing, act_bytes=2 if args.dtype == "bf16" else 4,

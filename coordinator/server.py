@@ -28,7 +28,7 @@ from aiohttp import web
 
 from deltafin.chat import OutputParser
 from deltafin.chat import encode as chat_encode
-from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
+from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 
 from . import openai_api as oa
 from .engine import Engine
@@ -58,11 +58,7 @@ def _as_api_error(e: BaseException) -> oa.ApiError:
         return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
     status, kind, code = found
     message = f"a worker failed: {e}" if code == "worker_unavailable" else str(e)
-    return oa.ApiError(status, message, type=kind, param=_PARAMS.get(type(e), getattr(e, "param", None)), code=code)
-
-
-# the request field an error is about, where the error does not say
-_PARAMS: dict[type[BaseException], str] = {ChatFormatError: "messages"}
+    return oa.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
 
 
 @web.middleware

@@ -303,7 +303,7 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
                                   k + 1, cfg.num_experts, cfg.experts_per_token), 1)}
         pipe.release("verify")
         result = {"bench": "verify", "model": str(Path(model).resolve()), "device": str(dev), "dtype": dtype,
-                  "prompt": prompt, "repeats": repeats, "moe_layers": len(stage.cfg.moe_layers),
+                  "prompt": prompt, "repeats": repeats, "moe_layers": len(cfg.moe_layers),
                   "passes": passes}
         result.update(_peak_memory(dev, stage.sizing))
     finally:

@@ -137,7 +137,9 @@ class SamplingError(DeltafinError):
 
 
 class ChatFormatError(DeltafinError):
-    """A conversation the K3 format cannot express (the HTTP API answers 400)."""
+    """A conversation the K3 format cannot express (the HTTP API answers 400, naming `messages`)."""
+
+    param = "messages"
 
 
 class PromptTooLong(DeltafinError):
