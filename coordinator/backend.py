@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import grpc
 
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.pipeline import LocalPipeline, route
+from deltafin.placement import ExpertPlan
 from deltafin.prefixes import PrefixBudget
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
@@ -26,6 +26,7 @@ from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.liveness import Silent, await_watched
 
 
 class Backend(Protocol):
@@ -116,10 +117,6 @@ class Timeouts:
         return self.forward * max(1.0, tokens / FORWARD_UNIT)
 
 
-
-
-
-
 SERVICE = "/deltafin.v1.Worker/"
 
 
@@ -163,9 +160,12 @@ class WorkerClient:
         return d
 
     async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
-                     progress: Any = None) -> None:
+                     progress: Any = None, experts: ExpertPlan | None = None) -> None:
+        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only)."""
         request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
                                 options=codec.encode_stage_options(options))
+        if experts is not None:
+            request.experts.CopyFrom(codec.encode_expert_plan(experts))
         try:
             async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
                 if progress is not None:
@@ -180,31 +180,15 @@ class WorkerClient:
         request = pb.ForwardRequest(request_id=request_id, sequences=codec.encode_inputs(batch), all_logits=all_logits)
         tokens = sum(item.num_tokens for item in batch)
         call = self.stub.Forward(request, timeout=self.timeouts.forward_deadline(tokens), metadata=self._md("Forward"))
-        waiter = asyncio.ensure_future(self._await(call))
-        last_answer = time.monotonic()
+        probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
+                                       metadata=self._md("Info"))
         try:
-            while True:
-                done, _ = await asyncio.wait({waiter}, timeout=self.timeouts.probe_interval)
-                if done:
-                    return codec.decode_outputs(list(waiter.result().sequences))
-                try:
-                    await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
-                                         metadata=self._md("Info"))
-                    last_answer = time.monotonic()
-                except grpc.aio.AioRpcError:
-                    silent = time.monotonic() - last_answer
-                    if silent >= self.timeouts.lost_after:
-                        raise WorkerLost(f"{self.name} ({self.address})", silent) from None
-        finally:
-            if not waiter.done():
-                call.cancel()
-                waiter.cancel()
-
-    async def _await(self, call: Any) -> pb.ForwardResponse:
-        try:
-            return await call
+            response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after)
+        except Silent as e:
+            raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
+        return codec.decode_outputs(list(response.sequences))
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> int:
@@ -237,14 +221,21 @@ class WorkerClient:
 
 
 class ClusterBackend:
-    """Stages on workers, called in layer order by the coordinator."""
+    """Stages on workers, called in layer order by the coordinator; with wide experts, `holders` are the workers
+    that only serve experts (the stages call them directly)."""
 
     def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
-                 prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None):
+                 prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None,
+                 holders: list[WorkerClient] | None = None):
         self.stages = sorted(stages, key=lambda w: w.start)
+        self.holders = list(holders or [])
         self.max_forward_tokens = max_forward_tokens
         self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)
         self.parallel_stages = parallel_stages or len(self.stages)
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return [*self.stages, *self.holders]
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         request_id = uuid.uuid4().hex
@@ -273,7 +264,7 @@ class ClusterBackend:
                              return_exceptions=True)
 
     async def stats(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(w.stats() for w in self.stages)))
+        return list(await asyncio.gather(*(w.stats() for w in self.workers)))
 
     async def close(self) -> None:
-        await asyncio.gather(*(w.close() for w in self.stages))
+        await asyncio.gather(*(w.close() for w in self.workers))

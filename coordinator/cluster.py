@@ -13,14 +13,15 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from deltafin.checkpoint import fingerprint
 from deltafin.config import ModelConfig
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
-from deltafin.planner import Plan, StagePlan, WorkerCapacity, plan_layers
+from deltafin.placement import ExpertPlan, Holder
+from deltafin.planner import EXPERT_MODES, Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.prefixes import PrefixBudget
 from deltafin.progress import Progress
 from deltafin.sizing import SizingOptions, message_tokens
@@ -29,12 +30,7 @@ from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, Work
 
 from .backend import ClusterBackend, Timeouts, WorkerClient
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
-
-
 
 
 @dataclass
@@ -54,6 +50,7 @@ class ClusterSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    experts: str = "auto"  # wide | local | auto: wide when the plan has more than one worker
 
 
 Worker = tuple[WorkerClient, WorkerDescription]
@@ -135,43 +132,71 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
     cap = (lambda m: m) if memory_cap is None else (lambda m: min(m, memory_cap))
     return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
                            device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
-                           worker_id=d.key) for _, d in workers]
+                           worker_id=d.key, expert_layers=d.expert_ranges, expert_gbps=d.expert_speed,
+                           disks=d.expert_disks) for _, d in workers]
 
 
 def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
-    return plan_layers(cfg, capacities(workers, spec.memory_cap), spec.sizing, spec.act_bytes)
+    """The layers over the workers; with `--experts auto`, the experts wide when more than one worker answers."""
+    if spec.experts not in EXPERT_MODES:
+        raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
+    caps = capacities(workers, spec.memory_cap)
+    mode = spec.experts if spec.experts != "auto" else ("wide" if len(workers) > 1 else "local")
+    plan = plan_layers(cfg, caps, spec.sizing, spec.act_bytes, experts=mode)
+    log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
+              plan.table())
+    return plan
 
 
-def stage_options(stage: StagePlan, spec: ClusterSpec) -> dict[str, Any]:
+def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
+    """The wide part of a plan as every worker receives it (None: local experts)."""
+    if plan.experts is None:
+        return None
+    holders = tuple(Holder(s.key, s.address, s.worker) for s in plan.workers)
+    t = spec.timeouts
+    return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward)
+
+
+def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> dict[str, Any]:
     """The assignment of one stage: the user's options and the plan's budgets, which the worker's stage sizes
     itself by again (the same function, so the same result) and enforces."""
     z = stage.sizing
-    return {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
-            "spine": z.spine, "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
-            "session_bytes": z.sessions, "prefix_bytes": z.prefixes, "sequences": spec.sizing.sequences,
-            "context": spec.sizing.context,
-            "max_forward_tokens": z.forward_tokens, "max_resident_layers": spec.sizing.max_resident_layers}
+    options = {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
+               "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
+               "session_bytes": z.sessions, "prefix_bytes": z.prefixes, "sequences": spec.sizing.sequences,
+               "context": spec.sizing.context, "max_forward_tokens": z.forward_tokens,
+               "max_resident_layers": spec.sizing.max_resident_layers}
+    if not z.holder_only:
+        options["spine"] = z.spine
+    if wide:
+        options.update(expert_layers=z.expert_layers, expert_share=z.expert_share)
+    return options
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
                       reuse: bool = False) -> tuple[ClusterBackend, Plan]:
     """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
     does not use are closed; on failure every client is closed. With `reuse` (a re-plan by this same
-    coordinator), a worker already serving exactly its new range keeps its stage and its caches."""
+    coordinator), a worker already serving exactly its new range keeps its stage and its caches; with wide
+    experts every worker is told the new placement (and keeps its stage and store if its own part is the same)."""
     try:
         plan = plan_cluster(spec, cfg, workers)
     except DeltafinError:
         await asyncio.gather(*(c.close() for c, _ in workers))
         raise
     by_key = {d.key: (c, d) for c, d in workers}  # names need not be unique (two workers on one host)
-    used = [by_key[s.key] for s in plan.stages]
+    used = [by_key[s.key] for s in plan.workers]
     for client, _ in workers:
         if client not in [c for c, _ in used]:
             await client.close()
-    log.debug("plan:\n%s", plan.table())
     mine = fingerprint(spec.model_dir)
-    bars = {id(c): Progress(1.0, f"load {s.worker} layers {s.start}-{s.end - 1}", unit="", enabled=show_progress)
-            for s, (c, _) in zip(plan.stages, used, strict=True)}
+    wide = expert_plan(spec, plan)
+
+    def label(s: StagePlan) -> str:
+        return f"load {s.worker} " + ("expert share" if s.sizing.holder_only else f"layers {s.start}-{s.end - 1}")
+
+    bars = {id(c): Progress(1.0, label(s), unit="", enabled=show_progress)
+            for s, (c, _) in zip(plan.workers, used, strict=True)}
 
     def progress(client: WorkerClient, message: str, fraction: float) -> None:
         bar = bars.get(id(client))
@@ -179,12 +204,12 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
             bar.update(max(0.0, fraction - bar.done))
 
     todo = []
-    for s, (c, d) in zip(plan.stages, used, strict=True):
-        if reuse and d.state == "ready" and d.assigned == (s.start, s.end):
+    for s, (c, d) in zip(plan.workers, used, strict=True):
+        if reuse and wide is None and d.state == "ready" and d.assigned == (s.start, s.end):
             c.start, c.end = s.start, s.end
             bars[id(c)].update(1.0)
         else:
-            todo.append(c.assign(s.start, s.end, mine, stage_options(s, spec), progress))
+            todo.append(c.assign(s.start, s.end, mine, stage_options(s, spec, wide is not None), progress, wide))
     try:
         await asyncio.gather(*todo)
     except BaseException:
@@ -195,8 +220,10 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
             bar.close()
     prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes)
                 for s in sorted(plan.stages, key=lambda s: s.start)]
-    return ClusterBackend([c for c, _ in used], forward_limit(spec, cfg, plan), prefixes,
-                          parallel_stages([d for _, d in used])), plan
+    stages = [c for c, _ in used[:len(plan.stages)]]
+    return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
+                          parallel_stages([d for _, d in used[:len(plan.stages)]]),
+                          holders=[c for c, _ in used[len(plan.stages):]]), plan
 
 
 def parallel_stages(workers: list[WorkerDescription]) -> int:

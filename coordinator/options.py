@@ -29,6 +29,10 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
     p.add_argument("--local-stages", type=int, default=1, help="--local: in-process stages (default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="--local: device")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype")
+    p.add_argument("--experts", default="auto", choices=["auto", "wide", "local"],
+                   help="wide: every worker reads and computes its share of every layer's routed experts, so every "
+                   "disk works on every token; local: each stage reads its own layers' experts; auto (default): "
+                   "wide with more than one worker")
     add_stage_options(p)
     sec = p.add_argument_group("security",
                                "how this coordinator proves itself to workers (see deploy/README.md, Security)")
@@ -41,6 +45,10 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
     sec.add_argument("--tls-key", default=None, help="mutual TLS: its private key (PEM)")
     sec.add_argument("--tls-server-name", default=None,
                      help="the name the workers' certificates carry, when it is not the address dialled")
+    add_recovery_options(p)
+
+
+def add_recovery_options(p: argparse.ArgumentParser) -> None:
     rec = p.add_argument_group("fault tolerance")
     rec.add_argument("--worker-timeout", type=float, default=10.0,
                      help="a worker that answers nothing for this many seconds during a forward is lost "
@@ -168,7 +176,7 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
                        discover_timeout=args.discover_timeout, expect=args.expect, interfaces=args.interface,
                        options=options or {}, sizing=sizing, act_bytes=2 if args.dtype == "bf16" else 4,
                        memory_cap=None if args.memory_gb is None else int(args.memory_gb * 1e9), timeouts=timeouts,
-                       security=security)
+                       security=security, experts=args.experts)
 
 
 async def open_engine(args: argparse.Namespace, name: str | None = None, **serving: Any):

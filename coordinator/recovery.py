@@ -54,8 +54,6 @@ GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 STATE_LOST = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-
-
 @dataclass(frozen=True)
 class RecoveryOptions:
     enabled: bool = True
@@ -169,7 +167,7 @@ class ResilientCluster:
         self.prefix_journal: OrderedDict[str, _Journal] = OrderedDict()  # kept prefixes: how their state was fed
         self.journal_size = 0
         self.stale: set[str] = set()
-        self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.stages)]))
+        self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.workers)]))
         self.recoveries: list[Recovery] = []
         self.lock = RWLock()  # forwards share it (batches pipeline through the stages); re-plans take it alone
         self._membership: asyncio.Task[None] | None = None
@@ -185,6 +183,10 @@ class ResilientCluster:
     @property
     def stages(self) -> list[Any]:
         return self.backend.stages
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.backend.workers
 
     @property
     def parallel_stages(self) -> int:
@@ -334,8 +336,11 @@ class ResilientCluster:
                                          f"(after: {cause})") from None
             after = [(w.address, w.start, w.end) for w in backend.stages]
             replanned = after != before or any((addr, (lo, hi)) not in current for addr, lo, hi in after)
+            moved = experts_moved(self.plan, plan)
+            if moved:
+                log.warning("%s", moved)
             old, self.backend, self.plan = self.backend, backend, plan
-            self.known = list(dict.fromkeys([*self.known, *(a for a, _, _ in after)]))
+            self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.workers)]))
             with contextlib.suppress(Exception):
                 await old.close()
             self._mark_stale(self.journal if replanned else sessions)
@@ -388,14 +393,15 @@ class ResilientCluster:
                             self.options.rejoin_interval * min(2 ** failures, 16), e)
 
     async def _lost_stages(self) -> str:
-        """Names of current stage workers that do not answer (or no longer hold their stage)."""
-        stages = list(self.backend.stages)
+        """Names of current workers (stages and expert holders) that do not answer (or no longer hold their
+        part)."""
+        stages = list(self.backend.workers)
         answers = await asyncio.gather(*(w.info(self._probe_timeout()) for w in stages), return_exceptions=True)
         return ", ".join(w.name for w, a in zip(stages, answers, strict=True)
                          if isinstance(a, BaseException) or a.state != "ready" or a.assigned != (w.start, w.end))
 
     async def _rejoin(self) -> None:
-        in_use = {w.address for w in self.backend.stages}
+        in_use = {w.address for w in self.backend.workers}
         extra = [a for a in dict.fromkeys([*self.known, *await self._discovered()]) if a not in in_use]
         if not extra:
             return
@@ -405,8 +411,7 @@ class ResilientCluster:
         current = await probe_workers(self.spec, list(in_use), quiet=True, timeout=self._probe_timeout())
         workers = current + new
         try:
-            better = len(plan_cluster(self.spec, self.cfg, workers).stages) > len(
-                self.plan.stages)
+            better = len(plan_cluster(self.spec, self.cfg, workers).workers) > len(self.plan.workers)
         except DeltafinError:
             better = False
         if not better or self.journal:
@@ -418,12 +423,35 @@ class ResilientCluster:
                 return
             backend, plan = await assign_plan(self.spec, self.cfg, workers, show_progress=False, reuse=True)
             old, self.backend, self.plan = self.backend, backend, plan
-            self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.stages)]))
+            self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.workers)]))
             with contextlib.suppress(Exception):
                 await old.close()
             self._mark_stale(self.journal)
-        log.warning("worker(s) %s joined; new plan %s", ", ".join(d.name for _, d in new),
-                    " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in self.backend.stages))
+        log.warning("worker(s) %s joined; new plan %s%s", ", ".join(d.name for _, d in new),
+                    " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in self.backend.stages),
+                    "".join(f" | {w.name} experts" for w in self.backend.holders))
+
+
+def experts_moved(before: Plan | None, after: Plan) -> str:
+    """What a re-plan did to the wide experts, in words ("" when nothing moved): the holders that left, with
+    the share each had and who holds those experts now, and the holders that joined."""
+    if before is None:
+        return ""
+    a, b = before.experts, after.experts
+    if a is None and b is None or a == b:
+        return ""
+    if a is None or b is None:
+        return f"experts are now {'wide' if b is not None else 'local to each stage'}"
+    names = {w.key: w.worker for w in (*before.workers, *after.workers)}
+    left = [h for h in a.holders if h not in b.holders]
+    joined = [h for h in b.holders if h not in a.holders]
+    parts = []
+    for h in left:
+        takers = [names[x] for i, x in enumerate(b.holders)
+                  if any(set(b.share(i, layer)) & set(a.share(a.holders.index(h), layer)) for layer in b.layers)]
+        parts.append(f"{names[h]}'s experts ({a.describe(a.holders.index(h))}) moved to {', '.join(takers)}")
+    parts += [f"{names[h]} joined as an expert holder ({b.describe(b.holders.index(h))})" for h in joined]
+    return "wide experts: " + ("; ".join(parts) if parts else "shares rebalanced")
 
 
 async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,

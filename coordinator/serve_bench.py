@@ -75,7 +75,7 @@ async def bench_level(engine: Engine, concurrency: int, prompt_tokens: int, max_
               for name, (layers, busy) in after.items()]
     tokens = sum(r.tokens for r in results)
     s = engine.scheduler.stats
-    return {"concurrency": concurrency, "wall_s": round(wall, 3), "tokens": tokens,
+    return {"concurrency": concurrency, "wall_s": round(wall, 4), "tokens": tokens,
             "aggregate_tok_per_s": round(tokens / wall, 3),
             "per_request_tok_per_s": round(sum(r.decode_tok_per_s for r in results) / len(results), 3),
             "slowest_request_tok_per_s": round(min(r.decode_tok_per_s for r in results), 3),

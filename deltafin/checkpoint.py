@@ -124,6 +124,22 @@ def fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def open_copy(primary: Checkpoint, model_dir: str | Path) -> Checkpoint:
+    """Another copy (or part: fewer shards) of `primary`'s checkpoint, on another disk (`--expert-dir`): the same
+    config and index, or a clear error."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise ModelFormatError(f"--expert-dir {d}: no config.json there (copy the checkpoint's config.json and "
+                               f"{INDEX_NAME} beside the shards)")
+    if fingerprint(d) != fingerprint(primary.model_dir):
+        raise ModelFormatError(f"--expert-dir {d} holds another checkpoint than {primary.model_dir} (config.json or "
+                               "the index differ): it must be a copy or a part of the same one")
+    copy = scan_checkpoint(d, primary.config)
+    if not any(primary.config.is_moe(i) for i in copy.layers_available()):
+        raise ModelFormatError(f"--expert-dir {d} holds no complete MoE layer")
+    return copy
+
+
 def open_checkpoint(model_dir: str | Path, config: ModelConfig, *, strict: bool = True) -> Checkpoint:
     """Index `model_dir` and validate it against `config`; with `strict`, raise on any problem."""
     ckpt = scan_checkpoint(model_dir, config)

@@ -35,21 +35,31 @@ def txt_record(d: WorkerDescription) -> dict[str, str]:
         "ver": d.version,
         "hmem": str(d.host_memory_bytes),
         "id": d.worker_id,
+        "experts": ",".join(f"{a}-{b}" for a, b in d.expert_ranges),
+        "ebw": f"{d.expert_speed:.3f}",
+        "disks": str(d.expert_disks),
     }
 
 
 def parse_txt(props: dict[bytes, bytes | None], address: str) -> WorkerDescription:
     """A TXT record back into a description; ValueError when it is not a Deltafin worker's."""
     p = {k.decode(): (v or b"").decode() for k, v in props.items()}
-    layers = tuple(tuple(int(x) for x in r.split("-")) for r in p.get("layers", "").split(",") if r)
-    if any(len(r) != 2 for r in layers):
-        raise ValueError(f"bad layer ranges {p.get('layers')!r}")
+    layers = _ranges(p.get("layers", ""))
+    experts = _ranges(p["experts"]) if "experts" in p else None
     return WorkerDescription(
         name=p["name"], address=address, device=p.get("dev", "?"), memory_bytes=int(p.get("mem", "0")),
         disk_gbps=float(p.get("bw", "0")), model_fingerprint=p.get("fp", ""),
         layers=layers,  # type: ignore[arg-type]
         has_top=p.get("top") == "1", protocol_version=int(p.get("v", "0")), version=p.get("ver", ""),
-        host_memory_bytes=int(p.get("hmem", "0")), worker_id=p.get("id", ""))
+        host_memory_bytes=int(p.get("hmem", "0")), worker_id=p.get("id", ""), expert_layers=experts,
+        expert_gbps=float(p.get("ebw", "0")), expert_disks=int(p.get("disks", "1")))
+
+
+def _ranges(text: str) -> tuple[tuple[int, int], ...]:
+    ranges = tuple(tuple(int(x) for x in r.split("-")) for r in text.split(",") if r)
+    if any(len(r) != 2 for r in ranges):
+        raise ValueError(f"bad layer ranges {text!r}")
+    return ranges  # type: ignore[return-value]
 
 
 # macOS interfaces that multicast DNS should leave alone: Apple's peer-to-peer Wi-Fi (awdl, llw) and VPN

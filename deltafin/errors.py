@@ -112,6 +112,20 @@ class WorkerLost(DeltafinError):
         super().__init__(f"worker {worker} has not answered for {seconds:.1f}s: treating it as lost")
 
 
+class HolderError(DeltafinError):
+    """An expert call to another worker failed (wide experts): the stage answers with the holder's status, so
+    that a holder that is gone (UNAVAILABLE) is recovered from like a lost stage. `status` is a gRPC status
+    name."""
+
+    def __init__(self, holder: str, status: str, details: str):
+        self.holder, self.status, self.details = holder, status, details
+        super().__init__(f"expert holder {holder}: {status}: {details}")
+
+
+class NotHeld(StageError):
+    """An expert call asked for experts this worker does not serve (its placement changed, or another plan)."""
+
+
 class ClusterUnavailable(DeltafinError):
     """The workers that answer cannot run the model (or kept failing): this request fails."""
 
@@ -158,6 +172,7 @@ GRPC_STATUS: list[tuple[type[DeltafinError], str]] = [
     (InvalidInput, "INVALID_ARGUMENT"),
     (SessionNotFound, "NOT_FOUND"),
     (PrefixNotFound, "ABORTED"),  # not lost state: the coordinator starts the session afresh
+    (NotHeld, "FAILED_PRECONDITION"),
     (SessionOutOfSync, "FAILED_PRECONDITION"),
     (OutOfMemory, "RESOURCE_EXHAUSTED"),
     (Cancelled, "CANCELLED"),

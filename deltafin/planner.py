@@ -1,11 +1,18 @@
 """Layer partition across workers (pure): contiguous ranges, sized by memory and disk bandwidth, only from
-layers each worker holds, with an explanation table.
+layers each worker holds, with an explanation table; with wide experts, also the placement of every MoE
+layer's routed experts over the workers that hold their bytes (deltafin/placement.py).
 
 Every candidate stage is sized by sizing.choose on that worker's device and budget (the same function the
 worker's stage runs on the assignment), so a plan that fits here fits there. Cost of a stage per token =
 (expected expert bytes missed + spine bytes streamed) / the worker's disk bandwidth. For one sequence the
 stages run one after another, so the plan minimizes the sum; ties (e.g. equal disks) are broken toward
 memory-proportional ranges.
+
+Wide experts (`experts="wide"`): every worker's expert store serves its share of every MoE layer it holds, so
+the expert reads of a token are spread over all the disks and a stage's cost is only the spine it streams.
+Workers that take no layers still serve experts when their memory holds the working set. Shares follow each
+disk's speed and each cache (placement.cache_aware_weights), and the prediction is, per MoE layer, the slowest
+holder's reads, plus one round trip and the outputs over the network per layer, plus the spine streamed.
 """
 
 from __future__ import annotations
@@ -15,12 +22,15 @@ from functools import cache
 
 from deltafin.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
-from deltafin.sizing import Budget, Placement, SizingOptions, StageSizing, choose
+from deltafin.placement import ExpertPlacement, cache_aware_weights
+from deltafin.sizing import Budget, Placement, SizingOptions, StageSizing, choose, choose_holder, expert_slot_bytes
 
 GB = 1e9
-
-
-
+# wide experts: what one MoE layer's expert calls cost on the network (assumed, not measured on Macs): a round
+# trip on a wired LAN or a Thunderbolt bridge (PERF.md: 0.1-0.5 ms) and the outputs back at 10 Gbit/s
+EXPERT_CALL_RTT_S = 0.0005
+LINK_BYTES_PER_S = 1.25e9
+EXPERT_MODES = ("auto", "wide", "local")
 
 @dataclass(frozen=True)
 class WorkerCapacity:
@@ -33,6 +43,9 @@ class WorkerCapacity:
     device: str = "cpu"  # device type: cpu | cuda | mps
     host_memory_bytes: int | None = None  # RAM beside a discrete GPU
     worker_id: str = ""  # unique per worker process (names need not be)
+    expert_layers: tuple[tuple[int, int], ...] | None = None  # ranges whose experts it can read (None: `layers`)
+    expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
+    disks: int = 1  # disks it reads experts from
 
     @property
     def key(self) -> str:
@@ -41,6 +54,13 @@ class WorkerCapacity:
 
     def holds(self, start: int, end: int) -> bool:
         return any(a <= start and end <= b for a, b in self.layers)
+
+    def holds_experts(self, layer: int) -> bool:
+        return any(a <= layer < b for a, b in (self.layers if self.expert_layers is None else self.expert_layers))
+
+    @property
+    def expert_speed(self) -> float:
+        return self.expert_gbps or self.disk_gbps
 
     @property
     def budget(self) -> Budget:
@@ -85,12 +105,55 @@ class StagePlan:
 @dataclass(frozen=True)
 class Plan:
     stages: tuple[StagePlan, ...]
+    holders: tuple[StagePlan, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
+    experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
+    predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
+
+    @property
+    def wide(self) -> bool:
+        return self.experts is not None
+
+    @property
+    def workers(self) -> tuple[StagePlan, ...]:
+        return self.stages + self.holders
 
     @property
     def seconds_per_token(self) -> float:
+        if self.predicted_seconds is not None:
+            return self.predicted_seconds
         return sum(s.seconds_per_token for s in self.stages)
 
     def table(self) -> str:
+        return self._wide_table() if self.wide else self._table()
+
+    def _wide_table(self) -> str:
+        assert self.experts is not None
+        head = (f"{'worker':<16} {'address':<21} {'dev':<5} {'layers':>7} {'spine':>11} {'resident':>9} "
+                f"{'experts':>13} {'cache GB':>8} {'total/budget GB':>16} {'exp GB/tok':>10} {'spine GB/tok':>12} "
+                f"{'disk s/tok':>10}")
+        rows = [head]
+        for s in self.workers:
+            z = s.sizing
+            layers = "-" if z.holder_only else f"{s.start}-{s.end - 1}"
+            spine = "-" if z.holder_only else f"{z.spine} {len(z.resident_layers)}/{z.end - z.start}"
+            share = self.experts.describe(self.experts.holders.index(s.key))
+            rows.append(f"{s.worker[:16]:<16} {s.address[:21]:<21} {z.device:<5} {layers:>7} {spine:>11} "
+                        f"{s.spine_bytes / GB:>9.2f} {share:>13} {z.expert_cache / GB:>8.2f} "
+                        f"{f'{z.device_total / GB:.1f}/{s.memory_bytes / GB:.1f}':>16} "
+                        f"{z.expert_bytes_per_token / GB:>10.3f} {z.spine_bytes_per_token / GB:>12.3f} "
+                        f"{s.seconds_per_token:>10.3f}")
+        experts = sum(s.sizing.expert_bytes_per_token for s in self.workers) / GB
+        spine = sum(s.sizing.spine_bytes_per_token for s in self.workers) / GB
+        rows.append(f"{'total (wide)':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
+                    f"{sum(s.spine_bytes for s in self.workers) / GB:>9.2f} {'':>13} {'':>8} {'':>16} "
+                    f"{experts:>10.3f} {spine:>12.3f} {self.seconds_per_token:>10.3f}")
+        rows.append("wide experts: every worker reads and computes its share of every MoE layer's routed experts "
+                    "(experts: per layer/of the layer x layers) for every stage; exp/spine GB/tok: what its disk "
+                    "reads per token; disk s/tok: that at its speed; total: s/token with the reads in parallel "
+                    f"(per MoE layer the slowest holder, {EXPERT_CALL_RTT_S * 1e3:.1f} ms a round trip)")
+        return "\n".join(rows)
+
+    def _table(self) -> str:
         head = (f"{'worker':<16} {'address':<21} {'dev':<5} {'layers':>7} {'spine':>11} {'resident':>9} "
                 f"{'experts':>9} {'sessions':>8} {'total/budget GB':>16} {'GB/token':>9} {'s/token':>8}")
         rows = [head]
@@ -113,35 +176,54 @@ class Plan:
 
 
 def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions | None = None,
-                act_bytes: int = 4) -> Plan:
+                act_bytes: int = 4, experts: str = "local") -> Plan:
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
-    usefully take layers are left out). Raises PlanError with the reason when no plan exists.
+    usefully take layers are left out, or with wide experts serve experts only). Raises PlanError with the reason
+    when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide".
 
     The spine format is one for the whole cluster: with `spine="auto"`, bf16 if the cluster holds all of it
     resident, else row-int8 (and whatever int8 does not fit streams)."""
     if not workers:
         raise PlanError("no workers to plan over")
+    if experts not in ("wide", "local"):
+        raise PlanError(f"unknown expert placement {experts!r}: wide or local")
     opts = options or SizingOptions()
+    wide = experts == "wide"
+    if wide and not cfg.moe_layers:
+        wide = False  # nothing to spread
     if opts.spine == "auto":
-        plan = _plan(cfg, workers, replace(opts, spine="bf16"), act_bytes, resident_only=True)
+        plan = _plan(cfg, workers, replace(opts, spine="bf16"), act_bytes, True, wide)
         if plan is not None:
             return plan
         opts = replace(opts, spine="int8")
-    plan = _plan(cfg, workers, opts, act_bytes, resident_only=False)
+    plan = _plan(cfg, workers, opts, act_bytes, False, wide)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
     return plan
 
 
+def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:
+    return sum(1 for layer in cfg.moe_layers if w.holds_experts(layer))
+
+
+def _wide_options(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions) -> list[SizingOptions]:
+    """Each worker's sizing options with wide experts, its share first guessed from its disk speed alone."""
+    speed = sum(w.expert_speed for w in workers if _expert_layers(cfg, w)) or 1.0
+    return [replace(opts, expert_layers=_expert_layers(cfg, w), disks=w.disks,
+                    expert_share=w.expert_speed / speed if _expert_layers(cfg, w) else 0.0) for w in workers]
+
+
 def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
-          resident_only: bool) -> Plan | None:
+          resident_only: bool, wide: bool) -> Plan | None:
     """The cheapest plan in one spine format (with `resident_only`, stages that stream spine are left out)."""
     n = cfg.num_layers
+    per_worker = _wide_options(cfg, workers, opts) if wide else [opts] * len(workers)
 
     @cache
-    def size(device: str, budget: Budget, a: int, b: int) -> StageSizing | None:
+    def size(i: int, a: int, b: int) -> StageSizing | None:
+        w = workers[i]
         try:
-            return choose(cfg, a, b, Placement(device, act_bytes), budget, opts)
+            return choose(cfg, a, b, Placement(w.device, act_bytes), w.budget, per_worker[i])
         except SizingError:
             return None
 
@@ -157,21 +239,87 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, 
                     break
                 if before is None or ((a == 0 or b == n) and not w.has_top):
                     continue
-                sizing = size(w.device, w.budget, a, b)
+                sizing = size(i, a, b)
                 if sizing is None or (resident_only and sizing.streamed_layers):
                     break
-                seconds = (sizing.expert_bytes_per_token + sizing.spine_bytes_per_token) / (max(w.disk_gbps, 1e-3)
-                                                                                           * GB)
-                stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes,
-                                  w.host_memory_bytes)
-                # tie-break: sum of spine^2 / memory is least when spines are proportional to memory
-                weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token
-                cost = before[0] + seconds + 1e-3 * weight ** 2 / max(1, w.memory_bytes) / GB
-                if cand is None or cost < cand[0]:
-                    cand = (cost, (*before[1], stage))
+                stage, cost = _candidate(w, a, b, sizing, wide)
+                if cand is None or before[0] + cost < cand[0]:
+                    cand = (before[0] + cost, (*before[1], stage))
             best[i + 1][b] = cand
     done = best[len(workers)][n]
-    return None if done is None else Plan(done[1])
+    if done is None:
+        return None
+    return _place_experts(cfg, workers, done[1], per_worker, act_bytes) if wide else Plan(done[1])
+
+
+def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: bool) -> tuple[StagePlan, float]:
+    """A stage of layers [a, b) on `w` and its cost: its reads' seconds (with wide experts only its spine's: the
+    experts are read by every holder), and a tie-break that is least when spines follow memory."""
+    read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
+    seconds = read / (max(w.disk_gbps, 1e-3) * GB)
+    stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes)
+    weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
+    return stage, seconds + 1e-3 * weight ** 2 / max(1, w.memory_bytes) / GB
+
+
+def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[StagePlan, ...],
+                   per_worker: list[SizingOptions], act_bytes: int) -> Plan:
+    """Wide experts over the plan's stages and the workers left without layers that can hold the working set of
+    an expert holder: shares by disk speed and cache, the stages sized again with them, the prediction."""
+    index = {w.key: i for i, w in enumerate(workers)}
+    holders = []
+    for i, w in enumerate(workers):
+        if w.key in {s.key for s in stages} or not per_worker[i].expert_layers:
+            continue
+        try:
+            z = choose_holder(cfg, Placement(w.device, act_bytes), w.budget, per_worker[i])
+        except SizingError:
+            continue
+        holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes))
+    members = [*stages, *holders]
+    caps = [workers[index[m.key]] for m in members]
+    slot = expert_slot_bytes(cfg)
+    held = [min(1.0, m.sizing.expert_cache // slot / (m.sizing.expert_layers * cfg.num_experts))
+            if m.sizing.expert_layers else 0.0 for m in members]
+    weights = cache_aware_weights([c.expert_speed if m.sizing.expert_layers else 0.0 for c, m in
+                                   zip(caps, members, strict=True)], held)
+    placement = ExpertPlacement.build([m.key for m in members], cfg.moe_layers, cfg.num_experts,
+                                      lambda i, layer: weights[i] if caps[i].holds_experts(layer) else 0.0)
+    sized = []
+    for i, (m, c) in enumerate(zip(members, caps, strict=True)):
+        layers = m.sizing.expert_layers
+        share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
+        o = replace(per_worker[index[m.key]], expert_share=share)
+        place = Placement(c.device, act_bytes)
+        z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
+                                                                                       c.budget, o)
+        seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
+                   / max(c.disk_gbps, 1e-3)) / GB
+        sized.append(replace(m, sizing=z, seconds_per_token=seconds))
+    return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement,
+                _wide_seconds(cfg, placement, sized, caps))
+
+
+def _wide_seconds(cfg: ModelConfig, placement: ExpertPlacement, members: list[StagePlan],
+                  caps: list[WorkerCapacity]) -> float:
+    """A token's time with every disk reading at once: per MoE layer the slowest holder's expected misses (a
+    uniform router: each holder's cache keeps its share of what it computes), plus the calls' round trip and
+    outputs on the network, plus the spine the stages stream one after another."""
+    k, b, e = cfg.experts_per_token, cfg.bytes_per_expert, cfg.num_experts
+    slot = expert_slot_bytes(cfg)
+    miss = [1 - min(1.0, m.sizing.expert_cache // slot / placement.count(i)) if placement.count(i) else 0.0
+            for i, m in enumerate(members)]
+    owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
+    total = 0.0
+    for layer in placement.layers:
+        bounds = placement.bounds_of(layer)
+        reads = [k * b * (bounds[i + 1] - bounds[i]) / e * miss[i] / (max(c.expert_speed, 1e-3) * GB)
+                 for i, c in enumerate(caps)]
+        remote = 1 - (bounds[owner[layer] + 1] - bounds[owner[layer]]) / e
+        network = (EXPERT_CALL_RTT_S + k * cfg.expert_dim * 4 * remote / LINK_BYTES_PER_S) if remote > 0 else 0.0
+        total += max(reads) + network
+    return total + sum(m.sizing.spine_bytes_per_token / (max(c.disk_gbps, 1e-3) * GB)
+                       for m, c in zip(members, caps, strict=True))
 
 
 def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int) -> str:

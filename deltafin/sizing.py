@@ -12,7 +12,11 @@ allocated. A stage of layers [a, b) on a device holds:
     top               the embedding (first stage, as stored) and final norms + head (last stage)
     experts           every routed expert resident, when that fits; else a cache of expert slots plus the
                       reader's working slots (three layers' worth of prefetch + one read per thread); on a
-                      discrete GPU the slots read into host staging and the cache lives on the device
+                      discrete GPU the slots read into host staging and the cache lives on the device.
+                      Wide experts (`expert_layers` set): the worker's store serves its share of every MoE layer
+                      it holds, for its own stage and others', always as a cache (capped at those layers'
+                      experts), with a second layer of demand slots for the calls it serves, and the buffers of
+                      expert calls (rows out, outputs back) for `forward_tokens` tokens each way
     sessions          per-sequence caches for `sequences` sequences of `context` tokens: KDA conv window +
                       recurrent state (fp32, fixed size), MLA latents (576 values per token per layer)
     workspace         the forward's temporaries for `forward_tokens` tokens (activations, attention scores
@@ -41,8 +45,6 @@ WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight 
 MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values (models/mla.py)
 MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
 SPINES = ("auto", "bf16", "int8")
-
-
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,13 @@ class SizingOptions:
     max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
     speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
+    expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
+    expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
+    disks: int = 1  # disks the experts are read from, each with `read_threads` readers
+
+    @property
+    def wide(self) -> bool:
+        return self.expert_layers is not None
 
 
 # ---- placement rules (the stage follows these) ----------------------------------------------------------
@@ -194,10 +203,11 @@ def expert_slot_bytes(cfg: ModelConfig) -> int:
     return _align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
 
 
-def working_slots(cfg: ModelConfig, threads: int) -> int:
-    """Slots the expert store needs besides its cache: two layers of staged prefetches, one of demand reads
-    (k: so a layer's experts can all be held at once), and one per reader thread."""
-    return 3 * cfg.experts_per_token + threads
+def working_slots(cfg: ModelConfig, threads: int, demand_layers: int = 1) -> int:
+    """Slots the expert store needs besides its cache: two layers of staged prefetches, one layer of demand reads
+    for each compute thread that may hold one at once (k: so a layer's experts can all be held together; a wide
+    worker's stage and the expert calls it serves are two), and one per reader thread."""
+    return (2 + demand_layers) * cfg.experts_per_token + threads
 
 
 def mla_capacity(tokens: int) -> int:
@@ -258,6 +268,21 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
     return state + per_layer + logits + weight_blocks + t * d * act * 4
 
 
+def expert_call_bytes(cfg: ModelConfig, tokens: int, issues: bool, serves: bool) -> int:
+    """Buffers of wide expert calls for a forward of `tokens` tokens: a stage's calls out (its rows, then every
+    pair's fp32 output coming back, as messages and as tensors) and, for a holder, the calls it serves (the same
+    bounds: at most every pair of the forward comes to one holder)."""
+    one = 2 * tokens * (cfg.experts_per_token + 1) * cfg.expert_dim * 4
+    return one * (int(issues) + int(serves))
+
+
+def holder_workspace_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Temporaries of computing one expert call of `tokens` tokens' pairs: each expert's rows, its gate and up
+    products and output (the largest expert sees every token), and the call's outputs."""
+    i, d, k = cfg.moe_intermediate_size, cfg.expert_dim, cfg.experts_per_token
+    return tokens * (2 * d + 3 * i) * 4 + tokens * k * d * 4
+
+
 def boundary_bytes_per_token(cfg: ModelConfig, layer: int, act_bytes: int) -> int:
     """Bytes one token adds to the message that enters `layer` from the previous stage: the AttnRes state,
     the banked blocks P and the partial block B (layer = L: what the last stage's head receives)."""
@@ -297,6 +322,7 @@ class StageSizing:
     expert_cache: int  # cache slots (experts resident: every expert)
     expert_staging: int  # host: the store's read slots
     expert_landing: int  # device: slots that landed reads are copied into (GPUs)
+    expert_calls: int  # wide experts: the buffers of expert calls made and served (rows out, outputs back)
     sessions: int
     prefixes: int  # sequence state kept after its request, for the next request that shares its prefix
     workspace: int
@@ -305,9 +331,16 @@ class StageSizing:
     spine_bytes_per_token: int  # spine read per token (streamed layers)
     expert_bytes_per_token: int  # expected expert reads per token (uniform router: hit rate = cache share)
     discrete: bool = False  # host parts live apart from the device's memory
+    expert_layers: int = 0  # MoE layers whose experts the store serves (wide: others' layers too)
+    expert_share: float = 1.0  # the fraction of those layers' experts this worker computes (wide)
+
+    @property
+    def holder_only(self) -> bool:
+        """A wide worker with no layers of its own: it only serves expert calls."""
+        return self.end == self.start
 
     PARTS = ("layers", "top", "stream_buffers", "stream_copies", "expert_cache", "expert_staging", "expert_landing",
-             "sessions", "prefixes", "workspace", "overhead")
+             "expert_calls", "sessions", "prefixes", "workspace", "overhead")
     HOST_PARTS = ("stream_buffers", "expert_staging", "overhead")
 
     @property
@@ -351,6 +384,22 @@ class Budget:
         return s.device_total <= self.device and (self.host is None or s.host <= self.host)
 
 
+def _expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_moe: int, expert_cache: int | None,
+                  demand: int) -> tuple[int, int, int, int]:
+    """(cache, host staging, device landing, expected bytes read per token) of an expert store over `n_moe` MoE
+    layers: every expert resident (`expert_cache` None), or a cache of whole slots beside the working slots of
+    `demand` compute threads; a wide store computes `options.expert_share` of those layers' experts."""
+    slot = expert_slot_bytes(cfg)
+    if expert_cache is None:
+        return n_moe * cfg.num_experts * slot, 0, 0, 0
+    cache_slots = expert_cache // slot
+    working = working_slots(cfg, options.read_threads * options.disks, demand) * slot if n_moe else 0
+    share = options.expert_share if options.wide else 1.0
+    held = min(1.0, cache_slots / (n_moe * cfg.num_experts * share)) if n_moe and share > 0 else 0.0
+    per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * share * (1 - held))
+    return cache_slots * slot, working, working if place.copies and place.experts != "mlx" else 0, per_token
+
+
 def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
                resident_count: int, options: SizingOptions) -> StageSizing:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
@@ -359,17 +408,13 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     ids = tuple(range(start, end))
     resident, streamed = ids[:resident_count], ids[resident_count:]
     prefix = t.int8 if spine == "int8" else t.bf16
-    n_moe = t.moe[end] - t.moe[start]
-    slot = expert_slot_bytes(cfg)
-    if expert_cache is None:
-        cache, staging, landing, per_token = n_moe * cfg.num_experts * slot, 0, 0, 0
-    else:
-        cache_slots = expert_cache // slot
-        cache = cache_slots * slot
-        working = working_slots(cfg, options.read_threads) * slot if n_moe else 0
-        staging, landing = working, working if place.copies and place.experts != "mlx" else 0
-        share = min(1.0, cache_slots / (n_moe * cfg.num_experts)) if n_moe else 0.0
-        per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * (1 - share))
+    own_moe = t.moe[end] - t.moe[start]
+    n_moe = options.expert_layers if options.wide else own_moe
+    if expert_cache is None and options.wide:
+        raise SizingError("wide experts are always cached, never all resident")
+    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache,
+                                                       2 if options.wide else 1)
+    calls = expert_call_bytes(cfg, options.forward_tokens, own_moe > 0, n_moe > 0) if options.wide else 0
     n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
     state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
     trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
@@ -384,11 +429,11 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         stream_buffers=2 * max((t.span[i] for i in streamed), default=0),
         stream_copies=2 * max((t.stream_copy[i] for i in streamed), default=0),
         experts_resident=expert_cache is None, expert_cache=cache, expert_staging=staging, expert_landing=landing,
-        sessions=sessions, prefixes=prefixes,
+        expert_calls=calls, sessions=sessions, prefixes=prefixes,
         workspace=workspace_bytes(cfg, t, start, end, options.forward_tokens, options.context, last),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens,
         spine_bytes_per_token=sum(t.stored[i] for i in streamed), expert_bytes_per_token=per_token,
-        discrete=place.discrete)
+        discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0)
 
 
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
@@ -401,7 +446,8 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
     cache = options.expert_cache_bytes or 0
     if limit == n:
-        if options.expert_cache_bytes is None:  # every expert resident, if that fits beside a whole spine
+        if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
+            # a whole spine
             for spine in spines:
                 s = size_stage(cfg, start, end, place, spine, None, n, options)
                 if budget.fits(s):
@@ -425,14 +471,45 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
         "for fewer or shorter sequences")
 
 
+def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
+    """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
+    assert options.wide, "a worker without layers only serves wide experts"
+    n_moe = options.expert_layers or 0
+    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache, 1)
+    return StageSizing(
+        start=0, end=0, device=place.device, spine="none", resident_layers=(), streamed_layers=(), layers=0, top=0,
+        stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
+        expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.forward_tokens, False, n_moe > 0),
+        sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.forward_tokens),
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens, spine_bytes_per_token=0,
+        expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
+        expert_share=options.expert_share)
+
+
+def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
+    """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
+    expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
+    base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
+    if not budget.fits(base):
+        raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
+                          f"and the budget is {budget.device / GB:.2f} GB")
+    if options.expert_cache_bytes is not None:
+        return base
+    cap = (options.expert_layers or 0) * cfg.num_experts * expert_slot_bytes(cfg)
+    return size_holder(cfg, place, min(cap, base.expert_cache + budget.device - base.device_total), options)
+
+
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
                 options: SizingOptions) -> StageSizing:
     """The expert cache takes what the rest leaves (unless the user fixed it)."""
-    if options.expert_cache_bytes is not None or not (cfg.moe_layers and s.end > cfg.first_k_dense):
+    if options.expert_cache_bytes is not None or not (cfg.moe_layers and (s.end > cfg.first_k_dense
+                                                                            or options.wide)):
         return s
     room = budget.device - s.device_total
-    return size_stage(cfg, s.start, s.end, place, s.spine, s.expert_cache + max(0, room), len(s.resident_layers),
-                      options)
+    cache = s.expert_cache + max(0, room)
+    if options.wide:  # never more than every expert it could be asked for
+        cache = min(cache, s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg))
+    return size_stage(cfg, s.start, s.end, place, s.spine, cache, len(s.resident_layers), options)
 
 
 def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, cache: int,

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from deltafin.checkpoint import Checkpoint
+from deltafin.checkpoint import Checkpoint, open_copy
 from deltafin.config import LayerKind, ModelConfig
 from deltafin.errors import (
     Cancelled,
@@ -53,26 +53,14 @@ from deltafin.sizing import (
     sequence_bytes,
     size_stage,
 )
+from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import ShardFiles, layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.store import ExpertStore
+from deltafin.wide import WideExperts
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass(frozen=True)
@@ -135,6 +123,10 @@ class StageOptions:
     max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
     max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
     speculative_tokens: int = 0  # plan each sequence room for a speculative forward of this many tokens (0: none)
+    expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: its own, local)
+    expert_share: float = 1.0  # wide experts: the planned fraction of those layers' experts it computes
+    expert_dirs: tuple[str, ...] = ()  # more copies (or parts) of the checkpoint on other disks, read for experts
+    disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
 
     def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
@@ -142,7 +134,8 @@ class StageOptions:
                              sequences=self.sequences, context=self.context,
                              forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
                              max_resident_layers=self.max_resident_layers, spans=spans,
-                             speculative_tokens=self.speculative_tokens)
+                             speculative_tokens=self.speculative_tokens, expert_layers=self.expert_layers,
+                             expert_share=self.expert_share, disks=1 + len(self.expert_dirs))
 
 
 @dataclass
@@ -167,10 +160,35 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
         raise OutOfMemory(str(e)) from None
 
 
+def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
+                 layers: Iterable[int], backend: str) -> ExpertProvider:
+    """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
+    `expert_dirs`), or resident (on MLX, or torch)."""
+    cfg, layers = ckpt.config, list(layers)
+    if sizing.streaming:
+        copies = [open_copy(ckpt, d) for d in options.expert_dirs]
+        speeds = options.disk_gbps
+        if speeds is None and copies:
+            speeds = tuple(measure_disk(c, options.read_threads, options.io) for c in (ckpt, *copies))
+            log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
+                                                    for c, g in zip((ckpt, *copies), speeds, strict=True)))
+        return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
+                           threads=options.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
+                           backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
+                           demand_layers=2 if options.expert_layers is not None else 1)
+    if backend == "mlx":
+        from deltafin.weights.mlx_slots import MLXResidentExperts
+
+        return MLXResidentExperts(ckpt, layers, activation(cfg), io=options.io)
+    return ResidentExperts(ckpt, layers, device, io=options.io)
+
+
 class Stage:
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
                  options: StageOptions | None = None, experts: ExpertProvider | None = None,
-                 progress: Callable[[str, float], None] | None = None):
+                 progress: Callable[[str, float], None] | None = None, serves: Iterable[int] | None = None):
+        """`serves`: with wide experts, the MoE layers (its own and others') whose share this worker's store
+        holds; the stage then computes its layers' experts through `wide` (set_wide), never alone."""
         cfg = ckpt.config
         opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
@@ -181,7 +199,7 @@ class Stage:
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         ckpt.raise_problems(layers=range(start, end), top=self.first or self.last)
-        self.expert_backend = _expert_backend(cfg, device) if experts is None else "given"
+        self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
         self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
                                  "mlx" if self.expert_backend == "mlx" else "torch")
@@ -194,7 +212,10 @@ class Stage:
                                 last=self.last, progress=progress, threads=opts.read_threads)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
-        self.experts = experts if experts is not None else self._load_experts()
+        self.wide: WideExperts | None = None
+        served = [i for i in self.layers_range if cfg.is_moe(i)] if serves is None else sorted(serves)
+        self.experts = experts if experts is not None else open_experts(ckpt, self.sizing, opts, device, served,
+                                                                        self.expert_backend)
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(plan.resident), len(plan.streamed),
                  "streamed" if self.sizing.streaming else "resident")
@@ -204,19 +225,11 @@ class Stage:
         self.prefixes = PrefixStore(self.sizing.prefixes)
         self.timings = StageTimings()
 
-    def _load_experts(self) -> ExpertProvider:
-        """The routed experts as the plan says: streamed through a cache, or resident (on MLX, or torch)."""
-        cfg, opts = self.cfg, self.options
-        moe = [i for i in self.layers_range if cfg.is_moe(i)]
-        if self.sizing.streaming:
-            return ExpertStore(self.ckpt, moe, device=self.device, cache_bytes=self.sizing.expert_cache, io=opts.io,
-                               threads=opts.read_threads, policy=opts.cache_policy, prefetch=opts.prefetch,
-                               backend=self.expert_backend, act=activation(cfg))
-        if self.expert_backend == "mlx":
-            from deltafin.weights.mlx_slots import MLXResidentExperts
-
-            return MLXResidentExperts(self.ckpt, moe, activation(cfg), io=opts.io)
-        return ResidentExperts(self.ckpt, moe, self.device, io=opts.io)
+    def set_wide(self, wide: WideExperts | None) -> None:
+        """Compute this stage's routed experts through every holder (wide) or, with None, alone."""
+        if wide is None and self.options.expert_layers is not None:
+            raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
+        self.wide = wide
 
     @property
     def layers_range(self) -> range:
@@ -446,14 +459,17 @@ class Stage:
             weights = self.spine.layer(layer)
             self.spine.prefetch_after(layer)
             self._prefetch_experts(layer, state)
-            state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
-                                  fused=getattr(self.experts, "fused", None))
+            if self.wide is not None:
+                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, routed=self.wide)
+            else:
+                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
+                                      fused=getattr(self.experts, "fused", None))
         return state
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied
         to their mixes of it) and queue the reads behind every demand read."""
-        prefetch = getattr(self.experts, "prefetch", None)
+        prefetch = self.wide.prefetch if self.wide is not None else getattr(self.experts, "prefetch", None)
         if prefetch is None or not self.options.prefetch:
             return
         for target in (layer, layer + 1)[:self.options.prefetch_layers]:
@@ -515,7 +531,7 @@ class Stage:
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
 
 
-def _expert_backend(cfg: ModelConfig, device: torch.device) -> str:
+def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:
     """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check."""
     if not cfg.moe_layers or expert_backend(device.type) != "mlx":
         return "torch"

@@ -19,13 +19,13 @@ import uuid
 from typing import Any
 
 from deltafin import __version__
-from deltafin.checkpoint import fingerprint, scan_checkpoint
+from deltafin.checkpoint import fingerprint, open_copy, scan_checkpoint
 from deltafin.config import load_config
 from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, stage_options
-from deltafin.transport.auth import ENV_KEY, ServerTls, load_key
+from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 
 log = logging.getLogger("deltafin.worker")
@@ -45,12 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
     p.add_argument("--interface", action="append", default=None,
                    help="announce only on this interface address (repeatable; default: all)")
-    p.add_argument("--disk-gbps", type=float, default=None, help="skip the disk measurement; announce this")
+    p.add_argument("--expert-dir", action="append", default=[], metavar="DIR",
+                   help="another copy (or part) of the checkpoint on another disk (repeatable): the routed experts "
+                   "are read from every disk that holds them, in proportion to each disk's measured speed (e.g. a "
+                   "Mac's internal SSD and a Thunderbolt SSD). The spine is read from --model")
+    p.add_argument("--disk-gbps", default=None, metavar="GBPS[,GBPS...]",
+                   help="skip the disk measurement: the --model disk's speed in GB/s, then each --expert-dir's")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
     p.add_argument("--session-ttl", type=float, default=900.0,
                    help="drop a sequence's caches after this many seconds without use (default 900)")
     p.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE / (1 << 20),
                    help=f"largest gRPC message in or out (default {DEFAULT_MAX_MESSAGE >> 20} MB)")
+    add_logging_options(p)
+    add_stage_options(p)
+    _add_security_options(p)
+    return p
+
+
+def _add_security_options(p: argparse.ArgumentParser) -> None:
     sec = p.add_argument_group("security", "who may drive this worker (see deploy/README.md, Security)")
     sec.add_argument("--cluster-key", default=None,
                      help=f"shared secret every coordinator call must be signed with (or ${ENV_KEY}, or "
@@ -59,68 +71,97 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     sec.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
     sec.add_argument("--tls-client-ca", default=None,
-                     help="mutual TLS: accept only coordinators whose certificate this CA signed")
-    add_logging_options(p)
-    add_stage_options(p)
-    return p
-
-
-def measure_disk(ckpt, threads: int, io: str, budget_bytes: int = 256 << 20) -> float:
-    """GB/s of whole-expert reads with the runtime's reader (a quick sample; `deltafin bench --disk`
-    measures properly)."""
-    from deltafin.weights.diskspeed import expert_read_speed
-
-    layers = [layer for layer in ckpt.layers_available() if ckpt.config.is_moe(layer)]
-    if not layers:
-        return 0.0
-    return expert_read_speed(ckpt, layers, threads, io, total_bytes=budget_bytes, seed=0)["disk_GBps"]
+                     help="mutual TLS: accept only coordinators (and other workers) whose certificate this CA signed")
+    sec.add_argument("--tls-ca", default=None,
+                     help="wide experts: trust other workers' certificates signed by this CA when calling them "
+                     "(default: --tls-client-ca, else the system's roots); a worker that serves TLS calls its peers "
+                     "with TLS and presents its own --tls-cert")
+    sec.add_argument("--tls-server-name", default=None,
+                     help="the name other workers' certificates carry, when it is not the address dialled")
 
 
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _security(args: argparse.Namespace) -> tuple[bytes | None, ServerTls | None]:
-    """The cluster key and TLS files, checked; a warning when a key-less worker listens beyond loopback."""
+def _security(args: argparse.Namespace) -> tuple[bytes | None, ServerTls | None, ClusterSecurity]:
+    """The cluster key and TLS files, checked, and how this worker calls other workers (the same key; TLS when
+    it serves TLS); a warning when a key-less worker listens beyond loopback."""
     key = load_key(args.cluster_key, args.cluster_key_file)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise DeltafinError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise DeltafinError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if (args.tls_client_ca or args.tls_ca) and not args.tls_cert:
+        raise DeltafinError("--tls-client-ca and --tls-ca need --tls-cert and --tls-key")
     tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    peer_tls = (ClientTls(args.tls_ca or args.tls_client_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+                if args.tls_cert else None)
+    if peer_tls is not None:
+        peer_tls.credentials()  # unreadable files fail now, with their names
     if key is None and not _loopback(args.host):
         log.warning("listening on %s WITHOUT a cluster key: anyone who can reach this port can load layers and "
                     "run forwards on this machine. Set --cluster-key (and --tls-cert) on a shared network.",
                     args.host)
-    return key, tls
+    return key, tls, ClusterSecurity(key, peer_tls)
 
 
-def _describe(args: argparse.Namespace, ckpt: Any, device: Any, options: Any) -> WorkerDescription:
-    """What this worker announces: its layers on disk, memory budget, measured disk speed, a fresh id."""
-    disk = args.disk_gbps if args.disk_gbps is not None else measure_disk(ckpt, args.threads, args.io)
+def _disk_speeds(args: argparse.Namespace, ckpts: list[Any]) -> tuple[float, ...]:
+    """GB/s of each disk (--model first, then each --expert-dir): given, or measured with the expert reader."""
+    if args.disk_gbps is None:
+        from deltafin.weights.diskspeed import measure_disk
+
+        return tuple(measure_disk(c, args.threads, args.io) for c in ckpts)
+    try:
+        speeds = tuple(float(x) for x in args.disk_gbps.split(","))
+    except ValueError:
+        raise DeltafinError(f"--disk-gbps takes numbers separated by commas, not {args.disk_gbps!r}") from None
+    if len(speeds) == 1:
+        speeds = speeds * len(ckpts)
+    if len(speeds) != len(ckpts) or min(speeds) < 0:
+        raise DeltafinError(f"--disk-gbps gives {len(speeds)} speeds for {len(ckpts)} disks (--model and each "
+                            "--expert-dir), or a negative one")
+    return speeds
+
+
+def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
+              options: Any) -> WorkerDescription:
+    """What this worker announces: its layers on disk (and the experts on every disk), memory budget, measured
+    disk speeds, a fresh id."""
+    ckpt = ckpts[0]
+    experts = sorted({i for c in ckpts for i in c.layers_available()})
+    # a disk that holds no MoE layer reads no experts; speeds of the ones that do add up
+    expert_gbps = sum(g for c, g in zip(ckpts, speeds, strict=True)
+                      if any(ckpt.config.is_moe(i) for i in c.layers_available()))
     return WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
-                             memory_bytes=options.memory_bytes, disk_gbps=disk,
+                             memory_bytes=options.memory_bytes, disk_gbps=speeds[0],
                              model_fingerprint=fingerprint(args.model),
                              layers=layer_ranges(ckpt.layers_available()), has_top=ckpt.top_available,
                              version=__version__, host_memory_bytes=options.host_memory_bytes or 0,
-                             worker_id=uuid.uuid4().hex[:12])
+                             worker_id=uuid.uuid4().hex[:12], expert_layers=layer_ranges(experts),
+                             expert_gbps=expert_gbps, expert_disks=len(ckpts))
+
+
+def _checkpoints(args: argparse.Namespace) -> list[Any]:
+    """--model indexed, then each --expert-dir (the same checkpoint, maybe only some of its shards)."""
+    ckpt = scan_checkpoint(args.model, load_config(args.model))
+    if not ckpt.layers_available():
+        raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
+    return [ckpt, *(open_copy(ckpt, d) for d in args.expert_dir)]
 
 
 async def serve(args: argparse.Namespace) -> int:
     from deltafin.discovery import Announcer
     from deltafin.worker.service import WorkerService, create_server
 
-    key, tls = _security(args)
-    cfg = load_config(args.model)
-    ckpt = scan_checkpoint(args.model, cfg)
-    if not ckpt.layers_available():
-        raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
+    key, tls, peer_security = _security(args)
+    ckpts = _checkpoints(args)
     device = resolve_device(args.device)
     options = stage_options(args, device, resolve_dtype(args.dtype))  # the memory budget, found or given
-    desc = _describe(args, ckpt, device, options)
-    service = WorkerService(ckpt, desc, device, options)
-    server, port = await create_server(service, args.host, args.port, int(args.max_message_mb * (1 << 20)), key,
-                                       tls)
+    speeds = _disk_speeds(args, ckpts)
+    options = dataclasses.replace(options, expert_dirs=tuple(args.expert_dir), disk_gbps=speeds)
+    desc = _describe(args, ckpts, speeds, device, options)
+    max_message = int(args.max_message_mb * (1 << 20))
+    service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)
+    server, port = await create_server(service, args.host, args.port, max_message, key, tls)
     sweeper = asyncio.ensure_future(service.expire_sessions(args.session_ttl))
     desc = dataclasses.replace(desc, address=f"{args.host}:{port}")
     service.description = desc
@@ -131,9 +172,9 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    disks = f"disk{'s' * (len(speeds) > 1)} {' + '.join(f'{g:.2f}' for g in speeds)} GB/s"
     print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
-          f"memory {desc.memory_bytes / 1e9:.1f} GB, disk {desc.disk_gbps:.2f} GB/s, id {desc.worker_id})",
-          flush=True)
+          f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})", flush=True)
     await stop.wait()
     sweeper.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
@@ -142,6 +183,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(announcer.close)
     await service.health.enter_graceful_shutdown()
     await server.stop(args.grace)
+    await service.peers.close()
     await asyncio.to_thread(service.close)
     log.info("stopped in %.1fs", time.monotonic() - t0)
     return 0

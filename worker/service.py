@@ -1,8 +1,10 @@
-"""The worker's gRPC servicer: thin adapters between the wire format and one Stage.
+"""The worker's gRPC servicer: thin adapters between the wire format and what the worker was assigned (a
+Stage, and with wide experts its share of every MoE layer's experts: deltafin/assigned.py).
 
-One thread owns the stage (loading and every forward run there, in order); RPC handlers decode, hand
-the work to that thread, and encode. Every Deltafin error maps to one gRPC status (transport/status.py);
-anything else is logged and answered INTERNAL, and the worker keeps serving.
+One thread owns the stage (loading and every forward run there, in order); other stages' expert calls run on
+a thread of their own, so they never queue behind this worker's forwards. RPC handlers decode, hand the work to
+those threads, and encode. Every Deltafin error maps to one gRPC status (transport/status.py); anything else is
+logged and answered INTERNAL, and the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from deltafin.assigned import Assigned, assign
 from deltafin.checkpoint import Checkpoint
 from deltafin.devices import exact_fp32
 from deltafin.errors import DeltafinError, FingerprintMismatch, NotAssigned
+from deltafin.placement import ExpertPlan
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
-from deltafin.transport.auth import AuthInterceptor, ServerTls
+from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.status import status_for
 
-log = logging.getLogger(__name__)
+from .peers import Peers
 
+log = logging.getLogger(__name__)
 
 
 def peak_rss() -> int:
@@ -43,16 +48,25 @@ def peak_rss() -> int:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
+    """`peer_security`: how this worker signs and encrypts its own calls to other workers (wide experts)."""
+
     def __init__(self, ckpt: Checkpoint, description: WorkerDescription, device: torch.device,
-                 defaults: StageOptions):
+                 defaults: StageOptions, peer_security: ClusterSecurity | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE):
         self.ckpt, self.device, self.defaults = ckpt, device, defaults
         self.description = description
-        self.stage: Stage | None = None
+        self.assigned: Assigned | None = None
         self.state = "idle"
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
+        self.expert_executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-experts")  # others' calls
+        self.peers = Peers(peer_security or ClusterSecurity(), max_message_bytes)
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
         self._assign_lock = asyncio.Lock()
         self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
+
+    @property
+    def stage(self) -> Stage | None:
+        return self.assigned.stage if self.assigned is not None else None
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -68,7 +82,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         await context.abort(code, str(e))
 
     def info(self) -> WorkerDescription:
-        assigned = (self.stage.start, self.stage.end) if self.stage is not None else (0, 0)
+        assigned = (self.assigned.start, self.assigned.end) if self.assigned is not None else (0, 0)
         return dataclasses.replace(self.description, state=self.state, assigned=assigned)
 
     # ---- RPCs --------------------------------------------------------------------------------------
@@ -79,7 +93,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
         try:
-            options = self._check_assignment(request)
+            options, plan = self._check_assignment(request)
+            peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
         except Exception as e:
             await self._fail(context, e)
             return
@@ -92,9 +107,9 @@ class WorkerService(pb_grpc.WorkerServicer):
 
             if self._orphan is not None:  # a cancelled load is closed before another one starts
                 await self._orphan
-            old, self.stage, self.state = self.stage, None, "loading"
+            old, self.assigned, self.state = self.assigned, None, "loading"
             task = asyncio.ensure_future(self._on_stage_thread(self._load, old, request.start, request.end,
-                                                               options, progress))
+                                                               options, plan, peers, progress))
             try:
                 while not task.done():
                     try:
@@ -107,44 +122,58 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self._orphan = asyncio.ensure_future(self._close_when_loaded(task))
                 raise
             try:
-                self.stage = task.result()
+                self.assigned = task.result()
             except Exception as e:
                 self.state = "failed"
                 await self._fail(context, e)
                 return
             self.state = "ready"
-            yield pb.AssignProgress(message=f"layers {request.start}-{request.end - 1} ready", fraction=1.0,
-                                    ready=True)
+            what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
+            yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True)
 
-    def _check_assignment(self, request: pb.Assignment) -> StageOptions:
-        """The options of an assignment this worker can take (same checkpoint, layers on its disk)."""
+    def _check_assignment(self, request: pb.Assignment) -> tuple[StageOptions, ExpertPlan | None]:
+        """The options and expert plan of an assignment this worker can take (same checkpoint, layers and experts
+        on its disks)."""
         if request.model_fingerprint != self.description.model_fingerprint:
             raise FingerprintMismatch(
                 f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
                 f"{request.model_fingerprint}: both must use the same model files")
         options = codec.decode_stage_options(request.options, self.defaults)
+        plan = (codec.decode_expert_plan(request.experts, self.ckpt.config.num_experts)
+                if request.HasField("experts") else None)
+        if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
+            raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "
+                              "wide plan takes no layers")
         if not self.description.has_layers(request.start, request.end):
             raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
                               f"(it has {self.description.layers})")
-        return options
+        if plan is not None:
+            index = plan.placement.index(self.description.key)
+            held = {i for a, b in self.description.expert_ranges for i in range(a, b)}
+            missing = [layer for layer in (plan.placement.layers_of(index) if index is not None else ())
+                       if layer not in held]
+            if missing:
+                raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
+                                  f"disks (it has {self.description.expert_ranges})")
+        return options, plan
 
-    async def _close_when_loaded(self, task: asyncio.Future[Stage]) -> None:
+    async def _close_when_loaded(self, task: asyncio.Future[Assigned]) -> None:
         try:
-            stage = await task
+            loaded = await task
         except Exception as e:
             log.info("a cancelled assignment's load failed: %s", e)
             return
-        await self._on_stage_thread(stage.close)
-        log.info("closed layers %d-%d: their assignment was cancelled while they loaded", stage.start, stage.end - 1)
+        await self._on_stage_thread(loaded.close)
+        log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
+                 loaded.end)
 
-    def _load(self, old: Stage | None, start: int, end: int, options: StageOptions,
-              progress: Callable[[str, float], None]) -> Stage:
-        if old is not None:
-            old.close()
+    def _load(self, old: Assigned | None, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
+              peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
         if options.dtype == torch.float32:
             exact_fp32()
-        log.info("loading layers [%d, %d) on %s", start, end, self.device)
-        return Stage(self.ckpt, start, end, device=self.device, options=options, progress=progress)
+        log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
+                 f", wide experts over {len(plan.holders)} holders" if plan is not None else "")
+        return assign(self.ckpt, start, end, self.device, options, plan, self.description.key, peers, old, progress)
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         stop = threading.Event()
@@ -169,6 +198,24 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.running.pop(rid, None)
         return pb.ForwardResponse()  # not reached: _fail aborts
 
+    async def RunExperts(self, request: pb.ExpertRequest, context: grpc.aio.ServicerContext) -> pb.ExpertResponse:
+        try:
+            holder = self.assigned.holder if self.assigned is not None else None
+            if holder is None:
+                raise NotAssigned(f"this worker serves no experts (state: {self.state}); the coordinator must plan "
+                                  "wide experts over it")
+            call, hints = codec.decode_expert_call(request)
+            if call is None:  # hints alone: start the reads now, answer at once
+                holder.hint(hints)
+                return pb.ExpertResponse()
+            out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)
+            return pb.ExpertResponse(outputs=codec.encode_tensor(out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._fail(context, e)
+        return pb.ExpertResponse()  # not reached: _fail aborts
+
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         stage = self.stage
         if stage is None:
@@ -192,14 +239,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.CancelResponse(cancelled=flag is not None)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        stage = self.stage
+        assigned = self.assigned
         stats: dict[str, Any] = {"state": self.state, "name": self.description.name}
-        if stage is not None:
-            stats.update(stage.stats())
-            stats["sessions"] = len(stage.sessions)
-            stats["session_bytes"] = stage.session_bytes()
-            stats["layers"] = [stage.start, stage.end]
-            stats["plan"] = stage.sizing.as_dict()
+        if assigned is not None:
+            stats.update(assigned.stats(self.description.key))
         stats["rss_peak_bytes"] = peak_rss()
         return pb.StatsResponse(stats=codec.encode_stats(stats))
 
@@ -217,8 +260,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     def close(self) -> None:
         for flag in self.running.values():
             flag.set()
-        if self.stage is not None:
-            self.executor.submit(self.stage.close).result()
+        self.expert_executor.shutdown(wait=True)
+        if self.assigned is not None:
+            self.executor.submit(self.assigned.close).result()
         self.executor.shutdown(wait=True)
 
 

@@ -91,6 +91,14 @@ def _situ(mx, a, u, act: GatedActivation):
     return a * mx.sigmoid(a) * u
 
 
+def _experts_mx(mx, slots: MLXSlots, act: GatedActivation, x, rhs):
+    """Expert rhs[m] on x[m] for every sorted pair m: x [M, 1, D] -> [M, 1, D]."""
+    i = slots.cfg.moe_intermediate_size
+    q = {"transpose": True, "group_size": MXFP4_GROUP, "bits": 4, "mode": "mxfp4", "sorted_indices": True}
+    h = mx.gather_qmm(x, slots.w13, slots.s13, rhs_indices=rhs, **q)  # [M, 1, 2I]: gate and up at once
+    return mx.gather_qmm(_situ(mx, h[..., :i], h[..., i:], act), slots.w2, slots.s2, rhs_indices=rhs, **q)
+
+
 def run_experts(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 slot_of: Callable[[int], int]) -> torch.Tensor:
     """sum_k weights[n, k] * Expert_{idx[n, k]}(z[n]) for every token, in one MLX evaluation: every (token,
@@ -100,17 +108,29 @@ def run_experts(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: tor
     import mlx.core as mx
 
     n_tok, k = idx.shape
-    i = slots.cfg.moe_intermediate_size
     slot = np.array([slot_of(e) for e in idx.reshape(-1).tolist()], dtype=np.int32)
     order = np.argsort(slot, kind="stable")
     tok = mx.array((np.arange(n_tok * k, dtype=np.int32) // k)[order])
-    rhs = mx.array(slot[order])
-    q = {"transpose": True, "group_size": MXFP4_GROUP, "bits": 4, "mode": "mxfp4", "sorted_indices": True}
     x = mx.array(z.detach().to(torch.float32).cpu().numpy())[tok][:, None, :]  # [M, 1, D]
-    h = mx.gather_qmm(x, slots.w13, slots.s13, rhs_indices=rhs, **q)  # [M, 1, 2I]: gate and up at once
-    y = mx.gather_qmm(_situ(mx, h[..., :i], h[..., i:], act), slots.w2, slots.s2, rhs_indices=rhs, **q)
+    y = _experts_mx(mx, slots, act, x, mx.array(slot[order]))
     w = mx.array(weights.detach().to(torch.float32).cpu().numpy().reshape(-1)[order])
     out = mx.zeros((n_tok, z.shape[1]), dtype=mx.float32).at[tok].add(y[:, 0, :] * w[:, None])
+    mx.eval(out)
+    return torch.from_numpy(np.array(out)).to(z.device)
+
+
+def pair_outputs(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                 slot_of: Callable[[int], int]) -> torch.Tensor:
+    """Expert ids[p] on z[rows[p]] for every pair p, unweighted -> [P, D] fp32 (wide experts: a holder's pairs,
+    summed by the stage that asked)."""
+    import mlx.core as mx
+
+    slot = np.array([slot_of(e) for e in ids.tolist()], dtype=np.int32)
+    order = np.argsort(slot, kind="stable")
+    x = mx.array(z.detach().to(torch.float32).cpu().numpy())[mx.array(rows.cpu().numpy()[order])][:, None, :]
+    y = _experts_mx(mx, slots, act, x, mx.array(slot[order]))
+    back = mx.array(np.argsort(order, kind="stable").astype(np.int32))
+    out = y[:, 0, :][back]
     mx.eval(out)
     return torch.from_numpy(np.array(out)).to(z.device)
 

@@ -21,7 +21,7 @@ from deltafin.models.cache import SequenceCache
 from deltafin.models.common import rms_norm
 from deltafin.models.kda import kda_forward
 from deltafin.models.mla import mla_forward
-from deltafin.models.moe import ExpertSource, FusedExperts, dense_mlp, moe_forward
+from deltafin.models.moe import ExpertSource, FusedExperts, RoutedExperts, dense_mlp, moe_forward
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
 
 
@@ -35,8 +35,10 @@ class Span:
 
 
 def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, spans: Sequence[Span],
-                  experts: ExpertSource, fused: FusedExperts | None = None) -> ResidualState:
-    """Run layer `layer` on packed tokens (several sequences, each with its own cache)."""
+                  experts: ExpertSource, fused: FusedExperts | None = None,
+                  routed: RoutedExperts | None = None) -> ResidualState:
+    """Run layer `layer` on packed tokens (several sequences, each with its own cache); `fused` or `routed`
+    run the routed experts instead of the loop over `experts` (models/moe.py)."""
     P, B = state.P, state.B
     h = attn_res_mix(B, P, w.attn_res.score) if w.attn_res is not None else P
     banked = cfg.attn_res_block_size > 0 and layer % cfg.attn_res_block_size == 0
@@ -52,7 +54,7 @@ def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residual
     h = attn_res_mix(B, P, w.mlp_res.score) if w.mlp_res is not None else P
     x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
     if isinstance(w.ffn, MoEWeights):
-        f = moe_forward(cfg, layer, w.ffn, x, experts, fused=fused)
+        f = moe_forward(cfg, layer, w.ffn, x, experts, fused=fused, routed=routed)
     else:
         f = dense_mlp(cfg, w.ffn, x)
     return ResidualState(P + f, B)

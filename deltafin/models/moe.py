@@ -9,7 +9,7 @@ Shapes: N tokens, D hidden, De expert width (latent for K3), E experts, k active
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -23,6 +23,14 @@ from deltafin.models.weights import DenseMLPWeights, ExpertWeights, MoEWeights
 class ExpertSource(Protocol):
     def __call__(self, layer: int, ids: list[int]) -> Iterable[tuple[int, ExpertWeights]]:
         """Yield (expert id, weights) for every id, in any order."""
+        ...
+
+
+class RoutedExperts(Protocol):
+    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start every (token, slot) pair's expert output, Expert_{idx[n, j]}(z[n]) (some of them elsewhere:
+        wide experts); the returned function finishes them -> [N, k, De] fp32, each pair's output exactly as
+        `expert_outputs` computes it."""
         ...
 
 
@@ -51,23 +59,47 @@ def dense_mlp(cfg: ModelConfig, w: DenseMLPWeights, x: torch.Tensor) -> torch.Te
     return linear(gate_up(x, w.gate, w.up, activation(cfg)), w.down)
 
 
+def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                   experts: ExpertSource) -> torch.Tensor:
+    """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32. Each expert runs once, on its pairs' rows in
+    pair order, so a pair's output depends only on its expert and the rows that expert sees: a holder given the
+    same rows in the same order computes the same bits as the one-process path."""
+    out = torch.zeros(rows.shape[0], cfg.expert_dim, dtype=torch.float32, device=z.device)
+    chosen = ids.cpu()  # the experts are needed on the host anyway: one transfer, not a sync per expert
+    rows = rows.to(z.device)
+    for e, weights_e in experts(layer, sorted(set(chosen.tolist()))):
+        sel = (chosen == e).nonzero(as_tuple=True)[0]
+        if z.device.type != "cpu":
+            sel = sel.to(z.device, non_blocking=True)
+        out[sel] = expert_ffn(cfg, weights_e, z[rows[sel]]).float()
+    return out
+
+
+def routed_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Tensor,
+                   experts: ExpertSource) -> torch.Tensor:
+    """Every (token, slot) pair's expert output in this process -> [N, k, De] fp32 (pairs in row-major order)."""
+    n_tok, k = idx.shape
+    rows = torch.arange(n_tok, device=z.device).repeat_interleave(k)
+    return expert_outputs(cfg, layer, z, rows, idx.reshape(-1), experts).view(n_tok, k, cfg.expert_dim)
+
+
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                fused: FusedExperts | None = None) -> torch.Tensor:
-    """Latent MoE: route on x, run the chosen experts on z = down(x), combine, norm, up, add shared(x)."""
+                fused: FusedExperts | None = None, routed: RoutedExperts | None = None) -> torch.Tensor:
+    """Latent MoE: route on x, run the chosen experts on z = down(x), combine, norm, up, add shared(x). With
+    `routed`, the pairs' outputs are started first and the shared experts computed while they run."""
     idx, weights = routing if routing is not None else route(cfg, w, x)
     z = linear(x, w.latent_down) if w.latent_down is not None else x
+    shared = None
     if fused is not None:
         y = fused(layer, z, idx, weights)
     else:
-        n_tok, k = idx.shape
-        outs = torch.zeros(n_tok, k, cfg.expert_dim, dtype=torch.float32, device=x.device)
-        chosen = idx.cpu()  # the experts are needed on the host anyway: one transfer, not a sync per expert
-        ids = sorted(set(chosen.flatten().tolist()))
-        for e, weights_e in experts(layer, ids):
-            tok, slot = ((i.to(x.device, non_blocking=True) for i in (chosen == e).nonzero(as_tuple=True))
-                         if x.device.type != "cpu" else (chosen == e).nonzero(as_tuple=True))
-            outs[tok, slot] = expert_ffn(cfg, weights_e, z[tok]).float()
+        if routed is not None:
+            finish = routed(layer, z, idx)
+            shared = dense_mlp(cfg, w.shared, x) if w.shared is not None else None
+            outs = finish()
+        else:
+            outs = routed_outputs(cfg, layer, z, idx, experts)
         y = (outs * weights.unsqueeze(-1)).sum(1)  # fixed slot order
     if w.latent_up is not None:
         if w.latent_norm is not None:
@@ -75,5 +107,5 @@ def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, ex
         y = linear(y.to(x.dtype), w.latent_up)
     y = y.to(x.dtype)
     if w.shared is not None:
-        y = y + dense_mlp(cfg, w.shared, x)
+        y = y + (shared if shared is not None else dense_mlp(cfg, w.shared, x))
     return y

@@ -34,8 +34,6 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 MIN_KEY_BYTES = 16
 
 
-
-
 def load_key(key: str | None, key_file: str | None, env: dict[str, str] | None = None) -> bytes | None:
     """The cluster key from --cluster-key, --cluster-key-file or $DELTAFIN_CLUSTER_KEY (in that order)."""
     env = os.environ if env is None else env

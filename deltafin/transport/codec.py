@@ -16,12 +16,14 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
+from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.stage import SeqInput, SeqOutput, StageOptions
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.wide import ExpertCall
 
-PROTOCOL_VERSION = 5  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
+PROTOCOL_VERSION = 6  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
 # 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters
-# as messages
+# as messages; 6: wide experts (expert plans, worker-to-worker expert calls, expert disks)
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -31,8 +33,6 @@ MAX_ELEMENTS = 1 << 31  # no message may claim more than 2G elements, whatever i
 
 if sys.byteorder != "little":  # pragma: no cover - every supported machine is little-endian
     raise ImportError("the Deltafin wire format is little-endian")
-
-
 
 
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:
@@ -125,6 +125,60 @@ def decode_outputs(msgs: list[pb.SequenceOutput]) -> list[SeqOutput]:
     return out
 
 
+# ---- wide experts ---------------------------------------------------------------------------------------------
+
+
+Hints = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def encode_expert_call(call: ExpertCall | None, hints: Hints = ()) -> pb.ExpertRequest:
+    """An expert call, or (None) only hints for the holder to read ahead."""
+    msg = pb.ExpertRequest(hints=[pb.ExpertHint(layer=layer, experts=list(ids)) for layer, ids in
+                                  (call.hints if call is not None else hints)])
+    if call is not None:
+        msg.layer = call.layer
+        msg.z.CopyFrom(encode_tensor(call.z))
+        msg.rows.CopyFrom(encode_tensor(call.rows))
+        msg.experts.CopyFrom(encode_tensor(call.experts))
+    return msg
+
+
+def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]:
+    """(the call, or None when the message only hints; its hints)."""
+    hints = tuple((h.layer, tuple(h.experts)) for h in msg.hints)
+    if not msg.HasField("z"):
+        if msg.HasField("rows") or msg.HasField("experts"):
+            raise CodecError("an expert call needs its rows z with rows and experts")
+        return None, hints
+    z = decode_tensor(msg.z, "expert call z")
+    rows, experts = decode_tensor(msg.rows, "expert call rows"), decode_tensor(msg.experts, "expert call experts")
+    if rows.dtype != torch.int64 or experts.dtype != torch.int64:
+        raise CodecError("an expert call's rows and experts must be int64")
+    return ExpertCall(msg.layer, z, rows, experts, hints), hints
+
+
+def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:
+    p = plan.placement
+    return pb.ExpertPlan(holders=[pb.Holder(worker_id=h.key, address=h.address, name=h.name) for h in plan.holders],
+                         layers=[pb.LayerExperts(layer=layer, bounds=list(b)) for layer, b in zip(p.layers, p.bounds,
+                                                                                                  strict=True)],
+                         probe_interval=plan.probe_interval, lost_after=plan.lost_after,
+                         call_timeout=plan.call_timeout)
+
+
+def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
+    holders = tuple(Holder(h.worker_id, h.address, h.name) for h in msg.holders)
+    try:
+        placement = ExpertPlacement(tuple(h.key for h in holders), tuple(x.layer for x in msg.layers),
+                                    tuple(tuple(x.bounds) for x in msg.layers))
+        if placement.layers and placement.num_experts != num_experts:
+            raise ValueError(f"it places {placement.num_experts} experts a layer, the model has {num_experts}")
+        return ExpertPlan(placement, holders, msg.probe_interval or 2.0, msg.lost_after or 10.0,
+                          msg.call_timeout or 600.0)
+    except ValueError as e:
+        raise CodecError(f"malformed expert plan: {e}") from None
+
+
 # ---- stage options and counters ------------------------------------------------------------------------------
 
 _OPTIONS = {f.name for f in pb.StageOptions.DESCRIPTOR.fields} - {"none"}
@@ -179,7 +233,10 @@ def _fill(msg: Any, values: dict[str, Any], what: str) -> None:
             raise CodecError(f"{what}: no field {key!r} in {msg.DESCRIPTOR.name}")
         if value is None:
             continue
-        if field.message_type is not None:
+        if field.message_type is not None and field.is_repeated:
+            for i, item in enumerate(value):
+                _fill(getattr(msg, key).add(), item, f"{what}.{key}[{i}]")
+        elif field.message_type is not None:
             _fill(getattr(msg, key), value, f"{what}.{key}")
         elif field.is_repeated:
             getattr(msg, key).extend(value)
@@ -188,8 +245,12 @@ def _fill(msg: Any, values: dict[str, Any], what: str) -> None:
 
 
 def _as_dict(msg: Any) -> dict[str, Any]:
-    return {f.name: _as_dict(v) if f.message_type is not None else list(v) if f.is_repeated else v
-            for f, v in msg.ListFields()}
+    def value(f: Any, v: Any) -> Any:
+        if f.message_type is not None:
+            return [_as_dict(x) for x in v] if f.is_repeated else _as_dict(v)
+        return list(v) if f.is_repeated else v
+
+    return {f.name: value(f, v) for f, v in msg.ListFields()}
 
 
 @dataclass(frozen=True)
@@ -210,6 +271,9 @@ class WorkerDescription:
     assigned: tuple[int, int] = (0, 0)
     host_memory_bytes: int = 0  # RAM beside a discrete GPU; 0 elsewhere
     worker_id: str = ""  # unique per worker process
+    expert_layers: tuple[tuple[int, int], ...] | None = None  # [start, end) ranges of experts it reads (None: layers)
+    expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
+    expert_disks: int = 1
     extra: dict = field(default_factory=dict)
 
     @property
@@ -220,13 +284,24 @@ class WorkerDescription:
     def has_layers(self, start: int, end: int) -> bool:
         return all(any(a <= i < b for a, b in self.layers) for i in range(start, end))
 
+    @property
+    def expert_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The layers whose routed experts it can read (from any of its disks)."""
+        return self.layers if self.expert_layers is None else self.expert_layers
+
+    @property
+    def expert_speed(self) -> float:
+        return self.expert_gbps or self.disk_gbps
+
 
 def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
     return pb.WorkerInfo(protocol_version=d.protocol_version, name=d.name, device=d.device,
                          memory_bytes=d.memory_bytes, disk_gbps=d.disk_gbps, model_fingerprint=d.model_fingerprint,
                          layers=[pb.LayerRange(start=a, end=b) for a, b in d.layers], has_top=d.has_top,
                          assigned=pb.LayerRange(start=d.assigned[0], end=d.assigned[1]), state=d.state,
-                         version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id)
+                         version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id,
+                         expert_layers=[pb.LayerRange(start=a, end=b) for a, b in d.expert_ranges],
+                         expert_gbps=d.expert_speed, expert_disks=d.expert_disks)
 
 
 def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
@@ -235,7 +310,8 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
                              layers=tuple((r.start, r.end) for r in msg.layers), has_top=msg.has_top,
                              protocol_version=msg.protocol_version, version=msg.version, state=msg.state,
                              assigned=(msg.assigned.start, msg.assigned.end), host_memory_bytes=msg.host_memory_bytes,
-                             worker_id=msg.worker_id)
+                             worker_id=msg.worker_id, expert_layers=tuple((r.start, r.end) for r in msg.expert_layers),
+                             expert_gbps=msg.expert_gbps, expert_disks=msg.expert_disks or 1)
 
 
 def layer_ranges(layers: tuple[int, ...] | list[int]) -> tuple[tuple[int, int], ...]:

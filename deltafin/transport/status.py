@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import grpc
 
-from deltafin.errors import GRPC_STATUS, PrefixNotFound, RemoteError, lookup
+from deltafin.errors import GRPC_STATUS, HolderError, PrefixNotFound, RemoteError, lookup
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status a worker answers with (deltafin/errors.py, GRPC_STATUS); anything else is INTERNAL."""
-    name = lookup(GRPC_STATUS, exc)
+    """The status a worker answers with (deltafin/errors.py, GRPC_STATUS): an expert holder's failure passes on
+    the holder's own status; anything else is INTERNAL."""
+    name = exc.status if isinstance(exc, HolderError) else lookup(GRPC_STATUS, exc)
     return getattr(grpc.StatusCode, name) if name else grpc.StatusCode.INTERNAL
 
 

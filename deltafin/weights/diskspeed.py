@@ -42,3 +42,12 @@ def expert_read_speed(ckpt: Any, layers: Iterable[int], threads: int, io: str, t
     rng.shuffle(keys)
     count = max(8, min(len(keys), total_bytes // ckpt.config.bytes_per_expert))
     return measure_reads([plan_read(ckpt.expert(*k)) for k in keys[:count]], io, threads)
+
+
+def measure_disk(ckpt: Any, threads: int, io: str, budget_bytes: int = 256 << 20) -> float:
+    """GB/s of whole-expert reads from `ckpt`'s disk with the runtime's reader (a quick sample, at a worker's
+    start; `deltafin bench --disk` measures properly). 0 when it holds no MoE layer."""
+    layers = [layer for layer in ckpt.layers_available() if ckpt.config.is_moe(layer)]
+    if not layers:
+        return 0.0
+    return expert_read_speed(ckpt, layers, threads, io, total_bytes=budget_bytes, seed=0)["disk_GBps"]

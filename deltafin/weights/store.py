@@ -8,6 +8,11 @@ Where experts live:
 Flow of one expert: prefetch (low priority) or demand read -> staged (read, not yet used) -> used by the
 MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expert the layer did not use
 moves to the cache too and counts as wasted bytes if it is evicted unused.
+
+Several disks: given more than one copy (or part) of the checkpoint, each layer's experts are divided among the
+disks that hold them in proportion to their speed (deltafin/placement.py, the code that divides a layer among
+workers), and every disk has readers of its own. Several compute threads may ask at once (a worker's stage and the
+expert calls it serves for other stages): a read one of them waits for is never dropped as another's wrong guess.
 """
 
 from __future__ import annotations
@@ -17,16 +22,18 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from deltafin.checkpoint import Checkpoint
 from deltafin.kernels.activations import GatedActivation
+from deltafin.models.moe import expert_outputs
 from deltafin.models.weights import ExpertWeights
+from deltafin.placement import ExpertPlacement
 from deltafin.sizing import expert_slot_bytes, working_slots
 from deltafin.weights.cache import Entry, ExpertCache, make_policy
 from deltafin.weights.reader import (
@@ -48,6 +55,13 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 @dataclass
+class LayerCounts:
+    lookups: int = 0
+    hits: int = 0  # found cached or staged (a prefetch that landed in time)
+    expert_bytes: int = 0  # experts read from the disk (their own bytes, without block alignment)
+
+
+@dataclass
 class ExpertStats:
     lookups: int = 0  # experts the MoE layers asked for
     hits: int = 0  # found in the cache (used before)
@@ -61,6 +75,23 @@ class ExpertStats:
     reads: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    by_layer: dict[int, LayerCounts] = field(default_factory=dict)  # the same per layer (own and others' layers)
+
+    def layer(self, layer: int) -> LayerCounts:
+        counts = self.by_layer.get(layer)
+        if counts is None:
+            counts = self.by_layer[layer] = LayerCounts()
+        return counts
+
+    def over(self, layers: Iterable[int]) -> LayerCounts:
+        """The per-layer counts summed over `layers`."""
+        total = LayerCounts()
+        for layer in layers:
+            c = self.by_layer.get(layer)
+            if c is not None:
+                total.lookups, total.hits, total.expert_bytes = (total.lookups + c.lookups, total.hits + c.hits,
+                                                                 total.expert_bytes + c.expert_bytes)
+        return total
 
     @property
     def hit_rate(self) -> float:
@@ -74,6 +105,7 @@ class ExpertStats:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["by_layer"]
         d["hit_rate"] = round(self.hit_rate, 4)
         d["prefetch_recall"] = round(self.prefetch_recall, 4)
         d["io_wait_s"] = round(self.io_wait_s, 4)
@@ -103,20 +135,35 @@ class DeviceSlots(FreeSlots):
         return self.size * self.count
 
 
+@dataclass
+class Disk:
+    """One copy (or part) of the checkpoint on one disk, with readers of its own."""
+
+    ckpt: Checkpoint
+    gbps: float
+    files: ShardFiles
+    reader: ExpertReader
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.ckpt.layers_available()
+
+
 class ExpertStore:
     """See the module docstring. `backend="mlx"`: the slots are MLX arrays read in place, and the store runs a
-    layer's experts itself (`run_experts`) with `act`."""
+    layer's experts itself (`run_experts`) with `act`. `copies`: more disks holding (some of) the experts, read in
+    proportion to `disk_gbps` (one figure for `ckpt`'s disk, then one per copy). `demand_layers`: compute threads
+    that may hold a layer's experts at once (the worker's stage and the expert calls it serves)."""
 
     def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device, cache_bytes: int,
                  io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True,
-                 backend: str = "torch", act: GatedActivation | None = None):
+                 backend: str = "torch", act: GatedActivation | None = None, copies: Sequence[Checkpoint] = (),
+                 disk_gbps: Sequence[float] | None = None, demand_layers: int = 1):
         cfg = ckpt.config
         self.ckpt, self.cfg, self.device = ckpt, cfg, device
-        self.layers = set(layers)
         self.prefetch_enabled = prefetch
         self.stats = ExpertStats()
         slot = expert_slot_bytes(cfg)  # an upper bound of any expert's aligned read, without planning all 82K
-        working = working_slots(cfg, threads)
+        working = working_slots(cfg, threads * (1 + len(copies)), demand_layers)
         cache_slots = cache_bytes // slot
         self.backend, self.act, self.slot_bytes = backend, act, slot
         self.on_host = device.type == "cpu" or backend == "mlx"
@@ -140,28 +187,54 @@ class ExpertStore:
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
             budget, make_policy(policy, max(1, cache_slots)), on_evict=self._evicted)
-        self.files = ShardFiles(io)
-        self.reader = ExpertReader(self.files, threads=threads)
-        self._plans: dict[Key, ReadPlan] = {}
+        speeds = list(disk_gbps) if disk_gbps is not None else [1.0] * (1 + len(copies))
+        if len(speeds) != 1 + len(copies):
+            raise ValueError(f"{len(speeds)} disk speeds for {1 + len(copies)} disks")
+        self.disks = []
+        for c, gbps in zip((ckpt, *copies), speeds, strict=True):
+            files = ShardFiles(io)
+            self.disks.append(Disk(c, gbps, files, ExpertReader(files, threads=threads)))
+        self.files = self.disks[0].files  # the primary disk's (spine and the store share its counters' shape)
+        self._plans: dict[Key, tuple[Disk, ReadPlan]] = {}
         self._lock = threading.RLock()  # future callbacks can run inside a locked section
         self._pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
         self._staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
         self._abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
-        log.info("expert store: cache %.2f GB (%d slots of %.1f MB) on %s, %d working slots, %s I/O, %d readers, %s",
-                 budget / 1e9, cache_slots, slot / 1e6, device.type, working, io, threads, policy)
+        self.set_layers(layers)
+        log.info("expert store: cache %.2f GB (%d slots of %.1f MB) on %s, %d working slots, %s I/O, %d readers "
+                 "on each of %d disks, %s", budget / 1e9, cache_slots, slot / 1e6, device.type, working, io, threads,
+                 len(self.disks), policy)
+
+    def set_layers(self, layers: Iterable[int]) -> None:
+        """The MoE layers this store serves (prefetches for others are ignored), and which disk reads each of
+        their experts."""
+        with self._lock:
+            self.layers = set(layers)
+            self._plans.clear()
+            self.disk_placement = None
+            if len(self.disks) > 1 and self.layers:
+                self.disk_placement = ExpertPlacement.build(
+                    [str(i) for i in range(len(self.disks))], sorted(self.layers), self.cfg.num_experts,
+                    lambda i, layer: self.disks[i].gbps if self.disks[i].holds(layer) else 0.0)
 
     # ---- reading -------------------------------------------------------------------------------------
 
-    def _plan(self, key: Key) -> ReadPlan:
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = plan_read(self.ckpt.expert(*key))
-        return plan
+    def _plan(self, key: Key) -> tuple[Disk, ReadPlan]:
+        found = self._plans.get(key)
+        if found is None:
+            if self.disk_placement is not None and key[0] in self.layers:
+                disk = self.disks[self.disk_placement.owner(*key)]
+            else:
+                disk = next((d for d in self.disks if d.holds(key[0])), self.disks[0])
+            found = self._plans[key] = (disk, plan_read(disk.ckpt.expert(*key)))
+        return found
 
-    def _deliver(self, slot: int, plan: ReadPlan) -> Loaded:
+    def _deliver(self, slot: int, plan: ReadPlan, layer: int) -> Loaded:
         """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first
         (the host slot goes back to the pool only once the copy has completed). MLX: the slot itself (its
         scales were checked as it was filled)."""
+        with self._lock:
+            self.stats.layer(layer).expert_bytes += self.cfg.bytes_per_expert
         if self.backend == "mlx":
             return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
         raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
@@ -179,7 +252,9 @@ class ExpertStore:
     def _submit(self, key: Key, priority: int) -> Future:
         # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
         abandon = threading.Event() if priority == PREFETCH else None
-        fut = self.reader.submit((key[0], priority), self._plan(key), self.pool, self._deliver,
+        disk, plan = self._plan(key)
+        fut = disk.reader.submit((key[0], priority), plan, self.pool,
+                                 lambda slot, plan, layer=key[0]: self._deliver(slot, plan, layer),
                                  abandon.is_set if abandon is not None else None)
         if abandon is not None:
             self._abandon_flags[fut] = abandon
@@ -287,9 +362,11 @@ class ExpertStore:
             for key, (fut, priority) in list(self._pending.items()):
                 if key[0] == layer and key[1] not in wanted and priority == PREFETCH:
                     self._drop_guess(key, fut)  # a wrong guess: free the disk for the experts that are needed
+            counts = self.stats.layer(layer)
             for e in ids:
                 key = (layer, e)
                 self.stats.lookups += 1
+                counts.lookups += 1
                 entry = self.cache.get(key)
                 if entry is not None:
                     if entry.prefetched:  # a prefetch that landed after its layer: a success, not waste
@@ -297,10 +374,12 @@ class ExpertStore:
                         self.stats.prefetch_hits += 1
                     else:
                         self.stats.hits += 1
+                    counts.hits += 1
                     self.cache.pin(key)
                     ready.append((e, entry.value, True))
                 elif key in self._staged:
                     self.stats.prefetch_hits += 1
+                    counts.hits += 1
                     ready.append((e, self._staged.pop(key), False))
                 else:
                     fut, priority = self._pending.get(key, (None, None))
@@ -309,8 +388,10 @@ class ExpertStore:
                     if fut is None:
                         self.stats.misses += 1
                         fut = self._submit(key, DEMAND)
-                    else:
+                    else:  # a guess being read: it is a demand now, which no newer guess may drop
                         self.stats.prefetch_hits += 1
+                        self._pending[key] = (fut, DEMAND)
+                        self._abandon_flags.pop(fut, None)
                     waiting[fut] = e
         return ready, waiting
 
@@ -364,6 +445,24 @@ class ExpertStore:
         assert self.backend == "mlx" and self.act is not None
         return run_in_groups(self.pool.slots, self.act, z, idx, weights,  # type: ignore[union-attr]
                              lambda ids: self.hold(layer, ids), self.cfg.experts_per_token)
+
+    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32 (models.moe.expert_outputs; on MLX, at most
+        k distinct experts held at a time)."""
+        if self.backend != "mlx":
+            return expert_outputs(self.cfg, layer, z, rows, ids, self.experts)
+        from deltafin.kernels.mlx_moe import pair_outputs
+
+        assert self.act is not None
+        out = torch.zeros(rows.shape[0], self.cfg.expert_dim, dtype=torch.float32, device=z.device)
+        distinct = sorted(set(ids.tolist()))
+        for start in range(0, len(distinct), self.cfg.experts_per_token):
+            part = distinct[start:start + self.cfg.experts_per_token]
+            sel = torch.isin(ids, torch.tensor(part, dtype=ids.dtype)).nonzero(as_tuple=True)[0]
+            with self.hold(layer, part) as slot_of:
+                out[sel.to(z.device)] = pair_outputs(self.pool.slots, self.act, z, rows[sel], ids[sel],  # type: ignore[union-attr]
+                                                     slot_of.__getitem__)
+        return out
 
     def _take(self, key: Key, fut: Future) -> Loaded:
         """The expert of a read the compute thread waited for, claimed (a prefetch may be staged by now)."""
@@ -419,13 +518,21 @@ class ExpertStore:
         return self.pool.nbytes + (self.device_slots.nbytes if self.device_slots is not None else 0)
 
     def snapshot_stats(self) -> ExpertStats:
-        r = self.files.stats
-        self.stats.reads, self.stats.bytes_read, self.stats.read_seconds = r.reads, r.bytes_read, r.read_seconds
+        """The counters, reads summed over the disks."""
+        r = [d.files.stats for d in self.disks]
+        self.stats.reads, self.stats.bytes_read = sum(x.reads for x in r), sum(x.bytes_read for x in r)
+        self.stats.read_seconds = sum(x.read_seconds for x in r)
         return self.stats
 
+    def disk_stats(self) -> list[dict[str, Any]]:
+        """Each disk's directory, planned speed and reads (several disks: `--expert-dir`)."""
+        return [{"dir": str(d.ckpt.model_dir), "gbps": d.gbps, "bytes_read": d.files.stats.bytes_read,
+                 "reads": d.files.stats.reads} for d in self.disks]
+
     def close(self) -> None:
-        self.reader.close()
-        self.files.close()
+        for d in self.disks:
+            d.reader.close()
+            d.files.close()
         with self._lock:
             self.cache.clear()
             self._staged.clear()

@@ -25,6 +25,7 @@ class FlakyStages:
         self.calls: list[list[tuple[str, int, list[int]]]] = []
         self.fail_at, self.code = fail_at, code
         self.stages: list = []
+        self.workers: list = []  # ClusterBackend's stages and expert holders
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         n = len(self.calls)

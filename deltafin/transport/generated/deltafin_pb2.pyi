@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id")
+    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class WorkerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_GBPS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_DISKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     device: str
@@ -56,22 +59,59 @@ class WorkerInfo(_message.Message):
     version: str
     host_memory_bytes: int
     worker_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    expert_layers: _containers.RepeatedCompositeFieldContainer[LayerRange]
+    expert_gbps: float
+    expert_disks: int
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("start", "end", "model_fingerprint", "options")
+    __slots__ = ("start", "end", "model_fingerprint", "options", "experts")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     model_fingerprint: str
     options: StageOptions
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ...) -> None: ...
+    experts: ExpertPlan
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlan, _Mapping]] = ...) -> None: ...
+
+class ExpertPlan(_message.Message):
+    __slots__ = ("holders", "layers", "probe_interval", "lost_after", "call_timeout")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LOST_AFTER_FIELD_NUMBER: _ClassVar[int]
+    CALL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    probe_interval: float
+    lost_after: float
+    call_timeout: float
+    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., probe_interval: _Optional[float] = ..., lost_after: _Optional[float] = ..., call_timeout: _Optional[float] = ...) -> None: ...
+
+class Holder(_message.Message):
+    __slots__ = ("worker_id", "address", "name")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    name: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class LayerExperts(_message.Message):
+    __slots__ = ("layer", "bounds")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    bounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_bytes", "sequences", "context", "max_forward_tokens", "max_resident_layers", "none")
+    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_bytes", "sequences", "context", "max_forward_tokens", "max_resident_layers", "none", "expert_layers", "expert_share")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +129,8 @@ class StageOptions(_message.Message):
     MAX_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NONE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     memory_bytes: int
     host_memory_bytes: int
@@ -106,7 +148,9 @@ class StageOptions(_message.Message):
     max_forward_tokens: int
     max_resident_layers: int
     none: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ...) -> None: ...
+    expert_layers: int
+    expert_share: float
+    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready")
@@ -194,6 +238,34 @@ class CancelResponse(_message.Message):
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
+class ExpertRequest(_message.Message):
+    __slots__ = ("layer", "z", "rows", "experts", "hints")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    z: Tensor
+    rows: Tensor
+    experts: Tensor
+    hints: _containers.RepeatedCompositeFieldContainer[ExpertHint]
+    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ...) -> None: ...
+
+class ExpertHint(_message.Message):
+    __slots__ = ("layer", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExpertResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: Tensor
+    def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -205,7 +277,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +300,7 @@ class StageStats(_message.Message):
     PREFIXES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    WIDE_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -250,7 +323,64 @@ class StageStats(_message.Message):
     prefixes_refused: int
     experts: ExpertStats
     plan: StageSizing
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ...) -> None: ...
+    wide: WideStats
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ...) -> None: ...
+
+class WideStats(_message.Message):
+    __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders", "disks")
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    OWN_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWN_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    OWN_HITS_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_HITS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SERVED_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    DISKS_FIELD_NUMBER: _ClassVar[int]
+    share: str
+    own_expert_bytes: int
+    others_expert_bytes: int
+    own_lookups: int
+    own_hits: int
+    others_lookups: int
+    others_hits: int
+    peer_wait_s: float
+    calls_served: int
+    pairs_served: int
+    served_s: float
+    holders: _containers.RepeatedCompositeFieldContainer[HolderStats]
+    disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
+    def __init__(self, share: _Optional[str] = ..., own_expert_bytes: _Optional[int] = ..., others_expert_bytes: _Optional[int] = ..., own_lookups: _Optional[int] = ..., own_hits: _Optional[int] = ..., others_lookups: _Optional[int] = ..., others_hits: _Optional[int] = ..., peer_wait_s: _Optional[float] = ..., calls_served: _Optional[int] = ..., pairs_served: _Optional[int] = ..., served_s: _Optional[float] = ..., holders: _Optional[_Iterable[_Union[HolderStats, _Mapping]]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ...) -> None: ...
+
+class HolderStats(_message.Message):
+    __slots__ = ("name", "calls", "experts", "pairs", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    calls: int
+    experts: int
+    pairs: int
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., calls: _Optional[int] = ..., experts: _Optional[int] = ..., pairs: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DiskStats(_message.Message):
+    __slots__ = ("dir", "gbps", "bytes_read", "reads")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    GBPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    gbps: float
+    bytes_read: int
+    reads: int
+    def __init__(self, dir: _Optional[str] = ..., gbps: _Optional[float] = ..., bytes_read: _Optional[int] = ..., reads: _Optional[int] = ...) -> None: ...
 
 class ExpertStats(_message.Message):
     __slots__ = ("lookups", "hits", "prefetch_hits", "misses", "prefetch_issued", "prefetch_bytes", "prefetch_cancelled", "wasted_bytes", "io_wait_s", "reads", "bytes_read", "read_seconds", "hit_rate", "prefetch_recall")
@@ -285,7 +415,7 @@ class ExpertStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
 
 class StageSizing(_message.Message):
-    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total")
+    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +441,9 @@ class StageSizing(_message.Message):
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     device: str
@@ -336,4 +469,7 @@ class StageSizing(_message.Message):
     total: int
     host: int
     device_total: int
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ...) -> None: ...
+    expert_calls: int
+    expert_layers: int
+    expert_share: float
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...

@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RunExperts = channel.unary_unary(
+                '/deltafin.v1.Worker/RunExperts',
+                request_serializer=deltafin__pb2.ExpertRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.ExpertResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -111,6 +116,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunExperts(self, request, context):
+        """Wide experts, worker to worker: compute routed experts of another stage's layer from this worker's share
+        (or, with no rows, only read ahead the experts hinted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=deltafin__pb2.StatsRequest.FromString,
                     response_serializer=deltafin__pb2.StatsResponse.SerializeToString,
+            ),
+            'RunExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunExperts,
+                    request_deserializer=deltafin__pb2.ExpertRequest.FromString,
+                    response_serializer=deltafin__pb2.ExpertResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Worker:
             '/deltafin.v1.Worker/Stats',
             deltafin__pb2.StatsRequest.SerializeToString,
             deltafin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltafin.v1.Worker/RunExperts',
+            deltafin__pb2.ExpertRequest.SerializeToString,
+            deltafin__pb2.ExpertResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,146 @@
+"""Wide experts between workers: the other holders as this worker's stage reaches them, over gRPC.
+
+A stage thread sends a layer's expert calls (wide.Peer) and waits for them while it computes its own share; the
+calls themselves run on the worker's event loop, signed with the cluster key and over TLS exactly as the
+coordinator's calls are (a worker that serves TLS calls its peers with TLS, presenting its own certificate for
+mutual TLS). Each call is watched: a holder that answers no liveness probe for `lost_after` seconds is lost, and
+the stage's forward fails with UNAVAILABLE naming it, which the coordinator recovers from by planning again.
+Calls bigger than the message cap go in pieces of whole experts (wide.call_pieces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import grpc
+import torch
+
+from deltafin.errors import CodecError, HolderError
+from deltafin.placement import ExpertPlan, Holder
+from deltafin.transport import codec
+from deltafin.transport.auth import ClusterSecurity
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, Hints
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.liveness import Silent, await_watched
+from deltafin.wide import ExpertCall, call_pieces
+
+log = logging.getLogger(__name__)
+
+SERVICE = "/deltafin.v1.Worker/"
+HINT_TIMEOUT = 5.0  # seconds a hint may take before it is dropped (it only starts reads early)
+CALL_UNIT = 512  # tokens of the call timeout's unit (the coordinator's --forward-timeout is per 512 tokens)
+
+
+class GrpcPeer:
+    """One holder (see the module docstring). Created and closed on the worker's event loop; `call` and `hint`
+    are made from the stage's thread."""
+
+    def __init__(self, holder: Holder, plan: ExpertPlan, expert_dim: int, loop: asyncio.AbstractEventLoop,
+                 security: ClusterSecurity, max_message_bytes: int = DEFAULT_MAX_MESSAGE):
+        self.holder, self.plan, self.loop, self.security = holder, plan, loop, security
+        self.name = holder.name or holder.address
+        self.expert_dim, self.max_message_bytes = expert_dim, max_message_bytes
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
+        tls = security.tls
+        self.channel = (grpc.aio.secure_channel(holder.address, tls.credentials(), options=options + tls.options())
+                        if tls is not None else grpc.aio.insecure_channel(holder.address, options=options))
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self._hints: set[Future] = set()
+
+    def _md(self, method: str) -> tuple[tuple[str, str], ...] | None:
+        return self.security.metadata(SERVICE + method)
+
+    # ---- wide.Peer -------------------------------------------------------------------------------------------
+
+    def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
+        pieces = call_pieces(call, self.max_message_bytes - self.max_message_bytes // 8)
+        futures = [asyncio.run_coroutine_threadsafe(self._run(codec.encode_expert_call(piece), piece.pairs,
+                                                              int(piece.z.shape[0])), self.loop)
+                   for _, piece in pieces]
+
+        def finish() -> torch.Tensor:
+            if len(pieces) == 1:
+                return _result(futures[0])
+            out = torch.empty(call.pairs, self.expert_dim, dtype=torch.float32)
+            for (sel, _), fut in zip(pieces, futures, strict=True):
+                out[sel] = _result(fut)
+            return out
+
+        return finish
+
+    def hint(self, hints: Hints) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._hint(codec.encode_expert_call(None, hints)), self.loop)
+        self._hints.add(fut)
+        fut.add_done_callback(self._hints.discard)
+
+    # ---- on the event loop -----------------------------------------------------------------------------------
+
+    async def _run(self, request: pb.ExpertRequest, pairs: int, tokens: int) -> torch.Tensor:
+        deadline = self.plan.call_timeout * max(1.0, tokens / CALL_UNIT)
+        rpc = self.stub.RunExperts(request, timeout=deadline, metadata=self._md("RunExperts"))
+        probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.plan.probe_interval, metadata=self._md("Info"))
+        who = f"{self.name} ({self.holder.address})"
+        try:
+            response = await await_watched(rpc, probe, self.plan.probe_interval, self.plan.lost_after)
+        except Silent as e:
+            raise HolderError(who, "UNAVAILABLE", f"has not answered for {e.seconds:.1f}s: treating it as lost") \
+                from None
+        except grpc.aio.AioRpcError as e:
+            raise HolderError(who, e.code().name, e.details() or "") from None
+        try:
+            out = codec.decode_tensor(response.outputs, "expert outputs")
+        except CodecError as e:
+            raise HolderError(who, "DATA_LOSS", str(e)) from None
+        if out.dtype != torch.float32 or tuple(out.shape) != (pairs, self.expert_dim):
+            raise HolderError(who, "DATA_LOSS", f"answered {out.dtype} {list(out.shape)} for {pairs} pairs")
+        return out
+
+    async def _hint(self, request: pb.ExpertRequest) -> None:
+        try:
+            await self.stub.RunExperts(request, timeout=HINT_TIMEOUT, metadata=self._md("RunExperts"))
+        except grpc.aio.AioRpcError as e:  # a lost hint costs a later read, never a result
+            log.debug("hint to %s failed: %s", self.name, e.code().name)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _result(fut: Future) -> torch.Tensor:
+    """A piece's outputs on the stage's thread (the call's own deadline and probes bound the wait)."""
+    return fut.result()
+
+
+class Peers:
+    """The worker's channels to the other holders of its current expert plan, kept across plans for the holders
+    that stay (same worker, same address)."""
+
+    def __init__(self, security: ClusterSecurity, max_message_bytes: int = DEFAULT_MAX_MESSAGE):
+        self.security, self.max_message_bytes = security, max_message_bytes
+        self.peers: dict[str, GrpcPeer] = {}
+
+    async def update(self, plan: ExpertPlan, me: str, expert_dim: int) -> dict[str, GrpcPeer]:
+        """Channels to every holder of `plan` but `me` (on the event loop); those no longer in it are closed."""
+        loop = asyncio.get_running_loop()
+        wanted = {h.key: h for h in plan.holders if h.key != me}
+        for key in list(self.peers):
+            peer = self.peers[key]
+            if key not in wanted or wanted[key].address != peer.holder.address:
+                await self.peers.pop(key).close()
+        for key, holder in wanted.items():
+            if key in self.peers:
+                self.peers[key].plan, self.peers[key].holder = plan, holder
+            else:
+                self.peers[key] = GrpcPeer(holder, plan, expert_dim, loop, self.security, self.max_message_bytes)
+        return dict(self.peers)
+
+    async def close(self) -> None:
+        for peer in self.peers.values():
+            await peer.close()
+        self.peers.clear()
