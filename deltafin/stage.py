@@ -175,7 +175,7 @@ def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, d
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
                            threads=options.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
-                           demand_layers=2 if options.expert_layers is not None else 1)
+                           demand_layers=2 if options.expert_layers is not None and not sizing.holder_only else 1)
     if backend == "mlx":
         from deltafin.weights.mlx_slots import MLXResidentExperts
 

@@ -12,7 +12,7 @@ from deltafin.checkpoint import open_checkpoint
 from deltafin.config import load_config, parse_config
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
-from deltafin.sizing import Budget, Placement, SizingOptions, choose, layer_table, size_stage
+from deltafin.sizing import Budget, Placement, SizingOptions, choose, expert_slot_bytes, layer_table, size_stage
 from deltafin.stage import SeqInput, Stage, StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
@@ -185,3 +185,58 @@ def test_forwards_are_cut_to_what_a_message_between_stages_holds(k3):
     assert message_tokens(k3, [12], 4, gib) == (gib - gib // 8) // (2 * 7168 * 4)  # early: fewer blocks
     assert message_tokens(k3, [90], 4, 1000) == 1  # never zero: one token always goes
 
+
+
+# ---- wide experts ------------------------------------------------------------------------------------------
+
+
+def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
+    """A wide worker's store serves every MoE layer's share (its own stage's and others'), with a second layer of
+    demand slots for the calls it serves and readers on each of its disks: exactly the slots the plan counts;
+    a holder without layers likewise, within its budget."""
+    import shutil
+
+    from deltafin.assigned import holder_sizing
+    from deltafin.stage import open_experts
+
+    cfg = load_config(tiny_dir)
+    ckpt = open_checkpoint(tiny_dir, cfg)
+    slot, k = expert_slot_bytes(cfg), cfg.experts_per_token
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    opts = StageOptions(read_threads=2, expert_cache_bytes=10 * slot, expert_layers=len(cfg.moe_layers),
+                        expert_share=0.5, expert_dirs=(str(copy),), disk_gbps=(1.0, 2.0))
+    stage = Stage(ckpt, 0, 2, device=CPU, options=opts, serves=cfg.moe_layers)
+    try:
+        z = stage.sizing
+        assert z.expert_layers == len(cfg.moe_layers) and z.expert_calls > 0 and not z.experts_resident
+        assert z.expert_staging == ((2 + 2) * k + 2 * 2) * slot  # 2 layers of guesses + 2 of demand, 2 x 2 readers
+        assert held(stage)["experts"] == plan_of(stage)["experts"] == 10 * slot + z.expert_staging
+        assert stage.experts.layers == set(cfg.moe_layers)  # others' layers too
+    finally:
+        stage.close()
+    budget = StageOptions(read_threads=2, expert_layers=len(cfg.moe_layers), expert_share=0.5, memory_bytes=2 * GB)
+    sizing = holder_sizing(ckpt, CPU, budget)
+    assert sizing.holder_only and sizing.device_total <= 2 * GB and sizing.sessions == sizing.layers == 0
+    # the cache never outgrows every expert it could be asked for
+    assert sizing.expert_cache == len(cfg.moe_layers) * cfg.num_experts * slot
+    store = open_experts(ckpt, sizing, budget, CPU, cfg.moe_layers, "torch")
+    try:
+        assert store.pool.nbytes == sizing.expert_cache + sizing.expert_staging == sizing.expert_cache + (
+            3 * k + 2) * slot
+    finally:
+        store.close()
+
+
+def test_wide_sizing_counts_the_calls_and_never_keeps_every_expert(k3):
+    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25)
+    z = choose(k3, 0, 23, Placement("mps"), Budget(56 * GB), wide)
+    assert not z.experts_resident and z.expert_layers == 92 and z.device_total <= 56 * GB
+    # both ways at 512 tokens: rows out and 16 outputs back per token, as messages and as tensors
+    assert z.expert_calls == 2 * (2 * 512 * 17 * k3.expert_dim * 4)
+    share_experts = 92 * k3.num_experts * 0.25
+    held_fraction = min(1.0, z.expert_cache // expert_slot_bytes(k3) / share_experts)
+    per_token = 92 * 16 * k3.bytes_per_expert
+    assert z.expert_bytes_per_token == round(per_token * 0.25 * (1 - held_fraction))
+    with pytest.raises(SizingError, match="never all resident"):
+        size_stage(k3, 0, 2, Placement("cpu"), "int8", None, 2, wide)

@@ -241,3 +241,66 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     finally:
         stage.close()
         resident.close()
+
+
+def test_several_disks_split_the_reads_by_their_speed(tiny_dir, tmp_path):
+    """A copy of the checkpoint on a second "disk" three times as fast: it reads three quarters of every layer's
+    experts, and every expert still has its bytes."""
+    cfg = load_config(tiny_dir)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    ckpt = open_checkpoint(tiny_dir, cfg)
+    store = ExpertStore(ckpt, cfg.moe_layers, device=CPU, cache_bytes=0, threads=2,
+                        copies=[open_checkpoint(copy, cfg)], disk_gbps=[1.0, 3.0])
+    try:
+        for layer in cfg.moe_layers:
+            for e, got in store.experts(layer, list(range(cfg.num_experts))):
+                loc = ckpt.expert(layer, e).tensors[0]
+                with open(loc.file, "rb") as f:
+                    f.seek(loc.offset)
+                    want = torch.frombuffer(bytearray(f.read(loc.nbytes)), dtype=torch.uint8)
+                assert torch.equal(got.w1.packed.reshape(-1), want)
+        first, second = (d["bytes_read"] for d in store.disk_stats())
+        assert second / (first + second) == pytest.approx(0.75, abs=0.05)
+        assert {d["dir"] for d in store.disk_stats()} == {str(tiny_dir), str(copy)}
+    finally:
+        store.close()
+
+
+def test_a_guess_another_thread_waits_for_is_never_dropped(tiny_dir, monkeypatch):
+    """Thread A waits for an expert whose prefetch is being read; thread B then asks for other experts of the same
+    layer (which drops that layer's guesses it does not want): A's read goes on, and nothing is read twice."""
+    import threading
+    import time
+
+    from deltafin.weights.reader import SlotPool
+
+    cfg = load_config(tiny_dir)
+    layer = cfg.moe_layers[0]
+    reading, gate, fill = threading.Event(), threading.Event(), SlotPool.fill
+
+    def slow_fill(self, files, plan, slot, abort=None):
+        if plan.tensors[0].name.endswith(f"layers.{layer}.block_sparse_moe.experts.0.w1.weight_packed"):
+            reading.set()
+            gate.wait(10)
+        fill(self, files, plan, slot, abort)
+
+    monkeypatch.setattr(SlotPool, "fill", slow_fill)
+    store = ExpertStore(open_checkpoint(tiny_dir, cfg), cfg.moe_layers, device=CPU, cache_bytes=0, threads=2)
+    try:
+        store.prefetch(layer, [0])
+        assert reading.wait(10)  # the guess is being read
+        got: list[int] = []
+        a = threading.Thread(target=lambda: got.extend(e for e, _ in store.experts(layer, [0])))
+        a.start()
+        deadline = time.monotonic() + 10
+        while store.stats.prefetch_hits < 1 and time.monotonic() < deadline:  # A now waits for that read
+            time.sleep(0.01)
+        assert [e for e, _ in store.experts(layer, [1, 2])] == [1, 2]  # B drops the layer's guesses it does not want
+        gate.set()
+        a.join(10)
+        assert got == [0] and store.stats.prefetch_cancelled == 0
+        assert store.stats.layer(layer).expert_bytes == 3 * cfg.bytes_per_expert  # 0 once, 1 and 2
+    finally:
+        gate.set()
+        store.close()
