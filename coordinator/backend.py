@@ -237,9 +237,13 @@ class ClusterBackend:
     def workers(self) -> list[WorkerClient]:
         return [*self.stages, *self.holders]
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      resume: tuple[int, list[SeqInput]] | None = None) -> list[SeqOutput]:
+        """The batch through every stage. A failure at stage i carries `resume_at = (i, that stage's inputs)`:
+        the stages before it have advanced, it and those after have not (a failed forward changes no session),
+        so `resume=resume_at` on the same stages finishes the same forward."""
         request_id = uuid.uuid4().hex
-        hops = route(len(self.stages), batch)
+        hops = route(len(self.stages), *(batch, 0) if resume is None else (resume[1], resume[0]))
         i, inputs = next(hops)
         while True:
             worker = self.stages[i]
@@ -247,6 +251,9 @@ class ClusterBackend:
                 outputs = await worker.forward(inputs, all_logits, request_id)
             except asyncio.CancelledError:
                 await asyncio.shield(self._cancel(worker, request_id))
+                raise
+            except (RemoteError, WorkerLost) as e:
+                e.resume_at = (i, inputs)  # type: ignore[attr-defined]
                 raise
             try:
                 i, inputs = hops.send(outputs)

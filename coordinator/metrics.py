@@ -99,7 +99,8 @@ def _prefixes(w: _Writer, engine: Engine) -> None:
              "prefilled from the start).", [({}, pc.missing)])
 
 
-# name, type, help, where in a worker's stats (a key, or ("experts", key))
+# name, type, help, where in a worker's stats (a key, or (section, key): "experts" where they stream, "wide"
+# with wide experts)
 _WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
     ("tokens_total", "counter", "Tokens through each worker's stage.", "tokens"),
     ("sessions", "gauge", "Open sessions (sequence caches) on each worker.", "sessions"),
@@ -110,15 +111,28 @@ _WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
     ("expert_lookups_total", "counter", "Routed-expert lookups.", ("experts", "lookups")),
     ("expert_hits_total", "counter", "Routed-expert lookups served from memory.", ("experts", "hits")),
     ("expert_hit_rate", "gauge", "Expert cache hit rate since the stage was loaded.", ("experts", "hit_rate")),
+    ("own_expert_bytes_total", "counter", "Wide experts: expert bytes read for the worker's own layers.",
+     ("wide", "own_expert_bytes")),
+    ("others_expert_bytes_total", "counter", "Wide experts: expert bytes read for other stages' layers.",
+     ("wide", "others_expert_bytes")),
+    ("others_expert_hits_total", "counter", "Wide experts: other stages' lookups served from memory.",
+     ("wide", "others_hits")),
+    ("peer_wait_seconds_total", "counter", "Wide experts: seconds the worker's stage waited for other holders.",
+     ("wide", "peer_wait_s")),
+    ("expert_calls_served_total", "counter", "Wide experts: other stages' expert calls computed.",
+     ("wide", "calls_served")),
+    ("expert_served_seconds_total", "counter", "Wide experts: seconds spent computing other stages' calls.",
+     ("wide", "served_s")),
 ]
 
 
 def _workers(w: _Writer, workers: list[dict[str, Any]]) -> None:
-    """Each worker's counters; expert ones only where its experts stream (resident experts have none)."""
+    """Each worker's counters; expert ones only where its experts stream (resident experts have none), wide ones
+    only with wide experts."""
     for name, kind, help_, where in _WORKER_METRICS:
         samples = []
         for stats in workers:
-            source, key = (stats.get("experts") or {}, where[1]) if isinstance(where, tuple) else (stats, where)
+            source, key = (stats.get(where[0]) or {}, where[1]) if isinstance(where, tuple) else (stats, where)
             if isinstance(where, tuple) and not source:
                 continue
             samples.append(({"worker": stats.get("name", "?")}, source.get(key, 0)))

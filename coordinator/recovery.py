@@ -196,14 +196,14 @@ class ResilientCluster:
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
         self._watch_membership()
-        attempts = 0
+        attempts, resume = 0, None
         while True:
             try:
                 async with self.lock.shared():
                     for item in batch:
                         if item.session_id in self.stale:
                             await self._replay(item)
-                    outputs = await self.backend.forward(batch, all_logits)
+                    outputs = await self.backend.forward(batch, all_logits, resume)
                 self._record(batch)
                 return outputs
             except (RemoteError, WorkerLost) as e:
@@ -217,7 +217,10 @@ class ResilientCluster:
                     return await self._one_by_one(batch, all_logits)  # beyond rebuilding; the others go on
                 if attempts > self.options.max_attempts:
                     raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
-                await self.recover(str(e), [b.session_id for b in batch])
+                at = getattr(e, "resume_at", None)
+                event = await self.recover(str(e), [b.session_id for b in batch], retry_hop=at is not None)
+                # the stages kept their sessions (e.g. only an expert holder was lost): retry the hop that failed
+                resume = at if not event.replanned and at is not None else None
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> None:
@@ -319,8 +322,9 @@ class ResilientCluster:
 
     # ---- recovery ---------------------------------------------------------------------------------------
 
-    async def recover(self, cause: str, sessions: list[str]) -> Recovery:
-        """Plan again over the workers that answer; reload what changed; mark sessions for replay."""
+    async def recover(self, cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:
+        """Plan again over the workers that answer; reload what changed; mark sessions for replay (the failed
+        batch's only when the stages are unchanged, and none then when its caller retries the failed hop)."""
         t0 = time.monotonic()
         async with self.lock.exclusive():
             log.warning("cluster problem: %s; checking the workers", cause)
@@ -343,12 +347,13 @@ class ResilientCluster:
             self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.workers)]))
             with contextlib.suppress(Exception):
                 await old.close()
-            self._mark_stale(self.journal if replanned else sessions)
+            self._mark_stale(self.journal if replanned else [] if retry_hop else sessions)
             event = Recovery(cause, time.monotonic() - t0, tuple(w.name for w in backend.stages), replanned)
             self.recoveries.append(event)
-            log.warning("recovered in %.2fs: %s; %d sessions to replay", event.seconds,
+            log.warning("recovered in %.2fs: %s; %s", event.seconds,
                         "new plan " + " | ".join(f"{w.name} {w.start}-{w.end - 1}" for w in backend.stages)
-                        if replanned else "same plan", len(self.stale))
+                        if replanned else "same stages", f"{len(self.stale)} sessions to replay" if self.stale
+                        else "retrying the step" if retry_hop else "nothing to replay")
             return event
 
     async def _candidates(self) -> list[Worker]:
@@ -401,14 +406,14 @@ class ResilientCluster:
                          if isinstance(a, BaseException) or a.state != "ready" or a.assigned != (w.start, w.end))
 
     async def _rejoin(self) -> None:
-        in_use = {w.address for w in self.backend.workers}
+        in_use = list(dict.fromkeys(w.address for w in self.backend.workers))  # in plan order: the same ranges
         extra = [a for a in dict.fromkeys([*self.known, *await self._discovered()]) if a not in in_use]
         if not extra:
             return
         new = await probe_workers(self.spec, extra, quiet=True, timeout=self._probe_timeout())
         if not new:
             return
-        current = await probe_workers(self.spec, list(in_use), quiet=True, timeout=self._probe_timeout())
+        current = await probe_workers(self.spec, in_use, quiet=True, timeout=self._probe_timeout())
         workers = current + new
         try:
             better = len(plan_cluster(self.spec, self.cfg, workers).workers) > len(self.plan.workers)

@@ -4,6 +4,45 @@ from __future__ import annotations
 
 from typing import Any
 
+# what each worker reports (its Stats): a summary field -> (section of the stats or None, key)
+WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
+    "bytes_read": ("experts", "bytes_read"),  # off its disks, blocks included
+    "expert_lookups": ("experts", "lookups"), "expert_hits": ("experts", "hits"),
+    "io_wait_s": ("experts", "io_wait_s"),
+    "own_expert_bytes": ("wide", "own_expert_bytes"),  # wide experts: experts read for its own layers ...
+    "others_expert_bytes": ("wide", "others_expert_bytes"),  # ... and for other stages' layers
+    "peer_wait_s": ("wide", "peer_wait_s"),  # its stage waiting for the other holders
+    "calls_served": ("wide", "calls_served"), "served_s": ("wide", "served_s"),  # other stages' calls
+    "forward_s": (None, "seconds"),
+}
+
+
+def worker_rows(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each worker's layers, share of the experts and counters (cumulative since it was assigned)."""
+    rows = []
+    for s in stats:
+        wide = s.get("wide") or {}
+        row: dict[str, Any] = {"name": s.get("name", "?"), "layers": list(s.get("layers", [])),
+                               "experts": wide.get("share", "its layers'")}
+        for field, (section, key) in WORKER_COUNTERS.items():
+            source = s.get(section) or {} if section else s
+            if key in source:
+                row[field] = source[key]
+        if s.get("disks"):
+            row["disks"] = s["disks"]
+        rows.append(row)
+    return rows
+
+
+def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """worker_rows of `after` less those of `before` (by name): what each worker did in between."""
+    old = {r["name"]: r for r in worker_rows(before)}
+    out = []
+    for row in worker_rows(after):
+        prior = old.get(row["name"], {})
+        out.append({k: (round(v - prior.get(k, 0), 4) if k in WORKER_COUNTERS else v) for k, v in row.items()})
+    return out
+
 
 def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
     """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages)."""
@@ -15,7 +54,7 @@ def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
             "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
             "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None,
             "draft_tokens": finished.drafting.draft_tokens, "accepted_tokens": finished.drafting.accepted_tokens,
-            "forwards": finished.drafting.forwards}
+            "forwards": finished.drafting.forwards, "workers": worker_rows(stats)}
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from .engine import Engine
 from .generation import Finished
+from .report import worker_deltas
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ async def bench_level(engine: Engine, concurrency: int, prompt_tokens: int, max_
     vocab = engine.cfg.vocab_size - 256  # plain tokens, below the specials
     prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=rng).tolist() for _ in range(concurrency)]
     long = torch.randint(0, vocab, (long_prompt,), generator=rng).tolist() if long_prompt else None
-    before, sched = _busy(await engine.worker_stats()), asdict(engine.scheduler.stats)
+    first = await engine.worker_stats()
+    before, sched = _busy(first), asdict(engine.scheduler.stats)
     engine.scheduler.stats.max_in_flight = 0
     t0 = time.perf_counter()
     started = asyncio.Semaphore(0)  # a stream's first token releases it once
@@ -69,7 +71,8 @@ async def bench_level(engine: Engine, concurrency: int, prompt_tokens: int, max_
         late = await _one(engine, long, 1)
     results = await streams
     wall = time.perf_counter() - t0
-    after = _busy(await engine.worker_stats())
+    last = await engine.worker_stats()
+    after = _busy(last)
     stages = [{"worker": name, "layers": layers, "busy_s": round(busy - before.get(name, ([], 0.0))[1], 3),
                "utilization": round((busy - before.get(name, ([], 0.0))[1]) / wall, 3)}
               for name, (layers, busy) in after.items()]
@@ -83,7 +86,7 @@ async def bench_level(engine: Engine, concurrency: int, prompt_tokens: int, max_
             "batches": s.batches - sched["batches"],
             "sequences_per_batch": round((s.batched_sequences - sched["batched_sequences"])
                                          / max(1, s.batches - sched["batches"]), 2),
-            "max_batches_in_flight": s.max_in_flight, "stages": stages,
+            "max_batches_in_flight": s.max_in_flight, "stages": stages, "workers": worker_deltas(first, last),
             **({"long_prompt_tokens": long_prompt, "long_prompt_ttft_s": round(late.ttft_s, 3)} if late else {})}
 
 

@@ -384,7 +384,9 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "unavailable", "error": str(e) or type(e).__name__}, status=503)
     return web.json_response({"status": "ok", "model": engine.model_name,
                               "workers": [{"name": s.get("name"), "layers": s.get("layers"),
-                                           "sessions": s.get("sessions", 0)} for s in stats]})
+                                           "sessions": s.get("sessions", 0),
+                                           **({"experts": s["wide"].get("share")} if "wide" in s else {})}
+                                          for s in stats]})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -51,7 +51,8 @@ class Assigned:
             out.update(sessions=len(self.stage.sessions), session_bytes=self.stage.session_bytes(),
                        layers=[self.start, self.end])
         elif self.store is not None and hasattr(self.store, "snapshot_stats"):
-            out.update(experts=self.store.snapshot_stats().as_dict(), layers=[0, 0])
+            out.update(experts=self.store.snapshot_stats().as_dict(), disks=self.store.disk_stats(),  # type: ignore[attr-defined]
+                       layers=[0, 0])
         if self.sizing is not None:
             out["plan"] = self.sizing.as_dict()
         if self.plan is not None and self.store is not None and self.holder is not None:

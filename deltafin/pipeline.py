@@ -24,13 +24,14 @@ from deltafin.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layer
 Route = Generator[tuple[int, list[SeqInput]], list[SeqOutput], list[SeqOutput]]
 
 
-def route(n_stages: int, batch: list[SeqInput]) -> Route:
+def route(n_stages: int, batch: list[SeqInput], start: int = 0) -> Route:
     """One forward through `n_stages` stages in layer order, without the calls themselves: each sequence's
     residual state goes from one stage to the next, and the last stage's outputs are returned. In-process
-    stages (LocalPipeline.forward) and workers (coordinator/backend.py, ClusterBackend.forward) drive it."""
+    stages (LocalPipeline.forward) and workers (coordinator/backend.py, ClusterBackend.forward) drive it.
+    `start`: the forward resumes at that stage, `batch` being its inputs (a hop that failed, retried)."""
     outputs: list[SeqOutput] = []
-    for i in range(n_stages):
-        if i > 0:
+    for i in range(start, n_stages):
+        if i > start:
             batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
         outputs = yield i, batch
     return outputs

@@ -415,6 +415,9 @@ class Stage:
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes."""
         self._validate_batch(batch)
         t0 = time.monotonic()
+        io_before = self._io_counters()
+        if self.wide is not None:
+            self.wide.begin_forward()
         pinned = {b.session_id for b in batch}
         caches = [self._session(item, pinned) for item in batch]
         for c, item in zip(caches, batch, strict=True):
@@ -438,7 +441,21 @@ class Stage:
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
+
+    def _io_counters(self) -> tuple[float, int, float]:
+        """(seconds waiting for expert reads, expert misses, seconds waiting for streamed spine) so far."""
+        stats = getattr(self.experts, "stats", None)
+        return (stats.io_wait_s, stats.misses, self.spine.wait_s) if stats is not None else (0.0, 0, self.spine.wait_s)
+
+    def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, int, float]) -> None:
+        """-v: one line a forward with what it waited for (and, wide, each holder's experts and time)."""
+        wait, misses, spine = (a - b for a, b in zip(self._io_counters(), before, strict=True))
+        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs (experts: %d read, %.3fs waited; spine waited "
+                  "%.3fs)%s", self.start, self.end - 1, len(batch), sum(b.num_tokens for b in batch), seconds,
+                  misses, wait, spine, f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
 
     def _validate_batch(self, batch: list[SeqInput]) -> None:
         if not batch or len({b.session_id for b in batch}) != len(batch):
@@ -518,6 +535,7 @@ class Stage:
         if snapshot is not None:
             experts = snapshot()
             out["experts"] = experts.as_dict()
+            out["disks"] = self.experts.disk_stats()  # type: ignore[attr-defined]
             out["compute_s"] = round(self.timings.seconds - experts.io_wait_s - self.spine.wait_s, 4)
         return out
 

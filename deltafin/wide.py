@@ -317,7 +317,7 @@ def wide_stats(store: Any, holder: ExpertHolder, wide: WideExperts | None, own_l
                            "others_expert_bytes": others.expert_bytes, "own_lookups": own.lookups,
                            "own_hits": own.hits, "others_lookups": others.lookups, "others_hits": others.hits,
                            "calls_served": holder.served.calls, "pairs_served": holder.served.pairs,
-                           "served_s": round(holder.served.seconds, 4), "disks": store.disk_stats()}
+                           "served_s": round(holder.served.seconds, 4)}
     if wide is not None:
         out["peer_wait_s"] = round(wide.stats.peer_wait_s, 4)
         out["holders"] = [{"name": name, "calls": c.calls, "experts": c.experts, "pairs": c.pairs,

@@ -22,8 +22,9 @@ from tests.support.cluster import COORDINATOR, workers
 PROMPT = [5, 100, 300, 7, 9, 700, 12, 44]
 
 
-async def _run(backend, steps: int = 6) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
-    """Prefill logits for every prompt position, then a greedy continuation with its logits."""
+async def _run(backend, steps: int = 6, close: bool = True) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """Prefill logits for every prompt position, then a greedy continuation with its logits (and the backend
+    closed, unless `close` is False)."""
     try:
         prefill = (await backend.forward([SeqInput("p", 0, ids=torch.tensor(PROMPT))], all_logits=True))[0].logits
         await backend.release(["p"])
@@ -40,7 +41,8 @@ async def _run(backend, steps: int = 6) -> tuple[torch.Tensor, list[int], list[t
                 rows.append(event.logits)
         return prefill, ids, rows
     finally:
-        await backend.close()
+        if close:
+            await backend.close()
 
 
 @pytest.fixture(scope="module")

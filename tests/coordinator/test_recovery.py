@@ -26,12 +26,16 @@ class FlakyStages:
         self.fail_at, self.code = fail_at, code
         self.stages: list = []
         self.workers: list = []  # ClusterBackend's stages and expert holders
+        self.resumes: list = []  # the `resume` of every call
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, resume=None) -> list[SeqOutput]:
         n = len(self.calls)
         self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
+        self.resumes.append(resume)
         if n in self.fail_at:
-            raise RemoteError("w1", self.code, "gone")
+            e = RemoteError("w1", self.code, "gone")
+            e.resume_at = (1, batch)  # type: ignore[attr-defined]  # as ClusterBackend: failed at the second stage
+            raise e
         return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
@@ -47,8 +51,8 @@ def _cluster(tiny_dir: Path, stages: FlakyStages, **options) -> tuple[ResilientC
                           RecoveryOptions(**{"rejoin_interval": 0, **options}))
     causes: list[str] = []
 
-    async def recover(cause: str, sessions: list[str]) -> Recovery:  # a re-plan that keeps the same stages
-        causes.append(cause)
+    async def recover(cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:  # a re-plan that
+        causes.append(cause)  # reloads the stages
         rc._mark_stale(rc.journal)
         return Recovery(cause, 0.0, (), True)
 
@@ -206,7 +210,7 @@ async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None
     again after the recovery; the batch is then split so that only that sequence fails."""
 
     class MissingOne(FlakyStages):
-        async def forward(self, batch, all_logits=False):
+        async def forward(self, batch, all_logits=False, resume=None):
             self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
             if any(b.session_id == "gone" for b in batch):
                 raise RemoteError("w1", grpc.StatusCode.NOT_FOUND, "session 'gone' is not on this stage")
@@ -244,3 +248,24 @@ async def test_speculative_forwards_replay_as_they_ran(tiny_dir: Path) -> None:
     with pytest.raises(ClusterUnavailable, match="cannot be rebuilt"):  # 3 is not a position of the last forward
         rc.stale.add("s")
         await rc.forward([_step("s", 3, [1])])
+
+
+async def test_a_failed_hop_is_retried_when_the_stages_kept_their_sessions(tiny_dir: Path) -> None:
+    """Only an expert holder was lost (the re-plan keeps every stage): the failed forward resumes at the stage that
+    failed, with the same inputs; nothing is replayed."""
+    stages = FlakyStages(fail_at={2})
+    rc, causes = _cluster(tiny_dir, stages)
+
+    async def recover(cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:
+        causes.append(cause)
+        assert retry_hop
+        return Recovery(cause, 0.0, (), False)
+
+    rc.recover = recover  # type: ignore[method-assign]
+    await rc.forward([_step("s", 0, [5, 6, 7])])
+    await rc.forward([_step("s", 3, [8])])
+    await rc.forward([_step("s", 4, [9])])  # fails at its second stage: retried from there
+    assert len(causes) == 1 and len(stages.calls) == 4
+    assert stages.resumes[:3] == [None, None, None] and stages.resumes[3][0] == 1
+    assert stages.calls[3] == [("s", 4, [9])] and not rc.stale
+    assert list(rc.journal["s"].ids) == [5, 6, 7, 8, 9]

@@ -8,6 +8,7 @@ is the recovery time the client sees (printed; run with -s to read it).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -128,3 +129,51 @@ def test_losing_every_worker_fails_clearly_and_the_server_recovers(tiny_dir: Pat
                 again.stop()
         finally:
             assert server.stop() == 0
+
+
+def test_a_lost_expert_holder_moves_its_experts(small_dir: Path, tmp_path: Path) -> None:
+    """Wide experts over two stages and a third worker that only holds experts: kill -9 of that holder mid-stream
+    moves its experts to the stages (said in the log), SIGSTOP is caught by the probes within --worker-timeout,
+    a restarted holder rejoins; every completion equals the uninterrupted one."""
+    from tests.coordinator.test_cluster_wide import without_top
+
+    holder_dir = without_top(small_dir, tmp_path / "no-top")
+    with workers(small_dir, 2) as (w0, w1):
+        holder = WorkerProcess(holder_dir, "holder")
+        holder.wait_ready()
+        port = holder.address.rsplit(":", 1)[1]
+        restarted: list[WorkerProcess] = [holder]
+        server = ServerProcess(small_dir, "--worker", w0.address, "--worker", w1.address, "--worker",
+                               holder.address, "--worker-timeout", "3", "--rejoin-interval", "1",
+                               serve_args=("--served-model-name", "small"))
+        try:
+            _wait_for_workers(server.url, 3)
+            assert any("experts" in w for w in _health(server.url)[1]["workers"])
+            ref_tokens, ref_text, _ = _stream(server.url)
+
+            tokens, text, gap_kill = _stream(server.url, lambda: holder.proc.send_signal(signal.SIGKILL))
+            assert (tokens, text) == (ref_tokens, ref_text)
+            holder.proc.wait()
+            assert [w["name"] for w in _health(server.url)[1]["workers"]] == ["w0", "w1"]
+
+            back = WorkerProcess(holder_dir, "holder", "--port", port)
+            restarted.append(back)
+            back.wait_ready()
+            _wait_for_workers(server.url, 3)
+            assert _stream(server.url)[:2] == (ref_tokens, ref_text)
+
+            tokens, text, gap_stop = _stream(server.url, lambda: back.proc.send_signal(signal.SIGSTOP))
+            assert (tokens, text) == (ref_tokens, ref_text)
+            back.proc.send_signal(signal.SIGCONT)
+            _wait_for_workers(server.url, 3)
+            print(f"\nlost expert holder seen by the client: kill -9 {gap_kill:.2f}s, SIGSTOP {gap_stop:.2f}s "
+                  "(--worker-timeout 3)")
+            assert gap_kill < 30 and gap_stop < 30
+        finally:
+            for w in restarted:
+                w.stop()
+            assert server.stop() == 0
+        log = server.proc.stderr.read()  # type: ignore[union-attr]
+    assert re.search(r"holder's experts \(16/48x7\) moved to w[01]", log), log[-3000:]
+    assert "same stages; retrying the step" in log, log[-3000:]  # the stages kept their sessions: no replay
+    assert "| holder experts" in log, log[-3000:]  # it rejoined as an expert holder

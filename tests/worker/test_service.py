@@ -142,12 +142,12 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     events: list[str] = []
     load = WorkerService._load
 
-    def slow_load(self, old, a, b, options, progress):
+    def slow_load(self, old, a, b, options, plan, peers, progress):
         events.append(f"load {a}-{b}")
         time.sleep(1.5)
-        stage = load(self, old, a, b, options, progress)
+        loaded = load(self, old, a, b, options, plan, peers, progress)
         events.append(f"loaded {a}-{b}")
-        return stage
+        return loaded
 
     close = Stage.close
 
@@ -178,3 +178,68 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     info = asyncio.run(run())
     assert events[:4] == ["load 0-3", "loaded 0-3", "close 0-3", "load 3-6"]
     assert (info.assigned.start, info.assigned.end, info.state) == (3, 6, "ready")
+
+
+def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served, tiny_dir):
+    """A worker assigned no layers of a wide plan serves its experts: a call's outputs are the experts' on its
+    rows (as the one-process loop computes them), hints are taken at once, and calls it cannot compute get a
+    status that says why."""
+    from deltafin.checkpoint import open_checkpoint
+    from deltafin.models.moe import expert_outputs
+    from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.weights.resident import ResidentExperts
+    from deltafin.wide import ExpertCall
+
+    start, cfg = served
+
+    async def run():
+        service, server, port = await start()
+        key = service.description.key
+        placement = ExpertPlacement.build([key], cfg.moe_layers, cfg.num_experts, lambda i, _: 1.0)
+        plan = codec.encode_expert_plan(ExpertPlan(placement, (Holder(key, f"127.0.0.1:{port}", "t"),)))
+        options = codec.encode_stage_options({"dtype": "fp32", "expert_layers": len(cfg.moe_layers),
+                                              "expert_cache_bytes": 10**6})
+        g = torch.Generator().manual_seed(1)
+        call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 2, 2, 1]),
+                          torch.tensor([4, 4, 9, 13]))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RunExperts(codec.encode_expert_call(call), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "serves no experts" in e.value.details()
+            for bad, words in [(pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir)),
+                                "only an expert holder of a wide plan"),
+                               (pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir),
+                                              experts=codec.encode_expert_plan(ExpertPlan(
+                                                  ExpertPlacement.build(["other"], cfg.moe_layers, cfg.num_experts,
+                                                                        lambda i, _: 1.0), (Holder("other", "x:1"),))),
+                                              options=options), "does not name this worker")]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Assign(bad, timeout=30):
+                        pass
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in e.value.details()
+            async for _ in stub.Assign(pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir),
+                                                     options=options, experts=plan), timeout=60):
+                pass
+            assert (await stub.Info(pb.InfoRequest(), timeout=5)).state == "ready"
+            got = codec.decode_tensor((await stub.RunExperts(codec.encode_expert_call(call), timeout=30)).outputs, "o")
+            dense = ExpertCall(0, call.z, call.rows, call.experts)  # layer 0 has no experts to hold
+            outside = ExpertCall(call.layer, call.z, torch.tensor([0, 5, 1, 1]), call.experts)  # row 5 of 3
+            for bad_call, code in [(dense, grpc.StatusCode.FAILED_PRECONDITION),
+                                   (outside, grpc.StatusCode.INVALID_ARGUMENT)]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.RunExperts(codec.encode_expert_call(bad_call), timeout=10)
+                assert e.value.code() == code
+            stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
+            assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 1
+            assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 4, 9, 13
+            assert (await stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
+                                          timeout=5)).ByteSize() == 0  # hints: answered at once, read behind
+        await server.stop(0)
+        service.close()
+        ckpt = open_checkpoint(tiny_dir, cfg)
+        resident = ResidentExperts(ckpt, cfg.moe_layers, torch.device("cpu"))
+        want = expert_outputs(cfg, call.layer, call.z, call.rows, call.experts, resident.experts)
+        assert torch.equal(got, want)
+
+    asyncio.run(run())

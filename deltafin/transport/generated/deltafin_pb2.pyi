@@ -277,7 +277,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class StageStats(_message.Message):
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     WIDE_FIELD_NUMBER: _ClassVar[int]
+    DISKS_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -324,10 +325,11 @@ class StageStats(_message.Message):
     experts: ExpertStats
     plan: StageSizing
     wide: WideStats
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ...) -> None: ...
+    disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ...) -> None: ...
 
 class WideStats(_message.Message):
-    __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders", "disks")
+    __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")
     SHARE_FIELD_NUMBER: _ClassVar[int]
     OWN_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OTHERS_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -340,7 +342,6 @@ class WideStats(_message.Message):
     PAIRS_SERVED_FIELD_NUMBER: _ClassVar[int]
     SERVED_S_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
-    DISKS_FIELD_NUMBER: _ClassVar[int]
     share: str
     own_expert_bytes: int
     others_expert_bytes: int
@@ -353,8 +354,7 @@ class WideStats(_message.Message):
     pairs_served: int
     served_s: float
     holders: _containers.RepeatedCompositeFieldContainer[HolderStats]
-    disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
-    def __init__(self, share: _Optional[str] = ..., own_expert_bytes: _Optional[int] = ..., others_expert_bytes: _Optional[int] = ..., own_lookups: _Optional[int] = ..., own_hits: _Optional[int] = ..., others_lookups: _Optional[int] = ..., others_hits: _Optional[int] = ..., peer_wait_s: _Optional[float] = ..., calls_served: _Optional[int] = ..., pairs_served: _Optional[int] = ..., served_s: _Optional[float] = ..., holders: _Optional[_Iterable[_Union[HolderStats, _Mapping]]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, share: _Optional[str] = ..., own_expert_bytes: _Optional[int] = ..., others_expert_bytes: _Optional[int] = ..., own_lookups: _Optional[int] = ..., own_hits: _Optional[int] = ..., others_lookups: _Optional[int] = ..., others_hits: _Optional[int] = ..., peer_wait_s: _Optional[float] = ..., calls_served: _Optional[int] = ..., pairs_served: _Optional[int] = ..., served_s: _Optional[float] = ..., holders: _Optional[_Iterable[_Union[HolderStats, _Mapping]]] = ...) -> None: ...
 
 class HolderStats(_message.Message):
     __slots__ = ("name", "calls", "experts", "pairs", "seconds")

@@ -67,7 +67,8 @@ async def _calls(address: str, metadata, credentials: grpc.ChannelCredentials | 
     calls = {"Info": lambda md: stub.Info(pb.InfoRequest(), timeout=10, metadata=md),
              "Stats": lambda md: stub.Stats(pb.StatsRequest(), timeout=10, metadata=md),
              "Release": lambda md: stub.Release(pb.ReleaseRequest(session_ids=["x"]), timeout=10, metadata=md),
-             "Forward": lambda md: stub.Forward(pb.ForwardRequest(), timeout=10, metadata=md)}
+             "Forward": lambda md: stub.Forward(pb.ForwardRequest(), timeout=10, metadata=md),
+             "RunExperts": lambda md: stub.RunExperts(pb.ExpertRequest(layer=1), timeout=10, metadata=md)}
     for name, call in calls.items():
         md = metadata(f"/deltafin.v1.Worker/{name}") if callable(metadata) else metadata
         try:
@@ -95,11 +96,12 @@ def test_worker_refuses_calls_without_the_right_key(tiny_dir: Path) -> None:
         wrong = asyncio.run(_calls(w.address, lambda m: sign(b"not the cluster key at all", m)))
         right = asyncio.run(_calls(w.address, lambda m: sign(KEY.encode(), m)))
         refused = {"Info": "UNAUTHENTICATED", "Stats": "UNAUTHENTICATED", "Release": "UNAUTHENTICATED",
-                   "Forward": "UNAUTHENTICATED", "Assign": "UNAUTHENTICATED", "Health": "SERVING"}
-        assert none == refused and wrong == refused
+                   "Forward": "UNAUTHENTICATED", "RunExperts": "UNAUTHENTICATED", "Assign": "UNAUTHENTICATED",
+                   "Health": "SERVING"}
+        assert none == refused and wrong == refused  # another worker's expert call too, unless signed
         # with the key every call reaches the servicer (which then judges the request itself)
         assert right == {"Info": "OK", "Stats": "OK", "Release": "OK", "Forward": "FAILED_PRECONDITION",
-                         "Assign": "FAILED_PRECONDITION", "Health": "SERVING"}
+                         "RunExperts": "FAILED_PRECONDITION", "Assign": "FAILED_PRECONDITION", "Health": "SERVING"}
         cluster = ["--model", str(tiny_dir), "--worker", w.address, "--no-discover", "-q"]
         ok = subprocess.run([*COORDINATOR, *cluster, "--cluster-key", KEY, "generate", "hi", "--max-tokens", "3",
                              "--json"], capture_output=True, text=True, timeout=120)
@@ -144,15 +146,18 @@ def _certs(d: Path) -> dict[str, Path]:
 
 
 def test_mutual_tls(tiny_dir: Path, tmp_path: Path) -> None:
+    """The coordinator and two workers over mutual TLS with the cluster key; the workers' expert calls to each
+    other (wide experts) go over the same TLS, each presenting its own certificate."""
     c = _certs(tmp_path)
     tls = ["--tls-cert", str(c["server_cert"]), "--tls-key", str(c["server_key"]), "--tls-client-ca", str(c["ca"])]
-    with workers(tiny_dir, 1, "--cluster-key", KEY, *tls) as (w,):
+    with workers(tiny_dir, 2, "--cluster-key", KEY, *tls) as (w, w2):
         base = [*COORDINATOR, "--model", str(tiny_dir), "--worker", w.address, "--no-discover", "-q",
                 "--cluster-key", KEY]
         client = ["--tls-ca", str(c["ca"]), "--tls-cert", str(c["client_cert"]), "--tls-key", str(c["client_key"])]
-        ok = subprocess.run([*base, *client, "generate", "hi", "--max-tokens", "2", "--json"], capture_output=True,
-                            text=True, timeout=120)
+        ok = subprocess.run([*base, "--worker", w2.address, *client, "generate", "hi", "--max-tokens", "2", "--json"],
+                            capture_output=True, text=True, timeout=120)
         assert ok.returncode == 0, ok.stderr
+        assert all(row["calls_served"] > 0 for row in json.loads(ok.stdout)["workers"])  # worker to worker
         for name, args in [("no client certificate", ["--tls-ca", str(c["ca"])]), ("plaintext", [])]:
             bad = subprocess.run([*base, *args, "generate", "hi", "--max-tokens", "2"], capture_output=True,
                                  text=True, timeout=120)

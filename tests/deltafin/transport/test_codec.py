@@ -87,3 +87,30 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
             codec.encode_stats({**stats, "bogus": 1})
     finally:
         pipe.close()
+
+
+def test_expert_calls_and_plans_round_trip():
+    from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.wide import ExpertCall
+
+    g = torch.Generator().manual_seed(0)
+    call = ExpertCall(3, torch.randn(4, 16, generator=g), torch.tensor([0, 1, 1, 3]), torch.tensor([7, 2, 9, 2]),
+                      ((4, (1, 5)), (5, (0,))))
+    wire = codec.encode_expert_call(call).SerializeToString()
+    back, hints = codec.decode_expert_call(pb.ExpertRequest.FromString(wire))
+    assert back is not None and back.layer == 3 and hints == call.hints
+    assert all(torch.equal(getattr(back, f), getattr(call, f)) for f in ("z", "rows", "experts"))
+    only, hints = codec.decode_expert_call(codec.encode_expert_call(None, ((2, (8, 1)),)))
+    assert only is None and hints == ((2, (8, 1)),)
+    with pytest.raises(CodecError, match="int64"):
+        codec.decode_expert_call(codec.encode_expert_call(ExpertCall(3, call.z, call.rows.int(), call.experts)))
+
+    placement = ExpertPlacement.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
+    plan = ExpertPlan(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
+    assert codec.decode_expert_plan(codec.encode_expert_plan(plan), 16) == plan
+    with pytest.raises(CodecError, match="the model has 32"):
+        codec.decode_expert_plan(codec.encode_expert_plan(plan), 32)
+    bad = codec.encode_expert_plan(plan)
+    bad.layers[0].bounds[1] = 99
+    with pytest.raises(CodecError, match="malformed expert plan"):
+        codec.decode_expert_plan(bad, 16)
