@@ -13,7 +13,8 @@ WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
     "others_expert_bytes": ("wide", "others_expert_bytes"),  # ... and for other stages' layers
     "peer_wait_s": ("wide", "peer_wait_s"),  # its stage waiting for the other holders
     "calls_served": ("wide", "calls_served"), "served_s": ("wide", "served_s"),  # other stages' calls
-    "forward_s": (None, "seconds"),
+    "forward_s": (None, "seconds"),  # in its stage's forwards
+    "experts_s": (None, "experts_s"),  # of which producing the routed experts' outputs
 }
 
 

@@ -37,7 +37,7 @@ from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.common import activation
 from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
 from deltafin.models.kda import delta_rule_recurrent
-from deltafin.models.moe import route
+from deltafin.models.moe import FusedExperts, route, routed_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.prefixes import PrefixStore
 from deltafin.quant import Int8Weight, quantize_int8_rows
@@ -143,6 +143,7 @@ class StageTimings:
     forwards: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    experts_s: float = 0.0  # of which producing the routed experts' outputs (reads, compute, waiting for holders)
 
 
 def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
@@ -476,12 +477,34 @@ class Stage:
             weights = self.spine.layer(layer)
             self.spine.prefetch_after(layer)
             self._prefetch_experts(layer, state)
-            if self.wide is not None:
-                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, routed=self.wide)
-            else:
-                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
-                                      fused=getattr(self.experts, "fused", None))
+            fused = getattr(self.experts, "fused", None) if self.wide is None else None
+            state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
+                                  fused=self._timed_fused(fused) if fused is not None else None,
+                                  routed=None if fused is not None else self._timed_routed)
         return state
+
+    def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The routed experts' outputs (wide: through every holder; else from this stage's store), timed: what the
+        stage waits for once its shared experts are done."""
+        finish = self.wide(layer, z, idx) if self.wide is not None else (
+            lambda: routed_outputs(self.cfg, layer, z, idx, self.experts.experts))
+
+        def timed() -> torch.Tensor:
+            t0 = time.monotonic()
+            try:
+                return finish()
+            finally:
+                self.timings.experts_s += time.monotonic() - t0
+        return timed
+
+    def _timed_fused(self, fused: FusedExperts) -> FusedExperts:
+        def timed(layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            t0 = time.monotonic()
+            try:
+                return fused(layer, z, idx, weights)
+            finally:
+                self.timings.experts_s += time.monotonic() - t0
+        return timed
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied
@@ -528,6 +551,7 @@ class Stage:
         """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
         out: dict[str, object] = {"forwards": self.timings.forwards, "tokens": self.timings.tokens,
                                   "seconds": round(self.timings.seconds, 4),
+                                  "experts_s": round(self.timings.experts_s, 4),
                                   "spine_streamed_bytes": self.spine.streamed_bytes,
                                   "spine_read_s": round(self.spine.stream_read_s, 4),
                                   "spine_wait_s": round(self.spine.wait_s, 4), **self.prefixes.as_dict()}

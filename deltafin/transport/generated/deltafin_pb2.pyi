@@ -277,7 +277,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class StageStats(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     WIDE_FIELD_NUMBER: _ClassVar[int]
     DISKS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_S_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -326,7 +327,8 @@ class StageStats(_message.Message):
     plan: StageSizing
     wide: WideStats
     disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ...) -> None: ...
+    experts_s: float
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ...) -> None: ...
 
 class WideStats(_message.Message):
     __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")
