@@ -163,6 +163,8 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
 
     if args.worker_timeout <= 0 or args.forward_timeout <= 0:
         raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
+    if args.expert_dir:
+        raise DeltafinError("--expert-dir is a disk of this machine: give it to each deltafin-worker (or use --local)")
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)

@@ -46,6 +46,10 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
     g.add_argument("--kernels", default="auto", choices=["auto", "reference", "native", "mlx"],
                    help="auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on "
                    "MLX on Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX")
+    g.add_argument("--expert-dir", action="append", default=[], metavar="DIR",
+                   help="another copy (or part) of the checkpoint on another disk (repeatable): the routed experts "
+                   "are read from every disk that holds them, in proportion to each disk's measured speed (e.g. a "
+                   "Mac's internal SSD and a Thunderbolt SSD); the rest of the model is read from --model")
     g.add_argument("--io", default="direct", choices=["direct", "buffered"],
                    help="read experts with O_DIRECT/F_NOCACHE (default) or through the page cache")
     g.add_argument("--threads", type=int, default=8, help="parallel readers of experts and streamed layers (default 8)")
@@ -78,7 +82,7 @@ def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_bytes": gb(args.prefix_cache_gb), "io": args.io,
             "read_threads": args.threads, "cache_policy": args.policy, "prefetch": not args.no_prefetch,
             "sequences": args.sequences, "context": args.context, "max_forward_tokens": args.prefill_chunk,
-            "max_resident_layers": args.max_resident_layers}
+            "max_resident_layers": args.max_resident_layers, "expert_dirs": tuple(args.expert_dir)}
 
 
 def stage_options(args: argparse.Namespace, device: Any, dtype: Any = None):  # -> StageOptions

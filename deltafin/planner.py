@@ -217,7 +217,7 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, 
           resident_only: bool, wide: bool) -> Plan | None:
     """The cheapest plan in one spine format (with `resident_only`, stages that stream spine are left out)."""
     n = cfg.num_layers
-    per_worker = _wide_options(cfg, workers, opts) if wide else [opts] * len(workers)
+    per_worker = _wide_options(cfg, workers, opts) if wide else [replace(opts, disks=w.disks) for w in workers]
 
     @cache
     def size(i: int, a: int, b: int) -> StageSizing | None:

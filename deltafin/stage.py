@@ -508,16 +508,22 @@ class Stage:
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied
-        to their mixes of it) and queue the reads behind every demand read."""
-        prefetch = self.wide.prefetch if self.wide is not None else getattr(self.experts, "prefetch", None)
-        if prefetch is None or not self.options.prefetch:
+        to their mixes of it) and queue the reads behind every demand read (wide: on every holder's disk)."""
+        prefetch = getattr(self.experts, "prefetch", None)
+        if (prefetch is None and self.wide is None) or not self.options.prefetch:
             return
+        guesses = []
         for target in (layer, layer + 1)[:self.options.prefetch_layers]:
             if target in self.layers_range and self.cfg.is_moe(target) and self.spine.is_ready(target):
                 w = self.spine.layer(target)
                 idx, weights = route(self.cfg, w.ffn, ffn_input(self.cfg, w, state))  # type: ignore[arg-type]
                 order = weights.flatten().argsort(descending=True)  # the most confident guesses first
-                prefetch(target, list(dict.fromkeys(idx.flatten()[order].tolist())))
+                guesses.append((target, list(dict.fromkeys(idx.flatten()[order].tolist()))))
+        if self.wide is not None:
+            self.wide.prefetch(guesses)
+        else:
+            for target, ids in guesses:
+                prefetch(target, ids)
 
     def _input(self, batch: list[SeqInput], caches: list[SequenceCache]) -> tuple[ResidualState, list[Span]]:
         spans, start = [], 0

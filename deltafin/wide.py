@@ -169,20 +169,25 @@ class WideExperts:
 
     # ---- prefetch ------------------------------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
-        """The stage's guesses for `layer`, most likely first: this worker's share to its own store, every other
-        holder's share to that holder (without waiting)."""
-        if layer not in self._owners:
-            return
-        owner = self._owners[layer]
-        by_holder: dict[int, list[int]] = {}
-        for e in ids:
-            by_holder.setdefault(int(owner[e]), []).append(int(e))
-        for h, guess in by_holder.items():
-            if h == self.me:
-                self.local.prefetch(layer, guess)  # type: ignore[union-attr]
-            else:
-                self.peers[self.placement.holders[h]].hint(((layer, tuple(guess)),))
+    def prefetch(self, guesses: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """The stage's guesses as a layer starts ((layer, ids most likely first): its own and the next one's): this
+        worker's share to its own store, and to every other holder one message with its share of all of them,
+        without waiting, so that its disk reads ahead while this layer computes."""
+        remote: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for layer, ids in guesses:
+            if layer not in self._owners:
+                continue
+            owner = self._owners[layer]
+            by_holder: dict[int, list[int]] = {}
+            for e in ids:
+                by_holder.setdefault(int(owner[e]), []).append(int(e))
+            for h, guess in by_holder.items():
+                if h == self.me:
+                    self.local.prefetch(layer, guess)  # type: ignore[union-attr]
+                else:
+                    remote.setdefault(h, []).append((layer, tuple(guess)))
+        for h, hints in remote.items():
+            self.peers[self.placement.holders[h]].hint(tuple(hints))
 
     # ---- per forward (the -v log) ------------------------------------------------------------------------------
 

@@ -45,10 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
     p.add_argument("--interface", action="append", default=None,
                    help="announce only on this interface address (repeatable; default: all)")
-    p.add_argument("--expert-dir", action="append", default=[], metavar="DIR",
-                   help="another copy (or part) of the checkpoint on another disk (repeatable): the routed experts "
-                   "are read from every disk that holds them, in proportion to each disk's measured speed (e.g. a "
-                   "Mac's internal SSD and a Thunderbolt SSD). The spine is read from --model")
     p.add_argument("--disk-gbps", default=None, metavar="GBPS[,GBPS...]",
                    help="skip the disk measurement: the --model disk's speed in GB/s, then each --expert-dir's")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
@@ -157,7 +153,7 @@ async def serve(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     options = stage_options(args, device, resolve_dtype(args.dtype))  # the memory budget, found or given
     speeds = _disk_speeds(args, ckpts)
-    options = dataclasses.replace(options, expert_dirs=tuple(args.expert_dir), disk_gbps=speeds)
+    options = dataclasses.replace(options, disk_gbps=speeds)
     desc = _describe(args, ckpts, speeds, device, options)
     max_message = int(args.max_message_mb * (1 << 20))
     service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)

@@ -304,3 +304,22 @@ def test_a_guess_another_thread_waits_for_is_never_dropped(tiny_dir, monkeypatch
     finally:
         gate.set()
         store.close()
+
+
+def test_one_machine_with_two_disks_reads_from_both(tiny_dir, tmp_path):
+    """`--local --expert-dir COPY` (one Mac, two SSDs): the speeds are measured, the experts read from both disks,
+    the logits those of one disk."""
+    copy = tmp_path / "ssd2"
+    shutil.copytree(tiny_dir, copy)
+    resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
+    two = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(expert_cache_bytes=0, read_threads=2,
+                                                                             expert_dirs=(str(copy),)))
+    try:
+        want = resident.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
+        assert torch.equal(two.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits, want)
+        disks = two.stages[0].stats()["disks"]
+        assert [d["dir"] for d in disks] == [str(tiny_dir), str(copy)]
+        assert all(d["gbps"] > 0 and d["bytes_read"] > 0 for d in disks)
+    finally:
+        resident.close()
+        two.close()
