@@ -128,13 +128,15 @@ async def cmd_generate(args: argparse.Namespace) -> int:
             raise DeltafinError("the prompt is empty")
         out_ids: list[int] = []
         text: list[str] = []
-        finished = None
+        finished, at_first = None, None
         async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens,
                                       sampling=params, stop=args.stop, progress=Reporter("prefill", "tokens")):
             if isinstance(event, Finished):
                 finished = event
             else:
                 out_ids.append(event.token_id)
+                if args.json and at_first is None:  # between forwards: the workers' counters at decode's start
+                    at_first = await engine.worker_stats()
             piece = event.delta.content
             text.append(piece)
             if not args.json:
@@ -143,7 +145,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         await engine.close()
     assert finished is not None
-    summary = run_summary(finished, stats)
+    summary = run_summary(finished, stats, at_first)
     if args.json:
         print(json.dumps({"prompt_ids": ids, "ids": out_ids, "text": "".join(text), "finish_reason": finished.reason,
                           **summary}))

@@ -41,12 +41,19 @@ def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
     out = []
     for row in worker_rows(after):
         prior = old.get(row["name"], {})
-        out.append({k: (round(v - prior.get(k, 0), 4) if k in WORKER_COUNTERS else v) for k, v in row.items()})
+        delta = {k: (round(v - prior.get(k, 0), 4) if k in WORKER_COUNTERS else v) for k, v in row.items()}
+        if "disks" in row:
+            was = {d["dir"]: d for d in prior.get("disks", [])}
+            delta["disks"] = [{**d, **{k: d[k] - was.get(d["dir"], {}).get(k, 0) for k in ("bytes_read", "reads")}}
+                              for d in row["disks"]]
+        out.append(delta)
     return out
 
 
-def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages)."""
+def run_summary(finished: Any, stats: list[dict[str, Any]], at_first: list[dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages), and with
+    `at_first` (their counters when the first token came) what each did while decoding (`decode_workers`)."""
     experts = [s.get("experts", {}) for s in stats]
     lookups = sum(e.get("lookups", 0) for e in experts)
     t = finished.timing
@@ -55,7 +62,8 @@ def run_summary(finished: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
             "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
             "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None,
             "draft_tokens": finished.drafting.draft_tokens, "accepted_tokens": finished.drafting.accepted_tokens,
-            "forwards": finished.drafting.forwards, "workers": worker_rows(stats)}
+            "forwards": finished.drafting.forwards, "workers": worker_rows(stats),
+            **({"decode_workers": worker_deltas(at_first, stats)} if at_first is not None else {})}
 
 
 def format_summary(s: dict[str, Any]) -> str:
