@@ -147,10 +147,12 @@ class Plan:
         rows.append(f"{'total (wide)':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
                     f"{sum(s.spine_bytes for s in self.workers) / GB:>9.2f} {'':>13} {'':>8} {'':>16} "
                     f"{experts:>10.3f} {spine:>12.3f} {self.seconds_per_token:>10.3f}")
-        rows.append("wide experts: every worker reads and computes its share of every MoE layer's routed experts "
-                    "(experts: per layer/of the layer x layers) for every stage; exp/spine GB/tok: what its disk "
-                    "reads per token; disk s/tok: that at its speed; total: s/token with the reads in parallel "
-                    f"(per MoE layer the slowest holder, {EXPERT_CALL_RTT_S * 1e3:.1f} ms a round trip)")
+        rows.append("wide experts: every worker reads and computes its share of every MoE layer's routed experts for "
+                    "every stage (experts: of a layer's, x layers); cache GB: its expert cache")
+        rows.append("exp/spine GB/tok: what its disks read per token; disk s/tok: that at their speed; total: s/token "
+                    "with every disk reading at once (per MoE layer the slowest holder's expected reads, plus "
+                    f"{EXPERT_CALL_RTT_S * 1e3:.1f} ms a round trip and the outputs at "
+                    f"{LINK_BYTES_PER_S * 8 / 1e9:.0f} Gbit/s)")
         return "\n".join(rows)
 
     def _table(self) -> str:

@@ -50,10 +50,10 @@ class WorkerProcess:
         raise TimeoutError(f"worker {self.name} did not start")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        """Signal the worker (under a wrapper, the wrapper's children: the wrapper then exits with the
+        """Signal the worker (under wrappers, the process at the bottom of them: each wrapper then exits with the
         worker's status) and wait; returns the exit status."""
         if self.proc.poll() is None:
-            targets = _children(self.proc.pid) if self.wrapped else []
+            targets = _leaves(self.proc.pid) if self.wrapped else []
             for pid in targets:
                 os.kill(pid, sig)
             if not targets:
@@ -71,6 +71,12 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     except OSError:
         return []
+
+
+def _leaves(pid: int) -> list[int]:
+    """The processes at the bottom of `pid`'s tree (a wrapper's wrapper's command: memlimit -- disklimit -- CMD)."""
+    children = _children(pid)
+    return [leaf for c in children for leaf in (_leaves(c) or [c])]
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deltafin.config import load_config
 from tests.support.cluster import COORDINATOR, WorkerProcess
 
 TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
@@ -42,6 +43,20 @@ def _coordinator(model: Path, addresses: list[str], experts: str, extra: list[st
     return {**json.loads(out), "plan": [line for line in r.stderr.splitlines() if line.startswith(("w", "total"))]}
 
 
+def decode_summary(cfg, generate: dict) -> dict:
+    """Per decoded token: the time, its expert-bound part (the time less the stages' other compute, which runs
+    one stage after another), and each worker's share of the routed experts' bytes."""
+    tokens = max(1, generate["completion_tokens"] - 1)  # decode_workers start after the first token
+    routed = len(cfg.moe_layers) * cfg.experts_per_token * cfg.bytes_per_expert
+    rows = generate["decode_workers"]
+    other = sum(r.get("forward_s", 0) - r.get("experts_s", 0) for r in rows) / tokens
+    share = {r["name"]: round(r.get("bytes_read", 0) / tokens / routed, 3) for r in rows}  # off its disk
+    per_token = generate["s_per_token"]
+    return {"s_per_token": round(per_token, 3), "expert_part_s": round(per_token - other, 3),
+            "routed_GB_per_token": round(routed / 1e9, 3), "read_fraction_of_routed": share,
+            "hit_rate": generate["hit_rate"]}
+
+
 def run(model: Path, n: int, experts: str, args: argparse.Namespace) -> dict:
     prefix = _caps(args.disk_rate, args.memlimit_gb)
     gbps = str(float(args.disk_rate.rstrip("MmGg")) / (1000 if args.disk_rate[-1] in "Mm" else 1))
@@ -52,6 +67,7 @@ def run(model: Path, n: int, experts: str, args: argparse.Namespace) -> dict:
         result = {"workers": n, "experts": experts, "capped": bool(prefix)}
         result["generate"] = _coordinator(model, addresses, experts, args.extra, "generate", args.prompt,
                                           "--max-tokens", str(args.tokens), "--json")
+        result["decode"] = decode_summary(load_config(model), result["generate"])
         if args.concurrency:
             result["bench"] = _coordinator(model, addresses, experts, args.extra, "bench", "--concurrency",
                                            args.concurrency, "--prompt-tokens", "8", "--max-tokens",
@@ -83,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in [int(x) for x in args.workers.split(",")]:
         for experts in (args.experts.split(",") if n > 1 else ["local"]):
             runs.append(run(args.model, n, experts, args))
-            print(json.dumps({k: runs[-1][k] for k in ("workers", "experts")}
-                             | {"s_per_token": runs[-1]["generate"]["s_per_token"]}), file=sys.stderr, flush=True)
+            print(json.dumps({k: runs[-1][k] for k in ("workers", "experts", "decode")}), file=sys.stderr, flush=True)
     print(json.dumps({"model": str(args.model), "disk_rate": args.disk_rate, "memory_gb": args.memory_gb,
                       "runs": runs}, indent=1))
     return 0
