@@ -26,7 +26,7 @@ class WideCluster:
     holders' shares (default equal); every store caches `cache_bytes`."""
 
     def __init__(self, model: Path, stages: int, holders: int = 0, weights: list[float] | None = None,
-                 cache_bytes: int = 1 << 30, **options: object):
+                 cache_bytes: int = 64 << 20, **options: object):
         exact_fp32()
         cfg = load_config(model)
         self.cfg, self.ckpt = cfg, open_checkpoint(model, cfg)
