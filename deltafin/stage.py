@@ -488,23 +488,17 @@ class Stage:
         stage waits for once its shared experts are done."""
         finish = self.wide(layer, z, idx) if self.wide is not None else (
             lambda: routed_outputs(self.cfg, layer, z, idx, self.experts.experts))
-
-        def timed() -> torch.Tensor:
-            t0 = time.monotonic()
-            try:
-                return finish()
-            finally:
-                self.timings.experts_s += time.monotonic() - t0
-        return timed
+        return lambda: self._counted(finish)
 
     def _timed_fused(self, fused: FusedExperts) -> FusedExperts:
-        def timed(layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            t0 = time.monotonic()
-            try:
-                return fused(layer, z, idx, weights)
-            finally:
-                self.timings.experts_s += time.monotonic() - t0
-        return timed
+        return lambda layer, z, idx, weights: self._counted(lambda: fused(layer, z, idx, weights))
+
+    def _counted(self, experts: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t0 = time.monotonic()
+        try:
+            return experts()
+        finally:
+            self.timings.experts_s += time.monotonic() - t0
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied

@@ -87,7 +87,6 @@ class WideStats:
 
     holders: dict[str, HolderCounts] = field(default_factory=dict)
     peer_wait_s: float = 0.0
-    layers: int = 0  # MoE layers computed wide
 
     def holder(self, name: str) -> HolderCounts:
         return self.holders.setdefault(name, HolderCounts())
@@ -133,7 +132,6 @@ class WideExperts:
         for h, sel in parts:
             if h != self.me:
                 waits.append((h, sel, self._send(layer, h, z, rows[sel], ids[sel])))
-        self.stats.layers += 1
 
         def finish() -> torch.Tensor:
             out = torch.zeros(n_tok * k, self.cfg.expert_dim, dtype=torch.float32, device=z.device)

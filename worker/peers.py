@@ -65,12 +65,12 @@ class GrpcPeer:
                                                               int(piece.z.shape[0])), self.loop)
                    for _, piece in pieces]
 
-        def finish() -> torch.Tensor:
+        def finish() -> torch.Tensor:  # on the stage's thread: each piece's deadline and probes bound the wait
             if len(pieces) == 1:
-                return _result(futures[0])
+                return futures[0].result()
             out = torch.empty(call.pairs, self.expert_dim, dtype=torch.float32)
             for (sel, _), fut in zip(pieces, futures, strict=True):
-                out[sel] = _result(fut)
+                out[sel] = fut.result()
             return out
 
         return finish
@@ -110,11 +110,6 @@ class GrpcPeer:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def _result(fut: Future) -> torch.Tensor:
-    """A piece's outputs on the stage's thread (the call's own deadline and probes bound the wait)."""
-    return fut.result()
 
 
 class Peers:
