@@ -138,7 +138,7 @@ def test_a_worker_reads_its_experts_from_two_disks(tiny_dir, tmp_path):
     (row,) = json.loads(r.stdout)["workers"]
     first, second = row["disks"]
     assert first["dir"] == str(tiny_dir) and second["dir"] == str(copy) and (first["gbps"], second["gbps"]) == (1, 3)
-    assert second["bytes_read"] / (first["bytes_read"] + second["bytes_read"]) == pytest.approx(0.75, abs=0.1)
+    assert second["bytes_read"] / (first["bytes_read"] + second["bytes_read"]) == pytest.approx(0.75, abs=0.15)
     assert "plan (local experts, 1 workers answered)" in r.stderr  # -v: the plan decision
 
 
