@@ -142,6 +142,7 @@ class WorkerClient:
             self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.start = self.end = 0
+        self.part_bytes = max_message_bytes - max_message_bytes // 8  # tensor data a message carries, at most
 
     def _md(self, method: str) -> Any:
         return self.security.metadata(SERVICE + method)
@@ -177,18 +178,21 @@ class WorkerClient:
     async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str) -> list[SeqOutput]:
         """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
         the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise)."""
-        request = pb.ForwardRequest(request_id=request_id, sequences=codec.encode_inputs(batch), all_logits=all_logits)
         tokens = sum(item.num_tokens for item in batch)
-        call = self.stub.Forward(request, timeout=self.timeouts.forward_deadline(tokens), metadata=self._md("Forward"))
+        deadline = self.timeouts.forward_deadline(tokens)
         probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
                                        metadata=self._md("Info"))
+        # in parts: a long prompt's states (or the ones that come back) may be larger than one message
+        parts = codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes)
+        call = self.stub.ForwardParts(iter(parts), timeout=deadline, metadata=self._md("ForwardParts"))
         try:
-            response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after)
+            response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after,
+                                           _collect(call))
         except Silent as e:
             raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        return codec.decode_outputs(list(response.sequences))
+        return codec.decode_output_parts(response)
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> int:
@@ -218,6 +222,10 @@ class WorkerClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+async def _collect(call: Any) -> list[pb.ForwardResponse]:
+    return [part async for part in call]
 
 
 class ClusterBackend:

@@ -24,7 +24,7 @@ from deltafin.placement import ExpertPlan, Holder
 from deltafin.planner import EXPERT_MODES, Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.prefixes import PrefixBudget
 from deltafin.progress import Progress
-from deltafin.sizing import SizingOptions, message_tokens
+from deltafin.sizing import SizingOptions
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
 
@@ -235,13 +235,6 @@ def parallel_stages(workers: list[WorkerDescription]) -> int:
 
 
 def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
-    """Tokens one forward carries: what every stage was sized for, and what keeps every message between
-    stages (and the logits coming back) under the gRPC cap, so a prompt of any length crosses each boundary
-    in bounded pieces."""
-    sized = min(s.sizing.forward_tokens for s in plan.stages)
-    fits = message_tokens(cfg, [s.start for s in plan.stages[1:]], spec.act_bytes, spec.max_message_bytes,
-                          all_logits=True)
-    if fits < sized:
-        log.info("forwards carry at most %d tokens: the %d the stages were sized for would pass the %d MB message "
-                 "limit between stages", fits, sized, spec.max_message_bytes >> 20)
-    return min(sized, fits)
+    """Tokens one forward carries: what every stage was sized for (a forward larger than a gRPC message goes in
+    parts, not in pieces: backend.WorkerClient.forward)."""
+    return min(s.sizing.forward_tokens for s in plan.stages)

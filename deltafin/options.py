@@ -38,8 +38,10 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
                    help="keep sequence state after a request within this many GB, so that a request that starts "
                    "with the same tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: "
                    "as much as the sequences' caches: --sequences states at --context tokens)")
-    g.add_argument("--prefill-chunk", type=int, default=512,
-                   help="most tokens one forward carries; longer prompts go in chunks (default 512)")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
+                   "experts again (default: the --context tokens in one forward, if their workspace fits a tenth of "
+                   "the memory, else as many as do; at least 512)")
     g.add_argument("--max-resident-layers", type=int, default=None,
                    help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
                    "(default: as many as fit)")
@@ -62,7 +64,7 @@ def check_stage_args(args: argparse.Namespace) -> None:
     from deltafin.errors import DeltafinError
 
     for name in ("sequences", "context", "prefill_chunk", "threads"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DeltafinError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("memory_gb", "expert_cache_gb", "prefix_cache_gb", "max_resident_layers"):
         value = getattr(args, name)

@@ -18,6 +18,7 @@ from deltafin.config import load_config, with_eps_convention
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.progress import Progress
+from deltafin.sizing import PIECE_TOKENS
 from deltafin.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layers
 
 # the hub's route for one forward: yields (stage index, its inputs), is sent that stage's outputs
@@ -102,8 +103,8 @@ def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto
                               options=options)
     try:
         t = torch.tensor(ids, dtype=torch.long)
-        if mode == "prefill":  # in chunks the stages were sized for (chunked prefill computes the same logits)
-            step = pipe.max_forward_tokens or len(ids)
+        if mode == "prefill":  # in chunks a forward returning every position's logits takes (the same logits)
+            step = min(pipe.max_forward_tokens or len(ids), PIECE_TOKENS)
             out = torch.cat([pipe.forward([SeqInput("logits", i, ids=t[i:i + step])], all_logits=True)[0].logits
                              for i in range(0, len(ids), step)])
         else:

@@ -261,7 +261,7 @@ def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: boo
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
     stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes)
     weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
-    return stage, seconds + 1e-3 * weight ** 2 / max(1, w.memory_bytes) / GB
+    return stage, seconds + 1e-2 * weight ** 2 / max(1, w.memory_bytes) / GB
 
 
 def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[StagePlan, ...],
@@ -288,10 +288,11 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
     placement = ExpertPlacement.build([m.key for m in members], cfg.moe_layers, cfg.num_experts,
                                       lambda i, layer: weights[i] if caps[i].holds_experts(layer) else 0.0)
     sized = []
+    tokens = min(m.sizing.forward_tokens for m in members)  # a holder serves calls of the stages' forwards
     for i, (m, c) in enumerate(zip(members, caps, strict=True)):
         layers = m.sizing.expert_layers
         share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
-        o = replace(per_worker[index[m.key]], expert_share=share)
+        o = replace(per_worker[index[m.key]], expert_share=share, forward_tokens=tokens)
         place = Placement(c.device, act_bytes)
         z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
                                                                                        c.budget, o)

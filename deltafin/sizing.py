@@ -31,8 +31,7 @@ the working set fits, SizingError says so with the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from deltafin.config import LayerKind, ModelConfig, TensorSpec
@@ -44,6 +43,8 @@ RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Pyt
 WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB; kernels/linear.py)
 MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values (models/mla.py)
 MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
+PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
+FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may take when the user fixes no size
 SPINES = ("auto", "bf16", "int8")
 
 
@@ -76,7 +77,8 @@ class SizingOptions:
     prefix_bytes: int | None = None  # prefix cache; None: as much as the sessions (a kept state each); 0: off
     sequences: int = 4
     context: int = 4096
-    forward_tokens: int = 512  # most tokens one forward takes (longer prompts go in several)
+    forward_tokens: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
+    # planned context, within FORWARD_SHARE of the budget (auto_forward_tokens)
     read_threads: int = 8
     max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
@@ -244,28 +246,48 @@ def sequence_bytes(cfg: ModelConfig, n_kda: int, n_mla: int, tokens: int, act_by
 def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens: int, context: int,
                     last: bool) -> int:
     """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
-    what is alive at once; the largest layer of the range decides)."""
+    what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
+    every row's residual state and runs each layer's attention (and a dense MLP) a piece at a time, its routed
+    experts over every row at once (models/decoder.py, layer_in_pieces); forwards that return every position's
+    logits take one piece at most."""
     act = table.place.act_bytes
-    d, t = cfg.hidden_size, tokens
+    d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
     blocks = cfg.blocks_entering(b) + 1
-    state = 4 * t * (blocks + 1) * d * 4  # P, B, the AttnRes mix over depth and its norm (fp32)
+    row = (blocks + 1) * d * 4  # P and B of one token (fp32)
+    state = 2 * t * row + 2 * p * row  # every row's state into and out of a layer; a piece's AttnRes mix, norm
     per_layer = 0
     if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
-        per_layer = max(per_layer, 16 * t * cfg.kda_dim * 4 + min(1 << 24, t * cfg.kda_dim * 16) * 4)
+        per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)
     if table.mla[b] - table.mla[a]:
         heads, s = cfg.num_heads, max(context, t)
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-        block = min(MLA_BLOCK_BYTES, s * heads * (t + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
-        per_layer = max(per_layer, block + t * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
-    ffn = cfg.intermediate_size if a < cfg.first_k_dense else cfg.moe_intermediate_size * max(
-        1, cfg.num_shared_experts)
-    moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim * 2) * 4 if table.moe[b] > table.moe[a] \
-        else 0
-    per_layer = max(per_layer, 3 * t * ffn * 4 + moe)
-    logits = t * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position, at most)
+        block = min(MLA_BLOCK_BYTES, s * heads * (p + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
+        per_layer = max(per_layer, block + p * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
+    if a < cfg.first_k_dense:  # a dense MLP: a piece at a time
+        per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
+    if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
+        shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
+        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim * 2 + d) * 4
+        per_layer = max(per_layer, 3 * t * shared * 4 + moe)
+    logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
     widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
     weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
     return state + per_layer + logits + weight_blocks + t * d * act * 4
+
+
+def auto_forward_tokens(cfg: ModelConfig, table: LayerTable, a: int, b: int, context: int, budget: int) -> int:
+    """The most tokens one forward carries when the user fixes none: the whole planned context, if its workspace
+    stays within FORWARD_SHARE of the budget; else as many as do (never fewer than PIECE_TOKENS, which the
+    workspace of one attention pass needs anyway). A prompt up to that long reads each expert once."""
+    last = b == cfg.num_layers
+    cap = max(workspace_bytes(cfg, table, a, b, PIECE_TOKENS, context, last), int(FORWARD_SHARE * budget))
+    if workspace_bytes(cfg, table, a, b, context, context, last) <= cap:
+        return max(context, 1)
+    lo, hi = PIECE_TOKENS, context  # workspace grows with tokens: the largest that stays within the cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if workspace_bytes(cfg, table, a, b, mid, context, last) <= cap else (lo, mid - 1)
+    return lo
 
 
 def expert_call_bytes(cfg: ModelConfig, tokens: int, issues: bool, serves: bool) -> int:
@@ -287,18 +309,6 @@ def boundary_bytes_per_token(cfg: ModelConfig, layer: int, act_bytes: int) -> in
     """Bytes one token adds to the message that enters `layer` from the previous stage: the AttnRes state,
     the banked blocks P and the partial block B (layer = L: what the last stage's head receives)."""
     return (cfg.blocks_entering(layer) + 1) * cfg.hidden_size * act_bytes
-
-
-def message_tokens(cfg: ModelConfig, boundaries: Sequence[int], act_bytes: int, max_message: int,
-                   all_logits: bool = False) -> int:
-    """Tokens one forward may carry so that no message between stages (nor the fp32 logits the last stage
-    sends back, every position of them with `all_logits`) passes `max_message` bytes; 1/8 of it is left
-    for the protobuf framing and the other sequences' small fields."""
-    usable = max_message - max_message // 8
-    widest = max([boundary_bytes_per_token(cfg, b, act_bytes) for b in boundaries] or [0])
-    if all_logits:
-        widest = max(widest, cfg.vocab_size * 4)
-    return max(1, usable // widest) if widest else usable
 
 
 # ---- one stage ------------------------------------------------------------------------------------------
@@ -405,6 +415,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
     t = layer_table(cfg, place, options.spans)
+    if options.forward_tokens is None:  # no budget to keep within: the whole planned context in one forward
+        options = replace(options, forward_tokens=max(1, options.context))
     ids = tuple(range(start, end))
     resident, streamed = ids[:resident_count], ids[resident_count:]
     prefix = t.int8 if spine == "int8" else t.bf16
@@ -441,6 +453,9 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     """The best stage that fits `budget` (see the module docstring); SizingError when none does."""
     if options.spine not in SPINES:
         raise SizingError(f"unknown spine format {options.spine!r}: use {', '.join(SPINES)}")
+    if options.forward_tokens is None:
+        options = replace(options, forward_tokens=auto_forward_tokens(
+            cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
     spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
@@ -474,6 +489,8 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
 def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
     """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
     assert options.wide, "a worker without layers only serves wide experts"
+    if options.forward_tokens is None:
+        options = replace(options, forward_tokens=max(1, options.context))
     n_moe = options.expert_layers or 0
     cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache, 1)
     return StageSizing(
@@ -489,6 +506,10 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
+    if options.forward_tokens is None:  # the calls of forwards up to the context, within FORWARD_SHARE
+        cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
+        per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
+        options = replace(options, forward_tokens=max(PIECE_TOKENS, min(options.context, cap // per_token)))
     base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
     if not budget.fits(base):
         raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "

@@ -35,13 +35,14 @@ from deltafin.kernels.linear import Weight, expert_backend
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.common import activation
-from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head
+from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head, layer_in_pieces, pieces_of
 from deltafin.models.kda import delta_rule_recurrent
 from deltafin.models.moe import FusedExperts, route, routed_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.prefixes import PrefixStore
 from deltafin.quant import Int8Weight, quantize_int8_rows
 from deltafin.sizing import (
+    PIECE_TOKENS,
     SPECULATIVE_TOKENS,
     SPINES,
     Budget,
@@ -120,7 +121,8 @@ class StageOptions:
     prefix_bytes: int | None = None  # prefix cache (None: as much as the session budget; 0: off)
     sequences: int = 4  # sequences the session budget is planned for
     context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
-    max_forward_tokens: int = 512  # tokens one forward may carry with a budget (longer prompts go in chunks)
+    max_forward_tokens: int | None = None  # tokens one forward may carry with a budget (longer prompts go in
+    # chunks); None: chosen from the memory (sizing.auto_forward_tokens: up to `context`)
     max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
     speculative_tokens: int = 0  # plan each sequence room for a speculative forward of this many tokens (0: none)
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: its own, local)
@@ -415,6 +417,9 @@ class Stage:
         each sequence (or every token with `all_logits`); the others return the residual state.
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes."""
         self._validate_batch(batch)
+        if all_logits and self.last and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
+            raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
+                               "tokens (what the plan holds logits for): send it in pieces")
         t0 = time.monotonic()
         io_before = self._io_counters()
         if self.wide is not None:
@@ -470,7 +475,10 @@ class Stage:
 
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None
                 ) -> ResidualState:
-        """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead."""
+        """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
+        forward longer than one attention pass (PIECE_TOKENS a sequence) runs each layer's attention in pieces
+        and its experts once over all of them (models/decoder.py, layer_in_pieces)."""
+        pieces = pieces_of(spans, PIECE_TOKENS) if max(s.length for s in spans) > PIECE_TOKENS else None
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")
@@ -478,9 +486,12 @@ class Stage:
             self.spine.prefetch_after(layer)
             self._prefetch_experts(layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
-            state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts,
-                                  fused=self._timed_fused(fused) if fused is not None else None,
-                                  routed=None if fused is not None else self._timed_routed)
+            experts = {"fused": self._timed_fused(fused) if fused is not None else None,
+                       "routed": None if fused is not None else self._timed_routed}
+            if pieces is None:
+                state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, **experts)
+            else:
+                state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts)
         return state
 
     def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -60,6 +60,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
         self.expert_executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-experts")  # others' calls
         self.peers = Peers(peer_security or ClusterSecurity(), max_message_bytes)
+        self.max_message_bytes = max_message_bytes
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
         self._assign_lock = asyncio.Lock()
         self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
@@ -176,27 +177,50 @@ class WorkerService(pb_grpc.WorkerServicer):
         return assign(self.ckpt, start, end, self.device, options, plan, self.description.key, peers, old, progress)
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
-        stop = threading.Event()
-        rid = request.request_id
         try:
-            if self.stage is None:
-                raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
             batch = codec.decode_inputs(list(request.sequences))
-            if rid:
-                self.running[rid] = stop
-            stage = self.stage
-            outputs = await self._on_stage_thread(
-                lambda: stage.forward(batch, all_logits=request.all_logits, should_stop=stop.is_set))
+            outputs = await self._forward(batch, request.all_logits, request.request_id)
             return pb.ForwardResponse(sequences=codec.encode_outputs(outputs))
-        except asyncio.CancelledError:  # the caller went away (deadline, disconnect): stop between layers
-            stop.set()
+        except asyncio.CancelledError:
             raise
         except Exception as e:
             await self._fail(context, e)
+        return pb.ForwardResponse()  # not reached: _fail aborts
+
+    async def ForwardParts(self, requests: AsyncIterator[pb.ForwardRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ForwardResponse]:
+        try:
+            msgs = [r async for r in requests]
+            batch, all_logits, rid = codec.decode_request_parts(msgs)
+            outputs = await self._forward(batch, all_logits, rid)
+            cap = self.max_message_bytes - self.max_message_bytes // 8
+            parts = codec.encode_output_parts(outputs, min(cap, msgs[0].part_bytes or cap))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._fail(context, e)
+            return
+        for part in parts:
+            yield part
+
+    async def _forward(self, batch: list, all_logits: bool, rid: str) -> list:
+        """Run a forward on the stage's thread; a caller that goes away (deadline, disconnect) stops it between
+        layers."""
+        stop = threading.Event()
+        try:
+            if self.stage is None:
+                raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
+            if rid:
+                self.running[rid] = stop
+            stage = self.stage
+            return await self._on_stage_thread(
+                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set))
+        except asyncio.CancelledError:
+            stop.set()
+            raise
         finally:
             if rid:
                 self.running.pop(rid, None)
-        return pb.ForwardResponse()  # not reached: _fail aborts
 
     async def RunExperts(self, request: pb.ExpertRequest, context: grpc.aio.ServicerContext) -> pb.ExpertResponse:
         try:

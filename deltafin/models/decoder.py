@@ -39,6 +39,14 @@ def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residual
                   routed: RoutedExperts | None = None) -> ResidualState:
     """Run layer `layer` on packed tokens (several sequences, each with its own cache); `fused` or `routed`
     run the routed experts instead of the loop over `experts` (models/moe.py)."""
+    after, x = attention(cfg, layer, w, state, spans)
+    return feed_forward(cfg, layer, w, after, x, experts, fused, routed)
+
+
+def attention(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState,
+              spans: Sequence[Span]) -> tuple[ResidualState, torch.Tensor]:
+    """The layer's first half: the state after its attention, and the feed-forward's input (the normed mix).
+    Attention is the only part that reads and updates the sequences' caches; the rest is row by row."""
     P, B = state.P, state.B
     h = attn_res_mix(B, P, w.attn_res.score) if w.attn_res is not None else P
     banked = cfg.attn_res_block_size > 0 and layer % cfg.attn_res_block_size == 0
@@ -52,12 +60,68 @@ def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residual
         a = mla_forward(cfg, w.attn, x, views)  # type: ignore[arg-type]
     P = a if banked else P + a
     h = attn_res_mix(B, P, w.mlp_res.score) if w.mlp_res is not None else P
-    x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+    return ResidualState(P, B), rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+
+
+def feed_forward(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, x: torch.Tensor,
+                 experts: ExpertSource, fused: FusedExperts | None = None,
+                 routed: RoutedExperts | None = None) -> ResidualState:
+    """The layer's second half, row by row: the dense MLP or the latent MoE on `x`, added to P."""
     if isinstance(w.ffn, MoEWeights):
         f = moe_forward(cfg, layer, w.ffn, x, experts, fused=fused, routed=routed)
     else:
         f = dense_mlp(cfg, w.ffn, x)
-    return ResidualState(P + f, B)
+    return ResidualState(state.P + f, state.B)
+
+
+def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState,
+                    pieces: Sequence[Piece], experts: ExpertSource, fused: FusedExperts | None = None,
+                    routed: RoutedExperts | None = None) -> ResidualState:
+    """The layer over a forward too long for one attention pass: attention piece after piece (each sequence's
+    pieces in order, so each sees its cache as the ones before it left it), then the routed experts once over
+    every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece.
+    The same as `decoder_layer` on the whole forward, up to rounding."""
+    moe = isinstance(w.ffn, MoEWeights)
+    P = B = x = None
+    for piece in pieces:
+        rows = piece.rows.to(state.P.device)
+        after, x_piece = attention(cfg, layer, w, ResidualState(state.P[rows], state.B[rows]), piece.spans)
+        if not moe:
+            after = feed_forward(cfg, layer, w, after, x_piece, experts)
+        if P is None:  # the layer's outputs, every row (B may have banked a block)
+            P, B = state.P.new_empty(state.P.shape), state.B.new_empty((state.num_tokens, *after.B.shape[1:]))
+            x = x_piece.new_empty(state.num_tokens, x_piece.shape[1]) if moe else None
+        P[rows], B[rows] = after.P, after.B
+        if x is not None:
+            x[rows] = x_piece
+    out = ResidualState(P, B)  # type: ignore[arg-type]
+    return feed_forward(cfg, layer, w, out, x, experts, fused, routed) if moe else out  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of a forward that go through one attention pass: `rows` index the packed batch; `spans` are the
+    sequences' parts in it (starts within the piece, each sequence's cache)."""
+
+    rows: torch.Tensor
+    spans: tuple[Span, ...]
+
+
+def pieces_of(spans: Sequence[Span], tokens: int) -> list[Piece]:
+    """Cut a forward into attention pieces: each sequence's tokens in runs of `tokens` from its own start (the
+    cut points of prompts fed `tokens` at a time), piece k holding every sequence's k-th run."""
+    longest = max(s.length for s in spans)
+    out = []
+    for k in range(0, longest, tokens):
+        rows, parts, at = [], [], 0
+        for s in spans:
+            n = min(tokens, s.length - k)
+            if n > 0:
+                rows.append(torch.arange(s.start + k, s.start + k + n))
+                parts.append(Span(at, n, s.cache))
+                at += n
+        out.append(Piece(torch.cat(rows), tuple(parts)))
+    return out
 
 
 def ffn_input(cfg: ModelConfig, w: LayerWeights, state: ResidualState) -> torch.Tensor:

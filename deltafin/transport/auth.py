@@ -124,6 +124,9 @@ def _refusal(handler: Any, why: str) -> Any:
 
     if handler is None:
         return None
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                     handler.response_serializer)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
                                                     handler.response_serializer)

@@ -22,10 +22,11 @@ class Silent(Exception):
 
 
 async def await_watched(call: Any, probe: Callable[[], Awaitable[object]], interval: float,
-                        lost_after: float) -> Any:
-    """`call`'s response (its AioRpcError as raised); meanwhile `probe()` every `interval` seconds, and Silent
-    once probes have failed for `lost_after` seconds (the call is then cancelled)."""
-    waiter = asyncio.ensure_future(_result(call))
+                        lost_after: float, result: Awaitable[Any] | None = None) -> Any:
+    """`call`'s response (its AioRpcError as raised), or `result`'s (a streaming call's responses, collected);
+    meanwhile `probe()` every `interval` seconds, and Silent once probes have failed for `lost_after` seconds
+    (the call is then cancelled)."""
+    waiter = asyncio.ensure_future(result if result is not None else _result(call))
     last_answer = time.monotonic()
     try:
         while True:

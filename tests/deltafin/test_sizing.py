@@ -73,11 +73,31 @@ def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
 
 def test_most_resident_is_the_best_count(k3):
     """The scan agrees with a brute-force search over every resident count (memory is not monotonic in it)."""
-    opts = SizingOptions(spine="int8")
+    opts = SizingOptions(spine="int8", forward_tokens=512)  # a fixed forward: the residency is what is tested
     for budget in (20 * GB, 33 * GB, 47 * GB, 56 * GB):
         s = choose(k3, 0, 93, Placement("cpu"), Budget(budget), opts)
         fits = [k for k in range(94) if size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total <= budget]
         assert len(s.resident_layers) == max(fits)
+
+
+def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3):
+    """With no --prefill-chunk a forward carries the planned context (a prompt up to it reads each expert once)
+    when its workspace fits FORWARD_SHARE of the budget, else the most tokens that do; and the workspace grows
+    with the forward's tokens by the rows' state and the routed experts' buffers, not by its attention, which
+    runs a piece at a time."""
+    from deltafin.sizing import FORWARD_SHARE, PIECE_TOKENS, workspace_bytes
+
+    t = layer_table(k3, Placement("cpu"))
+    big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8"))
+    assert big.forward_tokens == 4096 and big.workspace <= FORWARD_SHARE * 64 * GB
+    small = choose(k3, 70, 93, Placement("cpu"), Budget(24 * GB), SizingOptions(spine="int8"))
+    assert PIECE_TOKENS < small.forward_tokens < 4096
+    assert small.workspace <= FORWARD_SHARE * 24 * GB < workspace_bytes(k3, t, 70, 93, small.forward_tokens + 1,
+                                                                        4096, True)
+    fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8", forward_tokens=512))
+    assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache
+    per_token = (workspace_bytes(k3, t, 70, 93, 2048, 4096, True) - workspace_bytes(k3, t, 70, 93, 1024, 4096, True))
+    assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
 
 
 def test_more_memory_never_holds_less(k3):
@@ -163,28 +183,23 @@ def test_a_budget_too_small_is_refused_before_loading(tiny_dir):
 def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
     """Streaming layer 0 (the dense MLP, 2.3 GB) needs two buffers its size; holding it resident as int8 takes
     less. So a budget can fit one resident layer and not zero: the search must not stop at zero."""
-    opts = SizingOptions(sequences=1)
+    opts = SizingOptions(sequences=1, forward_tokens=512)
     sizes = [size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total for k in (0, 1)]
     assert sizes[1] < sizes[0]
     s = choose(k3, 0, 93, Placement("cpu"), Budget((sizes[0] + sizes[1]) // 2), opts)
     assert len(s.resident_layers) == 1
 
 
-def test_forwards_are_cut_to_what_a_message_between_stages_holds(k3):
-    """At K3's width a token entering layer 90 carries 8 banked AttnRes blocks and the partial one:
-    9 * 7168 * 4 B = 258,048 B in fp32, so 7/8 of a 1 GiB message holds 3,640 tokens (bf16: 7,281); every
-    position's fp32 logits (163,840 * 4 B a token) hold 1,433."""
-    from deltafin.sizing import boundary_bytes_per_token, message_tokens
+def test_a_boundary_token_carries_its_banked_blocks(k3):
+    """At K3's width a token entering layer 90 carries 8 banked AttnRes blocks and the partial one: 9 * 7168 * 4 B
+    = 258,048 B in fp32, so a 16,384-token forward's state there is 4.2 GB, four 1 GiB messages: it goes in parts
+    (tests/deltafin/transport/test_codec.py)."""
+    from deltafin.sizing import boundary_bytes_per_token
 
     assert k3.blocks_entering(90) == 8
     assert boundary_bytes_per_token(k3, 90, 4) == 9 * 7168 * 4
-    gib = 1 << 30
-    assert message_tokens(k3, [30, 60, 90], 4, gib) == (gib - gib // 8) // (9 * 7168 * 4) == 3640
-    assert message_tokens(k3, [90], 2, gib) == 7281
-    assert message_tokens(k3, [90], 4, gib, all_logits=True) == 1433
-    assert message_tokens(k3, [12], 4, gib) == (gib - gib // 8) // (2 * 7168 * 4)  # early: fewer blocks
-    assert message_tokens(k3, [90], 4, 1000) == 1  # never zero: one token always goes
-
+    assert boundary_bytes_per_token(k3, 12, 2) == 2 * 7168 * 2  # early: one banked block (bf16)
+    assert 16384 * boundary_bytes_per_token(k3, 90, 4) > 3.9 * (1 << 30)
 
 
 # ---- wide experts ------------------------------------------------------------------------------------------
@@ -229,7 +244,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
 
 
 def test_wide_sizing_counts_the_calls_and_never_keeps_every_expert(k3):
-    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25)
+    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25, forward_tokens=512)
     z = choose(k3, 0, 23, Placement("mps"), Budget(56 * GB), wide)
     assert not z.experts_resident and z.expert_layers == 92 and z.device_total <= 56 * GB
     # both ways at 512 tokens: rows out and 16 outputs back per token, as messages and as tensors

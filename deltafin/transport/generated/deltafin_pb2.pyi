@@ -183,14 +183,16 @@ class SequenceInput(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., save_as: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "all_logits")
+    __slots__ = ("request_id", "sequences", "all_logits", "part_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
     all_logits: bool
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., all_logits: _Optional[bool] = ...) -> None: ...
+    part_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., all_logits: _Optional[bool] = ..., part_bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("session_id", "p", "b", "logits")

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.ForwardParts = channel.stream_stream(
+                '/deltafin.v1.Worker/ForwardParts',
+                request_serializer=deltafin__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.ForwardResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/deltafin.v1.Worker/Release',
                 request_serializer=deltafin__pb2.ReleaseRequest.SerializeToString,
@@ -90,6 +95,14 @@ class WorkerServicer:
 
     def Forward(self, request, context):
         """Run the assigned stage for a batch of sequences.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardParts(self, request_iterator, context):
+        """The same for a forward larger than one message: its inputs in parts (slices of the sequences' tensors along
+        their tokens, each session's in order; its other fields with its first slice), its outputs likewise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +152,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
+                    request_deserializer=deltafin__pb2.ForwardRequest.FromString,
+                    response_serializer=deltafin__pb2.ForwardResponse.SerializeToString,
+            ),
+            'ForwardParts': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardParts,
                     request_deserializer=deltafin__pb2.ForwardRequest.FromString,
                     response_serializer=deltafin__pb2.ForwardResponse.SerializeToString,
             ),
@@ -242,6 +260,33 @@ class Worker:
             request,
             target,
             '/deltafin.v1.Worker/Forward',
+            deltafin__pb2.ForwardRequest.SerializeToString,
+            deltafin__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardParts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/deltafin.v1.Worker/ForwardParts',
             deltafin__pb2.ForwardRequest.SerializeToString,
             deltafin__pb2.ForwardResponse.FromString,
             options,

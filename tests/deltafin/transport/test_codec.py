@@ -3,6 +3,7 @@ layer ranges; stage options and counters travel as typed messages."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,34 @@ def test_expert_calls_and_plans_round_trip():
     bad.layers[0].bounds[1] = 99
     with pytest.raises(CodecError, match="malformed expert plan"):
         codec.decode_expert_plan(bad, 16)
+
+
+def test_a_forward_larger_than_a_message_goes_in_parts():
+    """Every part stays under the size asked for (a token at least), each session's slices rejoin in order with
+    its fields, and outputs likewise."""
+    g = torch.Generator().manual_seed(1)
+    batch = [SeqInput("step", 7, state=ResidualState(torch.randn(1, 64, generator=g), torch.randn(1, 2, 64,
+                                                                                                  generator=g))),
+             SeqInput("prompt", 0, state=ResidualState(torch.randn(300, 64, generator=g),
+                                                       torch.randn(300, 2, 64, generator=g)), save_as="kept"),
+             SeqInput("ids", 0, ids=torch.arange(50))]
+    assert codec.request_bytes(batch) == 301 * 3 * 64 * 4 + 50 * 8
+    parts = codec.encode_request_parts(batch, True, "r", 10_000)
+    assert len(parts) > 20 and all(sum(len(t.data) for q in p.sequences for t in (q.ids, q.p, q.b)) <= 10_000
+                                   for p in parts)
+    wire = [pb.ForwardRequest.FromString(p.SerializeToString()) for p in parts]
+    back, all_logits, rid = codec.decode_request_parts(wire)
+    assert (all_logits, rid) == (True, "r") and [b.session_id for b in back] == ["step", "prompt", "ids"]
+    for a, b in zip(batch, back, strict=True):
+        assert (a.cache_len, a.save_as) == (b.cache_len, b.save_as)
+        assert torch.equal(a.ids, b.ids) if a.ids is not None else (torch.equal(a.state.P, b.state.P)
+                                                                   and torch.equal(a.state.B, b.state.B))
+    outputs = [SeqOutput("x", logits=torch.randn(1, 3000, generator=g)),
+               SeqOutput("y", state=ResidualState(torch.randn(200, 64, generator=g), torch.randn(200, 3, 64,
+                                                                                               generator=g)))]
+    again = codec.decode_output_parts(codec.encode_output_parts(outputs, 20_000))
+    assert torch.equal(again[0].logits, outputs[0].logits) and torch.equal(again[1].state.B, outputs[1].state.B)
+    mixed = codec.encode_request_parts([batch[2]], False, "r", 100) + codec.encode_request_parts(
+        [dataclasses.replace(batch[1], session_id="ids")], False, "r", 10_000)
+    with pytest.raises(CodecError, match="do not join"):
+        codec.decode_request_parts(mixed)
