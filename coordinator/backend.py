@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+import torch
 
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.pipeline import LocalPipeline, route
@@ -27,6 +29,8 @@ from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, await_watched
+
+log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -54,6 +58,10 @@ class Backend(Protocol):
         ...
 
     async def stats(self) -> list[dict[str, Any]]: ...
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        """The first stage's longest kept prefix of `tokens` (memory or disk): (its id, its length)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -93,6 +101,9 @@ class LocalBackend:
         return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
                                          "session_bytes": s.session_bytes(), "layers": [s.start, s.end]}
                                         for i, s in enumerate(self.pipeline.stages)])
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        return await self._run(self.pipeline.stages[0].prefixes.find, tokens)
 
     async def close(self) -> None:
         await self._run(self.pipeline.close)
@@ -220,6 +231,14 @@ class WorkerClient:
             raise self._error(e) from None
         return codec.decode_stats(r.stats)
 
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        try:
+            r = await self.stub.FindPrefix(pb.FindPrefixRequest(tokens=codec.encode_tensor(torch.tensor(tokens))),
+                                           timeout=self.timeouts.control, metadata=self._md("FindPrefix"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return (r.prefix_id, r.length) if r.prefix_id else None
+
     async def close(self) -> None:
         await self.channel.close()
 
@@ -280,6 +299,14 @@ class ClusterBackend:
 
     async def stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(w.stats() for w in self.workers)))
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        """Stage 0's answer; a worker that cannot say (an older one, a failure) finds nothing."""
+        try:
+            return await self.stages[0].find_prefix(tokens)
+        except RemoteError as e:
+            log.debug("no kept prefix from %s: %s", self.stages[0].name, e)
+            return None
 
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in self.workers))

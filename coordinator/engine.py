@@ -6,6 +6,7 @@ they share the admission queue, the stop tokens, the context limit and the metri
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from .backend import Backend
 from .generation import Finished, Request, Speculation, TextView, TokenEvent, generate
 from .prefix import PrefixIndex, PrefixSession, stage_shares
 from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
 
@@ -161,7 +164,18 @@ class Engine:
                 await self.scheduler.release_prefixes(evicted)
         if not self.prefixes.enabled:
             return None
-        return PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        if session.resumed is None and len(prompt_ids) >= 2:  # kept before this coordinator started? ask stage 0
+            found = await self.backend.find_prefix(prompt_ids[:-1])  # (at least one prompt token left to feed)
+            evicted = self.prefixes.adopt(found[0], prompt_ids[:found[1]]) if found and found[1] else None
+            if evicted is not None:
+                log.info("resuming from a prefix of %d tokens kept before (found on the first stage's disk)",
+                         found[1])  # type: ignore[index]
+                if evicted:
+                    await self.scheduler.release_prefixes(evicted)
+                self.prefixes.counters.lookups -= 1  # one lookup of this prompt, not two
+                session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        return session
 
     def _prefill_chunk(self) -> int | None:
         """Prompt tokens per forward: what the stages take, less room for every active stream's decode step

@@ -126,6 +126,18 @@ class PrefixIndex:
         self.counters.kept += 1
         return prefix_id, evicted
 
+    def adopt(self, prefix_id: str, tokens: Sequence[int]) -> list[str] | None:
+        """Index a prefix the stages kept before this index existed (found on the first stage's disk after a
+        restart) under its own id; the ids evicted for its room, or None if it cannot fit."""
+        want = array("i", tokens)
+        if not self.enabled or prefix_id in self.entries or any(self.cost(s, len(want)) > s.budget
+                                                                 for s in self.shares):
+            return None
+        evicted = self._evict_for(len(want))
+        if evicted is not None:
+            self.entries[prefix_id] = Entry(prefix_id, want)
+        return evicted
+
     def _evict_for(self, length: int) -> list[str] | None:
         """Evict least-recently-used entries until one of `length` tokens fits every stage (0: until the
         entries fit); None if it cannot, for the pinned entries (nothing is evicted then)."""

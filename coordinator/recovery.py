@@ -238,6 +238,9 @@ class ResilientCluster:
     async def stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()
 
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        return await self.backend.find_prefix(tokens)
+
     async def close(self) -> None:
         if self._membership is not None:
             self._membership.cancel()

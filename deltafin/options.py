@@ -13,6 +13,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from deltafin.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 GB = 1e9
@@ -38,6 +40,12 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
                    help="keep sequence state after a request within this many GB, so that a request that starts "
                    "with the same tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: "
                    "as much as the sequences' caches: --sequences states at --context tokens)")
+    g.add_argument("--prefix-dir", default=None,
+                   help="also keep prefixes on this disk folder, so that a request sharing one resumes after a "
+                   "restart too (default: the cache directory's prefixes/)")
+    g.add_argument("--prefix-disk-gb", type=float, default=32.0,
+                   help="what kept prefixes may take on the disk, least recently used out first (default 32; 0: "
+                   "memory only)")
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
                    "experts again (default: the --context tokens in one forward, if their workspace fits a tenth of "
@@ -66,7 +74,7 @@ def check_stage_args(args: argparse.Namespace) -> None:
     for name in ("sequences", "context", "prefill_chunk", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DeltafinError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("memory_gb", "expert_cache_gb", "prefix_cache_gb", "max_resident_layers"):
+    for name in ("memory_gb", "expert_cache_gb", "prefix_cache_gb", "max_resident_layers", "prefix_disk_gb"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise DeltafinError(f"--{name.replace('_', '-')} must not be negative")
@@ -84,7 +92,9 @@ def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_bytes": gb(args.prefix_cache_gb), "io": args.io,
             "read_threads": args.threads, "cache_policy": args.policy, "prefetch": not args.no_prefetch,
             "sequences": args.sequences, "context": args.context, "max_forward_tokens": args.prefill_chunk,
-            "max_resident_layers": args.max_resident_layers, "expert_dirs": tuple(args.expert_dir)}
+            "max_resident_layers": args.max_resident_layers, "expert_dirs": tuple(args.expert_dir),
+            "prefix_dir": (args.prefix_dir or str(cache_dir("prefixes"))) if args.prefix_disk_gb else None,
+            "prefix_disk_bytes": int(args.prefix_disk_gb * GB)}
 
 
 def stage_options(args: argparse.Namespace, device: Any, dtype: Any = None):  # -> StageOptions

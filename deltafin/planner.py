@@ -78,6 +78,8 @@ class StagePlan:
     worker_id: str = ""
     memory_bytes: int = 0  # the worker's budget the stage was sized against
     host_memory_bytes: int | None = None
+    disk_gbps: float = 0.0  # its model disk (the spine streams from it)
+    expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
 
     @property
     def key(self) -> str:
@@ -108,6 +110,7 @@ class Plan:
     holders: tuple[StagePlan, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
     experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
     predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
+    first_token: tuple[tuple[int, float], ...] = ()  # (prompt tokens, seconds to the first token), predicted
 
     @property
     def wide(self) -> bool:
@@ -124,7 +127,12 @@ class Plan:
         return sum(s.seconds_per_token for s in self.stages)
 
     def table(self) -> str:
-        return self._wide_table() if self.wide else self._table()
+        text = self._wide_table() if self.wide else self._table()
+        if self.first_token:
+            step = min(s.sizing.forward_tokens for s in self.stages)
+            text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
+                     f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
+        return text
 
     def _wide_table(self) -> str:
         assert self.experts is not None
@@ -193,15 +201,13 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     wide = experts == "wide"
     if wide and not cfg.moe_layers:
         wide = False  # nothing to spread
-    if opts.spine == "auto":
-        plan = _plan(cfg, workers, replace(opts, spine="bf16"), act_bytes, True, wide)
-        if plan is not None:
-            return plan
-        opts = replace(opts, spine="int8")
-    plan = _plan(cfg, workers, opts, act_bytes, False, wide)
+    plan = _plan(cfg, workers, replace(opts, spine="bf16"), act_bytes, True, wide) if opts.spine == "auto" else None
+    if plan is None:
+        opts = replace(opts, spine="int8") if opts.spine == "auto" else opts
+        plan = _plan(cfg, workers, opts, act_bytes, False, wide)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
-    return plan
+    return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS))
 
 
 def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:
@@ -259,7 +265,8 @@ def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: boo
     experts are read by every holder), and a tie-break that is least when spines follow memory."""
     read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
-    stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes)
+    stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
+                      w.disk_gbps, w.expert_speed)
     weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
     return stage, seconds + 1e-2 * weight ** 2 / max(1, w.memory_bytes) / GB
 
@@ -277,7 +284,8 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
             z = choose_holder(cfg, Placement(w.device, act_bytes), w.budget, per_worker[i])
         except SizingError:
             continue
-        holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes))
+        holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
+                                 w.disk_gbps, w.expert_speed))
     members = [*stages, *holders]
     caps = [workers[index[m.key]] for m in members]
     slot = expert_slot_bytes(cfg)
@@ -352,3 +360,64 @@ def _ranges(ids: list[int]) -> str:
         else:
             out.append([i, i])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
+
+
+def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Experts of a layer that `tokens` tokens touch under a uniform router: E(1 - (1 - k/E)^T)."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None) -> float:
+    """A prompt's time to its first token, from bytes and bandwidths: in forwards of the plan's size (or
+    `forward_tokens`), each reading every MoE layer's experts its tokens touch (less what the caches keep) and
+    streaming the spine that does not stay; with local experts the stages one after another, with wide experts
+    every disk at once per layer plus the pairs' outputs over the network. Compute is left out (a Mac's GPU
+    keeps up with its SSD; README, Apple silicon)."""
+    step = forward_tokens or min(s.sizing.forward_tokens for s in plan.stages)
+    total, done = 0.0, 0
+    while done < tokens:
+        n = min(step, tokens - done)
+        total += _forward_seconds(cfg, plan, n)
+        done += n
+    return total
+
+
+def _forward_seconds(cfg: ModelConfig, plan: Plan, tokens: int) -> float:
+    b, touched = cfg.bytes_per_expert, distinct_experts(cfg, tokens)
+    slot = expert_slot_bytes(cfg)
+    members = plan.workers
+    spine = sum(s.sizing.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
+    if plan.experts is None:
+        reads = 0.0
+        for s in plan.stages:
+            z = s.sizing
+            layers = z.expert_layers or 0
+            held = min(1.0, z.expert_cache // slot / (layers * cfg.num_experts)) if layers else 0.0
+            reads += layers * touched * b * (1 - held) / (_speed(s, True) * GB)
+        return reads + spine
+    p = plan.experts
+    held = [min(1.0, m.sizing.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
+    owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
+    per_layer = 0.0
+    for layer in p.layers:
+        bounds = p.bounds_of(layer)
+        share = [(bounds[i + 1] - bounds[i]) / cfg.num_experts for i in range(len(members))]
+        reads = max(touched * b * share[i] * (1 - held[i]) / (_speed(m, True) * GB) for i, m in enumerate(members))
+        remote = 1 - share[owner[layer]]
+        network = (EXPERT_CALL_RTT_S + tokens * cfg.experts_per_token * cfg.expert_dim * 4 * remote / LINK_BYTES_PER_S
+                   if remote > 0 else 0.0)
+        per_layer += max(reads, network)  # the outputs stream back while the holders read
+    return per_layer + spine
+
+
+def _speed(s: StagePlan, experts: bool = False) -> float:
+    """A member's disk speed: its model disk's (the spine), or all its expert disks' (`experts`)."""
+    return max((s.expert_gbps or s.disk_gbps) if experts else s.disk_gbps, 1e-3)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"

@@ -267,7 +267,7 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
         per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
     if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
         shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
-        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim * 2 + d) * 4
+        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim + 2 * d) * 4
         per_layer = max(per_layer, 3 * t * shared * 4 + moe)
     logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
     widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d

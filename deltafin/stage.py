@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from deltafin.checkpoint import Checkpoint, open_copy
+from deltafin.checkpoint import Checkpoint, fingerprint, open_copy
 from deltafin.config import LayerKind, ModelConfig
 from deltafin.errors import (
     Cancelled,
@@ -39,6 +40,7 @@ from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head,
 from deltafin.models.kda import delta_rule_recurrent
 from deltafin.models.moe import FusedExperts, route, routed_outputs
 from deltafin.models.weights import ExpertWeights
+from deltafin.prefix_disk import PrefixDisk
 from deltafin.prefixes import PrefixStore
 from deltafin.quant import Int8Weight, quantize_int8_rows
 from deltafin.sizing import (
@@ -129,6 +131,8 @@ class StageOptions:
     expert_share: float = 1.0  # wide experts: the planned fraction of those layers' experts it computes
     expert_dirs: tuple[str, ...] = ()  # more copies (or parts) of the checkpoint on other disks, read for experts
     disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
+    prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
+    prefix_disk_bytes: int = 32 * 10**9  # what they may take there (least recently used go first)
 
     def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
         return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
@@ -225,7 +229,8 @@ class Stage:
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
         self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
-        self.prefixes = PrefixStore(self.sizing.prefixes)
+        self.prefixes = PrefixStore(self.sizing.prefixes, self._prefix_disk())
+        self.tokens: dict[str, array] = {}  # the first stage's: each session's token ids (a kept prefix has them)
         self.timings = StageTimings()
 
     def set_wide(self, wide: WideExperts | None) -> None:
@@ -233,6 +238,15 @@ class Stage:
         if wide is None and self.options.expert_layers is not None:
             raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
         self.wide = wide
+
+    def _prefix_disk(self) -> PrefixDisk | None:
+        """Where kept prefixes go on the disk (`prefix_dir`), in a folder of this stage's identity."""
+        opts = self.options
+        if not opts.prefix_dir or not opts.prefix_disk_bytes or not self.sizing.prefixes:
+            return None
+        dtype = str(self.dtype).removeprefix("torch.")
+        identity = f"{fingerprint(self.ckpt.model_dir)}-{self.start}-{self.end}-{dtype}-{self.device.type}"
+        return PrefixDisk(opts.prefix_dir, identity, opts.prefix_disk_bytes, self.device)
 
     @property
     def layers_range(self) -> range:
@@ -282,6 +296,7 @@ class Stage:
         prefix instead drops it. False if neither existed."""
         self.evicted.pop(session_id, None)
         self.last_used.pop(session_id, None)
+        tokens = self.tokens.pop(session_id, None)
         cache = self.sessions.pop(session_id, None)
         if cache is None:
             return self.prefixes.drop(session_id)
@@ -292,7 +307,7 @@ class Stage:
             return True
         if keep_as:
             cache.forget_snapshot()
-            self.prefixes.keep(keep_as, cache)
+            self.prefixes.keep(keep_as, cache, tokens[:cache.length] if tokens is not None else None)
         return True
 
     def session_bytes(self) -> int:
@@ -307,6 +322,7 @@ class Stage:
         for sid in gone:
             self.sessions.pop(sid, None)
             self.last_used.pop(sid, None)
+            self.tokens.pop(sid, None)
             self._note_evicted(sid, f"expired after {idle_seconds:.0f}s without use")
         return gone
 
@@ -344,7 +360,7 @@ class Stage:
 
     def _resume(self, item: SeqInput, pinned: set[str]) -> SequenceCache:
         """A new session from a kept prefix of exactly cache_len tokens."""
-        kept = self.prefixes.get(item.resume_from or "")
+        kept = self.prefixes.get(item.resume_from or "", self.dtype)
         if kept is None:
             raise PrefixNotFound(f"prefix {item.resume_from!r} is not on stage [{self.start}, {self.end}) (evicted or "
                                  "never kept); start the session with cache_len 0")
@@ -353,6 +369,9 @@ class Stage:
         self._make_room(kept.nbytes + kept.growth(item.num_tokens), pinned)
         cache = kept.resume(item.num_tokens)
         self.sessions[item.session_id] = cache
+        known = self.prefixes.tokens_of(item.resume_from or "") if self.first else None
+        if known is not None:
+            self.tokens[item.session_id] = array("i", known)
         self.evicted.pop(item.session_id, None)
         self.prefixes.stats.resumed += 1
         return cache
@@ -376,6 +395,7 @@ class Stage:
                 continue
             self.sessions.pop(sid)
             self.last_used.pop(sid, None)
+            self.tokens.pop(sid, None)
             self._note_evicted(sid, f"evicted to make room: the stage cache budget is {self.cache_budget / 1e9:.2f} GB")
             log.info("evicted session %s", sid)
         if self.session_bytes() + need > self.cache_budget:
@@ -442,14 +462,27 @@ class Stage:
         for c, item in zip(caches, batch, strict=True):
             c.length += item.num_tokens
             c.end_trail(item.num_tokens if item.speculative else 0)
+            tokens = self._note_tokens(item)
             if item.save_as:
-                self.prefixes.keep(item.save_as, c.share())
+                self.prefixes.keep(item.save_as, c.share(), tokens[:c.length] if tokens is not None else None)
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
         if log.isEnabledFor(logging.DEBUG):
             self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
+
+    def _note_tokens(self, item: SeqInput) -> array | None:
+        """The first stage's record of a session's token ids, continued from where the forward started."""
+        if not self.first:
+            return None
+        tokens = self.tokens.setdefault(item.session_id, array("i")) if item.cache_len == 0 or item.session_id in \
+            self.tokens else None
+        if tokens is None:  # resumed from a prefix whose tokens this stage never knew
+            return None
+        del tokens[item.cache_len:]
+        tokens.extend(int(t) for t in item.ids.tolist())  # type: ignore[union-attr]
+        return tokens
 
     def _io_counters(self) -> tuple[float, int, float]:
         """(seconds waiting for expert reads, expert misses, seconds waiting for streamed spine) so far."""
@@ -576,7 +609,8 @@ class Stage:
 
     def close(self) -> None:
         self.sessions.clear()
-        self.prefixes.clear()
+        self.prefixes.close()
+        self.tokens.clear()
         self.last_used.clear()
         self.experts.close()
         self.spine.close()

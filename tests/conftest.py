@@ -6,11 +6,30 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from deltafin.synth import synthesize
+
+
+def _isolated_cache() -> None:
+    """The tests' processes keep their derived files in a cache directory of this test session's, so that
+    nothing a test keeps (prefixes on disk) is seen by another run; the built kernels, derived tokenizers and
+    fetched references are shared with the user's cache (links), as they only depend on their inputs."""
+    from deltafin import paths
+
+    shared = paths.cache_dir()
+    session = Path(tempfile.mkdtemp(prefix="deltafin-test-cache-"))
+    for part in ("kernels", "reference", "tokenizers"):
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (session / part).symlink_to(shared / part)
+    os.environ["DELTAFIN_CACHE"] = str(session)
+
+
+_isolated_cache()
 
 # The real Kimi K3 config.json, verbatim (copied from ../shared/fixtures/kimi-k3/).
 K3_FIXTURE = Path(__file__).parent / "data" / "kimi-k3-config.json"

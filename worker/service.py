@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from deltafin.assigned import Assigned, assign
 from deltafin.checkpoint import Checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.errors import DeltafinError, FingerprintMismatch, NotAssigned
+from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned
 from deltafin.placement import ExpertPlan
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
@@ -239,6 +239,21 @@ class WorkerService(pb_grpc.WorkerServicer):
         except Exception as e:
             await self._fail(context, e)
         return pb.ExpertResponse()  # not reached: _fail aborts
+
+    async def FindPrefix(self, request: pb.FindPrefixRequest,
+                         context: grpc.aio.ServicerContext) -> pb.FindPrefixResponse:
+        try:
+            stage = self.stage
+            if stage is None or not stage.first:
+                raise NotAssigned("only the first stage knows its kept prefixes' tokens")
+            tokens = codec.decode_tensor(request.tokens, "tokens")
+            if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32):
+                raise CodecError("FindPrefix takes a 1-D integer tensor of token ids")
+            found = await self._on_stage_thread(stage.prefixes.find, tokens.tolist())
+            return pb.FindPrefixResponse(prefix_id=found[0], length=found[1]) if found else pb.FindPrefixResponse()
+        except Exception as e:
+            await self._fail(context, e)
+        return pb.FindPrefixResponse()  # not reached: _fail aborts
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         stage = self.stage

@@ -100,7 +100,7 @@ def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, ex
             outs = finish()
         else:
             outs = routed_outputs(cfg, layer, z, idx, experts)
-        y = (outs * weights.unsqueeze(-1)).sum(1)  # fixed slot order
+        y = outs.mul_(weights.unsqueeze(-1)).sum(1)  # fixed slot order; in place: no second [N, k, De] buffer
     if w.latent_up is not None:
         if w.latent_norm is not None:
             y = rms_norm(y, w.latent_norm, cfg.rms_norm_eps)

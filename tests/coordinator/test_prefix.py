@@ -237,3 +237,26 @@ def test_through_worker_processes_each_stage_keeps_its_part(tiny_dir):
     assert [c for _, c in got] == [0, len(turns[0]), 0]
     assert kept[0] == kept[1] >= 3  # the same entries on both workers
     assert counters.missing == 1
+
+
+def test_a_restarted_engine_resumes_a_prefix_kept_on_disk(tiny_dir, tmp_path):
+    """Stages and engine gone (a restart), then started again on the same prefix folder: the new index is
+    empty, the first stage finds the kept prefix on its disk by its tokens, the request resumes from it
+    (counted as cached tokens) and generates what a cold start does."""
+    tok, cfg = K3Tokenizer.load(tiny_dir), load_config(tiny_dir)
+    options = StageOptions(prefix_dir=str(tmp_path))
+
+    async def run(prompt: list[int], cache: bool = True):
+        engine = Engine(LocalBackend(LocalPipeline.load(tiny_dir, 2, device="cpu", options=options)), tok, cfg,
+                        "t", prefix_cache=cache)
+        try:
+            return await _generate(engine, prompt), engine.prefixes.counters if cache else None
+        finally:
+            await engine.close()
+
+    (first, cached), _ = asyncio.run(run(_turns()[0]))
+    assert cached == 0
+    (second, cached), counters = asyncio.run(run(_turns()[1]))  # a new process: nothing in memory
+    assert cached == len(PROMPT) and counters.hits == 1 and counters.lookups == 1  # the first turn's prompt
+    (cold, _), _ = asyncio.run(run(_turns()[1], cache=False))
+    assert second == cold

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,9 @@ class WorkerProcess:
 
     def __init__(self, model: Path, name: str | None, *extra: str, announce: bool = False,
                  memory_gb: float | None = 4, prefix: tuple[str, ...] = ()):
-        cmd = [*prefix, *WORKER, "--model", str(model), "--port", "0",
+        # every worker its own prefix folder (tests must not resume each other's kept prefixes)
+        self.prefix_dir = tempfile.mkdtemp(prefix="deltafin-prefixes-")
+        cmd = [*prefix, *WORKER, "--model", str(model), "--port", "0", "--prefix-dir", self.prefix_dir,
                "--disk-gbps", "2.0", "--grace", "3", *extra]
         cmd += ["--name", name] if name is not None else []
         cmd += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []

@@ -268,6 +268,20 @@ class ExpertResponse(_message.Message):
     outputs: Tensor
     def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class FindPrefixRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: Tensor
+    def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class FindPrefixResponse(_message.Message):
+    __slots__ = ("prefix_id", "length")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    length: int
+    def __init__(self, prefix_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -279,7 +293,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s", "prefixes_restored", "prefix_disk_files", "prefix_disk_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +319,9 @@ class StageStats(_message.Message):
     WIDE_FIELD_NUMBER: _ClassVar[int]
     DISKS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_FILES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -330,7 +347,10 @@ class StageStats(_message.Message):
     wide: WideStats
     disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
     experts_s: float
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ...) -> None: ...
+    prefixes_restored: int
+    prefix_disk_files: int
+    prefix_disk_bytes: int
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class WideStats(_message.Message):
     __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")

@@ -74,6 +74,11 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.ExpertRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.ExpertResponse.FromString,
                 _registered_method=True)
+        self.FindPrefix = channel.unary_unary(
+                '/deltafin.v1.Worker/FindPrefix',
+                request_serializer=deltafin__pb2.FindPrefixRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.FindPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -137,6 +142,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindPrefix(self, request, context):
+        """The first stage: the longest prefix of these tokens it keeps state for, in memory or on its disk (a
+        coordinator that restarted finds what it kept before).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunExperts,
                     request_deserializer=deltafin__pb2.ExpertRequest.FromString,
                     response_serializer=deltafin__pb2.ExpertResponse.SerializeToString,
+            ),
+            'FindPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindPrefix,
+                    request_deserializer=deltafin__pb2.FindPrefixRequest.FromString,
+                    response_serializer=deltafin__pb2.FindPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class Worker:
             '/deltafin.v1.Worker/RunExperts',
             deltafin__pb2.ExpertRequest.SerializeToString,
             deltafin__pb2.ExpertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltafin.v1.Worker/FindPrefix',
+            deltafin__pb2.FindPrefixRequest.SerializeToString,
+            deltafin__pb2.FindPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
