@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,7 +50,11 @@ class Backend(Protocol):
         """Stages that can compute at the same time: the scheduler's default number of batches in flight."""
         ...
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]: ...
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        """The batch through every stage; `progress` hears the fraction of the model's layers done, every few
+        seconds at most (a long prompt's forward takes minutes)."""
+        ...
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> None:
@@ -88,8 +93,13 @@ class LocalBackend:
     def parallel_stages(self) -> int:
         return 1  # the stages run one after another on this process's one stage thread
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
-        return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits))
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+            heard = progress
+            progress = lambda fraction: loop.call_soon_threadsafe(heard, fraction)  # from the stage's thread
+        return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits, progress=progress))
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> None:
@@ -186,13 +196,20 @@ class WorkerClient:
             raise self._error(e) from None
         self.start, self.end = start, end
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str,
+                      progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
         """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
-        the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise)."""
+        the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise). The
+        probes' answers say how far the forward is: `progress(layers done, layers)`."""
         tokens = sum(item.num_tokens for item in batch)
         deadline = self.timeouts.forward_deadline(tokens)
-        probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
-                                       metadata=self._md("Info"))
+
+        async def probe() -> None:
+            info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
+                                        metadata=self._md("Info"))
+            if progress is not None and info.forward_layers:
+                progress(info.forward_layers_done, info.forward_layers)
+
         # in parts: a long prompt's states (or the ones that come back) may be larger than one message
         parts = codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes)
         call = self.stub.ForwardParts(iter(parts), timeout=deadline, metadata=self._md("ForwardParts"))
@@ -265,17 +282,20 @@ class ClusterBackend:
         return [*self.stages, *self.holders]
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False,
-                      resume: tuple[int, list[SeqInput]] | None = None) -> list[SeqOutput]:
+                      resume: tuple[int, list[SeqInput]] | None = None,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
         """The batch through every stage. A failure at stage i carries `resume_at = (i, that stage's inputs)`:
         the stages before it have advanced, it and those after have not (a failed forward changes no session),
         so `resume=resume_at` on the same stages finishes the same forward."""
         request_id = uuid.uuid4().hex
         hops = route(len(self.stages), *(batch, 0) if resume is None else (resume[1], resume[0]))
         i, inputs = next(hops)
+        layers = self.stages[-1].end
         while True:
             worker = self.stages[i]
+            hop = None if progress is None else (lambda d, _n, at=worker.start: progress((at + d) / layers))
             try:
-                outputs = await worker.forward(inputs, all_logits, request_id)
+                outputs = await worker.forward(inputs, all_logits, request_id, hop)
             except asyncio.CancelledError:
                 await asyncio.shield(self._cancel(worker, request_id))
                 raise

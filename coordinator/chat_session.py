@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.chat import ChatOptions, OutputParser, ToolCall, encode
-from deltafin.progress import Reporter
 from deltafin.sampling import SamplingParams
 
 from .engine import Engine
 from .generation import Finished
+from .report import PrefillReporter
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ChatSession:
         reply = Reply(prompt_ids=encode(self.engine.tokenizer, messages, options))
         parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
         async for event in self.engine.run(reply.prompt_ids, parser, max_tokens=self.max_tokens,
-                                           sampling=self.sampling, progress=Reporter("prefill", "tokens")):
+                                           sampling=self.sampling, progress=PrefillReporter()):
             d = event.delta
             reply.reasoning += d.reasoning
             reply.content += d.content

@@ -15,6 +15,7 @@ from typing import Any
 from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import ModelConfig
 from deltafin.errors import DeltafinError, PromptTooLong
+from deltafin.planner import forward_read_bytes
 from deltafin.prefixes import PrefixBudget
 from deltafin.sampling import SamplingParams
 from deltafin.sizing import SPECULATIVE_TOKENS
@@ -22,7 +23,7 @@ from deltafin.speculative import MODES, DraftLength, NgramDrafter, default_cost
 from deltafin.tokenizer import K3Tokenizer
 
 from .backend import Backend
-from .generation import Finished, Request, Speculation, TextView, TokenEvent, generate
+from .generation import Finished, PrefillProgress, Request, Speculation, TextView, TokenEvent, generate
 from .prefix import PrefixIndex, PrefixSession, stage_shares
 from .scheduler import Scheduler
 
@@ -35,11 +36,26 @@ STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_S
 
 @dataclass
 class Prefilling:
-    """A request whose prompt is going into the caches: tokens done (resumed ones included) of all."""
+    """A request whose prompt is going into the caches: how far (tokens, expected bytes), since when."""
 
-    done: int
-    total: int
+    progress: PrefillProgress
     started: float  # monotonic
+
+    @property
+    def done(self) -> float:
+        return self.progress.tokens_done
+
+    @property
+    def total(self) -> int:
+        return self.progress.tokens_total
+
+    @property
+    def seconds_left(self) -> float | None:
+        """The bytes still to read at the rate read so far (None until some are)."""
+        p, elapsed = self.progress, time.monotonic() - self.started
+        if p.bytes_done <= 0 or elapsed <= 0:
+            return None
+        return (p.bytes_total - p.bytes_done) / (p.bytes_done / elapsed)
 
 
 @dataclass
@@ -96,18 +112,20 @@ class Engine:
     async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
                   sampling: SamplingParams | None = None, stop: list[str] | None = None,
                   ignore_eos: bool = False, return_logits: bool = False,
-                  progress: Callable[[int, int], None] | None = None,
+                  progress: Callable[[PrefillProgress], None] | None = None,
                   speculative: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
         the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
-        `progress(done, total)` hears how far the prompt's prefill is, after every chunk (/metrics shows
-        every request's). `speculative`: none | ngram, for this request (None: the engine's)."""
+        `progress` hears how far the prompt's prefill is (a PrefillProgress: after every chunk and every few
+        seconds within; /metrics shows every request's). `speculative`: none | ngram, for this request (None:
+        the engine's)."""
         room = self._room(prompt_ids, max_tokens)
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
                       frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
                       prefill_chunk=self._prefill_chunk(), speculation=self._speculation(speculative))
-        req.progress = lambda done, total: self._track(req.session_id, done, total, progress)
+        req.progress = lambda p: self._track(req.session_id, p, progress)
+        req.forward_bytes = lambda tokens: forward_read_bytes(self.cfg, tokens)
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
@@ -143,15 +161,16 @@ class Engine:
                                 f"{self.max_context} tokens")
         return room
 
-    def _track(self, session_id: str, done: int, total: int, progress: Callable[[int, int], None] | None) -> None:
+    def _track(self, session_id: str, p: PrefillProgress, progress: Callable[[PrefillProgress], None] | None
+               ) -> None:
         """A prefill's progress: in `prefilling` (for /metrics) until it is done, and to the caller's callback."""
-        if done >= total:
+        if p.finished:
             self.prefilling.pop(session_id, None)
         else:
             now = self.prefilling.get(session_id)
-            self.prefilling[session_id] = Prefilling(done, total, now.started if now else time.monotonic())
+            self.prefilling[session_id] = Prefilling(p, now.started if now else time.monotonic())
         if progress is not None:
-            progress(done, total)
+            progress(p)
 
     async def _prefix_session(self, prompt_ids: list[int]) -> PrefixSession | None:
         if self.prefixes is None:

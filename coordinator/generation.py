@@ -34,7 +34,7 @@ from deltafin.transport.status import is_prefix_missing
 from .prefix import PrefixSession
 
 # One sequence's forward, batched with other requests' by the scheduler (or run alone).
-Forward = Callable[[SeqInput], Awaitable[SeqOutput]]
+Forward = Callable[..., Awaitable[SeqOutput]]  # (item, progress=...): the scheduler's forward
 # Free a session, or keep its state as the prefix named by the second argument, of its first (third) tokens.
 Release = Callable[[str, str | None, int], Awaitable[None]]
 
@@ -139,6 +139,22 @@ class Finished:
     drafting: Drafting = field(default_factory=Drafting)
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far a prompt's prefill is: prompt tokens in the caches (resumed ones included; a forward's part counted
+    as its layers go) and the expert bytes its forwards read (expected, for a uniform router: every forward of a
+    few hundred tokens reads nearly every expert, so bytes, not tokens, say how long the rest takes)."""
+
+    tokens_done: float
+    tokens_total: int
+    bytes_done: float
+    bytes_total: float
+
+    @property
+    def finished(self) -> bool:
+        return self.tokens_done >= self.tokens_total
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -150,7 +166,8 @@ class Request:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
     prefix: PrefixSession | None = None  # resume from and keep prefixes (coordinator/prefix.py); None: never
-    progress: Callable[[int, int], None] | None = None  # prompt tokens in the caches so far, of all: per chunk
+    progress: Callable[[PrefillProgress], None] | None = None  # how far the prefill is (each chunk, and within)
+    forward_bytes: Callable[[int], float] | None = None  # expected expert bytes a forward of N prompt tokens reads
     speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time
 
 
@@ -272,8 +289,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     step = req.prefill_chunk or length
     start = prefix.cached_tokens if prefix is not None else 0
     pos, out = start, None
-    if req.progress is not None:
-        req.progress(pos, length)
+    progress = _PrefillReport(req, start, step)
     while pos < length:
         end = min(pos + step, length)
         save = await prefix.save_point(pos, end) if prefix is not None else None
@@ -282,7 +298,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
         item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
                         save_as=save)
         try:
-            out = await forward(item)
+            out = await (forward(item, progress=progress.within(pos, end)) if req.progress else forward(item))
         except Exception as e:
             if save is not None:
                 prefix.failed(save)  # type: ignore[union-attr]
@@ -291,12 +307,36 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
             prefix.missing()  # type: ignore[union-attr]
             await release(req.session_id, None, 0)  # stages that did resume hold a partial session
             start = pos = 0
+            progress = _PrefillReport(req, 0, step)
             continue
         finally:
             if resume is not None:
                 prefix.resumed_done()  # type: ignore[union-attr]
         pos = end
-        if req.progress is not None:
-            req.progress(pos, length)
+        progress.at(pos)
     assert out is not None
     return out
+
+
+class _PrefillReport:
+    """A request's prefill progress from `start`, in forwards of `step` tokens: tokens and expected bytes."""
+
+    def __init__(self, req: Request, start: int, step: int):
+        self.req, self.start, self.step, self.length = req, start, step, len(req.prompt_ids)
+        cost = req.forward_bytes or float
+        self.ends = [min(p + step, self.length) for p in range(start, self.length, step)]
+        self.bytes = [cost(end - p) for p, end in zip(range(start, self.length, step), self.ends, strict=True)]
+        self.total = sum(self.bytes)
+        self.at(start)
+
+    def at(self, pos: int, fraction: float = 0.0) -> None:
+        """`pos` tokens in the caches, and `fraction` of the next forward's layers done."""
+        if self.req.progress is None:
+            return
+        k = sum(end <= pos for end in self.ends)  # forwards done
+        done = sum(self.bytes[:k]) + (fraction * self.bytes[k] if k < len(self.bytes) else 0.0)
+        tokens = pos + fraction * (min(pos + self.step, self.length) - pos)
+        self.req.progress(PrefillProgress(tokens, self.length, done, self.total))
+
+    def within(self, pos: int, end: int) -> Callable[[float], None]:
+        return lambda fraction: self.at(pos, fraction)

@@ -114,9 +114,8 @@ async def cmd_plan(args: argparse.Namespace) -> int:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from deltafin.progress import Reporter
-
     from .generation import Finished, PlainText
+    from .report import PrefillReporter
 
     params = sampling_params(args)  # bad values fail before anything loads
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -130,7 +129,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         text: list[str] = []
         finished, at_first = None, None
         async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens,
-                                      sampling=params, stop=args.stop, progress=Reporter("prefill", "tokens")):
+                                      sampling=params, stop=args.stop, progress=PrefillReporter()):
             if isinstance(event, Finished):
                 finished = event
             else:

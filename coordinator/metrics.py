@@ -63,11 +63,18 @@ def _prefills(w: _Writer, engine: Engine) -> None:
     pre = list(engine.prefilling.values())
     w.metric("deltafin_prefill_requests", "gauge", "Requests whose prompt is being prefilled.", [({}, len(pre))])
     w.metric("deltafin_prefill_tokens_done", "gauge", "Prompt tokens in the caches of those requests.",
-             [({}, sum(p.done for p in pre))])
+             [({}, round(sum(p.done for p in pre)))])
     w.metric("deltafin_prefill_tokens_left", "gauge", "Prompt tokens those requests still have to prefill.",
-             [({}, sum(p.total - p.done for p in pre))])
+             [({}, round(sum(p.total - p.done for p in pre)))])
     w.metric("deltafin_prefill_oldest_seconds", "gauge", "How long the longest-running prefill has been going.",
              [({}, max((now - p.started for p in pre), default=0.0))])
+    w.metric("deltafin_prefill_bytes_done", "gauge", "Expert bytes those prefills have read (expected: a uniform "
+             "router's).", [({}, sum(p.progress.bytes_done for p in pre))])
+    w.metric("deltafin_prefill_bytes_left", "gauge", "Expert bytes they still have to read.",
+             [({}, sum(p.progress.bytes_total - p.progress.bytes_done for p in pre))])
+    w.metric("deltafin_prefill_seconds_left", "gauge", "The longest time left of a prefill: its bytes still to read "
+             "at the rate it has read them (0 until it has read some).",
+             [({}, max((p.seconds_left or 0.0 for p in pre), default=0.0))])
 
 
 def _scheduling(w: _Writer, engine: Engine) -> None:

@@ -31,7 +31,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,7 +194,8 @@ class ResilientCluster:
 
     # ---- the Backend interface ------------------------------------------------------------------------
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
         self._watch_membership()
         attempts, resume = 0, None
         while True:
@@ -203,7 +204,7 @@ class ResilientCluster:
                     for item in batch:
                         if item.session_id in self.stale:
                             await self._replay(item)
-                    outputs = await self.backend.forward(batch, all_logits, resume)
+                    outputs = await self.backend.forward(batch, all_logits, resume, progress)
                 self._record(batch)
                 return outputs
             except (RemoteError, WorkerLost) as e:

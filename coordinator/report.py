@@ -1,8 +1,39 @@
-"""One generation's numbers as the CLI prints them: a dict for `--json`, a line for people."""
+"""One generation's numbers as the CLI prints them: a dict for `--json`, a line for people; and the prefill's
+progress line."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, TextIO
+
+from deltafin.progress import Progress, fmt_bytes
+
+from .generation import PrefillProgress
+
+log = logging.getLogger("deltafin.progress")
+
+
+class PrefillReporter:
+    """The CLI's prefill line (a `progress` callback of Engine.run): the expert bytes read of those to read, which
+    decide the time left (a forward of a few hundred tokens already reads nearly every expert); the tokens to go
+    and those resumed from the prefix cache are said once at the start."""
+
+    def __init__(self, stream: TextIO | None = None, enabled: bool = True):
+        self.stream, self.enabled = stream, enabled
+        self.bar: Progress | None = None
+
+    def __call__(self, p: PrefillProgress) -> None:
+        if self.bar is None:
+            if p.finished:
+                return
+            cached = int(p.tokens_done)
+            log.info("prefill: %d tokens to go%s, about %s of expert reads", p.tokens_total - cached,
+                     f" ({cached} already in the cache)" if cached else "", fmt_bytes(p.bytes_total))
+            self.bar = Progress(p.bytes_total, "prefill", unit="B", stream=self.stream, enabled=self.enabled)
+        self.bar.update(p.bytes_done - self.bar.done)
+        if p.finished:
+            self.bar.close()
+            self.bar = None
 
 # what each worker reports (its Stats): a summary field -> (section of the stats or None, key)
 WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {

@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from deltafin.errors import DeltafinError, PartialFailure, QueueFull
 from deltafin.stage import SeqInput, SeqOutput
@@ -64,6 +65,7 @@ class Scheduler:
         self._inflight: dict[asyncio.Task[None], frozenset[str]] = {}  # batches in flight: their sessions
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._progress: dict[int, Callable[[float], None]] = {}  # a pending forward's listener, by its future
 
     @property
     def pipeline_depth(self) -> int:
@@ -89,12 +91,16 @@ class Scheduler:
             self.stats.active -= 1
             self._slots.release()
 
-    async def forward(self, seq: SeqInput) -> SeqOutput:
-        """One sequence's forward, sent with whatever other sequences are ready at the same time."""
+    async def forward(self, seq: SeqInput, progress: Callable[[float], None] | None = None) -> SeqOutput:
+        """One sequence's forward, sent with whatever other sequences are ready at the same time; `progress`
+        hears how far the batch that carries it is (the fraction of the model's layers done)."""
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run(), name="deltafin-batcher")
             self._loop_task.add_done_callback(self._batcher_ended)
         future: asyncio.Future[SeqOutput] = asyncio.get_running_loop().create_future()
+        if progress is not None:
+            self._progress[id(future)] = progress
+            future.add_done_callback(lambda f: self._progress.pop(id(f), None))
         self._pending.append((seq, future))
         self._wake.set()
         return await future
@@ -181,7 +187,7 @@ class Scheduler:
         self.stats.prefill_batches += any(not _is_step(s) for s, _ in batch)
         futures = [f for _, f in batch]
         try:
-            call = asyncio.ensure_future(self.backend.forward([s for s, _ in batch]))
+            call = asyncio.ensure_future(self.backend.forward([s for s, _ in batch], **self._heard(futures)))
         except Exception as e:
             _fail(futures, e)
             return
@@ -214,6 +220,11 @@ class Scheduler:
         for f, out in zip(futures, outputs, strict=True):
             if not f.done():
                 f.set_result(out)
+
+    def _heard(self, futures: list[asyncio.Future[SeqOutput]]) -> dict[str, Any]:
+        """The batch's progress callback, for the sequences whose caller listens (none: no keyword at all)."""
+        listeners = [self._progress[id(f)] for f in futures if id(f) in self._progress]
+        return {"progress": lambda fraction: [p(fraction) for p in listeners]} if listeners else {}
 
     async def close(self) -> None:
         tasks = [t for t in (self._loop_task, *self._inflight) if t is not None]

@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 
 from . import openai_api as oa
 from .engine import Engine
-from .generation import Finished, PlainText, TextView, TokenEvent
+from .generation import Finished, PlainText, PrefillProgress, TextView, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +143,28 @@ class _Prefill:
     """A request's prefill progress, as its progress callback hears it."""
 
     def __init__(self) -> None:
-        self.done, self.total = 0, 0
+        self.progress: PrefillProgress | None = None
+        self.started = 0.0
 
-    def __call__(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
+    def __call__(self, p: PrefillProgress) -> None:
+        if self.progress is None:
+            self.started = time.monotonic()
+        self.progress = p
 
     def say(self) -> str:
-        return f"prefill {self.done}/{self.total} tokens" if self.total else "waiting for a slot"
+        p = self.progress
+        if p is None:
+            return "waiting for a slot"
+        text = f"prefill {int(p.tokens_done)}/{p.tokens_total} tokens"
+        elapsed = time.monotonic() - self.started
+        if p.bytes_done > 0 and elapsed > 0:
+            left = (p.bytes_total - p.bytes_done) / (p.bytes_done / elapsed)
+            text += f", {_gb(p.bytes_done)} of {_gb(p.bytes_total)} read, about {left:.0f} s left"
+        return text
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill: _Prefill

@@ -21,7 +21,12 @@ GB = 1e9
 
 
 def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
-    g = p.add_argument_group("memory and weights", "how the model is held (default: sized to the memory found)")
+    _add_memory_options(p.add_argument_group("memory and weights", "how the model is held (default: sized to the "
+                                             "memory found)"), sequences)
+    _add_reading_options(p.add_argument_group("reads", "how the experts and kept prefixes use the disks"))
+
+
+def _add_memory_options(g: Any, sequences: int) -> None:
     g.add_argument("--memory-gb", type=float, default=None,
                    help="memory this process may use for the model: weights, caches, buffers, workspace (the GPU's, "
                    "on CUDA). Default: what it finds (RAM, a cgroup limit, the GPU's free memory, Metal's working "
@@ -40,12 +45,6 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
                    help="keep sequence state after a request within this many GB, so that a request that starts "
                    "with the same tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: "
                    "as much as the sequences' caches: --sequences states at --context tokens)")
-    g.add_argument("--prefix-dir", default=None,
-                   help="also keep prefixes on this disk folder, so that a request sharing one resumes after a "
-                   "restart too (default: the cache directory's prefixes/)")
-    g.add_argument("--prefix-disk-gb", type=float, default=32.0,
-                   help="what kept prefixes may take on the disk, least recently used out first (default 32; 0: "
-                   "memory only)")
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
                    "experts again (default: the --context tokens in one forward, if their workspace fits a tenth of "
@@ -56,6 +55,9 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
     g.add_argument("--kernels", default="auto", choices=["auto", "reference", "native", "mlx"],
                    help="auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on "
                    "MLX on Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX")
+
+
+def _add_reading_options(g: Any) -> None:
     g.add_argument("--expert-dir", action="append", default=[], metavar="DIR",
                    help="another copy (or part) of the checkpoint on another disk (repeatable): the routed experts "
                    "are read from every disk that holds them, in proportion to each disk's measured speed (e.g. a "
@@ -66,6 +68,12 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
     g.add_argument("--policy", default="lfu", choices=["lru", "lfu", "pinned"],
                    help="expert cache policy (default lfu: the best of the three on measured decode traces)")
     g.add_argument("--no-prefetch", action="store_true", help="read experts only when a layer asks for them")
+    g.add_argument("--prefix-dir", default=None,
+                   help="also keep prefixes on this disk folder, so that a request sharing one resumes after a "
+                   "restart too (default: the cache directory's prefixes/)")
+    g.add_argument("--prefix-disk-gb", type=float, default=32.0,
+                   help="what kept prefixes may take on the disk, least recently used out first (default 32; 0: "
+                   "memory only)")
 
 
 def check_stage_args(args: argparse.Namespace) -> None:

@@ -7,7 +7,7 @@ This is the baseline every cluster result is compared with: the coordinator's `-
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import numpy as np
@@ -68,12 +68,17 @@ class LocalPipeline:
         limits = [s.max_forward_tokens for s in self.stages if s.max_forward_tokens is not None]
         return min(limits) if limits else None
 
-    def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        """The batch through every stage; `progress(fraction of the model's layers done)` after each layer."""
         hops = route(len(self.stages), batch)
         i, inputs = next(hops)
+        layers = self.stages[-1].end
         while True:
+            stage = self.stages[i]
+            hop = None if progress is None else (lambda d, _n, at=stage.start: progress((at + d) / layers))
             try:
-                i, inputs = hops.send(self.stages[i].forward(inputs, all_logits=all_logits))
+                i, inputs = hops.send(stage.forward(inputs, all_logits=all_logits, progress=hop))
             except StopIteration as done:
                 return done.value
 

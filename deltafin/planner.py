@@ -371,6 +371,12 @@ def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
     return e * (1 - (1 - k / e) ** tokens)
 
 
+def forward_read_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """The expert bytes one forward of `tokens` prompt tokens reads, every MoE layer's touched experts (uniform
+    router, no cache): what a prefill's progress counts (its time left)."""
+    return len(cfg.moe_layers) * distinct_experts(cfg, tokens) * cfg.bytes_per_expert if cfg.moe_layers else tokens
+
+
 def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None) -> float:
     """A prompt's time to its first token, from bytes and bandwidths: in forwards of the plan's size (or
     `forward_tokens`), each reading every MoE layer's experts its tokens touch (less what the caches keep) and

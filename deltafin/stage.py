@@ -229,8 +229,7 @@ class Stage:
         self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
         self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
-        self.prefixes = PrefixStore(self.sizing.prefixes, self._prefix_disk())
-        self.tokens: dict[str, array] = {}  # the first stage's: each session's token ids (a kept prefix has them)
+        self.prefixes, self.tokens = PrefixStore(self.sizing.prefixes, self._prefix_disk()), {}
         self.timings = StageTimings()
 
     def set_wide(self, wide: WideExperts | None) -> None:
@@ -432,14 +431,13 @@ class Stage:
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput], all_logits: bool = False,
-                should_stop: Callable[[], bool] | None = None) -> list[SeqOutput]:
+                should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
         """Run the stage on a batch of sequences. The last stage returns logits for the last token of
         each sequence (or every token with `all_logits`); the others return the residual state.
-        `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes."""
-        self._validate_batch(batch)
-        if all_logits and self.last and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
-            raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
-                               "tokens (what the plan holds logits for): send it in pieces")
+        `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes;
+        `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes)."""
+        self._validate_batch(batch, all_logits)
         t0 = time.monotonic()
         io_before = self._io_counters()
         if self.wide is not None:
@@ -452,7 +450,7 @@ class Stage:
                 c.start_trail()
         try:
             state, spans = self._input(batch, caches)
-            state = self._layers(state, spans, should_stop)
+            state = self._layers(state, spans, should_stop, progress)
             outputs = self._output(batch, spans, state, all_logits)
         except BaseException:
             for c in caches:
@@ -496,9 +494,12 @@ class Stage:
                   "%.3fs)%s", self.start, self.end - 1, len(batch), sum(b.num_tokens for b in batch), seconds,
                   misses, wait, spine, f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
 
-    def _validate_batch(self, batch: list[SeqInput]) -> None:
+    def _validate_batch(self, batch: list[SeqInput], all_logits: bool = False) -> None:
         if not batch or len({b.session_id for b in batch}) != len(batch):
             raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
+        if all_logits and self.last and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
+            raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
+                               "tokens (what the plan holds logits for): send it in pieces")
         for item in batch:
             self._validate(item)
         limit, tokens = self.max_forward_tokens, sum(b.num_tokens for b in batch)
@@ -506,8 +507,8 @@ class Stage:
             raise InvalidInput(f"this forward carries {tokens} tokens; stage [{self.start}, {self.end}) was sized for "
                                f"at most {limit} per forward: send longer prompts in chunks")
 
-    def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None
-                ) -> ResidualState:
+    def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
+                progress: Callable[[int, int], None] | None = None) -> ResidualState:
         """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
         forward longer than one attention pass (PIECE_TOKENS a sequence) runs each layer's attention in pieces
         and its experts once over all of them (models/decoder.py, layer_in_pieces)."""
@@ -525,6 +526,8 @@ class Stage:
                 state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, **experts)
             else:
                 state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts)
+            if progress is not None:
+                progress(layer + 1 - self.start, self.end - self.start)
         return state
 
     def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:

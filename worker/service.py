@@ -61,6 +61,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.expert_executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-experts")  # others' calls
         self.peers = Peers(peer_security or ClusterSecurity(), max_message_bytes)
         self.max_message_bytes = max_message_bytes
+        self.progress = (0, 0)  # the running forward's layers done, of its stage's (what Info says)
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
         self._assign_lock = asyncio.Lock()
         self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
@@ -89,7 +90,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     # ---- RPCs --------------------------------------------------------------------------------------
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
-        return codec.encode_info(self.info())
+        msg = codec.encode_info(self.info())
+        msg.forward_layers_done, msg.forward_layers = self.progress
+        return msg
 
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
@@ -214,13 +217,17 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.running[rid] = stop
             stage = self.stage
             return await self._on_stage_thread(
-                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set))
+                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set, progress=self._heard))
         except asyncio.CancelledError:
             stop.set()
             raise
         finally:
+            self.progress = (0, 0)
             if rid:
                 self.running.pop(rid, None)
+
+    def _heard(self, done: int, layers: int) -> None:  # on the stage's thread: one tuple, replaced whole
+        self.progress = (done, layers)
 
     async def RunExperts(self, request: pb.ExpertRequest, context: grpc.aio.ServicerContext) -> pb.ExpertResponse:
         try:

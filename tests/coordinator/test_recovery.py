@@ -28,7 +28,8 @@ class FlakyStages:
         self.workers: list = []  # ClusterBackend's stages and expert holders
         self.resumes: list = []  # the `resume` of every call
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False, resume=None) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, resume=None, progress=None
+                      ) -> list[SeqOutput]:
         n = len(self.calls)
         self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
         self.resumes.append(resume)
@@ -150,19 +151,24 @@ async def test_a_forward_carries_the_deadline_of_its_tokens():
     """A Forward of 1,536 tokens (two sequences) gets three times the deadline of one 512-token chunk; a
     decode step gets the one-chunk deadline."""
     from deltafin.coordinator.backend import Timeouts, WorkerClient
-    from deltafin.transport.generated import deltafin_pb2 as pb
 
     deadlines = []
 
     class Stub:
-        def Forward(self, request, timeout, metadata):  # the gRPC method's name
+        def ForwardParts(self, requests, timeout, metadata):  # the gRPC method's name
             deadlines.append(timeout)
 
-            async def answer():
-                return pb.ForwardResponse()
+            class Call:  # a streaming call: its responses, and cancel()
+                def __aiter__(self):
+                    return self
 
-            call = asyncio.ensure_future(answer())
-            return call
+                async def __anext__(self):
+                    raise StopAsyncIteration
+
+                def cancel(self):
+                    pass
+
+            return Call()
 
     client = WorkerClient("127.0.0.1:1", timeouts=Timeouts(forward=100.0))
     client.stub = Stub()
@@ -210,7 +216,7 @@ async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None
     again after the recovery; the batch is then split so that only that sequence fails."""
 
     class MissingOne(FlakyStages):
-        async def forward(self, batch, all_logits=False, resume=None):
+        async def forward(self, batch, all_logits=False, resume=None, progress=None):
             self.calls.append([(b.session_id, b.cache_len, b.ids.tolist()) for b in batch])
             if any(b.session_id == "gone" for b in batch):
                 raise RemoteError("w1", grpc.StatusCode.NOT_FOUND, "session 'gone' is not on this stage")

@@ -23,7 +23,7 @@ class Recording:
         self.batches: list[list[int]] = []  # tokens of each sequence, per batch
         self.in_flight = self.most_in_flight = 0
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, progress=None) -> list[SeqOutput]:
         self.batches.append([b.num_tokens for b in batch])
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -92,7 +92,7 @@ async def test_a_failing_batcher_fails_its_requests_and_the_next_one_works(monke
 
 async def test_a_backend_error_fails_only_its_batch():
     class Failing(Recording):
-        async def forward(self, batch, all_logits=False):
+        async def forward(self, batch, all_logits=False, progress=None):
             if any(b.session_id == "bad" for b in batch):
                 raise DeltafinError("stage exploded")
             return await super().forward(batch, all_logits)
@@ -112,7 +112,7 @@ async def test_a_session_is_released_only_after_the_batch_carrying_it_comes_back
     gate = asyncio.Event()
 
     class Gated(Recording):
-        async def forward(self, batch, all_logits=False):
+        async def forward(self, batch, all_logits=False, progress=None):
             events.append("forward " + ",".join(b.session_id for b in batch))
             await gate.wait()
             events.append("forward done")

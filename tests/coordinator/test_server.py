@@ -226,7 +226,7 @@ class ScriptedBackend:
         self.pos: dict[str, int] = {}
         self.released: list[str] = []
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False) -> list[SeqOutput]:
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, progress=None) -> list[SeqOutput]:
         out = []
         for b in batch:
             i = self.pos.get(b.session_id, 0)
@@ -437,7 +437,7 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
         max_forward_tokens = 8  # the prompt goes in chunks, each slower than a heartbeat
         fail = False
 
-        async def forward(self, batch, all_logits=False):
+        async def forward(self, batch, all_logits=False, progress=None):
             if any(b.num_tokens > 1 for b in batch):
                 await asyncio.sleep(0.12)
                 if self.fail:
@@ -455,7 +455,8 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
             lines = [line for line in (await r.text()).split("\n") if line]
         first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
         comments = lines[:first_data]
-        assert comments and all(re.fullmatch(r": prefill \d+/30 tokens", c) for c in comments), lines
+        assert comments and all(re.fullmatch(r": prefill \d+/30 tokens(, [\d.]+ MB of [\d.]+ MB read, about \d+ s "
+                                             r"left)?", c) for c in comments), lines
         done = [int(c.split()[2].split("/")[0]) for c in comments]
         assert done == sorted(done) and done[-1] > 0  # it moves
         stream = await srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=3, stream=True,

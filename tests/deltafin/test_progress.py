@@ -1,20 +1,20 @@
-"""Progress of long prompts: the CLI's progress line, the engine's per-request prefill progress and what
-/metrics makes of it."""
+"""Progress of long prompts: the engine's per-request prefill progress and what /metrics makes of it (the CLI's
+line: tests/coordinator/test_report.py)."""
 
 from __future__ import annotations
 
-import io
-import logging
 import re
 from pathlib import Path
+
+import pytest
 
 from deltafin.config import load_config
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
-from deltafin.coordinator.generation import PlainText
+from deltafin.coordinator.generation import PlainText, PrefillProgress
 from deltafin.coordinator.metrics import render
 from deltafin.pipeline import LocalPipeline
-from deltafin.progress import Reporter
+from deltafin.planner import forward_read_bytes
 from deltafin.tokenizer import K3Tokenizer
 
 
@@ -24,44 +24,39 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-async def test_prefill_progress_per_chunk_and_in_metrics(tiny_dir: Path) -> None:
+async def test_prefill_progress_per_chunk_within_forwards_and_in_metrics(tiny_dir: Path) -> None:
+    """A prompt's progress after every chunk and after every layer of each forward, in tokens and in expected
+    expert bytes (what a forward of that many tokens reads); /metrics shows the request while it prefills."""
     engine = Engine(LocalBackend(LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")), K3Tokenizer.load(tiny_dir),
                     load_config(tiny_dir), "tiny")
     engine._prefill_chunk = lambda: 5  # type: ignore[method-assign]
-    seen: list[tuple[int, int, float, float]] = []
+    seen: list[tuple[PrefillProgress, float, float, float]] = []
 
-    def progress(done: int, total: int) -> None:
+    def progress(p: PrefillProgress) -> None:
         text = render(engine, [], {})
-        seen.append((done, total, _metric(text, "deltafin_prefill_tokens_done"),
-                     _metric(text, "deltafin_prefill_tokens_left")))
+        seen.append((p, _metric(text, "deltafin_prefill_tokens_done"), _metric(text, "deltafin_prefill_tokens_left"),
+                     _metric(text, "deltafin_prefill_bytes_left")))
 
     prompt = list(range(100, 123))  # 23 tokens: chunks of 5, 5, 5, 5, 3
     events = [e async for e in engine.run(prompt, PlainText(engine.tokenizer), max_tokens=2, progress=progress)]
     assert len(events) == 3
-    assert [(d, t) for d, t, _, _ in seen] == [(0, 23), (5, 23), (10, 23), (15, 23), (20, 23), (23, 23)]
-    # while prefilling, /metrics shows the request's tokens done and left; once done, it is gone
-    assert [(d, left) for _, _, d, left in seen[:-1]] == [(0, 23), (5, 18), (10, 13), (15, 8), (20, 3)]
-    assert seen[-1][2:] == (0.0, 0.0) and not engine.prefilling
+    cfg = engine.cfg
+    total = 4 * forward_read_bytes(cfg, 5) + forward_read_bytes(cfg, 3)
+    tokens = [p.tokens_done for p, *_ in seen]
+    assert tokens == sorted(tokens) and tokens[0] == 0 and tokens[-1] == 23
+    assert {0, 5, 10, 15, 20, 23} <= set(tokens)  # every chunk's end
+    assert any(5 < t < 10 for t in tokens)  # and within the second forward, as its layers go
+    assert all(p.tokens_total == 23 and p.bytes_total == pytest.approx(total) for p, *_ in seen)
+    assert seen[-1][0].bytes_done == pytest.approx(total)
+    at_ten = next(p for p, *_ in seen if p.tokens_done == 10)
+    assert at_ten.bytes_done == pytest.approx(2 * forward_read_bytes(cfg, 5))
+    # while prefilling, /metrics shows the request's tokens done and left and its bytes left; once done, gone
+    for p, done, left, bytes_left in seen:
+        if p.finished:  # the prompt is in: /metrics no longer lists it
+            assert (done, left, bytes_left) == (0.0, 0.0, 0.0)
+            continue
+        assert (done, left) == (round(p.tokens_done), round(23 - p.tokens_done))
+        assert bytes_left == pytest.approx(total - p.bytes_done)
+    assert not engine.prefilling
     assert _metric(render(engine, [], {}), "deltafin_prefill_requests") == 0
     await engine.close()
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_reporter_counts_only_what_is_left_and_closes(caplog) -> None:
-    stream = _Terminal()  # on a terminal the line is redrawn, and closed with the final count
-    report = Reporter("prefill", "tokens", stream=stream)
-    with caplog.at_level(logging.INFO, logger="deltafin.progress"):
-        report(4000, 10000)  # 4000 resumed from the prefix cache
-        report(6000, 10000)
-        assert report.bar is not None and report.bar.total == 6000 and report.bar.done == 2000
-        report(10000, 10000)
-    assert report.bar is None
-    assert "6000 tokens to go (4000 already in the cache)" in caplog.text
-    assert stream.getvalue().endswith("\n") and "100.0% 6000 tokens / 6000 tokens" in stream.getvalue()
-    quiet = Reporter("prefill", "tokens", stream=io.StringIO())
-    quiet(10, 10)  # nothing to prefill (all resumed): no line at all
-    assert quiet.bar is None
