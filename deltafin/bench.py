@@ -8,8 +8,10 @@ same tokens with each token's experts loaded before its clock starts. Medians ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import re
 import statistics
 import sys
 import time
@@ -222,37 +224,87 @@ def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
 
 
 def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto", dtype: str = "fp32",
-                  options: Any = None) -> dict[str, Any]:
-    """Prefill prompts of each length in chunks of the stage's forward limit (options.max_forward_tokens, as
-    the engine sends them): seconds and tok/s per length, and the process's peak memory. The ids are
-    i % 700 + 5, the same prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
+                  options: Any = None, measure_disk: bool = True) -> dict[str, Any]:
+    """Prefill prompts of each length in forwards of the stage's limit (as the engine sends them): per length
+    the seconds and tok/s, the forwards, the experts loaded from the disk (a layer's expert once per forward
+    that touches it, unless the cache kept it), the expert and spine bytes read (experts also as a multiple of
+    all of them: about 1 when each is read once, the forwards' count when every forward re-reads them), and the peak memory
+    during that prompt against the plan. When anything streams, the disk is measured first with the same reader
+    and each length gets its disk-limited time (bytes read / disk speed) and `vs_disk`, that time over the
+    measured one. The ids are i % 700 + 5, the prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     from deltafin.pipeline import LocalPipeline
     from deltafin.stage import SeqInput, StageOptions
 
     options = options or StageOptions()
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
-    dev = pipe.stages[0].device
+    stage = pipe.stages[0]
+    cfg, dev, plan = stage.cfg, stage.device, stage.sizing
     chunk = pipe.max_forward_tokens or options.max_forward_tokens
+    all_experts = len(cfg.moe_layers) * cfg.num_experts * cfg.bytes_per_expert
     out: dict[str, Any] = {}
+    result: dict[str, Any] = {"bench": "prefill", "runtime": "deltafin", "model": str(Path(model).resolve()),
+                              "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(), "chunk": chunk,
+                              "experts_streamed": plan.streaming, "all_experts_gb": round(all_experts / GB, 3)}
     try:
+        if measure_disk and (plan.streaming or plan.streamed_layers):
+            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, stage.options.read_threads,
+                                               stage.options.io)
         pipe.forward([SeqInput("warm-up", 0, ids=torch.arange(min(chunk, 64)) + 5)])  # first-call costs
         pipe.release("warm-up")
+        disk = result.get("disk", {}).get("disk_GBps")
         for n in lengths:
-            ids = torch.arange(n) % 700 + 5
-            name = f"prefill-{n}"
-            t0 = time.perf_counter()
-            for pos in range(0, n, chunk):
-                pipe.forward([SeqInput(name, pos, ids=ids[pos:pos + chunk])])
-            synchronize(dev)
-            seconds = time.perf_counter() - t0
-            pipe.release(name)
-            out[str(n)] = {"seconds": round(seconds, 3), "tok_per_s": round(n / seconds, 1)}
-        result = {"bench": "prefill", "runtime": "deltafin", "model": str(Path(model).resolve()), "device": str(dev),
-                  "dtype": dtype, "threads": torch.get_num_threads(), "chunk": chunk, "lengths": out}
-        result.update(_peak_memory(dev, pipe.stages[0].sizing))
+            out[str(n)] = _prefill_one(pipe, n, chunk, all_experts, disk)
+        result["lengths"] = out
+        result.update(_peak_memory(dev, plan))
     finally:
         pipe.close()
     return result
+
+
+def _prefill_one(pipe: Any, n: int, chunk: int, all_experts: int, disk: float | None) -> dict[str, Any]:
+    """One prompt of `n` tokens through `pipe` in forwards of `chunk`: its numbers (bench_prefill)."""
+    from deltafin.stage import SeqInput
+
+    stage = pipe.stages[0]
+    ids = torch.arange(n) % 700 + 5
+    name = f"prefill-{n}"
+    _reset_peak_rss()
+    before = _io_counters(stage)
+    t0 = time.perf_counter()
+    for pos in range(0, n, chunk):
+        pipe.forward([SeqInput(name, pos, ids=ids[pos:pos + chunk])])
+    synchronize(stage.device)
+    seconds = time.perf_counter() - t0
+    after = _io_counters(stage)
+    pipe.release(name)
+    experts, spine = after["expert_bytes"] - before["expert_bytes"], after["spine_bytes"] - before["spine_bytes"]
+    loads = (after["lookups"] - before["lookups"]) - (after["hits"] - before["hits"])
+    row: dict[str, Any] = {"seconds": round(seconds, 3), "tok_per_s": round(n / seconds, 1),
+                           "forwards": -(-n // chunk), "expert_loads": loads, "expert_bytes": experts,
+                           "spine_bytes": spine, "x_all_experts": round(experts / all_experts, 3)}
+    if disk:
+        limit = (experts + spine) / (disk * GB)
+        row.update({"t_disk_limit_s": round(limit, 3), "vs_disk": round(limit / seconds, 3)})
+    peak = _peak_rss()
+    if peak is not None:
+        row["peak_rss_gb"] = round(peak / GB, 3)
+    return row
+
+
+def _reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: /proc/self/clear_refs; elsewhere the peak stays the process's)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int | None:
+    """The resident peak since the last _reset_peak_rss (Linux's VmHWM), or None where there is none."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) * 1024 if found else None
 
 
 def _verify_pass(pipe: Any, pos: int, ids: torch.Tensor) -> tuple[float, int, int]:

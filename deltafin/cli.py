@@ -167,7 +167,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
             raise DeltafinError(f"--second-turn takes PROMPT,NEW token counts, got {args.second_turn!r}")
         return bench.bench_second_turn(args.model, prompt, new, **common)
     if lengths:
-        return bench.bench_prefill(args.model, lengths, **common)
+        return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
     return bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, measure_disk=not args.no_disk,
                               **common)
 
