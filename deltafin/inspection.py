@@ -143,7 +143,8 @@ def format_report(r: dict[str, Any]) -> str:
                       f"{r['num_layers']} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
                       "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
                       f"  read per token: experts {_gb(plan['expert_bytes_per_token'])}, spine "
-                      f"{_gb(plan['spine_bytes_per_token'])}"]
+                      f"{_gb(plan['spine_bytes_per_token'])}; a forward carries up to {plan['forward_tokens']:,} "
+                      "tokens (a prompt that long reads each expert once)"]
     if r["problems"]:
         lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
     else:

@@ -47,8 +47,8 @@ def _add_memory_options(g: Any, sequences: int) -> None:
                    "as much as the sequences' caches: --sequences states at --context tokens)")
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
-                   "experts again (default: the --context tokens in one forward, if their workspace fits a tenth of "
-                   "the memory, else as many as do; at least 512)")
+                   "experts again (default: the --context tokens in one forward if their workspace fits a tenth of "
+                   "the memory, else as many as do, more where a small expert cache can give way; at least 512)")
     g.add_argument("--max-resident-layers", type=int, default=None,
                    help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
                    "(default: as many as fit)")

@@ -25,8 +25,10 @@ allocated. A stage of layers [a, b) on a device holds:
 
 Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
 else row-int8: no disk reads at all is worth the int8 rounding); else experts stream, the spine is bf16 if it
-fits, row-int8 if not, and whatever int8 does not fit streams; the expert cache takes what is left. If not even
-the working set fits, SizingError says so with the numbers.
+fits, row-int8 if not, and whatever int8 does not fit streams; the expert cache takes what is left. A forward
+carries the planned context if its workspace fits FORWARD_SHARE of the budget, else as many tokens as do, and more
+where a small expert cache gives way (`_grow_forward`). If not even the working set fits, SizingError says so
+with the numbers.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class SizingOptions:
     sequences: int = 4
     context: int = 4096
     forward_tokens: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
-    # planned context, within FORWARD_SHARE of the budget (auto_forward_tokens)
+    # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
     read_threads: int = 8
     max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
@@ -454,8 +456,14 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     if options.spine not in SPINES:
         raise SizingError(f"unknown spine format {options.spine!r}: use {', '.join(SPINES)}")
     if options.forward_tokens is None:
-        options = replace(options, forward_tokens=auto_forward_tokens(
+        auto = replace(options, forward_tokens=auto_forward_tokens(
             cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
+        return _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
+    return _choose(cfg, start, end, place, budget, options)
+
+
+def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+            options: SizingOptions) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
     spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
@@ -518,6 +526,31 @@ def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: S
         return base
     cap = (options.expert_layers or 0) * cfg.num_experts * expert_slot_bytes(cfg)
     return size_holder(cfg, place, min(cap, base.expert_cache + budget.device - base.device_total), options)
+
+
+def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
+                  options: SizingOptions) -> StageSizing:
+    """With no forward size fixed: a small expert cache gives way to a longer forward. A cache that holds under
+    FORWARD_SHARE of the experts it serves saves decode under a tenth of its reads, while a prompt longer than
+    the forward reads every expert once more per forward; so such a cache shrinks, down to nothing, for the
+    longest forward up to the planned context that the budget then holds (the spine stays as planned)."""
+    if s.forward_tokens >= options.context or s.experts_resident or not s.expert_cache:
+        return s
+    served = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg) * s.expert_share
+    if s.expert_cache > FORWARD_SHARE * served:
+        return s
+
+    def sized(tokens: int) -> StageSizing:
+        return size_stage(cfg, s.start, s.end, place, s.spine, options.expert_cache_bytes or 0,
+                          len(s.resident_layers), replace(options, forward_tokens=tokens))
+
+    lo, hi = s.forward_tokens, options.context  # workspace grows with tokens: the longest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if budget.fits(sized(mid)) else (lo, mid - 1)
+    if lo == s.forward_tokens:
+        return s
+    return _fill_cache(cfg, sized(lo), place, budget, replace(options, forward_tokens=lo))
 
 
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,

@@ -85,19 +85,45 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     when its workspace fits FORWARD_SHARE of the budget, else the most tokens that do; and the workspace grows
     with the forward's tokens by the rows' state and the routed experts' buffers, not by its attention, which
     runs a piece at a time."""
-    from deltafin.sizing import FORWARD_SHARE, PIECE_TOKENS, workspace_bytes
+    from deltafin.sizing import FORWARD_SHARE, PIECE_TOKENS, auto_forward_tokens, workspace_bytes
 
     t = layer_table(k3, Placement("cpu"))
     big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8"))
     assert big.forward_tokens == 4096 and big.workspace <= FORWARD_SHARE * 64 * GB
-    small = choose(k3, 70, 93, Placement("cpu"), Budget(24 * GB), SizingOptions(spine="int8"))
-    assert PIECE_TOKENS < small.forward_tokens < 4096
-    assert small.workspace <= FORWARD_SHARE * 24 * GB < workspace_bytes(k3, t, 70, 93, small.forward_tokens + 1,
-                                                                        4096, True)
+    share = auto_forward_tokens(k3, t, 70, 93, 4096, 24 * GB)
+    assert PIECE_TOKENS < share < 4096
+    assert workspace_bytes(k3, t, 70, 93, share, 4096, True) <= FORWARD_SHARE * 24 * GB < workspace_bytes(
+        k3, t, 70, 93, share + 1, 4096, True)
     fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8", forward_tokens=512))
     assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache
     per_token = (workspace_bytes(k3, t, 70, 93, 2048, 4096, True) - workspace_bytes(k3, t, 70, 93, 1024, 4096, True))
     assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
+
+
+def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
+    """A cache holding under FORWARD_SHARE of the experts it serves (it saves decode little) shrinks for a forward
+    longer than the share allows, as long as the budget holds it, the spine kept as planned; a larger cache
+    does not."""
+    from deltafin.sizing import FORWARD_SHARE, auto_forward_tokens, expert_slot_bytes, size_stage
+
+    t, cpu = layer_table(k3, Placement("cpu")), Placement("cpu")
+    served = 23 * k3.num_experts * expert_slot_bytes(k3)
+    for gb in (16, 24):
+        share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
+        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8", forward_tokens=share))
+        assert 0 < planned.expert_cache < FORWARD_SHARE * served
+        s = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8"))
+        assert s.forward_tokens > share and s.expert_cache < planned.expert_cache
+        assert (s.spine, s.resident_layers) == (planned.spine, planned.resident_layers)
+        if s.forward_tokens < 4096:  # the longest that fits: one token more does not, even with no cache
+            longer = size_stage(k3, 70, 93, cpu, "int8", 0, len(s.resident_layers),
+                                SizingOptions(spine="int8", forward_tokens=s.forward_tokens + 1))
+            assert not Budget(gb * GB).fits(longer) and s.expert_cache == 0
+    assert choose(k3, 70, 93, cpu, Budget(24 * GB), SizingOptions(spine="int8")).forward_tokens == 4096
+    long_context = SizingOptions(spine="int8", context=16384)  # 64 GB: a cache over a tenth keeps its room
+    share = auto_forward_tokens(k3, t, 70, 93, 16384, 64 * GB)
+    s = choose(k3, 70, 93, cpu, Budget(64 * GB), long_context)
+    assert s.expert_cache > FORWARD_SHARE * served and s.forward_tokens == share < 16384
 
 
 def test_more_memory_never_holds_less(k3):
