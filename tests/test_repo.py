@@ -34,8 +34,10 @@ def _defaults() -> list[str]:
     from deltafin.memory import MARGIN
     from deltafin.options import add_stage_options
     from deltafin.sizing import (
+        FORWARD_SHARE,
         MLA_BLOCK_BYTES,
         MLA_BLOCK_TOKENS,
+        PIECE_TOKENS,
         RUNTIME_OVERHEAD,
         SPECULATIVE_TOKENS,
         WEIGHT_BLOCK_VALUES,
@@ -54,7 +56,10 @@ def _defaults() -> list[str]:
     return [
         f"`--sequences N` and `--context T` are the sequences and tokens the plan keeps caches and attention room "
         f"for ({s('sequences')} and {s('context')};",
-        f"`--prefill-chunk N` is the most tokens one forward carries ({s('prefill_chunk')}:",
+        f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
+        f"fits {FORWARD_SHARE:.0%} of the budget",
+        f"`--prefix-disk-gb G` (default {s('prefix_disk_gb'):g})",
+        f"a forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
         f"and {RUNTIME_OVERHEAD >> 30} GiB for the runtime",
         f"grown in {MLA_BLOCK_TOKENS}-token blocks",
         f"keeps {MARGIN['host']:.0%} ({MARGIN['discrete']:.0%} of a GPU) free",
@@ -175,6 +180,38 @@ def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
     rows = _mac_projection(load_config(tmp_path))
     missing = [r for r in rows if r not in (ROOT / "README.md").read_text().splitlines()]
     assert not missing, "README's projection table lacks these rows:\n" + "\n".join(missing)
+
+
+def _first_token_projection(cfg) -> list[str]:
+    """Time to the first token on 1, 2 and 4 Macs (the default experts: wide over more than one) for one long
+    conversation (`--context 65536 --sequences 1`), with forwards of 512 tokens (the default before) and as the
+    plan sizes them now: the planner's prediction from bytes and disk speeds over the assumed efficiency, and
+    the same plans' decode time per token."""
+    from deltafin.planner import PROMPT_LENGTHS, WorkerCapacity, plan_layers
+    from deltafin.sizing import SizingOptions
+
+    rows = []
+    for label, n, budget_gb in MACS[:3]:
+        workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
+                                  device="mps", worker_id=str(i)) for i in range(n)]
+        for forward in (512, None):
+            plan = plan_layers(cfg, workers, SizingOptions(context=65536, sequences=1, forward_tokens=forward),
+                               experts="wide" if n > 1 else "local")
+            tokens = min(s.sizing.forward_tokens for s in plan.stages)
+            assert [k for k, _ in plan.first_token] == list(PROMPT_LENGTHS)
+            times = " | ".join(f"{t / EFFICIENCY / 60:.1f} min" for _, t in plan.first_token)
+            rows.append(f"| {label} | {'512 (before)' if forward else f'{tokens:,}'} | {times} | "
+                        f"{plan.seconds_per_token / EFFICIENCY:.2f} s |")
+    return rows
+
+
+def test_the_readmes_first_token_projection_is_the_planners(tmp_path: Path) -> None:
+    from deltafin.config import load_config
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    rows = _first_token_projection(load_config(tmp_path))
+    missing = [r for r in rows if r not in (ROOT / "README.md").read_text().splitlines()]
+    assert not missing, "README's time-to-first-token projection lacks these rows:\n" + "\n".join(missing)
 
 
 def _speculative_projection(cfg, lines: list[str]) -> list[str]:

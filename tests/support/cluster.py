@@ -98,10 +98,11 @@ SERVING = re.compile(r"serving (http://[\d.]+:\d+)")
 
 
 class ServerProcess:
-    """`deltafin-coordinator ... serve --port 0` as a subprocess; `url` once it is ready."""
+    """`deltafin-coordinator ... serve --port 0` as a subprocess (under the `wrap` command, if any); `url` once
+    it is ready."""
 
-    def __init__(self, model: Path, *args: str, serve_args: tuple[str, ...] = ()):
-        cmd = [*COORDINATOR, "--model", str(model), "--no-discover", "-q",
+    def __init__(self, model: Path, *args: str, serve_args: tuple[str, ...] = (), wrap: tuple[str, ...] = ()):
+        cmd = [*wrap, *COORDINATOR, "--model", str(model), "--no-discover", "-q",
                *args, "serve", "--port", "0", *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

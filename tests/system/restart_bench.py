@@ -1,0 +1,94 @@
+"""A restarted server answering a prompt whose prefix it saw before the restart, with the prefixes kept on the disk
+(a fresh `--prefix-dir`) and without (`--prefix-disk-gb 0`): `deltafin-coordinator --local serve` answers a
+PROMPT-token prompt, stops (SIGTERM), starts again on the same folder and answers the same prompt with NEW more
+tokens. Prints one JSON object: per mode, each server's time to first token (streamed `/v1/completions`, greedy),
+the cached tokens the API reported, and the text; and whether both modes gave the same text.
+
+    python -m tests.system.restart_bench --model K3SLICE --prompt-tokens 1024 --new-tokens 64 --memlimit-gb 8 \\
+        -- --spine int8
+
+Everything after `--` goes to the coordinator. With --memlimit-gb each server runs under `../shared/tools/memlimit`
+(page cache included, dropped first), so the experts really stream from the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from deltafin.config import load_config
+from tests.support.cluster import ServerProcess
+
+TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: its time to the first text, the text, the cached tokens reported."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with urllib.request.urlopen(request, timeout=7200) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                if choice.get("text"):
+                    first = first if first is not None else time.perf_counter() - t0
+                    text.append(choice["text"])
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft_s": round(first or 0.0, 3), "cached_tokens": cached, "text": "".join(text)}
+
+
+def one_mode(args: argparse.Namespace, disk: bool, extra: list[str], prompt: list[int], longer: list[int]) -> dict:
+    """The prompt through a server, then the longer prompt through the server restarted on the same folder."""
+    with tempfile.TemporaryDirectory(prefix="deltafin-restart-") as folder:
+        prefixes = ["--prefix-dir", folder] if disk else ["--prefix-disk-gb", "0"]
+        wrap = ((str(TOOLS / "memlimit"), f"{int(args.memlimit_gb * 1024)}M", "--drop-caches", "--")
+                if args.memlimit_gb else ())
+        runs = {}
+        for name, ids in (("before_restart", prompt), ("after_restart", longer)):
+            server = ServerProcess(args.model, "--local", *prefixes, *extra, wrap=wrap)
+            try:
+                runs[name] = complete(server.url, ids, args.max_tokens)
+            finally:
+                server.stop()
+        return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--memlimit-gb", type=float, default=None)
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    vocab = load_config(args.model).vocab_size - 256
+    ids = torch.randint(0, vocab, (args.prompt_tokens + args.new_tokens,), generator=torch.Generator().manual_seed(0))
+    prompt, longer = ids[:args.prompt_tokens].tolist(), ids.tolist()
+    out: dict = {"model": str(args.model), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                 "max_tokens": args.max_tokens, "coordinator_args": extra, "memlimit_gb": args.memlimit_gb}
+    for mode in ("disk", "memory_only"):
+        out[mode] = one_mode(args, mode == "disk", extra, prompt, longer)
+    out["same_text"] = out["disk"]["after_restart"]["text"] == out["memory_only"]["after_restart"]["text"]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
