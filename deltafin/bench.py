@@ -231,7 +231,8 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     all of them: about 1 when each is read once, the forwards' count when every forward re-reads them), and the peak memory
     during that prompt against the plan. When anything streams, the disk is measured first with the same reader
     and each length gets its disk-limited time (bytes read / disk speed) and `vs_disk`, that time over the
-    measured one. The ids are i % 700 + 5, the prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
+    measured one; `t_compute_s` is the time the stage did not wait for reads, and `efficiency` the larger of
+    the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     from deltafin.pipeline import LocalPipeline
     from deltafin.stage import SeqInput, StageOptions
 
@@ -249,7 +250,8 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
         if measure_disk and (plan.streaming or plan.streamed_layers):
             result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, stage.options.read_threads,
                                                stage.options.io)
-        pipe.forward([SeqInput("warm-up", 0, ids=torch.arange(min(chunk, 64)) + 5)])  # first-call costs
+        # first-call costs (kernel builds); two tokens, since at K3's size 64 would read most of the experts
+        pipe.forward([SeqInput("warm-up", 0, ids=torch.arange(2) + 5)])
         pipe.release("warm-up")
         disk = result.get("disk", {}).get("disk_GBps")
         for n in lengths:
@@ -282,9 +284,12 @@ def _prefill_one(pipe: Any, n: int, chunk: int, all_experts: int, disk: float | 
     row: dict[str, Any] = {"seconds": round(seconds, 3), "tok_per_s": round(n / seconds, 1),
                            "forwards": -(-n // chunk), "expert_loads": loads, "expert_bytes": experts,
                            "spine_bytes": spine, "x_all_experts": round(experts / all_experts, 3)}
+    waited = after["io_wait"] - before["io_wait"]  # the stage waiting for reads: the rest is its compute
+    row.update({"io_wait_s": round(waited, 3), "t_compute_s": round(seconds - waited, 3)})
     if disk:
         limit = (experts + spine) / (disk * GB)
-        row.update({"t_disk_limit_s": round(limit, 3), "vs_disk": round(limit / seconds, 3)})
+        row.update({"t_disk_limit_s": round(limit, 3), "vs_disk": round(limit / seconds, 3),
+                    "efficiency": round(max(limit, seconds - waited) / seconds, 3)})
     peak = _peak_rss()
     if peak is not None:
         row["peak_rss_gb"] = round(peak / GB, 3)
