@@ -58,8 +58,8 @@ def _defaults() -> list[str]:
         f"for ({s('sequences')} and {s('context')};",
         f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
         f"fits {FORWARD_SHARE:.0%} of the budget",
-        f"`--prefix-disk-gb G` (default {s('prefix_disk_gb'):g})",
-        f"a forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
+        f"`--prefix-disk-gb G` (default {s('prefix_disk_gb'):g};",
+        f"forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
         f"and {RUNTIME_OVERHEAD >> 30} GiB for the runtime",
         f"grown in {MLA_BLOCK_TOKENS}-token blocks",
         f"keeps {MARGIN['host']:.0%} ({MARGIN['discrete']:.0%} of a GPU) free",
@@ -231,7 +231,8 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
         / EFFICIENCY
     header = (f"the trails' room, {(stage.sizing.sessions - plain.sizing.sessions) / 1e9:.2f} GB for "
               f"{SizingOptions().sequences} sequences, costs "
-              f"{len(plain.sizing.resident_layers) - len(stage.sizing.resident_layers)} resident layers, so "
+              f"{(lost := len(plain.sizing.resident_layers) - len(stage.sizing.resident_layers))} resident "
+              f"layer{'s' if lost != 1 else ''}, so "
               f"{spine:.1f} GB of spine streamed and {experts:.1f} GB of experts per one-token pass, 6.6 GB/s at the "
               f"assumed 0.85 efficiency: {one_pass:.1f} s a token, {1 / one_pass:.3f} tok/s, against "
               f"{1 / plain_pass:.3f} without drafting")
