@@ -228,11 +228,12 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     """Prefill prompts of each length in forwards of the stage's limit (as the engine sends them): per length
     the seconds and tok/s, the forwards, the experts loaded from the disk (a layer's expert once per forward
     that touches it, unless the cache kept it), the expert and spine bytes read (experts also as a multiple of
-    all of them: about 1 when each is read once, the forwards' count when every forward re-reads them), and the peak memory
-    during that prompt against the plan. When anything streams, the disk is measured first with the same reader
-    and each length gets its disk-limited time (bytes read / disk speed) and `vs_disk`, that time over the
-    measured one; `t_compute_s` is the time the stage did not wait for reads, and `efficiency` the larger of
-    the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
+    all of them: about 1 when each is read once, the forwards' count when every forward re-reads them), and the
+    peak memory during that prompt against the plan. When anything streams, the disk is measured first with
+    the same reader, and each length gets its disk-limited time (bytes read / disk speed) and `vs_disk`, that
+    time over the measured one; `t_compute_s` is the time the stage did not wait for reads, and `efficiency`
+    the larger of the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt
+    tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     from deltafin.pipeline import LocalPipeline
     from deltafin.stage import SeqInput, StageOptions
 

@@ -512,7 +512,7 @@ class Stage:
         """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
         forward longer than one attention pass (PIECE_TOKENS a sequence) runs each layer's attention in pieces
         and its experts once over all of them (models/decoder.py, layer_in_pieces)."""
-        pieces = pieces_of(spans, PIECE_TOKENS) if max(s.length for s in spans) > PIECE_TOKENS else None
+        pieces = pieces_of(spans, PIECE_TOKENS) if sum(s.length for s in spans) > PIECE_TOKENS else None
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")

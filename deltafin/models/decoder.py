@@ -108,18 +108,25 @@ class Piece:
 
 
 def pieces_of(spans: Sequence[Span], tokens: int) -> list[Piece]:
-    """Cut a forward into attention pieces: each sequence's tokens in runs of `tokens` from its own start (the
-    cut points of prompts fed `tokens` at a time), piece k holding every sequence's k-th run."""
-    longest = max(s.length for s in spans)
-    out = []
-    for k in range(0, longest, tokens):
-        rows, parts, at = [], [], 0
-        for s in spans:
-            n = min(tokens, s.length - k)
-            if n > 0:
-                rows.append(torch.arange(s.start + k, s.start + k + n))
-                parts.append(Span(at, n, s.cache))
-                at += n
+    """Cut a forward into attention pieces of at most `tokens` rows: each sequence's tokens in runs of `tokens`
+    from its own start (the cut points of a prompt fed `tokens` at a time), every sequence's first run, then
+    every second run, and so on, a piece closed before a run that would overflow it or whose sequence it holds
+    already (a sequence's runs go through attention one after another)."""
+    runs = sorted((k, i) for i, s in enumerate(spans) for k in range(0, s.length, tokens))
+    out: list[Piece] = []
+    rows: list[torch.Tensor] = []
+    parts: list[Span] = []
+    at = 0
+    for k, i in runs:
+        s = spans[i]
+        n = min(tokens, s.length - k)
+        if parts and (at + n > tokens or any(p.cache is s.cache for p in parts)):
+            out.append(Piece(torch.cat(rows), tuple(parts)))
+            rows, parts, at = [], [], 0
+        rows.append(torch.arange(s.start + k, s.start + k + n))
+        parts.append(Span(at, n, s.cache))
+        at += n
+    if parts:
         out.append(Piece(torch.cat(rows), tuple(parts)))
     return out
 

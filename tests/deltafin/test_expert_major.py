@@ -65,3 +65,43 @@ def test_a_decode_step_riding_a_long_forward_gets_its_own_logits(tiny_dir):
     finally:
         pipe.close()
     assert _close(step.logits[-1], alone.logits[-1]) <= 1e-5 and _close(long.logits[-1], long_alone) <= 1e-5
+
+
+def test_pieces_cover_every_row_once_in_order_within_the_piece_size():
+    """However the batch is made (a long prompt, short ones, decode steps): every row in exactly one piece, no piece
+    over the size, a sequence at most once per piece and its runs in order, cut where a prompt fed the piece size
+    at a time would be cut."""
+    from deltafin.models.decoder import Span, pieces_of
+
+    lengths = [1300, 1, 500, 3, 512, 1]
+    caches = [object() for _ in lengths]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    spans = [Span(s, n, c) for s, n, c in zip(starts, lengths, caches, strict=True)]
+    pieces = pieces_of(spans, 512)
+    assert all(len(p.rows) <= 512 for p in pieces)
+    assert sorted(torch.cat([p.rows for p in pieces]).tolist()) == list(range(sum(lengths)))
+    seen: dict[int, list[int]] = {}
+    for p in pieces:
+        assert len({id(part.cache) for part in p.spans}) == len(p.spans)
+        for part in p.spans:
+            i = caches.index(part.cache)
+            first = p.rows[part.start].item() - starts[i]
+            assert first % 512 == 0 and p.rows[part.start:part.start + part.length].tolist() == list(
+                range(starts[i] + first, starts[i] + first + part.length))
+            seen.setdefault(i, []).append(first)
+    assert all(runs == sorted(runs) and runs == list(range(0, lengths[i], 512)) for i, runs in seen.items())
+
+
+def test_several_prompts_in_one_forward_get_their_own_logits(tiny_dir):
+    """Prompts of 600, 300 and 300 tokens in one forward (1,200 rows: pieces of at most 512 mixing sequences) give
+    each prompt's logits alone."""
+    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(max_forward_tokens=1200))
+    try:
+        ids = _prompt(pipe.stages[0].cfg.vocab_size)
+        prompts = {"a": ids[:600], "b": ids[100:400], "c": ids[350:650]}
+        alone = {name: _last_logits(pipe, name, p, len(p)) for name, p in prompts.items()}
+        together = pipe.forward([SeqInput(name, 0, ids=p) for name, p in prompts.items()])
+    finally:
+        pipe.close()
+    for out in together:
+        assert _close(out.logits[-1], alone[out.session_id]) <= 1e-5
