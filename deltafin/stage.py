@@ -510,7 +510,7 @@ class Stage:
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
                 progress: Callable[[int, int], None] | None = None) -> ResidualState:
         """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
-        forward longer than one attention pass (PIECE_TOKENS a sequence) runs each layer's attention in pieces
+        forward longer than one attention pass (PIECE_TOKENS rows) runs each layer's attention in pieces
         and its experts once over all of them (models/decoder.py, layer_in_pieces)."""
         pieces = pieces_of(spans, PIECE_TOKENS) if sum(s.length for s in spans) > PIECE_TOKENS else None
         for layer in self.layers_range:

@@ -24,8 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from deltafin.assigned import Assigned, assign
 from deltafin.checkpoint import Checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned
+from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned, OutOfMemory
 from deltafin.placement import ExpertPlan
+from deltafin.sizing import boundary_bytes_per_token
 from deltafin.stage import Stage, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
@@ -193,7 +194,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def ForwardParts(self, requests: AsyncIterator[pb.ForwardRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ForwardResponse]:
         try:
-            msgs = [r async for r in requests]
+            msgs = await self._parts(requests)
             batch, all_logits, rid = codec.decode_request_parts(msgs)
             outputs = await self._forward(batch, all_logits, rid)
             cap = self.max_message_bytes - self.max_message_bytes // 8
@@ -205,6 +206,25 @@ class WorkerService(pb_grpc.WorkerServicer):
             return
         for part in parts:
             yield part
+
+    async def _parts(self, requests: AsyncIterator[pb.ForwardRequest]) -> list[pb.ForwardRequest]:
+        """A forward's parts, refused as soon as they outgrow what the stage's largest forward carries (its hidden
+        states at its first layer, an eighth more and a megabyte for the framing): the rest of the stream is read and
+        dropped, so a sender cannot fill the worker's memory."""
+        stage = self.stage
+        if stage is None:
+            raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
+        tokens = stage.max_forward_tokens or stage.sizing.forward_tokens
+        cap = tokens * boundary_bytes_per_token(stage.cfg, stage.start, 4) * 9 // 8 + (1 << 20)
+        msgs, size = [], 0
+        async for r in requests:
+            size += r.ByteSize()
+            if size <= cap:
+                msgs.append(r)
+        if size > cap:  # read to the end, holding nothing: a status sent mid-stream reaches the sender as INTERNAL
+            raise OutOfMemory(f"a forward's parts came to {size / 1e6:.0f} MB, more than this stage's largest "
+                              f"forward ({tokens} tokens, {cap / 1e6:.0f} MB) carries: send it in chunks")
+        return msgs
 
     async def _forward(self, batch: list, all_logits: bool, rid: str) -> list:
         """Run a forward on the stage's thread; a caller that goes away (deadline, disconnect) stops it between

@@ -243,3 +243,36 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
         assert torch.equal(got, want)
 
     asyncio.run(run())
+
+
+def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it_runs(served, tiny_dir):
+    """ForwardParts: parts joined into one forward give what Forward gives; a stream of parts larger than the
+    stage's largest forward could carry is refused (RESOURCE_EXHAUSTED), its parts past the cap dropped as they
+    arrive."""
+    start, cfg = served
+    d, n = cfg.hidden_size, cfg.blocks_entering(3)
+
+    def part(session: str, tokens: int, value: float) -> pb.ForwardRequest:
+        state = torch.full((tokens, d), value), torch.full((tokens, n, d), value)
+        return pb.ForwardRequest(request_id="r", sequences=[pb.SequenceInput(
+            session_id=session, cache_len=0, p=codec.encode_tensor(state[0]), b=codec.encode_tensor(state[1]))])
+
+    async def run():
+        service, server, port = await start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            await _assign(stub, tiny_dir, 3, 6)
+            whole = await stub.Forward(pb.ForwardRequest(sequences=part("a", 6, 0.1).sequences), timeout=30)
+            joined = [r async for r in stub.ForwardParts(iter([part("b", 2, 0.1), part("b", 4, 0.1)]), timeout=30)]
+            assert codec.decode_tensor(joined[0].sequences[0].logits, "l").equal(
+                codec.decode_tensor(whole.sequences[0].logits, "l"))
+            limit = service.stage.max_forward_tokens or service.stage.sizing.forward_tokens
+            flood = (part("c", 512, 0.1) for _ in range(2 * limit // 512 + 8))  # twice the cap, and a megabyte
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.ForwardParts(flood, timeout=60):
+                    pass
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "send it in chunks" in e.value.details()
+        await server.stop(0)
+        service.close()
+
+    asyncio.run(run())
