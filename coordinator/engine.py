@@ -89,11 +89,12 @@ class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
                  max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
                  default_max_tokens: int = SERVING_MAX_TOKENS, pipeline_depth: int = 0, prefix_cache: bool = False,
-                 ride: bool = True, speculative: str = "none", max_drafts: int = 8):
+                 ride: bool = True, speculative: str = "none", max_drafts: int = 8, strict_model_name: bool = False):
         if speculative not in MODES:
             raise DeltafinError(f"unknown speculative mode {speculative!r}: {', '.join(MODES)}")
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
-        self.model_name = model_name
+        self.model_name = model_name  # what responses carry, whatever name a request used ...
+        self.strict_model_name = strict_model_name  # ... unless this: then another name is model_not_found
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
         self.speculative, self.max_drafts = speculative, max_drafts  # requests that do not say draft this way

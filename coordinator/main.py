@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None,
-                   help="the model id clients ask for (default: the model directory's name)")
+                   help="the model id responses carry (default: the model directory's name); requests may "
+                   "name any model")
+    s.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 model_not_found to a request that names another model")
     s.add_argument("--default-max-tokens", type=int, default=SERVING_MAX_TOKENS,
                    help=f"max tokens for chat requests that do not say (default {SERVING_MAX_TOKENS}: at K3's "
                    "fraction of a token per second, more is hours)")
@@ -168,7 +171,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
                                queue_depth=args.queue_depth, max_context=args.max_context,
                                default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth,
-                               ride=args.prefill_batches == "ride")
+                               ride=args.prefill_batches == "ride", strict_model_name=args.strict_model_name)
     try:
         runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)),
                                           api_key)

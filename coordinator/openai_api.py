@@ -84,13 +84,20 @@ class Params:
     speculative: str | None = None  # none | ngram for this request; None: the server's --speculative
 
 
-def _params(body: dict[str, Any], served: str, logprobs: int | None) -> Params:
+def served_model(requested: str, served: str, strict: bool) -> str:
+    """The name a response carries: the served one, whatever name the request used (clients configured with
+    their own model names work), unless `strict` (`--strict-model-name`): then another name is a 404."""
+    if strict and requested != served:
+        raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+    return served
+
+
+def _params(body: dict[str, Any], served: str, logprobs: int | None, strict: bool) -> Params:
     model = _field(body, "model", str)
     if model is None:
         raise bad("model", "'model' is required")
-    if model != served:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
+    model = served_model(model, served, strict)
     n = _field(body, "n", int, 1)
     if n != 1:
         raise bad("n", "only n=1 is supported: Deltafin generates one choice per request")
@@ -165,13 +172,13 @@ class CompletionRequest:
     echo: bool = False
 
 
-def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer) -> CompletionRequest:
+def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     logprobs = _field(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
-    params = _params(body, served, logprobs)
+    params = _params(body, served, logprobs, strict)
     if params.max_tokens is None:  # OpenAI's default for text completions; chat's is the server's (engine.py)
         params = dataclasses.replace(params, max_tokens=COMPLETION_MAX_TOKENS)
     _check_bias(params, tokenizer.vocab_size)
@@ -213,7 +220,7 @@ class ChatRequest:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer) -> ChatRequest:
+def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     want_logprobs = _field(body, "logprobs", bool, False)
@@ -223,7 +230,7 @@ def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer) -> ChatRequest:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
     n_top = (top or 0) if want_logprobs else None
-    params = _params(body, served, n_top)
+    params = _params(body, served, n_top, strict)
     _check_bias(params, tokenizer.vocab_size)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -241,7 +241,7 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer)
+    req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
     events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
     return await _respond(sse, events, _TextFormat(engine, req), p.stream)
@@ -301,7 +301,7 @@ class _TextFormat:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer)
+    req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
@@ -382,10 +382,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if request.match_info["name"] != engine.model_name:
-        raise oa.ApiError(404, f"The model '{request.match_info['name']}' does not exist", param="model",
-                          code="model_not_found")
-    return web.json_response(oa.model_card(engine.model_name, engine.started))
+    name = oa.served_model(request.match_info["name"], engine.model_name, engine.strict_model_name)
+    return web.json_response(oa.model_card(name, engine.started))
 
 
 async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[dict[str, Any]]:

@@ -353,10 +353,29 @@ async def test_chat_bad_requests_are_400_with_the_param(server: Server, kwargs: 
     assert e.value.body["message"]  # type: ignore[index]
 
 
-async def test_unknown_model_and_path_and_bad_json(server: Server) -> None:
-    with pytest.raises(openai.NotFoundError) as e:
-        await server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
-    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+async def test_any_model_name_is_served_and_answered_with_the_served_one_unless_strict(server: Server) -> None:
+    """Clients configured with their own model names (editors, agents) work: the response carries the served
+    name. With --strict-model-name another name is 404 model_not_found."""
+    ask = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0}
+    theirs = await server.client().chat.completions.create(model="gpt-9", **ask)
+    ours = await server.client().chat.completions.create(model=MODEL, **ask)
+    assert theirs.model == MODEL and theirs.choices[0].message.content == ours.choices[0].message.content
+    assert (await server.client().models.retrieve("claude-sonnet")).id == MODEL
+    server.engine.strict_model_name = True
+    try:
+        with pytest.raises(openai.NotFoundError) as e:
+            await server.client().chat.completions.create(model="gpt-9", **ask)
+        assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            await server.client().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            await server.client().models.retrieve("gpt-9")
+        assert (await server.client().chat.completions.create(model=MODEL, **ask)).model == MODEL
+    finally:
+        server.engine.strict_model_name = False
+
+
+async def test_unknown_path_and_bad_json(server: Server) -> None:
     models = await server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     async with aiohttp.ClientSession() as s:
