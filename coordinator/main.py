@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
     add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing)"))
     s = command("serve", help="serve the OpenAI-compatible HTTP API",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
-                       "/metrics. Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health "
+                       "and /metrics, and a web chat at / (streamed replies, reasoning, the cluster from /v1/status). "
+                       "Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None,
@@ -178,7 +179,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         await engine.close()
         raise DeltafinError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    print(f"serving http://{args.host}:{port} (model '{engine.model_name}')", flush=True)
+    print(f"serving http://{args.host}:{port} (model '{engine.model_name}'; web chat at /)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

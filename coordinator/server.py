@@ -5,6 +5,9 @@
     GET  /v1/models             the served model
     GET  /health                200 when every worker answers, else 503
     GET  /metrics               Prometheus text: requests, tokens, tok/s, queue, per-worker I/O and hit rate
+    GET  /v1/status             JSON for the web chat's cluster panel: counters, prefills, each worker (status.py)
+    GET  /                      the web chat (coordinator/web/: one page, one script, one stylesheet; no auth,
+                                it holds no secrets: its API calls send the key the user types)
 
 Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
 413 body too large, 429 queue full, 500/503 a worker failed). A client that disconnects cancels its
@@ -23,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -34,6 +38,7 @@ from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 from . import openai_api as oa
 from .engine import Engine
 from .generation import Finished, PlainText, PrefillProgress, TextView, TokenEvent
+from .status import status as status_json
 
 log = logging.getLogger(__name__)
 
@@ -417,13 +422,46 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
+async def status(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    try:
+        stats, error = await _worker_stats(engine), None
+    except Exception as e:
+        stats, error = None, str(e) or type(e).__name__
+    return web.json_response(status_json(engine.model_name, time.time() - engine.started, engine.counters,
+                                         engine.scheduler.stats, list(engine.prefilling.values()), stats,
+                                         time.monotonic(), error))
+
+
+# the web chat's files (coordinator/web/), by the name in the URL: file, content type; any other name is a 404
+WEB_FILES = {"": ("index.html", "text/html"), "chat.js": ("chat.js", "text/javascript"),
+             "chat.css": ("chat.css", "text/css")}
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'"}
+
+
+async def web_file(request: web.Request) -> web.Response:
+    found = WEB_FILES.get(request.match_info.get("name", ""))
+    if found is None:
+        raise web.HTTPNotFound()
+    name, kind = found
+    body = resources.files(__package__).joinpath("web", name).read_bytes()
+    return web.Response(body=body, content_type=kind, charset="utf-8", headers=PAGE_HEADERS)
+
+
+def _public(path: str) -> bool:
+    """What needs no API key: /health, and the web chat's files (its API calls carry the key)."""
+    return path in ("/health", "/") or path.startswith("/web/")
+
+
 def _auth(api_key: str) -> Any:
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if request.path != "/health":
+        if not _public(request.path):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
@@ -445,6 +483,9 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | Non
     app.router.add_get("/v1/models/{name}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/", web_file)
+    app.router.add_get("/web/{name}", web_file)
     return app
 
 
