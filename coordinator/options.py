@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import load_config
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, explicit_options, stage_options
+
+log = logging.getLogger(__name__)
 
 
 def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -148,7 +151,10 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
     backend, plan = await connect_cluster(spec, show_progress=show_progress, recovery=RecoveryOptions(
         enabled=not args.no_recovery, rejoin_interval=args.rejoin_interval,
         journal_tokens=args.replay_journal_tokens))
-    print(plan.table(), file=sys.stderr)
+    if show_progress:
+        print(plan.table(), file=sys.stderr)
+    else:
+        log.info("the plan:\n%s", plan.table())
     return backend
 
 
@@ -181,14 +187,16 @@ def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None
                        security=security, experts=args.experts)
 
 
-async def open_engine(args: argparse.Namespace, name: str | None = None, **serving: Any):
-    """Tokenizer and config first (fast, clear errors), then the backend, as one Engine."""
+async def open_engine(args: argparse.Namespace, name: str | None = None, show_progress: bool = True,
+                      **serving: Any):
+    """Tokenizer and config first (fast, clear errors), then the backend, as one Engine. `show_progress`: the
+    load's progress and the plan on stderr (else the plan is logged)."""
     from deltafin.tokenizer import K3Tokenizer
 
     from .engine import Engine
 
     cfg = load_config(args.model)
     tokenizer = K3Tokenizer.load(args.model)
-    backend = await open_backend(args)
+    backend = await open_backend(args, show_progress)
     serving.setdefault("speculative", args.speculative)
     return Engine(backend, tokenizer, cfg, name or Path(args.model).resolve().name, prefix_cache=True, **serving)
