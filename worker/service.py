@@ -33,6 +33,7 @@ from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.ports import cannot_listen
 from deltafin.transport.status import status_for
 
 from .peers import Peers
@@ -345,9 +346,12 @@ async def create_server(service: WorkerService, host: str, port: int,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    try:  # gRPC says 0, or (newer) raises RuntimeError, without the reason
+        bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise DeltafinError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+        raise cannot_listen(host, port, "this worker")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("deltafin.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
