@@ -25,6 +25,7 @@ from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import load_config
 from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.errors import DeltafinError
+from deltafin.transport.ports import cannot_listen, check_free
 
 from .options import (
     add_cluster_options,
@@ -68,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(g, temperature=0.0, max_tokens=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
     add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing)"))
-    s = command("serve", help="serve the OpenAI-compatible HTTP API",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health "
+    s = command("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's Messages "
+                       "API), /v1/messages/count_tokens, /v1/models, /v1/status, /health "
                        "and /metrics, and a web chat at / (streamed replies, reasoning, the cluster from /v1/status). "
                        "Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -169,6 +171,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can generate (set --api-key)",
                     args.host)
+    check_free(args.host, args.port, "the API")  # before loading: the model takes minutes to load
     engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
                                queue_depth=args.queue_depth, max_context=args.max_context,
                                default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth,
@@ -178,7 +181,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
                                           api_key)
     except OSError as e:
         await engine.close()
-        raise DeltafinError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise cannot_listen(args.host, args.port, "the API", e) from None
     print(f"serving http://{args.host}:{port} (model '{engine.model_name}'; web chat at /)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
