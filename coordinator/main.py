@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltafin.chat import SERVING_MAX_TOKENS
 from deltafin.config import load_config
@@ -37,6 +37,9 @@ from .options import (
     sampling_params,
 )
 from .report import format_summary, run_summary
+
+if TYPE_CHECKING:
+    from deltafin.planner import Plan
 
 log = logging.getLogger("deltafin.coordinator")
 
@@ -113,10 +116,34 @@ async def cmd_plan(args: argparse.Namespace) -> int:
     spec = cluster_spec(args)
     workers = await find_workers(spec)
     try:
-        print(plan_cluster(spec, load_config(args.model), workers).table())
+        cfg = load_config(args.model)
+        plan = plan_cluster(spec, cfg, workers)
+        print(plan.table())
+        print("\n".join(download_commands(plan)))
     finally:
         await asyncio.gather(*(c.close() for c, _ in workers))
     return 0
+
+
+def download_commands(plan: Plan) -> list[str]:
+    """What each worker of `plan` needs on its disk, as `deltafin download` commands: its stage's layers; with wide
+    experts every layer (each worker computes its share of every MoE layer) and its share of the experts."""
+    from deltafin.placement import split
+
+    lines = ["put the model on each worker (SOURCE: hf:ORG/NAME or a directory; DIR: the worker's --model):"]
+    placement = plan.experts
+    for s in plan.workers:
+        i = 0 if placement is None else placement.holders.index(s.key)
+        bounds = [] if placement is None else [placement.share(i, layer) for layer in placement.layers]
+        lo, hi = min((r.start for r in bounds), default=0), max((r.stop for r in bounds), default=0)
+        if placement is None or hi <= lo:  # its own layers' experts, or none to serve
+            what = f"--layers {s.start}-{s.end - 1}"
+        else:  # one range of ids for every layer: a superset of its shares where they differ by layer
+            equal = split(0, placement.num_experts, [1.0] * len(placement.holders))
+            what = (f"--experts {i}/{len(placement.holders)}" if all(r == range(equal[i], equal[i + 1])
+                                                                     for r in bounds) else f"--experts {lo}-{hi - 1}")
+        lines.append(f"  {s.worker}: deltafin download SOURCE --out DIR {what}")
+    return lines
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:

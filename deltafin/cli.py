@@ -81,6 +81,36 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
+def _cmd_download(args: argparse.Namespace) -> int:
+    from deltafin.download import download
+    from deltafin.download_sources import open_source
+
+    summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
+    print(summary.line())
+    return 0
+
+
+def _add_download(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("download", help="fetch what this machine's worker needs of a checkpoint",
+                       description="Fetch the metadata files (config.json, the index, the tokenizer) and the shards "
+                       "of --layers (with the embedding/head when they include the first or last layer), of every "
+                       "MoE layer's routed experts only the --experts share, written at their offsets in sparse "
+                       "shards (the layout and the index stay the checkpoint's). Every piece is read back and "
+                       "checked; an interrupted run resumes where it stopped (.deltafin-download.json in --out). "
+                       "`deltafin-coordinator plan` prints each worker's command.")
+    p.add_argument("source", metavar="SOURCE",
+                   help="hf:ORG/NAME[@REVISION] (the Hugging Face Hub: its cache, token and HF_HUB_OFFLINE) or a "
+                   "checkpoint directory (a NAS, an external disk)")
+    p.add_argument("--out", required=True, help="the worker's model directory (created)")
+    p.add_argument("--layers", default=None, metavar="A-B",
+                   help="decoder layers A to B inclusive, as `plan` prints a stage (default: all)")
+    p.add_argument("--experts", default=None, metavar="K/N",
+                   help="only share K of N equal contiguous shares of every MoE layer's routed experts (0 <= K < N), "
+                   "or A-B: expert ids A to B inclusive (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_download)
+
+
 def _cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -291,7 +321,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_synth, _add_inspect, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
+    _add_synth, _add_inspect, _add_download, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from typing import Any
 
 from deltafin.checkpoint import Checkpoint, scan_checkpoint
 from deltafin.config import load_config
+from deltafin.download_manifest import DownloadRecord, read_record
 from deltafin.errors import ModelFormatError, SizingError
 from deltafin.sizing import Budget, Placement, SizingOptions, StageSizing, choose, layer_table
 from deltafin.weights.reader import layer_spans
@@ -33,6 +34,7 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
     top = cfg.top_spine_bytes()
     n_moe = len(cfg.moe_layers)
     contiguous, scattered, missing = _contiguity(ckpt)
+    download = read_record(model_dir)
     return {
         "model_dir": str(Path(model_dir).resolve()),
         "model_type": cfg.model_type,
@@ -60,8 +62,17 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
         "layers_available": list(ckpt.layers_available()),
         "unused_tensors": len(set(ckpt.tensors) - _text_tensors(cfg)),  # e.g. the vision tower: skipped
         "plan": None if memory_bytes is None else _plan(cfg, ckpt, memory_bytes, device, options),
-        "problems": [p.message for p in ckpt.problems],
+        "download": None if download is None else {"summary": download.describe(), "layers": list(download.layers),
+                                                    "experts": download.experts and list(download.experts),
+                                                    "share": download.share, "left_out": list(download.left_out),
+                                                    "complete": download.complete},
+        "problems": [p.message for p in ckpt.problems if not _left_out(p.message, download)],
     }
+
+
+def _left_out(message: str, download: DownloadRecord | None) -> bool:
+    """A problem a partial download has on purpose: a shard of another worker's layers is not there."""
+    return download is not None and any(message.startswith(f"shard {s} is listed") for s in download.left_out)
 
 
 def _text_tensors(cfg: Any) -> set[str]:
@@ -145,6 +156,8 @@ def format_report(r: dict[str, Any]) -> str:
                       f"  read per token: experts {_gb(plan['expert_bytes_per_token'])}, spine "
                       f"{_gb(plan['spine_bytes_per_token'])}; a forward carries up to {plan['forward_tokens']:,} "
                       "tokens (a prompt that long reads each expert once)"]
+    if r.get("download"):
+        lines += ["", r["download"]["summary"]]
     if r["problems"]:
         lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
     else:

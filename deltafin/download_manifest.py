@@ -1,0 +1,102 @@
+"""The progress manifest of `deltafin download`, kept in its output directory: which byte ranges of which files
+are written and verified, and what the download selected (read back by `deltafin inspect`).
+
+It is rewritten atomically (a temporary file, fsync, rename), so an interrupted run leaves either the previous
+version or the new one, and a range is recorded only after its bytes were read back and matched the source's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = ".deltafin-download.json"
+VERSION = 1
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class DownloadRecord:
+    """What a partial download holds, as `deltafin inspect` reports it."""
+
+    source: str
+    layers: Range  # [start, end)
+    experts: Range | None  # [lo, hi) of every MoE layer's experts; None: all
+    share: str  # --experts as written ("1/4"), or ""
+    left_out: tuple[str, ...]  # shards not downloaded (other layers', or the head's)
+    complete: bool
+
+    def describe(self) -> str:
+        a, b = self.layers
+        text = f"a download of {self.source}: layers {a}-{b - 1}"
+        if self.experts is not None:
+            lo, hi = self.experts
+            text += f", experts {lo}-{hi - 1} of every MoE layer" + (f" (share {self.share})" if self.share else "")
+            text += "; the other experts are holes (zeros) and not read"
+        if self.left_out:
+            text += f"; {len(self.left_out)} shard(s) of other layers left out"
+        return text + ("" if self.complete else "; INCOMPLETE: run the same `deltafin download` again")
+
+
+class Manifest:
+    """Verified ranges per file, for one checkpoint (the index's sha256): another checkpoint starts afresh."""
+
+    def __init__(self, out: Path, index_sha256: str):
+        self.path = out / MANIFEST
+        self.index_sha256 = index_sha256
+        self.files: dict[str, list[Range]] = {}
+        self.record: dict[str, Any] = {}
+        data = _load(self.path)
+        if data.get("version") == VERSION and data.get("index_sha256") == index_sha256:
+            self.files = {k: [(int(a), int(b)) for a, b in v] for k, v in data.get("files", {}).items()}
+
+    def done(self, path: str) -> list[Range]:
+        return self.files.get(path, [])
+
+    def add(self, path: str, start: int, end: int) -> None:
+        spans = sorted([*self.files.get(path, []), (start, end)])
+        merged: list[list[int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.files[path] = [(a, b) for a, b in merged]
+
+    def forget(self, path: str) -> None:
+        self.files.pop(path, None)
+
+    def save(self, complete: bool = False) -> None:
+        data = {"version": VERSION, "index_sha256": self.index_sha256, **self.record, "complete": complete,
+                "files": {k: [list(r) for r in v] for k, v in sorted(self.files.items())}}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_record(model_dir: str | Path) -> DownloadRecord | None:
+    """The selection of the download in `model_dir`, or None when it is not one (or its manifest is unreadable)."""
+    data = _load(Path(model_dir) / MANIFEST)
+    try:
+        layers = data["layers"]
+        experts = data.get("experts")
+        return DownloadRecord(str(data.get("source", "")), (int(layers[0]), int(layers[1])),
+                              None if experts is None else (int(experts[0]), int(experts[1])),
+                              str(data.get("share", "")), tuple(data.get("left_out", ())),
+                              bool(data.get("complete")))
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
