@@ -130,6 +130,8 @@ class Engine:
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_request(req)
             c.requests += 1
             c.prompt_tokens += len(prompt_ids)
             outcome = "cancelled"  # until the generation finishes or fails
@@ -150,6 +152,18 @@ class Engine:
                     c.failed += 1
                 elif outcome == "cancelled":
                     c.cancelled += 1
+
+    def _log_request(self, req: Request) -> None:
+        """-v: what a request's prefill will cost before it starts (tokens, forwards, expected expert reads)."""
+        kept = req.prefix.cached_tokens if req.prefix is not None else 0
+        left = len(req.prompt_ids) - kept
+        chunk = req.prefill_chunk or left
+        forwards = -(-left // chunk)
+        log.debug("request %s: %d prompt tokens (%d from a kept prefix), %d forward%s of up to %d tokens, about "
+                  "%.2f GB of expert reads; max_tokens %d, %s", req.session_id[:8], len(req.prompt_ids), kept,
+                  forwards, "" if forwards == 1 else "s", chunk,
+                  sum(forward_read_bytes(self.cfg, min(chunk, left - i * chunk)) for i in range(forwards)) / 1e9,
+                  req.max_tokens, "greedy" if req.sampling.greedy else f"temperature {req.sampling.temperature:g}")
 
     def _room(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """Tokens the context has left after the prompt; PromptTooLong if that is none or less than asked."""

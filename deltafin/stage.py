@@ -52,6 +52,7 @@ from deltafin.sizing import (
     SizingOptions,
     StageSizing,
     choose,
+    expert_slot_bytes,
     matrix_format,
     sequence_bytes,
     size_stage,
@@ -211,6 +212,7 @@ class Stage:
         self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
                                  "mlx" if self.expert_backend == "mlx" else "torch")
         log.info("stage [%d, %d) on %s: %s", start, end, device, self.sizing.describe())
+        self._log_plan(opts)
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
         plan = SpinePlan(self.sizing.resident_layers, self.sizing.streamed_layers,
@@ -482,17 +484,41 @@ class Stage:
         tokens.extend(int(t) for t in item.ids.tolist())  # type: ignore[union-attr]
         return tokens
 
-    def _io_counters(self) -> tuple[float, int, float]:
-        """(seconds waiting for expert reads, expert misses, seconds waiting for streamed spine) so far."""
-        stats = getattr(self.experts, "stats", None)
-        return (stats.io_wait_s, stats.misses, self.spine.wait_s) if stats is not None else (0.0, 0, self.spine.wait_s)
+    def _log_plan(self, opts: StageOptions) -> None:
+        """-v: the decisions behind the plan that set speed: forward size, cache against what it serves, spine."""
+        s = self.sizing
+        served = s.expert_layers * self.cfg.num_experts * expert_slot_bytes(self.cfg) * s.expert_share
+        cache = ("every expert resident" if s.experts_resident else
+                 f"expert cache {s.expert_cache / 1e9:.2f} GB = {s.expert_cache / served:.1%} of the "
+                 f"{served / 1e9:.1f} GB of experts it serves" if served else "no routed experts")
+        log.debug("stage [%d, %d) plan: forwards of up to %d tokens (%s), %d sequences x %d tokens of context; %s; "
+                  "spine %s, %d layers resident, %d streamed; policy %s, prefetch %s", self.start, self.end,
+                  s.forward_tokens, "--prefill-chunk" if opts.max_forward_tokens else "as long as the budget allows",
+                  opts.sequences, opts.context, cache, s.spine, len(s.resident_layers), len(s.streamed_layers),
+                  opts.cache_policy, "on" if opts.prefetch else "off")
 
-    def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, int, float]) -> None:
-        """-v: one line a forward with what it waited for (and, wide, each holder's experts and time)."""
-        wait, misses, spine = (a - b for a, b in zip(self._io_counters(), before, strict=True))
-        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs (experts: %d read, %.3fs waited; spine waited "
-                  "%.3fs)%s", self.start, self.end - 1, len(batch), sum(b.num_tokens for b in batch), seconds,
-                  misses, wait, spine, f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
+    def _io_counters(self) -> tuple[float, ...]:
+        """(seconds waiting for expert reads, expert lookups, cache hits, prefetch hits, demand reads, expert bytes
+        read, seconds waiting for streamed spine, spine bytes streamed) so far."""
+        spine = (self.spine.wait_s, self.spine.streamed_bytes)
+        snapshot = getattr(self.experts, "snapshot_stats", None)
+        if snapshot is None:
+            return (0.0, 0, 0, 0, 0, 0, *spine)
+        e = snapshot()
+        return (e.io_wait_s, e.lookups, e.hits, e.prefetch_hits, e.misses, e.bytes_read, *spine)
+
+    def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, ...]) -> None:
+        """-v: one line a forward with what it read and waited for (and, wide, each holder's experts and time)."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        wait, lookups, hits, prefetched, misses, read, spine_wait, spine_read = (
+            a - b for a, b in zip(self._io_counters(), before, strict=True))
+        experts = (f"{int(lookups)} looked up: {int(hits)} cached, {int(prefetched)} prefetched, {int(misses)} "
+                   f"demand reads; {read / 1e6:.1f} MB read, {wait:.3f}s waited" if lookups else "none streamed")
+        spine = f"; spine {spine_read / 1e6:.1f} MB streamed, {spine_wait:.3f}s waited" if spine_read else ""
+        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs (experts: %s%s)%s", self.start, self.end - 1,
+                  len(batch), sum(b.num_tokens for b in batch), seconds, experts, spine,
+                  f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
 
     def _validate_batch(self, batch: list[SeqInput], all_logits: bool = False) -> None:
         if not batch or len({b.session_id for b in batch}) != len(batch):

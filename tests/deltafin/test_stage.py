@@ -107,3 +107,29 @@ def test_device_errors_are_clear():
     with pytest.raises(DeltafinError, match="unknown device"):
         resolve_device("tpu")
     assert resolve_device("cpu") == CPU
+
+
+def test_debug_log_says_the_plan_and_each_forwards_reads_and_waits(ckpt, caplog):
+    """-v on a generation: the plan's speed decisions once, then a line a forward whose expert counts and bytes
+    are the store's own counters for that forward (a streamed cache of 1 MB on `tiny`: reads happen)."""
+    import logging
+    import re
+
+    caplog.set_level(logging.DEBUG, logger="deltafin.stage")
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(expert_cache_bytes=10**6, prefetch=False))
+    try:
+        (plan,) = [r.getMessage() for r in caplog.records if "plan:" in r.getMessage()]
+        assert f"forwards of up to {stage.sizing.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan
+        before = stage.experts.snapshot_stats()
+        lookups, misses, read = before.lookups, before.misses, before.bytes_read
+        caplog.clear()
+        stage.forward([SeqInput("a", 0, ids=torch.arange(5))])
+        after = stage.experts.snapshot_stats()
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layers 0-5")]
+        m = re.search(r"1 sequences, 5 tokens in [\d.]+s \(experts: (\d+) looked up: \d+ cached, 0 prefetched, "
+                      r"(\d+) demand reads; ([\d.]+) MB read", line)
+        assert m, line
+        assert int(m.group(1)) == after.lookups - lookups > 0 and int(m.group(2)) == after.misses - misses > 0
+        assert float(m.group(3)) == pytest.approx((after.bytes_read - read) / 1e6, abs=0.05)
+    finally:
+        stage.close()
