@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions   chat, with reasoning_content, tool calls, SSE streaming, logprobs
     POST /v1/completions        text completion of a prompt (text or token ids)
+    POST /v1/messages           Anthropic's Messages API: thinking, text and tool_use blocks, its SSE events
+    POST /v1/messages/count_tokens  the prompt tokens a Messages request would build
     GET  /v1/models             the served model
     GET  /health                200 when every worker answers, else 503
     GET  /metrics               Prometheus text: requests, tokens, tok/s, queue, per-worker I/O and hit rate
@@ -10,7 +12,8 @@
                                 it holds no secrets: its API calls send the key the user types)
 
 Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
-413 body too large, 429 queue full, 500/503 a worker failed). A client that disconnects cancels its
+413 body too large, 429 queue full, 500/503 a worker failed); under /v1/messages they take Anthropic's shape
+(anthropic_api.py: a full queue is 529 overloaded_error). A client that disconnects cancels its
 generation, which frees its sessions on every worker. A stream whose first token takes longer than
 HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
 comment every HEARTBEAT_S, so that read timeouts and proxies see bytes; a failure after that is an error
@@ -35,6 +38,7 @@ from deltafin.chat import OutputParser
 from deltafin.chat import encode as chat_encode
 from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 
+from . import anthropic_api as am
 from . import openai_api as oa
 from .engine import Engine
 from .generation import Finished, PlainText, PrefillProgress, TextView, TokenEvent
@@ -50,7 +54,11 @@ MAX_BODY = web.AppKey("max_body", int)
 Events = AsyncIterator[TokenEvent | Finished]
 
 
-def _error_response(err: oa.ApiError) -> web.Response:
+def _error_response(err: oa.ApiError, path: str) -> web.Response:
+    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if am.is_messages_path(path):
+        status, body = am.error_body(err)
+        return web.json_response(body, status=status)
     return web.json_response(err.body(), status=err.status)
 
 
@@ -76,18 +84,19 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         status = response.status
         return response
     except web.HTTPException as e:
-        status = e.status
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return _error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
-                                           f"the request body is larger than {request.app[MAX_BODY]} bytes",
-                                           type=kind))
+        response = _error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
+                                               f"the request body is larger than {request.app[MAX_BODY]} bytes",
+                                               type=kind), request.path)
+        status = response.status
+        return response
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
     except Exception as e:
-        err = _as_api_error(e)
-        status = err.status
-        return _error_response(err)
+        response = _error_response(_as_api_error(e), request.path)
+        status = response.status
+        return response
     finally:
         resource = request.match_info.route.resource
         key = (resource.canonical if resource is not None else "other", status)
@@ -137,6 +146,9 @@ class _Sse:
 
     async def send(self, obj: dict[str, Any]) -> None:
         await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def error(self, err: oa.ApiError) -> None:
+        await self.send(err.body())
 
     async def finish(self) -> web.StreamResponse:
         await self.response.write(b"data: [DONE]\n\n")
@@ -193,20 +205,21 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
     except Exception as e:
         if not sse.started or isinstance(e, ConnectionResetError):
             raise
-        await sse.send(_as_api_error(e).body())
+        await sse.error(_as_api_error(e))
         await sse.finish()
         return None
 
 
 async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params,
-               prompt_param: str) -> tuple[Events | None, _Sse]:
+               prompt_param: str, sse: _Sse | None = None) -> tuple[Events | None, _Sse]:
     """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
-    before that (heartbeats), and then an error ends it as an event: None instead of the events."""
+    before that (heartbeats), and then an error ends it as an event: None instead of the events. `sse`: the
+    stream to answer on (default OpenAI's)."""
     engine = request.app[ENGINE]
     prefill = _Prefill()
     events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
                         ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative)
-    sse = _Sse(request)
+    sse = sse or _Sse(request)
     first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
     return (None if first is None else _rest(first, events)), sse
 
@@ -237,7 +250,7 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # the headers went out: the failure is an error event, then [DONE]
-        await sse.send(_as_api_error(e).body())
+        await sse.error(_as_api_error(e))
     return await sse.finish()
 
 
@@ -377,6 +390,53 @@ class _ChatFormat:
                                     else None, "finish_reason": None}])]
 
 
+# ---- /v1/messages (Anthropic) -----------------------------------------------------------------------------
+
+
+class _MessagesSse(_Sse):
+    """Anthropic's stream: `event: TYPE` before each data line; message_start and a ping as it opens, a ping
+    beside every heartbeat comment, a failure as an `error` event; no [DONE]."""
+
+    def __init__(self, request: web.Request, head: list[dict[str, Any]]):
+        super().__init__(request)
+        self.head = head
+
+    async def start(self) -> None:
+        await super().start()
+        for event in self.head:
+            await self.send(event)
+
+    async def comment(self, text: str) -> None:
+        await super().comment(text)
+        await self.send(am.PING)
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.response.write(am.sse_event(obj))
+
+    async def error(self, err: oa.ApiError) -> None:
+        await self.send(am.error_body(err)[1])
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write_eof()
+        return self.response
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name)
+    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    fmt = am.MessageFormat(req.params.model, len(ids))
+    view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
+    events, sse = await _run(request, ids, view, req.params, "messages", _MessagesSse(request, fmt.head()))
+    return await _respond(sse, events, fmt, req.params.stream)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name, counting=True)
+    return web.json_response({"input_tokens": len(chat_encode(engine.tokenizer, req.messages, req.options))})
+
+
 # ---- models, health, metrics --------------------------------------------------------------------------------
 
 
@@ -456,16 +516,17 @@ def _public(path: str) -> bool:
 
 
 def _auth(api_key: str) -> Any:
-    expected = f"Bearer {api_key}".encode()
+    bearer, key = f"Bearer {api_key}".encode(), api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if not _public(request.path):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
-                                  code="invalid_api_key")
+        if not _public(request.path):  # OpenAI's clients send Authorization: Bearer, Anthropic's x-api-key
+            by_bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer)
+            by_header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key)
+            if not (by_bearer or by_header):
+                raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or "
+                                  "`x-api-key: <key>`", code="invalid_api_key")
         return await handler(request)
 
     return check
@@ -479,6 +540,8 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | Non
     app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{name}", model)
     app.router.add_get("/health", health)

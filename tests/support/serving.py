@@ -1,0 +1,83 @@
+"""What the HTTP API's tests share: the independent argmax reference, and a scripted 'model' whose output is
+a known token sequence (K3's think tags, response text, tool calls) for checking the response plumbing."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from deltafin.pipeline import LocalPipeline
+from deltafin.stage import SeqInput, SeqOutput
+from deltafin.tokenizer import K3Tokenizer
+
+MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+
+
+def argmax_loop(pipe: LocalPipeline, ids: list[int], n: int, stop: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The reference: prefill, then feed back the argmax, n times or until a stop id."""
+    sid = uuid.uuid4().hex
+    out, rows = [], []
+    logits = pipe.forward([SeqInput(sid, 0, ids=torch.tensor(ids))])[0].logits
+    try:
+        for i in range(n):
+            row = logits[-1].float()
+            t = int(row.argmax())
+            out.append(t)
+            rows.append(row)
+            if t in stop:
+                break
+            logits = pipe.forward([SeqInput(sid, len(ids) + i, ids=torch.tensor([t]))])[0].logits
+    finally:
+        pipe.release(sid)
+    return out, rows
+
+
+def stop_ids(tok: K3Tokenizer) -> set[int]:
+    return {tok.specials["<|end_of_msg|>"], tok.specials["[EOS]"]}
+
+
+def script_ids(tok: K3Tokenizer, text: str) -> list[int]:
+    """The tokens of `text` as the model writes them: K3's markers as special tokens, the rest as text."""
+    out, buf, i = [], "", 0
+    while i < len(text):
+        m = next((m for m in MARKERS if text.startswith(m, i)), None)
+        if m is None:
+            buf += text[i]
+            i += 1
+            continue
+        out += tok.encode(buf) if buf else []
+        out += tok.encode(m, allow_special=True)
+        buf, i = "", i + len(m)
+    return out + (tok.encode(buf) if buf else [])
+
+
+class ScriptedBackend:
+    """A 'model' that emits a fixed token sequence (one-hot logits), then repeats its last token."""
+
+    max_forward_tokens: int | None = None
+    parallel_stages = 1
+
+    def __init__(self, vocab: int, script: list[int]):
+        self.vocab, self.script = vocab, script
+        self.pos: dict[str, int] = {}
+        self.released: list[str] = []
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, progress=None) -> list[SeqOutput]:
+        out = []
+        for b in batch:
+            i = self.pos.get(b.session_id, 0)
+            self.pos[b.session_id] = i + 1
+            logits = torch.full((1, self.vocab), -10.0)
+            logits[0, self.script[min(i, len(self.script) - 1)]] = 10.0
+            out.append(SeqOutput(b.session_id, logits=logits))
+        return out
+
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
+        self.released += session_ids
+
+    async def stats(self) -> list[dict]:
+        return [{"name": "scripted", "sessions": len(set(self.pos) - set(self.released))}]
+
+    async def close(self) -> None:
+        pass
