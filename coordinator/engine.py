@@ -130,10 +130,7 @@ class Engine:
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
-            if log.isEnabledFor(logging.DEBUG):
-                self._log_request(req)
-            c.requests += 1
-            c.prompt_tokens += len(prompt_ids)
+            self._admitted(req)
             outcome = "cancelled"  # until the generation finishes or fails
             try:
                 async for event in generate(self.scheduler.forward, self.scheduler.release, view, req):
@@ -153,8 +150,12 @@ class Engine:
                 elif outcome == "cancelled":
                     c.cancelled += 1
 
-    def _log_request(self, req: Request) -> None:
-        """-v: what a request's prefill will cost before it starts (tokens, forwards, expected expert reads)."""
+    def _admitted(self, req: Request) -> None:
+        """A request got its slot: counted, and with -v what its prefill will cost (tokens, forwards, reads)."""
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(req.prompt_ids)
+        if not log.isEnabledFor(logging.DEBUG):
+            return
         kept = req.prefix.cached_tokens if req.prefix is not None else 0
         left = len(req.prompt_ids) - kept
         chunk = req.prefill_chunk or left

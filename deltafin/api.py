@@ -275,8 +275,6 @@ class Model:
     def _pieces(self, ids: list[int], view: Any, max_tokens: int | None, sampling: SamplingParams,
                 stop: list[str] | None, speculative: str | None, chat: bool) -> Iterator[Piece]:
         """Run the engine's generation on its loop; its events come through a queue to this thread."""
-        from deltafin.coordinator.generation import Finished
-
         if self._closed:
             raise DeltafinError("this model is closed")
         if max_tokens is not None and max_tokens < 1:
@@ -294,28 +292,34 @@ class Model:
             events.put(_DONE)
 
         future = self._loop.submit(run())
+        try:
+            yield from self._collect(events, ids, chat)
+        finally:
+            if not future.done():  # the caller left early: stop the generation, free its sessions
+                future.cancel()
+
+    def _collect(self, events: queue.Queue, ids: list[int], chat: bool) -> Iterator[Piece]:
+        """The engine's events as pieces, the last with the whole result."""
+        from deltafin.coordinator.generation import Finished
+
         out_ids: list[int] = []
         text: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCall] = []
-        try:
-            while (event := events.get()) is not _DONE:
-                if isinstance(event, BaseException):
-                    raise event
-                d = event.delta
-                text.append(d.content)
-                reasoning.append(d.reasoning)
-                calls += d.tool_calls
-                if isinstance(event, Finished):
-                    yield Piece(d.content, None, d.reasoning, d.tool_calls, self._reason(event.reason, calls, chat),
-                                self._completion(event, ids, out_ids, text, reasoning, calls, chat))
-                    continue
-                if not event.stop:
-                    out_ids.append(event.token_id)
-                yield Piece(d.content, event.token_id, d.reasoning, d.tool_calls)
-        finally:
-            if not future.done():  # the caller left early: stop the generation, free its sessions
-                future.cancel()
+        while (event := events.get()) is not _DONE:
+            if isinstance(event, BaseException):
+                raise event
+            d = event.delta
+            text.append(d.content)
+            reasoning.append(d.reasoning)
+            calls += d.tool_calls
+            if isinstance(event, Finished):
+                yield Piece(d.content, None, d.reasoning, d.tool_calls, self._reason(event.reason, calls, chat),
+                            self._completion(event, ids, out_ids, text, reasoning, calls, chat))
+                continue
+            if not event.stop:
+                out_ids.append(event.token_id)
+            yield Piece(d.content, event.token_id, d.reasoning, d.tool_calls)
 
     @staticmethod
     def _reason(reason: str, calls: list[ToolCall], chat: bool) -> str:

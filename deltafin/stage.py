@@ -211,7 +211,6 @@ class Stage:
         # refuses what cannot fit, before anything loads
         self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
                                  "mlx" if self.expert_backend == "mlx" else "torch")
-        log.info("stage [%d, %d) on %s: %s", start, end, device, self.sizing.describe())
         self._log_plan(opts)
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
@@ -485,8 +484,10 @@ class Stage:
         return tokens
 
     def _log_plan(self, opts: StageOptions) -> None:
-        """-v: the decisions behind the plan that set speed: forward size, cache against what it serves, spine."""
+        """The plan's parts; with -v, the decisions behind it that set speed: forward size, the cache against the
+        experts it serves, the spine."""
         s = self.sizing
+        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, s.describe())
         served = s.expert_layers * self.cfg.num_experts * expert_slot_bytes(self.cfg) * s.expert_share
         cache = ("every expert resident" if s.experts_resident else
                  f"expert cache {s.expert_cache / 1e9:.2f} GB = {s.expert_cache / served:.1%} of the "
