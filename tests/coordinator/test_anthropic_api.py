@@ -10,6 +10,7 @@ equivalent OpenAI-style messages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -183,6 +184,15 @@ async def test_thinking_budgets_map_to_k3_efforts_in_the_prompt(server: Server, 
         extra = {"thinking": thinking} if thinking else {}
         n = await client.messages.count_tokens(model=MODEL, messages=messages, extra_body=extra)
         assert n.input_tokens == len(encode(tok, messages, options)), thinking
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    for effort, options in [("medium", ChatOptions(effort="high")), ("xhigh", ChatOptions(effort="max"))]:
+        ask = {"model": MODEL, "messages": messages, "thinking": {"type": "adaptive"},
+               "output_config": {"effort": effort, "format": {"type": "json_schema", "schema": schema}}}
+        prompts = server.spy()
+        await client.messages.create(**ask, max_tokens=1)
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+        assert prompts == [encode(tok, messages, dataclasses.replace(options, response_format=fmt))], effort
+        assert "response_format=json_schema" in tok.decode(prompts[0]) and '"answer"' in tok.decode(prompts[0])
 
 
 # ---- stop reasons (a scripted model) ------------------------------------------------------------------------
