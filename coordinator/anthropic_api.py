@@ -43,7 +43,7 @@ OUTPUT_EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max"
 # HTTP status -> Anthropic's error type; a full queue is 529 overloaded_error (the server is busy, not the
 # client over a rate limit); the official clients retry it as they retry 429
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 529: "overloaded_error"}
 STATUS = {429: 529}
 PING = {"type": "ping"}
 
@@ -70,7 +70,8 @@ def _get(obj: dict[str, Any], name: str, kind: type, where: str | None = None, d
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise oa.bad(path, f"'{path}' must be {_TYPE_NAMES[kind]}, got {type(value).__name__}")
+        got = _TYPE_NAMES.get(float if type(value) is int else type(value), type(value).__name__)
+        raise oa.bad(path, f"'{path}' must be {_TYPE_NAMES[kind]}, got {got}")
     return value
 
 

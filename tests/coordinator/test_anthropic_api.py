@@ -442,6 +442,35 @@ async def test_any_model_name_answers_with_the_served_one_unless_strict(server: 
         server.engine.strict_model_name = False
 
 
+async def test_a_full_queue_is_529_overloaded_error(tok, tiny_dir: Path) -> None:
+    class Held(ScriptedBackend):
+        gate = asyncio.Event()
+
+        async def forward(self, batch, all_logits=False, progress=None):
+            await self.gate.wait()
+            return await super().forward(batch, all_logits)
+
+    backend = Held(tok.vocab_size, script_ids(tok, "Done.<|end_of_msg|>"))
+    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1, queue_depth=0)
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    try:
+        running = asyncio.ensure_future(srv.client().messages.create(**ask))
+        for _ in range(100):
+            if engine.scheduler.stats.active == 1:
+                break
+            await asyncio.sleep(0.02)
+        for stream in (False, True):  # a stream that cannot start is a status too, not an event
+            with pytest.raises(anthropic.OverloadedError) as e:
+                await srv.client().messages.create(**ask, stream=stream)
+            assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"  # type: ignore
+        backend.gate.set()
+        assert [b.text for b in (await running).content] == ["Done."]
+    finally:
+        backend.gate.set()
+        await runner.cleanup()
+        await engine.scheduler.close()
+
+
 # ---- a long prefill: pings, and a failure as an error event ------------------------------------------------
 
 
