@@ -12,7 +12,6 @@ import asyncio
 import json
 import math
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from deltafin.coordinator.engine import Engine
 from deltafin.coordinator.server import start
 from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
-from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer
+from tests.support.serving import ScriptedBackend, argmax_loop, script_ids
+from tests.support.serving import stop_ids as _stop_ids
 
 MODEL = "tiny"
 
@@ -70,29 +70,6 @@ async def server(pipeline: LocalPipeline, tok: K3Tokenizer, tiny_dir: Path):
     await runner.cleanup()
     await engine.scheduler.close()
     backend.executor.shutdown(wait=True)  # the pipeline itself is shared by the module
-
-
-def argmax_loop(pipe: LocalPipeline, ids: list[int], n: int, stop: set[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """The reference: prefill, then feed back the argmax, n times or until a stop id."""
-    sid = uuid.uuid4().hex
-    out, rows = [], []
-    logits = pipe.forward([SeqInput(sid, 0, ids=torch.tensor(ids))])[0].logits
-    try:
-        for i in range(n):
-            row = logits[-1].float()
-            t = int(row.argmax())
-            out.append(t)
-            rows.append(row)
-            if t in stop:
-                break
-            logits = pipe.forward([SeqInput(sid, len(ids) + i, ids=torch.tensor([t]))])[0].logits
-    finally:
-        pipe.release(sid)
-    return out, rows
-
-
-def _stop_ids(tok: K3Tokenizer) -> set[int]:
-    return {tok.specials["<|end_of_msg|>"], tok.specials["[EOS]"]}
 
 
 # ---- completions ---------------------------------------------------------------------------------------
@@ -215,56 +192,6 @@ async def test_chat_greedy_matches_argmax_loop_stream_and_not(server: Server, pi
     assert reasons[-1] == r.choices[0].finish_reason and usage.total_tokens == r.usage.total_tokens
 
 
-class ScriptedBackend:
-    """A 'model' that emits a fixed token sequence (one-hot logits), for checking the response plumbing."""
-
-    max_forward_tokens = None
-    parallel_stages = 1
-
-    def __init__(self, vocab: int, script: list[int]):
-        self.vocab, self.script = vocab, script
-        self.pos: dict[str, int] = {}
-        self.released: list[str] = []
-
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False, progress=None) -> list[SeqOutput]:
-        out = []
-        for b in batch:
-            i = self.pos.get(b.session_id, 0)
-            self.pos[b.session_id] = i + 1
-            logits = torch.full((1, self.vocab), -10.0)
-            logits[0, self.script[min(i, len(self.script) - 1)]] = 10.0
-            out.append(SeqOutput(b.session_id, logits=logits))
-        return out
-
-    async def release(self, session_ids: list[str], keep_as: list[str] | None = None, keep_lengths=None) -> None:
-        self.released += session_ids
-
-    async def stats(self) -> list[dict]:
-        return [{"name": "scripted", "sessions": len(set(self.pos) - set(self.released))}]
-
-    async def close(self) -> None:
-        pass
-
-
-def _segments(text: str) -> list[tuple[str, bool]]:
-    markers = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
-    out, buf, i = [], "", 0
-    while i < len(text):
-        m = next((m for m in markers if text.startswith(m, i)), None)
-        if m:
-            if buf:
-                out.append((buf, False))
-                buf = ""
-            out.append((m, True))
-            i += len(m)
-        else:
-            buf += text[i]
-            i += 1
-    if buf:
-        out.append((buf, False))
-    return out
-
-
 async def test_chat_defaults_think_at_low_effort_for_the_serving_length(server: Server, tok) -> None:
     """No reasoning_effort: the prompt is the template's with thinking_effort=low (not the template's max); no
     max_tokens: --default-max-tokens (1024 unless given), here capped by the context left."""
@@ -294,7 +221,7 @@ async def test_chat_tool_calls_and_reasoning(tok: K3Tokenizer, tiny_dir: Path) -
                  "tool_calls": [{"function": {"name": "get_weather", "arguments": args}}]}
     written = render_text([assistant], ChatOptions(add_generation_prompt=False, effort=None))
     body = written[len('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'):]
-    script = [i for text, special in _segments(body) for i in tok.encode(text, allow_special=special)]
+    script = script_ids(tok, body)
     backend = ScriptedBackend(tok.vocab_size, script)
     engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir))
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
