@@ -320,7 +320,7 @@
     renderPrefills(s.prefilling);
     const body = $("workers").tBodies[0];
     body.replaceChildren(...s.workers.map((w) => row([
-      w.name, layers(w.layers), w.experts || "own layers'",
+      w.name, layers(w.layers), w.experts || "own layers",
       w.hit_rate === null ? "resident" : (w.hit_rate * 100).toFixed(1) + "%",
       bytes(w.expert_bytes_read + w.spine_bytes_streamed),
     ])));
@@ -352,6 +352,7 @@
     const text = $("prompt").value.trim();
     if (!text || state.controller) return;
     $("prompt").value = "";
+    for (const old of $("log").querySelectorAll(".notice")) old.remove(); // said; this is another try
     state.controller = new AbortController();
     send(text).catch((e) => { // before the request (finding the model's name): show it, keep the text
       busy(false);
