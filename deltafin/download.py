@@ -281,17 +281,18 @@ def _merge(spans: list[Range]) -> list[Range]:
 
 
 def _subtract(spans: list[Range], done: list[Range]) -> list[Range]:
-    """`spans` less every range in `done` (both sorted, each without overlaps)."""
-    out = []
+    """`spans` less every range in `done` (both sorted, each without overlaps): one pass over both."""
+    out, j = [], 0
     for a, b in spans:
-        for c, d in done:
-            if d <= a or c >= b:
-                continue
+        while j < len(done) and done[j][1] <= a:
+            j += 1
+        k = j
+        while a < b and k < len(done) and done[k][0] < b:
+            c, d = done[k]
             if c > a:
                 out.append((a, c))
             a = max(a, d)
-            if a >= b:
-                break
+            k += 1
         if a < b:
             out.append((a, b))
     return out
@@ -310,6 +311,8 @@ def download(source: Source, out: str | Path, layers: str | None = None, experts
         share = parse_experts(experts, cfg.num_experts) if cfg.moe_layers else None
         return Selection(parse_layers(layers, cfg.num_layers), share, experts or "")
 
+    if Path(source.label).expanduser().resolve() == out.resolve():
+        raise DeltafinError(f"--out {out} is the source itself: choose another directory")
     plan = plan_download(source, selection_of)
     manifest = Manifest(out, plan.index_sha256)
     todo = [(job, _remaining(source, job, manifest, out)) for job in plan.jobs]
@@ -408,6 +411,8 @@ class _Fetcher:
 
     def _ranges(self, job: FileJob, dest: Path, rest: list[Range]) -> None:
         path, size = job.file.path, job.file.size
+        if dest.is_file() and dest.stat().st_nlink > 1:  # a link to the Hub cache's blob: never write into that
+            dest.unlink()
         fd = os.open(dest, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fresh = os.fstat(fd).st_size != size  # a new file: holes everywhere, zeros need no writing
@@ -428,11 +433,10 @@ class _Fetcher:
                             self.manifest.save()
                             self._saved = time.monotonic()
                 except OSError as e:
-                    os.fsync(fd)
                     raise DeltafinError(f"reading {self.source.label}/{path} failed at byte {pos}: {e}; run the "
                                         "same command again to resume") from None
-            os.fsync(fd)
         finally:
+            os.fsync(fd)  # before the manifest that records these pieces is saved
             os.close(fd)
         if job.whole and job.file.sha256:  # a published hash of the whole file: check it too
             self._check_whole(job, dest)

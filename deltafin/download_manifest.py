@@ -7,6 +7,7 @@ version or the new one, and a range is recorded only after its bytes were read b
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass
@@ -57,14 +58,17 @@ class Manifest:
         return self.files.get(path, [])
 
     def add(self, path: str, start: int, end: int) -> None:
-        spans = sorted([*self.files.get(path, []), (start, end)])
-        merged: list[list[int]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        self.files[path] = [(a, b) for a, b in merged]
+        """Record [start, end) verified, merged with its neighbours (pieces mostly arrive in order: no sort)."""
+        spans = self.files.setdefault(path, [])
+        i = bisect.bisect_left(spans, (start, end))
+        if i > 0 and spans[i - 1][1] >= start:
+            i -= 1
+            start = spans[i][0]
+        j = i
+        while j < len(spans) and spans[j][0] <= end:
+            end = max(end, spans[j][1])
+            j += 1
+        spans[i:j] = [(start, max(end, spans[i][1]) if i < j else end)]
 
     def forget(self, path: str) -> None:
         self.files.pop(path, None)

@@ -4,7 +4,8 @@ A `Source` lists its files (path, size and, where the transport knows it, the wh
 byte range of a file, tells which parts of a range hold data (a sparse local file's holes need not be read),
 and may fetch a whole file with its own machinery. `LocalSource` is a directory (a NAS, an external disk);
 `HubSource` is a Hugging Face Hub repository: listings and range reads through an fsspec filesystem
-(`HfFileSystem`), whole shards through `hf_hub_download` (its cache, token, resume and revision conventions).
+(`HfFileSystem`; offline, the snapshot in the Hub cache), whole shards through `hf_hub_download` (its cache,
+token, resume and revision conventions).
 What to fetch, the sparse writes, verifying and resuming are the transport's callers' (deltafin/download.py).
 """
 
@@ -128,9 +129,7 @@ class HubSource:
         self.repo_id, self.revision, self.token = repo_id, revision, token
         self.label = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
         if fs is None:
-            from huggingface_hub import HfFileSystem
-
-            fs = HfFileSystem(token=token)
+            fs, root = _hub_filesystem(repo_id, revision, token, self.label)
         self.fs = fs
         self.root = (root if root is not None else
                      repo_id + (f"@{quote(revision, safe='')}" if revision else "")).rstrip("/")
@@ -190,6 +189,22 @@ class HubSource:
         except OSError:
             shutil.copyfile(cached, dest)
         return True
+
+
+def _hub_filesystem(repo_id: str, revision: str | None, token: str | None, label: str) -> tuple[Any, str | None]:
+    """HfFileSystem; offline (HF_HUB_OFFLINE=1), fsspec's local filesystem over the snapshot in the Hub cache."""
+    from huggingface_hub import HfFileSystem, constants, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    if not constants.HF_HUB_OFFLINE:
+        return HfFileSystem(token=token), None
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        return LocalFileSystem(), snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (EntryNotFoundError, OSError, ValueError) as e:
+        raise DeltafinError(f"{label}: not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: "
+                            f"{e}") from None
 
 
 def _relative(name: str, root: str) -> str | None:

@@ -104,6 +104,12 @@ def test_whole_shards_come_from_the_hub_cache_and_parts_through_the_filesystem(h
         f.stat().st_size for f in tiny_dir.iterdir() if f.suffix != ".safetensors")
 
 
+def test_offline_the_cached_snapshot_is_the_whole_source(hub, tiny_dir, tmp_path):
+    summary = download(open_source(f"hf:{REPO}"), tmp_path / "out", experts="0/2", show_progress=False)
+    assert summary.bytes_apparent == sum(f.stat().st_size for f in tiny_dir.iterdir())
+    assert (tmp_path / "out" / "config.json").read_bytes() == (tiny_dir / "config.json").read_bytes()
+
+
 def test_a_corrupt_hub_file_is_named(hub, tmp_path):
     shard = "model-00001-of-00007.safetensors"
     blob = Path(os.path.realpath(hub / shard))
@@ -124,7 +130,9 @@ def test_unknown_revisions_and_repositories_are_clear(hub, tmp_path):
     wrong = HubSource(REPO, "f" * 40, fs=LfsFileSystem(), root=str(hub))  # listed, but not in the cache
     with pytest.raises(DeltafinError, match="model-00001-of-00007.safetensors is not available"):
         download(wrong, tmp_path / "o", layers="0", show_progress=False)
-    assert isinstance(open_source("hf:org/name@main"), HubSource) and open_source("hf:org/name").revision is None
+    with pytest.raises(DeltafinError, match="hf:org/name@main: not in the Hub cache"):
+        open_source("hf:org/name@main")  # offline, and the cache does not have it
+    assert open_source(f"hf:{REPO}").revision is None
     assert isinstance(open_source(str(hub)), LocalSource)
 
 
