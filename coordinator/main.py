@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (default 8 MB)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every endpoint but /health "
-                   "(or $DELTAFIN_API_KEY, "
+                   "and the web chat's page (or $DELTAFIN_API_KEY, "
                    "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_serving_options(s)
