@@ -220,6 +220,7 @@
       onChunk(view, t, JSON.parse(data));
       return true;
     }, (comment) => showProgress(view, comment));
+    if (t.finish === null) throw new Error("the stream ended before the reply did (did the server stop?)");
   }
 
   async function send(text) {
