@@ -36,7 +36,7 @@ class DownloadRecord:
         if self.experts is not None:
             lo, hi = self.experts
             text += f", experts {lo}-{hi - 1} of every MoE layer" + (f" (share {self.share})" if self.share else "")
-            text += "; the other experts are holes (zeros) and not read"
+            text += "; the other experts are holes (zeros): this worker must serve only this share"
         if self.left_out:
             text += f"; {len(self.left_out)} shard(s) of other layers left out"
         return text + ("" if self.complete else "; INCOMPLETE: run the same `deltafin download` again")
