@@ -65,6 +65,7 @@
     for (const [id, fallback] of Object.entries(SETTINGS)) {
       const kept = localStorage.getItem(STORE + id);
       $(id).value = kept !== null ? kept : fallback;
+      if ($(id).value === "" && fallback !== "") $(id).value = fallback; // a kept choice the page no longer has
       $(id).addEventListener("change", () => {
         localStorage.setItem(STORE + id, $(id).value);
         if (id === "api-key") pollStatus();
