@@ -84,6 +84,7 @@ def test_cli_generate_and_plan_match_local(tiny_dir):
         assert "cli0" in r.stderr and "cli1" in r.stderr  # the plan table
         plan = _coordinator("--model", str(tiny_dir), "--no-discover", "--worker", procs[0].address, "plan")
         assert plan.returncode == 0 and "0-5" in plan.stdout
+        assert plan.stdout.splitlines()[-1].endswith(": deltafin download SOURCE --out DIR --layers 0-5")
     gone = _coordinator("--model", str(tiny_dir), "--no-discover", "--worker", "127.0.0.1:1", "plan")
     assert gone.returncode == 1 and "Traceback" not in gone.stderr and "127.0.0.1:1" in gone.stderr
 
