@@ -370,7 +370,7 @@ def _check_room(out: Path, need: int) -> None:
 
 
 class _Fetcher:
-    """Writes the jobs' ranges at their offsets, reads every piece back against the source's sha256 and records
+    """Writes the jobs' ranges at their offsets, reads every piece back against the source's bytes and records
     it in the manifest."""
 
     def __init__(self, source: Source, out: Path, manifest: Manifest, progress: Progress):
@@ -411,8 +411,10 @@ class _Fetcher:
 
     def _ranges(self, job: FileJob, dest: Path, rest: list[Range]) -> None:
         path, size = job.file.path, job.file.size
-        if dest.is_file() and dest.stat().st_nlink > 1:  # a link to the Hub cache's blob: never write into that
+        if dest.is_file() and dest.stat().st_nlink > 1:  # a link (to the Hub cache's blob): never write into it
             dest.unlink()
+            self.manifest.forget(path)
+            rest = _needed(self.source, job)
         fd = os.open(dest, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fresh = os.fstat(fd).st_size != size  # a new file: holes everywhere, zeros need no writing
@@ -463,6 +465,8 @@ class _Fetcher:
             with open(dest, "rb") as f:
                 while chunk := f.read(64 << 20):
                     h.update(chunk)
+            if h.hexdigest() != job.file.sha256:
+                dest.unlink()  # so that the next run fetches it again rather than trust it
             _check_sha(job.file, h.hexdigest(), self.source.label, dest)
         self._check_header(job, dest)
 

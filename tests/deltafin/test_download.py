@@ -188,6 +188,8 @@ def test_bad_arguments_are_one_line_errors(tiny_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, extra
     assert not (tmp_path / "o").exists()
+    with pytest.raises(DeltafinError, match="is the source itself"):
+        _get(tiny_dir, tiny_dir)
     for bad in ("hf:justaname", "hf:org/name@", str(tmp_path / "missing")):
         with pytest.raises(DeltafinError, match="SOURCE"):
             open_source(bad)

@@ -118,6 +118,7 @@ def test_a_corrupt_hub_file_is_named(hub, tmp_path):
     blob.write_bytes(bytes(data))
     with pytest.raises(DeltafinError, match=f"{shard}: sha256 .* publishes .* the download is corrupt"):
         download(_source(hub), tmp_path / "out", layers="0", show_progress=False)
+    assert not (tmp_path / "out" / shard).exists()  # not kept: the next run fetches it again
 
 
 def test_unknown_revisions_and_repositories_are_clear(hub, tmp_path):
