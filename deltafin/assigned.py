@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from deltafin.checkpoint import Checkpoint
+from deltafin.download_manifest import check_held
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
 from deltafin.placement import ExpertPlan
 from deltafin.sizing import Budget, Placement, StageSizing, choose_holder, size_holder
@@ -88,6 +89,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
     serves = plan.placement.layers_of(index)
+    check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
     keep = (old is not None and old.plan is not None and (old.start, old.end) == (start, end)
             and _same_load(old.options, options))
     if keep:

@@ -12,7 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltafin.config import ModelConfig
 
 MANIFEST = ".deltafin-download.json"
 VERSION = 1
@@ -104,3 +107,35 @@ def read_record(model_dir: str | Path) -> DownloadRecord | None:
                               bool(data.get("complete")))
     except (KeyError, TypeError, ValueError, IndexError):
         return None
+
+
+def check_held(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, shares: dict[int, range] | None
+               ) -> None:
+    """Refuse, before anything loads, an assignment that a partial download in `model_dir` cannot serve: layers
+    [start, end) outside the download's, or experts outside its share (`shares`: the experts of each MoE layer
+    the plan gives this worker; None: every expert of its own layers). Missing experts read as zeros, so serving
+    them would give wrong logits without an error."""
+    from deltafin.errors import NotHeld
+
+    record = read_record(model_dir)
+    if record is None:
+        return
+    if not record.complete:
+        raise NotHeld(f"{model_dir} is an incomplete download of {record.source}: run the same `deltafin download` "
+                      "again to finish it")
+    a, b = record.layers
+    if end > start and not (a <= start and end <= b):
+        raise NotHeld(f"the plan gives this worker layers {start}-{end - 1}, but {model_dir} holds only layers "
+                      f"{a}-{b - 1} ({record.describe()}): download those layers, or plan within it")
+    if record.experts is None:
+        return
+    lo, hi = record.experts
+    every = range(cfg.num_experts)
+    wanted = shares if shares is not None else {i: every for i in range(start, end) if cfg.is_moe(i)}
+    outside = {i: r for i, r in wanted.items() if len(r) and (r.start < lo or r.stop > hi)}
+    if outside:
+        i, r = next(iter(sorted(outside.items())))
+        raise NotHeld(f"the plan asks this worker for experts {r.start}-{r.stop - 1} of layer {i} (and "
+                      f"{len(outside) - 1} more layers), but {model_dir} holds only experts {lo}-{hi - 1} of each "
+                      f"layer: download them (`deltafin download SOURCE --out DIR --experts {r.start}-{r.stop - 1}`),"
+                      " or give the cluster the workers and memory it was downloaded for")

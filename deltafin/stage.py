@@ -22,6 +22,7 @@ import torch
 
 from deltafin.checkpoint import Checkpoint, fingerprint, open_copy
 from deltafin.config import LayerKind, ModelConfig
+from deltafin.download_manifest import check_held
 from deltafin.errors import (
     Cancelled,
     DeltafinError,
@@ -206,7 +207,7 @@ class Stage:
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
-        ckpt.raise_problems(layers=range(start, end), top=self.first or self.last)
+        _check_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
         self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
@@ -646,6 +647,14 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
+
+
+def _check_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: Iterable[int] | None) -> None:
+    """The stage's tensors are in the checkpoint, and (local experts) a partial download holds all of its layers'
+    experts; a wide stage's share is checked where the plan is known (assigned.py)."""
+    ckpt.raise_problems(layers=range(start, end), top=top)
+    if serves is None:
+        check_held(ckpt.model_dir, ckpt.config, start, end, None)
 
 
 def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:

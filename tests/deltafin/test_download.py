@@ -17,9 +17,9 @@ from deltafin import cli
 from deltafin.checkpoint import INDEX_NAME, open_checkpoint
 from deltafin.config import load_config
 from deltafin.download import download
-from deltafin.download_manifest import MANIFEST, read_record
+from deltafin.download_manifest import MANIFEST, check_held, read_record
 from deltafin.download_sources import LocalSource, open_source
-from deltafin.errors import DeltafinError, ModelFormatError
+from deltafin.errors import DeltafinError, ModelFormatError, NotHeld
 from deltafin.inspection import inspect_model
 from deltafin.placement import split
 from deltafin.stage import SeqInput, Stage
@@ -70,8 +70,16 @@ def test_a_share_of_a_stage_loads_and_holds_its_experts_only(grouped, tmp_path, 
         summary = _get(grouped, out, layers="1-3", experts=f"{k}/{n}")
         ckpt = open_checkpoint(out, cfg, strict=False)
         ckpt.raise_problems(layers=range(1, 4), top=False)  # what the stage of layers 1-3 checks
-        Stage(ckpt, 1, 4, device=CPU)  # and it loads
         lo, hi = split(0, cfg.num_experts, [1.0] * n)[k:k + 2]
+        moe = [i for i in range(1, 4) if cfg.is_moe(i)]
+        Stage(ckpt, 1, 4, device=CPU, serves=moe).close()  # a wide stage loads (its share is checked by assign)
+        with pytest.raises(NotHeld, match=f"holds only experts {lo}-{hi - 1}"):  # local experts: all of them
+            Stage(ckpt, 1, 4, device=CPU)
+        check_held(out, cfg, 1, 4, {i: range(lo, hi) for i in moe})  # the plan it was downloaded for
+        with pytest.raises(NotHeld, match=f"experts {lo}-{hi} of layer {moe[0]}"):  # one expert more: refused
+            check_held(out, cfg, 1, 4, {i: range(lo, hi + 1) for i in moe})
+        with pytest.raises(NotHeld, match="holds only layers 1-3"):
+            check_held(out, cfg, 0, 4, None)
         needed = 0
         for layer in range(1, 4):
             for spec in cfg.layer_tensor_specs(layer):
