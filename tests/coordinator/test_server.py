@@ -433,3 +433,35 @@ async def test_speculative_per_request_same_text_and_counted(server: Server) -> 
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"speculative": "eagle"})
     assert e.value.body["param"] == "speculative"  # type: ignore[index]
+
+
+async def test_the_readmes_client_examples_run_as_written(server: Server) -> None:
+    """The README's `openai` and `anthropic` examples, pointed at this server (its address for 127.0.0.1:8000),
+    print what the async clients get for the same requests (greedy: the same text)."""
+    import contextlib
+    import io
+
+    import anthropic
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "base_url=" in b]
+    assert len(blocks) == 2
+
+    def run(block: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(block.replace("http://127.0.0.1:8000", server.url), {})
+        return out.getvalue()
+
+    printed = [await asyncio.to_thread(run, b) for b in blocks]
+    o = await server.client().chat.completions.create(model="Kimi-K3", messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=64, temperature=0)
+    assert printed[0] == f"{o.choices[0].message.reasoning_content} {o.choices[0].message.content}\n"
+    # Anthropic's default temperature is 1: a sample, so its numbers are checked, not its text
+    n = await anthropic.AsyncAnthropic(base_url=server.url, api_key="KEY", max_retries=0).messages.count_tokens(
+        model="Kimi-K3", thinking={"type": "enabled", "budget_tokens": 2048},
+        messages=[{"role": "user", "content": "Hi"}])
+    m = re.fullmatch(r"\[.*\] Usage\(.*cache_read_input_tokens=(\d+).*input_tokens=(\d+).*output_tokens=(\d+).*\)\n",
+                     printed[1], re.S)
+    assert m, printed[1]
+    assert int(m.group(1)) + int(m.group(2)) == n.input_tokens and 1 <= int(m.group(3)) <= 128
