@@ -1,4 +1,5 @@
-"""An engine over the tiny checkpoint in this process, for the coordinator's tests that need no cluster."""
+"""The tiny checkpoint in this process, for the coordinator's tests that need no cluster: its stages and tokenizer
+(one of each per test module), and an engine over them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
 from deltafin.pipeline import LocalPipeline
 from deltafin.tokenizer import K3Tokenizer
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_dir: Path) -> LocalPipeline:
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir: Path) -> K3Tokenizer:
+    return K3Tokenizer.load(tiny_dir)
 
 
 @pytest.fixture

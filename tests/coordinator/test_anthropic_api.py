@@ -45,18 +45,6 @@ ARGS = {"city": "Zürich", "days": 2}
 GREEDY = {"extra_body": {"temperature": 0}}  # the client no longer has sampling arguments; the API still takes them
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_dir: Path) -> LocalPipeline:
-    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
-    yield pipe
-    pipe.close()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> K3Tokenizer:
-    return K3Tokenizer.load(tiny_dir)
-
-
 @dataclass
 class Server:
     engine: Engine

@@ -34,18 +34,6 @@ from tests.support.serving import stop_ids as _stop_ids
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_dir: Path) -> LocalPipeline:
-    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
-    yield pipe
-    pipe.close()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> K3Tokenizer:
-    return K3Tokenizer.load(tiny_dir)
-
-
 @dataclass
 class Server:
     engine: Engine

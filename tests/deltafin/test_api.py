@@ -6,19 +6,17 @@ worker processes giving what `load` gives."""
 from __future__ import annotations
 
 import threading
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 import deltafin
 from deltafin.chat import ChatOptions, OutputParser, encode
 from deltafin.errors import DeltafinError, PromptTooLong, SamplingError
 from deltafin.pipeline import LocalPipeline
-from deltafin.stage import SeqInput
 from deltafin.tokenizer import K3Tokenizer
+from tests.support.serving import argmax_loop, stop_ids
 
 
 @pytest.fixture(scope="module")
@@ -29,26 +27,12 @@ def model(tiny_dir: Path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir: Path):
-    """Greedy continuation by argmax over the raw stages, and the text of the ids (stop tokens left out)."""
+    """Greedy continuation by argmax over the raw stages (tests/support/serving.py), with the tokenizer and the
+    stop ids."""
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
     tok = K3Tokenizer.load(tiny_dir)
-    stops = {tok.specials["<|end_of_msg|>"], tok.specials["[EOS]"]}
-
-    def run(ids: list[int], n: int) -> list[int]:
-        sid, out = uuid.uuid4().hex, []
-        logits = pipe.forward([SeqInput(sid, 0, ids=torch.tensor(ids))])[0].logits
-        try:
-            for i in range(n):
-                t = int(logits[-1].argmax())
-                out.append(t)
-                if t in stops:
-                    break
-                logits = pipe.forward([SeqInput(sid, len(ids) + i, ids=torch.tensor([t]))])[0].logits
-        finally:
-            pipe.release(sid)
-        return out
-
-    yield run, tok, stops
+    stops = stop_ids(tok)
+    yield (lambda ids, n: argmax_loop(pipe, ids, n, stops)[0]), tok, stops
     pipe.close()
 
 
