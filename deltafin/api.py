@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import logging
 import queue
+import re
 import threading
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -136,7 +137,8 @@ class _Options(argparse.ArgumentParser):
     """The coordinator's options, parsed from keyword arguments: errors are DeltafinError, not an exit."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise DeltafinError(f"bad option: {message.replace('--', '').replace('-', '_')}")
+        names = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)  # as keywords
+        raise DeltafinError(f"bad option: {names}")
 
 
 def _args(model_path: str | Path, options: dict[str, Any]) -> argparse.Namespace:
