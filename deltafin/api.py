@@ -159,8 +159,8 @@ def _args(model_path: str | Path, options: dict[str, Any]) -> argparse.Namespace
         if action.nargs == 0:  # a switch
             if value:
                 argv.append(flag)
-        elif isinstance(action.default, list):  # repeatable
-            for v in value if isinstance(value, (list, tuple)) else [value]:
+        elif isinstance(value, (list, tuple)):  # a repeatable option, once a value
+            for v in value:
                 argv += [flag, str(v)]
         elif value is not None:
             argv += [flag, str(value)]

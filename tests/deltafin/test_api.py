@@ -157,6 +157,17 @@ def test_connect_to_worker_processes_gives_what_load_gives(tiny_dir, model) -> N
     assert got.token_ids == want.token_ids and got.text == want.text
 
 
+def test_connect_finds_workers_by_discovery(tiny_dir, model) -> None:
+    """Workers announced over zeroconf (on loopback only) are found and planned as the coordinator's CLI does."""
+    from tests.support.cluster import workers
+
+    want = model.generate("a Mac cluster", max_tokens=6)
+    with workers(tiny_dir, 2, announce=True, prefix="api") as procs, deltafin.connect(
+            tiny_dir, interface=["127.0.0.1"], expect=2, progress=False) as found:
+        assert sorted(s.address for s in found.engine.backend.stages) == sorted(p.address for p in procs)
+        assert found.generate("a Mac cluster", max_tokens=6).token_ids == want.token_ids
+
+
 def test_the_readmes_example_runs_as_written(tmp_path, tiny_dir) -> None:
     """The README's Python API block, after its `deltafin synth` command, in a fresh interpreter: it prints what
     the API gives in this process."""
