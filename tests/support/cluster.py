@@ -112,10 +112,17 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read()}")  # type: ignore[union-attr]
         self.url = m.group(1)
+        self.wrapped = bool(wrap)
 
     def stop(self) -> int:
+        """SIGTERM to the server (under wrappers, to the process at the bottom of them: a wrapper such as memlimit
+        does not pass signals on) and wait; returns the exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            targets = _leaves(self.proc.pid) if self.wrapped else []
+            for pid in targets:
+                os.kill(pid, signal.SIGTERM)
+            if not targets:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
