@@ -27,11 +27,10 @@ from deltafin.coordinator import anthropic_api as am
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
 from deltafin.coordinator.openai_api import ApiError
-from deltafin.coordinator.server import start
 from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
 from deltafin.tokenizer import K3Tokenizer
-from tests.support.serving import ScriptedBackend, argmax_loop, script_ids, stop_ids
+from tests.support.serving import ScriptedBackend, argmax_loop, script_ids, serve, served_pipeline, stop_ids
 
 MODEL = "tiny"
 SYSTEM = "Be brief."
@@ -68,21 +67,16 @@ class Server:
         return prompts
 
 
-async def _serve(backend, tok: K3Tokenizer, cfg, api_key: str | None = None, **kw):
-    engine = Engine(backend, tok, cfg, MODEL, **kw)
-    runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=1 << 20, api_key=api_key)
-    return engine, runner, Server(engine, f"http://127.0.0.1:{port}")
+async def _serve(backend, tok: K3Tokenizer, cfg, **kw):
+    engine, runner, url = await serve(backend, tok, cfg, MODEL, **kw)
+    return engine, runner, Server(engine, url)
 
 
 @pytest.fixture
 async def server(pipeline: LocalPipeline, tok: K3Tokenizer, tiny_dir: Path):
-    backend = LocalBackend(pipeline)
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=2, queue_depth=1,
-                                       max_context=512)
-    yield srv
-    await runner.cleanup()
-    await engine.scheduler.close()
-    backend.executor.shutdown(wait=True)  # the pipeline itself is shared by the module
+    async with served_pipeline(pipeline, tok, load_config(tiny_dir), model=MODEL, max_active=2, queue_depth=1,
+                               max_context=512) as (engine, url):
+        yield Server(engine, url)
 
 
 async def _scripted(tok: K3Tokenizer, tiny_dir: Path, text: str, **kw):

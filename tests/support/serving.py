@@ -3,6 +3,7 @@ a known token sequence (K3's think tags, response text, tool calls) for checking
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import torch
@@ -81,3 +82,29 @@ class ScriptedBackend:
 
     async def close(self) -> None:
         pass
+
+
+async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: str | None = None,
+                max_body: int = 1 << 20, **engine_options) -> tuple:
+    """An Engine named `model` over `backend`, served on 127.0.0.1 (a free port): (engine, runner, url)."""
+    from deltafin.coordinator.engine import Engine
+    from deltafin.coordinator.server import start
+
+    engine = Engine(backend, tok, cfg, model, **engine_options)
+    runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=max_body, api_key=api_key)
+    return engine, runner, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def served_pipeline(pipeline: LocalPipeline, tok: K3Tokenizer, cfg, **options):
+    """The module's in-process stages behind a served engine, for one test: (engine, url); the stages stay open."""
+    from deltafin.coordinator.backend import LocalBackend
+
+    backend = LocalBackend(pipeline)
+    engine, runner, url = await serve(backend, tok, cfg, **options)
+    try:
+        yield engine, url
+    finally:
+        await runner.cleanup()
+        await engine.scheduler.close()
+        backend.executor.shutdown(wait=True)  # the pipeline itself is shared by the module
