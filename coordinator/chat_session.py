@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.chat import ChatOptions, OutputParser, ToolCall, encode
+from deltafin.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode
 from deltafin.sampling import SamplingParams
 
 from .engine import Engine
@@ -61,11 +61,6 @@ class ChatSession:
                     sink("content", d.content)
             if isinstance(event, Finished):
                 reply.finished = event
-        assistant: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if options.thinking:
-            assistant["reasoning_content"] = reply.reasoning
-        if reply.tool_calls:
-            assistant["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                       for c in reply.tool_calls]
+        assistant = assistant_message(reply.content, reply.reasoning if options.thinking else None, reply.tool_calls)
         self.messages = [*messages, assistant]
         return reply

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltafin.chat import EFFORTS, SERVING_MAX_TOKENS, ChatOptions, OutputParser, ToolCall, encode
+from deltafin.chat import EFFORTS, SERVING_MAX_TOKENS, ChatOptions, OutputParser, ToolCall, assistant_message, encode
 from deltafin.errors import DeltafinError
 from deltafin.sampling import SamplingParams
 
@@ -91,13 +91,7 @@ class ChatReply(Completion):
 
     @property
     def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in self.tool_calls]
-        return msg
+        return assistant_message(self.text, self.reasoning or None, self.tool_calls)
 
 
 @dataclass(frozen=True)

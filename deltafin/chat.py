@@ -316,6 +316,18 @@ class ToolCall:
     index: int
 
 
+def assistant_message(content: str, reasoning: str | None, tool_calls: list[ToolCall]) -> dict[str, Any]:
+    """A reply as the assistant message a conversation carries on (OpenAI's shape, what `render` takes back):
+    `reasoning` None leaves reasoning_content out."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in tool_calls]
+    return msg
+
+
 @dataclass
 class Delta:
     reasoning: str = ""
