@@ -34,7 +34,7 @@ from pathlib import Path
 
 from deltafin.checkpoint import INDEX_NAME, MAX_HEADER_BYTES, SINGLE_NAME, Problem, read_header
 from deltafin.config import DTYPE_BYTES, ModelConfig, TensorSpec, parse_config
-from deltafin.download_manifest import Manifest
+from deltafin.download_manifest import Manifest, describe_selection
 from deltafin.download_sources import METADATA_LIMIT, Source, SourceFile, read_bytes
 from deltafin.errors import DeltafinError, ModelFormatError
 from deltafin.placement import split
@@ -55,12 +55,7 @@ class Selection:
     share: str = ""  # as the user wrote --experts (for the manifest and inspect)
 
     def describe(self) -> str:
-        a, b = self.layers
-        text = f"layers {a}-{b - 1}"
-        if self.experts is not None:
-            lo, hi = self.experts
-            text += f", experts {lo}-{hi - 1} of every MoE layer" + (f" (share {self.share})" if self.share else "")
-        return text
+        return describe_selection(self.layers, self.experts, self.share)
 
 
 def parse_layers(text: str | None, num_layers: int) -> Range:

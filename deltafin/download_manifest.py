@@ -34,15 +34,22 @@ class DownloadRecord:
     complete: bool
 
     def describe(self) -> str:
-        a, b = self.layers
-        text = f"a download of {self.source}: layers {a}-{b - 1}"
+        text = f"a download of {self.source}: {describe_selection(self.layers, self.experts, self.share)}"
         if self.experts is not None:
-            lo, hi = self.experts
-            text += f", experts {lo}-{hi - 1} of every MoE layer" + (f" (share {self.share})" if self.share else "")
-            text += "; the other experts are holes (zeros): this worker must serve only this share"
+            text += "; the other experts are holes: a plan that asks this worker for them is refused"
         if self.left_out:
             text += f"; {len(self.left_out)} shard(s) of other layers left out"
         return text + ("" if self.complete else "; INCOMPLETE: run the same `deltafin download` again")
+
+
+def describe_selection(layers: Range, experts: Range | None, share: str) -> str:
+    """`layers 0-5, experts 0-223 of every MoE layer (share 0/4)`: what a download keeps."""
+    a, b = layers
+    text = f"layers {a}-{b - 1}"
+    if experts is not None:
+        lo, hi = experts
+        text += f", experts {lo}-{hi - 1} of every MoE layer" + (f" (share {share})" if share else "")
+    return text
 
 
 class Manifest:
