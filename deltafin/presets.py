@@ -48,6 +48,14 @@ PRESETS = {
         "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
         "moe_intermediate_size": 256, "routed_expert_hidden_size": 256, "num_experts": 48,
         "num_experts_per_token": 6, "linear": {"head_dim": 64, "num_heads": 8}}),
+    # the geometry of the trained k3-mini (deltafin/assets/k3-mini, deltafin/mini/): this preset's seeded random
+    # weights are where its training starts
+    "mini": Preset("mini", 8, 8192, {
+        "hidden_size": 256, "intermediate_size": 512, "attn_res_block_size": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+        "moe_intermediate_size": 96, "routed_expert_hidden_size": 128, "num_experts": 64,
+        "num_experts_per_token": 4, "num_shared_experts": 1, "linear": {"head_dim": 64, "num_heads": 4}}),
     "k3-slice": Preset("k3-slice", 3, 8192, {}),
     "k3": Preset("k3", 93, 163840, {}, vision=True),
 }

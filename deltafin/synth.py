@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ ORDERS = ("canonical", "grouped")
 # safetensors' Dtype enum order (save_file sorts by dtype, largest first, then by name)
 _SAFETENSORS_DTYPES = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32",
                        "U32", "F32", "F64", "I64", "U64")
+TensorBytes = Callable[[TensorSpec], Iterable[bytes | memoryview]]  # a tensor's bytes, in pieces, as stored
 _BULK_VALUES = 1 << 20  # with `sparse`, matrices above this many values are holes (but embedding and routers)
 
 
@@ -130,9 +131,21 @@ def _quantization_config() -> dict[str, Any]:
 def synthesize(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
                show_progress: bool = True, sparse: bool = False, order: str = "canonical") -> Path:
     """Write a synthetic checkpoint to `out`; returns the directory."""
+    raw = preset_config(preset, layers)
+    cfg = parse_config(raw)
+    base = cfg.vocab_size - vocab.N_SPECIAL
+    init = _Init(cfg, seed)
+    return write_checkpoint(raw, out, init.chunks, vocab.synthetic_ranks(base, seed), sparse=sparse, order=order,
+                            label=f"synth {preset}{' (sparse)' if sparse else ''}", show_progress=show_progress)
+
+
+def write_checkpoint(raw: dict[str, Any], out: str | Path, tensor_bytes: TensorBytes,
+                     ranks: dict[bytes, int], *, sparse: bool = False, order: str = "canonical",
+                     label: str = "write", show_progress: bool = True) -> Path:
+    """Write a checkpoint of config `raw` in the K3 layout described above: `tensor_bytes(spec)` gives each
+    tensor's bytes (in pieces, in the spec's dtype), `ranks` the BPE vocabulary. Returns the directory."""
     if order not in ORDERS:
         raise DeltafinError(f"unknown tensor order {order!r}: use {' or '.join(ORDERS)}")
-    raw = preset_config(preset, layers)
     cfg = parse_config(raw)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,16 +154,15 @@ def synthesize(preset: str, out: str | Path, seed: int = 0, layers: int | None =
     written = sum(s.nbytes for _, specs in shards for s in specs if not (sparse and _is_bulk(s)))
     _check_room(out, written, apparent, sparse)
     weight_map: dict[str, str] = {}
-    init = _Init(cfg, seed)
-    with Progress(written, f"synth {preset}{' (sparse)' if sparse else ''}", enabled=show_progress) as bar:
+    with Progress(written, label, enabled=show_progress) as bar:
         for fname, specs in shards:
-            _write_shard(out / fname, specs, init, bar, sparse)
+            _write_shard(out / fname, specs, tensor_bytes, bar, sparse)
             weight_map.update({s.name: fname for s in specs})
     index = {"metadata": {"total_size": apparent}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     base = cfg.vocab_size - vocab.N_SPECIAL
-    vocab.write_tiktoken(out / "tiktoken.model", vocab.synthetic_ranks(base, seed))
+    vocab.write_tiktoken(out / "tiktoken.model", ranks)
     vocab.write_tokenizer_config(out / "tokenizer_config.json", base)
     log.info("wrote %s: %d layers, %.1f GB apparent, %.1f GB written", out, cfg.num_layers, apparent / 1e9,
              written / 1e9)
@@ -198,7 +210,8 @@ def _is_bulk(spec: TensorSpec) -> bool:
     return len(spec.shape) >= 2 and spec.numel > _BULK_VALUES
 
 
-def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress, sparse: bool) -> None:
+def _write_shard(path: Path, specs: list[TensorSpec], tensor_bytes: TensorBytes,
+                 bar: Progress, sparse: bool) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for s in specs:
@@ -214,7 +227,7 @@ def _write_shard(path: Path, specs: list[TensorSpec], init: _Init, bar: Progress
             if sparse and _is_bulk(s):
                 f.skip(s.nbytes)
                 continue
-            for chunk in init.chunks(s):
+            for chunk in tensor_bytes(s):
                 f.write(chunk)
                 bar.update(len(chunk))
     os.replace(tmp, path)

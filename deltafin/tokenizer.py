@@ -47,6 +47,17 @@ def _to_unicode(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _byte_to_unicode().items()}
+
+
+def unicode_to_bytes(s: str) -> bytes:
+    """The bytes a byte-level BPE token spells (GPT-2's printable characters, as in a tokenizer.json)."""
+    table = _unicode_to_byte()
+    return bytes(table[c] for c in s)
+
+
 def build_tokenizer(ranks: dict[bytes, int], specials: dict[str, int]) -> Tokenizer:
     vocab_map = {_to_unicode(tok): rank for tok, rank in ranks.items()}
     merges = []

@@ -64,11 +64,12 @@ def attention(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualStat
 
 
 def feed_forward(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, x: torch.Tensor,
-                 experts: ExpertSource, fused: FusedExperts | None = None,
-                 routed: RoutedExperts | None = None) -> ResidualState:
-    """The layer's second half, row by row: the dense MLP or the latent MoE on `x`, added to P."""
+                 experts: ExpertSource, fused: FusedExperts | None = None, routed: RoutedExperts | None = None,
+                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualState:
+    """The layer's second half, row by row: the dense MLP or the latent MoE on `x` (with `routing`, the
+    router's choice made already: moe.route), added to P."""
     if isinstance(w.ffn, MoEWeights):
-        f = moe_forward(cfg, layer, w.ffn, x, experts, fused=fused, routed=routed)
+        f = moe_forward(cfg, layer, w.ffn, x, experts, routing=routing, fused=fused, routed=routed)
     else:
         f = dense_mlp(cfg, w.ffn, x)
     return ResidualState(state.P + f, state.B)

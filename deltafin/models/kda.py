@@ -24,11 +24,12 @@ _PAIR_BUDGET = 1 << 24  # floats in one [heads, C, C, d] decay block (64 MB): bo
 def causal_conv(z: torch.Tensor, kernel: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv: y[t,c] = sum_j kernel[c,j] * z[t-K+1+j, c], earlier inputs from `window`.
 
-    z [T, P], kernel [P, K], window [K-1, P] (fp32). Returns (y [T, P] fp32, new window [K-1, P])."""
+    z [..., T, P], kernel [P, K], window [..., K-1, P] (fp32; leading dims: sequences run side by side).
+    Returns (y [..., T, P] fp32, new window [..., K-1, P])."""
     k = kernel.shape[1]
-    full = torch.cat([window, z.float()], dim=0)  # [K-1+T, P]
-    y = (full.unfold(0, k, 1) * kernel).sum(-1)  # unfold: [T, P, K]
-    return y, full[full.shape[0] - (k - 1):]
+    full = torch.cat([window, z.float()], dim=-2)  # [..., K-1+T, P]
+    y = (full.unfold(-2, k, 1) * kernel).sum(-1)  # unfold: [..., T, P, K]
+    return y, full[..., full.shape[-2] - (k - 1):, :]
 
 
 def kda_decay(cfg: ModelConfig, w: KDAWeights, graw: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ def _pair_products(G: torch.Tensor, Q: torch.Tensor, K: torch.Tensor) -> tuple[t
     Kimi Linear's unbounded gate), the call takes the pairwise form instead."""
     c = K.shape[-2]
     mid = G[..., c // 2:c // 2 + 1, :]
-    if float((G - mid).abs().amax()) > _SAFE_EXPONENT:
+    if float((G - mid).detach().abs().amax()) > _SAFE_EXPONENT:
         return _pair_products_pairwise(G, Q, K)
     Kj = (K * (mid - G).exp()).transpose(-1, -2)  # k_j e^(G_m - G_j), [.., d, C(j)]
     after = (G - mid).exp()  # e^(G_i - G_m)
@@ -148,31 +149,62 @@ def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,
     """One KDA layer over packed tokens x [N, D]. `spans` are (start, length, cache) per sequence; caches
     are updated. A one-token span (decode) runs the recurrence; longer spans (prefill) the chunked form, but
     for a speculative sequence (`cache.speculative`), which runs the recurrence and leaves a `KDATrail` so
-    that its state after any of its tokens can be recomputed exactly (cache.SequenceCache.rewind)."""
+    that its state after any of its tokens can be recomputed exactly (cache.SequenceCache.rewind).
+    Prefill spans of one length run side by side, their heads stacked (heads are independent): one chunk
+    loop for a batch of equal prompts (a training batch), not one per prompt."""
     n_tok = x.shape[0]
     h, d = cfg.kda_heads, cfg.kda_head_dim
     proj = torch.stack([linear(x, w.q), linear(x, w.k), linear(x, w.v)])  # [3, N, P]
     graw = linear(linear(x, w.f_a), w.f_b)
     beta = torch.sigmoid(linear(x, w.b).float())  # [N, H]
     gate = linear(x, w.g) if w.g is not None else linear(linear(x, w.g_a), w.g_b)
-    outs = []
-    for start, length, cache in spans:
-        sl = slice(start, start + length)
-        qkv, windows = [], []
-        for j in range(3):
-            y, win = causal_conv(proj[j, sl], w.conv[j], cache.conv[j])
-            qkv.append(F.silu(y).view(length, h, d))
-            windows.append(win)
-        q = l2_normalize(qkv[0], cfg.qk_norm_eps) * d ** -0.5
-        k = l2_normalize(qkv[1], cfg.qk_norm_eps)
-        g = kda_decay(cfg, w, graw[sl])
-        rule = delta_rule_recurrent if length == 1 or cache.speculative else delta_rule_chunked
-        o, state = rule(q, k, qkv[2], g, beta[sl], cache.state)
-        if cache.speculative:
-            fed = torch.stack([torch.cat([cache.conv[j], proj[j, sl].float()]) for j in range(3)])
-            cache.trail = KDATrail(fed, cache.state, k, qkv[2], g, beta[sl])
-        cache.conv, cache.state = torch.stack(windows), state
-        outs.append(o)
-    o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, H, d] fp32
+    groups = _side_by_side(spans)
+    if len(groups) == 1 and len(groups[0]) == 1:  # one sequence: its rows are all of x
+        o = _delta_rule_group(cfg, w, proj, graw, beta, groups[0])
+    else:
+        o = torch.empty(n_tok, h, d, device=x.device)
+        for group in groups:
+            rows = torch.cat([torch.arange(s, s + n) for s, n, _ in group]).to(x.device)
+            o[rows] = _delta_rule_group(cfg, w, proj[:, rows], graw[rows], beta[rows], group)
     o = rms_norm(o, None, cfg.rms_norm_eps) * w.o_norm * torch.sigmoid(gate.float().view(n_tok, h, d))
     return linear(o.reshape(n_tok, h * d).to(x.dtype), w.o)
+
+
+def _side_by_side(spans: Sequence[tuple[int, int, KDACache]]) -> list[list[tuple[int, int, KDACache]]]:
+    """Spans grouped to run together: non-speculative prefill spans of equal length share a group; decode
+    and speculative spans run alone (their recurrence is per token anyway)."""
+    groups: dict[int, list[tuple[int, int, KDACache]]] = {}
+    alone = []
+    for span in spans:
+        if span[1] > 1 and not span[2].speculative:
+            groups.setdefault(span[1], []).append(span)
+        else:
+            alone.append([span])
+    return [*groups.values(), *alone]
+
+
+def _delta_rule_group(cfg: ModelConfig, w: KDAWeights, proj: torch.Tensor, graw: torch.Tensor, beta: torch.Tensor,
+                      group: Sequence[tuple[int, int, KDACache]]) -> torch.Tensor:
+    """B sequences of T tokens each (rows sequence after sequence): conv, the delta rule with the B sequences'
+    heads stacked, their caches updated -> [B*T, H, d] fp32."""
+    b, t = len(group), group[0][1]
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    caches = [c for _, _, c in group]
+    windows = torch.stack([c.conv for c in caches], dim=1)  # [3, B, K-1, P]
+    ys, win = zip(*(causal_conv(proj[j].view(b, t, -1), w.conv[j], windows[j]) for j in range(3)), strict=True)
+    qkv = [F.silu(y).view(b, t, h, d) for y in ys]
+    q = l2_normalize(qkv[0], cfg.qk_norm_eps) * d ** -0.5
+    k = l2_normalize(qkv[1], cfg.qk_norm_eps)
+    g = kda_decay(cfg, w, graw).view(b, t, h, d)
+    stacked = lambda z: z.transpose(0, 1).reshape(t, b * h, *z.shape[3:])  # [B, T, H, *] -> [T, B*H, *]
+    speculative = caches[0].speculative
+    rule = delta_rule_recurrent if t == 1 or speculative else delta_rule_chunked
+    state = torch.cat([c.state for c in caches])  # [B*H, dk, dv]
+    o, state = rule(stacked(q), stacked(k), stacked(qkv[2]), stacked(g), stacked(beta.view(b, t, h)), state)
+    if speculative:  # alone in its group (_side_by_side)
+        c = caches[0]
+        fed = torch.stack([torch.cat([c.conv[j], proj[j].float()]) for j in range(3)])
+        c.trail = KDATrail(fed, c.state, k[0], qkv[2][0], g[0], beta)
+    for i, c in enumerate(caches):
+        c.conv, c.state = torch.stack([wj[i] for wj in win]), state[i * h:(i + 1) * h]
+    return o.view(t, b, h, d).transpose(0, 1).reshape(b * t, h, d)

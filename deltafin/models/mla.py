@@ -73,13 +73,16 @@ def _attend_blockwise(cfg: ModelConfig, q: torch.Tensor, lat: torch.Tensor, kv_b
     total = torch.zeros(h, t, 1, device=q.device)
     acc = torch.zeros(h, t, cfg.v_head_dim, device=q.device)
     step = _key_block(cfg, t)
+    in_place = not torch.is_grad_enabled()  # serving: one block of scores is all the loop holds (training keeps
+    # each block's scores as they were, for the backward pass)
     for s0 in range(0, s, step):
         k, v = _expand(cfg, lat[s0:s0 + step], kv_b)
         scores = torch.bmm(qh, k.transpose(1, 2))  # [H, T, n]
         if s0 + k.shape[1] - 1 > first:  # the block reaches past the first query: mask what it may not see
-            scores.masked_fill_(torch.arange(s0, s0 + k.shape[1], device=q.device) > q_pos, float("-inf"))
+            hidden = torch.arange(s0, s0 + k.shape[1], device=q.device) > q_pos
+            scores = (scores.masked_fill_ if in_place else scores.masked_fill)(hidden, float("-inf"))
         new_top = torch.maximum(top, scores.amax(-1, keepdim=True))  # finite: key 0 is visible to every query
-        p = scores.sub_(new_top).exp_()  # in place: one block of scores is all the loop holds
+        p = scores.sub_(new_top).exp_() if in_place else (scores - new_top).exp()
         keep = torch.exp(top - new_top)
         total = total * keep + p.sum(-1, keepdim=True)
         acc = torch.baddbmm(acc * keep, p, v)
