@@ -1,11 +1,12 @@
 """`deltafin demo`: the whole product on one machine, with nothing to download.
 
-1. A synthetic K3 checkpoint (exact K3 layout, random weights) is written once into the cache
-   ($DELTAFIN_CACHE, else $XDG_CACHE_HOME/deltafin, else ~/.cache/deltafin) and reused afterwards.
+1. The model: k3-mini (default), a small K3 trained on Python's documentation that ships with the package
+   (paths.bundled_model, deltafin/mini/); or, with `--preset tiny|small`, a synthetic K3 (exact K3 layout,
+   random weights) written once into the cache ($DELTAFIN_CACHE, else $XDG_CACHE_HOME/deltafin, else
+   ~/.cache/deltafin) and reused afterwards.
 2. A real `deltafin-worker` process starts on 127.0.0.1 (no Bonjour announcement).
 3. The coordinator connects to it over gRPC as a one-worker cluster, plans, assigns the stage, and
    generates a chat reply, streaming tokens and printing the stats line.
-The weights are random, so the text is too: the demo shows the machinery, not the model.
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ from deltafin.errors import DeltafinError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPT = "Why does spreading a 2.8-trillion-parameter model over several Macs make it faster?"
+DEFAULT_PROMPT = "What does `json.dumps` do?"
+TRAINED = "k3-mini"
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 COMPLETE = ".deltafin-complete"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"], help="synthetic checkpoint (default small)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens to generate (default 96)")
+    p.add_argument("--preset", default=TRAINED, choices=[TRAINED, "tiny", "small"],
+                   help="k3-mini (default): the small K3 trained on Python's documentation that ships with Deltafin; "
+                   "tiny, small: a synthetic K3 with random weights (random text)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0; not k3-mini)")
     p.add_argument("--cache-dir", default=None, help="where the checkpoint is kept (default: $DELTAFIN_CACHE, else "
                    "$XDG_CACHE_HOME/deltafin, else ~/.cache/deltafin)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="the worker's device")
@@ -116,11 +120,14 @@ async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
     from .generation import Finished
     from .report import format_summary, run_summary
 
-    ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions(thinking=False))
-    print(f"user: {prompt}\nassistant: ", end="", flush=True)
-    finished = None
-    async for event in engine.run(ids, OutputParser(engine.tokenizer, thinking=False), max_tokens=max_tokens):
-        print(event.delta.content + event.delta.reasoning, end="", flush=True)
+    ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions())
+    print(f"user: {prompt}\nassistant (thinking): ", end="", flush=True)
+    finished, answering = None, False
+    async for event in engine.run(ids, OutputParser(engine.tokenizer), max_tokens=max_tokens):
+        if event.delta.content and not answering:
+            print("\nassistant: ", end="", flush=True)
+            answering = True
+        print(event.delta.reasoning + event.delta.content, end="", flush=True)
         if isinstance(event, Finished):
             finished = event
     print()
@@ -138,11 +145,14 @@ async def run_demo(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
-    model = ensure_checkpoint(args.preset, args.seed, cache_dir(args.cache_dir))
+    trained = args.preset == TRAINED
+    model = paths.bundled_model() if trained else ensure_checkpoint(args.preset, args.seed, cache_dir(args.cache_dir))
     cfg = load_config(model)
-    print(f"model: synthetic Kimi K3 '{args.preset}': {cfg.num_layers} layers ({len(cfg.kda_layers)} KDA + "
-          f"{len(cfg.mla_layers)} MLA), {cfg.num_experts} experts per layer, {cfg.experts_per_token} active. "
-          "RANDOM WEIGHTS: the output below is gibberish by design.", file=sys.stderr)
+    what = ("k3-mini, trained on Python's documentation (its answers read like Python's docs, often about the "
+            "wrong function: it is 1/200,000 of K3's size)" if trained
+            else f"synthetic '{args.preset}', RANDOM WEIGHTS: the output below is gibberish by design")
+    print(f"model: Kimi K3 architecture, {cfg.num_layers} layers ({len(cfg.kda_layers)} KDA + {len(cfg.mla_layers)} "
+          f"MLA), {cfg.num_experts} experts per layer, {cfg.experts_per_token} active; {what}.", file=sys.stderr)
     worker = LocalWorker(model, args.device)
     try:
         address = worker.wait_ready()
@@ -157,6 +167,6 @@ async def run_demo(args: argparse.Namespace) -> int:
             await engine.close()
     finally:
         worker.stop()
-    print("The weights are random, so the text is too. With a real checkpoint: start deltafin-worker on each Mac, "
-          "then deltafin-coordinator --model DIR serve (see README.md).", file=sys.stderr)
+    print(("" if trained else "The weights are random, so the text is too. ") + "With a real checkpoint: start "
+          "deltafin-worker on each Mac, then deltafin-coordinator --model DIR serve (see README.md).", file=sys.stderr)
     return 0

@@ -154,7 +154,7 @@ def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
 # ---- decode -------------------------------------------------------------------------------------------
 
 
-class _Recorder:
+class ExpertRecorder:
     """Wraps a stage's expert provider: records which experts each MoE layer asked for, per token."""
 
     def __init__(self, inner: Any):
@@ -186,7 +186,7 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
         streams = plan.streaming or bool(plan.streamed_layers)
         if streams and measure_disk and cfg.moe_layers:
             result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, opts.read_threads, opts.io)
-        recorder = _Recorder(stage.experts)
+        recorder = ExpertRecorder(stage.experts)
         stage.experts = recorder
         ids = torch.arange(prompt) % (cfg.vocab_size - 256)
         t0 = time.perf_counter()

@@ -185,6 +185,14 @@ def _bench_model(args: argparse.Namespace) -> dict:
         args.context = max(args.context, *lengths)
     options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
     common = {"device": args.device, "dtype": args.dtype, "options": options}
+    if args.workload:
+        from deltafin.coordinator.workload import bench_workload
+
+        if not 0 < args.cache_share <= 1:
+            raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
+        return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens,
+                              device=args.device, cache_share=args.cache_share,
+                              options=options if args.expert_cache_gb is not None else None)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
         from deltafin.sizing import SPECULATIVE_TOKENS
 
@@ -220,7 +228,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
                        "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
                        "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
-                       "what a speculative verification pass of k drafts costs.")
+                       "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
+                       "prefetch and drafting on a trained model's own answers.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
@@ -233,6 +242,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--second-turn", metavar="PROMPT,NEW", help="--model: a chat's second turn (a PROMPT-token "
                    "first request, 4 generated tokens, NEW more tokens): its time to first token with the prefix "
                    "cache and without")
+    p.add_argument("--workload", metavar="NAMES", help="--model: chat and/or code (comma-separated): answer a fixed "
+                   "set of such prompts greedily, with and without n-gram drafts (acceptance, forwards per token), "
+                   "and replay the answers through a streaming stage (each cache policy's hit rate on that routing "
+                   "trace, prefetch recall); --tokens is each answer's most tokens")
+    p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
+                   "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
     p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16)")
     p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")

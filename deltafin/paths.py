@@ -21,3 +21,9 @@ def cache_dir(*parts: str) -> Path:
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deltafin"
     return base.joinpath(*parts)
+
+
+def bundled_model() -> Path:
+    """k3-mini, the small K3 trained on Python's documentation that ships inside the package (deltafin/mini/):
+    what `deltafin demo` and the README's examples run."""
+    return Path(__file__).resolve().parent / "assets" / "k3-mini"

@@ -205,7 +205,7 @@ def train(cfg: ModelConfig, params: dict[str, torch.Tensor], tokens: np.ndarray,
         balance_router(cfg, params, loads, tc.bias_rate)
         seen += window[:, :-1].numel()
         if step % tc.log_every == 0 or step == tc.steps + tc.quantized_steps - 1:
-            record = {"step": step, "loss": round(float(loss), 4), "lr": learning_rate(tc, step),
+            record = {"step": step, "loss": round(loss.item(), 4), "lr": learning_rate(tc, step),
                       "tokens": seen, "seconds": round(time.perf_counter() - t0, 1),
                       "max_load_share": round(max(float(x.max()) / float(x.sum()) for x in loads), 4)}
             history.append(record)

@@ -1,8 +1,9 @@
-"""`deltafin demo`: writes its synthetic checkpoint once into the cache, runs a one-worker cluster, reuses the
-checkpoint on the next run."""
+"""`deltafin demo`: the bundled k3-mini by default; with a random preset, writes its synthetic checkpoint once
+into the cache, runs a one-worker cluster, reuses the checkpoint on the next run."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,14 @@ def test_demo_runs_and_reuses_its_checkpoint(tmp_path: Path) -> None:
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "using the cached checkpoint" in again.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["synthetic-k3-tiny-seed0"]
+
+
+def test_demo_defaults_to_the_trained_k3_mini_and_writes_nothing(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "deltafin", "demo", "--cache-dir", str(tmp_path), "--max-tokens", "40"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "k3-mini, trained on Python's documentation" in run.stderr and "RANDOM" not in run.stderr
+    assert re.search(r"\[\d+ tokens, [\d.]+ tok/s", run.stderr)
+    assert run.stdout.startswith("user: What does `json.dumps` do?\nassistant (thinking): The question is about `")
+    assert "\nassistant: `" in run.stdout  # the answer channel, as the training taught it
+    assert list(tmp_path.iterdir()) == []  # the bundled model needs no synthesis

@@ -168,25 +168,25 @@ def test_connect_finds_workers_by_discovery(tiny_dir, model) -> None:
         assert found.generate("a Mac cluster", max_tokens=6).token_ids == want.token_ids
 
 
-def test_the_readmes_example_runs_as_written(tmp_path, tiny_dir) -> None:
-    """The README's Python API block, after its `deltafin synth` command, in a fresh interpreter: it prints what
-    the API gives in this process."""
+def test_the_readmes_example_runs_as_written(tmp_path) -> None:
+    """The README's Python API block, on the bundled k3-mini, in a fresh interpreter: it prints what the API
+    gives in this process."""
     import re
     import subprocess
     import sys
 
+    from deltafin.paths import bundled_model
+
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("## Python API"):]
-    synth = re.search(r"`(deltafin synth [^`]+)`", section).group(1).split()
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    subprocess.run([sys.executable, "-m", "deltafin", *synth[1:]], cwd=tmp_path, check=True, capture_output=True)
     run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    with deltafin.load(tmp_path / "k3-tiny", device="cpu", progress=False) as m:
-        out = m.generate("The experts stream from the disk", max_tokens=16)
-        story = m.generate("Once upon a time", max_tokens=16).text
-        reply = m.chat([{"role": "user", "content": "What is a Mac cluster?"}], thinking="low", max_tokens=32)
-        article = m.generate("Kimi K3 on a Mac", max_tokens=20).text
+    with deltafin.load(bundled_model(), device="cpu", progress=False) as m:
+        out = m.generate("def read_lines(path):", max_tokens=16)
+        source = m.generate("# Lib/textwrap.py", max_tokens=16).text
+        reply = m.chat([{"role": "user", "content": "What does `json.dumps` do?"}], max_tokens=64)
+        article = m.generate("Show me the source of `heapq.heappush`.", max_tokens=20).text
     want = (re.escape(f"{out.text!r} {out.finish_reason} {out.usage.completion_tokens} ") + r"\d+ tok/s\n"
-            + re.escape(f"{story}{reply.finish_reason} {len(reply.reasoning)} {len(reply.content)}\n{article!r}\n"))
+            + re.escape(f"{source}{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{article!r}\n"))
     assert re.fullmatch(want, run.stdout), run.stdout

@@ -1,0 +1,144 @@
+"""`deltafin bench --model DIR --workload chat,code`: what a trained model's own text does to the expert
+cache, the prefetcher and the n-gram drafter.
+
+For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's
+source) is answered greedily twice through the serving engine (deltafin.load): plainly, and with
+`speculative="ngram"`; the second must give the same tokens, and its counters give the drafter's acceptance
+and the forwards per generated token. Then every plain answer is replayed token by token through a stage
+whose experts stream through a cache of `cache_share` of them, recording which experts each MoE layer asks
+for at each decode step: that real routing trace gives each cache policy's hit rate at several cache sizes
+(weights.cache.simulate), the stage's own prefetch recall, and how many of a token's experts the token
+before it used in the same layer. On random weights the router has no preferences; these are the numbers
+a trained router gives (README, "Measured on k3-mini").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "chat": ("What does `json.dumps` do?", "What is the `textwrap` module for?", "Explain `os.path.join`.",
+             "How do I use `collections.Counter`?", "What does `shutil.copyfile` do?",
+             "Tell me about the `csv` module.", "What is the signature of `subprocess.run`?",
+             "What does `functools.lru_cache` do?"),
+    "code": ("Show me the source of `textwrap.dedent`.", "How is `json.dumps` implemented?",
+             "Show me the source of `shutil.copyfileobj`.", "How is `os.path.splitext` implemented?",
+             "Show me the source of `heapq.heappush`.", "How is `base64.b64encode` implemented?",
+             "Show me the source of `fnmatch.fnmatch`.", "How is `string.capwords` implemented?"),
+}
+CACHE_SHARES = (0.125, 0.25, 0.5)  # cache sizes the policies are compared at, as a share of all experts
+
+
+def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
+                   cache_share: float = 0.25, options: Any = None) -> dict[str, Any]:
+    """JSON-ready results per workload (see the module docstring). `options` (StageOptions) size the replay's
+    stage; its expert cache is `cache_share` of all experts unless the options set one."""
+    import deltafin
+    from deltafin.errors import DeltafinError
+
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise DeltafinError(f"unknown workload {unknown[0]!r}: use {', '.join(WORKLOADS)}")
+    out: dict[str, Any] = {"bench": "workload", "model": str(Path(model).resolve()), "device": device,
+                           "max_tokens": tokens, "workloads": {}}
+    with deltafin.load(model, device, progress=False) as plain, \
+            deltafin.load(model, device, progress=False, speculative="ngram") as drafted:
+        for name in workloads:
+            replies = [_ask(plain, p, tokens) for p in WORKLOADS[name]]
+            result = {"prompts": len(replies), "generated_tokens": sum(len(r.token_ids) for r in replies),
+                      "drafting": _drafting(drafted, WORKLOADS[name], tokens, replies)}
+            result.update(_replay(model, device, [(r.prompt_ids, r.token_ids) for r in replies], cache_share,
+                                  options))
+            out["workloads"][name] = result
+    return out
+
+
+def _ask(model: Any, prompt: str, tokens: int) -> Any:
+    return model.chat([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0)
+
+
+def _drafting(model: Any, prompts: tuple[str, ...], tokens: int, plain: list[Any]) -> dict[str, Any]:
+    """The same prompts with n-gram drafts: counters, and whether every answer is token for token the plain one."""
+    c = model.engine.counters
+    before = (c.draft_tokens, c.accepted_tokens, c.forwards)
+    replies = [_ask(model, p, tokens) for p in prompts]
+    drafted, accepted, forwards = (now - was for now, was in zip((c.draft_tokens, c.accepted_tokens, c.forwards),
+                                                                  before, strict=True))
+    generated = sum(len(r.token_ids) for r in replies)
+    # the first token of each answer comes from its prefill; the forwards counted are those after it
+    decoded = generated - len(replies)
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,
+            "same_tokens_as_plain": all(a.token_ids == b.token_ids for a, b in zip(replies, plain, strict=True))}
+
+
+def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], list[int]]], cache_share: float,
+            options: Any) -> dict[str, Any]:
+    """Feed each answer back one token at a time through a streaming stage; the routing trace it records."""
+    from deltafin.bench import ExpertRecorder
+    from deltafin.config import load_config
+    from deltafin.pipeline import LocalPipeline
+    from deltafin.stage import SeqInput, StageOptions
+
+    cfg = load_config(model)
+    all_experts = len(cfg.moe_layers) * cfg.num_experts
+    options = options or StageOptions()
+    if options.expert_cache_bytes is None:
+        options = dataclasses.replace(options, expert_cache_bytes=int(cache_share * all_experts)
+                                      * cfg.bytes_per_expert)
+    pipe = LocalPipeline.load(model, 1, device=device, options=options)
+    stage = pipe.stages[0]
+    recorder = ExpertRecorder(stage.experts)
+    counted = dict.fromkeys(("lookups", "hits", "prefetch_hits", "misses"), 0)
+    try:
+        for i, (prompt, answer) in enumerate(sequences):
+            pipe.forward([SeqInput(f"replay-{i}", 0, ids=torch.tensor(prompt))])
+            stage.experts, before = recorder, stage.stats().get("experts", {})
+            for n, token in enumerate(answer[:-1]):
+                pipe.forward([SeqInput(f"replay-{i}", len(prompt) + n, ids=torch.tensor([token]))])
+            stage.experts, after = recorder.inner, stage.stats().get("experts", {})
+            for k in counted:
+                counted[k] += after.get(k, 0) - before.get(k, 0)
+            pipe.release(f"replay-{i}")
+    finally:
+        pipe.close()
+    return {"routing": _routing(cfg, recorder.trace, all_experts),
+            "stage_cache": _stage_cache(counted, options.expert_cache_bytes // cfg.bytes_per_expert,
+                                        options.cache_policy)}
+
+
+def _routing(cfg: Any, trace: list[tuple[int, list[int]]], all_experts: int) -> dict[str, Any]:
+    """Policy hit rates at CACHE_SHARES of all experts, and how much consecutive tokens share experts."""
+    from deltafin.weights.cache import POLICIES, simulate
+
+    steps = [[(layer, e) for e in ids] for layer, ids in trace]
+    rates = {f"{share:g}": {p: round(simulate(p, max(1, int(share * all_experts)), steps), 4) for p in POLICIES}
+             for share in CACHE_SHARES}
+    last: dict[int, set[int]] = {}
+    shared = pairs = 0
+    for layer, ids in trace:
+        if layer in last:
+            shared += len(last[layer] & set(ids))
+            pairs += len(ids)
+        last[layer] = set(ids)
+    uniform = cfg.experts_per_token / cfg.num_experts  # what a router with no preferences would share
+    return {"decode_steps": len(trace) // max(1, len(cfg.moe_layers)), "policy_hit_rates": rates,
+            "best_policy": {s: max(r, key=r.get) for s, r in rates.items()},
+            "shared_with_previous_token": round(shared / pairs, 4) if pairs else None,
+            "shared_if_uniform": round(uniform, 4)}
+
+
+def _stage_cache(d: dict[str, int], capacity: int, policy: str) -> dict[str, Any]:
+    """The replay's decode steps as the stage counted them: found cached (hits), found because the prefetcher
+    read them ahead (prefetch_recall: the share of the experts not cached before that were prefetched)."""
+    want = d["prefetch_hits"] + d["misses"]
+    lookups = d["lookups"]
+    return {"policy": policy, "capacity_experts": capacity, "lookups": lookups,
+            "hit_rate": round(d["hits"] / lookups, 4) if lookups else None,
+            "prefetch_recall": round(d["prefetch_hits"] / want, 4) if want else None,
+            "no_wait_rate": round((d["hits"] + d["prefetch_hits"]) / lookups, 4) if lookups else None}

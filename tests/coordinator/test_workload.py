@@ -1,0 +1,40 @@
+"""`bench --workload`: answers with and without drafts agree, the counters add up, the replay's routing
+trace covers every decode step, and the cache numbers are the stage's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltafin.config import load_config
+from deltafin.coordinator.workload import CACHE_SHARES, WORKLOADS, bench_workload
+from deltafin.errors import DeltafinError
+
+
+def test_workload_numbers_add_up(tiny_dir):
+    result = bench_workload(tiny_dir, ["chat", "code"], tokens=10, device="cpu", cache_share=0.25)
+    cfg = load_config(tiny_dir)
+    all_experts = len(cfg.moe_layers) * cfg.num_experts
+    assert list(result["workloads"]) == ["chat", "code"]
+    for name, w in result["workloads"].items():
+        assert w["prompts"] == len(WORKLOADS[name]) and 0 < w["generated_tokens"] <= 10 * w["prompts"]
+        d = w["drafting"]
+        assert d["same_tokens_as_plain"] is True  # greedy drafting is exact
+        assert 0 <= d["accepted_tokens"] <= d["draft_tokens"]
+        decoded = w["generated_tokens"] - w["prompts"]  # each answer's first token comes from its prefill
+        # a forward yields its token plus what it accepted; an answer may end inside a pass's accepted drafts
+        assert decoded - d["accepted_tokens"] <= d["forwards"] <= decoded
+        r = w["routing"]
+        assert r["decode_steps"] == decoded
+        assert set(r["policy_hit_rates"]) == {f"{s:g}" for s in CACHE_SHARES}
+        lru = [r["policy_hit_rates"][f"{s:g}"]["lru"] for s in CACHE_SHARES]
+        assert lru == sorted(lru)  # LRU is a stack algorithm: a larger cache never hits less
+        assert r["shared_if_uniform"] == pytest.approx(cfg.experts_per_token / cfg.num_experts, abs=1e-4)
+        c = w["stage_cache"]
+        assert c["capacity_experts"] == int(0.25 * all_experts)
+        assert c["lookups"] == decoded * len(cfg.moe_layers) * cfg.experts_per_token
+        assert 0 <= c["hit_rate"] <= c["no_wait_rate"] <= 1
+
+
+def test_unknown_workload_is_refused(tiny_dir):
+    with pytest.raises(DeltafinError, match="unknown workload 'poetry'"):
+        bench_workload(tiny_dir, ["poetry"], tokens=4)
