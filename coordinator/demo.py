@@ -149,7 +149,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     model = paths.bundled_model() if trained else ensure_checkpoint(args.preset, args.seed, cache_dir(args.cache_dir))
     cfg = load_config(model)
     what = ("k3-mini, trained on Python's documentation (its answers read like Python's docs, often about the "
-            "wrong function: it is 1/200,000 of K3's size)" if trained
+            "wrong function: it is 1/100,000 of K3's size)" if trained
             else f"synthetic '{args.preset}', RANDOM WEIGHTS: the output below is gibberish by design")
     print(f"model: Kimi K3 architecture, {cfg.num_layers} layers ({len(cfg.kda_layers)} KDA + {len(cfg.mla_layers)} "
           f"MLA), {cfg.num_experts} experts per layer, {cfg.experts_per_token} active; {what}.", file=sys.stderr)

@@ -1,15 +1,14 @@
 """`deltafin bench --model DIR --workload chat,code`: what a trained model's own text does to the expert
 cache, the prefetcher and the n-gram drafter.
 
-For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's
-source) is answered greedily twice through the serving engine (deltafin.load): plainly, and with
-`speculative="ngram"`; the second must give the same tokens, and its counters give the drafter's acceptance
-and the forwards per generated token. Then every plain answer is replayed token by token through a stage
-whose experts stream through a cache of `cache_share` of them, recording which experts each MoE layer asks
-for at each decode step: that real routing trace gives each cache policy's hit rate at several cache sizes
-(weights.cache.simulate), the stage's own prefetch recall, and how many of a token's experts the token
-before it used in the same layer. On random weights the router has no preferences; these are the numbers
-a trained router gives (README, "Measured on k3-mini").
+For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's source)
+is answered greedily twice through the serving engine (deltafin.load): plainly, and with `speculative="ngram"`;
+the second must give the same tokens, and its counters give the drafter's acceptance and the forwards per
+generated token. The drafter is also scored alone, at every position of the answers. Then every plain answer
+is replayed token by token through a stage whose experts stream through a cache of `cache_share` of them,
+recording which experts each MoE layer asks for at each decode step: that routing trace gives each cache
+policy's hit rate at several cache sizes (weights.cache.simulate), the stage's own prefetch recall, and how
+many of a token's experts the token before it used in the same layer (README, "k3-mini").
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
              "Show me the source of `fnmatch.fnmatch`.", "How is `string.capwords` implemented?"),
 }
 CACHE_SHARES = (0.125, 0.25, 0.5)  # cache sizes the policies are compared at, as a share of all experts
+DRAFTS = 4  # drafts per position when the drafter is measured on its own
 
 
 def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
@@ -50,7 +50,8 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
         for name in workloads:
             replies = [_ask(plain, p, tokens) for p in WORKLOADS[name]]
             result = {"prompts": len(replies), "generated_tokens": sum(len(r.token_ids) for r in replies),
-                      "drafting": _drafting(drafted, WORKLOADS[name], tokens, replies)}
+                      "drafting": _drafting(drafted, WORKLOADS[name], tokens, replies),
+                      "drafter_alone": drafter_alone([(r.prompt_ids, r.token_ids) for r in replies])}
             result.update(_replay(model, device, [(r.prompt_ids, r.token_ids) for r in replies], cache_share,
                                   options))
             out["workloads"][name] = result
@@ -75,6 +76,29 @@ def _drafting(model: Any, prompts: tuple[str, ...], tokens: int, plain: list[Any
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,
             "same_tokens_as_plain": all(a.token_ids == b.token_ids for a, b in zip(replies, plain, strict=True))}
+
+
+def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS) -> dict[str, Any]:
+    """The n-gram drafter on greedy answers, at every decode position, k drafts each time: how often it has a
+    guess, and how many of its k a greedy verification would take (its first; on average). Independent of the
+    engine's choice of k (which falls to 0 when drafts stop paying)."""
+    from deltafin.speculative import NgramDrafter
+
+    drafter = NgramDrafter()
+    positions = proposed = first = taken = 0
+    for prompt, answer in sequences:
+        for i in range(1, len(answer)):
+            context, truth = prompt + answer[:i], answer[i:i + k]
+            drafts = drafter.propose(context, k)
+            positions += 1
+            proposed += bool(drafts)
+            run = next((j for j, (d, t) in enumerate(zip(drafts, truth, strict=False)) if d != t),
+                       min(len(drafts), len(truth)))
+            first += run > 0
+            taken += run
+    return {"k": k, "positions": positions, "proposed_share": round(proposed / positions, 4) if positions else None,
+            "first_draft_taken": round(first / positions, 4) if positions else None,
+            "taken_per_position": round(taken / positions, 4) if positions else None}
 
 
 def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], list[int]]], cache_share: float,

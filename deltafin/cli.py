@@ -48,13 +48,14 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Kimi K3 layout",
                        description="Write a random-weight checkpoint in the exact Hugging Face Kimi K3 layout "
                        "(config.json, index, shards, MXFP4 experts, tokenizer files). Presets: tiny (a few MB, "
-                       "tests), small (tens of MB), k3-slice (real K3 widths: several GB per layer), k3 (the full "
-                       "geometry: 93 layers, 896 experts, vocabulary 163,840, vision shards; use --sparse).")
+                       "tests), small (tens of MB), mini (k3-mini's geometry, where its training starts), k3-slice "
+                       "(real K3 widths: several GB per layer), k3 (the full geometry: 93 layers, 896 experts, "
+                       "vocabulary 163,840, vision shards; use --sparse).")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--seed", type=int, default=0, help="same seed -> byte-identical files (default 0)")
     p.add_argument("--layers", type=int, default=None,
-                   help="number of decoder layers, at least 2 (default: tiny 6, small 8, k3-slice 3, k3 93)")
+                   help="number of decoder layers, at least 2 (default: tiny 6, small 8, mini 8, k3-slice 3, k3 93)")
     p.add_argument("--sparse", action="store_true",
                    help="leave experts and large matrices (not the embedding or routers) as holes that read as "
                    "zeros: full-size files in little disk (k3: 1.56 TB apparent, ~4 GB written)")

@@ -3,6 +3,8 @@
 Presets:
   tiny      a few MB: dense layer 0, KDA, MLA, MoE and three AttnRes blocks; what the tests use
   small     tens of MB: the same structure, wider
+  mini      k3-mini's geometry (27 MB, 64 experts of 4 active): its seed-0 weights are where k3-mini's training
+            starts (deltafin/mini/); the trained model ships in deltafin/assets/k3-mini
   k3-slice  real K3 widths (hidden 7168, 96 heads, 896 experts of 3584x3072 MXFP4, 17,547,264 bytes
             each) for the first N layers, vocabulary reduced: what the streaming benchmarks use
   k3        K3's full geometry: 93 layers, vocabulary 163,840, the release's vision shards (95-96); with

@@ -38,3 +38,17 @@ def test_workload_numbers_add_up(tiny_dir):
 def test_unknown_workload_is_refused(tiny_dir):
     with pytest.raises(DeltafinError, match="unknown workload 'poetry'"):
         bench_workload(tiny_dir, ["poetry"], tokens=4)
+
+
+def test_the_drafter_alone_is_scored_against_the_greedy_continuation():
+    from deltafin.coordinator.workload import drafter_alone
+
+    # the answer repeats "7 8 9": from its second occurrence on, the drafter's guesses are the continuation
+    answer = [5, 7, 8, 9, 1, 7, 8, 9, 1, 7, 8]
+    got = drafter_alone([([2, 3], answer)], k=2)
+    # positions 1..5 see no repeated n-gram; 6..9 guess the next two right ([8, 9], [9, 1], [1, 7], [7, 8]);
+    # at 10 the answer ends after one: 5 guesses of 10 positions, 9 drafts taken
+    assert got == {"k": 2, "positions": 10, "proposed_share": 0.5, "first_draft_taken": 0.5,
+                   "taken_per_position": 0.9}
+    none = drafter_alone([([2, 3], [10, 11, 12, 13])], k=3)  # nothing repeats: never a guess
+    assert none["proposed_share"] == 0 and none["taken_per_position"] == 0
