@@ -53,7 +53,7 @@ class TrainConfig:
     clip: float = 1.0
     bias_rate: float = 1e-3  # K3's router balance: bias step per optimizer step
     seed: int = 0
-    log_every: int = 50
+    log_every: int = 20
 
 
 def experts_name(layer: int, matrix: str) -> str:

@@ -3,6 +3,7 @@ of K3's architecture, reproducible from this Python's standard library, and answ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
@@ -12,6 +13,7 @@ import pytest
 from deltafin import vocab
 from deltafin.checkpoint import scan_checkpoint
 from deltafin.config import ExpertFormat, LayerKind, load_config
+from deltafin.mini.train import TrainConfig
 from deltafin.paths import bundled_model
 from deltafin.tokenizer import K3Tokenizer
 
@@ -49,6 +51,7 @@ def test_shipped_model_is_k3s_architecture_in_k3s_layout():
     raw = json.loads((model / "config.json").read_text())
     assert raw["model_type"] == "kimi_k3" and "deltafin_synthetic" not in raw
     assert raw["deltafin_trained"]["start"] == "deltafin synth --preset mini --seed 0"
+    assert raw["deltafin_trained"]["train"] == dataclasses.asdict(TrainConfig())  # made with the defaults
     tok = K3Tokenizer.load(model)
     n_base = cfg.vocab_size - vocab.N_SPECIAL
     for offset, text in vocab.NAMED_SPECIALS.items():  # K3's specials at K3's offsets from the base vocabulary
