@@ -19,7 +19,7 @@ import random
 import re
 import sysconfig
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,19 +69,27 @@ def module_name(rel: Path) -> str | None:
     return ".".join(parts)
 
 
-def entries(root: Path) -> list[Entry]:
-    """Every documented public definition under `root`, files in sorted order."""
-    out: list[Entry] = []
+def modules(root: Path) -> Iterator[tuple[str, Path, str]]:
+    """(module, path relative to `root`, text) of every file the corpus reads, in sorted order."""
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         module = module_name(rel)
         if module is None or any(p in SKIP_PARTS for p in rel.parts):
             continue
         try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text, filename=str(path))
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as e:
+            yield module, rel, path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
             log.debug("skipping %s: %s", path, e)
+
+
+def entries(root: Path) -> list[Entry]:
+    """Every documented public definition under `root`, files in sorted order."""
+    out: list[Entry] = []
+    for module, rel, text in modules(root):
+        try:
+            tree = ast.parse(text, filename=str(rel))
+        except (SyntaxError, ValueError) as e:
+            log.debug("skipping %s: %s", rel, e)
             continue
         out += _file_entries(module, rel.as_posix(), text.splitlines(keepends=True), tree)
     log.info("%d entries from %s", len(out), root)
@@ -289,15 +297,7 @@ def source_documents(root: Path, max_chars: int = 2000) -> list[tuple[str, str]]
     pieces of at most `max_chars` (a longer block alone), each headed by its path, `# Lib/json/decoder.py`.
     Plain text, not chat: what teaches the model to write Python."""
     out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        module = module_name(rel)
-        if module is None or any(p in SKIP_PARTS for p in rel.parts):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
+    for module, rel, text in modules(root):
         head = f"# Lib/{rel.as_posix()}\n"
         piece = ""
         for block in re.split(r"\n\s*\n", text):
