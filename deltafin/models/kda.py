@@ -205,6 +205,7 @@ def _delta_rule_group(cfg: ModelConfig, w: KDAWeights, proj: torch.Tensor, graw:
         c = caches[0]
         fed = torch.stack([torch.cat([c.conv[j], proj[j].float()]) for j in range(3)])
         c.trail = KDATrail(fed, c.state, k[0], qkv[2][0], g[0], beta)
-    for i, c in enumerate(caches):
-        c.conv, c.state = torch.stack([wj[i] for wj in win]), state[i * h:(i + 1) * h]
+    for i, c in enumerate(caches):  # each its own storage: a kept prefix must not hold its batch's states alive
+        own = state[i * h:(i + 1) * h]
+        c.conv, c.state = torch.stack([wj[i] for wj in win]), own.clone() if b > 1 else own
     return o.view(t, b, h, d).transpose(0, 1).reshape(b * t, h, d)

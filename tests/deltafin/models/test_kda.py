@@ -114,4 +114,5 @@ def test_equal_prefill_spans_run_side_by_side_as_each_alone(tiny_dir):
         # fp32: the same operations per head; the matmuls over more rows at once may round differently (~1e-7)
         assert torch.allclose(together[s:s + n], alone, rtol=1e-5, atol=1e-6)
         assert torch.allclose(c.state, alone_cache.state, rtol=1e-5, atol=1e-6)
+        assert c.state.untyped_storage().nbytes() == c.state.numel() * 4  # not a view of the batch's states
         assert torch.allclose(c.conv, alone_cache.conv, rtol=1e-5, atol=1e-6)  # projections of more rows at once
