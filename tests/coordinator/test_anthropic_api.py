@@ -27,10 +27,17 @@ from deltafin.coordinator import anthropic_api as am
 from deltafin.coordinator.backend import LocalBackend
 from deltafin.coordinator.engine import Engine
 from deltafin.coordinator.openai_api import ApiError
-from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
 from deltafin.tokenizer import K3Tokenizer
-from tests.support.serving import ScriptedBackend, argmax_loop, script_ids, serve, served_pipeline, stop_ids
+from tests.support.serving import (
+    ScriptedBackend,
+    SlowPrefill,
+    argmax_loop,
+    script_ids,
+    serve,
+    served_pipeline,
+    stop_ids,
+)
 
 MODEL = "tiny"
 SYSTEM = "Be brief."
@@ -461,18 +468,6 @@ async def test_a_stream_waiting_for_its_first_token_pings_and_fails_as_an_error_
     from deltafin.coordinator import server as server_module
 
     monkeypatch.setattr(server_module, "HEARTBEAT_S", 0.05)
-
-    class SlowPrefill(ScriptedBackend):
-        max_forward_tokens = 8  # the prompt goes in chunks, each slower than a heartbeat
-        fail = False
-
-        async def forward(self, batch, all_logits=False, progress=None):
-            if any(b.num_tokens > 1 for b in batch):
-                await asyncio.sleep(0.12)
-                if self.fail:
-                    raise ClusterUnavailable("the workers that answer cannot run the model")
-                self.pos = {b.session_id: 0 for b in batch}  # the script starts after the prompt's last chunk
-            return await super().forward(batch, all_logits)
 
     backend = SlowPrefill(tok.vocab_size, script_ids(tok, "Hello there.<|end_of_msg|>"))
     engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1)

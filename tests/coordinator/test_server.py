@@ -23,10 +23,9 @@ import torch
 from deltafin.chat import ChatOptions, encode, render_text
 from deltafin.config import load_config
 from deltafin.coordinator.engine import Engine
-from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
 from deltafin.tokenizer import K3Tokenizer
-from tests.support.serving import ScriptedBackend, argmax_loop, script_ids, serve, served_pipeline
+from tests.support.serving import ScriptedBackend, SlowPrefill, argmax_loop, script_ids, serve, served_pipeline
 from tests.support.serving import stop_ids as _stop_ids
 
 MODEL = "tiny"
@@ -359,17 +358,6 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
     from deltafin.coordinator import server as server_module
 
     monkeypatch.setattr(server_module, "HEARTBEAT_S", 0.05)
-
-    class SlowPrefill(ScriptedBackend):
-        max_forward_tokens = 8  # the prompt goes in chunks, each slower than a heartbeat
-        fail = False
-
-        async def forward(self, batch, all_logits=False, progress=None):
-            if any(b.num_tokens > 1 for b in batch):
-                await asyncio.sleep(0.12)
-                if self.fail:
-                    raise ClusterUnavailable("the workers that answer cannot run the model")
-            return await super().forward(batch, all_logits)
 
     script = tok.encode("a b c")
     backend = SlowPrefill(tok.vocab_size, script)

@@ -3,11 +3,13 @@ a known token sequence (K3's think tags, response text, tool calls) for checking
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 
 import torch
 
+from deltafin.errors import ClusterUnavailable
 from deltafin.pipeline import LocalPipeline
 from deltafin.stage import SeqInput, SeqOutput
 from deltafin.tokenizer import K3Tokenizer
@@ -82,6 +84,22 @@ class ScriptedBackend:
 
     async def close(self) -> None:
         pass
+
+
+class SlowPrefill(ScriptedBackend):
+    """A prompt that goes in chunks, each slower than a heartbeat (with HEARTBEAT_S patched to 0.05); the script
+    starts after the prompt's last chunk. `fail = True`: the next prompt chunk fails as a lost cluster would."""
+
+    max_forward_tokens = 8
+    fail = False
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, progress=None) -> list[SeqOutput]:
+        if any(b.num_tokens > 1 for b in batch):
+            await asyncio.sleep(0.12)
+            if self.fail:
+                raise ClusterUnavailable("the workers that answer cannot run the model")
+            self.pos = {b.session_id: 0 for b in batch}
+        return await super().forward(batch, all_logits)
 
 
 async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: str | None = None,
