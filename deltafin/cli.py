@@ -246,10 +246,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", metavar="NAMES", help="--model: chat and/or code (comma-separated): answer a fixed "
                    "set of such prompts greedily, with and without n-gram drafts (acceptance, forwards per token), "
                    "and replay the answers through a streaming stage (each cache policy's hit rate on that routing "
-                   "trace, prefetch recall); --tokens is each answer's most tokens")
+                   "trace, prefetch recall)")
     p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
                    "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
-    p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16)")
+    p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16); --workload: the most "
+                   "tokens of each answer")
     p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
     p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
