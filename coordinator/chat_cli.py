@@ -15,12 +15,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING, TextIO
 
-from deltafin.chat import EFFORTS, SERVING_EFFORT
 from deltafin.errors import DeltafinError
+from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
 if TYPE_CHECKING:  # the model stack loads only when a chat starts, not for --help
-    from .chat_session import ChatSession, Reply
-    from .engine import Engine
+    from deltafin.coordinator.engine.chat_session import ChatSession, Reply
+    from deltafin.coordinator.engine.engine import Engine
 
 
 HELP = """commands:
@@ -32,7 +32,7 @@ HELP = """commands:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .options import add_cluster_options, add_sampling_options
+    from deltafin.coordinator.options import add_cluster_options, add_sampling_options
 
     add_cluster_options(p)
     add_sampling_options(p, temperature=0.6, max_tokens=None)
@@ -60,8 +60,8 @@ class _Lines:
 
 
 async def run_chat(args: argparse.Namespace) -> int:
-    from .chat_session import ChatSession
-    from .options import open_engine, sampling_params
+    from deltafin.coordinator.engine.chat_session import ChatSession
+    from deltafin.coordinator.options import open_engine, sampling_params
 
     sampling = sampling_params(args)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -112,7 +112,7 @@ async def run_chat(args: argparse.Namespace) -> int:
 
 async def _show_end(reply: Reply, engine: Engine) -> None:
     """After a reply: its tool calls, and the stats line."""
-    from .report import format_summary, run_summary
+    from deltafin.coordinator.engine.report import format_summary, run_summary
 
     print()
     for call in reply.tool_calls:

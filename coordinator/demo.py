@@ -53,7 +53,7 @@ def cache_dir(explicit: str | None = None) -> Path:
 def ensure_checkpoint(preset: str, seed: int, root: Path) -> Path:
     """The cached synthetic checkpoint, written on first use (into a temporary directory, then renamed,
     so an interrupted write never leaves a half checkpoint behind)."""
-    from deltafin.synth import synthesize
+    from deltafin.mini.synth import synthesize
 
     target = root / f"synthetic-k3-{preset}-seed{seed}"
     if (target / COMPLETE).is_file():
@@ -115,10 +115,9 @@ class LocalWorker:
 
 async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
     """One chat reply, streamed to stdout, and its stats line on stderr."""
-    from deltafin.chat import ChatOptions, OutputParser, encode
-
-    from .generation import Finished
-    from .report import format_summary, run_summary
+    from deltafin.coordinator.engine.report import format_summary, run_summary
+    from deltafin.coordinator.engine.token_loop import Finished
+    from deltafin.text.chat import ChatOptions, OutputParser, encode
 
     ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions())
     print(f"user: {prompt}\nassistant (thinking): ", end="", flush=True)
@@ -136,12 +135,11 @@ async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    from deltafin.config import load_config
-    from deltafin.tokenizer import K3Tokenizer
-
-    from .cluster import ClusterSpec
-    from .engine import Engine
-    from .recovery import connect_cluster
+    from deltafin.checkpoint.config import load_config
+    from deltafin.coordinator.cluster.recovery import connect_cluster
+    from deltafin.coordinator.cluster.workers import ClusterSpec
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.text.tokenizer import K3Tokenizer
 
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")

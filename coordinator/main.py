@@ -21,13 +21,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deltafin.chat import SERVING_MAX_TOKENS
-from deltafin.config import load_config
-from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
-from deltafin.errors import DeltafinError
-from deltafin.transport.ports import cannot_listen, check_free
-
-from .options import (
+from deltafin.checkpoint.config import load_config
+from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.coordinator.engine.report import format_summary, run_summary
+from deltafin.coordinator.options import (
     add_cluster_options,
     add_sampling_options,
     add_serving_options,
@@ -36,10 +33,12 @@ from .options import (
     open_engine,
     sampling_params,
 )
-from .report import format_summary, run_summary
+from deltafin.errors import DeltafinError
+from deltafin.text.chat import SERVING_MAX_TOKENS
+from deltafin.transport.ports import cannot_listen, check_free
 
 if TYPE_CHECKING:
-    from deltafin.planner import Plan
+    from deltafin.plan.planner import Plan
 
 log = logging.getLogger("deltafin.coordinator")
 
@@ -112,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def cmd_plan(args: argparse.Namespace) -> int:
-    from .cluster import find_workers, plan_cluster
+    from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
 
     spec = cluster_spec(args)
     workers = await find_workers(spec)
@@ -129,7 +128,7 @@ async def cmd_plan(args: argparse.Namespace) -> int:
 def download_commands(plan: Plan) -> list[str]:
     """What each worker of `plan` needs on its disk, as `deltafin download` commands: its stage's layers; with wide
     experts every layer (each worker computes its share of every MoE layer) and its share of the experts."""
-    from deltafin.placement import split
+    from deltafin.plan.expert_placement import split
 
     lines = ["put the model on each worker (SOURCE: hf:ORG/NAME or a directory; DIR: the worker's --model):"]
     placement = plan.experts
@@ -148,8 +147,8 @@ def download_commands(plan: Plan) -> list[str]:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from .generation import Finished, PlainText
-    from .report import PrefillReporter
+    from deltafin.coordinator.engine.report import PrefillReporter
+    from deltafin.coordinator.engine.token_loop import Finished, PlainText
 
     params = sampling_params(args)  # bad values fail before anything loads
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -189,7 +188,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
-    from . import server
+    from deltafin.coordinator.http import server
 
     if (args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1
             or args.pipeline_depth < 0):
@@ -225,7 +224,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
-    from .serve_bench import bench_serving
+    from deltafin.coordinator.serve_bench import bench_serving
 
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]

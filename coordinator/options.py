@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deltafin.chat import SERVING_MAX_TOKENS
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, explicit_options, stage_options
+from deltafin.text.chat import SERVING_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def add_speculative_option(p: argparse.ArgumentParser) -> None:
 
 def speculative_tokens(args: argparse.Namespace) -> int:
     """Tokens one speculative forward verifies, for the memory plan: the most with --speculative, else 0."""
-    from deltafin.sizing import SPECULATIVE_TOKENS
+    from deltafin.plan.sizing import SPECULATIVE_TOKENS
 
     return SPECULATIVE_TOKENS if args.speculative != "none" else 0
 
@@ -100,7 +100,7 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tok
 
 
 def sampling_params(args: argparse.Namespace):  # -> SamplingParams
-    from deltafin.sampling import SamplingParams
+    from deltafin.text.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -133,19 +133,19 @@ def _user_options(args: argparse.Namespace) -> dict[str, Any]:
 
 async def open_backend(args: argparse.Namespace, show_progress: bool = True):
     """The backend the command runs on: in-process stages with --local, else the cluster."""
-    from .backend import LocalBackend
-    from .recovery import connect_cluster
+    from deltafin.coordinator.cluster.backend import LocalBackend
+    from deltafin.coordinator.cluster.recovery import connect_cluster
 
     if args.local:
         from deltafin.devices import resolve_device, resolve_dtype
-        from deltafin.pipeline import LocalPipeline
+        from deltafin.runtime.pipeline import LocalPipeline
 
         options = dataclasses.replace(stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype)),
                                       speculative_tokens=speculative_tokens(args))
         pipe = await asyncio.to_thread(LocalPipeline.load, args.model, args.local_stages, args.device, args.dtype,
                                        "hf", options, show_progress)
         return LocalBackend(pipe)
-    from .recovery import RecoveryOptions
+    from deltafin.coordinator.cluster.recovery import RecoveryOptions
 
     spec = cluster_spec(args, _user_options(args))
     backend, plan = await connect_cluster(spec, show_progress=show_progress, recovery=RecoveryOptions(
@@ -159,13 +159,12 @@ async def open_backend(args: argparse.Namespace, show_progress: bool = True):
 
 
 def cluster_spec(args: argparse.Namespace, options: dict[str, Any] | None = None):  # -> ClusterSpec
-    from deltafin.checkpoint import scan_checkpoint
-    from deltafin.stage import StageOptions
+    from deltafin.checkpoint.shards import scan_checkpoint
+    from deltafin.coordinator.cluster.backend import Timeouts
+    from deltafin.coordinator.cluster.workers import ClusterSpec
+    from deltafin.runtime.stage import StageOptions
     from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
     from deltafin.weights.reader import layer_spans
-
-    from .backend import Timeouts
-    from .cluster import ClusterSpec
 
     if args.worker_timeout <= 0 or args.forward_timeout <= 0:
         raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
@@ -191,9 +190,8 @@ async def open_engine(args: argparse.Namespace, name: str | None = None, show_pr
                       **serving: Any):
     """Tokenizer and config first (fast, clear errors), then the backend, as one Engine. `show_progress`: the
     load's progress and the plan on stderr (else the plan is logged)."""
-    from deltafin.tokenizer import K3Tokenizer
-
-    from .engine import Engine
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.text.tokenizer import K3Tokenizer
 
     cfg = load_config(args.model)
     tokenizer = K3Tokenizer.load(args.model)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .engine import Engine
-from .generation import Finished
-from .report import worker_deltas
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.report import worker_deltas
+from deltafin.coordinator.engine.token_loop import Finished
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS)
     """The n-gram drafter on greedy answers, at every decode position, k drafts each time: how often it has a
     guess, and how many of its k a greedy verification would take (its first; on average). Independent of the
     engine's choice of k (which falls to 0 when drafts stop paying)."""
-    from deltafin.speculative import NgramDrafter
+    from deltafin.text.drafting import NgramDrafter
 
     drafter = NgramDrafter()
     positions = proposed = first = taken = 0
@@ -104,10 +104,10 @@ def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS)
 def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], list[int]]], cache_share: float,
             options: Any) -> dict[str, Any]:
     """Feed each answer back one token at a time through a streaming stage; the routing trace it records."""
-    from deltafin.bench import ExpertRecorder
-    from deltafin.config import load_config
-    from deltafin.pipeline import LocalPipeline
-    from deltafin.stage import SeqInput, StageOptions
+    from deltafin.checkpoint.config import load_config
+    from deltafin.cli.bench import ExpertRecorder
+    from deltafin.runtime.pipeline import LocalPipeline
+    from deltafin.runtime.stage import SeqInput, StageOptions
 
     cfg = load_config(model)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
@@ -138,7 +138,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
 
 def _routing(cfg: Any, trace: list[tuple[int, list[int]]], all_experts: int) -> dict[str, Any]:
     """Policy hit rates at CACHE_SHARES of all experts, and how much consecutive tokens share experts."""
-    from deltafin.weights.cache import POLICIES, simulate
+    from deltafin.weights.expert_cache import POLICIES, simulate
 
     steps = [[(layer, e) for e in ids] for layer, ids in trace]
     rates = {f"{share:g}": {p: round(simulate(p, max(1, int(share * all_experts)), steps), 4) for p in POLICIES}

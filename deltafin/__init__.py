@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["ChatReply", "Completion", "KimiK3Engine", "Model", "Piece", "connect", "load"]
 
 
-def __getattr__(name: str) -> Any:  # lazily: `import deltafin.config` need not load the engine
+def __getattr__(name: str) -> Any:  # lazily: `import deltafin.checkpoint.config` need not load the engine
     if name in __all__:
         from deltafin import api
 

@@ -1,3 +1,3 @@
-from deltafin.cli import main
+from deltafin.cli.commands import main
 
 raise SystemExit(main())

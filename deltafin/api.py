@@ -1,5 +1,5 @@
 """The Python API: K3 in this process or on workers, generating through the same Engine as the CLI and the HTTP
-API (coordinator/engine.py: one admission queue, one generation loop, the same stop tokens and prefix cache).
+API (coordinator/engine/engine.py: one admission queue, one generation loop, the same stop tokens and prefix cache).
 
     import deltafin
 
@@ -35,9 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltafin.chat import EFFORTS, SERVING_MAX_TOKENS, ChatOptions, OutputParser, ToolCall, assistant_message, encode
 from deltafin.errors import DeltafinError
-from deltafin.sampling import SamplingParams
+from deltafin.text.chat import (
+    EFFORTS,
+    SERVING_MAX_TOKENS,
+    ChatOptions,
+    OutputParser,
+    ToolCall,
+    assistant_message,
+    encode,
+)
+from deltafin.text.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +225,7 @@ class Model:
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
                stop: list[str] | None = None, speculative: str | None = None) -> Iterator[Piece]:
         """`generate`, a token at a time; leaving the loop early stops the generation and frees its sessions."""
-        from deltafin.coordinator.generation import PlainText
+        from deltafin.coordinator.engine.token_loop import PlainText
 
         ids = self._prompt_ids(prompt)
         sampling = _sampling(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
@@ -296,7 +304,7 @@ class Model:
 
     def _collect(self, events: queue.Queue, ids: list[int], chat: bool) -> Iterator[Piece]:
         """The engine's events as pieces, the last with the whole result."""
-        from deltafin.coordinator.generation import Finished
+        from deltafin.coordinator.engine.token_loop import Finished
 
         out_ids: list[int] = []
         text: list[str] = []

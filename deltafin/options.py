@@ -1,8 +1,8 @@
 """The command-line options that decide how a stage holds the model, shared by every command that computes
 (`deltafin logits|bench`, `deltafin-worker`, `deltafin-coordinator --local`), and their StageOptions.
 
-With no sizing flags, a process finds the memory it may use (deltafin/memory.py) and sizes itself within it
-(deltafin/sizing.py): experts in memory if they fit, else streamed with a cache of what is left; a bf16
+With no sizing flags, a process finds the memory it may use (deltafin/plan/memory.py) and sizes itself within it
+(deltafin/plan/sizing.py): experts in memory if they fit, else streamed with a cache of what is left; a bf16
 spine if it fits, else row-int8 with the rest streamed.
 """
 
@@ -108,8 +108,8 @@ def explicit_options(args: argparse.Namespace) -> dict[str, Any]:
 def stage_options(args: argparse.Namespace, device: Any, dtype: Any = None):  # -> StageOptions
     """StageOptions from the command line, with the memory budget: --memory-gb, or what this process finds it
     may use on `device` (a torch.device)."""
-    from deltafin.memory import find_memory
-    from deltafin.stage import StageOptions
+    from deltafin.plan.memory import find_memory
+    from deltafin.runtime.stage import StageOptions
 
     found = find_memory(device.type, device.index)
     device_budget, host_budget = found.budget

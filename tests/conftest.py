@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deltafin.synth import synthesize
+from deltafin.mini.synth import synthesize
 
 
 def _isolated_cache() -> None:

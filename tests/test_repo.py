@@ -26,14 +26,13 @@ def test_ci_runs_the_readme_test_command():
 
 
 def _defaults() -> list[str]:
-    from deltafin.chat import SERVING_MAX_TOKENS
-    from deltafin.coordinator.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
+    from deltafin.coordinator.engine.prefix_index import PREFIX_BLOCK
+    from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
+    from deltafin.coordinator.http.server import HEARTBEAT_S
     from deltafin.coordinator.options import add_cluster_options
-    from deltafin.coordinator.prefix import PREFIX_BLOCK
-    from deltafin.coordinator.server import HEARTBEAT_S
-    from deltafin.memory import MARGIN
     from deltafin.options import add_stage_options
-    from deltafin.sizing import (
+    from deltafin.plan.memory import MARGIN
+    from deltafin.plan.sizing import (
         FORWARD_SHARE,
         MLA_BLOCK_BYTES,
         MLA_BLOCK_TOKENS,
@@ -42,7 +41,8 @@ def _defaults() -> list[str]:
         SPECULATIVE_TOKENS,
         WEIGHT_BLOCK_VALUES,
     )
-    from deltafin.speculative import DraftLength, NgramDrafter, default_cost
+    from deltafin.text.chat import SERVING_MAX_TOKENS
+    from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
     from deltafin.worker.main import build_parser as worker_parser
@@ -94,8 +94,8 @@ def test_the_readmes_defaults_are_the_codes(figure: str) -> None:
 
 
 def _k3_figures(tmp: Path) -> list[str]:
-    from deltafin.config import LayerKind, load_config
-    from deltafin.sizing import (
+    from deltafin.checkpoint.config import LayerKind, load_config
+    from deltafin.plan.sizing import (
         SPECULATIVE_TOKENS,
         Placement,
         boundary_bytes_per_token,
@@ -151,7 +151,7 @@ MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 G
 def _mac_projection(cfg) -> list[str]:
     """Each cluster's rows: its experts local (the stages one after another), and with more than one Mac wide (every
     SSD reading at once: the plan's prediction)."""
-    from deltafin.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.planner import WorkerCapacity, plan_layers
 
     rows = []
     for label, n, budget_gb in MACS:
@@ -174,7 +174,7 @@ def _mac_projection(cfg) -> list[str]:
 
 
 def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
-    from deltafin.config import load_config
+    from deltafin.checkpoint.config import load_config
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     rows = _mac_projection(load_config(tmp_path))
@@ -187,8 +187,8 @@ def _first_token_projection(cfg) -> list[str]:
     conversation (`--context 65536 --sequences 1`), with forwards of 512 tokens (the default before) and as the
     plan sizes them now: the planner's prediction from bytes and disk speeds over the assumed efficiency, and
     the same plans' decode time per token."""
-    from deltafin.planner import PROMPT_LENGTHS, WorkerCapacity, plan_layers
-    from deltafin.sizing import SizingOptions
+    from deltafin.plan.planner import PROMPT_LENGTHS, WorkerCapacity, plan_layers
+    from deltafin.plan.sizing import SizingOptions
 
     rows = []
     for label, n, budget_gb in MACS[:3]:
@@ -206,7 +206,7 @@ def _first_token_projection(cfg) -> list[str]:
 
 
 def test_the_readmes_first_token_projection_is_the_planners(tmp_path: Path) -> None:
-    from deltafin.config import load_config
+    from deltafin.checkpoint.config import load_config
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     rows = _first_token_projection(load_config(tmp_path))
@@ -218,9 +218,9 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     """The drafting table for one 64 GB Mac: its MPS plan with --speculative (room for every sequence's trail),
     that plan's fixed spine and experts, the experts a pass of k drafts reads as measured on the k3-slice (the
     README's row) and under a uniform router, the best k."""
-    from deltafin.planner import WorkerCapacity, plan_layers
-    from deltafin.sizing import SPECULATIVE_TOKENS, SizingOptions
-    from deltafin.speculative import distinct_experts, expected_tokens
+    from deltafin.plan.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingOptions
+    from deltafin.text.drafting import distinct_experts, expected_tokens
 
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")
     (stage,) = plan_layers(cfg, [mac], SizingOptions(speculative_tokens=SPECULATIVE_TOKENS)).stages
@@ -254,7 +254,7 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
 
 
 def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) -> None:
-    from deltafin.config import load_config
+    from deltafin.checkpoint.config import load_config
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     lines = (ROOT / "README.md").read_text().splitlines()
@@ -265,8 +265,8 @@ def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) ->
 
 def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
     """The `plan` command's output in the README (real workers, CPU placement) is what the planner gives now."""
-    from deltafin.config import load_config
-    from deltafin.planner import WorkerCapacity, plan_layers
+    from deltafin.checkpoint.config import load_config
+    from deltafin.plan.planner import WorkerCapacity, plan_layers
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)

@@ -10,14 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"deltafin": ROOT / "deltafin", "deltafin.coordinator": ROOT / "coordinator",
             "deltafin.worker": ROOT / "worker"}
-ENTRY_POINTS = {"deltafin.cli", "deltafin.__main__", "deltafin.coordinator.main", "deltafin.worker.main"}
+ENTRY_POINTS = {"deltafin.cli.commands", "deltafin.__main__", "deltafin.coordinator.main", "deltafin.worker.main"}
 # layer -> what it may not import (DESIGN.md: models -> weights -> stage -> transport -> worker / coordinator)
 FORBIDDEN = {
-    "deltafin.models": ("deltafin.weights", "deltafin.stage", "deltafin.pipeline", "deltafin.transport",
+    "deltafin.models": ("deltafin.weights", "deltafin.runtime.stage", "deltafin.runtime.pipeline", "deltafin.transport",
                         "deltafin.coordinator", "deltafin.worker"),
-    "deltafin.weights": ("deltafin.stage", "deltafin.pipeline", "deltafin.transport", "deltafin.coordinator",
+    "deltafin.weights": ("deltafin.runtime.stage", "deltafin.runtime.pipeline", "deltafin.transport", "deltafin.coordinator",
                          "deltafin.worker"),
-    "deltafin.stage": ("deltafin.transport", "deltafin.coordinator", "deltafin.worker"),
+    "deltafin.runtime.stage": ("deltafin.transport", "deltafin.coordinator", "deltafin.worker"),
     "deltafin.transport": ("deltafin.coordinator", "deltafin.worker"),
     "deltafin.worker": ("deltafin.coordinator",),
     "deltafin.coordinator": ("deltafin.worker",),
@@ -110,8 +110,8 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
     import grpc
 
     from deltafin import errors
-    from deltafin.coordinator.server import _as_api_error
-    from deltafin.transport.status import status_for
+    from deltafin.coordinator.http.server import _as_api_error
+    from deltafin.transport.grpc_status import status_for
 
     defined = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for name, path in MODULES.items()
                if name != "deltafin.errors" for node in ast.walk(ast.parse(path.read_text()))
@@ -137,15 +137,15 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
 
 # the functions over 40 lines, and why each reads best whole
 LONG_FUNCTIONS = {
-    ("deltafin.chat", "render"): "the chat template's parts in the template's order, to read beside Kimi-K3.jinja",
-    ("deltafin.config", "parse_config"): "one ModelConfig field per line, as config.json names it",
-    ("deltafin.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",
-    ("deltafin.inspection", "inspect_model"): "the fields of `deltafin inspect`, each computed where it is named",
-    ("deltafin.inspection", "format_report"): "the report's lines in the order they are printed",
+    ("deltafin.text.chat", "render"): "the chat template's parts in the template's order, to read beside Kimi-K3.jinja",
+    ("deltafin.checkpoint.config", "parse_config"): "one ModelConfig field per line, as config.json names it",
+    ("deltafin.transport.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",
+    ("deltafin.cli.inspection", "inspect_model"): "the fields of `deltafin inspect`, each computed where it is named",
+    ("deltafin.cli.inspection", "format_report"): "the report's lines in the order they are printed",
     ("deltafin.weights.store", "__init__"): "the slot pools, cache and reader, wired in the order they depend on",
     ("deltafin.coordinator.chat_cli", "run_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
-    ("deltafin.coordinator.cluster", "probe_workers"): "concurrent probes and every reason to leave a worker out",
-    ("deltafin.coordinator.cluster", "assign_plan"): "plan, parallel loads with progress, all clients closed on "
+    ("deltafin.coordinator.cluster.workers", "probe_workers"): "concurrent probes and every reason to leave a worker out",
+    ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients closed on "
                                                      "failure: one transaction",
     ("deltafin.coordinator.main", "build_parser"): "the command line's table of commands and options",
 }

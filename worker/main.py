@@ -19,9 +19,9 @@ import uuid
 from typing import Any
 
 from deltafin import __version__
-from deltafin.checkpoint import fingerprint, open_copy, scan_checkpoint
-from deltafin.config import load_config
-from deltafin.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import fingerprint, open_copy, scan_checkpoint
+from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.options import add_stage_options, stage_options
@@ -145,7 +145,7 @@ def _checkpoints(args: argparse.Namespace) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from deltafin.discovery import Announcer
+    from deltafin.transport.discovery import Announcer
     from deltafin.worker.service import WorkerService, create_server
 
     key, tls, peer_security = _security(args)

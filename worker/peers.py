@@ -19,14 +19,14 @@ import grpc
 import torch
 
 from deltafin.errors import CodecError, HolderError
-from deltafin.placement import ExpertPlan, Holder
+from deltafin.plan.expert_placement import ExpertPlan, Holder
+from deltafin.runtime.wide import ExpertCall, call_pieces
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, Hints
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, await_watched
-from deltafin.wide import ExpertCall, call_pieces
 
 log = logging.getLogger(__name__)
 

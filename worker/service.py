@@ -1,5 +1,5 @@
 """The worker's gRPC servicer: thin adapters between the wire format and what the worker was assigned (a
-Stage, and with wide experts its share of every MoE layer's experts: deltafin/assigned.py).
+Stage, and with wide experts its share of every MoE layer's experts: deltafin/runtime/assigned.py).
 
 One thread owns the stage (loading and every forward run there, in order); other stages' expert calls run on
 a thread of their own, so they never queue behind this worker's forwards. RPC handlers decode, hand the work to
@@ -21,22 +21,21 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deltafin.assigned import Assigned, assign
-from deltafin.checkpoint import Checkpoint
+from deltafin.checkpoint.shards import Checkpoint
 from deltafin.devices import exact_fp32
 from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned, OutOfMemory
-from deltafin.placement import ExpertPlan
-from deltafin.sizing import boundary_bytes_per_token
-from deltafin.stage import Stage, StageOptions
+from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.plan.sizing import boundary_bytes_per_token
+from deltafin.runtime.assigned import Assigned, assign
+from deltafin.runtime.stage import Stage, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.grpc_status import status_for
 from deltafin.transport.ports import cannot_listen
-from deltafin.transport.status import status_for
-
-from .peers import Peers
+from deltafin.worker.peers import Peers
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin import paths
-from deltafin.quant import Int8Weight, MXFP4Weight
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
 from deltafin.kernels.activations import GatedActivation
-from deltafin.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
-from deltafin.sizing import WEIGHT_BLOCK_VALUES
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
+from deltafin.plan.sizing import WEIGHT_BLOCK_VALUES
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltafin.config import MXFP4_GROUP, ModelConfig
+from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig
 from deltafin.kernels.activations import GatedActivation
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ def verified(act: GatedActivation) -> bool:
     """Whether MLX's experts pass the self-check (once per process and activation); logs the outcome."""
     import dataclasses
 
-    from deltafin.config import parse_config
-    from deltafin.synth import preset_config
+    from deltafin.checkpoint.config import parse_config
+    from deltafin.mini.synth import preset_config
 
     small = dataclasses.replace(parse_config(preset_config("small", 2)), hidden_act=act.kind, situ_beta=act.beta,
                                 situ_linear_beta=act.linear_beta)
@@ -162,7 +162,7 @@ def verified(act: GatedActivation) -> bool:
 def self_check(cfg: ModelConfig, act: GatedActivation) -> bool:
     """MLX's experts against the torch reference on random MXFP4 experts of this model's shapes (every code,
     several scales, more (token, expert) pairs than experts): relative error at fp32 rounding."""
-    from deltafin.quant import MXFP4Weight, mxfp4_linear_reference
+    from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
 
     g = torch.Generator().manual_seed(4321)
     i, d, n_exp = cfg.moe_intermediate_size, cfg.expert_dim, 3

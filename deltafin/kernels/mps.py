@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from deltafin.quant import Int8Weight, MXFP4Weight
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight
 
 
 class MPSKernels:
     isa = "mps (int8 pack matmul)"
 
     def __call__(self, x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
-        from deltafin.quant import mxfp4_linear_reference
+        from deltafin.kernels.quant import mxfp4_linear_reference
 
         return mxfp4_linear_reference(x, w)
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels.activations import GatedActivation
-from deltafin.quant import MXFP4Weight
+from deltafin.kernels.quant import MXFP4Weight
 
 MAX_TOKENS = 8
 
@@ -113,7 +113,7 @@ class CUDAMatmul:
         rows, cols = w.shape
         xf = self._prepare(x, cols)
         if xf is None:
-            from deltafin.quant import mxfp4_linear_reference
+            from deltafin.kernels.quant import mxfp4_linear_reference
 
             return mxfp4_linear_reference(x, w)
         ntok = xf.shape[0]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from deltafin import chat, vocab
 from deltafin.mini.corpus import Conversation, chat_options
-from deltafin.tokenizer import unicode_to_bytes
+from deltafin.text import chat, vocab
+from deltafin.text.tokenizer import unicode_to_bytes
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltafin import chat
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.text import chat
+from deltafin.text.tokenizer import K3Tokenizer
 
 log = logging.getLogger(__name__)
 

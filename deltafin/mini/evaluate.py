@@ -20,10 +20,10 @@ from deltafin.mini.corpus import Conversation, encode_all
 
 def perplexity(model_dir: str | Path, convs: list[Conversation], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """{"nats_per_token", "perplexity", "tokens", "conversations", "vocab_size"} over `convs`."""
-    from deltafin.pipeline import LocalPipeline
-    from deltafin.sizing import PIECE_TOKENS
-    from deltafin.stage import SeqInput
-    from deltafin.tokenizer import K3Tokenizer
+    from deltafin.plan.sizing import PIECE_TOKENS
+    from deltafin.runtime.pipeline import LocalPipeline
+    from deltafin.runtime.stage import SeqInput
+    from deltafin.text.tokenizer import K3Tokenizer
 
     tok = K3Tokenizer.load(model_dir)
     pipe = LocalPipeline.load(model_dir, 1, device=device, dtype="fp32")

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from deltafin.config import TensorSpec, parse_config
+from deltafin.checkpoint.config import TensorSpec, parse_config
+from deltafin.kernels.quant import MXFP4Weight, quantize_mxfp4
+from deltafin.mini.synth import write_checkpoint
 from deltafin.mini.train import experts_name
-from deltafin.quant import MXFP4Weight, quantize_mxfp4
-from deltafin.synth import write_checkpoint
 
 
 def export(raw: dict[str, Any], params: dict[str, torch.Tensor], ranks: dict[bytes, int], out: Path,

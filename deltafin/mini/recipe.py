@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltafin import vocab
-from deltafin.config import parse_config
+from deltafin.checkpoint.config import parse_config
 from deltafin.mini import bpe, corpus
 from deltafin.mini.export import export
+from deltafin.mini.synth import preset_config, synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
-from deltafin.synth import preset_config, synthesize
+from deltafin.text import vocab
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ PRESET = "mini"
 
 def prepare(out: Path, seed: int = 0, root: Path | None = None) -> dict:
     """Write `out`/{train,heldout}.jsonl, tiktoken.model, tokenizer_config.json, train.npy; returns counts."""
-    from deltafin.tokenizer import K3Tokenizer
+    from deltafin.text.tokenizer import K3Tokenizer
 
     root = root or corpus.stdlib_root()
     out.mkdir(parents=True, exist_ok=True)

@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.kernels.quant import MXFP4Weight, dequantize_mxfp4, quantize_mxfp4
 from deltafin.models.cache import new_sequence_cache
 from deltafin.models.decoder import Span, attention, embed, feed_forward, head
 from deltafin.models.moe import ExpertSource, route
 from deltafin.models.weights import ExpertWeights, MoEWeights, layer_weights, top_weights
-from deltafin.quant import MXFP4Weight, dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.config import LayerKind, ModelConfig
-from deltafin.sizing import mla_capacity
+from deltafin.checkpoint.config import LayerKind, ModelConfig
+from deltafin.plan.sizing import mla_capacity
 
 
 @dataclass(frozen=True)

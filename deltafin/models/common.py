@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.activations import GatedActivation
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltafin.config import LayerKind, ModelConfig
+from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.kernels.linear import linear
 from deltafin.models.attn_res import ResidualState, attn_res_mix
 from deltafin.models.cache import SequenceCache

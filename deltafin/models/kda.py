@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import linear
 from deltafin.models.cache import KDACache, KDATrail
 from deltafin.models.common import l2_normalize, rms_norm

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
 from deltafin.models.weights import MLAWeights
-from deltafin.sizing import MLA_BLOCK_BYTES
+from deltafin.plan.sizing import MLA_BLOCK_BYTES
 
 
 def _causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import gate_up, linear
 from deltafin.models.common import activation, rms_norm
 from deltafin.models.weights import DenseMLPWeights, ExpertWeights, MoEWeights

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deltafin.config import LayerKind, ModelConfig
+from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.errors import ModelFormatError
 from deltafin.kernels.linear import Weight
-from deltafin.quant import MXFP4Weight
+from deltafin.kernels.quant import MXFP4Weight
 
 # place(tensor, role) -> weight on the device. Roles: "matrix" (for `linear`: compute dtype, bf16 as stored
 # on the CPU, or row-int8 spine), "dense" (a matrix used as a tensor, always the compute dtype), "vector"

@@ -16,10 +16,10 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.runtime.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
-from deltafin.wide import ExpertCall
 
 PROTOCOL_VERSION = 6  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
 # 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters

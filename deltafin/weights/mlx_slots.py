@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from deltafin.checkpoint import Checkpoint
-from deltafin.config import MXFP4_GROUP, ModelConfig
+from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig
+from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import ModelFormatError
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
+from deltafin.kernels.quant import E8M0_NAN, MXFP4Weight
 from deltafin.models.weights import ExpertWeights
-from deltafin.quant import E8M0_NAN, MXFP4Weight
 from deltafin.weights.reader import FreeSlots, ReadPlan, ShardFiles, plan_read
 
 

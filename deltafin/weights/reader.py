@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltafin.checkpoint import Checkpoint, ExpertLocation, TensorLocation
+from deltafin.checkpoint.shards import Checkpoint, ExpertLocation, TensorLocation
 from deltafin.errors import ModelFormatError
 from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffer, open_file
 

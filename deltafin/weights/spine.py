@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deltafin.checkpoint import Checkpoint
-from deltafin.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import Checkpoint
 from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.reader import ShardFiles, plan_tensors, read_parallel

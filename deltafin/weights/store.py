@@ -10,7 +10,7 @@ MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expe
 moves to the cache too and counts as wasted bytes if it is evicted unused.
 
 Several disks: given more than one copy (or part) of the checkpoint, each layer's experts are divided among the
-disks that hold them in proportion to their speed (deltafin/placement.py, the code that divides a layer among
+disks that hold them in proportion to their speed (deltafin/plan/expert_placement.py, the code that divides a layer among
 workers), and every disk has readers of its own. Several compute threads may ask at once (a worker's stage and the
 expert calls it serves for other stages): a read one of them waits for is never dropped as another's wrong guess.
 """
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from deltafin.checkpoint import Checkpoint
+from deltafin.checkpoint.shards import Checkpoint
 from deltafin.kernels.activations import GatedActivation
 from deltafin.models.moe import expert_outputs
 from deltafin.models.weights import ExpertWeights
-from deltafin.placement import ExpertPlacement
-from deltafin.sizing import expert_slot_bytes, working_slots
-from deltafin.weights.cache import Entry, ExpertCache, make_policy
+from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.sizing import expert_slot_bytes, working_slots
+from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
 from deltafin.weights.reader import (
     DEMAND,
     PREFETCH,

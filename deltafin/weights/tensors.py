@@ -8,11 +8,11 @@ import os
 import numpy as np
 import torch
 
-from deltafin.checkpoint import Checkpoint, TensorLocation
-from deltafin.config import ExpertFormat, ModelConfig
+from deltafin.checkpoint.config import ExpertFormat, ModelConfig
+from deltafin.checkpoint.shards import Checkpoint, TensorLocation
 from deltafin.errors import ModelFormatError
+from deltafin.kernels.quant import MXFP4Weight, check_scales
 from deltafin.models.weights import ExpertWeights
-from deltafin.quant import MXFP4Weight, check_scales
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
                 "I8": torch.int8}

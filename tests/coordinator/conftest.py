@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from deltafin.config import load_config
-from deltafin.coordinator.backend import LocalBackend
-from deltafin.coordinator.engine import Engine
-from deltafin.pipeline import LocalPipeline
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.cluster.backend import LocalBackend
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.text.tokenizer import K3Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.text.tokenizer import K3Tokenizer
 from tests.support.cluster import COORDINATOR, workers
 
 PROMPT = "Pipeline parallelism buys memory and disk bandwidth"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from deltafin.coordinator.main import build_parser
 from deltafin.coordinator.options import cluster_spec, open_backend
-from deltafin.sizing import SPECULATIVE_TOKENS
+from deltafin.plan.sizing import SPECULATIVE_TOKENS
 
 
 def _args(model: Path, *extra: str):

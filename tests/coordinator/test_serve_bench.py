@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltafin.coordinator.engine import Engine
+from deltafin.coordinator.engine.engine import Engine
 from tests.support.cluster import COORDINATOR, workers
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.workload import CACHE_SHARES, WORKLOADS, bench_workload
 from deltafin.errors import DeltafinError
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import deltafin
-from deltafin.chat import ChatOptions, OutputParser, encode
 from deltafin.errors import DeltafinError, PromptTooLong, SamplingError
-from deltafin.pipeline import LocalPipeline
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.text.chat import ChatOptions, OutputParser, encode
+from deltafin.text.tokenizer import K3Tokenizer
 from tests.support.serving import argmax_loop, stop_ids
 
 

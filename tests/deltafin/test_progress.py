@@ -1,5 +1,5 @@
 """Progress of long prompts: the engine's per-request prefill progress and what /metrics makes of it (the CLI's
-line: tests/coordinator/test_report.py)."""
+line: tests/coordinator/engine/test_report.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from deltafin.config import load_config
-from deltafin.coordinator.backend import LocalBackend
-from deltafin.coordinator.engine import Engine
-from deltafin.coordinator.generation import PlainText, PrefillProgress
-from deltafin.coordinator.metrics import render
-from deltafin.pipeline import LocalPipeline
-from deltafin.planner import forward_read_bytes
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.cluster.backend import LocalBackend
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.token_loop import PlainText, PrefillProgress
+from deltafin.coordinator.http.metrics import render
+from deltafin.plan.planner import forward_read_bytes
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.text.tokenizer import K3Tokenizer
 
 
 def _metric(text: str, name: str) -> float:

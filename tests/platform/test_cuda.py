@@ -8,10 +8,10 @@ import gc
 import pytest
 import torch
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.stage import SeqInput, Stage, StageOptions
+from deltafin.runtime.stage import SeqInput, Stage, StageOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GB = 10**9

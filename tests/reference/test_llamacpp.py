@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config, with_eps_convention
+from deltafin.checkpoint.config import load_config, with_eps_convention
+from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.kernels import linear as linear_mod
-from deltafin.stage import SeqInput, Stage
+from deltafin.runtime.stage import SeqInput, Stage
 from tests.reference.golden.make_llamacpp_golden import checkpoint_digest
 
 GOLDEN = Path(__file__).parent / "golden" / "k3_tiny_llamacpp.npz"

@@ -10,9 +10,9 @@ import uuid
 import torch
 
 from deltafin.errors import ClusterUnavailable
-from deltafin.pipeline import LocalPipeline
-from deltafin.stage import SeqInput, SeqOutput
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.text.tokenizer import K3Tokenizer
 
 MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 
@@ -105,8 +105,8 @@ class SlowPrefill(ScriptedBackend):
 async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: str | None = None,
                 max_body: int = 1 << 20, **engine_options) -> tuple:
     """An Engine named `model` over `backend`, served on 127.0.0.1 (a free port): (engine, runner, url)."""
-    from deltafin.coordinator.engine import Engine
-    from deltafin.coordinator.server import start
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.http.server import start
 
     engine = Engine(backend, tok, cfg, model, **engine_options)
     runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=max_body, api_key=api_key)
@@ -116,7 +116,7 @@ async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: st
 @contextlib.asynccontextmanager
 async def served_pipeline(pipeline: LocalPipeline, tok: K3Tokenizer, cfg, **options):
     """The module's in-process stages behind a served engine, for one test: (engine, url); the stages stay open."""
-    from deltafin.coordinator.backend import LocalBackend
+    from deltafin.coordinator.cluster.backend import LocalBackend
 
     backend = LocalBackend(pipeline)
     engine, runner, url = await serve(backend, tok, cfg, **options)

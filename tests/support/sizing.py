@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from deltafin.quant import Int8Weight, MXFP4Weight
-from deltafin.stage import Stage
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight
+from deltafin.runtime.stage import Stage
 from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.store import ExpertStore
 

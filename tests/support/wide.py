@@ -1,4 +1,4 @@
-"""Wide experts in one process: N "workers" built by the workers' own assignment code (deltafin/assigned.py),
+"""Wide experts in one process: N "workers" built by the workers' own assignment code (deltafin/runtime/assigned.py),
 each holder reached on a thread of its own (wide.LocalPeer), so the stage side, the holder side and the reuse
 rules run exactly as in worker processes, without gRPC."""
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from deltafin.assigned import Assigned, assign
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.pipeline import LocalPipeline
-from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.stage import StageOptions, split_layers
-from deltafin.wide import LocalPeer
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.runtime.assigned import Assigned, assign
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import StageOptions, split_layers
+from deltafin.runtime.wide import LocalPeer
 
 CPU = torch.device("cpu")
 

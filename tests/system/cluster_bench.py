@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
 from tests.support.cluster import COORDINATOR, WorkerProcess
 
 TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"

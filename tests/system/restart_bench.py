@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
 from tests.support.cluster import ServerProcess
 
 TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"

@@ -135,7 +135,7 @@ def test_a_lost_expert_holder_moves_its_experts(small_dir: Path, tmp_path: Path)
     """Wide experts over two stages and a third worker that only holds experts: kill -9 of that holder mid-stream
     moves its experts to the stages (said in the log), SIGSTOP is caught by the probes within --worker-timeout,
     a restarted holder rejoins; every completion equals the uninterrupted one."""
-    from tests.coordinator.test_cluster_wide import without_top
+    from tests.coordinator.cluster.test_workers_wide import without_top
 
     holder_dir = without_top(small_dir, tmp_path / "no-top")
     with workers(small_dir, 2) as (w0, w1):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config, parse_config
+from deltafin.checkpoint.config import load_config, parse_config
+from deltafin.checkpoint.shards import open_checkpoint
 from tests.support.cluster import WorkerProcess
 
 GB = 10**9
@@ -65,9 +65,9 @@ def _memlimit_usable() -> bool:
 
 
 def _decode(model: Path, address: str) -> tuple[torch.Tensor, list[dict]]:
-    from deltafin.coordinator.cluster import ClusterSpec
-    from deltafin.coordinator.recovery import connect_cluster
-    from deltafin.stage import SeqInput
+    from deltafin.coordinator.cluster.recovery import connect_cluster
+    from deltafin.coordinator.cluster.workers import ClusterSpec
+    from deltafin.runtime.stage import SeqInput
 
     async def run():
         backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False),
@@ -111,9 +111,9 @@ def test_a_worker_with_no_sizing_flags_fits_its_cap(k3_cut: Path, monkeypatch):
 def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     """Where no cgroup can be made (not root, cgroup v2 only): the worker's option parsing and memory discovery
     in this process, the cgroup limit read from a stand-in; planned == allocated by the stage's own tensors."""
-    from deltafin import memory
     from deltafin.options import stage_options
-    from deltafin.stage import SeqInput, Stage
+    from deltafin.plan import memory
+    from deltafin.runtime.stage import SeqInput, Stage
     from deltafin.worker.main import build_parser
     from tests.support.sizing import held, plan_of
 

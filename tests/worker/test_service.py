@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from deltafin.checkpoint import fingerprint, scan_checkpoint
-from deltafin.config import load_config
-from deltafin.stage import StageOptions
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import fingerprint, scan_checkpoint
+from deltafin.runtime.stage import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -135,7 +135,7 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     """The coordinator gives up on an Assign (deadline) while the stage loads: the worker closes that stage
     once its load ends, before the next Assign loads another (never two stages in memory), and serves the
     next assignment."""
-    from deltafin.stage import Stage
+    from deltafin.runtime.stage import Stage
     from deltafin.worker.service import WorkerService
 
     start, cfg = served
@@ -184,11 +184,11 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     """A worker assigned no layers of a wide plan serves its experts: a call's outputs are the experts' on its
     rows (as the one-process loop computes them), hints are taken at once, and calls it cannot compute get a
     status that says why."""
-    from deltafin.checkpoint import open_checkpoint
+    from deltafin.checkpoint.shards import open_checkpoint
     from deltafin.models.moe import expert_outputs
-    from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.runtime.wide import ExpertCall
     from deltafin.weights.resident import ResidentExperts
-    from deltafin.wide import ExpertCall
 
     start, cfg = served
 

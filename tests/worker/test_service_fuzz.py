@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltafin.checkpoint import fingerprint
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import fingerprint
 from deltafin.transport import codec
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc

@@ -8,7 +8,7 @@ import torch
 from deltafin.kernels import linear as linear_mod
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.linear import gate_up, mxfp4_linear, mxfp4_linear_reference, self_check
-from deltafin.quant import MXFP4Weight
+from deltafin.kernels.quant import MXFP4Weight
 
 
 def _x(rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -8,17 +8,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config, parse_config
+from deltafin.checkpoint.config import load_config, parse_config
+from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import DeltafinError
 from deltafin.kernels import linear as linear_mod
 from deltafin.kernels import mlx_moe
+from deltafin.mini.synth import preset_config
 from deltafin.models.common import activation
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import moe_forward
-from deltafin.pipeline import compute_logits
-from deltafin.stage import SeqInput, Stage, StageOptions
-from deltafin.synth import preset_config
+from deltafin.runtime.pipeline import compute_logits
+from deltafin.runtime.stage import SeqInput, Stage, StageOptions
 
 pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ def test_the_mps_fast_path_runs_here_on_the_cpu():
     """MPS's spine kernels are torch ops MPS implements; on the CPU the same code must pass the same check, and
     int8 through torch._weight_int8pack_mm is the reference's math (fp32 accumulation of exact products)."""
     from deltafin.kernels.mps import MPSKernels
-    from deltafin.quant import Int8Weight
+    from deltafin.kernels.quant import Int8Weight
 
     kernels = MPSKernels()
     assert self_check(kernels, torch.device("cpu"))

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from deltafin import vocab
 from deltafin.mini import bpe, corpus
-from deltafin.tokenizer import K3Tokenizer, unicode_to_bytes
+from deltafin.text import vocab
+from deltafin.text.tokenizer import K3Tokenizer, unicode_to_bytes
 
 N_BASE = 1024
 SAMPLES = [

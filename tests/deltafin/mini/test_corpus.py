@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from deltafin import chat, vocab
 from deltafin.mini import corpus
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.text import chat, vocab
+from deltafin.text.tokenizer import K3Tokenizer
 
 FILES = {
     "pkg/__init__.py": '"""A package for testing the corpus walk."""\n',

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from deltafin.mini.corpus import read_jsonl
 from deltafin.mini.evaluate import perplexity
+from deltafin.mini.synth import synthesize
 from deltafin.paths import bundled_model
-from deltafin.synth import synthesize
 
 # 60 conversations about modules the training never saw (corpus.held_out: ftplib, reprlib, wave, ...)
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "k3_mini_heldout.jsonl"

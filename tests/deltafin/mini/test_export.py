@@ -8,11 +8,11 @@ import json
 import torch
 from safetensors import safe_open
 
-from deltafin.checkpoint import scan_checkpoint
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import scan_checkpoint
 from deltafin.mini.export import export
 from deltafin.mini.train import load_parameters
-from deltafin.vocab import read_tiktoken
+from deltafin.text.vocab import read_tiktoken
 
 
 def _tensors(model_dir):
@@ -42,7 +42,7 @@ def test_export_of_a_checkpoints_parameters_gives_the_checkpoint_back(tiny_dir, 
         assert after[name].dtype == t.dtype and after[name].shape == t.shape, name
         if name.endswith("weight_packed"):  # E2M1 has two zeros (codes 0 and 8): compare the values
             scale = name.replace("weight_packed", "weight_scale")
-            from deltafin.quant import MXFP4Weight, dequantize_mxfp4
+            from deltafin.kernels.quant import MXFP4Weight, dequantize_mxfp4
 
             assert torch.equal(dequantize_mxfp4(MXFP4Weight(after[name], after[scale])),
                                dequantize_mxfp4(MXFP4Weight(t, before[scale]))), name

@@ -10,12 +10,12 @@ import platform
 
 import pytest
 
-from deltafin import vocab
-from deltafin.checkpoint import scan_checkpoint
-from deltafin.config import ExpertFormat, LayerKind, load_config
+from deltafin.checkpoint.config import ExpertFormat, LayerKind, load_config
+from deltafin.checkpoint.shards import scan_checkpoint
 from deltafin.mini.train import TrainConfig
 from deltafin.paths import bundled_model
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.text import vocab
+from deltafin.text.tokenizer import K3Tokenizer
 
 SHIPPED = {  # sha256 of every file: a changed model must change this table, and the README's measurements
     "config.json": "1e94288b59fb8440378e6eb6d7435e467a02b63e425e6264dee656c92452a974",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
 from deltafin.mini import train
 from deltafin.models import mla
-from deltafin.pipeline import compute_logits
+from deltafin.runtime.pipeline import compute_logits
 
 CPU = torch.device("cpu")
 
@@ -101,7 +101,7 @@ def test_router_balance_moves_toward_the_less_chosen(tiny):
 
 
 def test_quantized_experts_are_frozen_mxfp4_values(tiny):
-    from deltafin.quant import dequantize_mxfp4, quantize_mxfp4
+    from deltafin.kernels.quant import dequantize_mxfp4, quantize_mxfp4
 
     cfg, params = tiny
     name = train.experts_name(cfg.moe_layers[0], "w3")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config
-from deltafin.pipeline import LocalPipeline, compute_logits
-from deltafin.stage import SeqInput, Stage
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import open_checkpoint
+from deltafin.runtime.pipeline import LocalPipeline, compute_logits
+from deltafin.runtime.stage import SeqInput, Stage
 
 IDS = [5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17, 768, 250, 33, 512, 64, 129, 900, 8, 1, 2, 3, 4, 5]
 

@@ -87,7 +87,7 @@ def test_causal_conv_matches_conv1d():
 def test_equal_prefill_spans_run_side_by_side_as_each_alone(tiny_dir):
     """Two prompts of one length in one forward (their heads stacked in one chunk loop) give what each gives
     alone, outputs and caches; a third of another length runs in its own group."""
-    from deltafin.config import load_config
+    from deltafin.checkpoint.config import load_config
     from deltafin.mini.train import load_parameters
     from deltafin.models.cache import new_sequence_cache
     from deltafin.models.weights import layer_weights

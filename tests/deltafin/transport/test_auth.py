@@ -18,13 +18,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deltafin.config import load_config
-from deltafin.coordinator.backend import LocalBackend
-from deltafin.coordinator.engine import Engine
-from deltafin.coordinator.server import start
+from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.cluster.backend import LocalBackend
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.http.server import start
 from deltafin.errors import AuthError
-from deltafin.pipeline import LocalPipeline
-from deltafin.tokenizer import K3Tokenizer
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.transport.auth import Verifier, load_key, sign
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc

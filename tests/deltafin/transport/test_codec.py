@@ -11,7 +11,7 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.runtime.stage import SeqInput, SeqOutput, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -59,7 +59,7 @@ def test_layer_ranges():
 def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> None:
     import torch
 
-    from deltafin.pipeline import LocalPipeline
+    from deltafin.runtime.pipeline import LocalPipeline
 
     defaults = StageOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3)
     sent = {"dtype": "bf16", "memory_bytes": 7 << 30, "expert_cache_bytes": None, "session_bytes": 123,
@@ -74,7 +74,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
             codec.encode_stage_options(bad)
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(expert_cache_bytes=200_000))
     try:
-        from deltafin.stage import SeqInput
+        from deltafin.runtime.stage import SeqInput
 
         pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
         stage = pipe.stages[0]
@@ -91,8 +91,8 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
 
 def test_expert_calls_and_plans_round_trip():
-    from deltafin.placement import ExpertPlacement, ExpertPlan, Holder
-    from deltafin.wide import ExpertCall
+    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.runtime.wide import ExpertCall
 
     g = torch.Generator().manual_seed(0)
     call = ExpertCall(3, torch.randn(4, 16, generator=g), torch.tensor([0, 1, 1, 3]), torch.tensor([7, 2, 9, 2]),

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deltafin.checkpoint import open_checkpoint
-from deltafin.config import load_config
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import ModelFormatError
-from deltafin.pipeline import LocalPipeline
-from deltafin.sizing import Placement, size_stage
-from deltafin.stage import SeqInput, Stage, StageOptions
+from deltafin.plan.sizing import Placement, size_stage
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput, Stage, StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.store import ExpertStore
 
@@ -174,7 +174,7 @@ def test_streamed_and_int8_spines(tiny_dir):
 
 def _roundtrip_int8(obj) -> None:
     """Replace every matrix that --spine int8 quantizes by its dequantized row-int8 version, in place."""
-    from deltafin.quant import dequantize_int8_rows, quantize_int8_rows
+    from deltafin.kernels.quant import dequantize_int8_rows, quantize_int8_rows
 
     for name, value in vars(obj).items():
         quantized = isinstance(value, torch.Tensor) and value.dim() == 2 and min(value.shape) > 1
@@ -211,7 +211,7 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     """Whatever order the shards store tensors in, a stage that streams every layer's spine and every expert
     computes the resident logits exactly, and each pass reads each streamed layer's tensors once (no bytes of
     neighbouring experts: at most the alignment of one contiguous run, 2 x 4 KiB, per layer)."""
-    from deltafin.synth import synthesize
+    from deltafin.mini.synth import synthesize
 
     model = tiny_dir if order == "canonical" else synthesize("tiny", tmp_path / order, order=order,
                                                              show_progress=False)

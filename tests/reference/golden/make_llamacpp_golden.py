@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltafin.quant import MXFP4Weight, dequantize_mxfp4
-from deltafin.synth import synthesize
+from deltafin.kernels.quant import MXFP4Weight, dequantize_mxfp4
+from deltafin.mini.synth import synthesize
 
 IDS = [5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17, 768, 250, 33, 512, 64, 129, 900, 8]
 GREEDY_STEPS = 12

@@ -1,0 +1,332 @@
+"""Where the coordinator's forwards run: in-process stages (single-machine mode) or a cluster of workers.
+
+Both present one async interface, so the generation loop and the HTTP API never know which they drive.
+The cluster routes through the coordinator (the hub, DESIGN.md): ids to stage 0, its residual state to
+stage 1, and so on; every call carries a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from deltafin.errors import RemoteError, WorkerLost
+from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.runtime.pipeline import LocalPipeline, route
+from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.transport import codec
+from deltafin.transport.auth import ClusterSecurity
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.liveness import Silent, await_watched
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """Tokens one forward may carry (the stages were sized for it); None: no limit."""
+        ...
+
+    @property
+    def prefix_stages(self) -> list[PrefixBudget]:
+        """What every stage keeps prefixes within, for the coordinator's prefix index."""
+        ...
+
+    @property
+    def parallel_stages(self) -> int:
+        """Stages that can compute at the same time: the scheduler's default number of batches in flight."""
+        ...
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        """The batch through every stage; `progress` hears the fraction of the model's layers done, every few
+        seconds at most (a long prompt's forward takes minutes)."""
+        ...
+
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        """Free sessions; with `keep_as` (one id each, "" to free), keep each one's state as that prefix, of
+        its first `keep_lengths` tokens (one each, 0: all)."""
+        ...
+
+    async def stats(self) -> list[dict[str, Any]]: ...
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        """The first stage's longest kept prefix of `tokens` (memory or disk): (its id, its length)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Single-machine mode: the same stages in this process, run on one thread of their own."""
+
+    def __init__(self, pipeline: LocalPipeline):
+        self.pipeline = pipeline
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-local")
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @property
+    def max_forward_tokens(self) -> int | None:
+        return self.pipeline.max_forward_tokens
+
+    @property
+    def prefix_stages(self) -> list[PrefixBudget]:
+        return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize) for s in self.pipeline.stages]
+
+    @property
+    def parallel_stages(self) -> int:
+        return 1  # the stages run one after another on this process's one stage thread
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+            heard = progress
+            progress = lambda fraction: loop.call_soon_threadsafe(heard, fraction)  # from the stage's thread
+        return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits, progress=progress))
+
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        keep, lengths = keep_as or [""] * len(session_ids), keep_lengths or [0] * len(session_ids)
+        await self._run(lambda: [self.pipeline.release(s, k or None, n)
+                                 for s, k, n in zip(session_ids, keep, lengths, strict=True)])
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
+                                         "session_bytes": s.session_bytes(), "layers": [s.start, s.end]}
+                                        for i, s in enumerate(self.pipeline.stages)])
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        return await self._run(self.pipeline.stages[0].prefixes.find, tokens)
+
+    async def close(self) -> None:
+        await self._run(self.pipeline.close)
+        self.executor.shutdown(wait=True)
+
+
+FORWARD_UNIT = 512  # tokens of one default prompt chunk (--prefill-chunk)
+
+
+@dataclass
+class Timeouts:
+    forward: float = 600.0  # deadline of a forward of up to FORWARD_UNIT tokens (it may stream every expert)
+    control: float = 15.0  # Info, Release, Stats, Cancel
+    assign: float = 3600.0  # loading a stage of K3 reads tens of GB
+    probe_interval: float = 2.0  # during a forward, ask the worker whether it is alive this often
+    lost_after: float = 10.0  # a worker that has not answered for this long is lost (crashed, frozen, cut off)
+
+    def forward_deadline(self, tokens: int) -> float:
+        """A forward's deadline grows with its tokens: one chunk may read every expert of the stage (the
+        `forward` seconds), and compute grows linearly beyond a chunk. Liveness probes, not the deadline,
+        catch a dead worker; the deadline only bounds one that is alive and stuck."""
+        return self.forward * max(1.0, tokens / FORWARD_UNIT)
+
+
+SERVICE = "/deltafin.v1.Worker/"
+
+
+class WorkerClient:
+    """A channel to one worker and the layers it serves; every call carries the cluster key's signature
+    (when there is a key) and a deadline."""
+
+    def __init__(self, address: str, name: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+                 timeouts: Timeouts | None = None, security: ClusterSecurity | None = None):
+        self.address, self.name = address, name or address
+        self.timeouts = timeouts or Timeouts()
+        self.security = security or ClusterSecurity()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a restarted worker must be reachable at once: short reconnect backoff, and a channel of
+                   # its own (a shared subchannel would still be backing off from the dead process)
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
+        tls = self.security.tls
+        if tls is not None:
+            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.start = self.end = 0
+        self.part_bytes = max_message_bytes - max_message_bytes // 8  # tensor data a message carries, at most
+
+    def _md(self, method: str) -> Any:
+        return self.security.metadata(SERVICE + method)
+
+    def _error(self, e: grpc.aio.AioRpcError) -> RemoteError:
+        return RemoteError(f"{self.name} ({self.address})", e.code(), e.details() or "")
+
+    async def info(self, timeout: float | None = None) -> codec.WorkerDescription:
+        try:
+            msg = await self.stub.Info(pb.InfoRequest(), timeout=timeout or self.timeouts.control,
+                                       metadata=self._md("Info"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        d = codec.decode_info(msg, self.address)
+        self.name = d.name or self.name
+        return d
+
+    async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
+                     progress: Any = None, experts: ExpertPlan | None = None) -> None:
+        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only)."""
+        request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
+                                options=codec.encode_stage_options(options))
+        if experts is not None:
+            request.experts.CopyFrom(codec.encode_expert_plan(experts))
+        try:
+            async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
+                if progress is not None:
+                    progress(self, update.message, update.fraction)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        self.start, self.end = start, end
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str,
+                      progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
+        """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
+        the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise). The
+        probes' answers say how far the forward is: `progress(layers done, layers)`."""
+        tokens = sum(item.num_tokens for item in batch)
+        deadline = self.timeouts.forward_deadline(tokens)
+
+        async def probe() -> None:
+            info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
+                                        metadata=self._md("Info"))
+            if progress is not None and info.forward_layers:
+                progress(info.forward_layers_done, info.forward_layers)
+
+        # in parts: a long prompt's states (or the ones that come back) may be larger than one message
+        parts = codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes)
+        call = self.stub.ForwardParts(iter(parts), timeout=deadline, metadata=self._md("ForwardParts"))
+        try:
+            response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after,
+                                           _collect(call))
+        except Silent as e:
+            raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return codec.decode_output_parts(response)
+
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> int:
+        try:
+            r = await self.stub.Release(pb.ReleaseRequest(session_ids=session_ids, keep_as=keep_as or [],
+                                                          keep_lengths=keep_lengths or []),
+                                        timeout=self.timeouts.control, metadata=self._md("Release"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return r.released
+
+    async def cancel(self, request_id: str) -> bool:
+        try:
+            r = await self.stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                       timeout=min(self.timeouts.control, 2 * self.timeouts.probe_interval),
+                                       metadata=self._md("Cancel"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return r.cancelled
+
+    async def stats(self) -> dict[str, Any]:
+        try:
+            r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control, metadata=self._md("Stats"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return codec.decode_stats(r.stats)
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        try:
+            r = await self.stub.FindPrefix(pb.FindPrefixRequest(tokens=codec.encode_tensor(torch.tensor(tokens))),
+                                           timeout=self.timeouts.control, metadata=self._md("FindPrefix"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return (r.prefix_id, r.length) if r.prefix_id else None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def _collect(call: Any) -> list[pb.ForwardResponse]:
+    return [part async for part in call]
+
+
+class ClusterBackend:
+    """Stages on workers, called in layer order by the coordinator; with wide experts, `holders` are the workers
+    that only serve experts (the stages call them directly)."""
+
+    def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
+                 prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None,
+                 holders: list[WorkerClient] | None = None):
+        self.stages = sorted(stages, key=lambda w: w.start)
+        self.holders = list(holders or [])
+        self.max_forward_tokens = max_forward_tokens
+        self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)
+        self.parallel_stages = parallel_stages or len(self.stages)
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return [*self.stages, *self.holders]
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
+                      resume: tuple[int, list[SeqInput]] | None = None,
+                      progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
+        """The batch through every stage. A failure at stage i carries `resume_at = (i, that stage's inputs)`:
+        the stages before it have advanced, it and those after have not (a failed forward changes no session),
+        so `resume=resume_at` on the same stages finishes the same forward."""
+        request_id = uuid.uuid4().hex
+        hops = route(len(self.stages), *(batch, 0) if resume is None else (resume[1], resume[0]))
+        i, inputs = next(hops)
+        layers = self.stages[-1].end
+        while True:
+            worker = self.stages[i]
+            hop = None if progress is None else (lambda d, _n, at=worker.start: progress((at + d) / layers))
+            try:
+                outputs = await worker.forward(inputs, all_logits, request_id, hop)
+            except asyncio.CancelledError:
+                await asyncio.shield(self._cancel(worker, request_id))
+                raise
+            except (RemoteError, WorkerLost) as e:
+                e.resume_at = (i, inputs)  # type: ignore[attr-defined]
+                raise
+            try:
+                i, inputs = hops.send(outputs)
+            except StopIteration as done:
+                return done.value
+
+    @staticmethod
+    async def _cancel(worker: WorkerClient, request_id: str) -> None:
+        with contextlib.suppress(RemoteError):  # best effort: the worker also stops when the call's deadline passes
+            await worker.cancel(request_id)
+
+    async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
+                      keep_lengths: list[int] | None = None) -> None:
+        await asyncio.gather(*(w.release(session_ids, keep_as, keep_lengths) for w in self.stages),
+                             return_exceptions=True)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.stats() for w in self.workers)))
+
+    async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
+        """Stage 0's answer; a worker that cannot say (an older one, a failure) finds nothing."""
+        try:
+            return await self.stages[0].find_prefix(tokens)
+        except RemoteError as e:
+            log.debug("no kept prefix from %s: %s", self.stages[0].name, e)
+            return None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.workers))

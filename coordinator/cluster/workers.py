@@ -1,0 +1,239 @@
+"""Finding workers, checking them, planning the layers over them and loading the plan.
+
+Workers come from Bonjour (browse with a timeout) and/or `--worker host:port`. Each is asked for its
+Info: protocol version and model fingerprint must match the coordinator's, or it is left out with a
+warning. The planner (deltafin/plan/planner.py) then splits the layers; every stage is assigned in parallel,
+with progress, and the stages are handed back as a ResilientCluster (recovery.py), which re-plans and
+replays when a worker fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import fingerprint
+from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
+from deltafin.errors import ClusterError, DeltafinError, RemoteError
+from deltafin.plan.expert_placement import ExpertPlan, Holder
+from deltafin.plan.planner import EXPERT_MODES, Plan, StagePlan, WorkerCapacity, plan_layers
+from deltafin.plan.sizing import SizingOptions
+from deltafin.progress import Progress
+from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.transport.auth import ClusterSecurity
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterSpec:
+    """How to find workers and what to ask of them."""
+
+    model_dir: Path
+    addresses: list[str] = field(default_factory=list)  # --worker host:port
+    discover: bool = True
+    discover_timeout: float = 3.0
+    expect: int | None = None  # stop browsing once this many answered
+    interfaces: list[str] | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # stage options sent with every assignment
+    sizing: SizingOptions = field(default_factory=SizingOptions)  # how the planner sizes each stage
+    act_bytes: int = 4  # activation element size (fp32)
+    memory_cap: int | None = None  # --memory-gb: no worker's stage plans for more than this
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    experts: str = "auto"  # wide | local | auto: wide when the plan has more than one worker
+
+
+Worker = tuple[WorkerClient, WorkerDescription]
+
+
+async def discover_addresses(spec: ClusterSpec, timeout: float | None = None) -> list[str]:
+    """The named addresses, plus those Bonjour finds (when discovery is on)."""
+    addresses = list(spec.addresses)
+    if spec.discover:
+        from deltafin.transport.discovery import browse
+
+        found = await asyncio.to_thread(browse, timeout or spec.discover_timeout, spec.interfaces, spec.expect)
+        addresses += [d.address for d in found if d.address not in addresses]
+    return addresses
+
+
+async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = False,
+                        timeout: float | None = None) -> list[Worker]:
+    """Connect to each address and keep the workers that answer, run this model and this protocol, and
+    accept this coordinator's key; the others are left out with a warning. With `quiet` (the probes of
+    recovery and rejoin, repeated while a worker is away), a worker that does not answer is a debug line,
+    and a refusal (credentials, protocol, model) a warning the first time it is seen."""
+    mine = fingerprint(spec.model_dir)
+    clients = [WorkerClient(a, timeouts=spec.timeouts, security=spec.security,
+                            max_message_bytes=spec.max_message_bytes) for a in addresses]
+    infos = await asyncio.gather(*(c.info(timeout) for c in clients), return_exceptions=True)
+    usable = []
+
+    def say(message: str, *args: Any) -> None:
+        if not quiet:
+            log.warning(message, *args)
+        elif (text := message % args) not in _REFUSALS_SEEN:
+            _REFUSALS_SEEN.add(text)
+            log.warning(text)
+
+    for client, info in zip(clients, infos, strict=True):
+        if isinstance(info, RemoteError) and info.code in (grpc.StatusCode.UNAVAILABLE,
+                                                           grpc.StatusCode.DEADLINE_EXCEEDED) and quiet:
+            log.debug("leaving out %s: %s", client.address, info)
+        elif isinstance(info, RemoteError):
+            if info.code == grpc.StatusCode.UNAUTHENTICATED:
+                say("leaving out %s: it refused this coordinator's credentials (%s)", client.address, info.details)
+            else:
+                say("leaving out %s: %s", client.address, info)
+        elif isinstance(info, BaseException):
+            await asyncio.gather(*(c.close() for c in clients))
+            raise info
+        elif info.protocol_version != PROTOCOL_VERSION:
+            say("leaving out %s: protocol %d, this coordinator speaks %d", info.name, info.protocol_version,
+                PROTOCOL_VERSION)
+        elif info.model_fingerprint != mine:
+            say("leaving out %s: it holds checkpoint %s, this coordinator %s (%s)", info.name,
+                info.model_fingerprint, mine, spec.model_dir)
+        else:
+            usable.append((client, info))
+            continue
+        await client.close()
+    return usable
+
+
+_REFUSALS_SEEN: set[str] = set()  # refusals already warned about by quiet probes
+
+
+async def find_workers(spec: ClusterSpec) -> list[Worker]:
+    """Connect to every named and discovered worker that runs this model; warn about the others."""
+    addresses = await discover_addresses(spec)
+    if not addresses:
+        raise ClusterError("no workers: none answered on Bonjour within "
+                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port")
+    usable = await probe_workers(spec, addresses)
+    if not usable:
+        raise ClusterError("no usable workers: every one found was unreachable, runs another model or protocol, or "
+                           "refused this coordinator's key (see warnings)")
+    return usable
+
+
+def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[WorkerCapacity]:
+    """What the planner knows of each worker; `memory_cap` (--memory-gb) lowers every budget to it."""
+    cap = (lambda m: m) if memory_cap is None else (lambda m: min(m, memory_cap))
+    return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
+                           device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
+                           worker_id=d.key, expert_layers=d.expert_ranges, expert_gbps=d.expert_speed,
+                           disks=d.expert_disks) for _, d in workers]
+
+
+def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
+    """The layers over the workers; with `--experts auto`, the experts wide when more than one worker answers."""
+    if spec.experts not in EXPERT_MODES:
+        raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
+    caps = capacities(workers, spec.memory_cap)
+    mode = spec.experts if spec.experts != "auto" else ("wide" if len(workers) > 1 else "local")
+    plan = plan_layers(cfg, caps, spec.sizing, spec.act_bytes, experts=mode)
+    log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
+              plan.table())
+    return plan
+
+
+def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
+    """The wide part of a plan as every worker receives it (None: local experts)."""
+    if plan.experts is None:
+        return None
+    holders = tuple(Holder(s.key, s.address, s.worker) for s in plan.workers)
+    t = spec.timeouts
+    return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward)
+
+
+def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> dict[str, Any]:
+    """The assignment of one stage: the user's options and the plan's budgets, which the worker's stage sizes
+    itself by again (the same function, so the same result) and enforces."""
+    z = stage.sizing
+    options = {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
+               "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
+               "session_bytes": z.sessions, "prefix_bytes": z.prefixes, "sequences": spec.sizing.sequences,
+               "context": spec.sizing.context, "max_forward_tokens": z.forward_tokens,
+               "max_resident_layers": spec.sizing.max_resident_layers}
+    if not z.holder_only:
+        options["spine"] = z.spine
+    if wide:
+        options.update(expert_layers=z.expert_layers, expert_share=z.expert_share)
+    return options
+
+
+async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
+                      reuse: bool = False) -> tuple[ClusterBackend, Plan]:
+    """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
+    does not use are closed; on failure every client is closed. With `reuse` (a re-plan by this same
+    coordinator), a worker already serving exactly its new range keeps its stage and its caches; with wide
+    experts every worker is told the new placement (and keeps its stage and store if its own part is the same)."""
+    try:
+        plan = plan_cluster(spec, cfg, workers)
+    except DeltafinError:
+        await asyncio.gather(*(c.close() for c, _ in workers))
+        raise
+    by_key = {d.key: (c, d) for c, d in workers}  # names need not be unique (two workers on one host)
+    used = [by_key[s.key] for s in plan.workers]
+    for client, _ in workers:
+        if client not in [c for c, _ in used]:
+            await client.close()
+    mine = fingerprint(spec.model_dir)
+    wide = expert_plan(spec, plan)
+
+    def label(s: StagePlan) -> str:
+        return f"load {s.worker} " + ("expert share" if s.sizing.holder_only else f"layers {s.start}-{s.end - 1}")
+
+    bars = {id(c): Progress(1.0, label(s), unit="", enabled=show_progress)
+            for s, (c, _) in zip(plan.workers, used, strict=True)}
+
+    def progress(client: WorkerClient, message: str, fraction: float) -> None:
+        bar = bars.get(id(client))
+        if bar is not None:
+            bar.update(max(0.0, fraction - bar.done))
+
+    todo = []
+    for s, (c, d) in zip(plan.workers, used, strict=True):
+        if reuse and wide is None and d.state == "ready" and d.assigned == (s.start, s.end):
+            c.start, c.end = s.start, s.end
+            bars[id(c)].update(1.0)
+        else:
+            todo.append(c.assign(s.start, s.end, mine, stage_options(s, spec, wide is not None), progress, wide))
+    try:
+        await asyncio.gather(*todo)
+    except BaseException:
+        await asyncio.gather(*(c.close() for c, _ in used))
+        raise
+    finally:
+        for bar in bars.values():
+            bar.close()
+    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes)
+                for s in sorted(plan.stages, key=lambda s: s.start)]
+    stages = [c for c, _ in used[:len(plan.stages)]]
+    return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
+                          parallel_stages([d for _, d in used[:len(plan.stages)]]),
+                          holders=[c for c, _ in used[len(plan.stages):]]), plan
+
+
+def parallel_stages(workers: list[WorkerDescription]) -> int:
+    """Stages that can compute at once: one per worker, but CPU workers on one host share its cores, so they
+    count once (two CPU workers on 2 cores with a batch each ran 2-4x slower than with one batch between them;
+    workers sharing one GPU did gain, README, Serving at K3 scale)."""
+    return len({(d.address.rsplit(":", 1)[0], "cpu") if d.device.split(":")[0] == "cpu" else d.key
+                for d in workers})
+
+
+def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
+    """Tokens one forward carries: what every stage was sized for (a forward larger than a gRPC message goes in
+    parts, not in pieces: backend.WorkerClient.forward)."""
+    return min(s.sizing.forward_tokens for s in plan.stages)

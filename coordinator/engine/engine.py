@@ -1,0 +1,248 @@
+"""The serving engine: a backend, the tokenizer, the scheduler and the counters, behind one `run` call.
+
+The HTTP API, `deltafin chat` and `deltafin-coordinator generate` all generate through `Engine.run`, so
+they share the admission queue, the stop tokens, the context limit and the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.coordinator.cluster.backend import Backend
+from deltafin.coordinator.engine.prefix_index import PrefixIndex, PrefixSession, stage_shares
+from deltafin.coordinator.engine.scheduler import Scheduler
+from deltafin.coordinator.engine.token_loop import (
+    Finished,
+    PrefillProgress,
+    Request,
+    Speculation,
+    TextView,
+    TokenEvent,
+    generate,
+)
+from deltafin.errors import DeltafinError, PromptTooLong
+from deltafin.plan.planner import forward_read_bytes
+from deltafin.plan.sizing import SPECULATIVE_TOKENS
+from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.text.chat import SERVING_MAX_TOKENS
+from deltafin.text.drafting import MODES, DraftLength, NgramDrafter, default_cost
+from deltafin.text.sampling import SamplingParams
+from deltafin.text.tokenizer import K3Tokenizer
+
+log = logging.getLogger(__name__)
+
+STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
+
+
+
+
+@dataclass
+class Prefilling:
+    """A request whose prompt is going into the caches: how far (tokens, expected bytes), since when."""
+
+    progress: PrefillProgress
+    started: float  # monotonic
+
+    @property
+    def done(self) -> float:
+        return self.progress.tokens_done
+
+    @property
+    def total(self) -> int:
+        return self.progress.tokens_total
+
+    @property
+    def seconds_left(self) -> float | None:
+        """The bytes still to read at the rate read so far (None until some are)."""
+        p, elapsed = self.progress, time.monotonic() - self.started
+        if p.bytes_done <= 0 or elapsed <= 0:
+            return None
+        return (p.bytes_total - p.bytes_done) / (p.bytes_done / elapsed)
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    last_tokens_per_second: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    failed: int = 0
+    cancelled: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafted tokens verified
+    accepted_tokens: int = 0  # of them, taken
+    forwards: int = 0  # forwards after the prefills
+
+    def count(self, end: Finished) -> None:
+        """A generation that finished."""
+        self.finished[end.reason] = self.finished.get(end.reason, 0) + 1
+        self.decode_seconds += end.timing.decode_s
+        self.decode_steps += end.timing.decode_steps
+        if end.timing.decode_steps:
+            self.last_tokens_per_second = end.timing.tokens_per_second
+        self.draft_tokens += end.drafting.draft_tokens
+        self.accepted_tokens += end.drafting.accepted_tokens
+        self.forwards += end.drafting.forwards
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
+                 max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
+                 default_max_tokens: int = SERVING_MAX_TOKENS, pipeline_depth: int = 0, prefix_cache: bool = False,
+                 ride: bool = True, speculative: str = "none", max_drafts: int = 8, strict_model_name: bool = False):
+        if speculative not in MODES:
+            raise DeltafinError(f"unknown speculative mode {speculative!r}: {', '.join(MODES)}")
+        self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
+        self.model_name = model_name  # what responses carry, whatever name a request used ...
+        self.strict_model_name = strict_model_name  # ... unless this: then another name is model_not_found
+        self.max_context = max_context
+        self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
+        self.speculative, self.max_drafts = speculative, max_drafts  # requests that do not say draft this way
+        self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth, ride)
+        self.counters = Counters()
+        # token prefixes whose state the stages keep (coordinator/engine/prefix_index.py); None: every request prefills
+        self.prefixes = PrefixIndex(cfg) if prefix_cache else None
+        self._prefix_stages: list[PrefixBudget] = []
+        self.prefilling: dict[str, Prefilling] = {}  # session id -> progress, while its prompt is prefilled
+        self.started = time.time()
+        ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
+        if cfg.eos_token_id is not None:
+            ids.add(cfg.eos_token_id)
+        self.stop_ids = frozenset(ids)
+
+    async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
+                  sampling: SamplingParams | None = None, stop: list[str] | None = None,
+                  ignore_eos: bool = False, return_logits: bool = False,
+                  progress: Callable[[PrefillProgress], None] | None = None,
+                  speculative: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+        """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
+        the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
+        `progress` hears how far the prompt's prefill is (a PrefillProgress: after every chunk and every few
+        seconds within; /metrics shows every request's). `speculative`: none | ngram, for this request (None:
+        the engine's)."""
+        room = self._room(prompt_ids, max_tokens)
+        req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
+                      sampling or SamplingParams(temperature=0.0),
+                      frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
+                      prefill_chunk=self._prefill_chunk(), speculation=self._speculation(speculative))
+        req.progress = lambda p: self._track(req.session_id, p, progress)
+        req.forward_bytes = lambda tokens: forward_read_bytes(self.cfg, tokens)
+        c = self.counters
+        async with self.scheduler.slot():
+            req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
+            self._admitted(req)
+            outcome = "cancelled"  # until the generation finishes or fails
+            try:
+                async for event in generate(self.scheduler.forward, self.scheduler.release, view, req):
+                    if isinstance(event, Finished):
+                        outcome = "finished"
+                        c.count(event)
+                    else:
+                        c.generated_tokens += 1
+                    yield event
+            except Exception:
+                outcome = "failed"
+                raise
+            finally:
+                self.prefilling.pop(req.session_id, None)
+                if outcome == "failed":
+                    c.failed += 1
+                elif outcome == "cancelled":
+                    c.cancelled += 1
+
+    def _admitted(self, req: Request) -> None:
+        """A request got its slot: counted, and with -v what its prefill will cost (tokens, forwards, reads)."""
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(req.prompt_ids)
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        kept = req.prefix.cached_tokens if req.prefix is not None else 0
+        left = len(req.prompt_ids) - kept
+        chunk = req.prefill_chunk or left
+        forwards = -(-left // chunk)
+        log.debug("request %s: %d prompt tokens (%d from a kept prefix), %d forward%s of up to %d tokens, about "
+                  "%.2f GB of expert reads; max_tokens %d, %s", req.session_id[:8], len(req.prompt_ids), kept,
+                  forwards, "" if forwards == 1 else "s", chunk,
+                  sum(forward_read_bytes(self.cfg, min(chunk, left - i * chunk)) for i in range(forwards)) / 1e9,
+                  req.max_tokens, "greedy" if req.sampling.greedy else f"temperature {req.sampling.temperature:g}")
+
+    def _room(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """Tokens the context has left after the prompt; PromptTooLong if that is none or less than asked."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        room = self.max_context - len(prompt_ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
+                                f"{self.max_context} tokens")
+        return room
+
+    def _track(self, session_id: str, p: PrefillProgress, progress: Callable[[PrefillProgress], None] | None
+               ) -> None:
+        """A prefill's progress: in `prefilling` (for /metrics) until it is done, and to the caller's callback."""
+        if p.finished:
+            self.prefilling.pop(session_id, None)
+        else:
+            now = self.prefilling.get(session_id)
+            self.prefilling[session_id] = Prefilling(p, now.started if now else time.monotonic())
+        if progress is not None:
+            progress(p)
+
+    async def _prefix_session(self, prompt_ids: list[int]) -> PrefixSession | None:
+        if self.prefixes is None:
+            return None
+        stages = list(self.backend.prefix_stages)
+        if stages != self._prefix_stages:  # first use, or the cluster was planned again
+            self._prefix_stages = stages
+            evicted = self.prefixes.reshape(stage_shares(self.cfg, stages))
+            if evicted:
+                await self.scheduler.release_prefixes(evicted)
+        if not self.prefixes.enabled:
+            return None
+        session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        if session.resumed is None and len(prompt_ids) >= 2:  # kept before this coordinator started? ask stage 0
+            found = await self.backend.find_prefix(prompt_ids[:-1])  # (at least one prompt token left to feed)
+            evicted = self.prefixes.adopt(found[0], prompt_ids[:found[1]]) if found and found[1] else None
+            if evicted is not None:
+                log.info("resuming from a prefix of %d tokens kept before (found on the first stage's disk)",
+                         found[1])  # type: ignore[index]
+                if evicted:
+                    await self.scheduler.release_prefixes(evicted)
+                self.prefixes.counters.lookups -= 1  # one lookup of this prompt, not two
+                session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        return session
+
+    def _prefill_chunk(self) -> int | None:
+        """Prompt tokens per forward: what the stages take, less room for every active stream's decode step
+        (with its drafts, when speculating) to ride in the same batch (scheduler.py)."""
+        limit = self.backend.max_forward_tokens
+        step = 1 + (self.max_drafts if self.speculative != "none" else 0)
+        return None if limit is None else max(1, limit - self.scheduler.max_active * step)
+
+    def _speculation(self, mode: str | None) -> Speculation | None:
+        mode = mode or self.speculative
+        if mode not in MODES:
+            raise DeltafinError(f"unknown speculative mode {mode!r}: {', '.join(MODES)}")
+        if mode == "none":
+            return None
+        limit = self.backend.max_forward_tokens
+        # a pass fits one forward, and the stages' plan (sizing.SPECULATIVE_TOKENS)
+        max_k = min(self.max_drafts, SPECULATIVE_TOKENS - 1, *(() if limit is None else (limit - 1,)))
+        if max_k < 1:
+            return None
+        cost = default_cost(self.cfg.num_experts, self.cfg.experts_per_token)
+        return Speculation(NgramDrafter(), DraftLength(cost, max_k=max_k))
+
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        return await self.backend.stats()
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+        await self.backend.close()

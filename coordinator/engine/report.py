@@ -1,0 +1,104 @@
+"""One generation's numbers as the CLI prints them: a dict for `--json`, a line for people; and the prefill's
+progress line."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TextIO
+
+from deltafin.coordinator.engine.token_loop import PrefillProgress
+from deltafin.progress import Progress, fmt_bytes
+
+log = logging.getLogger("deltafin.progress")
+
+
+class PrefillReporter:
+    """The CLI's prefill line (a `progress` callback of Engine.run): the expert bytes read of those to read, which
+    decide the time left (a forward of a few hundred tokens already reads nearly every expert); the tokens to go
+    and those resumed from the prefix cache are said once at the start."""
+
+    def __init__(self, stream: TextIO | None = None, enabled: bool = True):
+        self.stream, self.enabled = stream, enabled
+        self.bar: Progress | None = None
+
+    def __call__(self, p: PrefillProgress) -> None:
+        if self.bar is None:
+            if p.finished:
+                return
+            cached = int(p.tokens_done)
+            log.info("prefill: %d tokens to go%s, about %s of expert reads", p.tokens_total - cached,
+                     f" ({cached} already in the cache)" if cached else "", fmt_bytes(p.bytes_total))
+            self.bar = Progress(p.bytes_total, "prefill", unit="B", stream=self.stream, enabled=self.enabled)
+        self.bar.update(p.bytes_done - self.bar.done)
+        if p.finished:
+            self.bar.close()
+            self.bar = None
+
+# what each worker reports (its Stats): a summary field -> (section of the stats or None, key)
+WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
+    "bytes_read": ("experts", "bytes_read"),  # off its disks, blocks included
+    "expert_lookups": ("experts", "lookups"), "expert_hits": ("experts", "hits"),
+    "io_wait_s": ("experts", "io_wait_s"),
+    "own_expert_bytes": ("wide", "own_expert_bytes"),  # wide experts: experts read for its own layers ...
+    "others_expert_bytes": ("wide", "others_expert_bytes"),  # ... and for other stages' layers
+    "peer_wait_s": ("wide", "peer_wait_s"),  # its stage waiting for the other holders
+    "calls_served": ("wide", "calls_served"), "served_s": ("wide", "served_s"),  # other stages' calls
+    "forward_s": (None, "seconds"),  # in its stage's forwards
+    "experts_s": (None, "experts_s"),  # of which producing the routed experts' outputs
+}
+
+
+def worker_rows(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each worker's layers, share of the experts and counters (cumulative since it was assigned)."""
+    rows = []
+    for s in stats:
+        wide = s.get("wide") or {}
+        row: dict[str, Any] = {"name": s.get("name", "?"), "layers": list(s.get("layers", [])),
+                               "experts": wide.get("share", "its layers'")}
+        for field, (section, key) in WORKER_COUNTERS.items():
+            source = s.get(section) or {} if section else s
+            if key in source:
+                row[field] = source[key]
+        if s.get("disks"):
+            row["disks"] = s["disks"]
+        rows.append(row)
+    return rows
+
+
+def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """worker_rows of `after` less those of `before` (by name): what each worker did in between."""
+    old = {r["name"]: r for r in worker_rows(before)}
+    out = []
+    for row in worker_rows(after):
+        prior = old.get(row["name"], {})
+        delta = {k: (round(v - prior.get(k, 0), 4) if k in WORKER_COUNTERS else v) for k, v in row.items()}
+        if "disks" in row:
+            was = {d["dir"]: d for d in prior.get("disks", [])}
+            delta["disks"] = [{**d, **{k: d[k] - was.get(d["dir"], {}).get(k, 0) for k in ("bytes_read", "reads")}}
+                              for d in row["disks"]]
+        out.append(delta)
+    return out
+
+
+def run_summary(finished: Any, stats: list[dict[str, Any]], at_first: list[dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages), and with
+    `at_first` (their counters when the first token came) what each did while decoding (`decode_workers`)."""
+    experts = [s.get("experts", {}) for s in stats]
+    lookups = sum(e.get("lookups", 0) for e in experts)
+    t = finished.timing
+    return {"prompt_tokens": finished.usage.prompt_tokens, "completion_tokens": finished.usage.completion_tokens,
+            "tok_per_s": t.tokens_per_second, "s_per_token": t.seconds_per_token, "prefill_s": t.prefill_s,
+            "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
+            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None,
+            "draft_tokens": finished.drafting.draft_tokens, "accepted_tokens": finished.drafting.accepted_tokens,
+            "forwards": finished.drafting.forwards, "workers": worker_rows(stats),
+            **({"decode_workers": worker_deltas(at_first, stats)} if at_first is not None else {})}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    hit = "all experts resident" if s["hit_rate"] is None else f"expert hit rate {s['hit_rate']:.1%}"
+    drafts = (f", {s['accepted_tokens']}/{s['draft_tokens']} drafts taken in {s['forwards']} forwards"
+              if s["draft_tokens"] else "")
+    return (f"[{s['completion_tokens']} tokens, {s['tok_per_s']:.2f} tok/s, {s['s_per_token']:.3f} s/token, "
+            f"prefill {s['prefill_s']:.2f} s, {s['bytes_read'] / 1e9:.3f} GB read, {hit}{drafts}]")

@@ -1,0 +1,341 @@
+"""The token loop: prefill the prompt, then one forward per token (or, speculating, per pass: the last
+token and the drafts after it, verified at once; the sampler takes a prefix of them), over any Backend.
+
+`generate` is an async generator of events:
+
+- `TokenEvent` per generated token: its id, the text it released (`delta`: reasoning, response text and
+  finished tool calls, as the request's `TextView` splits them; never half a UTF-8 character, never text
+  that might still turn into a stop string), its logprob and top alternatives when asked for.
+- `Finished` once at the end: why (`stop` on a stop token or stop string, `length` at max_tokens), the
+  text still held back, token usage, timing and the drafting counts.
+
+Stop strings match the response text only (the `content` of a delta; reasoning is never cut). The stop
+token and the stop string themselves are not part of the output. Closing the generator early (a
+cancelled request, a client that went away) releases the session on every stage, as does finishing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from deltafin.coordinator.engine.prefix_index import PrefixSession
+from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.text.chat import Delta
+from deltafin.text.drafting import Drafter, DraftLength
+from deltafin.text.sampling import Choice, Sampler, SamplingParams, StopMatcher
+from deltafin.text.tokenizer import K3Tokenizer, StreamDecoder
+from deltafin.transport.grpc_status import is_prefix_missing
+
+# One sequence's forward, batched with other requests' by the scheduler (or run alone).
+Forward = Callable[..., Awaitable[SeqOutput]]  # (item, progress=...): the scheduler's forward
+# Free a session, or keep its state as the prefix named by the second argument, of its first (third) tokens.
+Release = Callable[[str, str | None, int], Awaitable[None]]
+
+
+class TextView(Protocol):
+    """Turns generated token ids into text deltas (plain text, or the chat format's channels)."""
+
+    def push(self, token_id: int) -> Delta: ...
+
+    def flush(self) -> Delta: ...
+
+
+class PlainText:
+    """All output is response text; special tokens are left out (as OpenAI-style servers do)."""
+
+    def __init__(self, tokenizer: K3Tokenizer, skip_special: bool = True):
+        self.decoder = StreamDecoder(tokenizer, skip_special=skip_special)
+
+    def push(self, token_id: int) -> Delta:
+        return Delta(content=self.decoder.push(token_id))
+
+    def flush(self) -> Delta:
+        return Delta(content=self.decoder.flush())
+
+
+class _NoText:
+    def push(self, token_id: int) -> Delta:
+        return Delta()
+
+    def flush(self) -> Delta:
+        return Delta()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    delta: Delta
+    choice: Choice  # the id again, with its logprob and the top alternatives when asked for
+    logits: torch.Tensor | None = None  # fp32 [vocab] when the request asks for them (tests, tools)
+    stop: bool = False  # the stop token that ended the generation: not part of the output (nor its logprobs)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens resumed from a kept prefix instead of prefilled
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timing:
+    prefill_s: float  # the prompt's forward, including the first token's logits
+    decode_s: float  # every later forward
+
+    decode_steps: int = 0  # forwards after the prefill (the first token comes from the prefill)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 0.0 if self.decode_s <= 0 else self.decode_steps / self.decode_s
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 0.0 if self.decode_steps == 0 else self.decode_s / self.decode_steps
+
+
+@dataclass
+class Drafting:
+    """Speculative decoding's counts for one request."""
+
+    draft_tokens: int = 0  # drafted tokens verified
+    accepted_tokens: int = 0  # of them, taken
+    forwards: int = 0  # forwards after the prefill (one per token without drafts)
+
+    def note(self, drafted: int, accepted: int, speculation: Speculation | None = None) -> int:
+        """A pass verified `drafted` drafts and took `accepted`; the draft-length controller hears it too."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if speculation is not None:
+            speculation.lengths.update(drafted, accepted)
+        return accepted
+
+
+@dataclass
+class Speculation:
+    """How a request drafts: the drafter and the draft-length controller (deltafin/text/drafting.py)."""
+
+    drafter: Drafter
+    lengths: DraftLength
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length"
+    usage: Usage
+    delta: Delta  # text held back until the end (an incomplete character, a partial stop-string match)
+    timing: Timing
+    stopped_by: int | str | None = None  # the stop token id or stop string that ended it
+    drafting: Drafting = field(default_factory=Drafting)
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far a prompt's prefill is: prompt tokens in the caches (resumed ones included; a forward's part counted
+    as its layers go) and the expert bytes its forwards read (expected, for a uniform router: every forward of a
+    few hundred tokens reads nearly every expert, so bytes, not tokens, say how long the rest takes)."""
+
+    tokens_done: float
+    tokens_total: int
+    bytes_done: float
+    bytes_total: float
+
+    @property
+    def finished(self) -> bool:
+        return self.tokens_done >= self.tokens_total
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: list[str] = field(default_factory=list)
+    return_logits: bool = False
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
+    prefix: PrefixSession | None = None  # resume from and keep prefixes (coordinator/engine/prefix_index.py); None: never
+    progress: Callable[[PrefillProgress], None] | None = None  # how far the prefill is (each chunk, and within)
+    forward_bytes: Callable[[int], float] | None = None  # expected expert bytes a forward of N prompt tokens reads
+    speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time
+
+
+class _Output:
+    """What one request has generated: the sampler's choices, turned into text and checked against the stop
+    tokens, the stop strings and max_tokens."""
+
+    def __init__(self, req: Request, view: TextView):
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        self.req, self.view = req, view
+        self.sampler = Sampler(req.sampling, req.prompt_ids)
+        self.stops = StopMatcher(req.stop_strings) if req.stop_strings else None
+        self.tokens: list[int] = []
+        self.reason: str = "length"
+        self.stopped_by: int | str | None = None
+
+    def judge(self, rows: torch.Tensor, drafts: list[int]) -> tuple[list[TokenEvent], bool]:
+        """The tokens of one forward's rows (a row per draft, then one more): each draft up to the first
+        the sampler does not take, then the sampler's own. Returns their events and whether generation ended."""
+        events = []
+        for i, row in enumerate(rows):
+            choice, accepted = self.sampler.verify(row, drafts[i]) if i < len(drafts) else (self.sampler(row), False)
+            token = choice.token_id
+            self.tokens.append(token)
+            logits = row if self.req.return_logits else None
+            if token in self.req.stop_ids:
+                self.reason, self.stopped_by = "stop", token
+                return [*events, TokenEvent(token, Delta(), choice, logits, stop=True)], True
+            delta = self.view.push(token)
+            if self.stops is not None and delta.content:
+                delta.content, hit = self.stops.push(delta.content)
+                if hit is not None:
+                    self.reason, self.stopped_by = "stop", hit
+                    return [*events, TokenEvent(token, delta, choice, logits)], True
+            events.append(TokenEvent(token, delta, choice, logits))
+            if len(self.tokens) >= self.req.max_tokens:
+                return events, True
+            if not accepted:  # the drafts after a rejected one followed the wrong token
+                break
+        return events, False
+
+    def finished(self, timing: Timing, drafting: Drafting) -> Finished:
+        tail = self.tail()
+        cached = self.req.prefix.cached_tokens if self.req.prefix is not None else 0
+        return Finished(self.reason, Usage(len(self.req.prompt_ids), len(self.tokens), cached), tail, timing,
+                        self.stopped_by, drafting)
+
+    def tail(self) -> Delta:
+        """Text held back until the end (an incomplete character, a partial stop-string match)."""
+        if self.reason == "stop" and isinstance(self.stopped_by, str):
+            return Delta()
+        tail = self.view.flush()
+        if self.stops is not None:
+            tail.content, hit = self.stops.push(tail.content)
+            tail.content += "" if hit is not None else self.stops.flush()
+            if hit is not None:
+                self.reason, self.stopped_by = "stop", hit
+        return tail
+
+
+async def generate(forward: Forward, release: Release, view: TextView | None, req: Request) -> AsyncIterator[
+        TokenEvent | Finished]:
+    text = _Output(req, view if view is not None else _NoText())
+    length = len(req.prompt_ids)  # tokens the stages hold that belong to the text (drafts beyond it may follow)
+    drafting = Drafting()
+    t0 = time.monotonic()
+    t_prefill = 0.0
+    consistent = False  # every forward so far succeeded: the state has seen the prompt and `fed`
+    fed: list[int] = []  # generated tokens fed back
+    try:
+        out = await _prefill(forward, release, req)
+        consistent = True
+        t_prefill = time.monotonic() - t0
+        drafts: list[int] = []  # what the last forward verified after its first token
+        while True:
+            events, ended = text.judge(out.logits[-len(drafts) - 1:].float(), drafts)  # type: ignore[index]
+            for event in events:
+                yield event
+            if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
+                taken = drafting.note(len(drafts), len(events) - 1, req.speculation)
+                fed += drafts[:taken]
+                length += taken
+            if ended:
+                break
+            token = text.tokens[-1]
+            drafts = _drafts(req.speculation, req.prompt_ids + text.tokens, req.max_tokens - len(text.tokens))
+            consistent = False
+            out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]),
+                                         speculative=bool(drafts)))
+            drafting.forwards += 1
+            consistent = True
+            fed.append(token)
+            length += 1
+        yield text.finished(Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, len(text.tokens) - 1)),
+                            drafting)
+    finally:
+        if req.prefix is not None:
+            req.prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
+        keep = await req.prefix.finish(req.prompt_ids + fed) if req.prefix is not None and consistent else None
+        await release(req.session_id, keep, length)
+
+
+def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:
+    """The drafts for the next forward: what the drafter proposes, as many as the cost model says pay, and
+    no more than the tokens still to generate after the one fed (room - 1)."""
+    if spec is None or room < 2:
+        return []
+    proposed = spec.drafter.propose(text, min(spec.lengths.max_k, room - 1))
+    return proposed[:spec.lengths.next(len(proposed))]
+
+
+async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutput:
+    """Feed the prompt in the chunks the stages were sized for, from the kept prefix the request resumes
+    (if any), keeping state where the prefix session asks. A prefix a stage no longer holds: start over."""
+    prefix, length = req.prefix, len(req.prompt_ids)
+    step = req.prefill_chunk or length
+    start = prefix.cached_tokens if prefix is not None else 0
+    pos, out = start, None
+    progress = _PrefillReport(req, start, step)
+    while pos < length:
+        end = min(pos + step, length)
+        save = await prefix.save_point(pos, end) if prefix is not None else None
+        resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
+            else None
+        item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
+                        save_as=save)
+        try:
+            out = await (forward(item, progress=progress.within(pos, end)) if req.progress else forward(item))
+        except Exception as e:
+            if save is not None:
+                prefix.failed(save)  # type: ignore[union-attr]
+            if resume is None or not is_prefix_missing(e):
+                raise
+            prefix.missing()  # type: ignore[union-attr]
+            await release(req.session_id, None, 0)  # stages that did resume hold a partial session
+            start = pos = 0
+            progress = _PrefillReport(req, 0, step)
+            continue
+        finally:
+            if resume is not None:
+                prefix.resumed_done()  # type: ignore[union-attr]
+        pos = end
+        progress.at(pos)
+    assert out is not None
+    return out
+
+
+class _PrefillReport:
+    """A request's prefill progress from `start`, in forwards of `step` tokens: tokens and expected bytes."""
+
+    def __init__(self, req: Request, start: int, step: int):
+        self.req, self.start, self.step, self.length = req, start, step, len(req.prompt_ids)
+        cost = req.forward_bytes or float
+        self.ends = [min(p + step, self.length) for p in range(start, self.length, step)]
+        self.bytes = [cost(end - p) for p, end in zip(range(start, self.length, step), self.ends, strict=True)]
+        self.total = sum(self.bytes)
+        self.at(start)
+
+    def at(self, pos: int, fraction: float = 0.0) -> None:
+        """`pos` tokens in the caches, and `fraction` of the next forward's layers done."""
+        if self.req.progress is None:
+            return
+        k = sum(end <= pos for end in self.ends)  # forwards done
+        done = sum(self.bytes[:k]) + (fraction * self.bytes[k] if k < len(self.bytes) else 0.0)
+        tokens = pos + fraction * (min(pos + self.step, self.length) - pos)
+        self.req.progress(PrefillProgress(tokens, self.length, done, self.total))
+
+    def within(self, pos: int, end: int) -> Callable[[float], None]:
+        return lambda fraction: self.at(pos, fraction)

@@ -1,0 +1,562 @@
+"""The OpenAI-compatible HTTP API on aiohttp (asyncio, like grpc.aio: one event loop serves both).
+
+    POST /v1/chat/completions   chat, with reasoning_content, tool calls, SSE streaming, logprobs
+    POST /v1/completions        text completion of a prompt (text or token ids)
+    POST /v1/messages           Anthropic's Messages API: thinking, text and tool_use blocks, its SSE events
+    POST /v1/messages/count_tokens  the prompt tokens a Messages request would build
+    GET  /v1/models             the served model
+    GET  /health                200 when every worker answers, else 503
+    GET  /metrics               Prometheus text: requests, tokens, tok/s, queue, per-worker I/O and hit rate
+    GET  /v1/status             JSON for the web chat's cluster panel: counters, prefills, each worker (status.py)
+    GET  /                      the web chat (coordinator/http/web/: one page, one script, one stylesheet; no auth,
+                                it holds no secrets: its API calls send the key the user types)
+
+Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
+413 body too large, 429 queue full, 500/503 a worker failed); under /v1/messages they take Anthropic's shape
+(anthropic_api.py: a full queue is 529 overloaded_error). A client that disconnects cancels its
+generation, which frees its sessions on every worker. A stream whose first token takes longer than
+HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
+comment every HEARTBEAT_S, so that read timeouts and proxies see bytes; a failure after that is an error
+event in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillProgress, TextView, TokenEvent
+from deltafin.coordinator.http import anthropic_api as am
+from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http.status import status as status_json
+from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
+from deltafin.text.chat import OutputParser
+from deltafin.text.chat import encode as chat_encode
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0
+
+ENGINE = web.AppKey("engine", Engine)
+REQUESTS = web.AppKey("requests", dict)
+MAX_BODY = web.AppKey("max_body", int)
+Events = AsyncIterator[TokenEvent | Finished]
+
+
+def _error_response(err: oa.ApiError, path: str) -> web.Response:
+    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if am.is_messages_path(path):
+        status, body = am.error_body(err)
+        return web.json_response(body, status=status)
+    return web.json_response(err.body(), status=err.status)
+
+
+def _as_api_error(e: BaseException) -> oa.ApiError:
+    """The API's answer to an error: its own, or the one deltafin/errors.py's HTTP_STATUS gives it."""
+    if isinstance(e, oa.ApiError):
+        return e
+    found = lookup(HTTP_STATUS, e)
+    if found is None:
+        log.exception("unexpected error serving a request")
+        return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+    status, kind, code = found
+    message = f"a worker failed: {e}" if code == "worker_unavailable" else str(e)
+    return oa.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        response = _error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
+                                               f"the request body is larger than {request.app[MAX_BODY]} bytes",
+                                               type=kind), request.path)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except Exception as e:
+        response = _error_response(_as_api_error(e), request.path)
+        status = response.status
+        return response
+    finally:
+        resource = request.match_info.route.resource
+        key = (resource.canonical if resource is not None else "other", status)
+        counts = request.app[REQUESTS]
+        counts[key] = counts.get(key, 0) + 1
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
+
+
+async def _first(events: Events, prompt_param: str) -> TokenEvent | Finished:
+    """The first event, before any response header: admission and prompt errors become proper statuses."""
+    try:
+        return await anext(events)
+    except PromptTooLong as e:
+        await events.aclose()
+        raise oa.ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _rest(first: TokenEvent | Finished, events: Events) -> Events:
+    yield first
+    async with contextlib.aclosing(events):
+        async for e in events:
+            yield e
+
+
+class _Sse:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+        await self.response.prepare(self.request)
+
+    async def comment(self, text: str) -> None:
+        await self.response.write(b": " + text.encode() + b"\n\n")
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def error(self, err: oa.ApiError) -> None:
+        await self.send(err.body())
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+
+class _Prefill:
+    """A request's prefill progress, as its progress callback hears it."""
+
+    def __init__(self) -> None:
+        self.progress: PrefillProgress | None = None
+        self.started = 0.0
+
+    def __call__(self, p: PrefillProgress) -> None:
+        if self.progress is None:
+            self.started = time.monotonic()
+        self.progress = p
+
+    def say(self) -> str:
+        p = self.progress
+        if p is None:
+            return "waiting for a slot"
+        text = f"prefill {int(p.tokens_done)}/{p.tokens_total} tokens"
+        elapsed = time.monotonic() - self.started
+        if p.bytes_done > 0 and elapsed > 0:
+            left = (p.bytes_total - p.bytes_done) / (p.bytes_done / elapsed)
+            text += f", {_gb(p.bytes_done)} of {_gb(p.bytes_total)} read, about {left:.0f} s left"
+        return text
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill: _Prefill
+                          ) -> TokenEvent | Finished | None:
+    """A stream's first event. Until it comes, every HEARTBEAT_S the stream opens (if it has not) and a
+    comment says how far the request is (clients skip comments). Errors before the stream opened are
+    statuses, as `_first` makes them; after, an error event ends the stream and None is returned."""
+    first = asyncio.ensure_future(_first(events, prompt_param))
+    try:
+        while not (await asyncio.wait({first}, timeout=HEARTBEAT_S))[0]:
+            if not sse.started:
+                await sse.start()
+            await sse.comment(prefill.say())
+    except BaseException:
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        raise
+    try:
+        return first.result()
+    except Exception as e:
+        if not sse.started or isinstance(e, ConnectionResetError):
+            raise
+        await sse.error(_as_api_error(e))
+        await sse.finish()
+        return None
+
+
+async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params,
+               prompt_param: str, sse: _Sse | None = None) -> tuple[Events | None, _Sse]:
+    """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
+    before that (heartbeats), and then an error ends it as an event: None instead of the events. `sse`: the
+    stream to answer on (default OpenAI's)."""
+    engine = request.app[ENGINE]
+    prefill = _Prefill()
+    events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
+                        ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative)
+    sse = sse or _Sse(request)
+    first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
+    return (None if first is None else _rest(first, events)), sse
+
+
+class _Format(Protocol):
+    """A response's JSON: whole (`whole`), or streamed (`opening`, then `chunks` of each event)."""
+
+    async def whole(self, events: Events) -> dict[str, Any]: ...
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, event: TokenEvent | Finished) -> list[dict[str, Any]]: ...
+
+
+async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool) -> web.StreamResponse:
+    if events is None:  # the stream opened and already ended with an error event
+        return sse.response
+    if not stream:
+        return web.json_response(await fmt.whole(events))
+    if not sse.started:
+        await sse.start()
+    try:
+        for chunk in fmt.opening():
+            await sse.send(chunk)
+        async for event in events:
+            for chunk in fmt.chunks(event):
+                await sse.send(chunk)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # the headers went out: the failure is an error event, then [DONE]
+        await sse.error(_as_api_error(e))
+    return await sse.finish()
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
+    p = req.params
+    events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
+    return await _respond(sse, events, _TextFormat(engine, req), p.stream)
+
+
+class _TextFormat:
+    """/v1/completions' response: text (after the prompt with `echo`), logprobs at text offsets, usage."""
+
+    def __init__(self, engine: Engine, req: oa.CompletionRequest):
+        self.engine, self.p = engine, req.params
+        self.id, self.created = oa.new_id("cmpl"), oa.now()
+        self.logprobs = self.p.sampling.logprobs is not None
+        self.prefix = req.prompt_text if req.echo else ""
+        self.offset = len(self.prefix)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return oa.chunk("text_completion", self.id, self.created, self.p.model, choices, usage)
+
+    @staticmethod
+    def _choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, e: TokenEvent, into: oa.CompletionLogprobs) -> bool:
+        if self.logprobs and not e.stop:
+            into.add(self.engine.tokenizer, e.choice, self.offset)
+            return True
+        return False
+
+    async def whole(self, events: Events) -> dict[str, Any]:
+        text, lp, end = [self.prefix], oa.CompletionLogprobs(), None
+        async for e in events:
+            text.append(e.delta.content)
+            if isinstance(e, Finished):
+                end = e
+            else:
+                self._logprobs(e, lp)
+                self.offset += len(e.delta.content)
+        assert end is not None
+        return self._chunk([self._choice("".join(text), lp.as_dict() if self.logprobs else None, end.reason)],
+                           oa.usage(end.usage))
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice(self.prefix, None, None)])] if self.prefix else []
+
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
+        if isinstance(e, Finished):
+            out = [self._chunk([self._choice(e.delta.content, None, e.reason)])]
+            return out + ([self._chunk([], oa.usage(e.usage))] if self.p.include_usage else [])
+        one = oa.CompletionLogprobs()
+        lp = one.as_dict() if self._logprobs(e, one) else None
+        self.offset += len(e.delta.content)
+        return [self._chunk([self._choice(e.delta.content, lp, None)])] if e.delta.content or lp is not None else []
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
+    p = req.params
+    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
+    events, sse = await _run(request, ids, view, p, "messages")
+    return await _respond(sse, events, _ChatFormat(engine, req), p.stream)
+
+
+class _ChatFormat:
+    """/v1/chat/completions' response: reasoning_content, content, tool calls (finish_reason tool_calls),
+    logprobs per token, usage."""
+
+    def __init__(self, engine: Engine, req: oa.ChatRequest):
+        self.engine, self.p, self.thinking = engine, req.params, req.options.thinking
+        self.id, self.created = oa.new_id("chatcmpl"), oa.now()
+        self.logprobs = req.top_logprobs is not None
+        self.call_ids: list[str] = []
+
+    def _chunk(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return oa.chunk(kind, self.id, self.created, self.p.model, choices, usage)
+
+    def _reason(self, e: Finished) -> str:
+        return "tool_calls" if self.call_ids and e.reason == "stop" else e.reason
+
+    def _logprob(self, e: TokenEvent | Finished) -> dict[str, Any] | None:
+        if isinstance(e, TokenEvent) and self.logprobs and not e.stop:
+            return oa.chat_logprob(self.engine.tokenizer, e.choice)
+        return None
+
+    async def whole(self, events: Events) -> dict[str, Any]:
+        reasoning, content, calls, lps, end = [], [], [], [], None
+        async for e in events:
+            reasoning.append(e.delta.reasoning)
+            content.append(e.delta.content)
+            for c in e.delta.tool_calls:
+                self.call_ids.append(oa.new_id("call"))
+                calls.append(oa.tool_call_json(c, self.call_ids[-1]))
+            if isinstance(e, Finished):
+                end = e
+            elif (lp := self._logprob(e)) is not None:
+                lps.append(lp)
+        assert end is not None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
+        if self.thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        return self._chunk("chat.completion", [{"index": 0, "message": message, "logprobs": {"content": lps} if
+                                                self.logprobs else None, "finish_reason": self._reason(end)}],
+                           oa.usage(end.usage))
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])]
+
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
+        first = len(self.call_ids)
+        self.call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
+        delta = oa.chat_delta(e.delta, self.call_ids[first:], first)
+        kind = "chat.completion.chunk"
+        if isinstance(e, Finished):
+            end = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self._reason(e)}
+            out = [self._chunk(kind, [end])]
+            return out + ([self._chunk(kind, [], oa.usage(e.usage))] if self.p.include_usage else [])
+        lp = self._logprob(e)
+        if not delta and lp is None:
+            return []
+        return [self._chunk(kind, [{"index": 0, "delta": delta, "logprobs": {"content": [lp]} if lp is not None
+                                    else None, "finish_reason": None}])]
+
+
+# ---- /v1/messages (Anthropic) -----------------------------------------------------------------------------
+
+
+class _MessagesSse(_Sse):
+    """Anthropic's stream: `event: TYPE` before each data line; message_start and a ping as it opens, a ping
+    beside every heartbeat comment, a failure as an `error` event; no [DONE]."""
+
+    def __init__(self, request: web.Request, head: list[dict[str, Any]]):
+        super().__init__(request)
+        self.head = head
+
+    async def start(self) -> None:
+        await super().start()
+        for event in self.head:
+            await self.send(event)
+
+    async def comment(self, text: str) -> None:
+        await super().comment(text)
+        await self.send(am.PING)
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.response.write(am.sse_event(obj))
+
+    async def error(self, err: oa.ApiError) -> None:
+        await self.send(am.error_body(err)[1])
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write_eof()
+        return self.response
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name)
+    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    fmt = am.MessageFormat(req.params.model, len(ids))
+    view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
+    events, sse = await _run(request, ids, view, req.params, "messages", _MessagesSse(request, fmt.head()))
+    return await _respond(sse, events, fmt, req.params.stream)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name, counting=True)
+    return web.json_response({"input_tokens": len(chat_encode(engine.tokenizer, req.messages, req.options))})
+
+
+# ---- models, health, metrics --------------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response({"object": "list", "data": [oa.model_card(engine.model_name, engine.started)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    name = oa.served_model(request.match_info["name"], engine.model_name, engine.strict_model_name)
+    return web.json_response(oa.model_card(name, engine.started))
+
+
+async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[dict[str, Any]]:
+    return await asyncio.wait_for(engine.worker_stats(), timeout)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    try:
+        stats = await _worker_stats(engine)
+    except Exception as e:
+        return web.json_response({"status": "unavailable", "error": str(e) or type(e).__name__}, status=503)
+    return web.json_response({"status": "ok", "model": engine.model_name,
+                              "workers": [{"name": s.get("name"), "layers": s.get("layers"),
+                                           "sessions": s.get("sessions", 0),
+                                           **({"experts": s["wide"].get("share")} if "wide" in s else {})}
+                                          for s in stats]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from deltafin.coordinator.http.metrics import render
+
+    engine = request.app[ENGINE]
+    try:
+        stats = await _worker_stats(engine)
+    except Exception as e:
+        log.warning("metrics: worker stats unavailable: %s", e)
+        stats = []
+    text = render(engine, stats, request.app[REQUESTS])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def status(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    try:
+        stats, error = await _worker_stats(engine), None
+    except Exception as e:
+        stats, error = None, str(e) or type(e).__name__
+    return web.json_response(status_json(engine.model_name, time.time() - engine.started, engine.counters,
+                                         engine.scheduler.stats, list(engine.prefilling.values()), stats,
+                                         time.monotonic(), error))
+
+
+# the web chat's files (coordinator/http/web/), by the name in the URL: file, content type; any other name is a 404
+WEB_FILES = {"": ("index.html", "text/html"), "chat.js": ("chat.js", "text/javascript"),
+             "chat.css": ("chat.css", "text/css")}
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'"}
+
+
+async def web_file(request: web.Request) -> web.Response:
+    found = WEB_FILES.get(request.match_info.get("name", ""))
+    if found is None:
+        raise web.HTTPNotFound()
+    name, kind = found
+    body = resources.files(__package__).joinpath("web", name).read_bytes()
+    return web.Response(body=body, content_type=kind, charset="utf-8", headers=PAGE_HEADERS)
+
+
+def _public(path: str) -> bool:
+    """What needs no API key: /health, and the web chat's files (its API calls carry the key)."""
+    return path in ("/health", "/") or path.startswith("/web/")
+
+
+def _auth(api_key: str) -> Any:
+    bearer, key = f"Bearer {api_key}".encode(), api_key.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if not _public(request.path):  # OpenAI's clients send Authorization: Bearer, Anthropic's x-api-key
+            by_bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer)
+            by_header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key)
+            if not (by_bearer or by_header):
+                raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or "
+                                  "`x-api-key: <key>`", code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | None = None) -> web.Application:
+    middlewares = [_errors] + ([_auth(api_key)] if api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app[ENGINE] = engine
+    app[REQUESTS] = {}
+    app[MAX_BODY] = max_body_bytes
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/", web_file)
+    app.router.add_get("/web/{name}", web_file)
+    return app
+
+
+async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 << 20,
+                api_key: str | None = None) -> tuple[web.AppRunner, int]:
+    """Serve the API; returns the runner (await runner.cleanup() to stop) and the bound port."""
+    runner = web.AppRunner(create_app(engine, max_body_bytes, api_key), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound

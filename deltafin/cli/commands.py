@@ -1,0 +1,365 @@
+"""`deltafin`: one command with subcommands for checkpoints, model checks, benchmarks and chat.
+
+Every subcommand reports a DeltafinError as one line on stderr and exits 1; it never prints a traceback
+for a problem the user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.errors import DeltafinError
+from deltafin.options import add_stage_options
+
+log = logging.getLogger("deltafin")
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from deltafin.mini.synth import synthesize
+
+    out = synthesize(args.preset, args.out, seed=args.seed, layers=args.layers, show_progress=not args.quiet,
+                     sparse=args.sparse, order=args.order)
+    print(out)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from deltafin.cli.inspection import format_report, inspect_model
+    from deltafin.plan.sizing import SizingOptions
+
+    memory = None if args.memory_gb is None else int(args.memory_gb * 1e9)
+    report = inspect_model(args.model, memory, args.device, SizingOptions(spine=args.spine,
+                                                                          sequences=args.sequences,
+                                                                          context=args.context))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 1 if report["problems"] else 0
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    from deltafin.checkpoint.presets import PRESETS
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Kimi K3 layout",
+                       description="Write a random-weight checkpoint in the exact Hugging Face Kimi K3 layout "
+                       "(config.json, index, shards, MXFP4 experts, tokenizer files). Presets: tiny (a few MB, "
+                       "tests), small (tens of MB), mini (k3-mini's geometry, where its training starts), k3-slice "
+                       "(real K3 widths: several GB per layer), k3 (the full geometry: 93 layers, 896 experts, "
+                       "vocabulary 163,840, vision shards; use --sparse).")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--seed", type=int, default=0, help="same seed -> byte-identical files (default 0)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of decoder layers, at least 2 (default: tiny 6, small 8, mini 8, k3-slice 3, k3 93)")
+    p.add_argument("--sparse", action="store_true",
+                   help="leave experts and large matrices (not the embedding or routers) as holes that read as "
+                   "zeros: full-size files in little disk (k3: 1.56 TB apparent, ~4 GB written)")
+    p.add_argument("--order", default="canonical", choices=["canonical", "grouped"],
+                   help="tensor order in each shard: canonical (as safetensors' save_file writes, the default) or "
+                   "grouped (spine in spec order, then experts)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_synth)
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="describe a checkpoint and report any problems",
+                       description="Read config.json, the safetensors index and every shard header (no tensor "
+                       "data) and print layers, experts, spine bytes, expert bytes per token, contiguity and "
+                       "problems. Exits 1 if the checkpoint has problems.")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="also show the memory plan of the whole model as one stage within this budget")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
+    p.add_argument("--spine", default="auto", choices=["auto", "bf16", "int8"], help="--memory-gb: spine format")
+    p.add_argument("--sequences", type=int, default=4, help="--memory-gb: sequences planned for (default 4)")
+    p.add_argument("--context", type=int, default=4096, help="--memory-gb: tokens per sequence (default 4096)")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    from deltafin.download.fetch import download
+    from deltafin.download.sources import open_source
+
+    summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
+    print(summary.line())
+    return 0
+
+
+def _add_download(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("download", help="fetch what this machine's worker needs of a checkpoint",
+                       description="Fetch the metadata files (config.json, the index, the tokenizer) and the shards "
+                       "of --layers (with the embedding/head when they include the first or last layer), of every "
+                       "MoE layer's routed experts only the --experts share, written at their offsets in sparse "
+                       "shards (the layout and the index stay the checkpoint's). Every piece is read back and "
+                       "checked; an interrupted run resumes where it stopped (.deltafin-download.json in --out). "
+                       "`deltafin-coordinator plan` prints each worker's command.")
+    p.add_argument("source", metavar="SOURCE",
+                   help="hf:ORG/NAME[@REVISION] (the Hugging Face Hub: its cache, token and HF_HUB_OFFLINE) or a "
+                   "checkpoint directory (a NAS, an external disk)")
+    p.add_argument("--out", required=True, help="the worker's model directory (created)")
+    p.add_argument("--layers", default=None, metavar="A-B",
+                   help="decoder layers A to B inclusive, as `plan` prints a stage (default: all)")
+    p.add_argument("--experts", default=None, metavar="K/N",
+                   help="only share K of N equal contiguous shares of every MoE layer's routed experts (0 <= K < N), "
+                   "or A-B: expert ids A to B inclusive (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_download)
+
+
+def _cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from deltafin.runtime.pipeline import compute_logits
+
+    try:
+        ids = [int(x) for x in args.ids.split(",") if x.strip()]
+    except ValueError:
+        raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    from deltafin.devices import resolve_device, resolve_dtype
+    from deltafin.options import stage_options
+
+    stats: list[dict] = []
+    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+    logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
+                            stages=args.stages, eps_convention=args.eps, options=options,
+                            stats=stats if args.stats else None)
+    np.save(args.out, logits)
+    log.info("wrote %s: float32 %s", args.out, list(logits.shape))
+    if args.stats:
+        print(json.dumps({"stages": stats}, indent=2), file=sys.stderr)
+    return 0
+
+
+def _add_logits(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logits", help="write float32 logits for every position of a token id sequence",
+                       description="Run the model on --ids and save float32 logits [T, vocab] (one row per "
+                       "position) with numpy.save. The reference check against other implementations: fp32 on "
+                       "CUDA disables TF32. --mode decode feeds one token at a time through the caches; "
+                       "--stages N splits the layers into N in-process stages passing only the residual state.")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation/compute dtype")
+    p.add_argument("--mode", default="prefill", choices=["prefill", "decode"])
+    p.add_argument("--stages", type=int, default=1, help="number of in-process stages (default 1)")
+    p.add_argument("--eps", default="hf", choices=["hf", "llama.cpp"],
+                   help="the two epsilons the references disagree on (MLA LoRA norms, KDA q/k L2 norm): 1e-6 as "
+                   "the HF/fla code (default) or rms_norm_eps as llama.cpp")
+    p.add_argument("--stats", action="store_true", help="print each stage's counters (JSON) to stderr")
+    add_stage_options(p, sequences=1)
+    p.set_defaults(func=_cmd_logits)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from deltafin.cli import bench
+
+    if args.disk:
+        result = bench.bench_disk(args.disk, threads=args.threads, io=args.io)
+    elif args.kernel:
+        from deltafin.kernels.linear import select_kernels
+
+        select_kernels(args.kernels)
+        result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
+    elif args.model:
+        result = _bench_model(args)
+    else:
+        raise DeltafinError("deltafin bench needs --model DIR, --disk PATH or --kernel")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _bench_model(args: argparse.Namespace) -> dict:
+    """`deltafin bench --model`: decode, or with --verify / --second-turn / --prefill, that benchmark."""
+    from deltafin.cli import bench
+    from deltafin.devices import resolve_device, resolve_dtype
+    from deltafin.options import stage_options
+
+    lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
+    if lengths:  # the stage is sized for the longest prompt
+        args.context = max(args.context, *lengths)
+    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+    common = {"device": args.device, "dtype": args.dtype, "options": options}
+    if args.workload:
+        from deltafin.coordinator.workload import bench_workload
+
+        if not 0 < args.cache_share <= 1:
+            raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
+        return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens,
+                              device=args.device, cache_share=args.cache_share,
+                              options=options if args.expert_cache_gb is not None else None)
+    if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
+        from deltafin.plan.sizing import SPECULATIVE_TOKENS
+
+        common["options"] = dataclasses.replace(options, speculative_tokens=SPECULATIVE_TOKENS)
+        return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)
+    if args.second_turn:
+        prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
+            else (0, 0)
+        if not prompt:
+            raise DeltafinError(f"--second-turn takes PROMPT,NEW token counts, got {args.second_turn!r}")
+        return bench.bench_second_turn(args.model, prompt, new, **common)
+    if lengths:
+        return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
+    return bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, measure_disk=not args.no_disk,
+                              **common)
+
+
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise DeltafinError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON",
+                       description="--model DIR: decode speed, sized to the memory found (or --memory-gb): the JSON "
+                       "has the memory plan and the peak, bytes per token (experts, spine), and when anything streams "
+                       "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
+                       "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
+                       "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
+                       "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
+                       "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
+                       "prefetch and drafting on a trained model's own answers.")
+    p.add_argument("--model", help="checkpoint directory: measure decode")
+    p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
+    p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
+    p.add_argument("--prefill", metavar="LENGTHS", help="--model: time prefill of prompts of these lengths instead "
+                   "(comma-separated, e.g. 1024,4096,16384), in chunks of --prefill-chunk; --context becomes at "
+                   "least the longest")
+    p.add_argument("--verify", metavar="KS", help="--model: one speculative verification pass (the last token "
+                   "and k drafts in one forward) for each k (comma-separated, e.g. 1,2,3,4,5,6,7,8): seconds, "
+                   "expert and spine GB read")
+    p.add_argument("--second-turn", metavar="PROMPT,NEW", help="--model: a chat's second turn (a PROMPT-token "
+                   "first request, 4 generated tokens, NEW more tokens): its time to first token with the prefix "
+                   "cache and without")
+    p.add_argument("--workload", metavar="NAMES", help="--model: chat and/or code (comma-separated): answer a fixed "
+                   "set of such prompts greedily, with and without n-gram drafts (acceptance, forwards per token), "
+                   "and replay the answers through a streaming stage (each cache policy's hit rate on that routing "
+                   "trace, prefetch recall)")
+    p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
+                   "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
+    p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16); --workload: the most "
+                   "tokens of each answer")
+    p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
+    p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
+    p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--no-disk", action="store_true", help="--model: skip the disk measurement")
+    add_stage_options(p, sequences=1)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from deltafin.text.tokenizer import K3Tokenizer
+
+    tok = K3Tokenizer.load(args.model)
+    if not args.chat:
+        print(json.dumps(tok.encode(args.text, allow_special=args.allow_special)))
+        return 0
+    from deltafin.text.chat import ChatOptions, encode
+
+    try:
+        messages = json.loads(args.text)
+    except ValueError as e:
+        raise DeltafinError(f"with --chat, TEXT must be a JSON list of messages: {e}") from None
+    if not isinstance(messages, list):
+        raise DeltafinError("with --chat, TEXT must be a JSON list of messages")
+    options = ChatOptions(thinking=args.thinking != "off", effort=None if args.thinking in ("off", "none") else
+                          args.thinking)
+    print(json.dumps(encode(tok, messages, options)))
+    return 0
+
+
+def _cmd_detokenize(args: argparse.Namespace) -> int:
+    from deltafin.text.tokenizer import K3Tokenizer
+
+    text = args.ids.strip()
+    try:
+        ids = json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise DeltafinError(f"IDS must be a JSON list or comma-separated token ids, got {args.ids!r}")
+    print(K3Tokenizer.load(args.model).decode(ids, skip_special=args.skip_special))
+    return 0
+
+
+def _add_tokenize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tokenize", help="print the token ids of a text (or of a chat) as a JSON list",
+                       description="Encode TEXT with the model's tokenizer and print the ids as a JSON list. "
+                       "Special-token text is ordinary text unless --allow-special. With --chat, TEXT is a JSON "
+                       "list of messages rendered in K3's chat format, with the generation prompt.")
+    p.add_argument("--model", required=True, help="checkpoint directory (tiktoken.model, tokenizer_config.json)")
+    p.add_argument("--chat", action="store_true", help="TEXT is a JSON list of chat messages")
+    p.add_argument("--thinking", default="max", choices=["low", "high", "max", "none", "off"],
+                   help="--chat: thinking effort; none: thinking without the effort message; off: no thinking")
+    p.add_argument("--allow-special", action="store_true", help="encode special-token text as the special ids")
+    p.add_argument("text", metavar="TEXT")
+    p.set_defaults(func=_cmd_tokenize)
+    d = sub.add_parser("detokenize", help="print the text of token ids",
+                       description="Decode IDS (a JSON list or comma-separated ids); invalid UTF-8 becomes U+FFFD.")
+    d.add_argument("--model", required=True, help="checkpoint directory")
+    d.add_argument("--skip-special", action="store_true", help="leave special tokens out")
+    d.add_argument("ids", metavar="IDS")
+    d.set_defaults(func=_cmd_detokenize)
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    from deltafin.coordinator import chat_cli
+
+    p = sub.add_parser("chat", help="an interactive chat in the terminal (cluster or --local)",
+                       description="Chat with the model in K3's chat format: reasoning is shown dimmed, then the "
+                       "answer. Type /help for commands; Ctrl-C stops a reply, Ctrl-D or /exit quits.")
+    chat_cli.add_arguments(p)
+    p.set_defaults(func=lambda args: asyncio.run(chat_cli.run_chat(args)))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from deltafin.coordinator import demo
+
+    p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster",
+                       description="Create (once, cached) a small synthetic K3 checkpoint with random weights, "
+                       "start a deltafin-worker on 127.0.0.1, connect to it over gRPC as a one-worker cluster and "
+                       "generate a chat reply. The weights are random, so the text is too.")
+    demo.add_arguments(p)
+    p.set_defaults(func=lambda args: asyncio.run(demo.run_demo(args)))
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_synth, _add_inspect, _add_download, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deltafin import __version__
+
+    parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
+    parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
+    add_logging_options(parser, "--quiet-logs")  # `synth --quiet` is its progress bar's
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    for command in sub.choices.values():  # and after any command's name as well
+        add_logging_options(command, "--quiet-logs", after_command=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(log_level(args))
+    return run_cli(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""`deltafin inspect`: what a checkpoint holds, what one token costs to read, and what is wrong with it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.manifest import DownloadRecord, read_record
+from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
+from deltafin.errors import ModelFormatError, SizingError
+from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose, layer_table
+from deltafin.weights.reader import layer_spans
+
+
+def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device: str = "cpu",
+                  options: SizingOptions | None = None) -> dict[str, Any]:
+    """A JSON-able report of the checkpoint at `model_dir` (config errors raise; tensor problems are listed).
+    With `memory_bytes`, also the memory plan of one stage of every layer within it on `device`."""
+    cfg = load_config(model_dir)
+    ckpt = scan_checkpoint(model_dir, cfg)
+    table = layer_table(cfg, Placement(device), layer_spans(ckpt))
+    layers = []
+    spine_total: dict[str, int] = {}
+    for i in range(cfg.num_layers):
+        spine = cfg.spine_bytes(i)
+        for k, v in spine.items():
+            spine_total[k] = spine_total.get(k, 0) + v
+        layers.append({"layer": i, "kind": cfg.layer_kinds[i].value, "ffn": "moe" if cfg.is_moe(i) else "dense",
+                       "attn_res_blocks": cfg.blocks_entering(i), "spine_bytes": spine,
+                       "resident_bytes": {"bf16": table.bf16[i + 1] - table.bf16[i],
+                                          "int8": table.int8[i + 1] - table.int8[i]}})
+    top = cfg.top_spine_bytes()
+    n_moe = len(cfg.moe_layers)
+    contiguous, scattered, missing = _contiguity(ckpt)
+    download = read_record(model_dir)
+    return {
+        "model_dir": str(Path(model_dir).resolve()),
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "kda_layers": list(cfg.kda_layers),
+        "mla_layers": list(cfg.mla_layers),
+        "moe_layers": list(cfg.moe_layers),
+        "layers": layers,
+        "spine_bytes": {"layers": spine_total, "top": top,
+                        "total": sum(spine_total.values()) + sum(top.values())},
+        "experts": {
+            "format": cfg.expert_format.value,
+            "per_layer": cfg.num_experts,
+            "active": cfg.experts_per_token,
+            "bytes_per_expert": cfg.bytes_per_expert,
+            "total_bytes": n_moe * cfg.num_experts * cfg.bytes_per_expert,
+            "bytes_per_token": cfg.expert_bytes_per_token(),
+            "contiguous": contiguous,
+            "non_contiguous": scattered,
+            "unreadable": missing,
+            "all_contiguous": scattered == 0 and missing == 0,
+        },
+        "layers_available": list(ckpt.layers_available()),
+        "unused_tensors": len(set(ckpt.tensors) - _text_tensors(cfg)),  # e.g. the vision tower: skipped
+        "plan": None if memory_bytes is None else _plan(cfg, ckpt, memory_bytes, device, options),
+        "download": None if download is None else {"summary": download.describe(), "layers": list(download.layers),
+                                                    "experts": download.experts and list(download.experts),
+                                                    "share": download.share, "left_out": list(download.left_out),
+                                                    "complete": download.complete},
+        "problems": [p.message for p in ckpt.problems if not _left_out(p.message, download)],
+    }
+
+
+def _left_out(message: str, download: DownloadRecord | None) -> bool:
+    """A problem a partial download has on purpose: a shard of another worker's layers is not there."""
+    return download is not None and any(message.startswith(f"shard {s} is listed") for s in download.left_out)
+
+
+def _text_tensors(cfg: Any) -> set[str]:
+    names = {s.name for s in cfg.top_tensor_specs()}
+    for i in range(cfg.num_layers):
+        names.update(s.name for s in cfg.layer_tensor_specs(i))
+        names.update(a for s in cfg.layer_tensor_specs(i) for a in s.aliases)
+        if cfg.is_moe(i):
+            names.update(s.name for e in range(cfg.num_experts) for s in cfg.expert_tensor_specs(i, e))
+    return names
+
+
+def _plan(cfg: Any, ckpt: Checkpoint, memory_bytes: int, device: str, options: SizingOptions | None) -> dict:
+    opts = replace(options or SizingOptions(), spans=layer_spans(ckpt))
+    place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
+    try:
+        return choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
+    except SizingError as e:
+        return {"error": str(e)}
+
+
+def _contiguity(ckpt: Checkpoint) -> tuple[int, int, int]:
+    contiguous = scattered = missing = 0
+    cfg = ckpt.config
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            try:
+                loc = ckpt.expert(layer, e)
+            except ModelFormatError:
+                missing += 1
+                continue
+            if loc.contiguous:
+                contiguous += 1
+            else:
+                scattered += 1
+    return contiguous, scattered, missing
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.3f} GB" if n >= 1e8 else f"{n / 1e6:,.3f} MB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    ex = r["experts"]
+    lines = [
+        f"{r['model_dir']}: {r['model_type']}, {r['num_layers']} layers, hidden {r['hidden_size']}, "
+        f"vocab {r['vocab_size']}",
+        "",
+        f"{'layer':>5}  {'attn':4}  {'ffn':5}  {'blocks':>6}  {'spine as stored':>28}  {'resident bf16':>13}",
+    ]
+    for layer in r["layers"]:
+        stored = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(layer["spine_bytes"].items()))
+        lines.append(f"{layer['layer']:>5}  {layer['kind']:4}  {layer['ffn']:5}  {layer['attn_res_blocks']:>6}  "
+                     f"{stored:>28}  {_gb(layer['resident_bytes']['bf16']):>13}")
+    sb = r["spine_bytes"]
+    lines += [
+        "",
+        "spine: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(sb["layers"].items()))
+        + " in layers; top (embedding, head, norms): "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(sb["top"].items())) + f"; total {_gb(sb['total'])}",
+        f"experts: {ex['format']}, {ex['per_layer']} per MoE layer x {len(r['moe_layers'])} layers, "
+        f"{ex['active']} active; {ex['bytes_per_expert']:,} bytes each",
+        f"expert bytes: {_gb(ex['total_bytes'])} in all; {_gb(ex['bytes_per_token'])} per token "
+        f"at k={ex['active']} (no cache hits)",
+        f"contiguous experts: {ex['contiguous']:,}, scattered: {ex['non_contiguous']:,}, "
+        f"unreadable: {ex['unreadable']:,}"
+        + ("  (one read per expert)" if ex["all_contiguous"] else ""),
+    ]
+    if r["unused_tensors"]:
+        lines.append(f"unused by the text model (skipped): {r['unused_tensors']:,} tensors")
+    plan = r["plan"]
+    if plan is not None:
+        lines.append("")
+        if "error" in plan:
+            lines.append(f"memory plan: {plan['error']}")
+        else:
+            experts = "resident" if plan["experts_resident"] else "streamed"
+            lines += [f"memory plan on {plan['device']}: {plan['spine']} spine, {len(plan['resident_layers'])} of "
+                      f"{r['num_layers']} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
+                      "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
+                      f"  read per token: experts {_gb(plan['expert_bytes_per_token'])}, spine "
+                      f"{_gb(plan['spine_bytes_per_token'])}; a forward carries up to {plan['forward_tokens']:,} "
+                      "tokens (a prompt that long reads each expert once)"]
+    if r.get("download"):
+        lines += ["", r["download"]["summary"]]
+    if r["problems"]:
+        lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
+    else:
+        lines += ["", "no problems found"]
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""MXFP4 (routed experts) and row-int8 (optional spine) formats: decode on the device, vectorized.
+
+MXFP4 as stored by compressed-tensors (K3_SPEC §6): two E2M1 codes per byte, low nibble = even
+element; one E8M0 scale byte per 32 values along the input dimension; W = E2M1[code] * 2**(scale-127).
+Every MXFP4 value is exactly representable in bf16 and fp32, so decoding is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.checkpoint.config import MXFP4_GROUP
+from deltafin.errors import ModelFormatError
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_NAN = 255
+
+_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 value per code [16], 2**(s-127) per scale byte [256]) on `device`, cached."""
+    key = (device, dtype)
+    if key not in _tables:
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        # 2**(s-127) built in fp32 on the CPU (2**-127 is subnormal there); s = 255 is NaN and rejected on load.
+        scales = torch.ldexp(torch.ones(256), torch.arange(256) - 127)
+        _tables[key] = (values.to(device=device, dtype=dtype), scales.to(device=device, dtype=dtype))
+    return _tables[key]
+
+
+@dataclass(frozen=True)
+class MXFP4Weight:
+    """A [rows, cols] MXFP4 matrix: packed [rows, cols/2] uint8, scales [rows, cols/32] uint8."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel()
+
+    def to(self, device: torch.device | str) -> MXFP4Weight:
+        return MXFP4Weight(self.packed.to(device, non_blocking=True), self.scales.to(device, non_blocking=True))
+
+
+def check_scales(scales: torch.Tensor, what: str) -> None:
+    """Reject E8M0 byte 255 (NaN) with a message naming the tensor. On the host through numpy: a reduction of
+    a few hundred KB, which torch would fan out over its thread pool from every reader thread at once."""
+    if scales.numel() == 0:
+        return
+    peak = int(scales.numpy().max()) if scales.device.type == "cpu" else int(scales.max())
+    if peak == E8M0_NAN:
+        raise ModelFormatError(f"{what} contains E8M0 scale byte 255 (NaN): the checkpoint is corrupt")
+
+
+def dequantize_mxfp4(w: MXFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode to a dense [rows, cols] tensor on the weight's device (no Python loops over elements)."""
+    rows, cols = w.shape
+    if w.scales.shape != (rows, cols // MXFP4_GROUP):
+        raise ValueError(f"MXFP4 scales {tuple(w.scales.shape)} do not match packed {tuple(w.packed.shape)}")
+    values, scale_lut = _luts(w.packed.device, dtype)
+    codes = torch.stack((w.packed & 0xF, w.packed >> 4), dim=-1).view(rows, cols)  # low nibble first
+    dense = values[codes.long()].view(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    return (dense * scale_lut[w.scales.long()].unsqueeze(-1)).view(rows, cols)
+
+
+def quantize_mxfp4(dense: torch.Tensor) -> MXFP4Weight:
+    """Round a float [rows, cols] matrix to MXFP4 (nearest E2M1 per value, power-of-two scale per group).
+    Used by tests and tools; checkpoints arrive already quantized."""
+    rows, cols = dense.shape
+    groups = dense.float().view(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(-1).clamp_min(2.0**-126)
+    exp = torch.clamp(torch.ceil(torch.log2(amax / 6.0)), -127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
+    table = torch.tensor(E2M1_VALUES[:8])
+    mag = (scaled.abs().unsqueeze(-1) - table).abs().argmin(-1)
+    codes = (mag | (scaled < 0).long() << 3).to(torch.uint8).view(rows, cols)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return MXFP4Weight(packed.contiguous(), (exp + 127).to(torch.uint8))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """Row-int8 matrix: q [rows, cols] int8 with fp16 scale per row; W = q * scale (absmax/127)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor  # [rows, 1] fp16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.scale.numel()
+
+
+def quantize_int8_rows(w: torch.Tensor, block_rows: int = 1024) -> Int8Weight:
+    """Per-row absmax/127 int8 with fp16 scales, a block of rows at a time (a 33792x7168 matrix must not
+    need gigabytes of fp32 temporaries on a memory-capped machine)."""
+    rows = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(rows, 1, dtype=torch.float16, device=w.device)
+    for r in range(0, rows, block_rows):
+        wf = w[r:r + block_rows].float()
+        s = (wf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12).half()
+        q[r:r + block_rows] = torch.round(wf / s.float()).clamp_(-127, 127).to(torch.int8)
+        scale[r:r + block_rows] = s
+    return Int8Weight(q, scale)
+
+
+def dequantize_int8_rows(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
+    return w.q.to(dtype) * w.scale.to(dtype)
+
+
+def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
+    """x @ W.T with W dequantized: the definition every MXFP4 kernel is checked against."""
+    return torch.nn.functional.linear(x, dequantize_mxfp4(w, x.dtype))

@@ -1,0 +1,591 @@
+"""One model of memory: what a stage of the model holds, from the config alone (pure: no I/O, no torch).
+
+The planner, the worker, the stage, `bench`, `inspect` and the plan table all take their numbers from here,
+and the stage places its tensors by the same rules (`matrix_format`), so what is planned is what is
+allocated. A stage of layers [a, b) on a device holds:
+
+    resident layers   the first k layers' spine as placed: vectors fp32, matrices bf16 as stored (every
+                      device: fp32 activations multiply bf16 weights without an fp32 copy) or row-int8
+                      (one byte per value + an fp16 scale per row), MLA's kv_b in the activation dtype
+    streamed layers   the rest: read per pass into two host buffers (double-buffered, one layer ahead),
+                      copied to the device on GPUs (two layers as stored)
+    top               the embedding (first stage, as stored) and final norms + head (last stage)
+    experts           every routed expert resident, when that fits; else a cache of expert slots plus the
+                      reader's working slots (three layers' worth of prefetch + one read per thread); on a
+                      discrete GPU the slots read into host staging and the cache lives on the device.
+                      Wide experts (`expert_layers` set): the worker's store serves its share of every MoE layer
+                      it holds, for its own stage and others', always as a cache (capped at those layers'
+                      experts), with a second layer of demand slots for the calls it serves, and the buffers of
+                      expert calls (rows out, outputs back) for `forward_tokens` tokens each way
+    sessions          per-sequence caches for `sequences` sequences of `context` tokens: KDA conv window +
+                      recurrent state (fp32, fixed size), MLA latents (576 values per token per layer)
+    workspace         the forward's temporaries for `forward_tokens` tokens (activations, attention scores
+                      in query blocks, logits, bounded weight-conversion blocks)
+    overhead          the runtime itself (interpreter, torch, kernels): host memory
+
+Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
+else row-int8: no disk reads at all is worth the int8 rounding); else experts stream, the spine is bf16 if it
+fits, row-int8 if not, and whatever int8 does not fit streams; the expert cache takes what is left. A forward
+carries the planned context if its workspace fits FORWARD_SHARE of the budget, else as many tokens as do, and more
+where a small expert cache gives way (`_grow_forward`). If not even the working set fits, SizingError says so
+with the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+
+from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
+from deltafin.errors import SizingError
+
+GB = 1e9
+ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
+RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
+WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB; kernels/linear.py)
+MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values (models/mla.py)
+MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
+PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
+FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may take when the user fixes no size
+SPINES = ("auto", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a stage holds its tensors."""
+
+    device: str = "cpu"  # device type: cpu, cuda, mps (meta: like cuda, for tests)
+    act_bytes: int = 4  # activation element size: fp32 4, bf16 2
+    experts: str = "torch"  # where routed experts run: torch (on `device`) or mlx (read in place into MLX slots)
+
+    @property
+    def discrete(self) -> bool:
+        """A device with memory of its own (CUDA): host parts of a stage do not count against it."""
+        return self.device not in ("cpu", "mps")
+
+    @property
+    def copies(self) -> bool:
+        """Tensors are copied off the host buffers they were read into (every device but the CPU)."""
+        return self.device != "cpu"
+
+
+@dataclass(frozen=True)
+class SizingOptions:
+    """What the user may fix; None means: choose from the memory."""
+
+    spine: str = "auto"  # auto | bf16 | int8
+    expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
+    session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
+    prefix_bytes: int | None = None  # prefix cache; None: as much as the sessions (a kept state each); 0: off
+    sequences: int = 4
+    context: int = 4096
+    forward_tokens: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
+    # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
+    read_threads: int = 8
+    max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
+    spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
+    speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
+    expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
+    expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
+    disks: int = 1  # disks the experts are read from, each with `read_threads` readers
+
+    @property
+    def wide(self) -> bool:
+        return self.expert_layers is not None
+
+
+# ---- placement rules (the stage follows these) ----------------------------------------------------------
+
+
+def tensor_role(spec: TensorSpec) -> str:
+    """How the stage uses a tensor: vector (fp32), embedding (as stored), dense (kv_b: activation dtype),
+    router (as stored, scored in fp32) or matrix (bf16 as stored, or row-int8)."""
+    name = spec.name
+    if name.endswith("embed_tokens.weight"):
+        return "embedding"
+    if len(spec.shape) == 1 or spec.dtype == "F32" or 1 in spec.shape:
+        return "vector"
+    if name.endswith("kv_b_proj.weight"):
+        return "dense"
+    if name.endswith("block_sparse_moe.gate.weight"):
+        return "router"
+    return "matrix"
+
+
+def matrix_format(spine: str, resident: bool) -> str:
+    """int8 for resident matrices of an int8 spine; streamed layers stay as stored (quantizing per pass costs
+    more than it saves)."""
+    return "int8" if spine == "int8" and resident else "stored"
+
+
+def placed_bytes(spec: TensorSpec, role: str, place: Placement, fmt: str) -> int:
+    """Bytes a tensor takes on the device as the stage places it."""
+    if role == "vector":
+        name = spec.name
+        if name.endswith("res_proj.weight"):
+            return 0  # folded with its res_norm into one fp32 scoring vector
+        if name.endswith("A_log"):
+            return 4 * min(spec.numel, max(spec.shape))  # the per-head entries only
+        return 4 * spec.numel
+    if role == "dense":
+        return place.act_bytes * spec.numel
+    if role == "matrix" and fmt == "int8" and min(spec.shape) > 1:
+        return spec.numel + 2 * spec.shape[0]
+    return spec.nbytes  # embedding, router, matrices as stored
+
+
+# ---- per-layer table --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Per-layer byte counts for one config and placement, with prefix sums so a range costs O(1)."""
+
+    cfg: ModelConfig
+    place: Placement
+    bf16: tuple[int, ...]  # resident layer, bf16 spine (prefix sums, length L+1)
+    int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums)
+    stored: tuple[int, ...]  # per layer: bytes read when it streams
+    span: tuple[int, ...]  # per layer: its read buffer (aligned, upper bound)
+    stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer
+    moe: tuple[int, ...]  # prefix counts of MoE layers
+    kda: tuple[int, ...]  # prefix counts of KDA layers
+    mla: tuple[int, ...]  # prefix counts of MLA layers
+
+
+def layer_table(cfg: ModelConfig, place: Placement, spans: tuple[int, ...] | None = None) -> LayerTable:
+    """The table for `cfg` on `place`. `spans` are the layers' real read-buffer sizes where the checkpoint is
+    at hand (its tensors' offsets); without them each layer's spine is taken as one contiguous run, as in the
+    release and in both synthetic orders."""
+    return _layer_table(cfg, place, spans)
+
+
+@lru_cache(maxsize=16)
+def _layer_table(cfg: ModelConfig, place: Placement, spans: tuple[int, ...] | None) -> LayerTable:
+    bf16, int8, stored, span, copy = [0], [0], [], [], []
+    for i in range(cfg.num_layers):
+        specs = cfg.layer_tensor_specs(i)
+        roles = [tensor_role(s) for s in specs]
+        bf16.append(bf16[-1] + sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)))
+        int8.append(int8[-1] + sum(placed_bytes(s, r, place, "int8") for s, r in zip(specs, roles, strict=True)))
+        nbytes = sum(s.nbytes for s in specs)
+        stored.append(nbytes)
+        span.append(spans[i] if spans is not None else _align_up(nbytes) + 2 * ALIGN)  # widened to blocks
+        # on the CPU a streamed matrix is a view of the buffer; vectors and kv_b become new tensors
+        copy.append(sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)
+                        if place.copies or r in ("vector", "dense")))
+    counts = lambda pred: tuple(_prefix([1 if pred(i) else 0 for i in range(cfg.num_layers)]))
+    return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(stored), tuple(span), tuple(copy),
+                      counts(cfg.is_moe), counts(lambda i: cfg.layer_kinds[i] is LayerKind.KDA),
+                      counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA))
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---- the parts of a stage -----------------------------------------------------------------------------------
+
+
+def top_bytes(cfg: ModelConfig, place: Placement, spine: str, first: bool, last: bool) -> int:
+    total = 0
+    for s in cfg.top_tensor_specs():
+        if ("embed_tokens" in s.name and first) or ("embed_tokens" not in s.name and last):
+            total += placed_bytes(s, tensor_role(s), place, matrix_format(spine, True))
+    return total
+
+
+def expert_slot_bytes(cfg: ModelConfig) -> int:
+    """One expert's read slot: its bytes widened to blocks, with room for six separately aligned tensors."""
+    return _align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
+
+
+def working_slots(cfg: ModelConfig, threads: int, demand_layers: int = 1) -> int:
+    """Slots the expert store needs besides its cache: two layers of staged prefetches, one layer of demand reads
+    for each compute thread that may hold one at once (k: so a layer's experts can all be held together; a wide
+    worker's stage and the expert calls it serves are two), and one per reader thread."""
+    return (2 + demand_layers) * cfg.experts_per_token + threads
+
+
+def mla_capacity(tokens: int) -> int:
+    """Latent rows an MLA cache holds for `tokens` tokens: whole blocks (models/cache.py grows by these)."""
+    return -(-max(tokens, 1) // MLA_BLOCK_TOKENS) * MLA_BLOCK_TOKENS
+
+
+def kda_state_bytes(cfg: ModelConfig) -> int:
+    """One KDA layer's per-sequence state (fp32): conv window of q, k, v and the recurrent state."""
+    return (3 * (cfg.conv_kernel - 1) * cfg.kda_dim + cfg.kda_heads * cfg.kda_head_dim ** 2) * 4
+
+
+SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
+
+
+def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:
+    """What one KDA layer keeps after a speculative forward of `tokens` tokens, until the next forward picks
+    the position to continue from: each token's k, v, decay, beta and conv inputs, and the window before.
+    A plan for speculative decoding (`SizingOptions.speculative_tokens`) reserves it for every sequence beside
+    the sequence's caches (0.21 GB per sequence at K3's width: README, Speculative decoding)."""
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    return (tokens * (3 * h * d + h + 3 * cfg.kda_dim) + 3 * (cfg.conv_kernel - 1) * cfg.kda_dim) * 4
+
+
+def mla_row_bytes(cfg: ModelConfig, act_bytes: int) -> int:
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
+
+
+def sequence_bytes(cfg: ModelConfig, n_kda: int, n_mla: int, tokens: int, act_bytes: int) -> int:
+    """One sequence's caches on a stage with n_kda KDA and n_mla MLA layers, at `tokens` tokens."""
+    return n_kda * kda_state_bytes(cfg) + n_mla * mla_capacity(tokens) * mla_row_bytes(cfg, act_bytes)
+
+
+def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens: int, context: int,
+                    last: bool) -> int:
+    """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
+    what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
+    every row's residual state and runs each layer's attention (and a dense MLP) a piece at a time, its routed
+    experts over every row at once (models/decoder.py, layer_in_pieces); forwards that return every position's
+    logits take one piece at most."""
+    act = table.place.act_bytes
+    d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
+    blocks = cfg.blocks_entering(b) + 1
+    row = (blocks + 1) * d * 4  # P and B of one token (fp32)
+    state = 2 * t * row + 2 * p * row  # every row's state into and out of a layer; a piece's AttnRes mix, norm
+    per_layer = 0
+    if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
+        per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)
+    if table.mla[b] - table.mla[a]:
+        heads, s = cfg.num_heads, max(context, t)
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        block = min(MLA_BLOCK_BYTES, s * heads * (p + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
+        per_layer = max(per_layer, block + p * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
+    if a < cfg.first_k_dense:  # a dense MLP: a piece at a time
+        per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
+    if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
+        shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
+        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim + 2 * d) * 4
+        per_layer = max(per_layer, 3 * t * shared * 4 + moe)
+    logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
+    widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
+    weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
+    return state + per_layer + logits + weight_blocks + t * d * act * 4
+
+
+def auto_forward_tokens(cfg: ModelConfig, table: LayerTable, a: int, b: int, context: int, budget: int) -> int:
+    """The most tokens one forward carries when the user fixes none: the whole planned context, if its workspace
+    stays within FORWARD_SHARE of the budget; else as many as do (never fewer than PIECE_TOKENS, which the
+    workspace of one attention pass needs anyway). A prompt up to that long reads each expert once."""
+    last = b == cfg.num_layers
+    cap = max(workspace_bytes(cfg, table, a, b, PIECE_TOKENS, context, last), int(FORWARD_SHARE * budget))
+    if workspace_bytes(cfg, table, a, b, context, context, last) <= cap:
+        return max(context, 1)
+    lo, hi = PIECE_TOKENS, context  # workspace grows with tokens: the largest that stays within the cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if workspace_bytes(cfg, table, a, b, mid, context, last) <= cap else (lo, mid - 1)
+    return lo
+
+
+def expert_call_bytes(cfg: ModelConfig, tokens: int, issues: bool, serves: bool) -> int:
+    """Buffers of wide expert calls for a forward of `tokens` tokens: a stage's calls out (its rows, then every
+    pair's fp32 output coming back, as messages and as tensors) and, for a holder, the calls it serves (the same
+    bounds: at most every pair of the forward comes to one holder)."""
+    one = 2 * tokens * (cfg.experts_per_token + 1) * cfg.expert_dim * 4
+    return one * (int(issues) + int(serves))
+
+
+def holder_workspace_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Temporaries of computing one expert call of `tokens` tokens' pairs: each expert's rows, its gate and up
+    products and output (the largest expert sees every token), and the call's outputs."""
+    i, d, k = cfg.moe_intermediate_size, cfg.expert_dim, cfg.experts_per_token
+    return tokens * (2 * d + 3 * i) * 4 + tokens * k * d * 4
+
+
+def boundary_bytes_per_token(cfg: ModelConfig, layer: int, act_bytes: int) -> int:
+    """Bytes one token adds to the message that enters `layer` from the previous stage: the AttnRes state,
+    the banked blocks P and the partial block B (layer = L: what the last stage's head receives)."""
+    return (cfg.blocks_entering(layer) + 1) * cfg.hidden_size * act_bytes
+
+
+# ---- one stage ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageSizing:
+    """Every part of a stage's memory, and what it reads per token. Bytes unless named otherwise."""
+
+    start: int
+    end: int
+    device: str
+    spine: str  # bf16 | int8, as chosen
+    resident_layers: tuple[int, ...]
+    streamed_layers: tuple[int, ...]
+    layers: int  # resident layers as placed
+    top: int
+    stream_buffers: int  # host: two read buffers of the largest streamed layer
+    stream_copies: int  # the two streamed layers' tensors placed from those buffers
+    experts_resident: bool
+    expert_cache: int  # cache slots (experts resident: every expert)
+    expert_staging: int  # host: the store's read slots
+    expert_landing: int  # device: slots that landed reads are copied into (GPUs)
+    expert_calls: int  # wide experts: the buffers of expert calls made and served (rows out, outputs back)
+    sessions: int
+    prefixes: int  # sequence state kept after its request, for the next request that shares its prefix
+    workspace: int
+    overhead: int  # host: the runtime
+    forward_tokens: int
+    spine_bytes_per_token: int  # spine read per token (streamed layers)
+    expert_bytes_per_token: int  # expected expert reads per token (uniform router: hit rate = cache share)
+    discrete: bool = False  # host parts live apart from the device's memory
+    expert_layers: int = 0  # MoE layers whose experts the store serves (wide: others' layers too)
+    expert_share: float = 1.0  # the fraction of those layers' experts this worker computes (wide)
+
+    @property
+    def holder_only(self) -> bool:
+        """A wide worker with no layers of its own: it only serves expert calls."""
+        return self.end == self.start
+
+    PARTS = ("layers", "top", "stream_buffers", "stream_copies", "expert_cache", "expert_staging", "expert_landing",
+             "expert_calls", "sessions", "prefixes", "workspace", "overhead")
+    HOST_PARTS = ("stream_buffers", "expert_staging", "overhead")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, p) for p in self.PARTS)
+
+    @property
+    def host(self) -> int:
+        """Bytes in host memory apart from the device's (discrete GPUs; 0 elsewhere)."""
+        return sum(getattr(self, p) for p in self.HOST_PARTS) if self.discrete else 0
+
+    @property
+    def device_total(self) -> int:
+        """Bytes against the device budget (everything, on a CPU or a Mac)."""
+        return self.total - self.host
+
+    @property
+    def streaming(self) -> bool:
+        return not self.experts_resident
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(total=self.total, host=self.host, device_total=self.device_total)
+        return d
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{p.replace('_', ' ')} {getattr(self, p) / GB:.2f}" for p in self.PARTS
+                          if getattr(self, p))
+        return f"{self.total / GB:.2f} GB: {parts}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory a stage may use: `device` bytes (the only pool on a CPU or a Mac), and on a discrete GPU
+    `host` bytes of RAM for the staging buffers and the runtime (None: not checked)."""
+
+    device: int
+    host: int | None = None
+
+    def fits(self, s: StageSizing) -> bool:
+        return s.device_total <= self.device and (self.host is None or s.host <= self.host)
+
+
+def _expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_moe: int, expert_cache: int | None,
+                  demand: int) -> tuple[int, int, int, int]:
+    """(cache, host staging, device landing, expected bytes read per token) of an expert store over `n_moe` MoE
+    layers: every expert resident (`expert_cache` None), or a cache of whole slots beside the working slots of
+    `demand` compute threads; a wide store computes `options.expert_share` of those layers' experts."""
+    slot = expert_slot_bytes(cfg)
+    if expert_cache is None:
+        return n_moe * cfg.num_experts * slot, 0, 0, 0
+    cache_slots = expert_cache // slot
+    working = working_slots(cfg, options.read_threads * options.disks, demand) * slot if n_moe else 0
+    share = options.expert_share if options.wide else 1.0
+    held = min(1.0, cache_slots / (n_moe * cfg.num_experts * share)) if n_moe and share > 0 else 0.0
+    per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * share * (1 - held))
+    return cache_slots * slot, working, working if place.copies and place.experts != "mlx" else 0, per_token
+
+
+def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
+               resident_count: int, options: SizingOptions) -> StageSizing:
+    """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
+    resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
+    t = layer_table(cfg, place, options.spans)
+    if options.forward_tokens is None:  # no budget to keep within: the whole planned context in one forward
+        options = replace(options, forward_tokens=max(1, options.context))
+    ids = tuple(range(start, end))
+    resident, streamed = ids[:resident_count], ids[resident_count:]
+    prefix = t.int8 if spine == "int8" else t.bf16
+    own_moe = t.moe[end] - t.moe[start]
+    n_moe = options.expert_layers if options.wide else own_moe
+    if expert_cache is None and options.wide:
+        raise SizingError("wide experts are always cached, never all resident")
+    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache,
+                                                       2 if options.wide else 1)
+    calls = expert_call_bytes(cfg, options.forward_tokens, own_moe > 0, n_moe > 0) if options.wide else 0
+    n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
+    state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
+    trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
+    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * (state + trail)
+    kept = options.session_bytes if options.session_bytes is not None else options.sequences * state
+    prefixes = options.prefix_bytes if options.prefix_bytes is not None else kept  # a kept state each, no trail
+    last = end == cfg.num_layers
+    return StageSizing(
+        start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
+        layers=prefix[start + resident_count] - prefix[start],
+        top=top_bytes(cfg, place, spine, start == 0, last),
+        stream_buffers=2 * max((t.span[i] for i in streamed), default=0),
+        stream_copies=2 * max((t.stream_copy[i] for i in streamed), default=0),
+        experts_resident=expert_cache is None, expert_cache=cache, expert_staging=staging, expert_landing=landing,
+        expert_calls=calls, sessions=sessions, prefixes=prefixes,
+        workspace=workspace_bytes(cfg, t, start, end, options.forward_tokens, options.context, last),
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens,
+        spine_bytes_per_token=sum(t.stored[i] for i in streamed), expert_bytes_per_token=per_token,
+        discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0)
+
+
+def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+           options: SizingOptions) -> StageSizing:
+    """The best stage that fits `budget` (see the module docstring); SizingError when none does."""
+    if options.spine not in SPINES:
+        raise SizingError(f"unknown spine format {options.spine!r}: use {', '.join(SPINES)}")
+    if options.forward_tokens is None:
+        auto = replace(options, forward_tokens=auto_forward_tokens(
+            cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
+        return _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
+    return _choose(cfg, start, end, place, budget, options)
+
+
+def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+            options: SizingOptions) -> StageSizing:
+    n = end - start
+    limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
+    spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
+    cache = options.expert_cache_bytes or 0
+    if limit == n:
+        if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
+            # a whole spine
+            for spine in spines:
+                s = size_stage(cfg, start, end, place, spine, None, n, options)
+                if budget.fits(s):
+                    return s
+        for spine in spines:  # a whole spine, in the first format that fits
+            s = size_stage(cfg, start, end, place, spine, cache, n, options)
+            if budget.fits(s):
+                return _fill_cache(cfg, s, place, budget, options)
+    count = _most_resident(cfg, start, end, place, spines[-1], cache, options, budget, limit)
+    if count is not None:  # the last format, with a streamed tail
+        return _fill_cache(cfg, size_stage(cfg, start, end, place, spines[-1], cache, count, options), place, budget,
+                           options)
+    need = min((size_stage(cfg, start, end, place, spines[-1], cache, k, options) for k in range(limit + 1)),
+               key=lambda s: s.device_total)
+    host = f" and {need.host / GB:.2f} GB of host memory" if need.host else ""
+    have = f" ({budget.host / GB:.2f} GB host)" if budget.host is not None else ""
+    raise SizingError(
+        f"layers {start}-{end - 1} cannot fit on {place.device}: streaming every expert and as much spine as "
+        f"helps, they need at least {need.device_total / GB:.2f} GB{host} ({need.describe()}), and the budget is "
+        f"{budget.device / GB:.2f} GB{have}. Give this stage fewer layers (more workers) or more memory, or ask "
+        "for fewer or shorter sequences")
+
+
+def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
+    """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
+    assert options.wide, "a worker without layers only serves wide experts"
+    if options.forward_tokens is None:
+        options = replace(options, forward_tokens=max(1, options.context))
+    n_moe = options.expert_layers or 0
+    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache, 1)
+    return StageSizing(
+        start=0, end=0, device=place.device, spine="none", resident_layers=(), streamed_layers=(), layers=0, top=0,
+        stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
+        expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.forward_tokens, False, n_moe > 0),
+        sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.forward_tokens),
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens, spine_bytes_per_token=0,
+        expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
+        expert_share=options.expert_share)
+
+
+def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
+    """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
+    expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
+    if options.forward_tokens is None:  # the calls of forwards up to the context, within FORWARD_SHARE
+        cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
+        per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
+        options = replace(options, forward_tokens=max(PIECE_TOKENS, min(options.context, cap // per_token)))
+    base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
+    if not budget.fits(base):
+        raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
+                          f"and the budget is {budget.device / GB:.2f} GB")
+    if options.expert_cache_bytes is not None:
+        return base
+    cap = (options.expert_layers or 0) * cfg.num_experts * expert_slot_bytes(cfg)
+    return size_holder(cfg, place, min(cap, base.expert_cache + budget.device - base.device_total), options)
+
+
+def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
+                  options: SizingOptions) -> StageSizing:
+    """With no forward size fixed: a small expert cache gives way to a longer forward. A cache that holds under
+    FORWARD_SHARE of the experts it serves saves decode under a tenth of its reads, while a prompt longer than
+    the forward reads every expert once more per forward; so such a cache shrinks, down to nothing, for the
+    longest forward up to the planned context that the budget then holds (the spine stays as planned)."""
+    if s.forward_tokens >= options.context or s.experts_resident or not s.expert_cache:
+        return s
+    served = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg) * s.expert_share
+    if s.expert_cache > FORWARD_SHARE * served:
+        return s
+
+    def sized(tokens: int) -> StageSizing:
+        return size_stage(cfg, s.start, s.end, place, s.spine, options.expert_cache_bytes or 0,
+                          len(s.resident_layers), replace(options, forward_tokens=tokens))
+
+    lo, hi = s.forward_tokens, options.context  # workspace grows with tokens: the longest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if budget.fits(sized(mid)) else (lo, mid - 1)
+    if lo == s.forward_tokens:
+        return s
+    return _fill_cache(cfg, sized(lo), place, budget, replace(options, forward_tokens=lo))
+
+
+def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
+                options: SizingOptions) -> StageSizing:
+    """The expert cache takes what the rest leaves (unless the user fixed it)."""
+    if options.expert_cache_bytes is not None or not (cfg.moe_layers and (s.end > cfg.first_k_dense
+                                                                            or options.wide)):
+        return s
+    room = budget.device - s.device_total
+    cache = s.expert_cache + max(0, room)
+    if options.wide:  # never more than every expert it could be asked for
+        cache = min(cache, s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg))
+    return size_stage(cfg, s.start, s.end, place, s.spine, cache, len(s.resident_layers), options)
+
+
+def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, cache: int,
+                   options: SizingOptions, budget: Budget, limit: int) -> int | None:
+    """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
+    layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
+    t = layer_table(cfg, place, options.spans)
+    base = size_stage(cfg, start, end, place, spine, cache, 0, options)  # the parts that do not depend on k
+    prefix = t.int8 if spine == "int8" else t.bf16
+    fixed = base.device_total - base.stream_copies - (0 if base.discrete else base.stream_buffers)
+    host_fixed = base.host - base.stream_buffers
+    span = copy = 0
+    suffix = []  # suffix[j]: (max span, max copy) of layers start+j .. end-1
+    for i in range(end - 1, start - 1, -1):
+        span, copy = max(span, t.span[i]), max(copy, t.stream_copy[i])
+        suffix.append((span, copy))
+    suffix.reverse()
+    suffix.append((0, 0))
+    for k in range(limit, -1, -1):
+        span, copy = suffix[k]
+        device = fixed + prefix[start + k] - prefix[start] + 2 * copy + (0 if base.discrete else 2 * span)
+        host = host_fixed + 2 * span
+        if device <= budget.device and (budget.host is None or not base.discrete or host <= budget.host):
+            return k
+    return None

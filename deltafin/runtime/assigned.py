@@ -1,0 +1,132 @@
+"""What a worker computes with once assigned: its stage (when it has layers), and with wide experts its expert
+store, the holder that serves other stages' calls from it, and its stage's router over every holder.
+
+A new assignment of the same layers with the same options (only the placement of the experts changed: a
+holder was lost or joined) keeps the stage, its sessions and its store, and only re-points them; anything else
+loads afresh. Pure of transport: the other holders come in as `peers` (worker/peers.py over gRPC, or
+wide.LocalPeer in one process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltafin.checkpoint.manifest import check_held
+from deltafin.checkpoint.shards import Checkpoint
+from deltafin.errors import NotAssigned, OutOfMemory, SizingError
+from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.plan.sizing import Budget, Placement, StageSizing, choose_holder, size_holder
+from deltafin.runtime.stage import ExpertProvider, Stage, StageOptions, expert_backend_for, open_experts
+from deltafin.runtime.wide import ExpertHolder, Peer, WideExperts, wide_stats
+from deltafin.weights.reader import layer_spans
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Assigned:
+    start: int
+    end: int
+    options: StageOptions
+    stage: Stage | None  # None: an expert holder only
+    plan: ExpertPlan | None = None  # None: local experts
+    store: ExpertProvider | None = None  # the expert store (wide: the worker's share of every layer it holds)
+    holder: ExpertHolder | None = None
+    sizing: StageSizing | None = None
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+    def stats(self, me: str) -> dict[str, Any]:
+        """The stage's counters (or the holder's store's), with wide experts' own and others' figures."""
+        out: dict[str, Any] = {}
+        if self.stage is not None:
+            out.update(self.stage.stats())
+            out.update(sessions=len(self.stage.sessions), session_bytes=self.stage.session_bytes(),
+                       layers=[self.start, self.end])
+        elif self.store is not None and hasattr(self.store, "snapshot_stats"):
+            out.update(experts=self.store.snapshot_stats().as_dict(), disks=self.store.disk_stats(),  # type: ignore[attr-defined]
+                       layers=[0, 0])
+        if self.sizing is not None:
+            out["plan"] = self.sizing.as_dict()
+        if self.plan is not None and self.store is not None and self.holder is not None:
+            index = self.plan.placement.index(me)
+            share = self.plan.placement.describe(index) if index is not None else "none"
+            out["wide"] = wide_stats(self.store, self.holder, self.stage.wide if self.stage else None, self.layers,
+                                     share)
+        return out
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+        elif self.store is not None:
+            self.store.close()
+
+
+def _same_load(a: StageOptions, b: StageOptions) -> bool:
+    """Two assignments' options load the same stage (the planned share of experts only changes expectations)."""
+    return dataclasses.replace(a, expert_share=0.0) == dataclasses.replace(b, expert_share=0.0)
+
+
+def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+           plan: ExpertPlan | None, me: str, peers: Mapping[str, Peer], old: Assigned | None,
+           progress: Callable[[str, float], None] | None = None) -> Assigned:
+    """Load (or keep from `old`) what the assignment asks for; `old` is closed unless kept."""
+    cfg = ckpt.config
+    if plan is None:
+        if old is not None:
+            old.close()
+        stage = Stage(ckpt, start, end, device=device, options=options, progress=progress)
+        return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
+    index = plan.placement.index(me)
+    if index is None:
+        raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
+    serves = plan.placement.layers_of(index)
+    check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
+    keep = (old is not None and old.plan is not None and (old.start, old.end) == (start, end)
+            and _same_load(old.options, options))
+    if keep:
+        assert old is not None and old.store is not None
+        stage, store, sizing = old.stage, old.store, old.sizing
+        store.set_layers(serves)  # type: ignore[attr-defined]
+        log.info("kept layers %s and the expert store; the experts' placement changed", _span(start, end))
+    else:
+        if old is not None:
+            old.close()
+        if end > start:
+            stage = Stage(ckpt, start, end, device=device, options=options, progress=progress, serves=serves)
+            store, sizing = stage.experts, stage.sizing
+        else:
+            stage, sizing = None, holder_sizing(ckpt, device, options)
+            log.info("expert holder on %s: %s", device, sizing.describe())
+            store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
+    holder = ExpertHolder(cfg, store, device)  # type: ignore[arg-type]
+    if stage is not None:
+        others = {h: p for h, p in peers.items() if h != me}
+        names = {h.key: h.name or h.address for h in plan.holders}
+        stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names))  # type: ignore[arg-type]
+    return Assigned(start, end, options, stage, plan, store, holder, sizing)
+
+
+def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions) -> StageSizing:
+    """The memory plan of a worker that only serves experts: within its budget, or (none) the cache it is given."""
+    place = Placement(device.type, torch.finfo(options.dtype).bits // 8,
+                      "mlx" if expert_backend_for(ckpt.config, device) == "mlx" else "torch")
+    sizing = options.sizing_options(layer_spans(ckpt))
+    if options.memory_bytes is None:
+        return size_holder(ckpt.config, place, options.expert_cache_bytes or 0, sizing)
+    try:
+        return choose_holder(ckpt.config, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
+    except SizingError as e:
+        raise OutOfMemory(str(e)) from None
+
+
+def _span(start: int, end: int) -> str:
+    return f"{start}-{end - 1}" if end > start else "(none: an expert holder)"

@@ -1,0 +1,328 @@
+"""Wide experts (DESIGN.md): a layer's routed experts computed by every holder of their bytes at once.
+
+The stage side, `WideExperts`, is the model's RoutedExperts (models/moe.py): once a layer's router has chosen, it
+sends each holder the latent rows routed to that holder's experts with the (row, expert) pairs, computes its own
+share meanwhile, and hands back every pair's output, which the model weighs and sums in the one-process order.
+Each expert sees the same rows in the same order wherever it runs, so the result is bit-identical to one process
+(same kernels, same dtype). The holder side, `ExpertHolder`, computes a call's pairs from the worker's expert
+store. How a call reaches a holder (`Peer`) is given: gRPC between workers (worker/peers.py), or direct calls on
+a thread of their own in one process (`LocalPeer`: tests).
+
+Shapes: N tokens, k slots, P = N*k pairs (row-major: pair p is token p // k, slot p % k), Ph a holder's pairs,
+Th its distinct rows, De the expert width.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.errors import InvalidInput, NotHeld
+from deltafin.plan.expert_placement import ExpertPlacement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """One holder's part of a layer: expert `experts[p]` on `z[rows[p]]` for every pair p; `hints` are the
+    stage's guesses of later layers' experts (layer, ids most likely first) for the holder's disk to read ahead."""
+
+    layer: int
+    z: torch.Tensor  # [Th, De] the rows routed to this holder's experts, in token order
+    rows: torch.Tensor  # [Ph] int64, into z
+    experts: torch.Tensor  # [Ph] int64 expert ids
+    hints: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def pairs(self) -> int:
+        return int(self.rows.shape[0])
+
+
+class Peer(Protocol):
+    """A holder as a stage reaches it."""
+
+    name: str
+
+    def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
+        """Send the call; the returned function waits for its outputs [Ph, De] fp32 (HolderError on failure)."""
+        ...
+
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+        """Pass guesses on without waiting (a holder that does not get them only reads later)."""
+        ...
+
+
+class Provider(Protocol):
+    """What a worker's expert store offers the wide path (weights/store.py's ExpertStore)."""
+
+    layers: set[int]
+
+    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None: ...
+
+
+@dataclass
+class HolderCounts:
+    """One holder's calls as the stage saw them."""
+
+    calls: int = 0
+    experts: int = 0  # distinct experts asked for, summed over calls
+    pairs: int = 0
+    seconds: float = 0.0  # from sending a call to having its outputs
+
+
+@dataclass
+class WideStats:
+    """The stage side: its calls per holder, and how long it waited for peers after its own share was done."""
+
+    holders: dict[str, HolderCounts] = field(default_factory=dict)
+    peer_wait_s: float = 0.0
+
+    def holder(self, name: str) -> HolderCounts:
+        return self.holders.setdefault(name, HolderCounts())
+
+
+class WideExperts:
+    """The stage side (see the module docstring). `me`: this worker's key in the placement (None: it holds no
+    share); `local`: its expert store; `peers`: every other holder by key."""
+
+    def __init__(self, cfg: ModelConfig, placement: ExpertPlacement, me: str | None, local: Provider | None,
+                 peers: Mapping[str, Peer], names: Mapping[str, str] | None = None):
+        self.cfg, self.placement, self.local, self.peers = cfg, placement, local, dict(peers)
+        self.me = placement.index(me) if me is not None else None
+        if self.me is not None and local is None:
+            raise ValueError("a holder of experts needs its store")
+        missing = [h for i, h in enumerate(placement.holders) if i != self.me and h not in self.peers]
+        if missing:
+            raise ValueError(f"no peer for holders {missing}")
+        self.names = {h: (names or {}).get(h, h) for h in placement.holders}
+        self._owners = {layer: self._owner_table(layer) for layer in placement.layers}
+        self.stats = WideStats()
+        self._forward: dict[int, list[float]] = {}  # holder -> [experts, seconds] since begin_forward
+
+    def _owner_table(self, layer: int) -> torch.Tensor:
+        owner = torch.empty(self.cfg.num_experts, dtype=torch.long)
+        b = self.placement.bounds_of(layer)
+        for i in range(len(self.placement.holders)):
+            owner[b[i]:b[i + 1]] = i
+        return owner
+
+    # ---- RoutedExperts ----------------------------------------------------------------------------------------
+
+    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
+        n_tok, k = idx.shape
+        ids = idx.reshape(-1).cpu()
+        rows = torch.arange(n_tok).repeat_interleave(k)
+        owner = self._owners[layer][ids]
+        parts: list[tuple[int, torch.Tensor]] = []  # (holder, its pair positions in row-major order)
+        for h in torch.unique(owner).tolist():
+            parts.append((h, (owner == h).nonzero(as_tuple=True)[0]))
+        started = time.monotonic()
+        waits = []
+        for h, sel in parts:
+            if h != self.me:
+                waits.append((h, sel, self._send(layer, h, z, rows[sel], ids[sel])))
+
+        def finish() -> torch.Tensor:
+            out = torch.zeros(n_tok * k, self.cfg.expert_dim, dtype=torch.float32, device=z.device)
+            for h, sel in parts:
+                if h == self.me:
+                    t0 = time.monotonic()
+                    out[sel.to(z.device)] = self.local.pair_outputs(layer, z, rows[sel], ids[sel])  # type: ignore[union-attr]
+                    self._count(h, ids[sel], time.monotonic() - t0)
+            t0 = time.monotonic()
+            for h, sel, wait in waits:
+                out[sel.to(z.device)] = wait().to(z.device)
+                self._count(h, ids[sel], time.monotonic() - started)
+            self.stats.peer_wait_s += time.monotonic() - t0
+            return out.view(n_tok, k, self.cfg.expert_dim)
+
+        return finish
+
+    def _send(self, layer: int, holder: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor
+              ) -> Callable[[], torch.Tensor]:
+        """The holder's pairs with only the rows they need, numbered afresh (in the same token order)."""
+        needed, local_rows = torch.unique(rows, sorted=True, return_inverse=True)
+        call = ExpertCall(layer, z[needed.to(z.device)], local_rows, ids)
+        return self.peers[self.placement.holders[holder]].call(call)
+
+    def _count(self, holder: int, ids: torch.Tensor, seconds: float) -> None:
+        c = self.stats.holder(self.names[self.placement.holders[holder]])
+        experts = int(torch.unique(ids).numel())
+        c.calls, c.experts, c.pairs, c.seconds = c.calls + 1, c.experts + experts, c.pairs + ids.numel(), \
+            c.seconds + seconds
+        step = self._forward.setdefault(holder, [0, 0.0])
+        step[0] += experts
+        step[1] += seconds
+
+    # ---- prefetch ------------------------------------------------------------------------------------------------
+
+    def prefetch(self, guesses: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """The stage's guesses as a layer starts ((layer, ids most likely first): its own and the next one's): this
+        worker's share to its own store, and to every other holder one message with its share of all of them,
+        without waiting, so that its disk reads ahead while this layer computes."""
+        remote: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for layer, ids in guesses:
+            if layer not in self._owners:
+                continue
+            owner = self._owners[layer]
+            by_holder: dict[int, list[int]] = {}
+            for e in ids:
+                by_holder.setdefault(int(owner[e]), []).append(int(e))
+            for h, guess in by_holder.items():
+                if h == self.me:
+                    self.local.prefetch(layer, guess)  # type: ignore[union-attr]
+                else:
+                    remote.setdefault(h, []).append((layer, tuple(guess)))
+        for h, hints in remote.items():
+            self.peers[self.placement.holders[h]].hint(tuple(hints))
+
+    # ---- per forward (the -v log) ------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        self._forward.clear()
+
+    def describe_forward(self) -> str:
+        """Each holder's experts and seconds in the forward since `begin_forward` (self: its own share)."""
+        parts = []
+        for h in sorted(self._forward):
+            experts, seconds = self._forward[h]
+            who = self.names[self.placement.holders[h]] + (" (self)" if h == self.me else "")
+            parts.append(f"{who} {int(experts)} experts {seconds * 1000:.1f} ms")
+        return ", ".join(parts)
+
+
+@dataclass
+class ServedCounts:
+    calls: int = 0
+    pairs: int = 0
+    seconds: float = 0.0
+
+
+class ExpertHolder:
+    """The holder side: other stages' calls computed from this worker's expert store (on a thread of their own,
+    beside the worker's stage), with counters."""
+
+    def __init__(self, cfg: ModelConfig, store: Provider, device: torch.device):
+        self.cfg, self.store, self.device = cfg, store, device
+        self.served = ServedCounts()
+        self._lock = threading.Lock()
+
+    def check(self, call: ExpertCall) -> None:
+        """A call this holder can compute, or InvalidInput / NotHeld saying why not."""
+        e, t = self.cfg.num_experts, call.z.shape[0] if call.z.dim() == 2 else -1
+        if call.z.dim() != 2 or call.z.shape[1] != self.cfg.expert_dim or call.z.dtype not in (torch.float32,
+                                                                                               torch.bfloat16):
+            raise InvalidInput(f"an expert call's rows must be float32 or bfloat16 [T, {self.cfg.expert_dim}]; got "
+                               f"{call.z.dtype} {list(call.z.shape)}")
+        if call.rows.shape != call.experts.shape or call.rows.dim() != 1 or call.pairs == 0:
+            raise InvalidInput("an expert call needs as many rows as experts, and at least one pair")
+        if int(call.rows.min()) < 0 or int(call.rows.max()) >= t:
+            raise InvalidInput(f"an expert call's rows must be in [0, {t})")
+        if int(call.experts.min()) < 0 or int(call.experts.max()) >= e:
+            raise InvalidInput(f"expert ids must be in [0, {e})")
+        if call.layer not in self.store.layers:
+            raise NotHeld(f"layer {call.layer}'s experts are not served here (this worker serves layers "
+                          f"{_ranges(sorted(self.store.layers))}): plan again")
+        if not bool(torch.isfinite(call.z).all()):
+            raise InvalidInput("an expert call's rows contain NaN or Inf")
+
+    @torch.inference_mode()
+    def run(self, call: ExpertCall) -> torch.Tensor:
+        """The call's outputs [Ph, De] fp32; its hints go to the store first, behind the call's own reads."""
+        self.check(call)
+        t0 = time.monotonic()
+        self.hint(call.hints)
+        out = self.store.pair_outputs(call.layer, call.z.to(self.device), call.rows, call.experts)
+        with self._lock:
+            self.served.calls += 1
+            self.served.pairs += call.pairs
+            self.served.seconds += time.monotonic() - t0
+        return out
+
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+        for layer, ids in hints:
+            if layer in self.store.layers and all(0 <= e < self.cfg.num_experts for e in ids):
+                self.store.prefetch(layer, list(ids))
+
+
+class LocalPeer:
+    """A holder in this process, reached on a thread of its own (one per holder, as a machine would be)."""
+
+    def __init__(self, name: str, holder: ExpertHolder, executor: Executor):
+        self.name, self.holder, self.executor = name, holder, executor
+
+    def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
+        future = self.executor.submit(self.holder.run, call)
+        return future.result
+
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+        self.holder.hint(hints)
+
+
+def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, ExpertCall]]:
+    """The call cut into pieces of whole experts whose rows and outputs stay under `max_bytes` each, with the
+    positions of each piece's pairs in the call: each expert still sees all its rows, in order, in one piece.
+    (One expert's rows and outputs, at most 8 * De bytes a token, always fit a message that carries a stage's
+    residual state of the same tokens, which is what bounds a forward.)"""
+    row_bytes = call.z.shape[1] * 4
+    if 2 * call.pairs * row_bytes <= max_bytes:
+        return [(torch.arange(call.pairs), call)]
+    order = torch.argsort(call.experts, stable=True)  # each expert's pairs together, in their order
+    counts = torch.bincount(call.experts[order]).tolist()
+    pieces, start, size = [], 0, 0
+    bounds = [0]
+    for n in (c for c in counts if c):
+        if size and 2 * (size + n) * row_bytes > max_bytes:
+            bounds.append(start)
+            size = 0
+        start, size = start + n, size + n
+    bounds.append(start)
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        sel = order[a:b]
+        needed, rows = torch.unique(call.rows[sel], sorted=True, return_inverse=True)
+        pieces.append((sel, ExpertCall(call.layer, call.z[needed], rows, call.experts[sel],
+                                       call.hints if not pieces else ())))
+    return pieces
+
+
+def _ranges(ids: list[int]) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(f"{ids[i]}" if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
+
+
+
+def wide_stats(store: Any, holder: ExpertHolder, wide: WideExperts | None, own_layers: range,
+               share: str) -> dict[str, Any]:
+    """A wide worker's counters: its store's reads and hits for its own layers and for other stages', the calls
+    it served, its stage's calls to each holder and its wait on them (the StageStats.wide message)."""
+    s = store.snapshot_stats()
+    own = s.over(own_layers)
+    others = s.over([layer for layer in s.by_layer if layer not in own_layers])
+    out: dict[str, Any] = {"share": share, "own_expert_bytes": own.expert_bytes,
+                           "others_expert_bytes": others.expert_bytes, "own_lookups": own.lookups,
+                           "own_hits": own.hits, "others_lookups": others.lookups, "others_hits": others.hits,
+                           "calls_served": holder.served.calls, "pairs_served": holder.served.pairs,
+                           "served_s": round(holder.served.seconds, 4)}
+    if wide is not None:
+        out["peer_wait_s"] = round(wide.stats.peer_wait_s, 4)
+        out["holders"] = [{"name": name, "calls": c.calls, "experts": c.experts, "pairs": c.pairs,
+                           "seconds": round(c.seconds, 4)} for name, c in wide.stats.holders.items()]
+    return out

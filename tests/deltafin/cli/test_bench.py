@@ -1,0 +1,39 @@
+"""`deltafin bench`'s decode and prefill JSON."""
+
+from __future__ import annotations
+
+from deltafin.runtime.stage import StageOptions
+
+
+def test_bench_decode_json_on_tiny(tiny_dir):
+    from deltafin.cli.bench import bench_decode
+
+    r = bench_decode(tiny_dir, tokens=3, prompt=2, device="cpu",
+                     options=StageOptions(expert_cache_bytes=100_000, read_threads=2), measure_disk=False)
+    for key in ("tok_per_s", "s_per_token_median", "bytes_read_per_token", "read_GBps_achieved", "cache_hit_rate",
+                "prefetch_recall", "io_wait_s_per_token", "compute_s_per_token", "t_compute_s", "policy_hit_rates",
+                "plan_gb", "peak_rss_gb", "planned_gb"):
+        assert key in r, key
+    assert r["bytes_read_per_token"] > 0 and r["t_compute_s"] > 0 and r["experts_streamed"]
+    assert r["bytes_read_per_token"] == r["expert_bytes_read_per_token"] + r["spine_bytes_per_token"]
+
+
+def test_bench_prefill_reads_each_expert_once_per_forward(tiny_dir):
+    """A prompt in one forward reads every expert of every MoE layer once (600 tokens touch all of tiny's); in
+    forwards of 100 tokens, once per forward (each forward touches all of them again, and the cache holds none)."""
+    from deltafin.checkpoint.config import load_config
+    from deltafin.cli.bench import bench_prefill
+
+    cfg = load_config(tiny_dir)
+    every = len(cfg.moe_layers) * cfg.num_experts * cfg.bytes_per_expert  # the experts' bytes
+    whole, chunked = (bench_prefill(tiny_dir, [600], device="cpu", measure_disk=False,
+                                    options=StageOptions(expert_cache_bytes=1, read_threads=2,
+                                                         max_forward_tokens=n)) for n in (600, 100))
+    one, six = whole["lengths"]["600"], chunked["lengths"]["600"]
+    assert (one["forwards"], six["forwards"]) == (1, 6)
+    experts = len(cfg.moe_layers) * cfg.num_experts
+    assert (one["expert_loads"], six["expert_loads"]) == (experts, 6 * experts)
+    # bytes: each load reads the expert's blocks, whole 4 KiB pages of direct I/O (tiny's experts are smaller)
+    assert one["expert_bytes"] >= every and six["expert_bytes"] == 6 * one["expert_bytes"]
+    assert one["x_all_experts"] == round(one["expert_bytes"] / every, 3)
+    assert one["peak_rss_gb"] > 0

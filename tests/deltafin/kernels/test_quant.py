@@ -1,0 +1,80 @@
+"""MXFP4 decoding against a plain per-element reference written from K3_SPEC §6; row-int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafin.errors import ModelFormatError
+from deltafin.kernels.linear import mxfp4_linear_reference
+from deltafin.kernels.quant import (
+    MXFP4Weight,
+    check_scales,
+    dequantize_int8_rows,
+    dequantize_mxfp4,
+    quantize_int8_rows,
+    quantize_mxfp4,
+)
+
+E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]
+
+
+def _plain(packed: list[list[int]], scales: list[list[int]]) -> list[list[float]]:
+    """W[r, c] = E2M1[code] * 2**(scale[r, c//32] - 127), low nibble = even element; one element at a time."""
+    out = []
+    for r, row in enumerate(packed):
+        vals = []
+        for j, byte in enumerate(row):
+            for c, code in ((2 * j, byte & 0xF), (2 * j + 1, byte >> 4)):
+                vals.append(E2M1[code] * 2.0 ** (scales[r][c // 32] - 127))
+        out.append(vals)
+    return out
+
+
+@pytest.mark.parametrize("scale", [0, 1, 100, 119, 126, 127, 128, 140, 200, 254])
+def test_every_byte_value_at_many_scales(scale):
+    # 8 rows x 32 bytes: every byte value 0..255 once; each row holds two 32-value groups
+    packed = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    scales = torch.full((8, 2), scale, dtype=torch.uint8)
+    scales[:, 1] = min(scale + 1, 254)  # two groups per row with different scales
+    got = dequantize_mxfp4(MXFP4Weight(packed, scales), torch.float32)
+    want = torch.tensor(_plain(packed.tolist(), scales.tolist()), dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 is -0.0
+    # bf16 holds every MXFP4 value exactly
+    assert torch.equal(dequantize_mxfp4(MXFP4Weight(packed, scales), torch.bfloat16).float(), want)
+
+
+def test_scale_255_is_rejected():
+    with pytest.raises(ModelFormatError, match="scale byte 255"):
+        check_scales(torch.tensor([[3, 255]], dtype=torch.uint8), "experts.0.w1.weight_scale")
+    check_scales(torch.tensor([[0, 254]], dtype=torch.uint8), "ok")
+
+
+def test_matmul_equals_dense_product():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 124, (48, 4), dtype=torch.uint8, generator=g)
+    w = MXFP4Weight(packed, scales)
+    x = torch.randn(5, 128, generator=g)
+    # the same product of exactly decoded values; only the matmul's fp32 summation order may differ
+    assert torch.allclose(mxfp4_linear_reference(x, w), x @ dequantize_mxfp4(w).T, rtol=1e-6, atol=1e-6)
+
+
+def test_quantize_round_trips_representable_values():
+    g = torch.Generator().manual_seed(1)
+    w = MXFP4Weight(torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=g),
+                    torch.randint(110, 130, (16, 2), dtype=torch.uint8, generator=g))
+    dense = dequantize_mxfp4(w)
+    assert torch.equal(dequantize_mxfp4(quantize_mxfp4(dense)), dense)
+
+
+def test_int8_rows():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 96, generator=g)
+    q = quantize_int8_rows(w)
+    assert q.q.dtype == torch.int8 and q.scale.dtype == torch.float16 and q.scale.shape == (64, 1)
+    back = dequantize_int8_rows(q, torch.float32)
+    # per-row absmax/127 steps: error at most half a step (plus fp16 scale rounding)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((back - w).abs() <= 0.51 * step + 1e-3 * w.abs()).all()

@@ -1,0 +1,180 @@
+"""Wide experts in one process (tests/support/wide.py builds the workers with their own assignment code): the
+result is bit-identical to one process for prompts, decode steps, batches, speculative forwards and prefixes,
+with holders of unequal shares and holders without layers; calls split under a message cap compute the same
+bits; holders check their calls; guesses reach the holders' disks; a new placement keeps stages and sessions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deltafin.errors import InvalidInput, NotHeld
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.wide import ExpertCall, ExpertHolder, call_pieces
+from tests.support.wide import WideCluster
+
+IDS = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17])
+
+
+def _run(pipe: LocalPipeline, steps: int = 4) -> list[torch.Tensor]:
+    """Prefill logits of every position, then greedy steps' logits; and a batch of two sequences at once."""
+    out = [pipe.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits]
+    pos = len(IDS)
+    for _ in range(steps):
+        token = torch.tensor([int(out[-1][-1].argmax())])
+        out.append(pipe.forward([SeqInput("a", pos, ids=token)])[0].logits)
+        pos += 1
+    both = pipe.forward([SeqInput("a", pos, ids=torch.tensor([3])), SeqInput("b", 0, ids=IDS[:7])],
+                        all_logits=True)
+    return [*out, *(o.logits for o in both)]
+
+
+@pytest.fixture(scope="module")
+def local(small_dir):
+    pipe = LocalPipeline.load(small_dir, 1, device="cpu")
+    try:
+        yield _run(pipe)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("stages, holders, weights", [(1, 0, None), (2, 0, [1.0, 3.0]), (3, 0, None),
+                                                      (2, 2, [1.0, 1.0, 2.0, 0.5])])
+def test_wide_is_bit_identical_to_one_process(small_dir, local, stages, holders, weights):
+    cluster = WideCluster(small_dir, stages, holders, weights)
+    try:
+        got = _run(cluster.pipeline)
+        assert len(got) == len(local)
+        for a, b in zip(got, local, strict=True):
+            assert torch.equal(a, b)  # fp32 on the CPU: the same bits
+        calls = {k: a.holder.served.calls for k, a in cluster.assigned.items()}
+        if stages + holders > 1:
+            assert all(n > 0 for k, n in calls.items() if cluster.placement.count(cluster.keys.index(k))), calls
+    finally:
+        cluster.close()
+
+
+def test_each_holder_reads_only_its_share(small_dir):
+    cluster = WideCluster(small_dir, 2, 1, [1.0, 1.0, 2.0])
+    try:
+        _run(cluster.pipeline)
+        for i, key in enumerate(cluster.keys):
+            stats = cluster.assigned[key].store.snapshot_stats()
+            share = sum(len(cluster.placement.share(i, layer)) for layer in cluster.cfg.moe_layers)
+            read = stats.over(cluster.cfg.moe_layers).expert_bytes
+            # its cache holds all its share: each of its experts read once, but for guesses read twice (wasted)
+            assert 0 < read <= share * cluster.cfg.bytes_per_expert + stats.wasted_bytes
+            assert all(cluster.placement.share(i, layer) for layer, c in stats.by_layer.items() if c.expert_bytes)
+    finally:
+        cluster.close()
+
+
+def test_speculative_forwards_and_prefixes_through_wide_stages(small_dir):
+    """A speculative forward, a rewind to its second position, a kept prefix and a session resumed from it:
+    the same logits through wide stages as through one process."""
+    def steps(pipe: LocalPipeline) -> list[torch.Tensor]:
+        out = [pipe.forward([SeqInput("s", 0, ids=IDS[:8], save_as="p8")], all_logits=True)[0].logits]
+        out.append(pipe.forward([SeqInput("s", 8, ids=IDS[8:12], speculative=True)])[0].logits)
+        out.append(pipe.forward([SeqInput("s", 10, ids=torch.tensor([9]))])[0].logits)
+        out.append(pipe.forward([SeqInput("r", 8, ids=IDS[8:10], resume_from="p8")], all_logits=True)[0].logits)
+        return out
+
+    one = LocalPipeline.load(small_dir, 1, device="cpu")
+    cluster = WideCluster(small_dir, 2, 1)
+    try:
+        for a, b in zip(steps(cluster.pipeline), steps(one), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        cluster.close()
+        one.close()
+
+
+def test_a_new_placement_keeps_stages_sessions_and_stores(small_dir):
+    """A holder leaves: the same layers and options keep their Stage (its session continues) and its store;
+    the lost holder's experts are computed by the others, with the same result."""
+    one = LocalPipeline.load(small_dir, 1, device="cpu")
+    cluster = WideCluster(small_dir, 2, 1)
+    try:
+        want = one.forward([SeqInput("a", 0, ids=IDS)])[0].logits
+        assert torch.equal(cluster.pipeline.forward([SeqInput("a", 0, ids=IDS)])[0].logits, want)
+        stages = [a.stage for a in cluster.assigned.values()]
+        stores = [a.store for a in cluster.assigned.values()]
+        keys = cluster.keys[:2]
+        placement = ExpertPlacement.build(keys, cluster.cfg.moe_layers, cluster.cfg.num_experts, lambda i, _: 1.0)
+        gone = cluster.assigned.pop(cluster.keys[2])
+        cluster.keys = keys
+        cluster.ranges = cluster.ranges[:2]
+        cluster.assign(ExpertPlan(placement, tuple(Holder(k, f"local:{k}", k) for k in keys)))
+        gone.close()
+        assert [a.stage for a in cluster.assigned.values()] == stages[:2]  # the same objects: nothing reloaded
+        assert [a.store for a in cluster.assigned.values()] == stores[:2]
+        step = torch.tensor([int(want[-1].argmax())])
+        assert torch.equal(cluster.pipeline.forward([SeqInput("a", len(IDS), ids=step)])[0].logits,
+                           one.forward([SeqInput("a", len(IDS), ids=step)])[0].logits)
+    finally:
+        cluster.close()
+        one.close()
+
+
+def test_guesses_reach_the_holders_disks(small_dir):
+    cluster = WideCluster(small_dir, 2, 2, cache_bytes=0)
+    try:
+        _run(cluster.pipeline, steps=8)
+        issued = {k: a.store.snapshot_stats().prefetch_issued for k, a in cluster.assigned.items()}
+        hits = {k: a.store.snapshot_stats().prefetch_hits for k, a in cluster.assigned.items()}
+        for key in cluster.keys[2:]:  # holders without layers read ahead only because stages told them
+            assert issued[key] > 0 and hits[key] > 0, (issued, hits)
+    finally:
+        cluster.close()
+
+
+def test_calls_split_under_a_message_cap_compute_the_same_bits(small_dir):
+    cluster = WideCluster(small_dir, 1)
+    try:
+        holder = cluster.assigned["w0"].holder
+        cfg = cluster.cfg
+        g = torch.Generator().manual_seed(3)
+        z = torch.randn(40, cfg.expert_dim, generator=g)
+        idx = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.experts_per_token] for _ in range(40)])
+        call = ExpertCall(cfg.moe_layers[0], z, torch.arange(40).repeat_interleave(cfg.experts_per_token),
+                          idx.reshape(-1))
+        whole = holder.run(call)
+        cap = 2 * 60 * cfg.expert_dim * 4  # 60 pairs a piece, rows and outputs
+        pieces = call_pieces(call, cap)
+        assert len(pieces) > 3
+        out = torch.empty_like(whole)
+        experts = [set(piece.experts.tolist()) for _, piece in pieces]
+        assert sum(map(len, experts)) == len(set().union(*experts))  # whole experts: none in two pieces
+        for sel, piece in pieces:
+            assert 2 * piece.pairs * cfg.expert_dim * 4 <= cap
+            out[sel] = holder.run(piece)
+        assert torch.equal(out, whole)
+    finally:
+        cluster.close()
+
+
+def test_a_holder_checks_its_calls(small_dir):
+    cluster = WideCluster(small_dir, 1)
+    try:
+        cfg = cluster.cfg
+        holder: ExpertHolder = cluster.assigned["w0"].holder
+        good = ExpertCall(cfg.moe_layers[0], torch.zeros(2, cfg.expert_dim), torch.tensor([0, 1]),
+                          torch.tensor([3, 4]))
+        assert holder.run(good).shape == (2, cfg.expert_dim)
+        for bad, error, words in [
+            (dataclasses.replace(good, z=torch.zeros(2, 7)), InvalidInput, "float32 or bfloat16"),
+            (dataclasses.replace(good, z=good.z.double()), InvalidInput, "float32 or bfloat16"),
+            (dataclasses.replace(good, rows=torch.tensor([0, 2])), InvalidInput, "rows must be in"),
+            (dataclasses.replace(good, experts=torch.tensor([0, cfg.num_experts])), InvalidInput, "expert ids"),
+            (dataclasses.replace(good, rows=torch.tensor([0])), InvalidInput, "as many rows"),
+            (dataclasses.replace(good, z=torch.full((2, cfg.expert_dim), float("nan"))), InvalidInput, "NaN"),
+            (dataclasses.replace(good, layer=0), NotHeld, "not served here"),
+        ]:
+            with pytest.raises(error, match=words):
+                holder.run(bad)
+    finally:
+        cluster.close()

@@ -1,0 +1,36 @@
+"""Bonjour discovery on the loopback interface: announced workers are found, their TXT records round-trip."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from deltafin.transport.discovery import browse
+from tests.support.cluster import workers
+
+
+def test_discovery_finds_announced_workers_and_txt_round_trips(tiny_dir):
+    with workers(tiny_dir, 2, announce=True, prefix="disc") as procs:
+        found = {d.name: d for d in browse(timeout=5, interfaces=["127.0.0.1"], expect=2)}
+        assert {"disc0", "disc1"} <= set(found)
+        d = found["disc0"]
+        assert d.address == procs[0].address
+        assert d.layers == ((0, 6),) and d.has_top and d.memory_bytes == 4 * 10**9 and d.disk_gbps == 2.0
+        # the TXT record says what Info says
+        from deltafin.coordinator.cluster.backend import WorkerClient
+
+        async def info():
+            client = WorkerClient(d.address)
+            try:
+                return await client.info()
+            finally:
+                await client.close()
+
+        i = asyncio.run(info())
+        assert (i.model_fingerprint, i.layers, i.has_top, i.device) == (d.model_fingerprint, d.layers, d.has_top,
+                                                                          d.device)
+        # SIGTERM: graceful exit, and the announcement is withdrawn
+        assert procs[1].stop() == 0
+        time.sleep(0.5)
+        names = {w.name for w in browse(timeout=2, interfaces=["127.0.0.1"])}
+        assert "disc1" not in names and "disc0" in names
