@@ -15,6 +15,14 @@ import sys
 import threading
 from typing import TYPE_CHECKING, TextIO
 
+from deltafin.cli.flags import (
+    add_cluster_options,
+    add_sampling_options,
+    cluster_from_args,
+    sampling_from_args,
+    serving_from_args,
+    stage_from_args,
+)
 from deltafin.errors import DeltafinError
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
@@ -32,8 +40,6 @@ HELP = """commands:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from deltafin.coordinator.options import add_cluster_options, add_sampling_options
-
     add_cluster_options(p)
     add_sampling_options(p, temperature=0.6, max_tokens=None)
     p.add_argument("--system", default=None, help="system prompt")
@@ -61,12 +67,12 @@ class _Lines:
 
 async def run_chat(args: argparse.Namespace) -> int:
     from deltafin.coordinator.engine.chat_session import ChatSession
-    from deltafin.coordinator.options import open_engine, sampling_params
+    from deltafin.coordinator.engine.engine import open_engine
 
-    sampling = sampling_params(args)
+    sampling = sampling_from_args(args)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
-    engine = await open_engine(args)
+    engine = await open_engine(cluster_from_args(args), stage_from_args(args), serving_from_args(args))
     printer = _Printer(sys.stdout.isatty())
     session = ChatSession(engine, sampling, args.max_tokens, args.system, args.thinking)
     lines = _Lines(sys.stdin)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -23,17 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
-from deltafin.coordinator.engine.report import format_summary, run_summary
-from deltafin.coordinator.options import (
+from deltafin.cli.flags import (
     add_cluster_options,
     add_sampling_options,
     add_serving_options,
     add_speculative_option,
-    cluster_spec,
-    open_engine,
-    sampling_params,
+    cluster_from_args,
+    sampling_from_args,
+    serving_from_args,
+    stage_from_args,
 )
+from deltafin.coordinator.cluster.connect import ClusterOptions, cluster_spec
+from deltafin.coordinator.engine.engine import Engine, ServingOptions, open_engine, planned_stage
+from deltafin.coordinator.engine.report import format_summary, run_summary
 from deltafin.errors import DeltafinError
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.transport.ports import cannot_listen, check_free
 
@@ -110,13 +115,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(args: argparse.Namespace) -> tuple[ClusterOptions, StageOptions, ServingOptions]:
+    """The command's options as typed values, checked before anything loads."""
+    return cluster_from_args(args), stage_from_args(args), serving_from_args(args)
+
+
+async def _open(args: argparse.Namespace, serving: ServingOptions | None = None) -> Engine:
+    cluster, stage, flags = _options(args)
+    return await open_engine(cluster, stage, serving or flags)
+
+
 async def cmd_plan(args: argparse.Namespace) -> int:
     from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
 
-    spec = cluster_spec(args)
+    cluster, stage, serving = _options(args)
+    cfg = load_config(cluster.model)
+    spec = cluster_spec(cluster, planned_stage(stage, serving), cfg)
     workers = await find_workers(spec)
     try:
-        cfg = load_config(args.model)
         plan = plan_cluster(spec, cfg, workers)
         print(plan.table())
         print("\n".join(download_commands(plan)))
@@ -150,10 +166,10 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     from deltafin.coordinator.engine.report import PrefillReporter
     from deltafin.coordinator.engine.token_loop import Finished, PlainText
 
-    params = sampling_params(args)  # bad values fail before anything loads
+    params = sampling_from_args(args)  # bad values fail before anything loads
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
-    engine = await open_engine(args)
+    engine = await _open(args)
     try:
         ids = engine.tokenizer.encode(args.prompt)
         if not ids:
@@ -190,19 +206,13 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 async def cmd_serve(args: argparse.Namespace) -> int:
     from deltafin.coordinator.http import server
 
-    if (args.max_active < 1 or args.queue_depth < 0 or args.max_context < 2 or args.default_max_tokens < 1
-            or args.pipeline_depth < 0):
-        raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
-                            "--pipeline-depth >= 0, --max-context >= 2")
+    cluster, stage, serving = _options(args)
     api_key = _api_key(args)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can generate (set --api-key)",
                     args.host)
     check_free(args.host, args.port, "the API")  # before loading: the model takes minutes to load
-    engine = await open_engine(args, args.served_model_name, max_active=args.max_active,
-                               queue_depth=args.queue_depth, max_context=args.max_context,
-                               default_max_tokens=args.default_max_tokens, pipeline_depth=args.pipeline_depth,
-                               ride=args.prefill_batches == "ride", strict_model_name=args.strict_model_name)
+    engine = await open_engine(cluster, stage, serving)
     try:
         runner, port = await server.start(engine, args.host, args.port, int(args.max_body_mb * (1 << 20)),
                                           api_key)
@@ -233,10 +243,9 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1 or args.long_prompt < 0:
         raise DeltafinError("--concurrency takes positive counts (e.g. 1,2,4); --prompt-tokens and --max-tokens "
                             "must be at least 1, --long-prompt at least 0")
-    args.max_active = max(args.max_active, max(levels) + bool(args.long_prompt))
-    engine = await open_engine(args, max_active=args.max_active, queue_depth=args.queue_depth,
-                               max_context=args.max_context, pipeline_depth=args.pipeline_depth,
-                               ride=args.prefill_batches == "ride")
+    serving = serving_from_args(args)
+    engine = await _open(args, dataclasses.replace(
+        serving, max_active=max(serving.max_active, max(levels) + bool(args.long_prompt))))
     try:
         result = await bench_serving(engine, levels, args.prompt_tokens, args.max_tokens, args.seed,
                                      args.long_prompt)

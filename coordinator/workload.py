@@ -105,14 +105,15 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
             options: Any) -> dict[str, Any]:
     """Feed each answer back one token at a time through a streaming stage; the routing trace it records."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.cli.bench import ExpertRecorder
     from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput, StageOptions
+    from deltafin.runtime.stage import SeqInput
+    from deltafin.runtime.stage_options import StageOptions
+    from deltafin.weights.expert_trace import ExpertRecorder
 
     cfg = load_config(model)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
     options = options or StageOptions()
-    if options.expert_cache_bytes is None:
+    if options.sizing.expert_cache_bytes is None:
         options = dataclasses.replace(options, expert_cache_bytes=int(cache_share * all_experts)
                                       * cfg.bytes_per_expert)
     pipe = LocalPipeline.load(model, 1, device=device, options=options)
@@ -132,7 +133,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
     finally:
         pipe.close()
     return {"routing": _routing(cfg, recorder.trace, all_experts),
-            "stage_cache": _stage_cache(counted, options.expert_cache_bytes // cfg.bytes_per_expert,
+            "stage_cache": _stage_cache(counted, options.sizing.expert_cache_bytes // cfg.bytes_per_expert,
                                         options.cache_policy)}
 
 

@@ -15,15 +15,15 @@ API (coordinator/engine/engine.py: one admission queue, one generation loop, the
                                                                      # discover=False
 
 Options are the coordinator's command-line options with underscores (`memory_gb=48`, `spine="int8"`,
-`expert_cache_gb=8`, `max_active=2`, ...), checked by the same parser, so a wrong name or value fails with the
-option's name before anything loads. Generation is greedy unless `temperature` says otherwise. Every method is
+`expert_cache_gb=8`, `max_active=2`, ...), built into the same typed options the command line builds
+(ClusterOptions, StageOptions, ServingOptions), so a wrong name or value fails with the option's name before
+anything loads. Generation is greedy unless `temperature` says otherwise. Every method is
 synchronous and thread-safe: the engine runs on an event loop of its own thread, so several threads may generate
 at once (they are batched, up to `max_active`). Errors are `deltafin.errors.DeltafinError` subclasses.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import queue
@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltafin.errors import DeltafinError
+from deltafin.coordinator.cluster.connect import ClusterOptions
+from deltafin.coordinator.engine.engine import ServingOptions, open_engine
+from deltafin.coordinator.engine.token_loop import Finished, PlainText
+from deltafin.errors import DeltafinError, SamplingError
+from deltafin.options import from_values, option_names
+from deltafin.runtime.stage_options import StageOptions, stage_option_names, stage_options
 from deltafin.text.chat import (
     EFFORTS,
     SERVING_MAX_TOKENS,
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 THINKING = (*EFFORTS, "off")
 _DONE = object()  # the end of a stream's events
+SAMPLING = option_names(SamplingParams) - {"logprobs", "logit_bias"}  # a call's sampling keywords
 
 
 @dataclass(frozen=True)
@@ -135,45 +141,30 @@ class _Loop:
         self.loop.close()
 
 
-class _Options(argparse.ArgumentParser):
-    """The coordinator's options, parsed from keyword arguments: errors are DeltafinError, not an exit."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        names = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)  # as keywords
-        raise DeltafinError(f"bad option: {names}")
-
-
-def _args(model_path: str | Path, options: dict[str, Any]) -> argparse.Namespace:
-    """Keyword options as `deltafin-coordinator --model DIR ... serve` would take them, with their defaults."""
-    from deltafin.coordinator.options import add_cluster_options, add_serving_options
-
-    parser = _Options(prog="deltafin", add_help=False)
-    add_cluster_options(parser)
-    add_serving_options(parser)
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    argv = ["--model", str(model_path)]
-    for name, value in options.items():
-        action = actions.get(name)
-        if action is None or name == "model":
-            known = ", ".join(sorted(n for n in actions if n not in ("model", "local")))
-            raise DeltafinError(f"unknown option {name!r}; the options are: {known}")
-        flag = action.option_strings[-1]
-        if action.nargs == 0:  # a switch
-            if value:
-                argv.append(flag)
-        elif isinstance(value, (list, tuple)):  # a repeatable option, once a value
-            for v in value:
-                argv += [flag, str(v)]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return parser.parse_args(argv)
+def _options(model_path: str | Path, options: dict[str, Any], **fixed: Any) -> tuple[ClusterOptions, StageOptions,
+                                                                                     ServingOptions]:
+    """The user's keyword `options`, as `deltafin-coordinator --model DIR ... serve` takes them (its flags'
+    names with underscores), and what the call itself says (`fixed`), as the typed values the coordinator builds
+    from its flags; checked before anything loads."""
+    known = (option_names(ClusterOptions, ServingOptions) | stage_option_names()) - {"model", "local", *fixed}
+    for name in options:
+        if name not in known:
+            raise DeltafinError(f"unknown option {name!r}; the options are: {', '.join(sorted(known))}")
+    values = {**options, **fixed, "model": str(model_path)}
+    try:
+        return ClusterOptions.of(values), stage_options(values), from_values(ServingOptions, values)
+    except SamplingError:
+        raise
+    except DeltafinError as e:  # the flags' names, as the keywords they are here
+        raise DeltafinError(re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), str(e))) from None
 
 
-def _sampling(temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float,
-              presence_penalty: float, frequency_penalty: float, seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                          repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                          frequency_penalty=frequency_penalty, seed=seed)
+def _sampling(options: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a call's keywords (greedy unless `temperature` says otherwise)."""
+    unknown = set(options) - SAMPLING
+    if unknown:
+        raise DeltafinError(f"unknown sampling option {sorted(unknown)[0]!r}; they are: {', '.join(sorted(SAMPLING))}")
+    return SamplingParams(**{"temperature": 0.0, **options})
 
 
 def _chat_options(thinking: str, tools: list[dict[str, Any]] | None, tool_choice: str | None,
@@ -189,15 +180,10 @@ class Model:
     """K3 ready to generate: from `deltafin.load` (this process) or `deltafin.connect` (workers). Close it (or use
     it as a context manager) to free the stages' memory or the workers' sessions."""
 
-    def __init__(self, args: argparse.Namespace, progress: bool = True):
-        from deltafin.coordinator.options import open_engine
-
+    def __init__(self, cluster: ClusterOptions, stage: StageOptions, serving: ServingOptions, progress: bool = True):
         self._loop = _Loop()
         try:
-            self.engine = self._loop.run(open_engine(
-                args, show_progress=progress, max_active=args.max_active, queue_depth=args.queue_depth,
-                max_context=args.max_context, pipeline_depth=args.pipeline_depth,
-                ride=args.prefill_batches == "ride"))
+            self.engine = self._loop.run(open_engine(cluster, stage, serving, show_progress=progress))
         except BaseException:
             self._loop.stop()
             raise
@@ -208,62 +194,48 @@ class Model:
 
     # ---- text ---------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], max_tokens: int | None = 256, *, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-                 stop: list[str] | None = None, speculative: str | None = None) -> Completion:
+    def generate(self, prompt: str | list[int], max_tokens: int | None = 256, *, stop: list[str] | None = None,
+                 speculative: str | None = None, **sampling: Any) -> Completion:
         """Continue `prompt` (text, or token ids) by up to `max_tokens` tokens (None: until a stop token or the
-        context's end). `speculative`: "ngram" or "none" for this call (None: the model's option)."""
-        *_, last = self.stream(prompt, max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, seed=seed, stop=stop, speculative=speculative)
+        context's end). `speculative`: "ngram" or "none" for this call (None: the model's option). `sampling`:
+        SamplingParams' fields (`temperature`, `top_p`, `top_k`, `min_p`, the penalties, `seed`; greedy unless
+        `temperature` says otherwise)."""
+        *_, last = self.stream(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
         assert last.completion is not None
         return last.completion
 
-    def stream(self, prompt: str | list[int], max_tokens: int | None = 256, *, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-               stop: list[str] | None = None, speculative: str | None = None) -> Iterator[Piece]:
+    def stream(self, prompt: str | list[int], max_tokens: int | None = 256, *, stop: list[str] | None = None,
+               speculative: str | None = None, **sampling: Any) -> Iterator[Piece]:
         """`generate`, a token at a time; leaving the loop early stops the generation and frees its sessions."""
-        from deltafin.coordinator.engine.token_loop import PlainText
-
         ids = self._prompt_ids(prompt)
-        sampling = _sampling(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-                             frequency_penalty, seed)
-        return self._pieces(ids, PlainText(self.tokenizer), max_tokens, sampling, stop, speculative, chat=False)
+        return self._pieces(ids, PlainText(self.tokenizer), max_tokens, _sampling(sampling), stop, speculative,
+                            chat=False)
 
     # ---- chat ---------------------------------------------------------------------------------------------
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = SERVING_MAX_TOKENS, *,
              thinking: str = "low", tools: list[dict[str, Any]] | None = None, tool_choice: str | None = None,
-             response_format: dict[str, Any] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-             frequency_penalty: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
-             speculative: str | None = None) -> ChatReply:
+             response_format: dict[str, Any] | None = None, stop: list[str] | None = None,
+             speculative: str | None = None, **sampling: Any) -> ChatReply:
         """The assistant's reply to `messages` (OpenAI-style dicts: system, user, assistant with tool_calls,
-        tool), rendered in K3's chat format. `thinking`: low | high | max (the effort K3 is told) or off."""
+        tool), rendered in K3's chat format. `thinking`: low | high | max (the effort K3 is told) or off;
+        `sampling` as for `generate`."""
         *_, last = self.chat_stream(messages, max_tokens, thinking=thinking, tools=tools, tool_choice=tool_choice,
-                                    response_format=response_format, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                    seed=seed, stop=stop, speculative=speculative)
+                                    response_format=response_format, stop=stop, speculative=speculative,
+                                    **sampling)
         assert isinstance(last.completion, ChatReply)
         return last.completion
 
     def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = SERVING_MAX_TOKENS, *,
                     thinking: str = "low", tools: list[dict[str, Any]] | None = None,
                     tool_choice: str | None = None, response_format: dict[str, Any] | None = None,
-                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    seed: int | None = None, stop: list[str] | None = None,
-                    speculative: str | None = None) -> Iterator[Piece]:
+                    stop: list[str] | None = None, speculative: str | None = None,
+                    **sampling: Any) -> Iterator[Piece]:
         """`chat`, a token at a time: each piece's `reasoning`, `text` (the answer) and `tool_calls`."""
         options = _chat_options(thinking, tools, tool_choice, response_format)
         ids = encode(self.tokenizer, messages, options)
-        sampling = _sampling(temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-                             frequency_penalty, seed)
-        return self._pieces(ids, OutputParser(self.tokenizer, thinking=options.thinking), max_tokens, sampling,
-                            stop, speculative, chat=True)
+        return self._pieces(ids, OutputParser(self.tokenizer, thinking=options.thinking), max_tokens,
+                            _sampling(sampling), stop, speculative, chat=True)
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
@@ -304,8 +276,6 @@ class Model:
 
     def _collect(self, events: queue.Queue, ids: list[int], chat: bool) -> Iterator[Piece]:
         """The engine's events as pieces, the last with the whole result."""
-        from deltafin.coordinator.engine.token_loop import Finished
-
         out_ids: list[int] = []
         text: list[str] = []
         reasoning: list[str] = []
@@ -359,7 +329,7 @@ def load(model_path: str | Path, device: str = "auto", *, progress: bool = True,
     """K3 in this process (single-machine mode, `deltafin-coordinator --local`): `device` auto | cpu | mps | cuda;
     `options` as the coordinator's (`local_stages=2`, `memory_gb=48`, `dtype="bf16"`, `spine="int8"`, ...).
     `progress`: show the load's progress on stderr."""
-    return Model(_args(model_path, {"local": True, "device": device, **options}), progress)
+    return Model(*_options(model_path, options, local=True, device=device), progress)
 
 
 def connect(model_path: str | Path, workers: list[str] | None = None, *, discover: bool = True,
@@ -369,8 +339,7 @@ def connect(model_path: str | Path, workers: list[str] | None = None, *, discove
     directory the workers have too (its config and tokenizer are read here)."""
     if not workers and not discover:
         raise DeltafinError("no workers: give their addresses (workers=[...]) or let them be discovered")
-    return Model(_args(model_path, {"worker": list(workers or []), "no_discover": not discover, **options}),
-                 progress)
+    return Model(*_options(model_path, options, worker=list(workers or []), discover=discover), progress)
 
 
 class KimiK3Engine:

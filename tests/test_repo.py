@@ -26,21 +26,16 @@ def test_ci_runs_the_readme_test_command():
 
 
 def _defaults() -> list[str]:
+    from deltafin.cli.flags import add_cluster_options, add_stage_options
     from deltafin.coordinator.engine.prefix_index import PREFIX_BLOCK
     from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
     from deltafin.coordinator.http.server import HEARTBEAT_S
-    from deltafin.coordinator.options import add_cluster_options
-    from deltafin.options import add_stage_options
+    from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
+    from deltafin.models.cache import MLA_BLOCK_TOKENS
+    from deltafin.models.decoder import PIECE_TOKENS
+    from deltafin.models.mla import MLA_BLOCK_BYTES
     from deltafin.plan.memory import MARGIN
-    from deltafin.plan.sizing import (
-        FORWARD_SHARE,
-        MLA_BLOCK_BYTES,
-        MLA_BLOCK_TOKENS,
-        PIECE_TOKENS,
-        RUNTIME_OVERHEAD,
-        SPECULATIVE_TOKENS,
-        WEIGHT_BLOCK_VALUES,
-    )
+    from deltafin.plan.sizing import FORWARD_SHARE, RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -64,8 +59,8 @@ def _defaults() -> list[str]:
         f"grown in {MLA_BLOCK_TOKENS}-token blocks",
         f"keeps {MARGIN['host']:.0%} ({MARGIN['discrete']:.0%} of a GPU) free",
         f"(split in {CHUNK >> 20} MiB pieces)",
-        f"by {s('threads')} reader threads",
-        f"so {s('policy').upper()} is the default",
+        f"by {s('read_threads')} reader threads",
+        f"so {s('cache_policy').upper()} is the default",
         f"`--worker-timeout`, {c('worker_timeout'):g} s)",
         f"within `--worker-timeout` ({c('worker_timeout'):g} s)",
         f"A forward has {c('forward_timeout'):g} s per 512 tokens",
@@ -195,7 +190,7 @@ def _first_token_projection(cfg) -> list[str]:
         workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
                                   device="mps", worker_id=str(i)) for i in range(n)]
         for forward in (512, None):
-            plan = plan_layers(cfg, workers, SizingOptions(context=65536, sequences=1, forward_tokens=forward),
+            plan = plan_layers(cfg, workers, SizingOptions(context=65536, sequences=1, prefill_chunk=forward),
                                experts="wide" if n > 1 else "local")
             tokens = min(s.sizing.forward_tokens for s in plan.stages)
             assert [k for k, _ in plan.first_token] == list(PROMPT_LENGTHS)

@@ -22,9 +22,11 @@ from deltafin import __version__
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_copy, scan_checkpoint
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
-from deltafin.devices import resolve_device, resolve_dtype
+from deltafin.cli.flags import add_device_options, add_stage_options, stage_from_args
+from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
-from deltafin.options import add_stage_options, stage_options
+from deltafin.kernels.linear import select_kernels
+from deltafin.runtime.stage_options import with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 
@@ -39,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1; use 0.0.0.0 or a LAN address to serve other "
                    "machines, on a network you trust: the worker runs whatever a coordinator asks)")
     p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed at start)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="activation dtype (default fp32)")
+    add_device_options(p)
     p.add_argument("--name", default=None, help="name in the announcement and plans (default: host name)")
     p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
     p.add_argument("--interface", action="append", default=None,
@@ -105,7 +106,7 @@ def _disk_speeds(args: argparse.Namespace, ckpts: list[Any]) -> tuple[float, ...
     if args.disk_gbps is None:
         from deltafin.weights.diskspeed import measure_disk
 
-        return tuple(measure_disk(c, args.threads, args.io) for c in ckpts)
+        return tuple(measure_disk(c, args.read_threads, args.io) for c in ckpts)
     try:
         speeds = tuple(float(x) for x in args.disk_gbps.split(","))
     except ValueError:
@@ -151,9 +152,10 @@ async def serve(args: argparse.Namespace) -> int:
     key, tls, peer_security = _security(args)
     ckpts = _checkpoints(args)
     device = resolve_device(args.device)
-    options = stage_options(args, device, resolve_dtype(args.dtype))  # the memory budget, found or given
+    options = stage_from_args(args)
+    select_kernels(options.kernels)
     speeds = _disk_speeds(args, ckpts)
-    options = dataclasses.replace(options, disk_gbps=speeds)
+    options = dataclasses.replace(with_memory_found(options, device), disk_gbps=speeds)  # the budget, found or given
     desc = _describe(args, ckpts, speeds, device, options)
     max_message = int(args.max_message_mb * (1 << 20))
     service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)

@@ -1,19 +1,23 @@
 """The worker's gRPC servicer: thin adapters between the wire format and what the worker was assigned (a
 Stage, and with wide experts its share of every MoE layer's experts: deltafin/runtime/assigned.py).
 
-One thread owns the stage (loading and every forward run there, in order); other stages' expert calls run on
-a thread of their own, so they never queue behind this worker's forwards. RPC handlers decode, hand the work to
-those threads, and encode. Every Deltafin error maps to one gRPC status (transport/status.py); anything else is
-logged and answered INTERNAL, and the worker keeps serving.
+One thread owns the stage (loading and every forward run there, in order: assignment.py holds the stage, its
+thread and the Assign transaction); other stages' expert calls run on a thread of their own, so they never queue
+behind this worker's forwards. RPC handlers decode, hand the work to those threads, and encode. Every Deltafin
+error maps to one gRPC status (transport/status.py); anything else is logged and answered INTERNAL, and the
+worker keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import resource
+import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,12 +26,11 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.devices import exact_fp32
-from deltafin.errors import CodecError, DeltafinError, FingerprintMismatch, NotAssigned, OutOfMemory
-from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.errors import CodecError, DeltafinError, NotAssigned, OutOfMemory
 from deltafin.plan.sizing import boundary_bytes_per_token
-from deltafin.runtime.assigned import Assigned, assign
-from deltafin.runtime.stage import Stage, StageOptions
+from deltafin.runtime.assigned import Assigned
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
@@ -35,6 +38,7 @@ from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
 from deltafin.transport.ports import cannot_listen
+from deltafin.worker.assignment import AssignmentSlot, check_assignment
 from deltafin.worker.peers import Peers
 
 log = logging.getLogger(__name__)
@@ -42,9 +46,6 @@ log = logging.getLogger(__name__)
 
 def peak_rss() -> int:
     """This process's peak resident memory in bytes."""
-    import resource
-    import sys
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
@@ -56,25 +57,26 @@ class WorkerService(pb_grpc.WorkerServicer):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE):
         self.ckpt, self.device, self.defaults = ckpt, device, defaults
         self.description = description
-        self.assigned: Assigned | None = None
-        self.state = "idle"
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
+        self.slot = AssignmentSlot(ckpt, device, lambda: self.description.key)  # what it holds, on its thread
         self.expert_executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-experts")  # others' calls
         self.peers = Peers(peer_security or ClusterSecurity(), max_message_bytes)
         self.max_message_bytes = max_message_bytes
         self.progress = (0, 0)  # the running forward's layers done, of its stage's (what Info says)
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
-        self._assign_lock = asyncio.Lock()
-        self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
+
+    @property
+    def assigned(self) -> Assigned | None:
+        return self.slot.assigned
+
+    @property
+    def state(self) -> str:
+        return self.slot.state
 
     @property
     def stage(self) -> Stage | None:
-        return self.assigned.stage if self.assigned is not None else None
+        return self.slot.stage
 
     # ---- helpers ---------------------------------------------------------------------------------
-
-    async def _on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, e: BaseException) -> None:
@@ -98,87 +100,21 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
         try:
-            options, plan = self._check_assignment(request)
+            options, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
             peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
         except Exception as e:
             await self._fail(context, e)
             return
-        async with self._assign_lock:
-            queue: asyncio.Queue = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-
-            def progress(message: str, fraction: float) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (message, fraction))
-
-            if self._orphan is not None:  # a cancelled load is closed before another one starts
-                await self._orphan
-            old, self.assigned, self.state = self.assigned, None, "loading"
-            task = asyncio.ensure_future(self._on_stage_thread(self._load, old, request.start, request.end,
-                                                               options, plan, peers, progress))
-            try:
-                while not task.done():
-                    try:
-                        message, fraction = await asyncio.wait_for(queue.get(), timeout=0.5)
-                        yield pb.AssignProgress(message=message, fraction=fraction)
-                    except asyncio.TimeoutError:
-                        continue
-            except BaseException:  # the coordinator went away (cancelled, deadline): close what it was loading
-                self.state = "idle"
-                self._orphan = asyncio.ensure_future(self._close_when_loaded(task))
-                raise
-            try:
-                self.assigned = task.result()
-            except Exception as e:
-                self.state = "failed"
-                await self._fail(context, e)
-                return
-            self.state = "ready"
-            what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
-            yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True)
-
-    def _check_assignment(self, request: pb.Assignment) -> tuple[StageOptions, ExpertPlan | None]:
-        """The options and expert plan of an assignment this worker can take (same checkpoint, layers and experts
-        on its disks)."""
-        if request.model_fingerprint != self.description.model_fingerprint:
-            raise FingerprintMismatch(
-                f"this worker holds checkpoint {self.description.model_fingerprint}, the coordinator "
-                f"{request.model_fingerprint}: both must use the same model files")
-        options = codec.decode_stage_options(request.options, self.defaults)
-        plan = (codec.decode_expert_plan(request.experts, self.ckpt.config.num_experts)
-                if request.HasField("experts") else None)
-        if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
-            raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "
-                              "wide plan takes no layers")
-        if not self.description.has_layers(request.start, request.end):
-            raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
-                              f"(it has {self.description.layers})")
-        if plan is not None:
-            index = plan.placement.index(self.description.key)
-            held = {i for a, b in self.description.expert_ranges for i in range(a, b)}
-            missing = [layer for layer in (plan.placement.layers_of(index) if index is not None else ())
-                       if layer not in held]
-            if missing:
-                raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
-                                  f"disks (it has {self.description.expert_ranges})")
-        return options, plan
-
-    async def _close_when_loaded(self, task: asyncio.Future[Assigned]) -> None:
-        try:
-            loaded = await task
-        except Exception as e:
-            log.info("a cancelled assignment's load failed: %s", e)
+        try:  # closed at once when the coordinator goes away, so the slot closes what it was loading
+            async with contextlib.aclosing(self.slot.replace(request.start, request.end, options, plan,
+                                                             peers)) as loading:
+                async for message, fraction in loading:
+                    yield pb.AssignProgress(message=message, fraction=fraction)
+        except Exception as e:  # the load failed
+            await self._fail(context, e)
             return
-        await self._on_stage_thread(loaded.close)
-        log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
-                 loaded.end)
-
-    def _load(self, old: Assigned | None, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
-              peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
-        if options.dtype == torch.float32:
-            exact_fp32()
-        log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
-                 f", wide experts over {len(plan.holders)} holders" if plan is not None else "")
-        return assign(self.ckpt, start, end, self.device, options, plan, self.description.key, peers, old, progress)
+        what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
+        yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True)
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         try:
@@ -236,7 +172,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             if rid:
                 self.running[rid] = stop
             stage = self.stage
-            return await self._on_stage_thread(
+            return await self.slot.on_stage_thread(
                 lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set, progress=self._heard))
         except asyncio.CancelledError:
             stop.set()
@@ -276,7 +212,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             tokens = codec.decode_tensor(request.tokens, "tokens")
             if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32):
                 raise CodecError("FindPrefix takes a 1-D integer tensor of token ids")
-            found = await self._on_stage_thread(stage.prefixes.find, tokens.tolist())
+            found = await self.slot.on_stage_thread(stage.prefixes.find, tokens.tolist())
             return pb.FindPrefixResponse(prefix_id=found[0], length=found[1]) if found else pb.FindPrefixResponse()
         except Exception as e:
             await self._fail(context, e)
@@ -294,7 +230,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if any(n < 0 for n in lengths):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "keep_lengths must be >= 0")
         keep, lengths = keep or [""] * len(ids), lengths or [0] * len(ids)
-        released = await self._on_stage_thread(
+        released = await self.slot.on_stage_thread(
             lambda: sum(stage.release(s, k or None, n) for s, k, n in zip(ids, keep, lengths, strict=True)))
         return pb.ReleaseResponse(released=released)
 
@@ -319,7 +255,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             stage = self.stage
             if stage is None:
                 continue
-            gone = await self._on_stage_thread(stage.expire, idle_seconds)
+            gone = await self.slot.on_stage_thread(stage.expire, idle_seconds)
             if gone:
                 log.info("expired %d idle sessions (TTL %.0fs)", len(gone), idle_seconds)
 
@@ -327,9 +263,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         for flag in self.running.values():
             flag.set()
         self.expert_executor.shutdown(wait=True)
-        if self.assigned is not None:
-            self.executor.submit(self.assigned.close).result()
-        self.executor.shutdown(wait=True)
+        self.slot.close()
 
 
 async def create_server(service: WorkerService, host: str, port: int,

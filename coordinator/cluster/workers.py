@@ -162,8 +162,8 @@ def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> di
     z = stage.sizing
     options = {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
                "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
-               "session_bytes": z.sessions, "prefix_bytes": z.prefixes, "sequences": spec.sizing.sequences,
-               "context": spec.sizing.context, "max_forward_tokens": z.forward_tokens,
+               "session_bytes": z.sessions, "prefix_cache_bytes": z.prefixes, "sequences": spec.sizing.sequences,
+               "context": spec.sizing.context, "prefill_chunk": z.forward_tokens,
                "max_resident_layers": spec.sizing.max_resident_layers}
     if not z.holder_only:
         options["spine"] = z.spine

@@ -10,10 +10,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.config import ModelConfig, load_config
 from deltafin.coordinator.cluster.backend import Backend
+from deltafin.coordinator.cluster.connect import ClusterOptions, open_backend
 from deltafin.coordinator.engine.prefix_index import PrefixIndex, PrefixSession, stage_shares
 from deltafin.coordinator.engine.scheduler import Scheduler
 from deltafin.coordinator.engine.token_loop import (
@@ -26,9 +28,11 @@ from deltafin.coordinator.engine.token_loop import (
     generate,
 )
 from deltafin.errors import DeltafinError, PromptTooLong
+from deltafin.options import check_choice
 from deltafin.plan.planner import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES, DraftLength, NgramDrafter, default_cost
 from deltafin.text.sampling import SamplingParams
@@ -37,8 +41,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
-
-
+PREFILL_BATCHES = ("ride", "separate")
 
 
 @dataclass
@@ -92,20 +95,49 @@ class Counters:
         self.forwards += end.drafting.forwards
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the engine serves requests: how many at once, how many wait, their context, the pipelining and
+    drafting. Checked when built, before anything loads."""
+
+    speculative: str = "none"  # none | ngram: how requests that do not say draft
+    max_active: int = 4  # requests generating at once (their steps are batched)
+    queue_depth: int = 16  # requests waiting for a slot; more are refused (QueueFull)
+    max_context: int = 131072  # prompt + generated tokens per request
+    pipeline_depth: int = 0  # batches in flight through the stages (0: one per stage that computes beside others)
+    prefill_batches: str = "ride"  # ride: decode steps go with the next prompt chunk | separate: they take turns
+    default_max_tokens: int = SERVING_MAX_TOKENS  # for chat requests that do not say (capped by the context)
+    served_model_name: str | None = None  # the model id responses carry (None: the model directory's name)
+    strict_model_name: bool = False  # a request that names another model is model_not_found
+    max_drafts: int = 8  # drafted tokens one speculative forward verifies at most
+
+    def __post_init__(self) -> None:
+        if self.speculative not in MODES:
+            raise DeltafinError(f"unknown speculative mode {self.speculative!r}: {', '.join(MODES)}")
+        check_choice("prefill_batches", self.prefill_batches, PREFILL_BATCHES)
+        if (self.max_active < 1 or self.queue_depth < 0 or self.max_context < 2 or self.default_max_tokens < 1
+                or self.pipeline_depth < 0):
+            raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
+                                "--pipeline-depth >= 0, --max-context >= 2")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Tokens one speculative forward verifies, for the memory plan: the most when drafting, else 0."""
+        return SPECULATIVE_TOKENS if self.speculative != "none" else 0
+
+
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
-                 max_active: int = 4, queue_depth: int = 16, max_context: int = 131072,
-                 default_max_tokens: int = SERVING_MAX_TOKENS, pipeline_depth: int = 0, prefix_cache: bool = False,
-                 ride: bool = True, speculative: str = "none", max_drafts: int = 8, strict_model_name: bool = False):
-        if speculative not in MODES:
-            raise DeltafinError(f"unknown speculative mode {speculative!r}: {', '.join(MODES)}")
+                 serving: ServingOptions | None = None, prefix_cache: bool = False):
+        serving = serving or ServingOptions()
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name  # what responses carry, whatever name a request used ...
-        self.strict_model_name = strict_model_name  # ... unless this: then another name is model_not_found
-        self.max_context = max_context
-        self.default_max_tokens = default_max_tokens  # chat requests that do not say (capped by the context)
-        self.speculative, self.max_drafts = speculative, max_drafts  # requests that do not say draft this way
-        self.scheduler = Scheduler(backend, max_active, queue_depth, pipeline_depth, ride)
+        self.strict_model_name = serving.strict_model_name  # ... unless this: then another name is model_not_found
+        self.max_context = serving.max_context
+        self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
+        self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
+        self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
+                                   serving.prefill_batches == "ride")
         self.counters = Counters()
         # token prefixes whose state the stages keep (coordinator/engine/prefix_index.py); None: every request prefills
         self.prefixes = PrefixIndex(cfg) if prefix_cache else None
@@ -246,3 +278,20 @@ class Engine:
     async def close(self) -> None:
         await self.scheduler.close()
         await self.backend.close()
+
+
+async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: ServingOptions | None = None,
+                      show_progress: bool = True) -> Engine:
+    """Config and tokenizer first (fast, clear errors), then the backend, as one Engine; config.json is read
+    once. `show_progress`: the load's progress and the plan on stderr (else the plan is logged)."""
+    serving = serving or ServingOptions()
+    cfg = load_config(cluster.model)
+    tokenizer = K3Tokenizer.load(cluster.model)
+    backend = await open_backend(cluster, planned_stage(stage, serving), cfg, show_progress)
+    name = serving.served_model_name or Path(cluster.model).resolve().name
+    return Engine(backend, tokenizer, cfg, name, serving, prefix_cache=True)
+
+
+def planned_stage(stage: StageOptions, serving: ServingOptions) -> StageOptions:
+    """The stages' options as the plan needs them for this serving: room for speculative forwards when drafting."""
+    return stage.replace(speculative_tokens=serving.speculative_tokens)

@@ -1,4 +1,6 @@
-"""OpenAI's request and response shapes: JSON bodies in, typed requests out; events in, JSON objects out.
+"""OpenAI's adapter: JSON bodies in, typed requests out (`parse_completion`, `parse_chat`); the engine's
+events in, OpenAI's responses out (`CompletionFormat`, `ChatFormat`: the whole response, or its stream's
+chunks, usage, logprobs and tool calls).
 
 No HTTP here (that is `server.py`). Every problem with a request is an `ApiError` carrying the HTTP status
 and OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`), naming the parameter.
@@ -15,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Usage
+from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage
 from deltafin.errors import SamplingError
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.text.drafting import MODES
@@ -28,6 +31,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+Events = AsyncIterator[TokenEvent | Finished]
 
 
 class ApiError(Exception):
@@ -368,3 +372,115 @@ def chunk(kind: str, request_id: str, created: int, model: str, choices: list[di
 
 def now() -> int:
     return int(time.time())
+
+
+class CompletionFormat:
+    """/v1/completions' response: text (after the prompt with `echo`), logprobs at text offsets, usage."""
+
+    def __init__(self, tokenizer: K3Tokenizer, req: CompletionRequest):
+        self.tokenizer, self.p = tokenizer, req.params
+        self.id, self.created = new_id("cmpl"), now()
+        self.logprobs = self.p.sampling.logprobs is not None
+        self.prefix = req.prompt_text if req.echo else ""
+        self.offset = len(self.prefix)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+        return chunk("text_completion", self.id, self.created, self.p.model, choices, usage_)
+
+    @staticmethod
+    def _choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, e: TokenEvent, into: CompletionLogprobs) -> bool:
+        if self.logprobs and not e.stop:
+            into.add(self.tokenizer, e.choice, self.offset)
+            return True
+        return False
+
+    async def whole(self, events: Events) -> dict[str, Any]:
+        text, lp, end = [self.prefix], CompletionLogprobs(), None
+        async for e in events:
+            text.append(e.delta.content)
+            if isinstance(e, Finished):
+                end = e
+            else:
+                self._logprobs(e, lp)
+                self.offset += len(e.delta.content)
+        assert end is not None
+        return self._chunk([self._choice("".join(text), lp.as_dict() if self.logprobs else None, end.reason)],
+                           usage(end.usage))
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice(self.prefix, None, None)])] if self.prefix else []
+
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
+        if isinstance(e, Finished):
+            out = [self._chunk([self._choice(e.delta.content, None, e.reason)])]
+            return out + ([self._chunk([], usage(e.usage))] if self.p.include_usage else [])
+        one = CompletionLogprobs()
+        lp = one.as_dict() if self._logprobs(e, one) else None
+        self.offset += len(e.delta.content)
+        return [self._chunk([self._choice(e.delta.content, lp, None)])] if e.delta.content or lp is not None else []
+
+
+class ChatFormat:
+    """/v1/chat/completions' response: reasoning_content, content, tool calls (finish_reason tool_calls),
+    logprobs per token, usage."""
+
+    def __init__(self, tokenizer: K3Tokenizer, req: ChatRequest):
+        self.tokenizer, self.p, self.thinking = tokenizer, req.params, req.options.thinking
+        self.id, self.created = new_id("chatcmpl"), now()
+        self.logprobs = req.top_logprobs is not None
+        self.call_ids: list[str] = []
+
+    def _chunk(self, kind: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+        return chunk(kind, self.id, self.created, self.p.model, choices, usage_)
+
+    def _reason(self, e: Finished) -> str:
+        return "tool_calls" if self.call_ids and e.reason == "stop" else e.reason
+
+    def _logprob(self, e: TokenEvent | Finished) -> dict[str, Any] | None:
+        if isinstance(e, TokenEvent) and self.logprobs and not e.stop:
+            return chat_logprob(self.tokenizer, e.choice)
+        return None
+
+    async def whole(self, events: Events) -> dict[str, Any]:
+        reasoning, content, calls, lps, end = [], [], [], [], None
+        async for e in events:
+            reasoning.append(e.delta.reasoning)
+            content.append(e.delta.content)
+            for c in e.delta.tool_calls:
+                self.call_ids.append(new_id("call"))
+                calls.append(tool_call_json(c, self.call_ids[-1]))
+            if isinstance(e, Finished):
+                end = e
+            elif (lp := self._logprob(e)) is not None:
+                lps.append(lp)
+        assert end is not None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
+        if self.thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        return self._chunk("chat.completion", [{"index": 0, "message": message, "logprobs": {"content": lps} if
+                                                self.logprobs else None, "finish_reason": self._reason(end)}],
+                           usage(end.usage))
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}])]
+
+    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
+        first = len(self.call_ids)
+        self.call_ids.extend(new_id("call") for _ in e.delta.tool_calls)
+        delta = chat_delta(e.delta, self.call_ids[first:], first)
+        kind = "chat.completion.chunk"
+        if isinstance(e, Finished):
+            end = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self._reason(e)}
+            out = [self._chunk(kind, [end])]
+            return out + ([self._chunk(kind, [], usage(e.usage))] if self.p.include_usage else [])
+        lp = self._logprob(e)
+        if not delta and lp is None:
+            return []
+        return [self._chunk(kind, [{"index": 0, "delta": delta, "logprobs": {"content": [lp]} if lp is not None
+                                    else None, "finish_reason": None}])]

@@ -1,7 +1,11 @@
-"""The OpenAI-compatible HTTP API on aiohttp (asyncio, like grpc.aio: one event loop serves both).
+"""The HTTP transport on aiohttp (asyncio, like grpc.aio: one event loop serves both): the app and its routes,
+body parsing, SSE framing and heartbeats, error mapping, API keys, the web chat's files, /v1/status and
+/metrics. Each API's wire format is its adapter's: openai_api.py (OpenAI's chat and text completions) and
+anthropic_api.py (Anthropic's Messages) turn a JSON body into a typed request and the engine's events into
+the API's response or stream events; this module starts the generation and sends what the adapter shapes.
 
-    POST /v1/chat/completions   chat, with reasoning_content, tool calls, SSE streaming, logprobs
-    POST /v1/completions        text completion of a prompt (text or token ids)
+    POST /v1/chat/completions   OpenAI's chat, with reasoning_content, tool calls, SSE streaming, logprobs
+    POST /v1/completions        OpenAI's text completion of a prompt (text or token ids)
     POST /v1/messages           Anthropic's Messages API: thinking, text and tool_use blocks, its SSE events
     POST /v1/messages/count_tokens  the prompt tokens a Messages request would build
     GET  /v1/models             the served model
@@ -38,6 +42,7 @@ from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillProgress, TextView, TokenEvent
 from deltafin.coordinator.http import anthropic_api as am
 from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http.metrics import render
 from deltafin.coordinator.http.status import status as status_json
 from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 from deltafin.text.chat import OutputParser
@@ -224,7 +229,8 @@ async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: o
 
 
 class _Format(Protocol):
-    """A response's JSON: whole (`whole`), or streamed (`opening`, then `chunks` of each event)."""
+    """A response's JSON, as an adapter shapes it (oa.CompletionFormat, oa.ChatFormat, am.MessageFormat): whole
+    (`whole`), or streamed (`opening`, then `chunks` of each event)."""
 
     async def whole(self, events: Events) -> dict[str, Any]: ...
 
@@ -253,7 +259,7 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
     return await sse.finish()
 
 
-# ---- /v1/completions ---------------------------------------------------------------------------------------
+# ---- /v1/completions, /v1/chat/completions (OpenAI: openai_api.py) ------------------------------------------
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -261,59 +267,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
     events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
-    return await _respond(sse, events, _TextFormat(engine, req), p.stream)
-
-
-class _TextFormat:
-    """/v1/completions' response: text (after the prompt with `echo`), logprobs at text offsets, usage."""
-
-    def __init__(self, engine: Engine, req: oa.CompletionRequest):
-        self.engine, self.p = engine, req.params
-        self.id, self.created = oa.new_id("cmpl"), oa.now()
-        self.logprobs = self.p.sampling.logprobs is not None
-        self.prefix = req.prompt_text if req.echo else ""
-        self.offset = len(self.prefix)
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return oa.chunk("text_completion", self.id, self.created, self.p.model, choices, usage)
-
-    @staticmethod
-    def _choice(text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-
-    def _logprobs(self, e: TokenEvent, into: oa.CompletionLogprobs) -> bool:
-        if self.logprobs and not e.stop:
-            into.add(self.engine.tokenizer, e.choice, self.offset)
-            return True
-        return False
-
-    async def whole(self, events: Events) -> dict[str, Any]:
-        text, lp, end = [self.prefix], oa.CompletionLogprobs(), None
-        async for e in events:
-            text.append(e.delta.content)
-            if isinstance(e, Finished):
-                end = e
-            else:
-                self._logprobs(e, lp)
-                self.offset += len(e.delta.content)
-        assert end is not None
-        return self._chunk([self._choice("".join(text), lp.as_dict() if self.logprobs else None, end.reason)],
-                           oa.usage(end.usage))
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk([self._choice(self.prefix, None, None)])] if self.prefix else []
-
-    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
-        if isinstance(e, Finished):
-            out = [self._chunk([self._choice(e.delta.content, None, e.reason)])]
-            return out + ([self._chunk([], oa.usage(e.usage))] if self.p.include_usage else [])
-        one = oa.CompletionLogprobs()
-        lp = one.as_dict() if self._logprobs(e, one) else None
-        self.offset += len(e.delta.content)
-        return [self._chunk([self._choice(e.delta.content, lp, None)])] if e.delta.content or lp is not None else []
-
-
-# ---- /v1/chat/completions ---------------------------------------------------------------------------------
+    return await _respond(sse, events, oa.CompletionFormat(engine.tokenizer, req), p.stream)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -323,73 +277,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = chat_encode(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events, sse = await _run(request, ids, view, p, "messages")
-    return await _respond(sse, events, _ChatFormat(engine, req), p.stream)
+    return await _respond(sse, events, oa.ChatFormat(engine.tokenizer, req), p.stream)
 
 
-class _ChatFormat:
-    """/v1/chat/completions' response: reasoning_content, content, tool calls (finish_reason tool_calls),
-    logprobs per token, usage."""
-
-    def __init__(self, engine: Engine, req: oa.ChatRequest):
-        self.engine, self.p, self.thinking = engine, req.params, req.options.thinking
-        self.id, self.created = oa.new_id("chatcmpl"), oa.now()
-        self.logprobs = req.top_logprobs is not None
-        self.call_ids: list[str] = []
-
-    def _chunk(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return oa.chunk(kind, self.id, self.created, self.p.model, choices, usage)
-
-    def _reason(self, e: Finished) -> str:
-        return "tool_calls" if self.call_ids and e.reason == "stop" else e.reason
-
-    def _logprob(self, e: TokenEvent | Finished) -> dict[str, Any] | None:
-        if isinstance(e, TokenEvent) and self.logprobs and not e.stop:
-            return oa.chat_logprob(self.engine.tokenizer, e.choice)
-        return None
-
-    async def whole(self, events: Events) -> dict[str, Any]:
-        reasoning, content, calls, lps, end = [], [], [], [], None
-        async for e in events:
-            reasoning.append(e.delta.reasoning)
-            content.append(e.delta.content)
-            for c in e.delta.tool_calls:
-                self.call_ids.append(oa.new_id("call"))
-                calls.append(oa.tool_call_json(c, self.call_ids[-1]))
-            if isinstance(e, Finished):
-                end = e
-            elif (lp := self._logprob(e)) is not None:
-                lps.append(lp)
-        assert end is not None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
-        if self.thinking:
-            message["reasoning_content"] = "".join(reasoning)
-        if calls:
-            message["tool_calls"] = calls
-        return self._chunk("chat.completion", [{"index": 0, "message": message, "logprobs": {"content": lps} if
-                                                self.logprobs else None, "finish_reason": self._reason(end)}],
-                           oa.usage(end.usage))
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}])]
-
-    def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
-        first = len(self.call_ids)
-        self.call_ids.extend(oa.new_id("call") for _ in e.delta.tool_calls)
-        delta = oa.chat_delta(e.delta, self.call_ids[first:], first)
-        kind = "chat.completion.chunk"
-        if isinstance(e, Finished):
-            end = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self._reason(e)}
-            out = [self._chunk(kind, [end])]
-            return out + ([self._chunk(kind, [], oa.usage(e.usage))] if self.p.include_usage else [])
-        lp = self._logprob(e)
-        if not delta and lp is None:
-            return []
-        return [self._chunk(kind, [{"index": 0, "delta": delta, "logprobs": {"content": [lp]} if lp is not None
-                                    else None, "finish_reason": None}])]
-
-
-# ---- /v1/messages (Anthropic) -----------------------------------------------------------------------------
+# ---- /v1/messages (Anthropic: anthropic_api.py) -------------------------------------------------------------
 
 
 class _MessagesSse(_Sse):
@@ -468,8 +359,6 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    from deltafin.coordinator.http.metrics import render
-
     engine = request.app[ENGINE]
     try:
         stats = await _worker_stats(engine)

@@ -1,5 +1,6 @@
-"""Benchmarks that print JSON (`deltafin bench`): the disk, the MXFP4 kernels, and decode with experts
-streamed from the disk, against the physical limit (PERF.md).
+"""Model benchmarks that print JSON (`deltafin bench --model`): decode with experts streamed from the disk,
+prefill, speculative verification and a chat's second turn, against the physical limit (PERF.md). The kernel
+and disk micro-benchmarks are bench_kernels.py's.
 
 Decode is measured honestly: the disk is measured first with the same reader (same read size, same
 threads, same I/O mode) on experts of the same checkpoint; decode then streams; `t_compute` replays the
@@ -8,165 +9,41 @@ same tokens with each token's experts loaded before its clock starts. Medians ov
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-import random
 import re
+import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
-from deltafin.errors import DeltafinError
-from deltafin.kernels.quant import MXFP4Weight
+from deltafin.coordinator.cluster.backend import LocalBackend
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.token_loop import Finished
+from deltafin.devices import synchronize
 from deltafin.models.weights import ExpertWeights
-from deltafin.weights.directio import ALIGN, align_down, align_up
-from deltafin.weights.diskspeed import expert_read_speed, measure_reads
-from deltafin.weights.reader import Extent, ReadPlan
+from deltafin.plan.sizing import expert_slot_bytes
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.text.drafting import distinct_experts
+from deltafin.text.tokenizer import K3Tokenizer
+from deltafin.weights.diskspeed import expert_read_speed
+from deltafin.weights.expert_cache import POLICIES, simulate
+from deltafin.weights.expert_trace import ExpertRecorder
+from deltafin.weights.reader import ShardFiles, SlotPool, plan_read
+from deltafin.weights.tensors import expert_views
 
-K3_EXPERT = {"w1": (3072, 3584), "w2": (3584, 3072), "w3": (3072, 3584)}  # logical [rows, cols]
 GB = 1e9
 
 
-def _sustained_seconds(fn: Callable[[], object], device: torch.device, repeats: int, rounds: int = 5) -> float:
-    """Seconds per call with calls issued back to back (one sync per round): sustained throughput, as in
-    decode where launches queue up. Median over rounds."""
-    for _ in range(3):
-        fn()
-    synchronize(device)
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        synchronize(device)
-        per_call.append((time.perf_counter() - t0) / repeats)
-    return statistics.median(per_call)
-
-
-# ---- disk ---------------------------------------------------------------------------------------------
-
-
-def bench_disk(path: str | Path, read_size: int = 17_547_264, threads: int = 8, io: str = "direct",
-               total_bytes: int = 4 * 10**9, seed: int = 0) -> dict[str, Any]:
-    """Random whole-block reads of `read_size` bytes from the files under `path` (at least 1 GB of them)."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    files = [f for f in files if f.stat().st_size >= read_size + ALIGN]
-    if not files or sum(f.stat().st_size for f in files) < 10**9:
-        raise DeltafinError(f"{path}: need at least 1 GB of files of {read_size} bytes or more to measure the disk "
-                            "(use a checkpoint directory, or a large file)")
-    rng = random.Random(seed)
-    count = max(8, total_bytes // read_size)
-    plans, seen = [], set()
-    while len(plans) < count and len(seen) < 10 * count:
-        f = rng.choice(files)
-        start = align_down(rng.randrange(0, f.stat().st_size - read_size))
-        if (f, start) in seen:
-            continue
-        seen.add((f, start))
-        span = align_up(read_size)
-        plans.append(ReadPlan((Extent(f, start, start + span, 0, span),), ()))
-    return {"bench": "disk", "path": str(path), **measure_reads(plans, io, threads)}
-
-
-# ---- kernels ------------------------------------------------------------------------------------------
-
-
-def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
-    """Dequant+matmul of one real-size K3 expert (3 x 3584x3072 MXFP4, 17.5 MB) against `tokens` inputs (with
-    --kernels mlx: MLX's experts, one expert for `tokens` tokens and a decode layer's 16)."""
-    from deltafin.checkpoint.config import parse_config
-    from deltafin.kernels.linear import expert_backend, fast_path, mxfp4_linear
-    from deltafin.mini.synth import preset_config
-    from deltafin.models.moe import expert_ffn
-
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
-    if expert_backend(dev.type) == "mlx":
-        return bench_mlx_experts(tokens, repeats)
-    if dt == torch.float32:
-        exact_fp32()
-    g = torch.Generator().manual_seed(0)
-    mats = {name: MXFP4Weight(torch.randint(0, 256, (r, c // 2), dtype=torch.uint8, generator=g),
-                              torch.randint(118, 122, (r, c // 32), dtype=torch.uint8, generator=g)).to(dev)
-            for name, (r, c) in K3_EXPERT.items()}
-    expert = ExpertWeights(mats["w1"], mats["w2"], mats["w3"])
-    packed = sum(m.nbytes for m in mats.values())
-    x = torch.randn(tokens, 3584, generator=g).to(dev, dt)
-    w1 = mats["w1"]
-    mxfp4_linear(x, w1)  # builds and self-checks the fast path
-    t_matrix = _sustained_seconds(lambda: mxfp4_linear(x, w1), dev, repeats)
-    cfg = parse_config(preset_config("k3-slice", 2))
-    t_expert = _sustained_seconds(lambda: expert_ffn(cfg, expert, x), dev, repeats)
-    fast = fast_path(dev.type)
-    return {
-        "bench": "mxfp4", "device": str(dev), "dtype": dtype, "tokens": tokens,
-        "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",
-        "threads": torch.get_num_threads(),
-        "matrix_ms": round(t_matrix * 1e3, 3),
-        "matrix_packed_GBps": round(w1.nbytes / t_matrix / GB, 2),
-        "expert_ms": round(t_expert * 1e3, 3),
-        "expert_packed_GBps": round(packed / t_expert / GB, 2),
-        "expert_bytes": packed,
-    }
-
-
-def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
-    """MLX's experts at K3's width (kernels/mlx_moe.py): one expert for `tokens` tokens, and one token through
-    the 16 experts of a decode layer, in one evaluation each. Packed GB/s of expert bytes read."""
-    import mlx.core as mx
-
-    from deltafin.checkpoint.config import parse_config
-    from deltafin.kernels.mlx_moe import MLXSlots, run_experts
-    from deltafin.mini.synth import preset_config
-    from deltafin.models.common import activation
-
-    cfg = parse_config(preset_config("k3-slice", 2))
-    k = cfg.experts_per_token
-    slots = MLXSlots(cfg, k)
-    rng = np.random.default_rng(0)
-    for s in range(k):  # random codes, scales near 2**-8 (valid E8M0)
-        for j, region in enumerate(slots.regions(s)):
-            np.frombuffer(region, dtype=np.uint8)[:] = rng.integers(0, 256, len(region), dtype=np.uint8) \
-                if j % 2 == 0 else rng.integers(118, 122, len(region), dtype=np.uint8)
-    act, g = activation(cfg), torch.Generator().manual_seed(0)
-    z = torch.randn(tokens, cfg.expert_dim, generator=g)
-    one = lambda: run_experts(slots, act, z, torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1),
-                              lambda e: e)
-    z1 = z[:1]
-    layer = lambda: run_experts(slots, act, z1, torch.arange(k).view(1, k), torch.full((1, k), 1 / k), lambda e: e)
-    cpu = torch.device("cpu")
-    t_expert, t_layer = _sustained_seconds(one, cpu, repeats), _sustained_seconds(layer, cpu, repeats)
-    expert_bytes = cfg.bytes_per_expert
-    slots.release_memory()
-    return {"bench": "mxfp4", "path": f"mlx {mx.__version__} ({mx.default_device()})", "tokens": tokens,
-            "expert_ms": round(t_expert * 1e3, 3), "expert_packed_GBps": round(expert_bytes / t_expert / GB, 2),
-            "layer_experts": k, "layer_ms": round(t_layer * 1e3, 3),
-            "layer_packed_GBps": round(k * expert_bytes / t_layer / GB, 2), "expert_bytes": expert_bytes}
-
-
 # ---- decode -------------------------------------------------------------------------------------------
-
-
-class ExpertRecorder:
-    """Wraps a stage's expert provider: records which experts each MoE layer asked for, per token."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.trace: list[tuple[int, list[int]]] = []
-
-    def experts(self, layer: int, ids: list[int]) -> Any:
-        self.trace.append((layer, list(ids)))
-        return self.inner.experts(layer, ids)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
@@ -174,9 +51,6 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     """Decode `tokens` greedily after a `prompt`-token prefill, the stage sized by `options` (StageOptions;
     default: everything resident). Reports the memory plan against the peak, bytes per token (experts,
     spine), and when anything streams the limit terms and the efficiency against them."""
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
-
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     stage = pipe.stages[0]
     cfg, dev, plan = stage.cfg, stage.device, stage.sizing
@@ -185,7 +59,7 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     try:
         streams = plan.streaming or bool(plan.streamed_layers)
         if streams and measure_disk and cfg.moe_layers:
-            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, opts.read_threads, opts.io)
+            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, opts.sizing.read_threads, opts.io)
         recorder = ExpertRecorder(stage.experts)
         stage.experts = recorder
         ids = torch.arange(prompt) % (cfg.vocab_size - 256)
@@ -214,7 +88,7 @@ def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
         "bench": "decode", "model": str(Path(model).resolve()), "device": str(stage.device), "dtype": dtype,
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
         "moe_layers": len(cfg.moe_layers), "experts_per_token": cfg.experts_per_token,
-        "expert_bytes": cfg.bytes_per_expert, "io": opts.io, "read_threads": opts.read_threads,
+        "expert_bytes": cfg.bytes_per_expert, "io": opts.io, "read_threads": opts.sizing.read_threads,
         "policy": opts.cache_policy, "prefetch": opts.prefetch,
         "memory_budget_gb": None if opts.memory_bytes is None else round(opts.memory_bytes / GB, 3),
         "spine": plan.spine, "experts_streamed": plan.streaming, "expert_cache_gb": round(plan.expert_cache / GB, 3),
@@ -234,14 +108,11 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     time over the measured one; `t_compute_s` is the time the stage did not wait for reads, and `efficiency`
     the larger of the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt
     tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput, StageOptions
-
     options = options or StageOptions()
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     stage = pipe.stages[0]
     cfg, dev, plan = stage.cfg, stage.device, stage.sizing
-    chunk = pipe.max_forward_tokens or options.max_forward_tokens
+    chunk = pipe.max_forward_tokens or options.sizing.prefill_chunk
     all_experts = len(cfg.moe_layers) * cfg.num_experts * cfg.bytes_per_expert
     out: dict[str, Any] = {}
     result: dict[str, Any] = {"bench": "prefill", "runtime": "deltafin", "model": str(Path(model).resolve()),
@@ -249,7 +120,7 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
                               "experts_streamed": plan.streaming, "all_experts_gb": round(all_experts / GB, 3)}
     try:
         if measure_disk and (plan.streaming or plan.streamed_layers):
-            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, stage.options.read_threads,
+            result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, stage.options.sizing.read_threads,
                                                stage.options.io)
         # first-call costs (kernel builds); two tokens, since at K3's size 64 would read most of the experts
         pipe.forward([SeqInput("warm-up", 0, ids=torch.arange(2) + 5)])
@@ -266,8 +137,6 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
 
 def _prefill_one(pipe: Any, n: int, chunk: int, all_experts: int, disk: float | None) -> dict[str, Any]:
     """One prompt of `n` tokens through `pipe` in forwards of `chunk`: its numbers (bench_prefill)."""
-    from deltafin.runtime.stage import SeqInput
-
     stage = pipe.stages[0]
     ids = torch.arange(n) % 700 + 5
     name = f"prefill-{n}"
@@ -316,8 +185,6 @@ def _peak_rss() -> int | None:
 def _verify_pass(pipe: Any, pos: int, ids: torch.Tensor) -> tuple[float, int, int]:
     """One speculative forward of `ids` at `pos` (after the first token of the last one): seconds, expert
     bytes and streamed spine bytes it read."""
-    from deltafin.runtime.stage import SeqInput
-
     stage = pipe.stages[0]
     before = _io_counters(stage)
     t0 = time.perf_counter()
@@ -335,10 +202,6 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
     pass continues after the first token of the one before (its drafts rejected), so the context grows by
     one token a pass; the ids are seeded random tokens, so each pass routes to fresh experts as a new text
     would."""
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
-    from deltafin.text.drafting import distinct_experts
-
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     stage, cfg = pipe.stages[0], pipe.stages[0].cfg
     dev = stage.device
@@ -371,8 +234,6 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
 
 async def _turn(engine: Any, ids: list[int], n: int) -> tuple[list[int], float, int]:
     """One request through the serving engine: its tokens, time to first token, prompt tokens resumed."""
-    from deltafin.coordinator.engine.token_loop import Finished
-
     t0, ttft, out, cached = time.perf_counter(), 0.0, [], 0
     async for e in engine.run(ids, None, max_tokens=n, ignore_eos=True):
         if isinstance(e, Finished):
@@ -389,13 +250,6 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
     all of that plus `new` tokens. Its time to first token with the prefix cache (resumed from the first
     request's kept state) and without (everything prefilled), through the serving engine in process, the
     stages sized by `options`. The ids are seeded random tokens (a real conversation's would do the same)."""
-    import asyncio
-
-    from deltafin.coordinator.cluster.backend import LocalBackend
-    from deltafin.coordinator.engine.engine import Engine
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.text.tokenizer import K3Tokenizer
-
     pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
     cfg, tok = pipe.stages[0].cfg, K3Tokenizer.load(model)
     rng = torch.Generator().manual_seed(0)
@@ -428,8 +282,6 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
 def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device) -> tuple[list, list[float]]:
     """Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and repeated
     tokens route to the same experts, which would flatter the cache."""
-    from deltafin.runtime.stage import SeqInput
-
     rng = torch.Generator().manual_seed(0)
     inputs, times = [], []
     for n in range(prompt, prompt + tokens):
@@ -444,8 +296,6 @@ def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.devi
 
 def _peak_memory(dev: torch.device, plan: Any) -> dict[str, Any]:
     """The process's peak resident memory (and the GPU's peak allocation) against the plan."""
-    import resource
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     out: dict[str, Any] = {"peak_rss_gb": round(rss / GB, 3), "planned_gb": round(plan.total / GB, 3)}
     if dev.type == "cuda":
@@ -456,8 +306,6 @@ def _peak_memory(dev: torch.device, plan: Any) -> dict[str, Any]:
 
 def _streaming_numbers(pipe: Any, stage: Any, ids: torch.Tensor, inputs: list, trace: list,
                        result: dict[str, Any]) -> dict[str, Any]:
-    from deltafin.weights.expert_cache import POLICIES, simulate
-
     cfg = stage.cfg
     capacity = max(1, stage.sizing.expert_cache // cfg.bytes_per_expert)
     steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
@@ -515,8 +363,6 @@ def _replay(pipe: Any, stage: Any, prompt_ids: torch.Tensor, inputs: list[torch.
     """t_compute: the same tokens again, with every wait for the disk taken out of their clocks: each MoE
     layer's experts are read when it asks (one layer's worth in memory at a time, so this holds at full
     scale), that read's time and the streamed spine's wait are subtracted. Median over tokens."""
-    from deltafin.runtime.stage import SeqInput
-
     original, options = stage.experts, stage.options
     loading = _LoadedOnDemand(stage)
     try:
@@ -540,18 +386,12 @@ class _LoadedOnDemand:
     the store reads), and counts the time it took."""
 
     def __init__(self, stage: Any):
-        from deltafin.plan.sizing import expert_slot_bytes
-        from deltafin.weights.reader import ShardFiles, SlotPool
-
         self.stage = stage
         self.files = ShardFiles(stage.options.io)
         self.pool = SlotPool(stage.cfg.experts_per_token, expert_slot_bytes(stage.cfg))
         self.seconds = 0.0
 
     def experts(self, layer: int, ids: list[int]) -> Iterable[tuple[int, ExpertWeights]]:
-        from deltafin.weights.reader import plan_read
-        from deltafin.weights.tensors import expert_views
-
         dev = self.stage.device
         for start in range(0, len(ids), self.pool.count):  # a slot per expert, a pool's worth at a time
             t0 = time.perf_counter()

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.cli.flags import add_stage_options, stage_from_args
+from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
-from deltafin.options import add_stage_options
+from deltafin.kernels.linear import select_kernels
+from deltafin.runtime.stage_options import StageOptions, with_memory_found
 
 log = logging.getLogger("deltafin")
 
@@ -121,11 +123,8 @@ def _cmd_logits(args: argparse.Namespace) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-    from deltafin.devices import resolve_device, resolve_dtype
-    from deltafin.options import stage_options
-
     stats: list[dict] = []
-    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+    options = _stage_options(args)
     logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
                             stages=args.stages, eps_convention=args.eps, options=options,
                             stats=stats if args.stats else None)
@@ -158,15 +157,13 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deltafin.cli import bench
+    from deltafin.cli import bench_kernels
 
     if args.disk:
-        result = bench.bench_disk(args.disk, threads=args.threads, io=args.io)
+        result = bench_kernels.bench_disk(args.disk, threads=args.read_threads, io=args.io)
     elif args.kernel:
-        from deltafin.kernels.linear import select_kernels
-
         select_kernels(args.kernels)
-        result = bench.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
+        result = bench_kernels.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
     elif args.model:
         result = _bench_model(args)
     else:
@@ -178,13 +175,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _bench_model(args: argparse.Namespace) -> dict:
     """`deltafin bench --model`: decode, or with --verify / --second-turn / --prefill, that benchmark."""
     from deltafin.cli import bench
-    from deltafin.devices import resolve_device, resolve_dtype
-    from deltafin.options import stage_options
 
     lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
     if lengths:  # the stage is sized for the longest prompt
         args.context = max(args.context, *lengths)
-    options = stage_options(args, resolve_device(args.device), resolve_dtype(args.dtype))
+    options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
     if args.workload:
         from deltafin.coordinator.workload import bench_workload
@@ -197,7 +192,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
         from deltafin.plan.sizing import SPECULATIVE_TOKENS
 
-        common["options"] = dataclasses.replace(options, speculative_tokens=SPECULATIVE_TOKENS)
+        common["options"] = options.replace(speculative_tokens=SPECULATIVE_TOKENS)
         return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)
     if args.second_turn:
         prompt, new = _positive_ints(args.second_turn, "--second-turn")[:2] if args.second_turn.count(",") == 1 \
@@ -209,6 +204,13 @@ def _bench_model(args: argparse.Namespace) -> dict:
         return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
     return bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, measure_disk=not args.no_disk,
                               **common)
+
+
+def _stage_options(args: argparse.Namespace) -> StageOptions:
+    """The flags' stage options within the memory this process finds (or --memory-gb), its kernels selected."""
+    options = stage_from_args(args)
+    select_kernels(options.kernels)
+    return with_memory_found(options, resolve_device(args.device))
 
 
 def _positive_ints(text: str, flag: str) -> list[int]:

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
-from deltafin.plan.sizing import WEIGHT_BLOCK_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,8 @@ Weight = torch.Tensor | MXFP4Weight | Int8Weight
 MXFP4_FAST_PATHS: dict[str, Any] = {}
 KERNELS = ("auto", "reference", "native", "mlx")
 _selected = {"kernels": "auto"}
+
+WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB)
 
 
 def select_kernels(choice: str) -> None:

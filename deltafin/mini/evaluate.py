@@ -20,7 +20,7 @@ from deltafin.mini.corpus import Conversation, encode_all
 
 def perplexity(model_dir: str | Path, convs: list[Conversation], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """{"nats_per_token", "perplexity", "tokens", "conversations", "vocab_size"} over `convs`."""
-    from deltafin.plan.sizing import PIECE_TOKENS
+    from deltafin.models.decoder import PIECE_TOKENS
     from deltafin.runtime.pipeline import LocalPipeline
     from deltafin.runtime.stage import SeqInput
     from deltafin.text.tokenizer import K3Tokenizer

@@ -24,6 +24,8 @@ from deltafin.models.mla import mla_forward
 from deltafin.models.moe import ExpertSource, FusedExperts, RoutedExperts, dense_mlp, moe_forward
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
 
+PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
+
 
 @dataclass(frozen=True)
 class Span:

@@ -17,7 +17,8 @@ from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
 from deltafin.models.weights import MLAWeights
-from deltafin.plan.sizing import MLA_BLOCK_BYTES
+
+MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values
 
 
 def _causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:

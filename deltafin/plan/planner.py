@@ -300,7 +300,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
     for i, (m, c) in enumerate(zip(members, caps, strict=True)):
         layers = m.sizing.expert_layers
         share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
-        o = replace(per_worker[index[m.key]], expert_share=share, forward_tokens=tokens)
+        o = replace(per_worker[index[m.key]], expert_share=share, prefill_chunk=tokens)
         place = Placement(c.device, act_bytes)
         z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
                                                                                        c.budget, o)

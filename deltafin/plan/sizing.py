@@ -37,17 +37,19 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
-from deltafin.errors import SizingError
+from deltafin.errors import DeltafinError, SizingError
+from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
+from deltafin.models.cache import mla_capacity
+from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.models.mla import MLA_BLOCK_BYTES
+from deltafin.options import at_least, check_choice
 
 GB = 1e9
 ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
 RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
-WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB; kernels/linear.py)
-MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values (models/mla.py)
-MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks (models/cache.py)
-PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
 FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may take when the user fixes no size
 SPINES = ("auto", "bf16", "int8")
+
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,16 @@ class Placement:
 
 @dataclass(frozen=True)
 class SizingOptions:
-    """What the user may fix; None means: choose from the memory."""
+    """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
+    (the command line, the Python API and an assignment off the wire all build it), with the flags' names."""
 
     spine: str = "auto"  # auto | bf16 | int8
     expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
     session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
-    prefix_bytes: int | None = None  # prefix cache; None: as much as the sessions (a kept state each); 0: off
+    prefix_cache_bytes: int | None = None  # kept prefixes; None: as much as the sessions (a kept state each); 0: off
     sequences: int = 4
     context: int = 4096
-    forward_tokens: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
+    prefill_chunk: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
     # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
     read_threads: int = 8
     max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
@@ -88,6 +91,16 @@ class SizingOptions:
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
     expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
     disks: int = 1  # disks the experts are read from, each with `read_threads` readers
+
+    def __post_init__(self) -> None:
+        check_choice("spine", self.spine, SPINES)
+        at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
+                 read_threads=self.read_threads, disks=self.disks)
+        at_least(0, expert_cache_gb=self.expert_cache_bytes, session_bytes=self.session_bytes,
+                 prefix_cache_gb=self.prefix_cache_bytes, max_resident_layers=self.max_resident_layers,
+                 speculative_tokens=self.speculative_tokens, expert_layers=self.expert_layers)
+        if not 0.0 <= self.expert_share <= 1.0:
+            raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")
 
     @property
     def wide(self) -> bool:
@@ -213,10 +226,6 @@ def working_slots(cfg: ModelConfig, threads: int, demand_layers: int = 1) -> int
     worker's stage and the expert calls it serves are two), and one per reader thread."""
     return (2 + demand_layers) * cfg.experts_per_token + threads
 
-
-def mla_capacity(tokens: int) -> int:
-    """Latent rows an MLA cache holds for `tokens` tokens: whole blocks (models/cache.py grows by these)."""
-    return -(-max(tokens, 1) // MLA_BLOCK_TOKENS) * MLA_BLOCK_TOKENS
 
 
 def kda_state_bytes(cfg: ModelConfig) -> int:
@@ -417,8 +426,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
     t = layer_table(cfg, place, options.spans)
-    if options.forward_tokens is None:  # no budget to keep within: the whole planned context in one forward
-        options = replace(options, forward_tokens=max(1, options.context))
+    if options.prefill_chunk is None:  # no budget to keep within: the whole planned context in one forward
+        options = replace(options, prefill_chunk=max(1, options.context))
     ids = tuple(range(start, end))
     resident, streamed = ids[:resident_count], ids[resident_count:]
     prefix = t.int8 if spine == "int8" else t.bf16
@@ -428,13 +437,13 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         raise SizingError("wide experts are always cached, never all resident")
     cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache,
                                                        2 if options.wide else 1)
-    calls = expert_call_bytes(cfg, options.forward_tokens, own_moe > 0, n_moe > 0) if options.wide else 0
+    calls = expert_call_bytes(cfg, options.prefill_chunk, own_moe > 0, n_moe > 0) if options.wide else 0
     n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
     state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
     trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
     sessions = options.session_bytes if options.session_bytes is not None else options.sequences * (state + trail)
     kept = options.session_bytes if options.session_bytes is not None else options.sequences * state
-    prefixes = options.prefix_bytes if options.prefix_bytes is not None else kept  # a kept state each, no trail
+    prefixes = options.prefix_cache_bytes if options.prefix_cache_bytes is not None else kept  # a kept state each, no trail
     last = end == cfg.num_layers
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
@@ -444,8 +453,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         stream_copies=2 * max((t.stream_copy[i] for i in streamed), default=0),
         experts_resident=expert_cache is None, expert_cache=cache, expert_staging=staging, expert_landing=landing,
         expert_calls=calls, sessions=sessions, prefixes=prefixes,
-        workspace=workspace_bytes(cfg, t, start, end, options.forward_tokens, options.context, last),
-        overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens,
+        workspace=workspace_bytes(cfg, t, start, end, options.prefill_chunk, options.context, last),
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         spine_bytes_per_token=sum(t.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0)
 
@@ -453,10 +462,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
            options: SizingOptions) -> StageSizing:
     """The best stage that fits `budget` (see the module docstring); SizingError when none does."""
-    if options.spine not in SPINES:
-        raise SizingError(f"unknown spine format {options.spine!r}: use {', '.join(SPINES)}")
-    if options.forward_tokens is None:
-        auto = replace(options, forward_tokens=auto_forward_tokens(
+    if options.prefill_chunk is None:
+        auto = replace(options, prefill_chunk=auto_forward_tokens(
             cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
         return _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
     return _choose(cfg, start, end, place, budget, options)
@@ -497,16 +504,16 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
 def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
     """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
     assert options.wide, "a worker without layers only serves wide experts"
-    if options.forward_tokens is None:
-        options = replace(options, forward_tokens=max(1, options.context))
+    if options.prefill_chunk is None:
+        options = replace(options, prefill_chunk=max(1, options.context))
     n_moe = options.expert_layers or 0
     cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache, 1)
     return StageSizing(
         start=0, end=0, device=place.device, spine="none", resident_layers=(), streamed_layers=(), layers=0, top=0,
         stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
-        expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.forward_tokens, False, n_moe > 0),
-        sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.forward_tokens),
-        overhead=RUNTIME_OVERHEAD, forward_tokens=options.forward_tokens, spine_bytes_per_token=0,
+        expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.prefill_chunk, False, n_moe > 0),
+        sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.prefill_chunk),
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, spine_bytes_per_token=0,
         expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
         expert_share=options.expert_share)
 
@@ -514,10 +521,10 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
-    if options.forward_tokens is None:  # the calls of forwards up to the context, within FORWARD_SHARE
+    if options.prefill_chunk is None:  # the calls of forwards up to the context, within FORWARD_SHARE
         cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
         per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
-        options = replace(options, forward_tokens=max(PIECE_TOKENS, min(options.context, cap // per_token)))
+        options = replace(options, prefill_chunk=max(PIECE_TOKENS, min(options.context, cap // per_token)))
     base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
     if not budget.fits(base):
         raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
@@ -542,7 +549,7 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
 
     def sized(tokens: int) -> StageSizing:
         return size_stage(cfg, s.start, s.end, place, s.spine, options.expert_cache_bytes or 0,
-                          len(s.resident_layers), replace(options, forward_tokens=tokens))
+                          len(s.resident_layers), replace(options, prefill_chunk=tokens))
 
     lo, hi = s.forward_tokens, options.context  # workspace grows with tokens: the longest that fits
     while lo < hi:
@@ -550,7 +557,7 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
         lo, hi = (mid, hi) if budget.fits(sized(mid)) else (lo, mid - 1)
     if lo == s.forward_tokens:
         return s
-    return _fill_cache(cfg, sized(lo), place, budget, replace(options, forward_tokens=lo))
+    return _fill_cache(cfg, sized(lo), place, budget, replace(options, prefill_chunk=lo))
 
 
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,

@@ -22,7 +22,8 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.sizing import Budget, Placement, StageSizing, choose_holder, size_holder
-from deltafin.runtime.stage import ExpertProvider, Stage, StageOptions, expert_backend_for, open_experts
+from deltafin.runtime.stage import ExpertProvider, Stage, expert_backend_for, open_experts
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertHolder, Peer, WideExperts, wide_stats
 from deltafin.weights.reader import layer_spans
 
@@ -119,9 +120,9 @@ def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions)
     """The memory plan of a worker that only serves experts: within its budget, or (none) the cache it is given."""
     place = Placement(device.type, torch.finfo(options.dtype).bits // 8,
                       "mlx" if expert_backend_for(ckpt.config, device) == "mlx" else "torch")
-    sizing = options.sizing_options(layer_spans(ckpt))
+    sizing = options.sizing_for(layer_spans(ckpt))
     if options.memory_bytes is None:
-        return size_holder(ckpt.config, place, options.expert_cache_bytes or 0, sizing)
+        return size_holder(ckpt.config, place, options.sizing.expert_cache_bytes or 0, sizing)
     try:
         return choose_holder(ckpt.config, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
     except SizingError as e:

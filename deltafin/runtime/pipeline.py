@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltafin.checkpoint.config import load_config, with_eps_convention
+from deltafin.checkpoint.config import ModelConfig, load_config, with_eps_convention
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
-from deltafin.plan.sizing import PIECE_TOKENS
+from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.progress import Progress
-from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, StageOptions, split_layers
+from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
+from deltafin.runtime.stage_options import StageOptions
 
 # the hub's route for one forward: yields (stage index, its inputs), is sent that stage's outputs
 Route = Generator[tuple[int, list[SeqInput]], list[SeqOutput], list[SeqOutput]]
@@ -46,9 +47,10 @@ class LocalPipeline:
     @classmethod
     def load(cls, model_dir: str | Path, n_stages: int = 1, device: str = "auto", dtype: str = "fp32",
              eps_convention: str = "hf", options: StageOptions | None = None,
-             show_progress: bool = False) -> LocalPipeline:
-        """Load the model as `n_stages` in-process stages; `options` (its dtype is replaced by `dtype`)."""
-        cfg = with_eps_convention(load_config(model_dir), eps_convention)
+             show_progress: bool = False, config: ModelConfig | None = None) -> LocalPipeline:
+        """Load the model as `n_stages` in-process stages; `options` (its dtype is replaced by `dtype`);
+        `config`: the model's, when the caller has read it already."""
+        cfg = with_eps_convention(config or load_config(model_dir), eps_convention)
         ckpt = open_checkpoint(model_dir, cfg)
         torch_dtype = resolve_dtype(dtype)
         if torch_dtype == torch.float32:

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from deltafin.errors import DeltafinError
-from deltafin.models.cache import KDACache, LayerCache, MLACache, SequenceCache
-from deltafin.plan.sizing import mla_capacity
+from deltafin.models.cache import KDACache, LayerCache, MLACache, SequenceCache, mla_capacity
 
 log = logging.getLogger(__name__)
 

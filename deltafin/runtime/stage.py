@@ -38,17 +38,23 @@ from deltafin.kernels.quant import Int8Weight, quantize_int8_rows
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.common import activation
-from deltafin.models.decoder import Span, decoder_layer, embed, ffn_input, head, layer_in_pieces, pieces_of
+from deltafin.models.decoder import (
+    PIECE_TOKENS,
+    Span,
+    decoder_layer,
+    embed,
+    ffn_input,
+    head,
+    layer_in_pieces,
+    pieces_of,
+)
 from deltafin.models.kda import delta_rule_recurrent
 from deltafin.models.moe import FusedExperts, route, routed_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.sizing import (
-    PIECE_TOKENS,
     SPECULATIVE_TOKENS,
-    SPINES,
     Budget,
     Placement,
-    SizingOptions,
     StageSizing,
     choose,
     expert_slot_bytes,
@@ -58,6 +64,7 @@ from deltafin.plan.sizing import (
 )
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.prefix_store import PrefixStore
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import WideExperts
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import ShardFiles, layer_spans
@@ -106,46 +113,6 @@ class ExpertProvider(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class StageOptions:
-    """How a stage holds its weights. With no `memory_bytes`, everything is resident (small checkpoints,
-    tests); with one, the stage sizes itself within it (sizing.choose) and refuses what cannot fit."""
-
-    dtype: torch.dtype = torch.float32  # activations
-    memory_bytes: int | None = None  # everything this stage may hold (the device's memory on a GPU)
-    host_memory_bytes: int | None = None  # host RAM beside a discrete GPU (staging buffers, the runtime)
-    spine: str = "auto"  # auto: bf16 if it fits, else row-int8 | bf16 | int8
-    expert_cache_bytes: int | None = None  # None: every expert resident if that fits, else streamed with the rest
-    io: str = "direct"  # expert and streamed-spine reads: "direct" (no page cache) or "buffered"
-    read_threads: int = 8
-    cache_policy: str = "lfu"  # measured best of lru/lfu/pinned on decode traces (README)
-    prefetch: bool = True
-    prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
-    session_bytes: int | None = None  # budget for session caches (None: `sequences` x `context` with a budget)
-    prefix_bytes: int | None = None  # prefix cache (None: as much as the session budget; 0: off)
-    sequences: int = 4  # sequences the session budget is planned for
-    context: int = 4096  # tokens per sequence the plan reserves caches and attention workspace for
-    max_forward_tokens: int | None = None  # tokens one forward may carry with a budget (longer prompts go in
-    # chunks); None: chosen from the memory (sizing.auto_forward_tokens: up to `context`)
-    max_resident_layers: int | None = None  # keep at most this many layers' spine resident; the rest streams
-    speculative_tokens: int = 0  # plan each sequence room for a speculative forward of this many tokens (0: none)
-    expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: its own, local)
-    expert_share: float = 1.0  # wide experts: the planned fraction of those layers' experts it computes
-    expert_dirs: tuple[str, ...] = ()  # more copies (or parts) of the checkpoint on other disks, read for experts
-    disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
-    prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
-    prefix_disk_bytes: int = 32 * 10**9  # what they may take there (least recently used go first)
-
-    def sizing_options(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
-        return SizingOptions(spine=self.spine, expert_cache_bytes=self.expert_cache_bytes,
-                             session_bytes=self.session_bytes, prefix_bytes=self.prefix_bytes,
-                             sequences=self.sequences, context=self.context,
-                             forward_tokens=self.max_forward_tokens, read_threads=self.read_threads,
-                             max_resident_layers=self.max_resident_layers, spans=spans,
-                             speculative_tokens=self.speculative_tokens, expert_layers=self.expert_layers,
-                             expert_share=self.expert_share, disks=1 + len(self.expert_dirs))
-
-
 @dataclass
 class StageTimings:
     forwards: int = 0
@@ -159,10 +126,10 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
     """What the stage will hold (pure): within `memory_bytes` if set, else everything resident; `experts`
     is where the routed experts run (torch or mlx)."""
     place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
-    sizing = options.sizing_options(spans)
+    sizing = options.sizing_for(spans)
     if options.memory_bytes is None:
-        spine = "bf16" if options.spine == "auto" else options.spine
-        return size_stage(cfg, start, end, place, spine, options.expert_cache_bytes, end - start, sizing)
+        spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
+        return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
     try:
         return choose(cfg, start, end, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
     except SizingError as e:
@@ -172,19 +139,19 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
 def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
                  layers: Iterable[int], backend: str) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
-    `expert_dirs`), or resident (on MLX, or torch)."""
+    `expert_dir`), or resident (on MLX, or torch)."""
     cfg, layers = ckpt.config, list(layers)
     if sizing.streaming:
-        copies = [open_copy(ckpt, d) for d in options.expert_dirs]
+        copies = [open_copy(ckpt, d) for d in options.expert_dir]
         speeds = options.disk_gbps
         if speeds is None and copies:
-            speeds = tuple(measure_disk(c, options.read_threads, options.io) for c in (ckpt, *copies))
+            speeds = tuple(measure_disk(c, options.sizing.read_threads, options.io) for c in (ckpt, *copies))
             log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
                                                     for c, g in zip((ckpt, *copies), speeds, strict=True)))
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
-                           threads=options.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
+                           threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
-                           demand_layers=2 if options.expert_layers is not None and not sizing.holder_only else 1)
+                           demand_layers=2 if options.sizing.expert_layers is not None and not sizing.holder_only else 1)
     if backend == "mlx":
         from deltafin.weights.mlx_slots import MLXResidentExperts
 
@@ -202,8 +169,6 @@ class Stage:
         opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
             raise DeltafinError(f"invalid layer range [{start}, {end}) for a {cfg.num_layers}-layer model")
-        if opts.spine not in SPINES:
-            raise DeltafinError(f"unknown spine format {opts.spine!r}: use {', '.join(SPINES)}")
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
@@ -218,7 +183,7 @@ class Stage:
         plan = SpinePlan(self.sizing.resident_layers, self.sizing.streamed_layers,
                          self.sizing.layers + self.sizing.top, self.sizing.stream_buffers)
         self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
-                                last=self.last, progress=progress, threads=opts.read_threads)
+                                last=self.last, progress=progress, threads=opts.sizing.read_threads)
         self.spine.stream_place = self._place_streamed
         self.top = self.spine.top
         self.wide: WideExperts | None = None
@@ -236,7 +201,7 @@ class Stage:
 
     def set_wide(self, wide: WideExperts | None) -> None:
         """Compute this stage's routed experts through every holder (wide) or, with None, alone."""
-        if wide is None and self.options.expert_layers is not None:
+        if wide is None and self.options.sizing.expert_layers is not None:
             raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
         self.wide = wide
 
@@ -260,7 +225,7 @@ class Stage:
     @property
     def cache_budget(self) -> int | None:
         """Bytes for session caches: the plan's (with a memory budget), else what the options say."""
-        return self.sizing.sessions if self.options.memory_bytes is not None else self.options.session_bytes
+        return self.sizing.sessions if self.options.memory_bytes is not None else self.options.sizing.session_bytes
 
     @property
     def max_forward_tokens(self) -> int | None:
@@ -495,8 +460,8 @@ class Stage:
                  f"{served / 1e9:.1f} GB of experts it serves" if served else "no routed experts")
         log.debug("stage [%d, %d) plan: forwards of up to %d tokens (%s), %d sequences x %d tokens of context; %s; "
                   "spine %s, %d layers resident, %d streamed; policy %s, prefetch %s", self.start, self.end,
-                  s.forward_tokens, "--prefill-chunk" if opts.max_forward_tokens else "as long as the budget allows",
-                  opts.sequences, opts.context, cache, s.spine, len(s.resident_layers), len(s.streamed_layers),
+                  s.forward_tokens, "--prefill-chunk" if opts.sizing.prefill_chunk else "as long as the budget allows",
+                  opts.sizing.sequences, opts.sizing.context, cache, s.spine, len(s.resident_layers), len(s.streamed_layers),
                   opts.cache_policy, "on" if opts.prefetch else "off")
 
     def _io_counters(self) -> tuple[float, ...]:

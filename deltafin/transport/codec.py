@@ -17,7 +17,8 @@ import torch
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.runtime.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
@@ -297,16 +298,19 @@ def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
 # ---- stage options and counters ------------------------------------------------------------------------------
 
 _OPTIONS = {f.name for f in pb.StageOptions.DESCRIPTOR.fields} - {"none"}
+_NONE_ALIASES = {"prefix_cache_bytes": "prefix_bytes", "prefill_chunk": "max_forward_tokens"}  # `none`'s spelling
+_NONE_NAMES = {v: k for k, v in _NONE_ALIASES.items()}
 
 
 def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
-    """A coordinator's stage options (StageOptions' field names; dtype as "fp32"/"bf16"; None allowed)."""
+    """A coordinator's stage options (StageOptions' and SizingOptions' field names; dtype as "fp32"/"bf16";
+    None allowed)."""
     msg = pb.StageOptions()
     for key, value in options.items():
         if key not in _OPTIONS:
             raise CodecError(f"unknown stage option {key!r}")
         if value is None:
-            msg.none.append(key)
+            msg.none.append(_NONE_ALIASES.get(key, key))
             continue
         try:
             setattr(msg, key, value)
@@ -317,16 +321,17 @@ def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
 
 def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageOptions:
     """The options a coordinator sent, over this worker's `defaults`."""
-    unknown = set(msg.none) - _OPTIONS
+    nones = [_NONE_NAMES.get(name, name) for name in msg.none]
+    unknown = set(nones) - _OPTIONS
     if unknown:
         raise CodecError(f"unknown stage options {sorted(unknown)}")
     changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields() if f.name != "none"}
-    changes.update(dict.fromkeys(msg.none))
+    changes.update(dict.fromkeys(nones))
     if "dtype" in changes:
         if changes["dtype"] not in ("fp32", "bf16"):
             raise CodecError(f"stage option dtype={changes['dtype']!r}: fp32 or bf16")
         changes["dtype"] = torch.float32 if changes["dtype"] == "fp32" else torch.bfloat16
-    return dataclasses.replace(defaults, **changes)
+    return defaults.replace(**changes)
 
 
 def encode_stats(stats: dict[str, Any]) -> pb.StageStats:

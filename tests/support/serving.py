@@ -105,10 +105,11 @@ class SlowPrefill(ScriptedBackend):
 async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: str | None = None,
                 max_body: int = 1 << 20, **engine_options) -> tuple:
     """An Engine named `model` over `backend`, served on 127.0.0.1 (a free port): (engine, runner, url)."""
-    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.engine import Engine, ServingOptions
     from deltafin.coordinator.http.server import start
 
-    engine = Engine(backend, tok, cfg, model, **engine_options)
+    prefix_cache = engine_options.pop("prefix_cache", False)
+    engine = Engine(backend, tok, cfg, model, ServingOptions(**engine_options), prefix_cache=prefix_cache)
     runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=max_body, api_key=api_key)
     return engine, runner, f"http://127.0.0.1:{port}"
 

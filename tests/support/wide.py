@@ -15,7 +15,8 @@ from deltafin.devices import exact_fp32
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.runtime.assigned import Assigned, assign
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import StageOptions, split_layers
+from deltafin.runtime.stage import split_layers
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import LocalPeer
 
 CPU = torch.device("cpu")
@@ -35,8 +36,8 @@ class WideCluster:
         w = weights or [1.0] * len(self.keys)
         self.placement = ExpertPlacement.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
         self.plan = ExpertPlan(self.placement, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
-        self.options = StageOptions(expert_cache_bytes=cache_bytes, expert_layers=len(cfg.moe_layers),
-                                    read_threads=2, **options)  # type: ignore[arg-type]
+        self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, expert_layers=len(cfg.moe_layers),
+                                              read_threads=2, **options)
         self.executors = {k: ThreadPoolExecutor(1, thread_name_prefix=f"holder-{k}") for k in self.keys}
         self.assigned: dict[str, Assigned] = {}
         self.assign(self.plan)

@@ -111,14 +111,16 @@ def test_a_worker_with_no_sizing_flags_fits_its_cap(k3_cut: Path, monkeypatch):
 def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     """Where no cgroup can be made (not root, cgroup v2 only): the worker's option parsing and memory discovery
     in this process, the cgroup limit read from a stand-in; planned == allocated by the stage's own tensors."""
-    from deltafin.options import stage_options
+    from deltafin.cli.flags import stage_from_args
     from deltafin.plan import memory
     from deltafin.runtime.stage import SeqInput, Stage
+    from deltafin.runtime.stage_options import with_memory_found
     from deltafin.worker.main import build_parser
     from tests.support.sizing import held, plan_of
 
     monkeypatch.setattr(memory, "cgroup_limit", lambda *a, **k: CAP_BYTES)
-    options = stage_options(build_parser().parse_args(["--model", str(model), "--threads", "4"]), torch.device("cpu"))
+    args = build_parser().parse_args(["--model", str(model), "--threads", "4"])
+    options = with_memory_found(stage_from_args(args), torch.device("cpu"))
     cfg = load_config(model)
     stage = Stage(open_checkpoint(model, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=options)
     try:

@@ -9,21 +9,27 @@ import time
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.config import load_config
-from deltafin.checkpoint.shards import fingerprint, scan_checkpoint
-from deltafin.runtime.stage import StageOptions
+from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkpoint
+from deltafin.models.moe import expert_outputs
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.wide import ExpertCall
 from deltafin.transport import codec
 from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.weights.resident import ResidentExperts
+from deltafin.worker.assignment import AssignmentSlot
+from deltafin.worker.service import WorkerService, create_server
 
 
 @pytest.fixture
 def served(tiny_dir):
     """An in-process worker serving the last layers of `tiny` (a middle/last stage takes residual states)."""
-    from deltafin.worker.service import WorkerService, create_server
-
     cfg = load_config(tiny_dir)
     ckpt = scan_checkpoint(tiny_dir, cfg)
     desc = WorkerDescription("t", "", "cpu", 10**9, 1.0, fingerprint(tiny_dir), layer_ranges(ckpt.layers_available()),
@@ -86,8 +92,6 @@ def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(se
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             ok = await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(2, d), b=f32(2, n, d))]), timeout=30)
             assert ok.sequences[0].logits.shape == [1, cfg.vocab_size]
-            from grpc_health.v1 import health_pb2, health_pb2_grpc
-
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
@@ -135,12 +139,9 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     """The coordinator gives up on an Assign (deadline) while the stage loads: the worker closes that stage
     once its load ends, before the next Assign loads another (never two stages in memory), and serves the
     next assignment."""
-    from deltafin.runtime.stage import Stage
-    from deltafin.worker.service import WorkerService
-
     start, cfg = served
     events: list[str] = []
-    load = WorkerService._load
+    load = AssignmentSlot.load
 
     def slow_load(self, old, a, b, options, plan, peers, progress):
         events.append(f"load {a}-{b}")
@@ -155,7 +156,7 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
         events.append(f"close {self.start}-{self.end}")
         close(self)
 
-    monkeypatch.setattr(WorkerService, "_load", slow_load)
+    monkeypatch.setattr(AssignmentSlot, "load", slow_load)
     monkeypatch.setattr(Stage, "close", recorded_close)
 
     async def run():
@@ -184,12 +185,6 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     """A worker assigned no layers of a wide plan serves its experts: a call's outputs are the experts' on its
     rows (as the one-process loop computes them), hints are taken at once, and calls it cannot compute get a
     status that says why."""
-    from deltafin.checkpoint.shards import open_checkpoint
-    from deltafin.models.moe import expert_outputs
-    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
-    from deltafin.runtime.wide import ExpertCall
-    from deltafin.weights.resident import ResidentExperts
-
     start, cfg = served
 
     async def run():

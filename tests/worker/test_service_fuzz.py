@@ -133,7 +133,7 @@ def test_fuzzed_forwards_get_specific_statuses(worker, tiny_dir: Path) -> None:
 def test_session_misuse_and_limits(worker, tiny_dir: Path) -> None:
     client, _ = worker
     cfg = load_config(tiny_dir)
-    client.assign(0, cfg.num_layers, session_bytes=150_000, max_forward_tokens=2048)
+    client.assign(0, cfg.num_layers, session_bytes=150_000, prefill_chunk=2048)
     assert client.forward_detail(ids_seq("ghost", [5], cache_len=4))[0] == "NOT_FOUND"
     assert client.forward(ids_seq("s", [1, 2, 3])) == "OK"
     assert client.forward(ids_seq("s", [4], cache_len=3)) == "OK"

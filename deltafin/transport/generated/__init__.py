@@ -1,1 +1,1 @@
-"""Generated from proto/deltafin.proto by `python -m deltafin.transport.generate`."""
+"""Generated from proto/deltafin.proto by `python -m deltafin.transport.protoc`."""

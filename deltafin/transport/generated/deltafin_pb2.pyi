@@ -115,7 +115,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_bytes", "sequences", "context", "max_forward_tokens", "max_resident_layers", "none", "expert_layers", "expert_share")
+    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -127,10 +127,10 @@ class StageOptions(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    MAX_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     MAX_RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NONE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -146,15 +146,15 @@ class StageOptions(_message.Message):
     prefetch: bool
     prefetch_layers: int
     session_bytes: int
-    prefix_bytes: int
+    prefix_cache_bytes: int
     sequences: int
     context: int
-    max_forward_tokens: int
+    prefill_chunk: int
     max_resident_layers: int
     none: _containers.RepeatedScalarFieldContainer[str]
     expert_layers: int
     expert_share: float
-    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., max_forward_tokens: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready")

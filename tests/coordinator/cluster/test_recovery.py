@@ -1,8 +1,9 @@
-"""The replay journal and the retry logic of ResilientCluster, against a scripted in-process cluster."""
+"""The replay and the retry logic of ResilientCluster, against a scripted in-process cluster."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.cluster import current_plan
+from deltafin.coordinator.cluster.backend import FORWARD_UNIT, Timeouts, WorkerClient
 from deltafin.coordinator.cluster.recovery import Recovery, RecoveryOptions, ResilientCluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
-from deltafin.errors import ClusterUnavailable, RemoteError
+from deltafin.errors import ClusterUnavailable, PartialFailure, RemoteError
 from deltafin.runtime.stage import SeqInput, SeqOutput
 
 
@@ -54,7 +57,7 @@ def _cluster(tiny_dir: Path, stages: FlakyStages, **options) -> tuple[ResilientC
 
     async def recover(cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:  # a re-plan that
         causes.append(cause)  # reloads the stages
-        rc._mark_stale(rc.journal)
+        rc.journal.mark_all_stale()
         return Recovery(cause, 0.0, (), True)
 
     rc.recover = recover  # type: ignore[method-assign]
@@ -74,9 +77,9 @@ async def test_a_lost_worker_replays_the_recorded_chunks_then_retries(tiny_dir: 
     await rc.forward([_step("s", 5, [10])])  # call 3 fails: recover, replay, retry
     assert len(causes) == 1 and "UNAVAILABLE" in causes[0]
     assert stages.calls[4:] == [[("s", 0, [5, 6, 7])], [("s", 3, [8])], [("s", 4, [9])], [("s", 5, [10])]]
-    assert not rc.stale and list(rc.journal["s"].ids) == [5, 6, 7, 8, 9, 10]
+    assert not rc.journal.stale and list(rc.journal.sessions["s"].ids) == [5, 6, 7, 8, 9, 10]
     await rc.release(["s"])
-    assert not rc.journal and rc.journal_size == 0
+    assert not rc.journal.sessions and rc.journal.size == 0
 
 
 async def test_a_session_resumed_from_a_kept_prefix_replays_from_token_0(tiny_dir: Path) -> None:
@@ -88,17 +91,17 @@ async def test_a_session_resumed_from_a_kept_prefix_replays_from_token_0(tiny_di
     await rc.forward([SeqInput("a", 0, ids=torch.tensor([5, 6, 7]), save_as="p3")])
     await rc.forward([_step("a", 3, [8])])
     await rc.release(["a"], ["p4"])
-    assert not rc.journal and list(rc.prefix_journal["p4"].ids) == [5, 6, 7, 8]
-    assert list(rc.prefix_journal["p3"].chunks) == [3] and rc.journal_size == 7
+    assert not rc.journal.sessions and list(rc.journal.prefixes["p4"].ids) == [5, 6, 7, 8]
+    assert list(rc.journal.prefixes["p3"].chunks) == [3] and rc.journal.size == 7
     await rc.forward([SeqInput("b", 4, ids=torch.tensor([9, 10]), resume_from="p4")])  # call 2
     await rc.forward([SeqInput("c", 3, ids=torch.tensor([11]), resume_from="p3")])  # call 3
     await rc.forward([_step("b", 6, [12])])  # call 4
     await rc.forward([_step("b", 7, [13])])  # call 5 fails: replay b from token 0, then retry
     assert stages.calls[6:] == [[("b", 0, [5, 6, 7])], [("b", 3, [8])], [("b", 4, [9, 10])], [("b", 6, [12])],
                                 [("b", 7, [13])]]
-    assert list(rc.journal["c"].ids) == [5, 6, 7, 11]
+    assert list(rc.journal.sessions["c"].ids) == [5, 6, 7, 11]
     await rc.release(["p3", "p4", "b", "c"])  # dropping prefixes by id forgets their records too
-    assert not rc.journal and not rc.prefix_journal and rc.journal_size == 0
+    assert not rc.journal.sessions and not rc.journal.prefixes and rc.journal.size == 0
 
 
 async def test_errors_that_replay_cannot_fix_fail_the_request(tiny_dir: Path) -> None:
@@ -107,7 +110,7 @@ async def test_errors_that_replay_cannot_fix_fail_the_request(tiny_dir: Path) ->
     await rc.forward([_step("s", 0, [1, 2])])
     with pytest.raises(RemoteError):
         await rc.forward([_step("s", 2, [3])])
-    assert causes == [] and rc.stale == {"s"}  # replayed before its next forward, if there is one
+    assert causes == [] and rc.journal.stale == {"s"}  # replayed before its next forward, if there is one
 
 
 async def test_a_bad_sequence_does_not_fail_its_batch_neighbours(tiny_dir: Path) -> None:
@@ -115,8 +118,6 @@ async def test_a_bad_sequence_does_not_fail_its_batch_neighbours(tiny_dir: Path)
     rc, _ = _cluster(tiny_dir, stages)
     await rc.forward([_step("a", 0, [1])])
     await rc.forward([_step("b", 0, [2])])
-    from deltafin.errors import PartialFailure
-
     # call 2 (the batch) fails; each is replayed alone (3, 5), then "a" works (4) and "b" fails (6)
     with pytest.raises(PartialFailure) as e:
         await rc.forward([_step("a", 1, [3]), _step("b", 1, [4])])
@@ -131,17 +132,7 @@ async def test_repeated_losses_give_up_with_a_clear_error(tiny_dir: Path) -> Non
     assert len(causes) == 2
 
 
-async def test_the_journal_is_bounded(tiny_dir: Path) -> None:
-    rc, _ = _cluster(tiny_dir, FlakyStages(set()), journal_tokens=10)
-    for sid in "abc":
-        await rc.forward([_step(sid, 0, [1, 2, 3, 4])])
-    assert list(rc.journal) == ["b", "c"] and rc.journal_size == 8  # "a", the least recent, lost its record
-    await asyncio.sleep(0)
-
-
 def test_forward_deadlines_grow_with_their_tokens():
-    from deltafin.coordinator.cluster.backend import FORWARD_UNIT, Timeouts
-
     t = Timeouts(forward=600.0)
     assert t.forward_deadline(1) == t.forward_deadline(FORWARD_UNIT) == 600.0
     assert t.forward_deadline(4 * FORWARD_UNIT) == 2400.0
@@ -150,8 +141,6 @@ def test_forward_deadlines_grow_with_their_tokens():
 async def test_a_forward_carries_the_deadline_of_its_tokens():
     """A Forward of 1,536 tokens (two sequences) gets three times the deadline of one 512-token chunk; a
     decode step gets the one-chunk deadline."""
-    from deltafin.coordinator.cluster.backend import Timeouts, WorkerClient
-
     deadlines = []
 
     class Stub:
@@ -183,10 +172,6 @@ async def test_a_forward_carries_the_deadline_of_its_tokens():
 async def test_recovery_and_rejoin_failures_are_warnings(tiny_dir: Path, caplog, monkeypatch) -> None:
     """A failing membership check and a failing Bonjour browse during recovery are logged at WARNING (not
     hidden at DEBUG), and the loop goes on trying."""
-    import logging
-
-    from deltafin.coordinator.cluster import recovery
-
     rc, _ = _cluster(tiny_dir, FlakyStages(fail_at=set()), rejoin_interval=0.01)
     calls = []
 
@@ -197,13 +182,13 @@ async def test_recovery_and_rejoin_failures_are_warnings(tiny_dir: Path, caplog,
     async def browse_fails(spec, timeout=None):
         raise OSError("mDNS socket closed")
 
-    rc._lost_stages = lost_stages  # type: ignore[method-assign]
-    monkeypatch.setattr(recovery, "discover_addresses", browse_fails)
+    rc.membership.lost_stages = lost_stages  # type: ignore[method-assign]
+    monkeypatch.setattr(current_plan, "discover_addresses", browse_fails)
     rc.spec.discover = True
-    with caplog.at_level(logging.WARNING, logger="deltafin.coordinator.cluster.recovery"):
-        rc._watch_membership()
+    with caplog.at_level(logging.WARNING, logger="deltafin.coordinator.cluster"):  # membership.py, current_plan.py
+        rc.membership.watch()
         await asyncio.sleep(0.2)
-        assert await rc._discovered() == []
+        assert await rc.current.discovered() == []
         await rc.close()
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("checking for lost or returning workers failed" in m and "probe exploded" in m for m in messages)
@@ -225,15 +210,13 @@ async def test_a_batch_that_recovery_cannot_fix_is_split(tiny_dir: Path) -> None
     stages = MissingOne(set())
     rc, causes = _cluster(tiny_dir, stages)
     await rc.forward([_step("kept", 0, [1])])
-    from deltafin.errors import PartialFailure
-
     with pytest.raises(PartialFailure) as e:
         await rc.forward([_step("kept", 1, [2]), _step("gone", 1, [3])])
     ok, bad = e.value.results
     assert isinstance(ok, SeqOutput) and ok.session_id == "kept"
     assert isinstance(bad, ClusterUnavailable)
     assert len(causes) == 1 + rc.options.max_attempts  # one for the batch, then "gone" alone until it gives up
-    assert list(rc.journal["kept"].ids) == [1, 2]
+    assert list(rc.journal.sessions["kept"].ids) == [1, 2]
 
 
 async def test_speculative_forwards_replay_as_they_ran(tiny_dir: Path) -> None:
@@ -249,10 +232,10 @@ async def test_speculative_forwards_replay_as_they_ran(tiny_dir: Path) -> None:
     replayed = stages.calls[5:9]
     assert replayed == [[("s", 0, [5, 6, 7])], [("s", 3, [8, 9, 10, 11])], [("s", 5, [12])], [("s", 6, [13, 14])]]
     assert stages.calls[9] == [("s", 8, [15])]
-    flags = [c.speculative for c in rc.journal["s"].forwards()]
+    flags = [c.speculative for c in rc.journal.sessions["s"].forwards()]
     assert flags == [False, True, False, True, False]
     with pytest.raises(ClusterUnavailable, match="cannot be rebuilt"):  # 3 is not a position of the last forward
-        rc.stale.add("s")
+        rc.journal.stale.add("s")
         await rc.forward([_step("s", 3, [1])])
 
 
@@ -273,5 +256,5 @@ async def test_a_failed_hop_is_retried_when_the_stages_kept_their_sessions(tiny_
     await rc.forward([_step("s", 4, [9])])  # fails at its second stage: retried from there
     assert len(causes) == 1 and len(stages.calls) == 4
     assert stages.resumes[:3] == [None, None, None] and stages.resumes[3][0] == 1
-    assert stages.calls[3] == [("s", 4, [9])] and not rc.stale
-    assert list(rc.journal["s"].ids) == [5, 6, 7, 8, 9]
+    assert stages.calls[3] == [("s", 4, [9])] and not rc.journal.stale
+    assert list(rc.journal.sessions["s"].ids) == [5, 6, 7, 8, 9]

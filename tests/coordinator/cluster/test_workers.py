@@ -125,7 +125,7 @@ def test_pipelined_batches_match_solo_runs(small_dir):
     """One batch per stage in flight (--pipeline-depth 2: CPU workers on one host would get 1 by default);
     every request still gets its own greedy tokens."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.engine import Engine, ServingOptions
     from deltafin.text.tokenizer import K3Tokenizer
 
     prompts = ["alpha beta", "the experts stream", "tokens are bytes", "a Mac cluster"]
@@ -134,7 +134,7 @@ def test_pipelined_batches_match_solo_runs(small_dir):
     async def run(addresses: list[str], depth: int, which: list[str]):
         backend, _ = await connect_cluster(ClusterSpec(small_dir, addresses=addresses, discover=False),
                                            show_progress=False)
-        engine = Engine(backend, tok, load_config(small_dir), "small", max_active=8, pipeline_depth=depth)
+        engine = Engine(backend, tok, load_config(small_dir), "small", ServingOptions(max_active=8, pipeline_depth=depth))
 
         async def one(prompt: str) -> list[int]:
             return [e.token_id async for e in engine.run(tok.encode(prompt), None, max_tokens=12, ignore_eos=True)

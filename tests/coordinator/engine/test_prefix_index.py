@@ -11,9 +11,10 @@ from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.prefix_index import PrefixIndex, StageShare
 from deltafin.coordinator.engine.token_loop import Finished
-from deltafin.plan.sizing import kda_state_bytes, mla_capacity, mla_row_bytes
+from deltafin.models.cache import mla_capacity
+from deltafin.plan.sizing import SizingOptions, kda_state_bytes, mla_row_bytes
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import StageOptions
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer
 
 PROMPT = [(7 * i) % 900 + 5 for i in range(300)]
@@ -81,7 +82,7 @@ def test_with_room_for_one_state_the_next_turn_still_resumes(tiny_dir):
     one = n_kda * kda_state_bytes(cfg) + (cfg.num_layers - n_kda) * mla_capacity(1024) * mla_row_bytes(cfg, 4)
 
     async def run():
-        pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(prefix_bytes=one))
+        pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=one)))
         engine = Engine(LocalBackend(pipe), tok, cfg, "t", prefix_cache=True)
         try:
             prompt, cached, lengths = list(PROMPT), [], []
@@ -150,7 +151,7 @@ def test_a_long_prompt_keeps_state_at_block_boundaries(tiny_dir):
     other = PROMPT[:200] + list(range(800, 850))
 
     async def run(cache: bool):
-        options = StageOptions(memory_bytes=4 * 10**9, max_forward_tokens=64)
+        options = StageOptions(memory_bytes=4 * 10**9, sizing=SizingOptions(prefill_chunk=64))
         engine = Engine(LocalBackend(LocalPipeline.load(tiny_dir, 2, device="cpu", options=options)), tok, cfg, "t",
                         prefix_cache=cache)
         if cache:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
-from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.engine import Engine, ServingOptions
 from deltafin.coordinator.http.server import start
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.tokenizer import K3Tokenizer
@@ -65,7 +65,7 @@ def api_url(tiny_dir: Path):
 
     async def up():
         engine = Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny",
-                        max_context=256)
+                        ServingOptions(max_context=256))
         runner, port = await start(engine, "127.0.0.1", 0)
         return engine, runner, port
 

@@ -17,8 +17,10 @@ from deltafin.mini.synth import preset_config
 from deltafin.models.common import activation
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import moe_forward
+from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.pipeline import compute_logits
-from deltafin.runtime.stage import SeqInput, Stage, StageOptions
+from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage_options import StageOptions
 
 pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
 CPU = torch.device("cpu")
@@ -84,7 +86,7 @@ def test_streamed_mlx_experts_equal_resident(tiny_dir, kernels):
     resident = compute_logits(tiny_dir, IDS, device="cpu")
     for cache in (10**6, 0):
         streamed = compute_logits(tiny_dir, IDS, device="cpu", mode="decode",
-                                  options=StageOptions(expert_cache_bytes=cache, read_threads=2))
+                                  options=StageOptions(sizing=SizingOptions(expert_cache_bytes=cache, read_threads=2)))
         assert _rel(streamed, resident).max() < 5e-5  # decode vs prefill, and experts grouped k at a time
 
 

@@ -13,7 +13,8 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose, expert_slot_bytes, layer_table, size_stage
-from deltafin.runtime.stage import SeqInput, Stage, StageOptions
+from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from tests.support.sizing import held, plan_of
@@ -73,7 +74,7 @@ def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
 
 def test_most_resident_is_the_best_count(k3):
     """The scan agrees with a brute-force search over every resident count (memory is not monotonic in it)."""
-    opts = SizingOptions(spine="int8", forward_tokens=512)  # a fixed forward: the residency is what is tested
+    opts = SizingOptions(spine="int8", prefill_chunk=512)  # a fixed forward: the residency is what is tested
     for budget in (20 * GB, 33 * GB, 47 * GB, 56 * GB):
         s = choose(k3, 0, 93, Placement("cpu"), Budget(budget), opts)
         fits = [k for k in range(94) if size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total <= budget]
@@ -85,7 +86,8 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     when its workspace fits FORWARD_SHARE of the budget, else the most tokens that do; and the workspace grows
     with the forward's tokens by the rows' state and the routed experts' buffers, not by its attention, which
     runs a piece at a time."""
-    from deltafin.plan.sizing import FORWARD_SHARE, PIECE_TOKENS, auto_forward_tokens, workspace_bytes
+    from deltafin.models.decoder import PIECE_TOKENS
+    from deltafin.plan.sizing import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 
     t = layer_table(k3, Placement("cpu"))
     big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8"))
@@ -94,7 +96,7 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     assert PIECE_TOKENS < share < 4096
     assert workspace_bytes(k3, t, 70, 93, share, 4096, True) <= FORWARD_SHARE * 24 * GB < workspace_bytes(
         k3, t, 70, 93, share + 1, 4096, True)
-    fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8", forward_tokens=512))
+    fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8", prefill_chunk=512))
     assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache
     per_token = (workspace_bytes(k3, t, 70, 93, 2048, 4096, True) - workspace_bytes(k3, t, 70, 93, 1024, 4096, True))
     assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
@@ -110,14 +112,14 @@ def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
     served = 23 * k3.num_experts * expert_slot_bytes(k3)
     for gb in (16, 24):
         share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
-        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8", forward_tokens=share))
+        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8", prefill_chunk=share))
         assert 0 < planned.expert_cache < FORWARD_SHARE * served
         s = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8"))
         assert s.forward_tokens > share and s.expert_cache < planned.expert_cache
         assert (s.spine, s.resident_layers) == (planned.spine, planned.resident_layers)
         if s.forward_tokens < 4096:  # the longest that fits: one token more does not, even with no cache
             longer = size_stage(k3, 70, 93, cpu, "int8", 0, len(s.resident_layers),
-                                SizingOptions(spine="int8", forward_tokens=s.forward_tokens + 1))
+                                SizingOptions(spine="int8", prefill_chunk=s.forward_tokens + 1))
             assert not Budget(gb * GB).fits(longer) and s.expert_cache == 0
     assert choose(k3, 70, 93, cpu, Budget(24 * GB), SizingOptions(spine="int8")).forward_tokens == 4096
     long_context = SizingOptions(spine="int8", context=16384)  # 64 GB: a cache over a tenth keeps its room
@@ -157,10 +159,9 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)
     context = 40
-    opts = StageOptions(spine=spine, sequences=2, context=context, read_threads=2,
-                        expert_cache_bytes=None if layout == "resident" else 3 * 10**5)
+    opts = StageOptions(sizing=SizingOptions(spine=spine, sequences=2, context=context, read_threads=2, expert_cache_bytes=None if layout == "resident" else 3 * 10**5))
     if layout == "streamed":  # a budget under the whole stage's: the tail streams
-        sizing = opts.sizing_options(layer_spans(ckpt))
+        sizing = opts.sizing_for(layer_spans(ckpt))
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
                   for k in range(7)]
         opts = dataclasses.replace(opts, memory_bytes=max(t for t in totals if t < totals[-1]))
@@ -209,7 +210,7 @@ def test_a_budget_too_small_is_refused_before_loading(tiny_dir):
 def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
     """Streaming layer 0 (the dense MLP, 2.3 GB) needs two buffers its size; holding it resident as int8 takes
     less. So a budget can fit one resident layer and not zero: the search must not stop at zero."""
-    opts = SizingOptions(sequences=1, forward_tokens=512)
+    opts = SizingOptions(sequences=1, prefill_chunk=512)
     sizes = [size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total for k in (0, 1)]
     assert sizes[1] < sizes[0]
     s = choose(k3, 0, 93, Placement("cpu"), Budget((sizes[0] + sizes[1]) // 2), opts)
@@ -245,8 +246,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     slot, k = expert_slot_bytes(cfg), cfg.experts_per_token
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
-    opts = StageOptions(read_threads=2, expert_cache_bytes=10 * slot, expert_layers=len(cfg.moe_layers),
-                        expert_share=0.5, expert_dirs=(str(copy),), disk_gbps=(1.0, 2.0))
+    opts = StageOptions(expert_dir=(str(copy),), disk_gbps=(1.0, 2.0), sizing=SizingOptions(read_threads=2, expert_cache_bytes=10 * slot, expert_layers=len(cfg.moe_layers), expert_share=0.5))
     stage = Stage(ckpt, 0, 2, device=CPU, options=opts, serves=cfg.moe_layers)
     try:
         z = stage.sizing
@@ -256,7 +256,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
         assert stage.experts.layers == set(cfg.moe_layers)  # others' layers too
     finally:
         stage.close()
-    budget = StageOptions(read_threads=2, expert_layers=len(cfg.moe_layers), expert_share=0.5, memory_bytes=2 * GB)
+    budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2, expert_layers=len(cfg.moe_layers), expert_share=0.5))
     sizing = holder_sizing(ckpt, CPU, budget)
     assert sizing.holder_only and sizing.device_total <= 2 * GB and sizing.sessions == sizing.layers == 0
     # the cache never outgrows every expert it could be asked for
@@ -270,7 +270,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
 
 
 def test_wide_sizing_counts_the_calls_and_never_keeps_every_expert(k3):
-    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25, forward_tokens=512)
+    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25, prefill_chunk=512)
     z = choose(k3, 0, 23, Placement("mps"), Budget(56 * GB), wide)
     assert not z.experts_resident and z.expert_layers == 92 and z.device_total <= 56 * GB
     # both ways at 512 tokens: rows out and 16 outputs back per token, as messages and as tensors

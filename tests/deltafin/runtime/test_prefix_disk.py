@@ -16,7 +16,8 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import PrefixNotFound
 from deltafin.models.cache import KDACache
 from deltafin.runtime.prefix_disk import PrefixDisk
-from deltafin.runtime.stage import SeqInput, Stage, StageOptions
+from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage_options import StageOptions
 
 CPU = torch.device("cpu")
 PROMPT = [(7 * i) % 900 + 5 for i in range(300)]

@@ -11,8 +11,9 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError, InvalidInput, OutOfMemory, SessionNotFound, SessionOutOfSync
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.sizing import sequence_bytes
-from deltafin.runtime.stage import SeqInput, Stage, StageOptions
+from deltafin.plan.sizing import SizingOptions, sequence_bytes
+from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage_options import StageOptions
 
 CPU = torch.device("cpu")
 
@@ -66,7 +67,7 @@ def test_sessions_sync_release_and_unknown(ckpt):
 def test_eviction_names_the_evicted_session(ckpt):
     cfg = ckpt.config
     one = sequence_bytes(cfg, len(cfg.kda_layers), len(cfg.mla_layers), 2, 4)
-    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(session_bytes=int(2.5 * one)))
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingOptions(session_bytes=int(2.5 * one))))
     for sid in ("a", "b", "c"):
         stage.forward([SeqInput(sid, 0, ids=torch.tensor([1, 2]))])
     assert list(stage.sessions) == ["b", "c"]  # "a" was least recently used
@@ -116,7 +117,7 @@ def test_debug_log_says_the_plan_and_each_forwards_reads_and_waits(ckpt, caplog)
     import re
 
     caplog.set_level(logging.DEBUG, logger="deltafin.runtime.stage")
-    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(expert_cache_bytes=10**6, prefetch=False))
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=10**6)))
     try:
         (plan,) = [r.getMessage() for r in caplog.records if "plan:" in r.getMessage()]
         assert f"forwards of up to {stage.sizing.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan

@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltafin.plan.sizing import PIECE_TOKENS
+from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput, StageOptions
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_options import StageOptions
 
 PROMPT = PIECE_TOKENS + 188  # two attention pieces in one forward, two forwards of at most 512
 
@@ -39,7 +41,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("model", ["tiny_dir", "small_dir"])
 def test_one_forward_equals_chunks_of_512_and_token_by_token(model, request):
     model_dir = request.getfixturevalue(model)
-    pipe = LocalPipeline.load(model_dir, 2, device="cpu", options=StageOptions(max_forward_tokens=PROMPT))
+    pipe = LocalPipeline.load(model_dir, 2, device="cpu", options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT)))
     try:
         ids = _prompt(pipe.stages[0].cfg.vocab_size)
         whole = _last_logits(pipe, "whole", ids, PROMPT)
@@ -53,7 +55,7 @@ def test_one_forward_equals_chunks_of_512_and_token_by_token(model, request):
 
 def test_a_decode_step_riding_a_long_forward_gets_its_own_logits(tiny_dir):
     """Rows of two sequences in one forward longer than a piece: each gets what it gets alone."""
-    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(max_forward_tokens=PROMPT + 1))
+    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT + 1)))
     try:
         ids = _prompt(pipe.stages[0].cfg.vocab_size)
         pipe.forward([SeqInput("stream", 0, ids=ids[:40])])
@@ -95,7 +97,7 @@ def test_pieces_cover_every_row_once_in_order_within_the_piece_size():
 def test_several_prompts_in_one_forward_get_their_own_logits(tiny_dir):
     """Prompts of 600, 300 and 300 tokens in one forward (1,200 rows: pieces of at most 512 mixing sequences) give
     each prompt's logits alone."""
-    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(max_forward_tokens=1200))
+    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(prefill_chunk=1200)))
     try:
         ids = _prompt(pipe.stages[0].cfg.vocab_size)
         prompts = {"a": ids[:600], "b": ids[100:400], "c": ids[350:650]}

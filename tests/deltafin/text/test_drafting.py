@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, SessionOutOfSync
+from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from tests.support.cluster import COORDINATOR
@@ -168,11 +169,13 @@ async def _tokens(engine, prompt: list[int], n: int, **kw) -> tuple[list[int], o
 def _engine(tiny_dir: Path, stages: int = 2, **kw):
     from deltafin.checkpoint.config import load_config
     from deltafin.coordinator.cluster.backend import LocalBackend
-    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.engine import Engine, ServingOptions
     from deltafin.text.tokenizer import K3Tokenizer
 
     pipe = LocalPipeline.load(tiny_dir, stages, "cpu", "fp32")
-    return Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny", **kw), pipe
+    prefix_cache = kw.pop("prefix_cache", False)
+    return Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny", ServingOptions(**kw),
+                  prefix_cache=prefix_cache), pipe
 
 
 class Scripted:
@@ -361,13 +364,13 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     from deltafin.checkpoint.config import load_config
     from deltafin.checkpoint.shards import open_checkpoint
     from deltafin.plan.sizing import SPECULATIVE_TOKENS, kda_trail_bytes
-    from deltafin.runtime.stage import Stage, StageOptions, plan_stage
+    from deltafin.runtime.stage import Stage, plan_stage
+    from deltafin.runtime.stage_options import StageOptions
 
     cfg = load_config(tiny_dir)
     context, sequences = 256, 2  # one MLA block: the caches are whole at the planned length
-    plain = StageOptions(memory_bytes=4 << 30, sequences=sequences, context=context)
-    drafting = StageOptions(memory_bytes=4 << 30, sequences=sequences, context=context,
-                            speculative_tokens=SPECULATIVE_TOKENS)
+    plain = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context))
+    drafting = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context, speculative_tokens=SPECULATIVE_TOKENS))
     stage = Stage(open_checkpoint(tiny_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=drafting)
     try:
         n_kda = sum(kind.name == "KDA" for kind in cfg.layer_kinds)
@@ -386,9 +389,9 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
 
 def test_verify_bench_reports_a_pass_per_draft_count(small_dir: Path) -> None:
     from deltafin.cli import bench
-    from deltafin.runtime.stage import StageOptions
+    from deltafin.runtime.stage_options import StageOptions
 
-    result = bench.bench_verify(small_dir, [1, 8], device="cpu", options=StageOptions(expert_cache_bytes=10 ** 7))
+    result = bench.bench_verify(small_dir, [1, 8], device="cpu", options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10 ** 7)))
     passes = result["passes"]
     assert list(passes) == ["0", "1", "8"] and [p["tokens"] for p in passes.values()] == [1, 2, 9]
     assert 0 < passes["0"]["expert_gb"] < passes["8"]["expert_gb"]  # more tokens route to more experts

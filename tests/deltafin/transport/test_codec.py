@@ -11,7 +11,9 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.runtime.stage import SeqInput, SeqOutput, StageOptions
+from deltafin.plan.sizing import SizingOptions
+from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -61,18 +63,18 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
     from deltafin.runtime.pipeline import LocalPipeline
 
-    defaults = StageOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3)
+    defaults = StageOptions(sizing=SizingOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3))
     sent = {"dtype": "bf16", "memory_bytes": 7 << 30, "expert_cache_bytes": None, "session_bytes": 123,
             "prefetch": False, "max_resident_layers": None}
     got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
                                                                 .SerializeToString()), defaults)
-    assert (got.dtype, got.memory_bytes, got.expert_cache_bytes, got.session_bytes, got.prefetch) == (
+    assert (got.dtype, got.memory_bytes, got.sizing.expert_cache_bytes, got.sizing.session_bytes, got.prefetch) == (
         torch.bfloat16, 7 << 30, None, 123, False)
-    assert got.max_resident_layers is None and got.read_threads == 4  # unset: the worker's own
+    assert got.sizing.max_resident_layers is None and got.sizing.read_threads == 4  # unset: the worker's own
     for bad in ({"warp_drive": 1}, {"read_threads": "many"}):
         with pytest.raises(CodecError):
             codec.encode_stage_options(bad)
-    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(expert_cache_bytes=200_000))
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(sizing=SizingOptions(expert_cache_bytes=200_000)))
     try:
         from deltafin.runtime.stage import SeqInput
 

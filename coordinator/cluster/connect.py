@@ -1,0 +1,125 @@
+"""Where the model runs, as one typed value (ClusterOptions), and what it opens: in-process stages
+(single-machine mode) or the workers, planned and assigned, behind one Backend.
+
+The command line builds ClusterOptions from its flags (deltafin/cli/flags.py), the Python API from keywords;
+both build the stages' StageOptions beside it, and `open_backend` takes the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import scan_checkpoint
+from deltafin.coordinator.cluster.backend import Backend, LocalBackend, Timeouts
+from deltafin.coordinator.cluster.recovery import RecoveryOptions, connect_cluster
+from deltafin.coordinator.cluster.workers import ClusterSpec
+from deltafin.devices import resolve_device
+from deltafin.errors import DeltafinError
+from deltafin.kernels.linear import select_kernels
+from deltafin.options import check_choice, from_values
+from deltafin.plan.planner import EXPERT_MODES
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage_options import StageOptions, with_memory_found
+from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
+from deltafin.weights.reader import layer_spans
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """Where the stages run (workers found or named, or this process) and how the coordinator reaches them."""
+
+    model: str
+    worker: tuple[str, ...] = ()  # HOST:PORT, beside the discovered ones unless `discover` is off
+    discover: bool = True
+    discover_timeout: float = 3.0
+    expect: int | None = None  # stop browsing once this many workers answered
+    interface: tuple[str, ...] | None = None  # browse only on these interface addresses
+    local: bool = False  # single-machine mode: the stages run in this process
+    local_stages: int = 1
+    device: str = "auto"  # --local: the stages' device
+    experts: str = "auto"  # wide | local | auto: wide with more than one worker
+    cluster_key: str | None = None
+    cluster_key_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    worker_timeout: float = 10.0
+    forward_timeout: float = 600.0
+    recovery: bool = True
+    replay_journal_tokens: int = 1 << 22
+    rejoin_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        check_choice("experts", self.experts, EXPERT_MODES)
+        if self.worker_timeout <= 0 or self.forward_timeout <= 0:
+            raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> ClusterOptions:
+        """From values named as the flags are (`worker`, `local`, `worker_timeout`, ...)."""
+        values = dict(values)
+        for name in ("worker", "interface"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        return from_values(cls, values)
+
+    @property
+    def tls(self) -> ClientTls | None:
+        if not (self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name):
+            return None
+        tls = ClientTls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+        tls.credentials()  # unreadable files fail here, with their names
+        return tls
+
+
+async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig,
+                       show_progress: bool = True) -> Backend:
+    """The backend the command runs on: in-process stages with `cluster.local`, else the workers."""
+    if cluster.local:
+        select_kernels(stage.kernels)  # this process's kernels, before its stages load
+        options = with_memory_found(stage, resolve_device(cluster.device))
+        pipe = await asyncio.to_thread(LocalPipeline.load, cluster.model, cluster.local_stages, cluster.device,
+                                       options.dtype_name, "hf", options, show_progress, cfg)
+        return LocalBackend(pipe)
+    backend, plan = await connect_cluster(cluster_spec(cluster, stage, cfg), show_progress=show_progress,
+                                          recovery=RecoveryOptions(enabled=cluster.recovery,
+                                                                   rejoin_interval=cluster.rejoin_interval,
+                                                                   journal_tokens=cluster.replay_journal_tokens))
+    if show_progress:
+        print(plan.table(), file=sys.stderr)
+    else:
+        log.info("the plan:\n%s", plan.table())
+    return backend
+
+
+def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> ClusterSpec:
+    """How to find the workers and what to ask of them: the stage options every assignment carries (the plan
+    adds each stage's budgets) and the sizing the planner plans each stage by."""
+    if stage.expert_dir:
+        raise DeltafinError("--expert-dir is a disk of this machine: give it to each deltafin-worker (or use --local)")
+    security = ClusterSecurity(load_key(cluster.cluster_key, cluster.cluster_key_file), cluster.tls)
+    timeouts = Timeouts(forward=cluster.forward_timeout, lost_after=cluster.worker_timeout,
+                        probe_interval=min(2.0, cluster.worker_timeout / 3))
+    sizing = stage.sizing_for(layer_spans(scan_checkpoint(cluster.model, cfg)))
+    sent = {"dtype": stage.dtype_name, "io": stage.io, "read_threads": stage.sizing.read_threads,
+            "cache_policy": stage.cache_policy, "prefetch": stage.prefetch}
+    return ClusterSpec(Path(cluster.model), addresses=list(cluster.worker), discover=cluster.discover,
+                       discover_timeout=cluster.discover_timeout, expect=cluster.expect,
+                       interfaces=None if cluster.interface is None else list(cluster.interface),
+                       options=sent, sizing=sizing, act_bytes=2 if stage.dtype_name == "bf16" else 4,
+                       memory_cap=stage.memory_bytes, timeouts=timeouts, security=security,
+                       experts=cluster.experts)
+

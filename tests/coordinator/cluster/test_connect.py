@@ -1,0 +1,44 @@
+"""What the coordinator opens from its typed options: --speculative plans every sequence room for a verification,
+on workers (the planner's sizing) and in process (--local)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deltafin.checkpoint.config import load_config
+from deltafin.cli.flags import cluster_from_args, serving_from_args, stage_from_args
+from deltafin.coordinator.cluster.connect import cluster_spec
+from deltafin.coordinator.engine.engine import open_engine, planned_stage
+from deltafin.coordinator.main import build_parser
+from deltafin.plan.sizing import SPECULATIVE_TOKENS
+
+
+def _args(model: Path, *extra: str):
+    return build_parser().parse_args(["--model", str(model), "--memory-gb", "2", "generate", "hi", *extra])
+
+
+def _spec(args):
+    stage = planned_stage(stage_from_args(args), serving_from_args(args))
+    return cluster_spec(cluster_from_args(args), stage, load_config(args.model))
+
+
+def test_speculative_decoding_is_planned_for_on_workers_and_in_process(tiny_dir: Path) -> None:
+    assert _spec(_args(tiny_dir, "--speculative", "ngram")).sizing.speculative_tokens == SPECULATIVE_TOKENS
+    assert _spec(_args(tiny_dir)).sizing.speculative_tokens == 0
+    assert _spec(build_parser().parse_args(["--model", str(tiny_dir), "plan", "--speculative", "ngram"])
+                 ).sizing.speculative_tokens == SPECULATIVE_TOKENS
+
+
+async def test_local_stages_get_the_speculative_reservation(tiny_dir: Path) -> None:
+    sessions = {}
+    for mode in ("none", "ngram"):
+        args = _args(tiny_dir, "--local", "--speculative", mode)
+        engine = await open_engine(cluster_from_args(args), stage_from_args(args), serving_from_args(args),
+                                   show_progress=False)
+        try:
+            (stage,) = engine.backend.pipeline.stages
+            assert stage.options.sizing.speculative_tokens == (SPECULATIVE_TOKENS if mode == "ngram" else 0)
+            sessions[mode] = stage.sizing.sessions
+        finally:
+            await engine.close()
+    assert sessions["ngram"] > sessions["none"]

@@ -1,0 +1,138 @@
+"""What a worker was assigned (an Assigned: a Stage, and with wide experts its share of every MoE layer's experts:
+deltafin/runtime/assigned.py), the one thread that owns it, and the transaction that replaces it.
+
+An Assign is checked first (`check_assignment`: the same checkpoint, and layers and experts on this worker's
+disks), then loaded on the stage's thread while its progress streams back (`AssignmentSlot.replace`). One
+assignment loads at a time, handed what was held before; one whose caller goes away (cancelled, deadline) is
+closed once its load ends, before the next one loads, so that two are never in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import Checkpoint
+from deltafin.devices import exact_fp32
+from deltafin.errors import FingerprintMismatch, NotAssigned
+from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.runtime.assigned import Assigned, assign
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.transport import codec
+from deltafin.transport.codec import WorkerDescription
+from deltafin.transport.generated import deltafin_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg: ModelConfig,
+                     defaults: StageOptions) -> tuple[StageOptions, ExpertPlan | None]:
+    """The options and expert plan of an assignment this worker can take (same checkpoint, layers and experts
+    on its disks)."""
+    if request.model_fingerprint != description.model_fingerprint:
+        raise FingerprintMismatch(
+            f"this worker holds checkpoint {description.model_fingerprint}, the coordinator "
+            f"{request.model_fingerprint}: both must use the same model files")
+    options = codec.decode_stage_options(request.options, defaults)
+    plan = codec.decode_expert_plan(request.experts, cfg.num_experts) if request.HasField("experts") else None
+    if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
+        raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "
+                          "wide plan takes no layers")
+    if not description.has_layers(request.start, request.end):
+        raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
+                          f"(it has {description.layers})")
+    if plan is not None:
+        index = plan.placement.index(description.key)
+        held = {i for a, b in description.expert_ranges for i in range(a, b)}
+        missing = [layer for layer in (plan.placement.layers_of(index) if index is not None else ())
+                   if layer not in held]
+        if missing:
+            raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
+                              f"disks (it has {description.expert_ranges})")
+    return options, plan
+
+
+class AssignmentSlot:
+    """What this worker holds and its state (idle, loading, ready, failed); `worker_key` says, when a load starts,
+    which holder of a wide plan this worker is."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, worker_key: Callable[[], str]) -> None:
+        self.ckpt, self.device, self.worker_key = ckpt, device, worker_key
+        self.assigned: Assigned | None = None
+        self.state = "idle"
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-stage")  # the stage's one owner
+        self._lock = asyncio.Lock()
+        self._orphan: asyncio.Future[None] | None = None  # closing what a cancelled Assign was loading
+
+    @property
+    def stage(self) -> Stage | None:
+        return self.assigned.stage if self.assigned is not None else None
+
+    async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def replace(self, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
+                      peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
+        """Load layers [start, end) (and the experts `plan` gives this worker) in place of what is held, yielding
+        the load's progress (message, fraction); raises what the load raised, in state "failed"."""
+        async with self._lock:
+            queue: asyncio.Queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def progress(message: str, fraction: float) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (message, fraction))
+
+            if self._orphan is not None:  # a cancelled load is closed before another one starts
+                await self._orphan
+            old, self.assigned, self.state = self.assigned, None, "loading"
+            task = asyncio.ensure_future(self.on_stage_thread(self.load, old, start, end, options, plan, peers,
+                                                              progress))
+            try:
+                while not task.done():
+                    try:
+                        message, fraction = await asyncio.wait_for(queue.get(), timeout=0.5)
+                        yield message, fraction
+                    except asyncio.TimeoutError:
+                        continue
+            except BaseException:  # the coordinator went away (cancelled, deadline): close what it was loading
+                self.state = "idle"
+                self._orphan = asyncio.ensure_future(self._close_when_loaded(task))
+                raise
+            try:
+                self.assigned = task.result()
+            except Exception:
+                self.state = "failed"
+                raise
+            self.state = "ready"
+
+    async def _close_when_loaded(self, task: asyncio.Future[Assigned]) -> None:
+        try:
+            loaded = await task
+        except Exception as e:
+            log.info("a cancelled assignment's load failed: %s", e)
+            return
+        await self.on_stage_thread(loaded.close)
+        log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
+                 loaded.end)
+
+    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
+             peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
+        """On the stage's thread: the new assignment, reusing what `old` holds."""
+        if options.dtype == torch.float32:
+            exact_fp32()
+        log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
+                 f", wide experts over {len(plan.holders)} holders" if plan is not None else "")
+        return assign(self.ckpt, start, end, self.device, options, plan, self.worker_key(), peers, old, progress)
+
+    def close(self) -> None:
+        """Close what is held, on the stage's thread, and end that thread."""
+        if self.assigned is not None:
+            self.executor.submit(self.assigned.close).result()
+        self.executor.shutdown(wait=True)
