@@ -27,8 +27,11 @@ from deltafin.errors import DeltafinError
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
 if TYPE_CHECKING:  # the model stack loads only when a chat starts, not for --help
-    from deltafin.coordinator.engine.chat_session import ChatSession, Reply
-    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.chat_session import (  # torch: loaded when the command runs
+        ChatSession,
+        Reply,
+    )
+    from deltafin.coordinator.engine.engine import Engine  # torch: loaded when the command runs
 
 
 HELP = """commands:
@@ -66,8 +69,10 @@ class _Lines:
 
 
 async def run_chat(args: argparse.Namespace) -> int:
-    from deltafin.coordinator.engine.chat_session import ChatSession
-    from deltafin.coordinator.engine.engine import open_engine
+    from deltafin.coordinator.engine.chat_session import (
+        ChatSession,  # torch: loaded when the command runs
+    )
+    from deltafin.coordinator.engine.engine import open_engine  # torch: loaded when the command runs
 
     sampling = sampling_from_args(args)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -118,7 +123,10 @@ async def run_chat(args: argparse.Namespace) -> int:
 
 async def _show_end(reply: Reply, engine: Engine) -> None:
     """After a reply: its tool calls, and the stats line."""
-    from deltafin.coordinator.engine.report import format_summary, run_summary
+    from deltafin.coordinator.engine.report import (  # torch: loaded when the command runs
+        format_summary,
+        run_summary,
+    )
 
     print()
     for call in reply.tool_calls:

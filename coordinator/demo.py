@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from deltafin import paths
+from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
+from deltafin.mini.synth import synthesize
+from deltafin.text.chat import ChatOptions, OutputParser, encode
+from deltafin.text.tokenizer import K3Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,6 @@ def cache_dir(explicit: str | None = None) -> Path:
 def ensure_checkpoint(preset: str, seed: int, root: Path) -> Path:
     """The cached synthetic checkpoint, written on first use (into a temporary directory, then renamed,
     so an interrupted write never leaves a half checkpoint behind)."""
-    from deltafin.mini.synth import synthesize
-
     target = root / f"synthetic-k3-{preset}-seed{seed}"
     if (target / COMPLETE).is_file():
         print(f"using the cached checkpoint {target}", file=sys.stderr)
@@ -115,10 +117,11 @@ class LocalWorker:
 
 async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
     """One chat reply, streamed to stdout, and its stats line on stderr."""
-    from deltafin.coordinator.engine.report import format_summary, run_summary
-    from deltafin.coordinator.engine.token_loop import Finished
-    from deltafin.text.chat import ChatOptions, OutputParser, encode
-
+    from deltafin.coordinator.engine.report import (  # torch: loaded when the command runs
+        format_summary,
+        run_summary,
+    )
+    from deltafin.coordinator.engine.token_loop import Finished  # torch: loaded when the command runs
     ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions())
     print(f"user: {prompt}\nassistant (thinking): ", end="", flush=True)
     finished, answering = None, False
@@ -135,12 +138,11 @@ async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    from deltafin.checkpoint.config import load_config
-    from deltafin.coordinator.cluster.recovery import connect_cluster
-    from deltafin.coordinator.cluster.workers import ClusterSpec
-    from deltafin.coordinator.engine.engine import Engine
-    from deltafin.text.tokenizer import K3Tokenizer
-
+    from deltafin.coordinator.cluster.recovery import (
+        connect_cluster,  # torch: loaded when the command runs
+    )
+    from deltafin.coordinator.cluster.workers import ClusterSpec  # torch: loaded when the command runs
+    from deltafin.coordinator.engine.engine import Engine  # torch: loaded when the command runs
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
     trained = args.preset == TRAINED

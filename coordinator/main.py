@@ -35,9 +35,14 @@ from deltafin.cli.flags import (
     stage_from_args,
 )
 from deltafin.coordinator.cluster.connect import ClusterOptions, cluster_spec
+from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
 from deltafin.coordinator.engine.engine import Engine, ServingOptions, open_engine, planned_stage
-from deltafin.coordinator.engine.report import format_summary, run_summary
+from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
+from deltafin.coordinator.engine.token_loop import Finished, PlainText
+from deltafin.coordinator.http import server
+from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
+from deltafin.plan.expert_placement import split
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.transport.ports import cannot_listen, check_free
@@ -126,8 +131,6 @@ async def _open(args: argparse.Namespace, serving: ServingOptions | None = None)
 
 
 async def cmd_plan(args: argparse.Namespace) -> int:
-    from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
-
     cluster, stage, serving = _options(args)
     cfg = load_config(cluster.model)
     spec = cluster_spec(cluster, planned_stage(stage, serving), cfg)
@@ -144,8 +147,6 @@ async def cmd_plan(args: argparse.Namespace) -> int:
 def download_commands(plan: Plan) -> list[str]:
     """What each worker of `plan` needs on its disk, as `deltafin download` commands: its stage's layers; with wide
     experts every layer (each worker computes its share of every MoE layer) and its share of the experts."""
-    from deltafin.plan.expert_placement import split
-
     lines = ["put the model on each worker (SOURCE: hf:ORG/NAME or a directory; DIR: the worker's --model):"]
     placement = plan.experts
     for s in plan.workers:
@@ -163,9 +164,6 @@ def download_commands(plan: Plan) -> list[str]:
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from deltafin.coordinator.engine.report import PrefillReporter
-    from deltafin.coordinator.engine.token_loop import Finished, PlainText
-
     params = sampling_from_args(args)  # bad values fail before anything loads
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
@@ -204,8 +202,6 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
-    from deltafin.coordinator.http import server
-
     cluster, stage, serving = _options(args)
     api_key = _api_key(args)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -234,8 +230,6 @@ async def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
-    from deltafin.coordinator.serve_bench import bench_serving
-
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:

@@ -13,11 +13,20 @@ many of a token's experts the token before it used in the same layer (README, "k
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
+
+import deltafin
+from deltafin.checkpoint.config import load_config
+from deltafin.errors import DeltafinError
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.text.drafting import NgramDrafter
+from deltafin.weights.expert_cache import POLICIES, simulate
+from deltafin.weights.expert_trace import ExpertRecorder
 
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "chat": ("What does `json.dumps` do?", "What is the `textwrap` module for?", "Explain `os.path.join`.",
@@ -37,9 +46,6 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
                    cache_share: float = 0.25, options: Any = None) -> dict[str, Any]:
     """JSON-ready results per workload (see the module docstring). `options` (StageOptions) size the replay's
     stage; its expert cache is `cache_share` of all experts unless the options set one."""
-    import deltafin
-    from deltafin.errors import DeltafinError
-
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise DeltafinError(f"unknown workload {unknown[0]!r}: use {', '.join(WORKLOADS)}")
@@ -82,8 +88,6 @@ def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS)
     """The n-gram drafter on greedy answers, at every decode position, k drafts each time: how often it has a
     guess, and how many of its k a greedy verification would take (its first; on average). Independent of the
     engine's choice of k (which falls to 0 when drafts stop paying)."""
-    from deltafin.text.drafting import NgramDrafter
-
     drafter = NgramDrafter()
     positions = proposed = first = taken = 0
     for prompt, answer in sequences:
@@ -104,17 +108,11 @@ def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS)
 def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], list[int]]], cache_share: float,
             options: Any) -> dict[str, Any]:
     """Feed each answer back one token at a time through a streaming stage; the routing trace it records."""
-    from deltafin.checkpoint.config import load_config
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
-    from deltafin.runtime.stage_options import StageOptions
-    from deltafin.weights.expert_trace import ExpertRecorder
-
     cfg = load_config(model)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
     options = options or StageOptions()
     if options.sizing.expert_cache_bytes is None:
-        options = dataclasses.replace(options, expert_cache_bytes=int(cache_share * all_experts)
+        options = options.replace(expert_cache_bytes=int(cache_share * all_experts)
                                       * cfg.bytes_per_expert)
     pipe = LocalPipeline.load(model, 1, device=device, options=options)
     stage = pipe.stages[0]
@@ -139,8 +137,6 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
 
 def _routing(cfg: Any, trace: list[tuple[int, list[int]]], all_experts: int) -> dict[str, Any]:
     """Policy hit rates at CACHE_SHARES of all experts, and how much consecutive tokens share experts."""
-    from deltafin.weights.expert_cache import POLICIES, simulate
-
     steps = [[(layer, e) for e in ids] for layer, ids in trace]
     rates = {f"{share:g}": {p: round(simulate(p, max(1, int(share * all_experts)), steps), 4) for p in POLICIES}
              for share in CACHE_SHARES}

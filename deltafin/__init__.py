@@ -14,7 +14,7 @@ __all__ = ["ChatReply", "Completion", "KimiK3Engine", "Model", "Piece", "connect
 
 def __getattr__(name: str) -> Any:  # lazily: `import deltafin.checkpoint.config` need not load the engine
     if name in __all__:
-        from deltafin import api
+        from deltafin import api  # the engine (torch, grpc) loads on first use, not on `import deltafin`
 
         return getattr(api, name)
     raise AttributeError(f"module 'deltafin' has no attribute {name!r}")

@@ -19,6 +19,16 @@ from deltafin.errors import DeltafinError
 GB = 1e9
 T = TypeVar("T")
 
+# the values of the knobs that take one of a few (the flags' choices, the typed options' checks)
+SPINES = ("auto", "bf16", "int8")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("fp32", "bf16")
+IO_MODES = ("direct", "buffered")
+CACHE_POLICIES = ("lru", "lfu", "pinned")
+KERNELS = ("auto", "reference", "native", "mlx")
+EXPERT_MODES = ("auto", "wide", "local")
+PREFILL_BATCHES = ("ride", "separate")
+
 
 def flag(name: str) -> str:
     """An option's name as its flag: `expert_cache_gb` -> `--expert-cache-gb`."""

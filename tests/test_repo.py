@@ -34,8 +34,9 @@ def _defaults() -> list[str]:
     from deltafin.models.cache import MLA_BLOCK_TOKENS
     from deltafin.models.decoder import PIECE_TOKENS
     from deltafin.models.mla import MLA_BLOCK_BYTES
+    from deltafin.plan.forward_workspace import FORWARD_SHARE
     from deltafin.plan.memory import MARGIN
-    from deltafin.plan.sizing import FORWARD_SHARE, RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
+    from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -90,13 +91,13 @@ def test_the_readmes_defaults_are_the_codes(figure: str) -> None:
 
 def _k3_figures(tmp: Path) -> list[str]:
     from deltafin.checkpoint.config import LayerKind, load_config
+    from deltafin.plan.layer_table import layer_table
     from deltafin.plan.sizing import (
         SPECULATIVE_TOKENS,
         Placement,
         boundary_bytes_per_token,
         kda_state_bytes,
         kda_trail_bytes,
-        layer_table,
         mla_row_bytes,
     )
 

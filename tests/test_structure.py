@@ -1,27 +1,43 @@
-"""The package's structure, as DESIGN.md draws it, checked by walking every module's imports (function-level
-ones too): the dependency direction, no entry point imported by the library, no private name used across
-modules, no import cycles."""
+"""The package's structure, as the README's architecture section draws it, checked by walking every module's
+imports (function-level ones too): each folder imports only the folders its rule allows (and its `__init__` says
+so), the library below the entry points imports no entry point and no argparse, no class or module outgrows its
+job, imports sit at the top unless a comment says why not, no two modules share a name, no private name is used
+across modules, no import cycles."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"deltafin": ROOT / "deltafin", "deltafin.coordinator": ROOT / "coordinator",
             "deltafin.worker": ROOT / "worker"}
-ENTRY_POINTS = {"deltafin.cli.commands", "deltafin.__main__", "deltafin.coordinator.main", "deltafin.worker.main"}
-# layer -> what it may not import (DESIGN.md: models -> weights -> stage -> transport -> worker / coordinator)
-FORBIDDEN = {
-    "deltafin.models": ("deltafin.weights", "deltafin.runtime.stage", "deltafin.runtime.pipeline", "deltafin.transport",
-                        "deltafin.coordinator", "deltafin.worker"),
-    "deltafin.weights": ("deltafin.runtime.stage", "deltafin.runtime.pipeline", "deltafin.transport", "deltafin.coordinator",
-                         "deltafin.worker"),
-    "deltafin.runtime.stage": ("deltafin.transport", "deltafin.coordinator", "deltafin.worker"),
-    "deltafin.transport": ("deltafin.coordinator", "deltafin.worker"),
-    "deltafin.worker": ("deltafin.coordinator",),
-    "deltafin.coordinator": ("deltafin.worker",),
+# the entry points: the `deltafin` commands, the Python API facade, and each process's commands
+ENTRY_FOLDERS = ("deltafin.cli",)
+ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api", "deltafin.worker.main"}
+BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options
+# folder -> the folders its modules may import (besides its own); the README's architecture section says the same
+LOW = {BASICS, "checkpoint"}
+LIBRARY = LOW | {"text", "kernels", "models", "plan", "weights", "runtime", "transport"}
+MAY_IMPORT = {
+    BASICS: set(),
+    "checkpoint": {BASICS},
+    "text": LOW,
+    "kernels": LOW,
+    "models": LOW | {"kernels"},
+    "plan": LOW | {"kernels", "models"},
+    "weights": LOW | {"kernels", "models", "plan"},
+    "runtime": LOW | {"text", "kernels", "models", "plan", "weights"},
+    "transport": LOW | {"kernels", "models", "plan", "weights", "runtime"},
+    "download": LOW | {"plan"},
+    "mini": LIBRARY - {"transport"},
+    "coordinator.cluster": LIBRARY,
+    "coordinator.engine": LIBRARY | {"coordinator.cluster"},
+    "coordinator.http": LIBRARY | {"coordinator.engine"},
+    "worker": LIBRARY,
 }
+MAX_CLASS_LINES, MAX_MODULE_LINES = 250, 500
 
 
 def _modules() -> dict[str, Path]:
@@ -38,6 +54,25 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+
+def is_entry_point(module: str) -> bool:
+    """The entry points: deltafin/cli/, deltafin/__main__.py, deltafin/api.py, and the coordinator's and the
+    worker's process modules (coordinator/*.py, worker/main.py)."""
+    parts = module.split(".")
+    return (module in ENTRY_MODULES or module.startswith(tuple(f + "." for f in ENTRY_FOLDERS))
+            or module in ENTRY_FOLDERS or (parts[:2] == ["deltafin", "coordinator"] and len(parts) <= 3
+                                           and MODULES[module].parent == PACKAGES["deltafin.coordinator"]))
+
+
+def folder(module: str) -> str:
+    """The layer a library module belongs to: its folder (coordinator's and worker's as coordinator.X, worker)."""
+    parts = module.split(".")
+    if parts[1] == "coordinator":
+        return "coordinator." + parts[2]
+    if parts[1] == "worker":
+        return "worker"
+    return parts[1] if MODULES[module].parent != PACKAGES["deltafin"] else BASICS
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
@@ -58,16 +93,93 @@ def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
     return out
 
 
-def test_layers_import_only_leftwards_and_the_library_no_entry_point() -> None:
+def test_each_folder_imports_only_what_its_rule_allows_and_no_entry_point() -> None:
     bad = []
     for name, path in MODULES.items():
+        if is_entry_point(name):
+            continue
+        layer = folder(name)
         for target, _, line in _imports(name, path):
-            if target in ENTRY_POINTS and name not in ENTRY_POINTS:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports the entry point {target}")
-            for layer, forbidden in FORBIDDEN.items():
-                if (name == layer or name.startswith(layer + ".")) and target.startswith(forbidden):
-                    bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {target}")
+            if target not in MODULES:
+                target = target.rpartition(".")[0] if target.rpartition(".")[0] in MODULES else target
+            if target not in MODULES or target == name:
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if is_entry_point(target):
+                bad.append(f"{where} imports the entry point {target}")
+            elif folder(target) != layer and folder(target) not in MAY_IMPORT[layer]:
+                bad.append(f"{where} ({layer}) imports {target} ({folder(target)})")
     assert not bad, "\n".join(bad)
+
+
+def test_each_folder_says_what_it_holds_and_may_import() -> None:
+    """Every folder's __init__ has a docstring; a library folder's ends with its rule, in MAY_IMPORT's words."""
+    bad = []
+    for name, path in MODULES.items():
+        if path.name != "__init__.py" or name == "deltafin":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if not doc:
+            bad.append(f"{path.relative_to(ROOT)} has no docstring")
+        if is_entry_point(name) or name in ("deltafin.coordinator", "deltafin.transport.generated"):
+            continue
+        said = re.search(r"May import: (.+)\.\Z", doc.strip(), re.S)
+        allowed = {f.replace("basics", BASICS) for f in re.split(r",\s*|\s+and\s+", said.group(1))} if said else None
+        allowed = {a for a in allowed or () if a and a != "nothing"} if said else None
+        if allowed != MAY_IMPORT[folder(name)]:
+            bad.append(f"{path.relative_to(ROOT)}: says it may import {allowed}, the rule is "
+                       f"{sorted(MAY_IMPORT[folder(name)])}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_argparse_below_the_entry_points() -> None:
+    """Options travel as typed values below the entry points: no argparse, no Namespace parameter."""
+    bad = []
+    for name, path in MODULES.items():
+        if is_entry_point(name):
+            continue
+        text = path.read_text()
+        if re.search(r"^\s*(import argparse|from argparse import)", text, re.M) or "Namespace" in text:
+            bad.append(str(path.relative_to(ROOT)))
+    assert not bad, "argparse below the entry points:\n" + "\n".join(bad)
+
+
+def test_no_class_or_module_outgrows_its_job() -> None:
+    bad = []
+    for path in MODULES.values():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            bad.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}: "
+                           f"{node.end_lineno - node.lineno + 1} lines")
+    assert not bad, f"over {MAX_CLASS_LINES} lines a class or {MAX_MODULE_LINES} a module:\n" + "\n".join(bad)
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why() -> None:
+    """A function-level import is for what must load lazily (torch, MLX, grpc, a dev tool), and says so."""
+    bad = []
+    for path in MODULES.values():
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import | ast.ImportFrom) and \
+                        "#" not in "".join(lines[node.lineno - 1:node.end_lineno]):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    assert not bad, "function-level imports without a reason:\n" + "\n".join(bad)
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """Module names say what a module is wherever it is imported (a package's __init__, __main__ and a process's
+    main aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in MODULES.values():
+        if path.stem not in ("__init__", "__main__", "main"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}
 
 
 def test_no_private_name_crosses_a_module() -> None:
@@ -144,9 +256,10 @@ LONG_FUNCTIONS = {
     ("deltafin.cli.inspection", "format_report"): "the report's lines in the order they are printed",
     ("deltafin.weights.store", "__init__"): "the slot pools, cache and reader, wired in the order they depend on",
     ("deltafin.coordinator.chat_cli", "run_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
-    ("deltafin.coordinator.cluster.workers", "probe_workers"): "concurrent probes and every reason to leave a worker out",
-    ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients closed on "
-                                                     "failure: one transaction",
+    ("deltafin.coordinator.cluster.workers", "probe_workers"): "concurrent probes and every reason to leave a "
+                                                               "worker out",
+    ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients "
+                                                             "closed on failure: one transaction",
     ("deltafin.coordinator.main", "build_parser"): "the command line's table of commands and options",
 }
 

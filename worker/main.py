@@ -29,6 +29,9 @@ from deltafin.kernels.linear import select_kernels
 from deltafin.runtime.stage_options import with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
+from deltafin.transport.discovery import Announcer
+from deltafin.weights.diskspeed import measure_disk
+from deltafin.worker.service import WorkerService, create_server
 
 log = logging.getLogger("deltafin.worker")
 
@@ -104,8 +107,6 @@ def _security(args: argparse.Namespace) -> tuple[bytes | None, ServerTls | None,
 def _disk_speeds(args: argparse.Namespace, ckpts: list[Any]) -> tuple[float, ...]:
     """GB/s of each disk (--model first, then each --expert-dir): given, or measured with the expert reader."""
     if args.disk_gbps is None:
-        from deltafin.weights.diskspeed import measure_disk
-
         return tuple(measure_disk(c, args.read_threads, args.io) for c in ckpts)
     try:
         speeds = tuple(float(x) for x in args.disk_gbps.split(","))
@@ -146,9 +147,6 @@ def _checkpoints(args: argparse.Namespace) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from deltafin.transport.discovery import Announcer
-    from deltafin.worker.service import WorkerService, create_server
-
     key, tls, peer_security = _security(args)
     ckpts = _checkpoints(args)
     device = resolve_device(args.device)

@@ -23,8 +23,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.options import check_choice, from_values
-from deltafin.plan.planner import EXPERT_MODES
+from deltafin.options import DEVICES, EXPERT_MODES, check_choice, from_values
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
@@ -32,7 +31,6 @@ from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 @dataclass(frozen=True)

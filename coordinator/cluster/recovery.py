@@ -84,7 +84,7 @@ class ResilientCluster:
         self.recoveries: list[Recovery] = []
         self.lock = RWLock()  # forwards share it (batches pipeline through the stages); re-plans take it alone
         self.membership = Membership(self.current, self.journal, self.lock, self.options.rejoin_interval,
-                                     lambda cause, sessions: self.recover(cause, sessions))
+                                     lambda cause, sessions: self.recover(cause, sessions))  # looked up per call
 
     @property
     def backend(self) -> ClusterBackend:

@@ -21,8 +21,9 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import fingerprint
 from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
+from deltafin.options import EXPERT_MODES
 from deltafin.plan.expert_placement import ExpertPlan, Holder
-from deltafin.plan.planner import EXPERT_MODES, Plan, StagePlan, WorkerCapacity, plan_layers
+from deltafin.plan.planner import Plan, StagePlan, WorkerCapacity, plan_layers
 from deltafin.plan.sizing import SizingOptions
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget

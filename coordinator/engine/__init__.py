@@ -1,1 +1,5 @@
-"""deltafin.coordinator.engine.engine."""
+"""The serving engine: admission, batching and pipelining (scheduler.py), the token loop (token_loop.py), the
+prefix index, chat sessions and the reports of a run; what the HTTP API, the CLI and the Python API share.
+
+May import: basics, checkpoint, text, kernels, models, plan, weights, runtime, transport, coordinator.cluster.
+"""

@@ -28,7 +28,7 @@ from deltafin.coordinator.engine.token_loop import (
     generate,
 )
 from deltafin.errors import DeltafinError, PromptTooLong
-from deltafin.options import check_choice
+from deltafin.options import PREFILL_BATCHES, check_choice
 from deltafin.plan.planner import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -41,7 +41,6 @@ from deltafin.text.tokenizer import K3Tokenizer
 log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
-PREFILL_BATCHES = ("ride", "separate")
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deltafin.errors import NotHeld
+
 if TYPE_CHECKING:
     from deltafin.checkpoint.config import ModelConfig
 
@@ -122,8 +124,6 @@ def check_held(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, sh
     [start, end) outside the download's, or experts outside its share (`shares`: the experts of each MoE layer
     the plan gives this worker; None: every expert of its own layers). Missing experts read as zeros, so serving
     them would give wrong logits without an error."""
-    from deltafin.errors import NotHeld
-
     record = read_record(model_dir)
     if record is None:
         return

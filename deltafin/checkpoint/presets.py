@@ -1,11 +1,16 @@
 """The synthetic checkpoint presets, in the exact K3 layout: K3's full geometry (k3), its real widths for a
-few layers (k3-slice), or scaled down (tiny, small). Kept apart from synth.py so that listing them
-(`deltafin --help`) loads no tensor library."""
+few layers (k3-slice), or scaled down (tiny, small), and each preset's full `config.json` (`preset_config`).
+Kept apart from synth.py so that listing them (`deltafin --help`) or building a preset's config loads no tensor
+library."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
+
+from deltafin.checkpoint.config import MXFP4_GROUP
+from deltafin.errors import DeltafinError
 
 
 @dataclass(frozen=True)
@@ -70,3 +75,58 @@ K3_VISION: dict[str, Any] = {
     "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "qkv_hidden_size": 1536, "text_hidden_size": 7168,
     "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
 }
+
+# Where K3's vocabulary puts the specials a config.json names: after the BPE tokens, at these offsets. The same
+# numbers as text/vocab.py's N_SPECIAL and NAMED_SPECIALS (which checkpoint/ may not import);
+# tests/deltafin/checkpoint/test_presets.py checks that they agree.
+N_SPECIAL = 256
+CONFIG_SPECIALS = {"[BOS]": 0, "<|end_of_msg|>": 2, "<|kimi_image_placeholder|>": 21, "[PAD]": 255}
+
+
+def k3_layer_kinds(num_layers: int) -> list[str]:
+    """K3's pattern cut to `num_layers`: MLA at 0-based l % 4 == 3 and at the last layer."""
+    return ["mla" if (l % 4 == 3 or l == num_layers - 1) else "kda" for l in range(num_layers)]
+
+
+def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
+    """The full `config.json` (top-level kimi_k3 with text_config) of a preset."""
+    if name not in PRESETS:
+        raise DeltafinError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    n = preset.layers if layers is None else layers
+    if n < 2:
+        raise DeltafinError("--layers must be at least 2 (a dense layer 0 and at least one MoE layer)")
+    text = copy.deepcopy(K3_TEXT)
+    overrides = dict(preset.text)
+    linear = {**K3_LINEAR, **overrides.pop("linear", {})}
+    text.update(overrides)
+    kinds = k3_layer_kinds(n)
+    linear["full_attn_layers"] = [l + 1 for l, k in enumerate(kinds) if k == "mla"]
+    linear["kda_layers"] = [l + 1 for l, k in enumerate(kinds) if k == "kda"]
+    base = preset.vocab_size - N_SPECIAL
+    specials = {token: base + offset for token, offset in CONFIG_SPECIALS.items()}
+    text.update({"num_hidden_layers": n, "vocab_size": preset.vocab_size, "linear_attn_config": linear,
+                 "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
+                 "pad_token_id": specials["[PAD]"], "quantization_config": _quantization_config()})
+    raw = {
+        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+        "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
+        "pad_token_id": specials["[PAD]"], "media_placeholder_token_id": specials["<|kimi_image_placeholder|>"],
+        "tie_word_embeddings": False, "dtype": "bfloat16", "deltafin_synthetic": {"preset": name},
+        "text_config": text,
+    }
+    if preset.vision:
+        raw["vision_config"] = copy.deepcopy(K3_VISION)
+    return raw
+
+
+def _quantization_config() -> dict[str, Any]:
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+               "group_size": MXFP4_GROUP, "scale_dtype": "torch.uint8", "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                                          "weights": weights}},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                       "re:.*vision_tower.*", "re:.*mm_projector.*"]}

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from deltafin.checkpoint.config import parse_config
+from deltafin.checkpoint.presets import preset_config
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import expert_backend, fast_path, mxfp4_linear
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
 from deltafin.kernels.quant import MXFP4Weight
-from deltafin.mini.synth import preset_config
 from deltafin.models.common import activation
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights

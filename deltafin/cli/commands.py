@@ -12,20 +12,29 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from deltafin import __version__
+from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
 from deltafin.cli.flags import add_stage_options, stage_from_args
-from deltafin.devices import resolve_device
+from deltafin.coordinator import chat_cli, demo
+from deltafin.download.fetch import download
+from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
-from deltafin.kernels.linear import select_kernels
-from deltafin.runtime.stage_options import StageOptions, with_memory_found
+from deltafin.mini.synth import synthesize
+from deltafin.text.chat import ChatOptions, encode
+from deltafin.text.tokenizer import K3Tokenizer
+
+if TYPE_CHECKING:
+    from deltafin.runtime.stage_options import StageOptions
 
 log = logging.getLogger("deltafin")
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from deltafin.mini.synth import synthesize
-
     out = synthesize(args.preset, args.out, seed=args.seed, layers=args.layers, show_progress=not args.quiet,
                      sparse=args.sparse, order=args.order)
     print(out)
@@ -33,8 +42,11 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from deltafin.cli.inspection import format_report, inspect_model
-    from deltafin.plan.sizing import SizingOptions
+    from deltafin.cli.inspection import (  # torch: loaded when the command runs
+        format_report,
+        inspect_model,
+    )
+    from deltafin.plan.sizing import SizingOptions  # torch: loaded when the command runs
 
     memory = None if args.memory_gb is None else int(args.memory_gb * 1e9)
     report = inspect_model(args.model, memory, args.device, SizingOptions(spine=args.spine,
@@ -45,8 +57,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    from deltafin.checkpoint.presets import PRESETS
-
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the exact Kimi K3 layout",
                        description="Write a random-weight checkpoint in the exact Hugging Face Kimi K3 layout "
                        "(config.json, index, shards, MXFP4 experts, tokenizer files). Presets: tiny (a few MB, "
@@ -85,9 +95,6 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
-    from deltafin.download.fetch import download
-    from deltafin.download.sources import open_source
-
     summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
     return 0
@@ -115,9 +122,7 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_logits(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from deltafin.runtime.pipeline import compute_logits
+    from deltafin.runtime.pipeline import compute_logits  # torch: loaded when the command runs
 
     try:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
@@ -157,7 +162,8 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deltafin.cli import bench_kernels
+    from deltafin.cli import bench_kernels  # torch: loaded when the command runs
+    from deltafin.kernels.linear import select_kernels  # (the same)
 
     if args.disk:
         result = bench_kernels.bench_disk(args.disk, threads=args.read_threads, io=args.io)
@@ -174,7 +180,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_model(args: argparse.Namespace) -> dict:
     """`deltafin bench --model`: decode, or with --verify / --second-turn / --prefill, that benchmark."""
-    from deltafin.cli import bench
+    from deltafin.cli import bench  # torch: loaded when the command runs
 
     lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
     if lengths:  # the stage is sized for the longest prompt
@@ -182,7 +188,9 @@ def _bench_model(args: argparse.Namespace) -> dict:
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
     if args.workload:
-        from deltafin.coordinator.workload import bench_workload
+        from deltafin.coordinator.workload import (
+            bench_workload,  # torch: loaded when the command runs
+        )
 
         if not 0 < args.cache_share <= 1:
             raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
@@ -190,7 +198,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
                               device=args.device, cache_share=args.cache_share,
                               options=options if args.expert_cache_gb is not None else None)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
-        from deltafin.plan.sizing import SPECULATIVE_TOKENS
+        from deltafin.plan.sizing import SPECULATIVE_TOKENS  # torch: loaded when the command runs
 
         common["options"] = options.replace(speculative_tokens=SPECULATIVE_TOKENS)
         return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)
@@ -208,6 +216,10 @@ def _bench_model(args: argparse.Namespace) -> dict:
 
 def _stage_options(args: argparse.Namespace) -> StageOptions:
     """The flags' stage options within the memory this process finds (or --memory-gb), its kernels selected."""
+    from deltafin.devices import resolve_device  # torch: loaded when the command runs
+    from deltafin.kernels.linear import select_kernels  # (the same)
+    from deltafin.runtime.stage_options import with_memory_found  # (the same)
+
     options = stage_from_args(args)
     select_kernels(options.kernels)
     return with_memory_found(options, resolve_device(args.device))
@@ -264,14 +276,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
-    from deltafin.text.tokenizer import K3Tokenizer
-
     tok = K3Tokenizer.load(args.model)
     if not args.chat:
         print(json.dumps(tok.encode(args.text, allow_special=args.allow_special)))
         return 0
-    from deltafin.text.chat import ChatOptions, encode
-
     try:
         messages = json.loads(args.text)
     except ValueError as e:
@@ -285,8 +293,6 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def _cmd_detokenize(args: argparse.Namespace) -> int:
-    from deltafin.text.tokenizer import K3Tokenizer
-
     text = args.ids.strip()
     try:
         ids = json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",") if x.strip()]
@@ -319,8 +325,6 @@ def _add_tokenize(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
-    from deltafin.coordinator import chat_cli
-
     p = sub.add_parser("chat", help="an interactive chat in the terminal (cluster or --local)",
                        description="Chat with the model in K3's chat format: reasoning is shown dimmed, then the "
                        "answer. Type /help for commands; Ctrl-C stops a reply, Ctrl-D or /exit quits.")
@@ -329,8 +333,6 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from deltafin.coordinator import demo
-
     p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster",
                        description="Create (once, cached) a small synthetic K3 checkpoint with random weights, "
                        "start a deltafin-worker on 127.0.0.1, connect to it over gRPC as a one-worker cluster and "
@@ -344,8 +346,6 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltafin import __version__
-
     parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
     parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
     add_logging_options(parser, "--quiet-logs")  # `synth --quiet` is its progress bar's

@@ -12,17 +12,27 @@ spine if it fits, else row-int8 with the rest streamed.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deltafin.coordinator.cluster.connect import DEVICES, ClusterOptions
-from deltafin.coordinator.engine.engine import ServingOptions
-from deltafin.options import from_values
-from deltafin.plan.planner import EXPERT_MODES
-from deltafin.plan.sizing import SPINES
-from deltafin.runtime.stage_options import CACHE_POLICIES, DTYPES, IO_MODES, KERNELS, StageOptions, stage_options
+from deltafin.options import (
+    CACHE_POLICIES,
+    DEVICES,
+    DTYPES,
+    EXPERT_MODES,
+    IO_MODES,
+    KERNELS,
+    PREFILL_BATCHES,
+    SPINES,
+    from_values,
+)
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES
-from deltafin.text.sampling import SamplingParams
+
+if TYPE_CHECKING:  # these load torch: they are imported when a command builds them, not for --help
+    from deltafin.coordinator.cluster.connect import ClusterOptions
+    from deltafin.coordinator.engine.engine import ServingOptions
+    from deltafin.runtime.stage_options import StageOptions
+    from deltafin.text.sampling import SamplingParams
 
 
 def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
@@ -85,6 +95,8 @@ def _add_reading_options(g: Any) -> None:
 
 def stage_from_args(args: argparse.Namespace) -> StageOptions:
     """The stage options the flags say (no memory budget yet: runtime.stage_options.with_memory_found)."""
+    from deltafin.runtime.stage_options import stage_options  # torch: loaded when a command runs
+
     return stage_options(vars(args))
 
 
@@ -143,6 +155,8 @@ def _add_recovery_options(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterOptions:
+    from deltafin.coordinator.cluster.connect import ClusterOptions  # torch and grpc: loaded when a command runs
+
     return ClusterOptions.of(vars(args))
 
 
@@ -166,7 +180,7 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
                    help="batches in flight through the stages at once (default 0: one per stage that computes "
                    "beside the others, so every stage works; CPU workers on one host share its cores and count "
                    "once; 1: one batch of all active requests)")
-    p.add_argument("--prefill-batches", default="ride", choices=["ride", "separate"],
+    p.add_argument("--prefill-batches", default="ride", choices=PREFILL_BATCHES,
                    help="ride: running streams' decode steps go in the same batch as the next prompt chunk "
                    "(default; at K3's sizes a chunk reads nearly every expert, so the steps cost no reads); "
                    "separate: prompt chunks and decode steps take turns in batches of their own")
@@ -174,6 +188,8 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
 
 def serving_from_args(args: argparse.Namespace) -> ServingOptions:
     """The serving options the flags say (a command without the serving group serves with the defaults)."""
+    from deltafin.coordinator.engine.engine import ServingOptions  # torch and grpc: loaded when a command runs
+
     return from_values(ServingOptions, vars(args))
 
 
@@ -194,4 +210,6 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float, max_tok
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    from deltafin.text.sampling import SamplingParams  # torch: loaded when a command runs
+
     return from_values(SamplingParams, vars(args))

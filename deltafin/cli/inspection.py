@@ -10,7 +10,8 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import DownloadRecord, read_record
 from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose, layer_table
+from deltafin.plan.layer_table import layer_table
+from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
 from deltafin.weights.reader import layer_spans
 
 

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from fsspec.implementations.local import LocalFileSystem
+from huggingface_hub import HfFileSystem, constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
 from deltafin.errors import DeltafinError
 
 log = logging.getLogger(__name__)
@@ -168,9 +172,6 @@ class HubSource:
     def fetch_whole(self, file: SourceFile, out_dir: Path) -> bool:
         """`hf_hub_download` straight into `out_dir` (resumable there); offline (HF_HUB_OFFLINE=1), the copy in
         the Hub cache, linked when it is on the same disk, else copied."""
-        from huggingface_hub import constants, hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
-
         try:
             if not constants.HF_HUB_OFFLINE:
                 hf_hub_download(self.repo_id, file.path, revision=self.revision, local_dir=out_dir,
@@ -193,12 +194,8 @@ class HubSource:
 
 def _hub_filesystem(repo_id: str, revision: str | None, token: str | None, label: str) -> tuple[Any, str | None]:
     """HfFileSystem; offline (HF_HUB_OFFLINE=1), fsspec's local filesystem over the snapshot in the Hub cache."""
-    from huggingface_hub import HfFileSystem, constants, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     if not constants.HF_HUB_OFFLINE:
         return HfFileSystem(token=token), None
-    from fsspec.implementations.local import LocalFileSystem
 
     try:
         return LocalFileSystem(), snapshot_download(repo_id, revision=revision, local_files_only=True)

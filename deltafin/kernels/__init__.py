@@ -1,1 +1,5 @@
-"""Hot kernels: a plain-torch reference plus per-device fast paths behind one interface."""
+"""Hot kernels and weight formats: MXFP4 experts and row-int8 matrices (quant.py) with a plain-torch reference and
+per-device fast paths (cpu.c, Triton, MPS, MLX), each checked against the reference at first use.
+
+May import: basics, checkpoint.
+"""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
 from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.mlx_moe import mlx_available
 from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ def expert_backend(device: str) -> str:
     """Where a stage on `device` runs its routed experts: "mlx" or "torch" (the fast paths / reference)."""
     choice = selected_kernels()
     if choice == "mlx" or (choice == "auto" and device == "mps"):
-        from deltafin.kernels.mlx_moe import mlx_available
-
         if mlx_available():
             return "mlx"
         if choice == "mlx":
@@ -138,15 +137,22 @@ def _build_fast_path(device: str) -> Any:
         return None
     try:
         if device == "cpu":
-            from deltafin.kernels.cpu import CPUKernels, load_library
+            from deltafin.kernels.cpu import (  # a device's fast path loads only where it runs (C library, Triton, Metal)
+                CPUKernels,
+                load_library,
+            )
 
             fn: Any = CPUKernels(load_library())
         elif device == "cuda":
-            from deltafin.kernels.mxfp4_cuda import cuda_fast_path
+            from deltafin.kernels.mxfp4_cuda import (
+                cuda_fast_path,  # a device's fast path loads only where it runs (C library, Triton, Metal)
+            )
 
             fn = cuda_fast_path()
         elif device == "mps":
-            from deltafin.kernels.mps import MPSKernels
+            from deltafin.kernels.mps import (
+                MPSKernels,  # a device's fast path loads only where it runs (C library, Triton, Metal)
+            )
 
             fn = MPSKernels()
         else:

@@ -17,6 +17,7 @@ Shapes: N tokens, k experts per token, M = N*k (token, expert) pairs, D expert w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig
+from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig, parse_config
+from deltafin.checkpoint.presets import preset_config
 from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 @functools.cache
 def mlx_available() -> bool:
     try:
-        import mlx.core  # noqa: F401
+        import mlx.core  # noqa: F401  # lazily: whether MLX is installed at all
     except ImportError:
         return False
     return True
@@ -43,7 +46,7 @@ class MLXSlots:
     """`count` expert slots (see the module docstring), filled in place through memoryviews."""
 
     def __init__(self, cfg: ModelConfig, count: int):
-        import mlx.core as mx
+        import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
         i, d = cfg.moe_intermediate_size, cfg.expert_dim
         self.cfg, self.count = cfg, count
@@ -105,7 +108,7 @@ def run_experts(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: tor
     expert) pair through gather_qmm, sorted by slot (as mlx-lm's switch layers do, which lets Metal's kernel
     walk each expert's rows together). z [N, D] fp32, idx [N, k] expert ids, weights [N, k] fp32; `slot_of`
     says where each expert is."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
     n_tok, k = idx.shape
     slot = np.array([slot_of(e) for e in idx.reshape(-1).tolist()], dtype=np.int32)
@@ -123,7 +126,7 @@ def pair_outputs(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows: t
                  slot_of: Callable[[int], int]) -> torch.Tensor:
     """Expert ids[p] on z[rows[p]] for every pair p, unweighted -> [P, D] fp32 (wide experts: a holder's pairs,
     summed by the stage that asked)."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
     slot = np.array([slot_of(e) for e in ids.tolist()], dtype=np.int32)
     order = np.argsort(slot, kind="stable")
@@ -138,11 +141,6 @@ def pair_outputs(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows: t
 @functools.cache
 def verified(act: GatedActivation) -> bool:
     """Whether MLX's experts pass the self-check (once per process and activation); logs the outcome."""
-    import dataclasses
-
-    from deltafin.checkpoint.config import parse_config
-    from deltafin.mini.synth import preset_config
-
     small = dataclasses.replace(parse_config(preset_config("small", 2)), hidden_act=act.kind, situ_beta=act.beta,
                                 situ_linear_beta=act.linear_beta)
     try:
@@ -150,7 +148,7 @@ def verified(act: GatedActivation) -> bool:
     except Exception as e:  # a broken or partial MLX install must not stop the runtime
         log.warning("MLX experts unavailable (%s); using the torch path", e)
         return False
-    import mlx.core as mx
+    import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
     if ok:
         log.info("routed experts on MLX %s (%s), self-checked", mx.__version__, mx.default_device())
@@ -162,8 +160,6 @@ def verified(act: GatedActivation) -> bool:
 def self_check(cfg: ModelConfig, act: GatedActivation) -> bool:
     """MLX's experts against the torch reference on random MXFP4 experts of this model's shapes (every code,
     several scales, more (token, expert) pairs than experts): relative error at fp32 rounding."""
-    from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
-
     g = torch.Generator().manual_seed(4321)
     i, d, n_exp = cfg.moe_intermediate_size, cfg.expert_dim, 3
     slots = MLXSlots(cfg, n_exp)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from deltafin.kernels.quant import Int8Weight, MXFP4Weight
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
 
 
 class MPSKernels:
     isa = "mps (int8 pack matmul)"
 
     def __call__(self, x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
-        from deltafin.kernels.quant import mxfp4_linear_reference
-
         return mxfp4_linear_reference(x, w)
 
     def int8(self, x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

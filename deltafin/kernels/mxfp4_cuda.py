@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels.activations import GatedActivation
-from deltafin.kernels.quant import MXFP4Weight
+from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
 
 MAX_TOKENS = 8
 
@@ -113,8 +113,6 @@ class CUDAMatmul:
         rows, cols = w.shape
         xf = self._prepare(x, cols)
         if xf is None:
-            from deltafin.kernels.quant import mxfp4_linear_reference
-
             return mxfp4_linear_reference(x, w)
         ntok = xf.shape[0]
         y = torch.empty(ntok, rows, device=x.device, dtype=torch.float32)

@@ -16,15 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.mini.corpus import Conversation, encode_all
+from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.text.tokenizer import K3Tokenizer
 
 
 def perplexity(model_dir: str | Path, convs: list[Conversation], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """{"nats_per_token", "perplexity", "tokens", "conversations", "vocab_size"} over `convs`."""
-    from deltafin.models.decoder import PIECE_TOKENS
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
-    from deltafin.text.tokenizer import K3Tokenizer
-
     tok = K3Tokenizer.load(model_dir)
     pipe = LocalPipeline.load(model_dir, 1, device=device, dtype="fp32")
     nats, count = 0.0, 0

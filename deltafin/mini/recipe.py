@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from deltafin.checkpoint.config import parse_config
+from deltafin.checkpoint.presets import preset_config
 from deltafin.mini import bpe, corpus
 from deltafin.mini.export import export
-from deltafin.mini.synth import preset_config, synthesize
+from deltafin.mini.synth import synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
 from deltafin.text import vocab
+from deltafin.text.tokenizer import K3Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,6 @@ PRESET = "mini"
 
 def prepare(out: Path, seed: int = 0, root: Path | None = None) -> dict:
     """Write `out`/{train,heldout}.jsonl, tiktoken.model, tokenizer_config.json, train.npy; returns counts."""
-    from deltafin.text.tokenizer import K3Tokenizer
-
     root = root or corpus.stdlib_root()
     out.mkdir(parents=True, exist_ok=True)
     entries = corpus.entries(root)

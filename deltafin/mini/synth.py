@@ -27,7 +27,6 @@ depend on the CPU's SIMD path (torch.randn and log/sin/cos differ between AVX2 a
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from deltafin.checkpoint.config import MXFP4_GROUP, ExpertFormat, ModelConfig, TensorSpec, parse_config
-from deltafin.checkpoint.presets import K3_LINEAR, K3_TEXT, K3_VISION, PRESETS
+from deltafin.checkpoint.presets import preset_config
 from deltafin.errors import DeltafinError
 from deltafin.progress import Progress
 from deltafin.text import vocab
@@ -57,43 +56,6 @@ _SAFETENSORS_DTYPES = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16
                        "U32", "F32", "F64", "I64", "U64")
 TensorBytes = Callable[[TensorSpec], Iterable[bytes | memoryview]]  # a tensor's bytes, in pieces, as stored
 _BULK_VALUES = 1 << 20  # with `sparse`, matrices above this many values are holes (but embedding and routers)
-
-
-def k3_layer_kinds(num_layers: int) -> list[str]:
-    """K3's pattern cut to `num_layers`: MLA at 0-based l % 4 == 3 and at the last layer."""
-    return ["mla" if (l % 4 == 3 or l == num_layers - 1) else "kda" for l in range(num_layers)]
-
-
-def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
-    """The full `config.json` (top-level kimi_k3 with text_config) of a preset."""
-    if name not in PRESETS:
-        raise DeltafinError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    preset = PRESETS[name]
-    n = preset.layers if layers is None else layers
-    if n < 2:
-        raise DeltafinError("--layers must be at least 2 (a dense layer 0 and at least one MoE layer)")
-    text = copy.deepcopy(K3_TEXT)
-    overrides = dict(preset.text)
-    linear = {**K3_LINEAR, **overrides.pop("linear", {})}
-    text.update(overrides)
-    kinds = k3_layer_kinds(n)
-    linear["full_attn_layers"] = [l + 1 for l, k in enumerate(kinds) if k == "mla"]
-    linear["kda_layers"] = [l + 1 for l, k in enumerate(kinds) if k == "kda"]
-    base = preset.vocab_size - vocab.N_SPECIAL
-    specials = vocab.special_tokens(base)
-    text.update({"num_hidden_layers": n, "vocab_size": preset.vocab_size, "linear_attn_config": linear,
-                 "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
-                 "pad_token_id": specials["[PAD]"], "quantization_config": _quantization_config()})
-    raw = {
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-        "bos_token_id": specials["[BOS]"], "eos_token_id": specials["<|end_of_msg|>"],
-        "pad_token_id": specials["[PAD]"], "media_placeholder_token_id": specials["<|kimi_image_placeholder|>"],
-        "tie_word_embeddings": False, "dtype": "bfloat16", "deltafin_synthetic": {"preset": name},
-        "text_config": text,
-    }
-    if preset.vision:
-        raw["vision_config"] = copy.deepcopy(K3_VISION)
-    return raw
 
 
 def vision_tensor_specs(vision: dict[str, Any], text_hidden: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -116,18 +78,6 @@ def vision_tensor_specs(vision: dict[str, Any], text_hidden: int) -> tuple[list[
                   TensorSpec(b + "mlp.fc0.weight", (inner, d), "BF16"),
                   TensorSpec(b + "mlp.fc1.weight", (d, inner), "BF16")]
     return projector, tower
-
-
-def _quantization_config() -> dict[str, Any]:
-    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-               "group_size": MXFP4_GROUP, "scale_dtype": "torch.uint8", "dynamic": False}
-    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
-                                          "weights": weights}},
-            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
-                       "re:.*vision_tower.*", "re:.*mm_projector.*"]}
 
 
 def synthesize(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,6 @@ def find_memory(device_type: str, index: int | None = None) -> MemoryFound:
     """The memory a stage on `device_type` may use (see the module docstring)."""
     host, host_source = host_memory()
     if device_type == "cuda":
-        import torch
-
         free, total = torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())
         return MemoryFound(free, host, f"CUDA free memory {free / GB:.1f} of {total / GB:.1f} GB; host {host_source}")
     if device_type == "mps":
@@ -119,8 +120,6 @@ def _read_limit(path: Path) -> int | None:
 
 def _physical_ram() -> int:
     if sys.platform == "darwin":
-        import subprocess
-
         try:
             return int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True,
                                       check=True).stdout.strip())
@@ -152,8 +151,6 @@ def _own_rss() -> int:
 def mps_working_set() -> int | None:
     """Metal's recommendedMaxWorkingSetSize for the GPU, through torch (None where it cannot say)."""
     try:
-        import torch
-
         return int(torch.mps.recommended_max_memory())
     except (AttributeError, RuntimeError):
         return None

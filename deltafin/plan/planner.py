@@ -22,7 +22,7 @@ from functools import cache
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
-from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
+from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights, id_ranges
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose, choose_holder, expert_slot_bytes
 
 GB = 1e9
@@ -30,7 +30,6 @@ GB = 1e9
 # trip on a wired LAN or a Thunderbolt bridge (PERF.md: 0.1-0.5 ms) and the outputs back at 10 Gbit/s
 EXPERT_CALL_RTT_S = 0.0005
 LINK_BYTES_PER_S = 1.25e9
-EXPERT_MODES = ("auto", "wide", "local")
 
 @dataclass(frozen=True)
 class WorkerCapacity:
@@ -340,7 +339,7 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
             have.update(range(a, b))
     missing = [i for i in range(cfg.num_layers) if i not in have]
     if missing:
-        return f"no worker holds layers {_ranges(missing)}: copy them to a worker's disk or add a worker that has them"
+        return f"no worker holds layers {id_ranges(missing)}: copy them to a worker's disk or add a worker that has them"
     if not any(w.has_top for w in workers):
         return "no worker holds the embedding/head shard: the first and last stages need it"
     biggest = max(workers, key=lambda w: w.memory_bytes)
@@ -351,15 +350,6 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
     return (f"the workers' memory ({', '.join(f'{w.name} {w.memory_bytes / GB:.1f} GB' for w in workers)}) cannot "
             f"hold all {cfg.num_layers} layers with their working sets: add memory or workers")
 
-
-def _ranges(ids: list[int]) -> str:
-    out: list[list[int]] = []
-    for i in ids:
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for

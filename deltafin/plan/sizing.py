@@ -1,8 +1,8 @@
 """One model of memory: what a stage of the model holds, from the config alone (pure: no I/O, no torch).
 
 The planner, the worker, the stage, `bench`, `inspect` and the plan table all take their numbers from here,
-and the stage places its tensors by the same rules (`matrix_format`), so what is planned is what is
-allocated. A stage of layers [a, b) on a device holds:
+and the stage places its tensors by the same rules (`matrix_format`; the per-layer table and the tensor placement
+rules are layer_table.py's), so what is planned is what is allocated. A stage of layers [a, b) on a device holds:
 
     resident layers   the first k layers' spine as placed: vectors fp32, matrices bf16 as stored (every
                       device: fp32 activations multiply bf16 weights without an fp32 copy) or row-int8
@@ -20,7 +20,7 @@ allocated. A stage of layers [a, b) on a device holds:
     sessions          per-sequence caches for `sequences` sequences of `context` tokens: KDA conv window +
                       recurrent state (fp32, fixed size), MLA latents (576 values per token per layer)
     workspace         the forward's temporaries for `forward_tokens` tokens (activations, attention scores
-                      in query blocks, logits, bounded weight-conversion blocks)
+                      in query blocks, logits, bounded weight-conversion blocks: forward_workspace.py)
     overhead          the runtime itself (interpreter, torch, kernels): host memory
 
 Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
@@ -34,22 +34,17 @@ with the numbers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 
-from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError, SizingError
-from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
 from deltafin.models.cache import mla_capacity
 from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.models.mla import MLA_BLOCK_BYTES
-from deltafin.options import at_least, check_choice
+from deltafin.options import SPINES, at_least, check_choice
+from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, holder_workspace_bytes, workspace_bytes
+from deltafin.plan.layer_table import ALIGN, align_up, layer_table, placed_bytes, tensor_role
 
 GB = 1e9
-ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
 RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
-FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may take when the user fixes no size
-SPINES = ("auto", "bf16", "int8")
-
 
 
 @dataclass(frozen=True)
@@ -110,98 +105,10 @@ class SizingOptions:
 # ---- placement rules (the stage follows these) ----------------------------------------------------------
 
 
-def tensor_role(spec: TensorSpec) -> str:
-    """How the stage uses a tensor: vector (fp32), embedding (as stored), dense (kv_b: activation dtype),
-    router (as stored, scored in fp32) or matrix (bf16 as stored, or row-int8)."""
-    name = spec.name
-    if name.endswith("embed_tokens.weight"):
-        return "embedding"
-    if len(spec.shape) == 1 or spec.dtype == "F32" or 1 in spec.shape:
-        return "vector"
-    if name.endswith("kv_b_proj.weight"):
-        return "dense"
-    if name.endswith("block_sparse_moe.gate.weight"):
-        return "router"
-    return "matrix"
-
-
 def matrix_format(spine: str, resident: bool) -> str:
     """int8 for resident matrices of an int8 spine; streamed layers stay as stored (quantizing per pass costs
     more than it saves)."""
     return "int8" if spine == "int8" and resident else "stored"
-
-
-def placed_bytes(spec: TensorSpec, role: str, place: Placement, fmt: str) -> int:
-    """Bytes a tensor takes on the device as the stage places it."""
-    if role == "vector":
-        name = spec.name
-        if name.endswith("res_proj.weight"):
-            return 0  # folded with its res_norm into one fp32 scoring vector
-        if name.endswith("A_log"):
-            return 4 * min(spec.numel, max(spec.shape))  # the per-head entries only
-        return 4 * spec.numel
-    if role == "dense":
-        return place.act_bytes * spec.numel
-    if role == "matrix" and fmt == "int8" and min(spec.shape) > 1:
-        return spec.numel + 2 * spec.shape[0]
-    return spec.nbytes  # embedding, router, matrices as stored
-
-
-# ---- per-layer table --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerTable:
-    """Per-layer byte counts for one config and placement, with prefix sums so a range costs O(1)."""
-
-    cfg: ModelConfig
-    place: Placement
-    bf16: tuple[int, ...]  # resident layer, bf16 spine (prefix sums, length L+1)
-    int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums)
-    stored: tuple[int, ...]  # per layer: bytes read when it streams
-    span: tuple[int, ...]  # per layer: its read buffer (aligned, upper bound)
-    stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer
-    moe: tuple[int, ...]  # prefix counts of MoE layers
-    kda: tuple[int, ...]  # prefix counts of KDA layers
-    mla: tuple[int, ...]  # prefix counts of MLA layers
-
-
-def layer_table(cfg: ModelConfig, place: Placement, spans: tuple[int, ...] | None = None) -> LayerTable:
-    """The table for `cfg` on `place`. `spans` are the layers' real read-buffer sizes where the checkpoint is
-    at hand (its tensors' offsets); without them each layer's spine is taken as one contiguous run, as in the
-    release and in both synthetic orders."""
-    return _layer_table(cfg, place, spans)
-
-
-@lru_cache(maxsize=16)
-def _layer_table(cfg: ModelConfig, place: Placement, spans: tuple[int, ...] | None) -> LayerTable:
-    bf16, int8, stored, span, copy = [0], [0], [], [], []
-    for i in range(cfg.num_layers):
-        specs = cfg.layer_tensor_specs(i)
-        roles = [tensor_role(s) for s in specs]
-        bf16.append(bf16[-1] + sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)))
-        int8.append(int8[-1] + sum(placed_bytes(s, r, place, "int8") for s, r in zip(specs, roles, strict=True)))
-        nbytes = sum(s.nbytes for s in specs)
-        stored.append(nbytes)
-        span.append(spans[i] if spans is not None else _align_up(nbytes) + 2 * ALIGN)  # widened to blocks
-        # on the CPU a streamed matrix is a view of the buffer; vectors and kv_b become new tensors
-        copy.append(sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)
-                        if place.copies or r in ("vector", "dense")))
-    counts = lambda pred: tuple(_prefix([1 if pred(i) else 0 for i in range(cfg.num_layers)]))
-    return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(stored), tuple(span), tuple(copy),
-                      counts(cfg.is_moe), counts(lambda i: cfg.layer_kinds[i] is LayerKind.KDA),
-                      counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA))
-
-
-def _prefix(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 # ---- the parts of a stage -----------------------------------------------------------------------------------
@@ -217,7 +124,7 @@ def top_bytes(cfg: ModelConfig, place: Placement, spine: str, first: bool, last:
 
 def expert_slot_bytes(cfg: ModelConfig) -> int:
     """One expert's read slot: its bytes widened to blocks, with room for six separately aligned tensors."""
-    return _align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
+    return align_up(cfg.bytes_per_expert) + 2 * ALIGN * 6
 
 
 def working_slots(cfg: ModelConfig, threads: int, demand_layers: int = 1) -> int:
@@ -225,7 +132,6 @@ def working_slots(cfg: ModelConfig, threads: int, demand_layers: int = 1) -> int
     for each compute thread that may hold one at once (k: so a layer's experts can all be held together; a wide
     worker's stage and the expert calls it serves are two), and one per reader thread."""
     return (2 + demand_layers) * cfg.experts_per_token + threads
-
 
 
 def kda_state_bytes(cfg: ModelConfig) -> int:
@@ -254,66 +160,12 @@ def sequence_bytes(cfg: ModelConfig, n_kda: int, n_mla: int, tokens: int, act_by
     return n_kda * kda_state_bytes(cfg) + n_mla * mla_capacity(tokens) * mla_row_bytes(cfg, act_bytes)
 
 
-def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens: int, context: int,
-                    last: bool) -> int:
-    """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
-    what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
-    every row's residual state and runs each layer's attention (and a dense MLP) a piece at a time, its routed
-    experts over every row at once (models/decoder.py, layer_in_pieces); forwards that return every position's
-    logits take one piece at most."""
-    act = table.place.act_bytes
-    d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
-    blocks = cfg.blocks_entering(b) + 1
-    row = (blocks + 1) * d * 4  # P and B of one token (fp32)
-    state = 2 * t * row + 2 * p * row  # every row's state into and out of a layer; a piece's AttnRes mix, norm
-    per_layer = 0
-    if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
-        per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)
-    if table.mla[b] - table.mla[a]:
-        heads, s = cfg.num_heads, max(context, t)
-        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-        block = min(MLA_BLOCK_BYTES, s * heads * (p + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
-        per_layer = max(per_layer, block + p * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
-    if a < cfg.first_k_dense:  # a dense MLP: a piece at a time
-        per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
-    if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
-        shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
-        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim + 2 * d) * 4
-        per_layer = max(per_layer, 3 * t * shared * 4 + moe)
-    logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
-    widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
-    weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
-    return state + per_layer + logits + weight_blocks + t * d * act * 4
-
-
-def auto_forward_tokens(cfg: ModelConfig, table: LayerTable, a: int, b: int, context: int, budget: int) -> int:
-    """The most tokens one forward carries when the user fixes none: the whole planned context, if its workspace
-    stays within FORWARD_SHARE of the budget; else as many as do (never fewer than PIECE_TOKENS, which the
-    workspace of one attention pass needs anyway). A prompt up to that long reads each expert once."""
-    last = b == cfg.num_layers
-    cap = max(workspace_bytes(cfg, table, a, b, PIECE_TOKENS, context, last), int(FORWARD_SHARE * budget))
-    if workspace_bytes(cfg, table, a, b, context, context, last) <= cap:
-        return max(context, 1)
-    lo, hi = PIECE_TOKENS, context  # workspace grows with tokens: the largest that stays within the cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if workspace_bytes(cfg, table, a, b, mid, context, last) <= cap else (lo, mid - 1)
-    return lo
-
-
 def expert_call_bytes(cfg: ModelConfig, tokens: int, issues: bool, serves: bool) -> int:
     """Buffers of wide expert calls for a forward of `tokens` tokens: a stage's calls out (its rows, then every
     pair's fp32 output coming back, as messages and as tensors) and, for a holder, the calls it serves (the same
     bounds: at most every pair of the forward comes to one holder)."""
     one = 2 * tokens * (cfg.experts_per_token + 1) * cfg.expert_dim * 4
     return one * (int(issues) + int(serves))
-
-
-def holder_workspace_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """Temporaries of computing one expert call of `tokens` tokens' pairs: each expert's rows, its gate and up
-    products and output (the largest expert sees every token), and the call's outputs."""
-    i, d, k = cfg.moe_intermediate_size, cfg.expert_dim, cfg.experts_per_token
-    return tokens * (2 * d + 3 * i) * 4 + tokens * k * d * 4
 
 
 def boundary_bytes_per_token(cfg: ModelConfig, layer: int, act_bytes: int) -> int:
@@ -443,7 +295,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
     sessions = options.session_bytes if options.session_bytes is not None else options.sequences * (state + trail)
     kept = options.session_bytes if options.session_bytes is not None else options.sequences * state
-    prefixes = options.prefix_cache_bytes if options.prefix_cache_bytes is not None else kept  # a kept state each, no trail
+    # a kept state each, no trail
+    prefixes = options.prefix_cache_bytes if options.prefix_cache_bytes is not None else kept
     last = end == cfg.num_layers
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,

@@ -22,7 +22,8 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.sizing import Budget, Placement, StageSizing, choose_holder, size_holder
-from deltafin.runtime.stage import ExpertProvider, Stage, expert_backend_for, open_experts
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_build import ExpertProvider, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertHolder, Peer, WideExperts, wide_stats
 from deltafin.weights.reader import layer_spans

@@ -1,9 +1,11 @@
 """A Stage runs layers [start, end) of the model for a batch of sequences (DESIGN.md, the stage contract).
 
 Stage 0 also embeds token ids; the last stage also applies the final mix, norm and head. Between stages
-only the residual state travels. Per-session caches live here, with ids, a byte budget, LRU eviction
-with a clear error for the evicted session, and explicit release. A forward that fails half-way leaves
-every session as it was before the call.
+only the residual state travels. Per-session caches live in the stage's session table (runtime/sessions.py),
+with ids, a byte budget, LRU eviction with a clear error for the evicted session, and explicit release. A
+forward's inputs are checked before any session changes, and a forward that fails half-way leaves every session
+as it was before the call. What the stage is built from (its plan, weights' placement, expert provider) is in
+runtime/stage_build.py; its counters and -v lines in runtime/stage_stats.py.
 """
 
 from __future__ import annotations
@@ -12,32 +14,16 @@ import dataclasses
 import itertools
 import logging
 import time
-from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from deltafin.checkpoint.config import LayerKind, ModelConfig
-from deltafin.checkpoint.manifest import check_held
-from deltafin.checkpoint.shards import Checkpoint, fingerprint, open_copy
-from deltafin.errors import (
-    Cancelled,
-    DeltafinError,
-    InvalidInput,
-    OutOfMemory,
-    PrefixNotFound,
-    SessionNotFound,
-    SessionOutOfSync,
-    SizingError,
-)
-from deltafin.kernels.linear import Weight, expert_backend
-from deltafin.kernels.quant import Int8Weight, quantize_int8_rows
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import Checkpoint
+from deltafin.errors import Cancelled, DeltafinError, InvalidInput
 from deltafin.models.attn_res import ResidualState
-from deltafin.models.cache import SequenceCache, new_sequence_cache
-from deltafin.models.common import activation
+from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
     PIECE_TOKENS,
     Span,
@@ -48,29 +34,24 @@ from deltafin.models.decoder import (
     layer_in_pieces,
     pieces_of,
 )
-from deltafin.models.kda import delta_rule_recurrent
 from deltafin.models.moe import FusedExperts, route, routed_outputs
-from deltafin.models.weights import ExpertWeights
-from deltafin.plan.sizing import (
-    SPECULATIVE_TOKENS,
-    Budget,
-    Placement,
-    StageSizing,
-    choose,
-    expert_slot_bytes,
-    matrix_format,
-    sequence_bytes,
-    size_stage,
-)
-from deltafin.runtime.prefix_disk import PrefixDisk
+from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixStore
+from deltafin.runtime.sessions import Sessions
+from deltafin.runtime.stage_build import (
+    ExpertProvider,
+    WeightPlacer,
+    check_stage_held,
+    expert_backend_for,
+    open_experts,
+    plan_stage,
+    prefix_disk_for,
+)
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counters, plan_details, stage_stats
 from deltafin.runtime.wide import WideExperts
-from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import ShardFiles, layer_spans
-from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.spine import SpinePlan, SpineStore
-from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
 
@@ -105,61 +86,9 @@ class SeqOutput:
     logits: torch.Tensor | None = None  # fp32 [T or 1, vocab] from the last stage
 
 
-class ExpertProvider(Protocol):
-    def experts(self, layer: int, ids: list[int]) -> Iterable[tuple[int, ExpertWeights]]: ...
-
-    def resident_bytes(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class StageTimings:
-    forwards: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    experts_s: float = 0.0  # of which producing the routed experts' outputs (reads, compute, waiting for holders)
-
-
-def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
-               spans: tuple[int, ...] | None = None, experts: str = "torch") -> StageSizing:
-    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident; `experts`
-    is where the routed experts run (torch or mlx)."""
-    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
-    sizing = options.sizing_for(spans)
-    if options.memory_bytes is None:
-        spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
-        return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
-    try:
-        return choose(cfg, start, end, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
-    except SizingError as e:
-        raise OutOfMemory(str(e)) from None
-
-
-def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
-                 layers: Iterable[int], backend: str) -> ExpertProvider:
-    """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
-    `expert_dir`), or resident (on MLX, or torch)."""
-    cfg, layers = ckpt.config, list(layers)
-    if sizing.streaming:
-        copies = [open_copy(ckpt, d) for d in options.expert_dir]
-        speeds = options.disk_gbps
-        if speeds is None and copies:
-            speeds = tuple(measure_disk(c, options.sizing.read_threads, options.io) for c in (ckpt, *copies))
-            log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
-                                                    for c, g in zip((ckpt, *copies), speeds, strict=True)))
-        return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
-                           threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
-                           backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
-                           demand_layers=2 if options.sizing.expert_layers is not None and not sizing.holder_only else 1)
-    if backend == "mlx":
-        from deltafin.weights.mlx_slots import MLXResidentExperts
-
-        return MLXResidentExperts(ckpt, layers, activation(cfg), io=options.io)
-    return ResidentExperts(ckpt, layers, device, io=options.io)
-
-
 class Stage:
+    """Layers [start, end) over their spine, routed experts and sessions (see the module docstring)."""
+
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
                  options: StageOptions | None = None, experts: ExpertProvider | None = None,
                  progress: Callable[[str, float], None] | None = None, serves: Iterable[int] | None = None):
@@ -172,47 +101,43 @@ class Stage:
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
         self.device, self.dtype, self.options = device, opts.dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
-        _check_held(ckpt, start, end, self.first or self.last, serves)
+        check_stage_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
         self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
                                  "mlx" if self.expert_backend == "mlx" else "torch")
-        self._log_plan(opts)
+        self._log_plan()
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
-        plan = SpinePlan(self.sizing.resident_layers, self.sizing.streamed_layers,
-                         self.sizing.layers + self.sizing.top, self.sizing.stream_buffers)
-        self.spine = SpineStore(ckpt, self.layers_range, self._place, plan, self.files, first=self.first,
-                                last=self.last, progress=progress, threads=opts.sizing.read_threads)
-        self.spine.stream_place = self._place_streamed
+        self.spine = self._open_spine(progress)
         self.top = self.spine.top
         self.wide: WideExperts | None = None
         served = [i for i in self.layers_range if cfg.is_moe(i)] if serves is None else sorted(serves)
         self.experts = experts if experts is not None else open_experts(ckpt, self.sizing, opts, device, served,
                                                                         self.expert_backend)
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
-                 start, end, time.monotonic() - t0, self.sizing.spine, len(plan.resident), len(plan.streamed),
-                 "streamed" if self.sizing.streaming else "resident")
-        self.sessions: OrderedDict[str, SequenceCache] = OrderedDict()
-        self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> why, for a clear error later
-        self.last_used: dict[str, float] = {}  # session id -> monotonic time of its last forward
-        self.prefixes, self.tokens = PrefixStore(self.sizing.prefixes, self._prefix_disk()), {}
+                 start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),
+                 len(self.spine.plan.streamed), "streamed" if self.sizing.streaming else "resident")
+        self.prefixes = PrefixStore(self.sizing.prefixes, prefix_disk_for(ckpt, start, end, device, opts, self.sizing))
+        self.sessions = Sessions(cfg, self.layers_range, device, self.dtype, self.cache_budget, self.prefixes,
+                                 first=self.first)
         self.timings = StageTimings()
+
+    def _open_spine(self, progress: Callable[[str, float], None] | None) -> SpineStore:
+        """The spine's layers as the plan holds them: resident ones placed now, streamed ones as they are read."""
+        s = self.sizing
+        plan = SpinePlan(s.resident_layers, s.streamed_layers, s.layers + s.top, s.stream_buffers)
+        placer = WeightPlacer(self.device, self.dtype, s.spine)
+        spine = SpineStore(self.ckpt, self.layers_range, placer.place, plan, self.files, first=self.first,
+                           last=self.last, progress=progress, threads=self.options.sizing.read_threads)
+        spine.stream_place = placer.place_streamed
+        return spine
 
     def set_wide(self, wide: WideExperts | None) -> None:
         """Compute this stage's routed experts through every holder (wide) or, with None, alone."""
         if wide is None and self.options.sizing.expert_layers is not None:
             raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
         self.wide = wide
-
-    def _prefix_disk(self) -> PrefixDisk | None:
-        """Where kept prefixes go on the disk (`prefix_dir`), in a folder of this stage's identity."""
-        opts = self.options
-        if not opts.prefix_dir or not opts.prefix_disk_bytes or not self.sizing.prefixes:
-            return None
-        dtype = str(self.dtype).removeprefix("torch.")
-        identity = f"{fingerprint(self.ckpt.model_dir)}-{self.start}-{self.end}-{dtype}-{self.device.type}"
-        return PrefixDisk(opts.prefix_dir, identity, opts.prefix_disk_bytes, self.device)
 
     @property
     def layers_range(self) -> range:
@@ -232,169 +157,24 @@ class Stage:
         """Tokens one forward may carry (None: no limit, without a memory budget)."""
         return self.sizing.forward_tokens if self.options.memory_bytes is not None else None
 
-    # ---- weights -----------------------------------------------------------------------------------
-
-    def _place(self, t: torch.Tensor, role: str, resident: bool = True) -> Weight:
-        """Place a tensor as sizing.py counts it (roles: see models/weights.py)."""
-        if role == "vector":
-            return t.to(self.device, torch.float32)
-        if role == "dense":
-            return t.to(self.device, self.dtype)
-        if (role == "matrix" and matrix_format(self.sizing.spine, resident) == "int8" and t.dim() == 2
-                and min(t.shape) > 1):
-            q = quantize_int8_rows(t)
-            return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
-        if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
-            return t if t.device == self.device else t.to(self.device)
-        return t.to(self.device, self.dtype)
-
-    def _place_streamed(self, t: torch.Tensor, role: str) -> Weight:
-        return self._place(t, role, resident=False)
-
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes
 
-    # ---- sessions ----------------------------------------------------------------------------------
+    # ---- sessions (runtime/sessions.py) --------------------------------------------------------------
 
     def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> bool:
-        """Free a session's caches, or with `keep_as` turn them into that prefix (nothing is copied), of its
-        first `keep_length` tokens if given (a position of its last speculative forward); an id that names a
-        prefix instead drops it. False if neither existed."""
-        self.evicted.pop(session_id, None)
-        self.last_used.pop(session_id, None)
-        tokens = self.tokens.pop(session_id, None)
-        cache = self.sessions.pop(session_id, None)
-        if cache is None:
-            return self.prefixes.drop(session_id)
-        if keep_as and (cache.pending or keep_length and keep_length != cache.length) \
-                and not cache.rewind(keep_length or cache.length, delta_rule_recurrent):
-            log.warning("session %s holds %d tokens and cannot be kept as %d of them: not kept", session_id[:8],
-                        cache.length, keep_length)
-            return True
-        if keep_as:
-            cache.forget_snapshot()
-            self.prefixes.keep(keep_as, cache, tokens[:cache.length] if tokens is not None else None)
-        return True
+        """Free a session's caches, or keep them as the prefix `keep_as` (Sessions.release)."""
+        return self.sessions.release(session_id, keep_as, keep_length)
 
     def session_bytes(self) -> int:
-        """What the sessions hold against their budget: caches, and a speculative forward's trail until the next
-        forward picks the position (planned room with `speculative_tokens`, else taken from the caches' room)."""
-        return sum(c.nbytes + c.trail_bytes for c in self.sessions.values())
+        """What the sessions hold against their budget (Sessions.nbytes)."""
+        return self.sessions.nbytes
 
     def expire(self, idle_seconds: float, now: float | None = None) -> list[str]:
         """Drop sessions unused for `idle_seconds` (a coordinator that vanished never releases them)."""
-        now = time.monotonic() if now is None else now
-        gone = [sid for sid, t in self.last_used.items() if now - t > idle_seconds]
-        for sid in gone:
-            self.sessions.pop(sid, None)
-            self.last_used.pop(sid, None)
-            self.tokens.pop(sid, None)
-            self._note_evicted(sid, f"expired after {idle_seconds:.0f}s without use")
-        return gone
-
-    def _note_evicted(self, sid: str, why: str) -> None:
-        self.evicted[sid] = why
-        while len(self.evicted) > 4096:
-            self.evicted.popitem(last=False)
-
-    def _session(self, item: SeqInput, pinned: set[str]) -> SequenceCache:
-        sid = item.session_id
-        if item.cache_len == 0:
-            self.sessions.pop(sid, None)
-            self.evicted.pop(sid, None)
-            self._make_room(sequence_bytes(self.cfg, self._n_kda, self._n_mla, item.num_tokens,
-                                           torch.finfo(self.dtype).bits // 8), pinned)
-            cache = new_sequence_cache(self.cfg, self.layers_range, self.device, self.dtype, item.num_tokens)
-            self.sessions[sid] = cache
-            self.last_used[sid] = time.monotonic()
-            return cache
-        cache = self.sessions.get(sid)
-        if cache is None and item.resume_from:
-            cache = self._resume(item, pinned)
-        if cache is None:
-            why = self.evicted.get(sid)
-            raise SessionNotFound(f"session {sid!r} is not on this stage"
-                                  + (f" ({why})" if why else "") + "; start it again with cache_len 0")
-        if (cache.pending or cache.length != item.cache_len) and not cache.rewind(item.cache_len,
-                                                                                delta_rule_recurrent):
-            raise SessionOutOfSync(f"session {sid!r}: this stage holds {cache.length} tokens but the call says "
-                                   f"{item.cache_len} (a replayed or concurrent call?)")
-        self.sessions.move_to_end(sid)
-        self.last_used[sid] = time.monotonic()
-        self._make_room(cache.growth(item.num_tokens), pinned)
-        return cache
-
-    def _resume(self, item: SeqInput, pinned: set[str]) -> SequenceCache:
-        """A new session from a kept prefix of exactly cache_len tokens."""
-        kept = self.prefixes.get(item.resume_from or "", self.dtype)
-        if kept is None:
-            raise PrefixNotFound(f"prefix {item.resume_from!r} is not on stage [{self.start}, {self.end}) (evicted or "
-                                 "never kept); start the session with cache_len 0")
-        if kept.length != item.cache_len:
-            raise InvalidInput(f"prefix {item.resume_from!r} holds {kept.length} tokens, not {item.cache_len}")
-        self._make_room(kept.nbytes + kept.growth(item.num_tokens), pinned)
-        cache = kept.resume(item.num_tokens)
-        self.sessions[item.session_id] = cache
-        known = self.prefixes.tokens_of(item.resume_from or "") if self.first else None
-        if known is not None:
-            self.tokens[item.session_id] = array("i", known)
-        self.evicted.pop(item.session_id, None)
-        self.prefixes.stats.resumed += 1
-        return cache
-
-    @property
-    def _n_kda(self) -> int:
-        return sum(1 for i in self.layers_range if self.cfg.layer_kinds[i] is LayerKind.KDA)
-
-    @property
-    def _n_mla(self) -> int:
-        return sum(1 for i in self.layers_range if self.cfg.layer_kinds[i] is LayerKind.MLA)
-
-    def _make_room(self, need: int, pinned: set[str]) -> None:
-        """Evict least-recently-used sessions (not in this call) until `need` more bytes fit the budget."""
-        if self.cache_budget is None:
-            return
-        for sid in list(self.sessions):
-            if self.session_bytes() + need <= self.cache_budget:
-                return
-            if sid in pinned:
-                continue
-            self.sessions.pop(sid)
-            self.last_used.pop(sid, None)
-            self.tokens.pop(sid, None)
-            self._note_evicted(sid, f"evicted to make room: the stage cache budget is {self.cache_budget / 1e9:.2f} GB")
-            log.info("evicted session %s", sid)
-        if self.session_bytes() + need > self.cache_budget:
-            raise OutOfMemory(f"the session cache budget ({self.cache_budget / 1e9:.3f} GB) cannot hold this "
-                              f"request's sequences ({(self.session_bytes() + need) / 1e9:.3f} GB)")
+        return self.sessions.expire(idle_seconds, now)
 
     # ---- forward -----------------------------------------------------------------------------------
-
-    def _validate(self, item: SeqInput) -> None:
-        if item.cache_len < 0:
-            raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
-        if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
-            raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
-                               f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
-        if item.speculative and item.save_as:
-            raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
-                               "drafts are not decided yet)")
-        if self.first:
-            ids = item.ids
-            if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
-                raise InvalidInput("stage 0 takes a non-empty 1-D integer tensor of token ids")
-            if bool(((ids < 0) | (ids >= self.cfg.vocab_size)).any()):
-                raise InvalidInput(f"token ids must be in [0, {self.cfg.vocab_size})")
-            return
-        st, d, n = item.state, self.cfg.hidden_size, self.blocks_in
-        if st is None:
-            raise InvalidInput(f"stage [{self.start}, {self.end}) takes a residual state, not token ids")
-        t = st.P.shape[0]
-        if st.P.shape != (t, d) or st.B.shape != (t, n, d) or t == 0:
-            raise InvalidInput(f"residual state must be P [T, {d}] and B [T, {n}, {d}] with T > 0; got "
-                               f"P {list(st.P.shape)}, B {list(st.B.shape)}")
-        if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
-            raise InvalidInput("residual state contains NaN or Inf")
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput], all_logits: bool = False,
@@ -404,13 +184,13 @@ class Stage:
         each sequence (or every token with `all_logits`); the others return the residual state.
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes;
         `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes)."""
-        self._validate_batch(batch, all_logits)
+        _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
         t0 = time.monotonic()
-        io_before = self._io_counters()
+        io_before = io_counters(self.spine, self.experts)
         if self.wide is not None:
             self.wide.begin_forward()
         pinned = {b.session_id for b in batch}
-        caches = [self._session(item, pinned) for item in batch]
+        caches = [self.sessions.open(b.session_id, b.cache_len, b.num_tokens, pinned, b.resume_from) for b in batch]
         for c, item in zip(caches, batch, strict=True):
             c.snapshot()
             if item.speculative:
@@ -424,12 +204,7 @@ class Stage:
                 c.restore()
                 c.drop_trail()
             raise
-        for c, item in zip(caches, batch, strict=True):
-            c.length += item.num_tokens
-            c.end_trail(item.num_tokens if item.speculative else 0)
-            tokens = self._note_tokens(item)
-            if item.save_as:
-                self.prefixes.keep(item.save_as, c.share(), tokens[:c.length] if tokens is not None else None)
+        self._advance(batch, caches)
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
@@ -437,68 +212,29 @@ class Stage:
             self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
 
-    def _note_tokens(self, item: SeqInput) -> array | None:
-        """The first stage's record of a session's token ids, continued from where the forward started."""
-        if not self.first:
-            return None
-        tokens = self.tokens.setdefault(item.session_id, array("i")) if item.cache_len == 0 or item.session_id in \
-            self.tokens else None
-        if tokens is None:  # resumed from a prefix whose tokens this stage never knew
-            return None
-        del tokens[item.cache_len:]
-        tokens.extend(int(t) for t in item.ids.tolist())  # type: ignore[union-attr]
-        return tokens
+    def _advance(self, batch: list[SeqInput], caches: list[SequenceCache]) -> None:
+        """After a forward that succeeded: each session holds its tokens (a speculative one, the trail to rewind
+        with), the first stage records their ids, and `save_as` keeps the state as a prefix too."""
+        for c, item in zip(caches, batch, strict=True):
+            c.length += item.num_tokens
+            c.end_trail(item.num_tokens if item.speculative else 0)
+            tokens = self.sessions.record_tokens(item.session_id, item.cache_len, item.ids)
+            if item.save_as:
+                self.prefixes.keep(item.save_as, c.share(), tokens[:c.length] if tokens is not None else None)
 
-    def _log_plan(self, opts: StageOptions) -> None:
-        """The plan's parts; with -v, the decisions behind it that set speed: forward size, the cache against the
-        experts it serves, the spine."""
-        s = self.sizing
-        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, s.describe())
-        served = s.expert_layers * self.cfg.num_experts * expert_slot_bytes(self.cfg) * s.expert_share
-        cache = ("every expert resident" if s.experts_resident else
-                 f"expert cache {s.expert_cache / 1e9:.2f} GB = {s.expert_cache / served:.1%} of the "
-                 f"{served / 1e9:.1f} GB of experts it serves" if served else "no routed experts")
-        log.debug("stage [%d, %d) plan: forwards of up to %d tokens (%s), %d sequences x %d tokens of context; %s; "
-                  "spine %s, %d layers resident, %d streamed; policy %s, prefetch %s", self.start, self.end,
-                  s.forward_tokens, "--prefill-chunk" if opts.sizing.prefill_chunk else "as long as the budget allows",
-                  opts.sizing.sequences, opts.sizing.context, cache, s.spine, len(s.resident_layers), len(s.streamed_layers),
-                  opts.cache_policy, "on" if opts.prefetch else "off")
-
-    def _io_counters(self) -> tuple[float, ...]:
-        """(seconds waiting for expert reads, expert lookups, cache hits, prefetch hits, demand reads, expert bytes
-        read, seconds waiting for streamed spine, spine bytes streamed) so far."""
-        spine = (self.spine.wait_s, self.spine.streamed_bytes)
-        snapshot = getattr(self.experts, "snapshot_stats", None)
-        if snapshot is None:
-            return (0.0, 0, 0, 0, 0, 0, *spine)
-        e = snapshot()
-        return (e.io_wait_s, e.lookups, e.hits, e.prefetch_hits, e.misses, e.bytes_read, *spine)
+    def _log_plan(self) -> None:
+        """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
+        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, self.sizing.describe())
+        log.debug("stage [%d, %d) plan: %s", self.start, self.end, plan_details(self.cfg, self.sizing, self.options))
 
     def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, ...]) -> None:
         """-v: one line a forward with what it read and waited for (and, wide, each holder's experts and time)."""
         if not log.isEnabledFor(logging.DEBUG):
             return
-        wait, lookups, hits, prefetched, misses, read, spine_wait, spine_read = (
-            a - b for a, b in zip(self._io_counters(), before, strict=True))
-        experts = (f"{int(lookups)} looked up: {int(hits)} cached, {int(prefetched)} prefetched, {int(misses)} "
-                   f"demand reads; {read / 1e6:.1f} MB read, {wait:.3f}s waited" if lookups else "none streamed")
-        spine = f"; spine {spine_read / 1e6:.1f} MB streamed, {spine_wait:.3f}s waited" if spine_read else ""
-        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs (experts: %s%s)%s", self.start, self.end - 1,
-                  len(batch), sum(b.num_tokens for b in batch), seconds, experts, spine,
+        reads = forward_reads(io_counters(self.spine, self.experts), before)
+        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs %s%s", self.start, self.end - 1, len(batch),
+                  sum(b.num_tokens for b in batch), seconds, reads,
                   f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
-
-    def _validate_batch(self, batch: list[SeqInput], all_logits: bool = False) -> None:
-        if not batch or len({b.session_id for b in batch}) != len(batch):
-            raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
-        if all_logits and self.last and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
-            raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
-                               "tokens (what the plan holds logits for): send it in pieces")
-        for item in batch:
-            self._validate(item)
-        limit, tokens = self.max_forward_tokens, sum(b.num_tokens for b in batch)
-        if limit is not None and tokens > limit:
-            raise InvalidInput(f"this forward carries {tokens} tokens; stage [{self.start}, {self.end}) was sized for "
-                               f"at most {limit} per forward: send longer prompts in chunks")
 
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
                 progress: Callable[[int, int], None] | None = None) -> ResidualState:
@@ -528,17 +264,10 @@ class Stage:
         stage waits for once its shared experts are done."""
         finish = self.wide(layer, z, idx) if self.wide is not None else (
             lambda: routed_outputs(self.cfg, layer, z, idx, self.experts.experts))
-        return lambda: self._counted(finish)
+        return lambda: self.timings.count_experts(finish)
 
     def _timed_fused(self, fused: FusedExperts) -> FusedExperts:
-        return lambda layer, z, idx, weights: self._counted(lambda: fused(layer, z, idx, weights))
-
-    def _counted(self, experts: Callable[[], torch.Tensor]) -> torch.Tensor:
-        t0 = time.monotonic()
-        try:
-            return experts()
-        finally:
-            self.timings.experts_s += time.monotonic() - t0
+        return lambda layer, z, idx, weights: self.timings.count_experts(lambda: fused(layer, z, idx, weights))
 
     def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
         """Predict this layer's and the next one's experts from the current residual (their routers applied
@@ -576,59 +305,77 @@ class Stage:
         if not self.last:
             return [SeqOutput(b.session_id, state=s) for b, s in zip(batch, state.split([s.length for s in spans]),
                                                                         strict=True)]
-        if not all_logits:  # the last token's, but every token's of a speculative sequence
-            keep = [(s.start, s.length) if b.speculative else (s.start + s.length - 1, 1) for b, s in zip(batch, spans,
-                                                                                                       strict=True)]
-            rows = torch.tensor([r for start, n in keep for r in range(start, start + n)], device=state.P.device)
-            state = ResidualState(state.P[rows], state.B[rows])
-            at = [0, *itertools.accumulate(n for _, n in keep)]
-            spans = [Span(at[i], n, s.cache) for i, ((_, n), s) in enumerate(zip(keep, spans, strict=True))]
+        if not all_logits:
+            state, spans = _logit_rows(batch, spans, state)
         logits = head(self.cfg, self.top, state)  # type: ignore[arg-type]
         return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
                                                                                                      strict=True)]
 
     def stats(self) -> dict[str, object]:
         """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
-        out: dict[str, object] = {"forwards": self.timings.forwards, "tokens": self.timings.tokens,
-                                  "seconds": round(self.timings.seconds, 4),
-                                  "experts_s": round(self.timings.experts_s, 4),
-                                  "spine_streamed_bytes": self.spine.streamed_bytes,
-                                  "spine_read_s": round(self.spine.stream_read_s, 4),
-                                  "spine_wait_s": round(self.spine.wait_s, 4), **self.prefixes.as_dict()}
-        snapshot = getattr(self.experts, "snapshot_stats", None)
-        if snapshot is not None:
-            experts = snapshot()
-            out["experts"] = experts.as_dict()
-            out["disks"] = self.experts.disk_stats()  # type: ignore[attr-defined]
-            out["compute_s"] = round(self.timings.seconds - experts.io_wait_s - self.spine.wait_s, 4)
-        return out
+        return stage_stats(self.timings, self.spine, self.experts, self.prefixes)
 
     def close(self) -> None:
-        self.sessions.clear()
+        self.sessions.close()
         self.prefixes.close()
-        self.tokens.clear()
-        self.last_used.clear()
         self.experts.close()
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
 
 
-def _check_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: Iterable[int] | None) -> None:
-    """The stage's tensors are in the checkpoint, and (local experts) a partial download holds all of its layers'
-    experts; a wide stage's share is checked where the plan is known (assigned.py)."""
-    ckpt.raise_problems(layers=range(start, end), top=top)
-    if serves is None:
-        check_held(ckpt.model_dir, ckpt.config, start, end, None)
+def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:
+    """The rows the last stage returns logits for: the last token's, but every token's of a speculative sequence."""
+    keep = [(s.start, s.length) if b.speculative else (s.start + s.length - 1, 1) for b, s in zip(batch, spans,
+                                                                                               strict=True)]
+    rows = torch.tensor([r for start, n in keep for r in range(start, start + n)], device=state.P.device)
+    state = ResidualState(state.P[rows], state.B[rows])
+    at = [0, *itertools.accumulate(n for _, n in keep)]
+    return state, [Span(at[i], n, s.cache) for i, ((_, n), s) in enumerate(zip(keep, spans, strict=True))]
 
 
-def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:
-    """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check."""
-    if not cfg.moe_layers or expert_backend(device.type) != "mlx":
-        return "torch"
-    from deltafin.kernels.mlx_moe import verified
+def _check_batch(cfg: ModelConfig, start: int, end: int, batch: list[SeqInput], limit: int | None,
+                 all_logits: bool = False) -> None:
+    """A forward's batch as stage [start, end) takes it, checked before any session changes; `limit`: the tokens
+    one forward may carry (None: no limit)."""
+    if not batch or len({b.session_id for b in batch}) != len(batch):
+        raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
+    if all_logits and end == cfg.num_layers and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
+        raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
+                           "tokens (what the plan holds logits for): send it in pieces")
+    for item in batch:
+        _check_input(cfg, start, end, item)
+    tokens = sum(b.num_tokens for b in batch)
+    if limit is not None and tokens > limit:
+        raise InvalidInput(f"this forward carries {tokens} tokens; stage [{start}, {end}) was sized for "
+                           f"at most {limit} per forward: send longer prompts in chunks")
 
-    return "mlx" if verified(activation(cfg)) else "torch"
+
+def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None:
+    if item.cache_len < 0:
+        raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
+    if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
+        raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
+                           f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
+    if item.speculative and item.save_as:
+        raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
+                           "drafts are not decided yet)")
+    if start == 0:
+        ids = item.ids
+        if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidInput("stage 0 takes a non-empty 1-D integer tensor of token ids")
+        if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
+            raise InvalidInput(f"token ids must be in [0, {cfg.vocab_size})")
+        return
+    st, d, n = item.state, cfg.hidden_size, cfg.blocks_entering(start)
+    if st is None:
+        raise InvalidInput(f"stage [{start}, {end}) takes a residual state, not token ids")
+    t = st.P.shape[0]
+    if st.P.shape != (t, d) or st.B.shape != (t, n, d) or t == 0:
+        raise InvalidInput(f"residual state must be P [T, {d}] and B [T, {n}, {d}] with T > 0; got "
+                           f"P {list(st.P.shape)}, B {list(st.B.shape)}")
+    if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
+        raise InvalidInput("residual state contains NaN or Inf")
 
 
 def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:

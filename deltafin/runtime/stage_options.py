@@ -18,17 +18,23 @@ from typing import Any
 
 import torch
 
-from deltafin.options import GB, at_least, check_choice, from_values, option_names
+from deltafin.options import (
+    CACHE_POLICIES,
+    DTYPES,
+    GB,
+    IO_MODES,
+    KERNELS,
+    at_least,
+    check_choice,
+    from_values,
+    option_names,
+)
 from deltafin.paths import cache_dir
 from deltafin.plan.memory import find_memory
 from deltafin.plan.sizing import SizingOptions
 
 log = logging.getLogger(__name__)
 
-IO_MODES = ("direct", "buffered")
-CACHE_POLICIES = ("lru", "lfu", "pinned")
-KERNELS = ("auto", "reference", "native", "mlx")
-DTYPES = ("fp32", "bf16")
 SIZING_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingOptions))
 # what the plan, the stage or the process sets, not the user
 PLANNED = frozenset({"spans", "disks", "expert_layers", "expert_share", "speculative_tokens", "host_memory_gb",

@@ -26,7 +26,7 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.expert_placement import ExpertPlacement, id_ranges
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class ExpertHolder:
             raise InvalidInput(f"expert ids must be in [0, {e})")
         if call.layer not in self.store.layers:
             raise NotHeld(f"layer {call.layer}'s experts are not served here (this worker serves layers "
-                          f"{_ranges(sorted(self.store.layers))}): plan again")
+                          f"{id_ranges(sorted(self.store.layers))}): plan again")
         if not bool(torch.isfinite(call.z).all()):
             raise InvalidInput("an expert call's rows contain NaN or Inf")
 
@@ -295,17 +295,6 @@ def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, Ex
                                        call.hints if not pieces else ())))
     return pieces
 
-
-def _ranges(ids: list[int]) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(f"{ids[i]}" if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ", ".join(out) or "none"
 
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import ifaddr
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
 
 from deltafin.transport.codec import PROTOCOL_VERSION, WorkerDescription
@@ -72,7 +73,6 @@ def default_interfaces() -> list[str] | None:
     interfaces only (Wi-Fi, Ethernet, the Thunderbolt bridge)."""
     if sys.platform != "darwin":
         return None
-    import ifaddr
 
     return [ip.ip for a in ifaddr.get_adapters() if not a.nice_name.startswith(_DARWIN_SKIP)
             for ip in a.ips if isinstance(ip.ip, str)] or None

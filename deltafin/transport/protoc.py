@@ -19,7 +19,7 @@ FILES = ("deltafin_pb2.py", "deltafin_pb2.pyi", "deltafin_pb2_grpc.py")
 
 def generate(out: Path) -> dict[str, str]:
     """Run protoc into `out`; returns {file name: text} with the package-relative import fixed."""
-    from grpc_tools import protoc
+    from grpc_tools import protoc  # grpcio-tools: the dev extra, needed only to regenerate
 
     args = ["protoc", f"-I{PROTO.parent}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}",
             str(PROTO)]

@@ -1,1 +1,5 @@
-"""Spine residency and the expert store (pread, cache, prefetch, counters)."""
+"""Weights off the disk: spine residency and streaming, the expert store (pread, cache, prefetch, counters; host,
+GPU or MLX slots), the disk as the reader sees it.
+
+May import: basics, checkpoint, kernels, models, plan.
+"""

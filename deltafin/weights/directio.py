@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import sys
@@ -56,8 +57,6 @@ def open_file(path: str | os.PathLike, flags: int, direct: bool, mode: int = 0o6
     fd = os.open(path, flags, mode)
     if direct and sys.platform == "darwin":
         try:
-            import fcntl
-
             fcntl.fcntl(fd, F_NOCACHE, 1)
             return fd, True
         except OSError:

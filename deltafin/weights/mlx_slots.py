@@ -3,6 +3,7 @@ straight from the shards, and the fused layer call that runs the experts on MLX.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -91,8 +92,6 @@ class MLXResidentExperts:
 def unaligned_io(io: str) -> str:
     """The I/O mode for reads into MLX slots, which are not block aligned: macOS's F_NOCACHE takes any
     alignment, so "direct" stays; Linux's O_DIRECT does not, so reads there go through the page cache."""
-    import sys
-
     return io if sys.platform == "darwin" else "buffered"
 
 

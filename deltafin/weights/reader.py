@@ -121,7 +121,7 @@ class SlotPool(FreeSlots):
         super().__init__(count, "expert buffer")
         self.size = align_up(size)
         if pinned:
-            import torch
+            import torch  # only pinned buffers need torch: the reader alone (bench --disk) does not load it
 
             self.buf = torch.empty(self.size * count + ALIGN, dtype=torch.uint8, pin_memory=True)
             skip = -self.buf.data_ptr() % ALIGN  # O_DIRECT wants block-aligned addresses

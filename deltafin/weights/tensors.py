@@ -13,6 +13,7 @@ from deltafin.checkpoint.shards import Checkpoint, TensorLocation
 from deltafin.errors import ModelFormatError
 from deltafin.kernels.quant import MXFP4Weight, check_scales
 from deltafin.models.weights import ExpertWeights
+from deltafin.weights.reader import plan_read
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
                 "I8": torch.int8}
@@ -75,8 +76,6 @@ def expert_views(cfg: ModelConfig, tensors: tuple[TensorLocation, ...], raw: tor
 
 def read_expert(ckpt: Checkpoint, layer: int, expert: int) -> ExpertWeights:
     """One expert from disk into fresh host memory (checked): one read per contiguous run of its tensors."""
-    from deltafin.weights.reader import plan_read
-
     plan = plan_read(ckpt.expert(layer, expert))
     buf = bytearray(plan.span)
     for ext in plan.extents:

@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 
 from deltafin.checkpoint.config import load_config, parse_config
+from deltafin.checkpoint.presets import preset_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import DeltafinError
 from deltafin.kernels import linear as linear_mod
 from deltafin.kernels import mlx_moe
-from deltafin.mini.synth import preset_config
 from deltafin.models.common import activation
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import moe_forward

@@ -11,8 +11,9 @@ import pytest
 import tiktoken
 
 from deltafin.checkpoint.config import load_config, parse_config
+from deltafin.checkpoint.presets import preset_config
 from deltafin.errors import DeltafinError
-from deltafin.mini.synth import preset_config, synthesize
+from deltafin.mini.synth import synthesize
 from deltafin.text import vocab
 
 

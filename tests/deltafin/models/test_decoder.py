@@ -84,7 +84,7 @@ def test_synthetic_activations_stay_order_one_and_routing_spreads(small_dir):
     state = None
     from deltafin.models.decoder import Span, decoder_layer, embed
 
-    stage._session(SeqInput("s", 0, ids=ids), set())
+    stage.sessions.open("s", 0, len(ids), set())
     spans = [Span(0, len(ids), stage.sessions["s"])]
     state = embed(stage.top, ids, torch.float32)
     for layer in range(cfg.num_layers):

@@ -12,7 +12,8 @@ from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose, expert_slot_bytes, layer_table, size_stage
+from deltafin.plan.layer_table import layer_table
+from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose, expert_slot_bytes, size_stage
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
@@ -87,7 +88,7 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     with the forward's tokens by the rows' state and the routed experts' buffers, not by its attention, which
     runs a piece at a time."""
     from deltafin.models.decoder import PIECE_TOKENS
-    from deltafin.plan.sizing import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
+    from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 
     t = layer_table(k3, Placement("cpu"))
     big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8"))
@@ -106,7 +107,8 @@ def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
     """A cache holding under FORWARD_SHARE of the experts it serves (it saves decode little) shrinks for a forward
     longer than the share allows, as long as the budget holds it, the spine kept as planned; a larger cache
     does not."""
-    from deltafin.plan.sizing import FORWARD_SHARE, auto_forward_tokens, expert_slot_bytes, size_stage
+    from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens
+    from deltafin.plan.sizing import expert_slot_bytes, size_stage
 
     t, cpu = layer_table(k3, Placement("cpu")), Placement("cpu")
     served = 23 * k3.num_experts * expert_slot_bytes(k3)
@@ -239,7 +241,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     import shutil
 
     from deltafin.runtime.assigned import holder_sizing
-    from deltafin.runtime.stage import open_experts
+    from deltafin.runtime.stage_build import open_experts
 
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)

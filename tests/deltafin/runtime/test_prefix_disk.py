@@ -45,7 +45,7 @@ def test_a_prefix_survives_a_restart_and_resumes_exactly(ckpt, tmp_path):
     assert not again.prefixes.entries and again.prefixes.find(PROMPT + [1, 2]) == ("p300", 300)
     got = again.forward([SeqInput("c", 300, ids=nxt, resume_from="p300")])[0].logits
     assert torch.equal(got, want) and again.prefixes.stats.restored == 1
-    assert again.tokens["c"].tolist() == PROMPT + nxt.tolist()  # the first stage knows the resumed tokens
+    assert again.sessions.tokens["c"].tolist() == PROMPT + nxt.tolist()  # the first stage knows the resumed tokens
     again.close()
 
 

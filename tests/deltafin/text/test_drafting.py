@@ -364,7 +364,8 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     from deltafin.checkpoint.config import load_config
     from deltafin.checkpoint.shards import open_checkpoint
     from deltafin.plan.sizing import SPECULATIVE_TOKENS, kda_trail_bytes
-    from deltafin.runtime.stage import Stage, plan_stage
+    from deltafin.runtime.stage import Stage
+    from deltafin.runtime.stage_build import plan_stage
     from deltafin.runtime.stage_options import StageOptions
 
     cfg = load_config(tiny_dir)

@@ -1,0 +1,70 @@
+"""The forward workspace model: the temporaries one forward of a stage keeps alive at once (`workspace_bytes`:
+every row's AttnRes state, the largest layer's attention, MLP or expert scratch a piece at a time, the logits,
+bounded weight-conversion blocks), how many tokens a forward carries when the user fixes none
+(`auto_forward_tokens`, within FORWARD_SHARE of the budget), and the temporaries of one expert call a wide holder
+computes (`holder_workspace_bytes`). Pure, from the config and the per-layer table: sizing.py counts these as a
+stage's `workspace`."""
+
+from __future__ import annotations
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
+from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.models.mla import MLA_BLOCK_BYTES
+from deltafin.plan.layer_table import LayerTable
+
+FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may take when the user fixes no size
+
+
+def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens: int, context: int,
+                    last: bool) -> int:
+    """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
+    what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
+    every row's residual state and runs each layer's attention (and a dense MLP) a piece at a time, its routed
+    experts over every row at once (models/decoder.py, layer_in_pieces); forwards that return every position's
+    logits take one piece at most."""
+    act = table.place.act_bytes
+    d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
+    blocks = cfg.blocks_entering(b) + 1
+    row = (blocks + 1) * d * 4  # P and B of one token (fp32)
+    state = 2 * t * row + 2 * p * row  # every row's state into and out of a layer; a piece's AttnRes mix, norm
+    per_layer = 0
+    if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
+        per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)
+    if table.mla[b] - table.mla[a]:
+        heads, s = cfg.num_heads, max(context, t)
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        block = min(MLA_BLOCK_BYTES, s * heads * (p + 2 * qk + 2 * v) * 4)  # one key block (or all keys)
+        per_layer = max(per_layer, block + p * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
+    if a < cfg.first_k_dense:  # a dense MLP: a piece at a time
+        per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
+    if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
+        shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
+        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim + 2 * d) * 4
+        per_layer = max(per_layer, 3 * t * shared * 4 + moe)
+    logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
+    widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
+    weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
+    return state + per_layer + logits + weight_blocks + t * d * act * 4
+
+
+def auto_forward_tokens(cfg: ModelConfig, table: LayerTable, a: int, b: int, context: int, budget: int) -> int:
+    """The most tokens one forward carries when the user fixes none: the whole planned context, if its workspace
+    stays within FORWARD_SHARE of the budget; else as many as do (never fewer than PIECE_TOKENS, which the
+    workspace of one attention pass needs anyway). A prompt up to that long reads each expert once."""
+    last = b == cfg.num_layers
+    cap = max(workspace_bytes(cfg, table, a, b, PIECE_TOKENS, context, last), int(FORWARD_SHARE * budget))
+    if workspace_bytes(cfg, table, a, b, context, context, last) <= cap:
+        return max(context, 1)
+    lo, hi = PIECE_TOKENS, context  # workspace grows with tokens: the largest that stays within the cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if workspace_bytes(cfg, table, a, b, mid, context, last) <= cap else (lo, mid - 1)
+    return lo
+
+
+def holder_workspace_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Temporaries of computing one expert call of `tokens` tokens' pairs: each expert's rows, its gate and up
+    products and output (the largest expert sees every token), and the call's outputs."""
+    i, d, k = cfg.moe_intermediate_size, cfg.expert_dim, cfg.experts_per_token
+    return tokens * (2 * d + 3 * i) * 4 + tokens * k * d * 4

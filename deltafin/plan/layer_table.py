@@ -1,0 +1,117 @@
+"""The per-layer table and the rules that place a stage's tensors: how the stage uses each tensor
+(`tensor_role`), the bytes it takes as placed (`placed_bytes`), and for every layer of a config its bytes resident
+(bf16 or row-int8), read when it streams, its read buffer and the tensors placed from that buffer, with prefix
+sums so that a range of layers costs O(1). Pure, from the config and the placement alone: sizing.py builds every
+stage's plan on this table, and the stage places its tensors by the same rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
+
+ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
+
+
+class Placed(Protocol):
+    """What the rules read of where a stage holds its tensors (sizing.Placement, which builds on this module)."""
+
+    @property
+    def act_bytes(self) -> int: ...  # activation element size: fp32 4, bf16 2
+
+    @property
+    def copies(self) -> bool: ...  # tensors are copied off the host buffers they were read into
+
+
+def align_up(n: int) -> int:
+    """`n` bytes widened to whole direct-I/O blocks."""
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---- placement rules (the stage follows these) ----------------------------------------------------------
+
+
+def tensor_role(spec: TensorSpec) -> str:
+    """How the stage uses a tensor: vector (fp32), embedding (as stored), dense (kv_b: activation dtype),
+    router (as stored, scored in fp32) or matrix (bf16 as stored, or row-int8)."""
+    name = spec.name
+    if name.endswith("embed_tokens.weight"):
+        return "embedding"
+    if len(spec.shape) == 1 or spec.dtype == "F32" or 1 in spec.shape:
+        return "vector"
+    if name.endswith("kv_b_proj.weight"):
+        return "dense"
+    if name.endswith("block_sparse_moe.gate.weight"):
+        return "router"
+    return "matrix"
+
+
+def placed_bytes(spec: TensorSpec, role: str, place: Placed, fmt: str) -> int:
+    """Bytes a tensor takes on the device as the stage places it."""
+    if role == "vector":
+        name = spec.name
+        if name.endswith("res_proj.weight"):
+            return 0  # folded with its res_norm into one fp32 scoring vector
+        if name.endswith("A_log"):
+            return 4 * min(spec.numel, max(spec.shape))  # the per-head entries only
+        return 4 * spec.numel
+    if role == "dense":
+        return place.act_bytes * spec.numel
+    if role == "matrix" and fmt == "int8" and min(spec.shape) > 1:
+        return spec.numel + 2 * spec.shape[0]
+    return spec.nbytes  # embedding, router, matrices as stored
+
+
+# ---- per-layer table --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Per-layer byte counts for one config and placement, with prefix sums so a range costs O(1)."""
+
+    cfg: ModelConfig
+    place: Placed
+    bf16: tuple[int, ...]  # resident layer, bf16 spine (prefix sums, length L+1)
+    int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums)
+    stored: tuple[int, ...]  # per layer: bytes read when it streams
+    span: tuple[int, ...]  # per layer: its read buffer (aligned, upper bound)
+    stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer
+    moe: tuple[int, ...]  # prefix counts of MoE layers
+    kda: tuple[int, ...]  # prefix counts of KDA layers
+    mla: tuple[int, ...]  # prefix counts of MLA layers
+
+
+def layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None = None) -> LayerTable:
+    """The table for `cfg` on `place`. `spans` are the layers' real read-buffer sizes where the checkpoint is
+    at hand (its tensors' offsets); without them each layer's spine is taken as one contiguous run, as in the
+    release and in both synthetic orders."""
+    return _layer_table(cfg, place, spans)
+
+
+@lru_cache(maxsize=16)
+def _layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None) -> LayerTable:
+    bf16, int8, stored, span, copy = [0], [0], [], [], []
+    for i in range(cfg.num_layers):
+        specs = cfg.layer_tensor_specs(i)
+        roles = [tensor_role(s) for s in specs]
+        bf16.append(bf16[-1] + sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)))
+        int8.append(int8[-1] + sum(placed_bytes(s, r, place, "int8") for s, r in zip(specs, roles, strict=True)))
+        nbytes = sum(s.nbytes for s in specs)
+        stored.append(nbytes)
+        span.append(spans[i] if spans is not None else align_up(nbytes) + 2 * ALIGN)  # widened to blocks
+        # on the CPU a streamed matrix is a view of the buffer; vectors and kv_b become new tensors
+        copy.append(sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)
+                        if place.copies or r in ("vector", "dense")))
+    counts = lambda pred: tuple(_prefix([1 if pred(i) else 0 for i in range(cfg.num_layers)]))
+    return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(stored), tuple(span), tuple(copy),
+                      counts(cfg.is_moe), counts(lambda i: cfg.layer_kinds[i] is LayerKind.KDA),
+                      counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA))
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

@@ -1,0 +1,131 @@
+"""How a stage's parts are made from its options, before it computes: what it will hold (`plan_stage`, pure),
+the check that the checkpoint holds its tensors, how each of its weights is placed on the device
+(`WeightPlacer`, as sizing.py counts it), where its routed experts come from (`ExpertProvider`, built by
+`open_experts` on the backend `expert_backend_for` picks) and the disk folder of its kept prefixes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.manifest import check_held
+from deltafin.checkpoint.shards import Checkpoint, fingerprint, open_copy
+from deltafin.errors import OutOfMemory, SizingError
+from deltafin.kernels.linear import Weight, expert_backend
+from deltafin.kernels.quant import Int8Weight, quantize_int8_rows
+from deltafin.models.common import activation
+from deltafin.models.weights import ExpertWeights
+from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_format, size_stage
+from deltafin.runtime.prefix_disk import PrefixDisk
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.weights.diskspeed import measure_disk
+from deltafin.weights.resident import ResidentExperts
+from deltafin.weights.store import ExpertStore
+
+log = logging.getLogger(__name__)
+
+
+class ExpertProvider(Protocol):
+    def experts(self, layer: int, ids: list[int]) -> Iterable[tuple[int, ExpertWeights]]: ...
+
+    def resident_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
+               spans: tuple[int, ...] | None = None, experts: str = "torch") -> StageSizing:
+    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident; `experts`
+    is where the routed experts run (torch or mlx)."""
+    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
+    sizing = options.sizing_for(spans)
+    if options.memory_bytes is None:
+        spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
+        return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
+    try:
+        return choose(cfg, start, end, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
+    except SizingError as e:
+        raise OutOfMemory(str(e)) from None
+
+
+def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: Iterable[int] | None) -> None:
+    """The stage's tensors are in the checkpoint, and (local experts) a partial download holds all of its layers'
+    experts; a wide stage's share is checked where the plan is known (assigned.py)."""
+    ckpt.raise_problems(layers=range(start, end), top=top)
+    if serves is None:
+        check_held(ckpt.model_dir, ckpt.config, start, end, None)
+
+
+@dataclass(frozen=True)
+class WeightPlacer:
+    """Places a stage's spine tensors on `device` as sizing.py counts them (roles: see models/weights.py), in
+    the plan's `spine` format."""
+
+    device: torch.device
+    dtype: torch.dtype  # activations
+    spine: str
+
+    def place(self, t: torch.Tensor, role: str, resident: bool = True) -> Weight:
+        if role == "vector":
+            return t.to(self.device, torch.float32)
+        if role == "dense":
+            return t.to(self.device, self.dtype)
+        if (role == "matrix" and matrix_format(self.spine, resident) == "int8" and t.dim() == 2
+                and min(t.shape) > 1):
+            q = quantize_int8_rows(t)
+            return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
+        if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
+            return t if t.device == self.device else t.to(self.device)
+        return t.to(self.device, self.dtype)
+
+    def place_streamed(self, t: torch.Tensor, role: str) -> Weight:
+        return self.place(t, role, resident=False)
+
+
+def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
+                 layers: Iterable[int], backend: str) -> ExpertProvider:
+    """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
+    `expert_dir`), or resident (on MLX, or torch)."""
+    cfg, layers = ckpt.config, list(layers)
+    if sizing.streaming:
+        copies = [open_copy(ckpt, d) for d in options.expert_dir]
+        speeds = options.disk_gbps
+        if speeds is None and copies:
+            speeds = tuple(measure_disk(c, options.sizing.read_threads, options.io) for c in (ckpt, *copies))
+            log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
+                                                    for c, g in zip((ckpt, *copies), speeds, strict=True)))
+        demand_layers = 2 if options.sizing.expert_layers is not None and not sizing.holder_only else 1
+        return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
+                           threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
+                           backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
+                           demand_layers=demand_layers)
+    if backend == "mlx":
+        from deltafin.weights.mlx_slots import MLXResidentExperts  # lazily: the MLX path loads only where it runs
+
+        return MLXResidentExperts(ckpt, layers, activation(cfg), io=options.io)
+    return ResidentExperts(ckpt, layers, device, io=options.io)
+
+
+def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:
+    """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check."""
+    if not cfg.moe_layers or expert_backend(device.type) != "mlx":
+        return "torch"
+    from deltafin.kernels.mlx_moe import verified  # lazily: the MLX path loads only where it runs
+
+    return "mlx" if verified(activation(cfg)) else "torch"
+
+
+def prefix_disk_for(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+                    sizing: StageSizing) -> PrefixDisk | None:
+    """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's identity."""
+    if not options.prefix_dir or not options.prefix_disk_bytes or not sizing.prefixes:
+        return None
+    dtype = str(options.dtype).removeprefix("torch.")
+    identity = f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}"
+    return PrefixDisk(options.prefix_dir, identity, options.prefix_disk_bytes, device)

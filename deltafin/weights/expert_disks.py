@@ -1,0 +1,90 @@
+"""The expert store's disks: the checkpoint and any copies (or parts) of it on other disks, each with shard files
+and reader threads of its own, and which disk reads each expert. The experts of the layers the store serves are
+divided among the disks that hold them in proportion to their speed (plan/expert_placement.py, the code that
+divides a layer among workers); an expert of any other layer is read from the first disk that holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from deltafin.checkpoint.shards import Checkpoint
+from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.weights.expert_slots import Key
+from deltafin.weights.reader import ExpertReader, ReadPlan, ShardFiles, plan_read
+
+
+@dataclass
+class Disk:
+    """One copy (or part) of the checkpoint on one disk, with readers of its own."""
+
+    ckpt: Checkpoint
+    gbps: float
+    files: ShardFiles
+    reader: ExpertReader
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.ckpt.layers_available()
+
+
+class ExpertDisks:
+    """`ckpt`'s disk, then one per copy, read in proportion to `disk_gbps` (one figure per disk; None: all alike),
+    each with `threads` readers doing `io` reads."""
+
+    def __init__(self, ckpt: Checkpoint, copies: Sequence[Checkpoint], disk_gbps: Sequence[float] | None, io: str,
+                 threads: int):
+        speeds = list(disk_gbps) if disk_gbps is not None else [1.0] * (1 + len(copies))
+        if len(speeds) != 1 + len(copies):
+            raise ValueError(f"{len(speeds)} disk speeds for {1 + len(copies)} disks")
+        self.disks: list[Disk] = []
+        for c, gbps in zip((ckpt, *copies), speeds, strict=True):
+            files = ShardFiles(io)
+            self.disks.append(Disk(c, gbps, files, ExpertReader(files, threads=threads)))
+        self.num_experts = ckpt.config.num_experts
+        self.layers: set[int] = set()
+        self.placement: ExpertPlacement | None = None
+        self._plans: dict[Key, tuple[Disk, ReadPlan]] = {}
+
+    def place(self, layers: set[int]) -> None:
+        """Divide the experts of `layers` (the layers served) among the disks."""
+        self.layers = layers
+        self._plans.clear()
+        self.placement = None
+        if len(self.disks) > 1 and self.layers:
+            self.placement = ExpertPlacement.build(
+                [str(i) for i in range(len(self.disks))], sorted(self.layers), self.num_experts,
+                lambda i, layer: self.disks[i].gbps if self.disks[i].holds(layer) else 0.0)
+
+    def plan(self, key: Key) -> tuple[Disk, ReadPlan]:
+        """The disk that reads an expert, and its read there."""
+        found = self._plans.get(key)
+        if found is None:
+            if self.placement is not None and key[0] in self.layers:
+                disk = self.disks[self.placement.owner(*key)]
+            else:
+                disk = next((d for d in self.disks if d.holds(key[0])), self.disks[0])
+            found = self._plans[key] = (disk, plan_read(disk.ckpt.expert(*key)))
+        return found
+
+    def submit(self, key: Key, priority: int, pool: Any, deliver: Callable[[int, ReadPlan], object],
+               abort: Callable[[], bool] | None) -> Future:
+        """Queue an expert's read on its disk's readers (earlier layers first, then by `priority`)."""
+        disk, plan = self.plan(key)
+        return disk.reader.submit((key[0], priority), plan, pool, deliver, abort)
+
+    def read_totals(self) -> tuple[int, int, float]:
+        """(reads, bytes read, seconds reading) summed over the disks."""
+        r = [d.files.stats for d in self.disks]
+        return sum(x.reads for x in r), sum(x.bytes_read for x in r), sum(x.read_seconds for x in r)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each disk's directory, planned speed and reads."""
+        return [{"dir": str(d.ckpt.model_dir), "gbps": d.gbps, "bytes_read": d.files.stats.bytes_read,
+                 "reads": d.files.stats.reads} for d in self.disks]
+
+    def close(self) -> None:
+        for d in self.disks:
+            d.reader.close()
+            d.files.close()

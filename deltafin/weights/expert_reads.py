@@ -1,0 +1,141 @@
+"""The expert store's reads in flight and its prefetcher: guesses of the experts a layer will need, read behind
+every demand read, and staged once read until their layer uses them; demand reads for the experts a layer needs
+now; and who owns each expert as its read lands. A guess is dropped when a newer guess or the layer's real choice
+no longer wants it: cancelled if still queued, stopped between pieces if running. A read another compute thread
+waits for is a demand, which nothing drops.
+
+Every method runs under the store's lock but `landed`, `take` and `abandon`, which take it themselves (a read's
+future calls `landed` in its reader thread, or at once where it is already done)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Container
+from concurrent.futures import Future
+
+from deltafin.weights.expert_disks import ExpertDisks
+from deltafin.weights.expert_slots import Key, Loaded
+from deltafin.weights.expert_stats import ExpertStats
+from deltafin.weights.mlx_slots import MLXSlotPool
+from deltafin.weights.reader import DEMAND, PREFETCH, ReadAborted, ReadPlan, SlotPool
+
+
+class ExpertReads:
+    """Reads of experts from `disks` into `pool`'s slots; `deliver(slot, plan, layer)` turns a filled slot into the
+    expert (in the reader thread), `release` frees the slot of an expert nobody will use."""
+
+    def __init__(self, lock: threading.RLock, disks: ExpertDisks, pool: SlotPool | MLXSlotPool, stats: ExpertStats,
+                 bytes_per_expert: int, deliver: Callable[[int, ReadPlan, int], Loaded],
+                 release: Callable[[Loaded], None]):
+        self.lock, self.disks, self.pool, self.stats = lock, disks, pool, stats
+        self.bytes_per_expert, self.deliver, self.release = bytes_per_expert, deliver, release
+        self.pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
+        self.staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
+        self.abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
+
+    def submit(self, key: Key, priority: int) -> Future:
+        # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
+        abandon = threading.Event() if priority == PREFETCH else None
+        fut = self.disks.submit(key, priority, self.pool,
+                                lambda slot, plan, layer=key[0]: self.deliver(slot, plan, layer),
+                                abandon.is_set if abandon is not None else None)
+        if abandon is not None:
+            self.abandon_flags[fut] = abandon
+        self.pending[key] = (fut, priority)
+        fut.add_done_callback(lambda f, key=key: self.landed(key, f))
+        return fut
+
+    def guess(self, layer: int, ids: list[int], cached: Container[Key], most: int) -> None:
+        """Prefetch a layer's likely experts, most likely first, at most `most` reads and staged guesses in all; a
+        new guess for a layer replaces the previous one."""
+        self.drop_guesses(layer, set(ids))
+        for e in ids:
+            key = (layer, e)
+            if key in self.pending or key in self.staged or key in cached:
+                continue
+            if len(self.staged) + len(self.pending) >= most:
+                break  # bounded: two layers' guesses, so a layer's own k reads always find slots
+            self.submit(key, PREFETCH)
+            self.stats.prefetch_issued += 1
+            self.stats.prefetch_bytes += self.bytes_per_expert
+
+    def drop_guesses(self, layer: int, wanted: set[int]) -> None:
+        """Drop the layer's prefetches of experts not `wanted`."""
+        for key, (fut, priority) in list(self.pending.items()):
+            if key[0] == layer and key[1] not in wanted and priority == PREFETCH:
+                self.drop_guess(key, fut)
+
+    def drop_guess(self, key: Key, fut: Future) -> None:
+        """A prefetch no longer wanted: cancel it if queued, stop it between pieces if running. Either way it
+        leaves `pending` now, so a later request for the expert starts a read of its own."""
+        if fut.cancel():
+            self.stats.prefetch_cancelled += 1
+        else:
+            flag = self.abandon_flags.get(fut)
+            if flag is None or fut.done():
+                return  # landed meanwhile: it is staged and settled like any prefetch
+            flag.set()  # stops between pieces; if it finishes anyway, `landed` frees it as waste
+            self.stats.prefetch_cancelled += 1
+        if self.pending.get(key, (None,))[0] is fut:
+            del self.pending[key]
+
+    def demand(self, key: Key) -> Future:
+        """The read of an expert a layer needs now and nobody has staged or cached."""
+        fut, priority = self.pending.get(key, (None, None))
+        if fut is not None and priority == PREFETCH and fut.cancel():
+            fut = None  # still queued behind other prefetches: read it now instead
+        if fut is None:
+            self.stats.misses += 1
+            return self.submit(key, DEMAND)
+        # a guess being read: it is a demand now, which no newer guess may drop
+        self.stats.prefetch_hits += 1
+        self.pending[key] = (fut, DEMAND)
+        self.abandon_flags.pop(fut, None)
+        return fut
+
+    def landed(self, key: Key, fut: Future) -> None:
+        """A read finished (in its reader thread). Who owns the expert now:
+        - a demand read: the compute thread waiting for it (it claims it in `take`, or `abandon` frees it);
+        - a prefetch still wanted: `staged`, unless the compute thread claimed it first;
+        - a prefetch dropped meanwhile: nobody, so its slot is freed here."""
+        with self.lock:
+            self.abandon_flags.pop(fut, None)
+            current = self.pending.get(key)
+            is_current = current is not None and current[0] is fut
+            if is_current:
+                del self.pending[key]
+            if fut.cancelled() or fut.exception() is not None:
+                return  # the worker freed the slot of a failed read
+            loaded: Loaded = fut.result()
+            if loaded.claimed:
+                return
+            if is_current and current[1] == PREFETCH:
+                self.staged[key] = loaded
+            elif not is_current:
+                self.stats.wasted_bytes += self.bytes_per_expert
+                self.release(loaded)
+
+    def take(self, key: Key, fut: Future) -> Loaded:
+        """The expert of a read the compute thread waited for, claimed (a prefetch may be staged by now)."""
+        try:
+            result = fut.result()
+        except ReadAborted:  # a guess stopped just as it became needed: read it now
+            with self.lock:
+                retry = self.submit(key, DEMAND)
+            result = retry.result()
+        with self.lock:
+            if self.staged.get(key) is result:
+                del self.staged[key]
+            result.claimed = True
+        return result
+
+    def abandon(self, key: Key, fut: Future) -> None:
+        """A read nobody waits for any more (its layer failed): free its slot unless staged or claimed."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self.lock:
+            loaded: Loaded = fut.result()
+            if loaded.claimed or self.staged.get(key) is loaded:
+                return
+            loaded.claimed = True
+        self.release(loaded)

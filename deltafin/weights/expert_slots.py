@@ -1,0 +1,97 @@
+"""Where the expert store's experts live: the host slots its reads fill, and on a GPU the device slots that landed
+experts are copied into. On the CPU and with MLX the read slots are the cache itself (a cached expert owns its slot;
+eviction frees it); on CUDA or MPS the host slots only stage reads, and each expert is copied into a slot of one
+preallocated device tensor and cached there (sizing.py counts both). `land` turns a filled host slot into the
+expert's weights where they will be used, and `release` frees the slot an expert holds."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.models.weights import ExpertWeights
+from deltafin.weights.mlx_slots import MLXSlotPool
+from deltafin.weights.reader import FreeSlots, ReadPlan, SlotPool
+from deltafin.weights.tensors import expert_views
+
+Key = tuple[int, int]  # (layer, expert)
+DeviceCopy = Callable[[torch.Tensor, torch.Tensor], None]  # target <- source (host), complete on return
+
+
+@dataclass
+class Loaded:
+    weights: ExpertWeights
+    slot: int  # the slot holding the data: a host slot (CPU) or a device slot (GPUs)
+    nbytes: int
+    claimed: bool = False  # taken by the compute thread: whoever else sees it must leave it alone
+
+
+class DeviceSlots(FreeSlots):
+    """`count` expert slots in one device tensor (a GPU's expert cache): exact accounting, no allocator
+    rounding per expert, and a blocking `acquire` like the host pool's."""
+
+    def __init__(self, count: int, size: int, device: torch.device):
+        super().__init__(count, "device expert slot")
+        self.size = size
+        self.tensor = torch.empty((count, size), dtype=torch.uint8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.count
+
+
+class ExpertSlots:
+    """A store's slots (see the module docstring): `working` slots for reads in flight and staged guesses beside
+    `cache_slots` for the cache, each `slot` bytes (an MLX slot is MLX's own size)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, backend: str, slot: int, working: int,
+                 cache_slots: int):
+        self.cfg, self.backend, self.slot_bytes = cfg, backend, slot
+        self.on_host = device.type == "cpu" or backend == "mlx"
+        # CPU and MLX: the read slots are the cache. GPUs: host slots stage reads; landed experts live in device slots.
+        self.device_slots: DeviceSlots | None = None
+        if backend == "mlx":
+            self.pool: SlotPool | MLXSlotPool = MLXSlotPool(cfg, working + cache_slots)
+        else:
+            self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot, pinned=device.type == "cuda")
+            if not self.on_host:
+                self.device_slots = DeviceSlots(cache_slots + working, slot, device)
+        if not self.on_host:
+            # the readers' short Python steps between reads and copies must not hold the compute thread off the
+            # GIL for the default 5 ms switch interval at each of its GPU syncs
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+
+    def land(self, slot: int, plan: ReadPlan, copy: DeviceCopy) -> Loaded:
+        """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first by
+        `copy` (the host slot goes back to the pool only once the copy has completed). MLX: the slot itself (its
+        scales were checked as it was filled)."""
+        if self.backend == "mlx":
+            return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
+        raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
+        weights = expert_views(self.cfg, plan.tensors, raw)  # checks the scales on the host
+        if self.device_slots is None:
+            return Loaded(weights, slot, self.pool.size)
+        try:
+            dslot = self.device_slots.acquire(timeout=120)
+            target = self.device_slots.tensor[dslot]
+            copy(target[:plan.span], raw[:plan.span])
+        finally:
+            self.pool.release(slot)
+        return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
+
+    def release(self, loaded: Loaded) -> None:
+        (self.pool if self.device_slots is None else self.device_slots).release(loaded.slot)
+
+    @property
+    def nbytes(self) -> int:
+        """Host slots plus device slots: what the store allocated."""
+        return self.pool.nbytes + (self.device_slots.nbytes if self.device_slots is not None else 0)
+
+    def close(self) -> None:
+        self.device_slots = None  # the GPU's cache memory goes now, not when the store is collected
+        if self.backend == "mlx":
+            self.pool.close()  # type: ignore[union-attr]
