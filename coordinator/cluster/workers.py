@@ -29,6 +29,7 @@ from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
+from deltafin.transport.discovery import browse
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ async def discover_addresses(spec: ClusterSpec, timeout: float | None = None) ->
     """The named addresses, plus those Bonjour finds (when discovery is on)."""
     addresses = list(spec.addresses)
     if spec.discover:
-        from deltafin.transport.discovery import browse
-
         found = await asyncio.to_thread(browse, timeout or spec.discover_timeout, spec.interfaces, spec.expect)
         addresses += [d.address for d in found if d.address not in addresses]
     return addresses

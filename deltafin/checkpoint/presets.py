@@ -76,9 +76,9 @@ K3_VISION: dict[str, Any] = {
     "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
 }
 
-# Where K3's vocabulary puts the specials a config.json names: after the BPE tokens, at these offsets. The same
-# numbers as text/vocab.py's N_SPECIAL and NAMED_SPECIALS (which checkpoint/ may not import);
-# tests/deltafin/checkpoint/test_presets.py checks that they agree.
+# Where K3's vocabulary puts the specials a config.json names: N_SPECIAL ids after the BPE tokens (text/vocab.py
+# takes it from here), these at these offsets (as text/vocab.py's NAMED_SPECIALS, which checkpoint/ may not import;
+# tests/deltafin/checkpoint/test_presets.py checks that they agree).
 N_SPECIAL = 256
 CONFIG_SPECIALS = {"[BOS]": 0, "<|end_of_msg|>": 2, "<|kimi_image_placeholder|>": 21, "[PAD]": 255}
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
+from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
-from deltafin.kernels.mlx_moe import mlx_available
 from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def expert_backend(device: str) -> str:
     """Where a stage on `device` runs its routed experts: "mlx" or "torch" (the fast paths / reference)."""
     choice = selected_kernels()
     if choice == "mlx" or (choice == "auto" and device == "mps"):
-        if mlx_available():
+        if mlx_moe.mlx_available():
             return "mlx"
         if choice == "mlx":
             raise DeltafinError("--kernels mlx needs MLX: pip install mlx (macOS on Apple silicon) or 'mlx[cpu]' "
@@ -136,23 +136,17 @@ def _build_fast_path(device: str) -> Any:
         log.info("kernels for %s: the torch reference (--kernels reference)", device)
         return None
     try:
+        # a device's fast path loads only where it runs (the C library, Triton, Metal)
         if device == "cpu":
-            from deltafin.kernels.cpu import (  # a device's fast path loads only where it runs (C library, Triton, Metal)
-                CPUKernels,
-                load_library,
-            )
+            from deltafin.kernels.cpu import CPUKernels, load_library  # (see above)
 
             fn: Any = CPUKernels(load_library())
         elif device == "cuda":
-            from deltafin.kernels.mxfp4_cuda import (
-                cuda_fast_path,  # a device's fast path loads only where it runs (C library, Triton, Metal)
-            )
+            from deltafin.kernels.mxfp4_cuda import cuda_fast_path  # (see above)
 
             fn = cuda_fast_path()
         elif device == "mps":
-            from deltafin.kernels.mps import (
-                MPSKernels,  # a device's fast path loads only where it runs (C library, Triton, Metal)
-            )
+            from deltafin.kernels.mps import MPSKernels  # (see above)
 
             fn = MPSKernels()
         else:

@@ -339,7 +339,8 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
             have.update(range(a, b))
     missing = [i for i in range(cfg.num_layers) if i not in have]
     if missing:
-        return f"no worker holds layers {id_ranges(missing)}: copy them to a worker's disk or add a worker that has them"
+        return (f"no worker holds layers {id_ranges(missing)}: copy them to a worker's disk or add a worker that has "
+                "them")
     if not any(w.has_top for w in workers):
         return "no worker holds the embedding/head shard: the first and last stages need it"
     biggest = max(workers, key=lambda w: w.memory_bytes)

@@ -9,7 +9,6 @@ wide.LocalPeer in one process).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ class Assigned:
 
 def _same_load(a: StageOptions, b: StageOptions) -> bool:
     """Two assignments' options load the same stage (the planned share of experts only changes expectations)."""
-    return dataclasses.replace(a, expert_share=0.0) == dataclasses.replace(b, expert_share=0.0)
+    return a.replace(expert_share=0.0) == b.replace(expert_share=0.0)
 
 
 def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,

@@ -36,7 +36,7 @@ class Sessions(Mapping[str, SequenceCache]):
     records token ids."""
 
     def __init__(self, cfg: ModelConfig, layers: range, device: torch.device, dtype: torch.dtype,
-                 budget: int | None, prefixes: PrefixStore, *, first: bool):
+                 budget: int | None, prefixes: PrefixStore, *, first: bool) -> None:
         self.cfg, self.layers, self.device, self.dtype = cfg, layers, device, dtype
         self.budget, self.prefixes, self.first = budget, prefixes, first
         self.caches: OrderedDict[str, SequenceCache] = OrderedDict()

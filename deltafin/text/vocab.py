@@ -13,7 +13,7 @@ import random
 import re
 from pathlib import Path
 
-N_SPECIAL = 256
+from deltafin.checkpoint.presets import N_SPECIAL  # the ids K3 reserves for specials at the vocabulary's end
 
 # offset from the first special id -> token text (K3: 163584 + offset)
 NAMED_SPECIALS = {
@@ -154,6 +154,7 @@ def forward(self, hidden_states, cache=None):
     return residual + self.attention(hidden_states, cache=cache)
 for (int i = 0; i < n; ++i) { sum += weights[i] * inputs[i]; }
 import torch; x = torch.zeros(1024, 7168, dtype=torch.bfloat16)
+
 人工智能正在改变我们的世界。大型语言模型可以在个人电脑上运行。专家混合模型只激活一部分参数。
 今天天气很好，我们去公园散步吧。这个模型有九十三层，每层有八百九十六个专家。
 Numbers: 3.14159 2.71828 1024 2048 4096 65536 163840 2026-11-30 12:34:56 $19.99 100%

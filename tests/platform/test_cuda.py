@@ -30,7 +30,8 @@ def test_planned_equals_allocated_at_full_width(k3_cut, spine):
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     stage = Stage(open_checkpoint(k3_cut, cfg), 0, cfg.num_layers, device=CUDA,
-                  options=StageOptions(memory_bytes=40 * GB, host_memory_bytes=40 * GB, sizing=SizingOptions(spine=spine)))
+                  options=StageOptions(memory_bytes=40 * GB, host_memory_bytes=40 * GB,
+                                       sizing=SizingOptions(spine=spine)))
     try:
         z = stage.sizing
         assert z.spine == spine and z.streaming and not z.streamed_layers
@@ -56,7 +57,8 @@ def test_cuda_logits_equal_the_cpus(tiny_dir):
     ids = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44])
     out = []
     for device in (torch.device("cpu"), CUDA):
-        stage = Stage(ckpt, 0, cfg.num_layers, device=device, options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10**6)))
+        stage = Stage(ckpt, 0, cfg.num_layers, device=device,
+                      options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10**6)))
         out.append(stage.forward([SeqInput("s", 0, ids=ids)], all_logits=True)[0].logits.cpu())
         stage.close()
     rel = (out[0] - out[1]).norm(dim=-1) / out[0].norm(dim=-1)

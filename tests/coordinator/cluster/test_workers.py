@@ -134,7 +134,8 @@ def test_pipelined_batches_match_solo_runs(small_dir):
     async def run(addresses: list[str], depth: int, which: list[str]):
         backend, _ = await connect_cluster(ClusterSpec(small_dir, addresses=addresses, discover=False),
                                            show_progress=False)
-        engine = Engine(backend, tok, load_config(small_dir), "small", ServingOptions(max_active=8, pipeline_depth=depth))
+        engine = Engine(backend, tok, load_config(small_dir), "small", ServingOptions(max_active=8,
+                                                                                      pipeline_depth=depth))
 
         async def one(prompt: str) -> list[int]:
             return [e.token_id async for e in engine.run(tok.encode(prompt), None, max_tokens=12, ignore_eos=True)

@@ -82,7 +82,8 @@ def test_with_room_for_one_state_the_next_turn_still_resumes(tiny_dir):
     one = n_kda * kda_state_bytes(cfg) + (cfg.num_layers - n_kda) * mla_capacity(1024) * mla_row_bytes(cfg, 4)
 
     async def run():
-        pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=one)))
+        pipe = LocalPipeline.load(tiny_dir, 1, device="cpu",
+                                  options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=one)))
         engine = Engine(LocalBackend(pipe), tok, cfg, "t", prefix_cache=True)
         try:
             prompt, cached, lengths = list(PROMPT), [], []

@@ -10,7 +10,8 @@ def test_bench_decode_json_on_tiny(tiny_dir):
     from deltafin.cli.bench import bench_decode
 
     r = bench_decode(tiny_dir, tokens=3, prompt=2, device="cpu",
-                     options=StageOptions(sizing=SizingOptions(expert_cache_bytes=100_000, read_threads=2)), measure_disk=False)
+                     options=StageOptions(sizing=SizingOptions(expert_cache_bytes=100_000,
+                                                               read_threads=2)), measure_disk=False)
     for key in ("tok_per_s", "s_per_token_median", "bytes_read_per_token", "read_GBps_achieved", "cache_hit_rate",
                 "prefetch_recall", "io_wait_s_per_token", "compute_s_per_token", "t_compute_s", "policy_hit_rates",
                 "plan_gb", "peak_rss_gb", "planned_gb"):
@@ -28,7 +29,8 @@ def test_bench_prefill_reads_each_expert_once_per_forward(tiny_dir):
     cfg = load_config(tiny_dir)
     every = len(cfg.moe_layers) * cfg.num_experts * cfg.bytes_per_expert  # the experts' bytes
     whole, chunked = (bench_prefill(tiny_dir, [600], device="cpu", measure_disk=False,
-                                    options=StageOptions(sizing=SizingOptions(expert_cache_bytes=1, read_threads=2, prefill_chunk=n))) for n in (600, 100))
+                                    options=StageOptions(sizing=SizingOptions(expert_cache_bytes=1, read_threads=2,
+                                                                              prefill_chunk=n))) for n in (600, 100))
     one, six = whole["lengths"]["600"], chunked["lengths"]["600"]
     assert (one["forwards"], six["forwards"]) == (1, 6)
     experts = len(cfg.moe_layers) * cfg.num_experts

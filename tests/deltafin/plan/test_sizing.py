@@ -161,7 +161,8 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)
     context = 40
-    opts = StageOptions(sizing=SizingOptions(spine=spine, sequences=2, context=context, read_threads=2, expert_cache_bytes=None if layout == "resident" else 3 * 10**5))
+    opts = StageOptions(sizing=SizingOptions(spine=spine, sequences=2, context=context, read_threads=2,
+                                             expert_cache_bytes=None if layout == "resident" else 3 * 10**5))
     if layout == "streamed":  # a budget under the whole stage's: the tail streams
         sizing = opts.sizing_for(layer_spans(ckpt))
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
@@ -248,7 +249,9 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     slot, k = expert_slot_bytes(cfg), cfg.experts_per_token
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
-    opts = StageOptions(expert_dir=(str(copy),), disk_gbps=(1.0, 2.0), sizing=SizingOptions(read_threads=2, expert_cache_bytes=10 * slot, expert_layers=len(cfg.moe_layers), expert_share=0.5))
+    opts = StageOptions(expert_dir=(str(copy),), disk_gbps=(1.0, 2.0),
+                        sizing=SizingOptions(read_threads=2, expert_cache_bytes=10 * slot,
+                                             expert_layers=len(cfg.moe_layers), expert_share=0.5))
     stage = Stage(ckpt, 0, 2, device=CPU, options=opts, serves=cfg.moe_layers)
     try:
         z = stage.sizing
@@ -258,7 +261,8 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
         assert stage.experts.layers == set(cfg.moe_layers)  # others' layers too
     finally:
         stage.close()
-    budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2, expert_layers=len(cfg.moe_layers), expert_share=0.5))
+    budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2, expert_layers=len(cfg.moe_layers),
+                                                                    expert_share=0.5))
     sizing = holder_sizing(ckpt, CPU, budget)
     assert sizing.holder_only and sizing.device_total <= 2 * GB and sizing.sessions == sizing.layers == 0
     # the cache never outgrows every expert it could be asked for

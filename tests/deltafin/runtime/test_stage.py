@@ -117,7 +117,8 @@ def test_debug_log_says_the_plan_and_each_forwards_reads_and_waits(ckpt, caplog)
     import re
 
     caplog.set_level(logging.DEBUG, logger="deltafin.runtime.stage")
-    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=10**6)))
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(prefetch=False,
+                                                               sizing=SizingOptions(expert_cache_bytes=10**6)))
     try:
         (plan,) = [r.getMessage() for r in caplog.records if "plan:" in r.getMessage()]
         assert f"forwards of up to {stage.sizing.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan

@@ -41,7 +41,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("model", ["tiny_dir", "small_dir"])
 def test_one_forward_equals_chunks_of_512_and_token_by_token(model, request):
     model_dir = request.getfixturevalue(model)
-    pipe = LocalPipeline.load(model_dir, 2, device="cpu", options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT)))
+    pipe = LocalPipeline.load(model_dir, 2, device="cpu",
+                              options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT)))
     try:
         ids = _prompt(pipe.stages[0].cfg.vocab_size)
         whole = _last_logits(pipe, "whole", ids, PROMPT)
@@ -55,7 +56,8 @@ def test_one_forward_equals_chunks_of_512_and_token_by_token(model, request):
 
 def test_a_decode_step_riding_a_long_forward_gets_its_own_logits(tiny_dir):
     """Rows of two sequences in one forward longer than a piece: each gets what it gets alone."""
-    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT + 1)))
+    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu",
+                              options=StageOptions(sizing=SizingOptions(prefill_chunk=PROMPT + 1)))
     try:
         ids = _prompt(pipe.stages[0].cfg.vocab_size)
         pipe.forward([SeqInput("stream", 0, ids=ids[:40])])

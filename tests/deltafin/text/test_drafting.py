@@ -371,7 +371,8 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     cfg = load_config(tiny_dir)
     context, sequences = 256, 2  # one MLA block: the caches are whole at the planned length
     plain = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context))
-    drafting = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context, speculative_tokens=SPECULATIVE_TOKENS))
+    drafting = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context,
+                                                                       speculative_tokens=SPECULATIVE_TOKENS))
     stage = Stage(open_checkpoint(tiny_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=drafting)
     try:
         n_kda = sum(kind.name == "KDA" for kind in cfg.layer_kinds)
@@ -392,7 +393,8 @@ def test_verify_bench_reports_a_pass_per_draft_count(small_dir: Path) -> None:
     from deltafin.cli import bench
     from deltafin.runtime.stage_options import StageOptions
 
-    result = bench.bench_verify(small_dir, [1, 8], device="cpu", options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10 ** 7)))
+    result = bench.bench_verify(small_dir, [1, 8], device="cpu",
+                                options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10 ** 7)))
     passes = result["passes"]
     assert list(passes) == ["0", "1", "8"] and [p["tokens"] for p in passes.values()] == [1, 2, 9]
     assert 0 < passes["0"]["expert_gb"] < passes["8"]["expert_gb"]  # more tokens route to more experts

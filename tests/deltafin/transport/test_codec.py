@@ -74,7 +74,8 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
     for bad in ({"warp_drive": 1}, {"read_threads": "many"}):
         with pytest.raises(CodecError):
             codec.encode_stage_options(bad)
-    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(sizing=SizingOptions(expert_cache_bytes=200_000)))
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32",
+                              options=StageOptions(sizing=SizingOptions(expert_cache_bytes=200_000)))
     try:
         from deltafin.runtime.stage import SeqInput
 

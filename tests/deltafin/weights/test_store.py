@@ -55,7 +55,8 @@ def test_store_returns_the_bytes_safetensors_reads(tiny_dir: Path, io: str):
 def _pipelines(model: Path, stages: int, cache_bytes: int, **opts):
     resident = LocalPipeline.load(model, 1, device="cpu")
     streaming = LocalPipeline.load(model, stages, device="cpu",
-                                   options=StageOptions().replace(expert_cache_bytes=cache_bytes, read_threads=3, **opts))
+                                   options=StageOptions().replace(expert_cache_bytes=cache_bytes, read_threads=3,
+                                                                  **opts))
     return resident, streaming
 
 
@@ -89,7 +90,8 @@ def test_streaming_logits_equal_resident(tiny_dir, small_dir, preset, stages, op
 def test_expert_store_counts_hits_with_a_big_cache(small_dir):
     cfg = load_config(small_dir)
     pipe = LocalPipeline.load(small_dir, 1, device="cpu",
-                              options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=10**9, read_threads=2)))
+                              options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=10**9,
+                                                                                        read_threads=2)))
     try:
         _decode(pipe, "a", steps=1)
         _decode(pipe, "b", steps=1)  # the same tokens again: every expert is cached now
@@ -313,7 +315,9 @@ def test_one_machine_with_two_disks_reads_from_both(tiny_dir, tmp_path):
     copy = tmp_path / "ssd2"
     shutil.copytree(tiny_dir, copy)
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    two = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(expert_dir=(str(copy),), sizing=SizingOptions(expert_cache_bytes=0, read_threads=2)))
+    two = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(expert_dir=(str(copy),),
+                                                                             sizing=SizingOptions(expert_cache_bytes=0,
+                                                                                                  read_threads=2)))
     try:
         want = resident.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
         assert torch.equal(two.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits, want)
