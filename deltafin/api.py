@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from deltafin.coordinator.cluster.connect import ClusterOptions
 from deltafin.coordinator.engine.engine import ServingOptions, open_engine
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
-from deltafin.errors import DeltafinError, SamplingError
+from deltafin.errors import DeltafinError
 from deltafin.options import from_values, option_names
 from deltafin.runtime.stage_options import StageOptions, stage_option_names, stage_options
 from deltafin.text.chat import (
@@ -141,11 +141,11 @@ class _Loop:
         self.loop.close()
 
 
-def _options(model_path: str | Path, options: dict[str, Any], **fixed: Any) -> tuple[ClusterOptions, StageOptions,
-                                                                                     ServingOptions]:
-    """The user's keyword `options`, as `deltafin-coordinator --model DIR ... serve` takes them (its flags'
-    names with underscores), and what the call itself says (`fixed`), as the typed values the coordinator builds
-    from its flags; checked before anything loads."""
+def model_options(model_path: str | Path, options: dict[str, Any],
+                  **fixed: Any) -> tuple[ClusterOptions, StageOptions, ServingOptions]:
+    """The typed values `load` and `connect` open a model with: the user's keyword `options`, named as
+    `deltafin-coordinator --model DIR ... serve` names its flags (with underscores), and what the call itself says
+    (`fixed`); the same values the coordinator builds from its flags, checked before anything loads."""
     known = (option_names(ClusterOptions, ServingOptions) | stage_option_names()) - {"model", "local", *fixed}
     for name in options:
         if name not in known:
@@ -153,8 +153,6 @@ def _options(model_path: str | Path, options: dict[str, Any], **fixed: Any) -> t
     values = {**options, **fixed, "model": str(model_path)}
     try:
         return ClusterOptions.of(values), stage_options(values), from_values(ServingOptions, values)
-    except SamplingError:
-        raise
     except DeltafinError as e:  # the flags' names, as the keywords they are here
         raise DeltafinError(re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), str(e))) from None
 
@@ -329,7 +327,7 @@ def load(model_path: str | Path, device: str = "auto", *, progress: bool = True,
     """K3 in this process (single-machine mode, `deltafin-coordinator --local`): `device` auto | cpu | mps | cuda;
     `options` as the coordinator's (`local_stages=2`, `memory_gb=48`, `dtype="bf16"`, `spine="int8"`, ...).
     `progress`: show the load's progress on stderr."""
-    return Model(*_options(model_path, options, local=True, device=device), progress)
+    return Model(*model_options(model_path, options, local=True, device=device), progress)
 
 
 def connect(model_path: str | Path, workers: list[str] | None = None, *, discover: bool = True,
@@ -339,7 +337,7 @@ def connect(model_path: str | Path, workers: list[str] | None = None, *, discove
     directory the workers have too (its config and tokenizer are read here)."""
     if not workers and not discover:
         raise DeltafinError("no workers: give their addresses (workers=[...]) or let them be discovered")
-    return Model(*_options(model_path, options, worker=list(workers or []), discover=discover), progress)
+    return Model(*model_options(model_path, options, worker=list(workers or []), discover=discover), progress)
 
 
 class KimiK3Engine:

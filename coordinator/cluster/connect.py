@@ -95,7 +95,8 @@ async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelC
     backend, plan = await connect_cluster(cluster_spec(cluster, stage, cfg), show_progress=show_progress,
                                           recovery=RecoveryOptions(enabled=cluster.recovery,
                                                                    rejoin_interval=cluster.rejoin_interval,
-                                                                   journal_tokens=cluster.replay_journal_tokens))
+                                                                   journal_tokens=cluster.replay_journal_tokens),
+                                          cfg=cfg)
     if show_progress:
         print(plan.table(), file=sys.stderr)
     else:

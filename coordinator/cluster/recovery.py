@@ -248,9 +248,10 @@ def experts_moved(before: Plan | None, after: Plan) -> str:
     return "wide experts: " + ("; ".join(parts) if parts else "shares rebalanced")
 
 
-async def connect_cluster(spec: ClusterSpec, show_progress: bool = True,
-                          recovery: RecoveryOptions | None = None) -> tuple[ResilientCluster, Plan]:
-    """Find the workers, plan, load the stages; the result recovers from losing workers."""
-    cfg = load_config(spec.model_dir)
+async def connect_cluster(spec: ClusterSpec, show_progress: bool = True, recovery: RecoveryOptions | None = None,
+                          cfg: ModelConfig | None = None) -> tuple[ResilientCluster, Plan]:
+    """Find the workers, plan, load the stages; the result recovers from losing workers. `cfg`: the model's
+    config when the caller has read it already."""
+    cfg = cfg or load_config(spec.model_dir)
     backend, plan = await assign_plan(spec, cfg, await find_workers(spec), show_progress)
     return ResilientCluster(spec, cfg, backend, plan, recovery), plan

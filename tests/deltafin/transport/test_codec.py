@@ -149,3 +149,15 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
         [dataclasses.replace(batch[1], session_id="ids")], False, "r", 10_000)
     with pytest.raises(CodecError, match="do not join"):
         codec.decode_request_parts(mixed)
+
+
+def test_prefill_chunk_and_prefix_cache_bytes_keep_their_first_names_in_none() -> None:
+    """The wire's bytes are as before the fields were renamed: `none` spells them max_forward_tokens and
+    prefix_bytes, and both spellings decode to the same options."""
+    msg = codec.encode_stage_options({"prefill_chunk": None, "prefix_cache_bytes": None})
+    assert list(msg.none) == ["max_forward_tokens", "prefix_bytes"]
+    defaults = StageOptions(sizing=SizingOptions(prefill_chunk=64, prefix_cache_bytes=10))
+    got = codec.decode_stage_options(pb.StageOptions.FromString(msg.SerializeToString()), defaults)
+    assert got.sizing.prefill_chunk is None and got.sizing.prefix_cache_bytes is None
+    sent = codec.encode_stage_options({"prefill_chunk": 128})
+    assert codec.decode_stage_options(sent, defaults).sizing.prefill_chunk == 128

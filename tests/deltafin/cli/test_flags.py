@@ -1,0 +1,86 @@
+"""A flag and a Python keyword become the same typed value: the command line's option groups and the Python API
+build ClusterOptions, StageOptions (with its SizingOptions) and ServingOptions through one rule, and a bad value
+fails when the value is built, with its flag named, before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafin.api import model_options
+from deltafin.cli.flags import cluster_from_args, sampling_from_args, serving_from_args, stage_from_args
+from deltafin.coordinator.main import build_parser as coordinator_parser
+from deltafin.errors import DeltafinError
+from deltafin.worker.main import build_parser as worker_parser
+
+FLAGS = ["--memory-gb", "3", "--spine", "int8", "--prefill-chunk", "600", "--threads", "3", "--policy", "lru",
+         "--no-prefetch", "--expert-dir", "/disk2", "--prefix-disk-gb", "0", "--dtype", "bf16", "--local",
+         "--local-stages", "2", "--worker-timeout", "4"]
+KEYWORDS = {"memory_gb": 3, "spine": "int8", "prefill_chunk": 600, "read_threads": 3, "cache_policy": "lru",
+            "prefetch": False, "expert_dir": ["/disk2"], "prefix_disk_gb": 0, "dtype": "bf16", "local_stages": 2,
+            "worker_timeout": 4, "max_active": 2, "max_context": 8192}
+
+
+def _from_flags(model: Path, *extra: str):
+    args = coordinator_parser().parse_args(["--model", str(model), *FLAGS, "serve", "--max-active", "2",
+                                            "--max-context", "8192", *extra])
+    return cluster_from_args(args), stage_from_args(args), serving_from_args(args)
+
+
+def test_the_flags_and_the_python_keywords_build_the_same_options(tmp_path: Path) -> None:
+    cluster, stage, serving = _from_flags(tmp_path)
+    assert (cluster, stage, serving) == model_options(tmp_path, KEYWORDS, local=True, device="auto")
+    assert stage.memory_bytes == 3 * 10**9 and stage.dtype == torch.bfloat16 and stage.expert_dir == ("/disk2",)
+    assert (stage.sizing.spine, stage.sizing.prefill_chunk, stage.sizing.read_threads) == ("int8", 600, 3)
+    assert (stage.cache_policy, stage.prefetch, stage.prefix_dir) == ("lru", False, None)
+    assert (cluster.local, cluster.local_stages, cluster.worker_timeout) == (True, 2, 4.0)
+    assert (serving.max_active, serving.max_context) == (2, 8192)
+
+
+def test_old_flag_spellings_are_aliases_of_the_ones_named_like_the_fields(tmp_path: Path) -> None:
+    new = ["--read-threads", "3", "--cache-policy", "lru"]
+    old = ["--threads", "3", "--policy", "lru"]
+    parse = lambda flags: stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), *flags]))
+    assert parse(new) == parse(old) != parse([])
+
+
+def test_kept_prefixes_go_to_the_cache_directory_unless_the_disk_budget_is_zero(tmp_path: Path) -> None:
+    parse = lambda *flags: stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), *flags]))
+    assert parse().prefix_dir.endswith("prefixes") and parse().prefix_disk_bytes == 32 * 10**9
+    assert parse("--prefix-dir", str(tmp_path)).prefix_dir == str(tmp_path)
+    assert parse("--prefix-disk-gb", "0").prefix_dir is None
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--sequences", "0"], "--sequences must be at least 1"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
+    (["--threads", "0"], "--read-threads must be at least 1"),
+    (["--memory-gb", "-1"], "--memory-gb must not be negative"),
+    (["--expert-cache-gb", "-2"], "--expert-cache-gb must not be negative"),
+    (["--max-resident-layers", "-1"], "--max-resident-layers must not be negative"),
+    (["--prefix-disk-gb", "-1"], "--prefix-disk-gb must not be negative"),
+])
+def test_a_bad_stage_value_fails_when_built_with_its_flag_named(tmp_path: Path, flags, message) -> None:
+    with pytest.raises(DeltafinError, match=message):
+        stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), *flags]))
+
+
+def test_bad_serving_and_cluster_values_fail_before_anything_loads(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"  # nothing is read: the values fail first
+    with pytest.raises(DeltafinError, match="--max-active and --default-max-tokens must be >= 1"):
+        _from_flags(missing, "--queue-depth", "-1")
+    with pytest.raises(DeltafinError, match="max_active and .*must be >= 1"):
+        model_options(missing, {"max_active": 0}, local=True, device="cpu")
+    with pytest.raises(DeltafinError, match="worker_timeout and forward_timeout must be positive"):
+        model_options(missing, {"worker_timeout": 0}, local=True, device="cpu")
+    with pytest.raises(DeltafinError, match="spine: invalid choice: 'fp4'"):
+        model_options(missing, {"spine": "fp4"}, local=True, device="cpu")
+
+
+def test_the_sampling_flags_are_one_sampling_value(tmp_path: Path) -> None:
+    args = coordinator_parser().parse_args(["--model", str(tmp_path), "generate", "hi", "--temperature", "0.5",
+                                            "--top-k", "7", "--seed", "3"])
+    params = sampling_from_args(args)
+    assert (params.temperature, params.top_k, params.seed, params.top_p) == (0.5, 7, 3, 1.0)

@@ -1,0 +1,33 @@
+"""Typed options from named values: a size in GB fills its _bytes field, nested options fill from the same values,
+names for other options are left alone, and the checks name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltafin.errors import DeltafinError
+from deltafin.options import at_least, check_choice, flag, from_values, option_names
+from deltafin.plan.sizing import SizingOptions
+from deltafin.runtime.stage_options import StageOptions
+
+
+def test_sizes_in_gb_fill_their_bytes_fields_and_nested_options_fill_too() -> None:
+    got = from_values(StageOptions, {"memory_gb": 1.5, "expert_cache_gb": None, "context": 512, "io": "buffered",
+                                     "max_active": 9})  # max_active: another concern's, left alone
+    assert got.memory_bytes == 1_500_000_000 and got.io == "buffered"
+    assert got.sizing == SizingOptions(expert_cache_bytes=None, context=512)
+
+
+def test_the_names_are_the_fields_with_sizes_in_gb() -> None:
+    names = option_names(StageOptions)
+    assert {"memory_gb", "expert_cache_gb", "prefix_cache_gb", "prefill_chunk", "read_threads", "cache_policy"} <= names
+    assert not {"memory_bytes", "sizing", "expert_cache_bytes"} & names
+
+
+def test_the_checks_name_the_flag() -> None:
+    assert flag("expert_cache_gb") == "--expert-cache-gb"
+    with pytest.raises(DeltafinError, match=r"--io: invalid choice: 'mmap' \(choose from 'direct', 'buffered'\)"):
+        check_choice("io", "mmap", ("direct", "buffered"))
+    with pytest.raises(DeltafinError, match="--context must be at least 1"):
+        at_least(1, sequences=2, context=0)
+    at_least(0, memory_gb=None, prefix_disk_gb=0)  # not given, or at the bound: fine
