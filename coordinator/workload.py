@@ -21,11 +21,12 @@ import torch
 import deltafin
 from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
+from deltafin.options import CACHE_POLICIES
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import NgramDrafter
-from deltafin.weights.expert_cache import POLICIES, simulate
+from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder
 
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -138,7 +139,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
 def _routing(cfg: Any, trace: list[tuple[int, list[int]]], all_experts: int) -> dict[str, Any]:
     """Policy hit rates at CACHE_SHARES of all experts, and how much consecutive tokens share experts."""
     steps = [[(layer, e) for e in ids] for layer, ids in trace]
-    rates = {f"{share:g}": {p: round(simulate(p, max(1, int(share * all_experts)), steps), 4) for p in POLICIES}
+    rates = {f"{share:g}": {p: round(simulate(p, max(1, int(share * all_experts)), steps), 4) for p in CACHE_POLICIES}
              for share in CACHE_SHARES}
     last: dict[int, set[int]] = {}
     shared = pairs = 0

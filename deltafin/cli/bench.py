@@ -28,6 +28,7 @@ from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.devices import synchronize
 from deltafin.models.weights import ExpertWeights
+from deltafin.options import CACHE_POLICIES
 from deltafin.plan.sizing import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -35,7 +36,7 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import distinct_experts
 from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.diskspeed import expert_read_speed
-from deltafin.weights.expert_cache import POLICIES, simulate
+from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder
 from deltafin.weights.reader import ShardFiles, SlotPool, plan_read
 from deltafin.weights.tensors import expert_views
@@ -309,7 +310,7 @@ def _streaming_numbers(pipe: Any, stage: Any, ids: torch.Tensor, inputs: list, t
     cfg = stage.cfg
     capacity = max(1, stage.sizing.expert_cache // cfg.bytes_per_expert)
     steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
-    out: dict[str, Any] = {"policy_hit_rates": {p: round(simulate(p, capacity, steps), 4) for p in POLICIES}}
+    out: dict[str, Any] = {"policy_hit_rates": {p: round(simulate(p, capacity, steps), 4) for p in CACHE_POLICIES}}
     t_compute = _replay(pipe, stage, ids, inputs)
     out["t_compute_s"] = round(t_compute, 4)
     disk = result.get("disk", {}).get("disk_GBps")

@@ -1,6 +1,6 @@
 """A byte-budgeted cache of experts with pluggable eviction policies (pure: no I/O, no threads).
 
-Policies (`POLICIES`), compared on recorded routing traces by `deltafin bench --model ... --policies`:
+Policies (`options.CACHE_POLICIES`), compared on recorded routing traces by `deltafin bench --model ... --policies`:
   lru     evict the least recently used expert
   lfu     evict the least frequently used (counts decay by half every `half_life` accesses, so yesterday's
           favourites do not squat forever); ties broken by recency
@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from deltafin.options import CACHE_POLICIES
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -94,9 +96,6 @@ class PinnedLRU(Policy[K]):
         return [k for k in self.lru.order if k not in pinned] + [k for k in self.lru.order if k in pinned]
 
 
-POLICIES = ("lru", "lfu", "pinned")
-
-
 def make_policy(name: str, capacity_entries: int, pinned_fraction: float = 0.5) -> Policy:
     if name == "lru":
         return LRU()
@@ -104,7 +103,7 @@ def make_policy(name: str, capacity_entries: int, pinned_fraction: float = 0.5) 
         return LFU()
     if name == "pinned":
         return PinnedLRU(int(capacity_entries * pinned_fraction))
-    raise ValueError(f"unknown cache policy {name!r}: use one of {', '.join(POLICIES)}")
+    raise ValueError(f"unknown cache policy {name!r}: use one of {', '.join(CACHE_POLICIES)}")
 
 
 @dataclass
