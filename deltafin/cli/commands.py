@@ -187,6 +187,12 @@ def _bench_model(args: argparse.Namespace) -> dict:
         args.context = max(args.context, *lengths)
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
+    if args.quality:
+        from deltafin.cli import bench_quality  # torch: loaded when the command runs
+
+        spine = "int8" if args.spine == "auto" else args.spine
+        return bench_quality.spine_quality(args.model, spine, bench_quality.sequences_for(args.model, args.text),
+                                           device=args.device, tokens=args.tokens)
     if args.workload:
         from deltafin.coordinator.workload import (
             bench_workload,  # torch: loaded when the command runs
@@ -194,7 +200,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
 
         if not 0 < args.cache_share <= 1:
             raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
-        return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens,
+        return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens or 16,
                               device=args.device, cache_share=args.cache_share,
                               options=options if args.expert_cache_gb is not None else None)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
@@ -210,7 +216,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
         return bench.bench_second_turn(args.model, prompt, new, **common)
     if lengths:
         return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
-    return bench.bench_decode(args.model, tokens=args.tokens, prompt=args.prompt, measure_disk=not args.no_disk,
+    return bench.bench_decode(args.model, tokens=args.tokens or 16, prompt=args.prompt, measure_disk=not args.no_disk,
                               **common)
 
 
@@ -261,10 +267,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    "set of such prompts greedily, with and without n-gram drafts (acceptance, forwards per token), "
                    "and replay the answers through a streaming stage (each cache policy's hit rate on that routing "
                    "trace, prefetch recall)")
+    p.add_argument("--quality", action="store_true", help="--model: what --spine (default int8) costs against the "
+                   "spine as stored (bf16): perplexity of both, mean KL divergence of the next-token distribution and "
+                   "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE")
+    p.add_argument("--text", metavar="FILE", help="--quality: the text to measure on (cut into 2048-token "
+                   "sequences)")
     p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
                    "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
-    p.add_argument("--tokens", type=int, default=16, help="decode steps to time (default 16); --workload: the most "
-                   "tokens of each answer")
+    p.add_argument("--tokens", type=int, default=None, help="decode steps to time (default 16); --workload: the "
+                   "most tokens of each answer (default 16); --quality: the most positions measured (default: all)")
     p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
     p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
     p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")

@@ -42,3 +42,17 @@ async def test_local_stages_get_the_speculative_reservation(tiny_dir: Path) -> N
         finally:
             await engine.close()
     assert sessions["ngram"] > sessions["none"]
+
+
+async def test_a_start_parses_config_json_once(tiny_dir: Path, monkeypatch) -> None:
+    """Opening the engine (config, tokenizer, in-process stages) reads config.json one time."""
+    from deltafin.checkpoint import config
+
+    calls = []
+    parse = config.parse_config
+    monkeypatch.setattr(config, "parse_config", lambda raw: calls.append(1) or parse(raw))
+    args = _args(tiny_dir, "--local")
+    engine = await open_engine(cluster_from_args(args), stage_from_args(args), serving_from_args(args),
+                               show_progress=False)
+    await engine.close()
+    assert len(calls) == 1

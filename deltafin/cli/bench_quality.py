@@ -1,0 +1,114 @@
+"""`deltafin bench --quality`: what a spine format costs, measured against the spine as stored.
+
+The same token sequences go through two in-process stages of the same checkpoint: one with the spine as stored
+(bf16) and one with the format asked for (`--spine`). At every position but each sequence's last: the format's
+next-token cross entropy (its perplexity, beside the stored spine's), the KL divergence of its next-token
+distribution from the stored one's (mean over positions, in nats), and whether both put the same token first.
+The text is k3-mini's held-out split (the conversations of the standard-library modules its training left out,
+deltafin/mini/corpus.py) for k3-mini, or `--text FILE` for any checkpoint, cut into sequences of at most
+SEQUENCE_TOKENS. The experts stay as stored in both: only the spine differs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deltafin.errors import DeltafinError
+from deltafin.mini import corpus
+from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.plan.sizing import SizingOptions
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.text.tokenizer import K3Tokenizer
+
+SEQUENCE_TOKENS = 2048  # a sequence of --text; a conversation of the held-out split is one sequence
+STORED = "bf16"
+
+
+def trained_on_the_corpus(model: str | Path) -> bool:
+    """A checkpoint k3-mini's recipe trained (its config.json records it): its held-out split is the text."""
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("deltafin_trained"), dict)
+
+
+def sequences_for(model: str | Path, text: str | None) -> list[list[int]]:
+    """The token sequences `--quality` measures on: `text` (a file), else k3-mini's held-out split."""
+    tokenizer = K3Tokenizer.load(model)
+    if text is not None:
+        return text_sequences(tokenizer, Path(text))
+    if not trained_on_the_corpus(model):
+        raise DeltafinError(f"{model} was not trained by k3-mini's recipe, so it has no held-out split: give the "
+                            "text to measure on with --text FILE")
+    return heldout_sequences(tokenizer)
+
+
+def heldout_sequences(tokenizer: K3Tokenizer, seed: int = 0) -> list[list[int]]:
+    """k3-mini's held-out conversations in K3's chat format, as its evaluation encodes them."""
+    entries = corpus.entries(corpus.stdlib_root())
+    _, heldout = corpus.split(corpus.labeled_conversations(entries, seed), seed=seed)
+    return corpus.encode_all(tokenizer, heldout, seed)
+
+
+def text_sequences(tokenizer: K3Tokenizer, path: Path) -> list[list[int]]:
+    """A text file's tokens, in sequences of at most SEQUENCE_TOKENS."""
+    try:
+        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeltafinError(f"cannot read --text {path}: {e}") from None
+    if len(ids) < 2:
+        raise DeltafinError(f"--text {path} has {len(ids)} tokens: it needs at least 2")
+    return [ids[i:i + SEQUENCE_TOKENS] for i in range(0, len(ids), SEQUENCE_TOKENS) if len(ids[i:]) > 1]
+
+
+def _logits(pipe: LocalPipeline, session: str, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, vocab] of every position, in forwards of PIECE_TOKENS (the most that return them all)."""
+    out = torch.cat([pipe.forward([SeqInput(session, s, ids=ids[s:s + PIECE_TOKENS])], all_logits=True)[0].logits
+                     for s in range(0, len(ids), PIECE_TOKENS)])
+    pipe.release(session)
+    return out.float().cpu()
+
+
+def compare(stored: LocalPipeline, other: LocalPipeline, sequences: list[list[int]], tokens: int | None) -> dict:
+    """The sums over `sequences` (at most `tokens` positions in all) that `spine_quality` reports."""
+    nats = {"stored": 0.0, "other": 0.0}
+    kl, same, count = 0.0, 0, 0
+    for i, seq in enumerate(sequences):
+        if tokens is not None and count >= tokens:
+            break
+        ids = torch.tensor(seq[:None if tokens is None else tokens - count + 1], dtype=torch.long)
+        a, b = _logits(stored, f"q-{i}", ids)[:-1], _logits(other, f"q-{i}", ids)[:-1]
+        nats["stored"] += float(F.cross_entropy(a, ids[1:], reduction="sum"))
+        nats["other"] += float(F.cross_entropy(b, ids[1:], reduction="sum"))
+        kl += float(F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="sum"))
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        count += len(ids) - 1
+    return {"nats": nats, "kl": kl, "same": same, "count": count}
+
+
+def spine_quality(model: str | Path, spine: str, sequences: list[list[int]], device: str = "cpu",
+                  tokens: int | None = None) -> dict[str, Any]:
+    """JSON-ready: the format's `perplexity` and the stored spine's, `kl_vs_stored` and `top1_agreement`."""
+    if not sequences:
+        raise DeltafinError("no text to measure the spine's quality on")
+    pipes = [LocalPipeline.load(model, 1, device=device, options=StageOptions(sizing=SizingOptions(spine=s)))
+             for s in (STORED, spine)]
+    try:
+        sums = compare(*pipes, sequences, tokens)
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    n = sums["count"]
+    return {"model": str(model), "spine": spine, "stored_spine": STORED, "tokens": n,
+            "perplexity": round(math.exp(sums["nats"]["other"] / n), 4),
+            "perplexity_stored": round(math.exp(sums["nats"]["stored"] / n), 4),
+            "kl_vs_stored": round(sums["kl"] / n, 6), "top1_agreement": round(sums["same"] / n, 5)}

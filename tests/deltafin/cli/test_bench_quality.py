@@ -1,0 +1,55 @@
+"""`deltafin bench --quality`: a spine format measured against the spine as stored, on the same tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deltafin.cli.bench_quality import sequences_for, spine_quality, trained_on_the_corpus
+from deltafin.cli.commands import main
+from deltafin.errors import DeltafinError
+from deltafin.mini.corpus import encode_all, read_jsonl
+from deltafin.mini.evaluate import perplexity
+from deltafin.paths import bundled_model
+from deltafin.text.tokenizer import K3Tokenizer
+
+HELDOUT = Path(__file__).resolve().parents[2] / "data" / "k3_mini_heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return read_jsonl(HELDOUT)[:4]
+
+
+def test_the_stored_spine_against_itself_costs_nothing_and_its_perplexity_is_the_evaluations(convs) -> None:
+    model = bundled_model()
+    got = spine_quality(model, "bf16", encode_all(K3Tokenizer.load(model), convs, 0))
+    assert got["kl_vs_stored"] == 0 and got["top1_agreement"] == 1 and got["perplexity"] == got["perplexity_stored"]
+    # the held-out perplexity as k3-mini's own evaluation computes it, on the same conversations
+    assert got["perplexity_stored"] == pytest.approx(perplexity(model, convs)["perplexity"], rel=1e-3)
+
+
+def test_int8_rows_cost_little_on_k3_minis_held_out_text(convs) -> None:
+    """The issue's reference, full split: int8 rows -0.01 % perplexity, top-1 97.7 %, KL 0.005. On four
+    conversations the figures wander: the bounds leave room for that, not for a broken format."""
+    model = bundled_model()
+    got = spine_quality(model, "int8", encode_all(K3Tokenizer.load(model), convs, 0))
+    assert 0 < got["kl_vs_stored"] < 0.05 and got["top1_agreement"] > 0.9
+    assert abs(got["perplexity"] / got["perplexity_stored"] - 1) < 0.02
+
+
+def test_the_text_is_k3_minis_held_out_split_or_a_file(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    assert trained_on_the_corpus(bundled_model()) and not trained_on_the_corpus(tiny_dir)
+    with pytest.raises(DeltafinError, match="--text FILE"):
+        sequences_for(tiny_dir, None)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    assert main(["bench", "--model", str(tiny_dir), "--quality", "--text", str(text), "--tokens", "50",
+                 "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["spine"], out["tokens"]) == ("int8", 50) and out["kl_vs_stored"] >= 0 and out["top1_agreement"] > 0
+    text.write_text("")
+    with pytest.raises(DeltafinError, match="needs at least 2"):
+        sequences_for(tiny_dir, str(text))
