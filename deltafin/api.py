@@ -58,6 +58,9 @@ T = TypeVar("T")
 THINKING = (*EFFORTS, "off")
 _DONE = object()  # the end of a stream's events
 SAMPLING = option_names(SamplingParams) - {"logprobs", "logit_bias"}  # a call's sampling keywords
+# the flags named otherwise than their fields, as keywords too: every flag's name with underscores is an option
+ALIASES = {"threads": "read_threads", "policy": "cache_policy"}
+SWITCHES_OFF = {"no_prefetch": "prefetch", "no_discover": "discover", "no_recovery": "recovery"}
 
 
 @dataclass(frozen=True)
@@ -146,11 +149,14 @@ def model_options(model_path: str | Path, options: dict[str, Any],
     """The typed values `load` and `connect` open a model with: the user's keyword `options`, named as
     `deltafin-coordinator --model DIR ... serve` names its flags (with underscores), and what the call itself says
     (`fixed`); the same values the coordinator builds from its flags, checked before anything loads."""
-    known = (option_names(ClusterOptions, ServingOptions) | stage_option_names()) - {"model", "local", *fixed}
+    known = (option_names(ClusterOptions, ServingOptions) | stage_option_names() | set(ALIASES) | set(SWITCHES_OFF))
+    known -= {"model", "local", *fixed}
     for name in options:
         if name not in known:
             raise DeltafinError(f"unknown option {name!r}; the options are: {', '.join(sorted(known))}")
-    values = {**options, **fixed, "model": str(model_path)}
+    values = {ALIASES.get(k, k): v for k, v in options.items() if k not in SWITCHES_OFF}
+    values.update({SWITCHES_OFF[k]: not v for k, v in options.items() if k in SWITCHES_OFF})
+    values.update(fixed, model=str(model_path))
     try:
         return ClusterOptions.of(values), stage_options(values), from_values(ServingOptions, values)
     except DeltafinError as e:  # the flags' names, as the keywords they are here

@@ -84,3 +84,11 @@ def test_the_sampling_flags_are_one_sampling_value(tmp_path: Path) -> None:
                                             "--top-k", "7", "--seed", "3"])
     params = sampling_from_args(args)
     assert (params.temperature, params.top_k, params.seed, params.top_p) == (0.5, 7, 3, 1.0)
+
+
+def test_every_flags_name_is_a_python_keyword_too(tmp_path: Path) -> None:
+    """--threads, --policy and the --no-X switches keep their names as keywords (threads=3, no_prefetch=True)."""
+    old = {"threads": 3, "policy": "lru", "no_prefetch": True, "no_recovery": True}
+    new = {"read_threads": 3, "cache_policy": "lru", "prefetch": False, "recovery": False}
+    assert model_options(tmp_path, old, local=True) == model_options(tmp_path, new, local=True)
+    assert model_options(tmp_path, {"no_discover": True}) == model_options(tmp_path, {"discover": False})
