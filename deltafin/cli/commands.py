@@ -19,7 +19,7 @@ import numpy as np
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
-from deltafin.cli.flags import add_stage_options, stage_from_args
+from deltafin.cli.flags import add_device_options, add_stage_options, stage_from_args
 from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
@@ -250,10 +250,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
                        "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
                        "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
-                       "prefetch and drafting on a trained model's own answers.")
+                       "prefetch and drafting on a trained model's own answers; --quality: what a spine format "
+                       "costs against the spine as stored.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
+    _add_model_benchmarks(p)
+    p.add_argument("--tokens", type=int, default=None, help="decode steps to time (default 16); --workload: the "
+                   "most tokens of each answer (default 16); --quality: the most positions measured (default: all)")
+    p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
+    p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
+    p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
+    add_device_options(p)
+    p.add_argument("--no-disk", action="store_true", help="--model: skip the disk measurement")
+    add_stage_options(p, sequences=1)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
+    """`bench --model`'s other measurements than decode."""
     p.add_argument("--prefill", metavar="LENGTHS", help="--model: time prefill of prompts of these lengths instead "
                    "(comma-separated, e.g. 1024,4096,16384), in chunks of --prefill-chunk; --context becomes at "
                    "least the longest")
@@ -274,16 +289,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    "sequences)")
     p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
                    "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
-    p.add_argument("--tokens", type=int, default=None, help="decode steps to time (default 16); --workload: the "
-                   "most tokens of each answer (default 16); --quality: the most positions measured (default: all)")
-    p.add_argument("--prompt", type=int, default=4, help="prompt tokens prefilled first (default 4)")
-    p.add_argument("--batch", type=int, default=1, help="--kernel: tokens per matmul (default 1)")
-    p.add_argument("--repeats", type=int, default=20, help="--kernel: timed repeats (default 20)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--no-disk", action="store_true", help="--model: skip the disk measurement")
-    add_stage_options(p, sequences=1)
-    p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
