@@ -20,7 +20,7 @@ GB = 1e9
 T = TypeVar("T")
 
 # the values of the knobs that take one of a few (the flags' choices, the typed options' checks)
-SPINES = ("auto", "bf16", "int8")
+SPINES = ("auto", "bf16", "int8", "q4")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("fp32", "bf16")
 IO_MODES = ("direct", "buffered")

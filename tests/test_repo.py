@@ -99,6 +99,7 @@ def _k3_figures(tmp: Path) -> list[str]:
         kda_state_bytes,
         kda_trail_bytes,
         mla_row_bytes,
+        top_bytes,
     )
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp / "config.json")
@@ -110,7 +111,8 @@ def _k3_figures(tmp: Path) -> list[str]:
     all_experts = cfg.num_experts * moe * cfg.bytes_per_expert
     total_params = spine_params + cfg.num_experts * moe * expert_params
     active = spine_params + k * moe * expert_params
-    table = layer_table(cfg, Placement("cpu"))
+    cpu = Placement("cpu")
+    table = layer_table(cfg, cpu)
     n_kda = sum(kind is LayerKind.KDA for kind in cfg.layer_kinds)
     wire = lambda layer: boundary_bytes_per_token(cfg, layer, 4) / 1e3
     return [
@@ -130,6 +132,9 @@ def _k3_figures(tmp: Path) -> list[str]:
         f"that trail is {kda_trail_bytes(cfg) * n_kda / 1e9:.2f} GB per speculating sequence for a "
         f"{SPECULATIVE_TOKENS}-token pass over {n_kda} KDA layers",
         f"the {all_experts / 1e9:,.0f} GB of experts",
+        "K3's spine (layers, embedding and head) takes " + ", ".join(
+            f"{(table.resident(spine)[-1] + top_bytes(cfg, cpu, spine, True, True)) / 1e9:.1f} GB as {spine}"
+            for spine in ("bf16", "int8", "q4")),
     ]
 
 

@@ -25,6 +25,7 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
+from deltafin.options import SPINES
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -88,7 +89,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-gb", type=float, default=None,
                    help="also show the memory plan of the whole model as one stage within this budget")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
-    p.add_argument("--spine", default="auto", choices=["auto", "bf16", "int8"], help="--memory-gb: spine format")
+    p.add_argument("--spine", default="auto", choices=SPINES, help="--memory-gb: spine format")
     p.add_argument("--sequences", type=int, default=4, help="--memory-gb: sequences planned for (default 4)")
     p.add_argument("--context", type=int, default=4096, help="--memory-gb: tokens per sequence (default 4096)")
     p.set_defaults(func=_cmd_inspect)

@@ -50,8 +50,10 @@ def _add_memory_options(g: Any, sequences: int) -> None:
                    help="stream routed experts from the disk with a cache of this many GB (default: every expert in "
                    "memory if they fit, else streamed with a cache of the memory left)")
     g.add_argument("--spine", default="auto", choices=SPINES,
-                   help="non-expert matrices as stored (bf16) or row-int8 (half the memory); default auto: bf16 if "
-                   "it fits, else int8; layers that still do not fit stream from the disk")
+                   help="non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 "
+                   "with the sensitive matrices row-int8: a third; quality in the README; no fast kernels yet, so "
+                   "only when asked for); default auto: bf16 if it fits, else int8; layers that still do not fit "
+                   "stream from the disk")
     g.add_argument("--sequences", type=int, default=sequences,
                    help=f"sequences the memory plan keeps caches for (default {sequences})")
     g.add_argument("--context", type=int, default=4096,

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
-from deltafin.kernels.quant import Int8Weight, MXFP4Weight, mxfp4_linear_reference
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight, Q4Weight, dequantize_q4, mxfp4_linear_reference
 
 log = logging.getLogger(__name__)
 
-Weight = torch.Tensor | MXFP4Weight | Int8Weight
+Weight = torch.Tensor | MXFP4Weight | Int8Weight | Q4Weight
 # device type -> verified fast-path object, or None (the reference runs). The object is callable for MXFP4
 # and may have `gate_up` (fused MXFP4 gate/up + activation), `bf16` and `int8` methods.
 MXFP4_FAST_PATHS: dict[str, Any] = {}
@@ -69,6 +69,8 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         return mixed_linear(x, w)
     if isinstance(w, MXFP4Weight):
         return mxfp4_linear(x, w)
+    if isinstance(w, Q4Weight):
+        return q4_linear_reference(x, w)
     return int8_linear(x, w)
 
 
@@ -123,6 +125,12 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     # scale after the product: (x @ q.T) * s == x @ (q * s).T; converted a block of rows at a time
     scale = w.scale.to(x.dtype).view(-1)
     return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w.q[r0:r1].to(x.dtype)) * scale[r0:r1])
+
+
+def q4_linear_reference(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+    """x @ W.T with W dequantized a block of rows at a time (no fast path yet: the compact spine's kernels)."""
+    return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(
+        x, dequantize_q4(Q4Weight(w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1]), x.dtype)))
 
 
 def fast_path(device: str) -> Any:

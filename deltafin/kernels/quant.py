@@ -120,6 +120,63 @@ def dequantize_int8_rows(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.q.to(dtype) * w.scale.to(dtype)
 
 
+Q4_GROUP = 64  # values of a row sharing one scale and bias (along the input dimension)
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """Group-wise affine 4-bit matrix, MLX's `mx.quantize(w, group_size=64, bits=4)` layout: `packed` [rows,
+    cols/2] uint8, two codes a byte (the lower nibble first, so the bytes read as uint32 are MLX's words), fp16
+    `scales` and `biases` [rows, cols/64]; W = code * scale + bias."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], 2 * self.packed.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * (self.scales.numel() + self.biases.numel())
+
+    def to(self, device: torch.device) -> Q4Weight:
+        return Q4Weight(self.packed.to(device), self.scales.to(device), self.biases.to(device))
+
+
+def q4_bytes(rows: int, cols: int) -> int:
+    """A [rows, cols] matrix as Q4Weight: half a byte a value, an fp16 scale and bias a group."""
+    return rows * cols // 2 + 4 * rows * (cols // Q4_GROUP)
+
+
+def quantize_q4(w: torch.Tensor, block_rows: int = 1024) -> Q4Weight:
+    """Round to nearest over each group's [min, max] in 15 steps (the scale and bias as fp16, the codes from
+    those), a block of rows at a time so that a large matrix needs no gigabytes of fp32 temporaries."""
+    rows, cols = w.shape
+    if cols % Q4_GROUP:
+        raise ModelFormatError(f"a {rows}x{cols} matrix has no whole {Q4_GROUP}-value groups along its rows")
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows, cols // Q4_GROUP, dtype=torch.float16, device=w.device)
+    biases = torch.empty_like(scales)
+    for r in range(0, rows, block_rows):
+        g = w[r:r + block_rows].float().reshape(-1, cols // Q4_GROUP, Q4_GROUP)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+        bias = lo.half()
+        codes = torch.round((g - bias.float()) / scale.float()).clamp_(0, 15).to(torch.uint8).reshape(len(g), cols)
+        packed[r:r + block_rows] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales[r:r + block_rows], biases[r:r + block_rows] = scale.squeeze(-1), bias.squeeze(-1)
+    return Q4Weight(packed, scales, biases)
+
+
+def dequantize_q4(w: Q4Weight, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = w.shape
+    codes = torch.stack([w.packed & 0xF, w.packed >> 4], dim=-1).reshape(rows, cols // Q4_GROUP, Q4_GROUP)
+    out = codes.to(dtype) * w.scales.to(dtype).unsqueeze(-1) + w.biases.to(dtype).unsqueeze(-1)
+    return out.reshape(rows, cols)
+
+
 def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
     """x @ W.T with W dequantized: the definition every MXFP4 kernel is checked against."""
     return torch.nn.functional.linear(x, dequantize_mxfp4(w, x.dtype))

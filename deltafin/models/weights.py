@@ -19,9 +19,10 @@ from deltafin.kernels.linear import Weight
 from deltafin.kernels.quant import MXFP4Weight
 
 # place(tensor, role) -> weight on the device. Roles: "matrix" (for `linear`: compute dtype, bf16 as stored
-# on the CPU, or row-int8 spine), "dense" (a matrix used as a tensor, always the compute dtype), "vector"
-# (fp32: norms, biases, decay parameters), "router" (for `linear`, scored in fp32), "embedding" (as stored:
-# rows are cast when gathered)
+# on the CPU, or a row-int8 or q4 spine's), "matrix8" (a matrix a q4 spine keeps at 8 bits: the head, KDA's
+# gate and beta projections, MLA's; plan/layer_table.py names them), "dense" (a matrix used as a tensor, always
+# the compute dtype), "vector" (fp32: norms, biases, decay parameters), "router" (for `linear`, scored in fp32),
+# "embedding" (as stored: rows are cast when gathered)
 Place = Callable[[torch.Tensor, str], Weight]
 
 
@@ -139,6 +140,7 @@ def vec_mix(t: Mapping[str, torch.Tensor], which: str, place: Place) -> torch.Te
 def _kda(cfg: ModelConfig, layer: int, t: Mapping[str, torch.Tensor], place: Place) -> KDAWeights:
     h, d = cfg.kda_heads, cfg.kda_head_dim
     mat = lambda name: place(t[f"self_attn.{name}"], "matrix")
+    mat8 = lambda name: place(t[f"self_attn.{name}"], "matrix8")
     a_log = t["self_attn.A_log"].float().reshape(-1)
     if a_log.numel() < h:
         raise ModelFormatError(f"layer {layer}: A_log has {a_log.numel()} entries, fewer than {h} heads")
@@ -150,8 +152,8 @@ def _kda(cfg: ModelConfig, layer: int, t: Mapping[str, torch.Tensor], place: Pla
     full = cfg.kda_full_rank_gate
     return KDAWeights(
         q=mat("q_proj.weight"), k=mat("k_proj.weight"), v=mat("v_proj.weight"),
-        conv=place(conv, "vector"), f_a=mat("f_a_proj.weight"), f_b=mat("f_b_proj.weight"),
-        b=mat("b_proj.weight"), a_log=place(a_log[:h].contiguous(), "vector"),
+        conv=place(conv, "vector"), f_a=mat8("f_a_proj.weight"), f_b=mat8("f_b_proj.weight"),
+        b=mat8("b_proj.weight"), a_log=place(a_log[:h].contiguous(), "vector"),
         dt_bias=place(t["self_attn.dt_bias"].float().reshape(h, d), "vector"),
         g=mat("g_proj.weight") if full else None,
         g_a=None if full else mat("g_a_proj.weight"), g_b=None if full else mat("g_b_proj.weight"),
@@ -160,10 +162,10 @@ def _kda(cfg: ModelConfig, layer: int, t: Mapping[str, torch.Tensor], place: Pla
 
 
 def _mla(cfg: ModelConfig, t: Mapping[str, torch.Tensor], place: Place) -> MLAWeights:
-    mat = lambda name: place(t[f"self_attn.{name}"], "matrix")
+    mat = lambda name: place(t[f"self_attn.{name}"], "matrix8")
     lora = bool(cfg.q_lora_rank)
     return MLAWeights(
-        q=None if lora else mat("q_proj.weight"),
+        q=None if lora else place(t["self_attn.q_proj.weight"], "matrix"),
         q_a=mat("q_a_proj.weight") if lora else None,
         q_a_norm=place(t["self_attn.q_a_layernorm.weight"], "vector") if lora else None,
         q_b=mat("q_b_proj.weight") if lora else None,
@@ -200,7 +202,7 @@ def top_weights(cfg: ModelConfig, t: Mapping[str, torch.Tensor], place: Place, *
         out_res = ResMixWeights(vec_mix(t, "model.output_attn_res", place))
     return TopWeights(
         embed=place(t["model.embed_tokens.weight"], "embedding") if first else None,
-        head=place(t["lm_head.weight"], "matrix") if last else None,
+        head=place(t["lm_head.weight"], "matrix8") if last else None,
         norm=place(t["model.norm.weight"], "vector") if last else None,
         out_res=out_res,
     )

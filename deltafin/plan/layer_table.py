@@ -1,6 +1,6 @@
 """The per-layer table and the rules that place a stage's tensors: how the stage uses each tensor
 (`tensor_role`), the bytes it takes as placed (`placed_bytes`), and for every layer of a config its bytes resident
-(bf16 or row-int8), read when it streams, its read buffer and the tensors placed from that buffer, with prefix
+(bf16, row-int8 or q4), read when it streams, its read buffer and the tensors placed from that buffer, with prefix
 sums so that a range of layers costs O(1). Pure, from the config and the placement alone: sizing.py builds every
 stage's plan on this table, and the stage places its tensors by the same rules."""
 
@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
+from deltafin.kernels.quant import Q4_GROUP, q4_bytes
 
 ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
 
@@ -33,9 +34,17 @@ def align_up(n: int) -> int:
 # ---- placement rules (the stage follows these) ----------------------------------------------------------
 
 
-def tensor_role(spec: TensorSpec) -> str:
+# the matrices a compact (q4) spine keeps at 8 bits: the head, KDA's gate and beta projections, MLA's latent
+# projections (and, in MLA layers, its output and gate projections): measured sensitive (README, spine formats)
+EIGHT_BIT = ("lm_head.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight", "q_a_proj.weight",
+             "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
+EIGHT_BIT_MLA = ("self_attn.o_proj.weight", "self_attn.g_proj.weight")
+
+
+def tensor_role(spec: TensorSpec, kind: LayerKind | None = None) -> str:
     """How the stage uses a tensor: vector (fp32), embedding (as stored), dense (kv_b: activation dtype),
-    router (as stored, scored in fp32) or matrix (bf16 as stored, or row-int8)."""
+    router (as stored, scored in fp32), matrix (bf16 as stored, row-int8, or 4-bit in a q4 spine) or matrix8
+    (a matrix a q4 spine keeps at 8 bits). `kind`: the layer's (None: a top tensor)."""
     name = spec.name
     if name.endswith("embed_tokens.weight"):
         return "embedding"
@@ -45,6 +54,8 @@ def tensor_role(spec: TensorSpec) -> str:
         return "dense"
     if name.endswith("block_sparse_moe.gate.weight"):
         return "router"
+    if name.endswith(EIGHT_BIT) or (kind is LayerKind.MLA and name.endswith(EIGHT_BIT_MLA)):
+        return "matrix8"
     return "matrix"
 
 
@@ -59,8 +70,11 @@ def placed_bytes(spec: TensorSpec, role: str, place: Placed, fmt: str) -> int:
         return 4 * spec.numel
     if role == "dense":
         return place.act_bytes * spec.numel
-    if role == "matrix" and fmt == "int8" and min(spec.shape) > 1:
-        return spec.numel + 2 * spec.shape[0]
+    if role in ("matrix", "matrix8") and fmt in ("int8", "q4") and min(spec.shape) > 1:
+        rows, cols = spec.shape
+        if fmt == "q4" and role == "matrix" and cols % Q4_GROUP == 0:
+            return q4_bytes(rows, cols)
+        return spec.numel + 2 * rows  # row-int8
     return spec.nbytes  # embedding, router, matrices as stored
 
 
@@ -75,12 +89,17 @@ class LayerTable:
     place: Placed
     bf16: tuple[int, ...]  # resident layer, bf16 spine (prefix sums, length L+1)
     int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums)
+    q4: tuple[int, ...]  # resident layer, q4 spine: 4-bit groups, the EIGHT_BIT matrices row-int8 (prefix sums)
     stored: tuple[int, ...]  # per layer: bytes read when it streams
     span: tuple[int, ...]  # per layer: its read buffer (aligned, upper bound)
     stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer
     moe: tuple[int, ...]  # prefix counts of MoE layers
     kda: tuple[int, ...]  # prefix counts of KDA layers
     mla: tuple[int, ...]  # prefix counts of MLA layers
+
+    def resident(self, spine: str) -> tuple[int, ...]:
+        """The resident layers' prefix sums for a spine format (bf16 | int8 | q4)."""
+        return {"bf16": self.bf16, "int8": self.int8, "q4": self.q4}[spine]
 
 
 def layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None = None) -> LayerTable:
@@ -92,12 +111,12 @@ def layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None =
 
 @lru_cache(maxsize=16)
 def _layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None) -> LayerTable:
-    bf16, int8, stored, span, copy = [0], [0], [], [], []
+    bf16, int8, q4, stored, span, copy = [0], [0], [0], [], [], []
     for i in range(cfg.num_layers):
         specs = cfg.layer_tensor_specs(i)
-        roles = [tensor_role(s) for s in specs]
-        bf16.append(bf16[-1] + sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)))
-        int8.append(int8[-1] + sum(placed_bytes(s, r, place, "int8") for s, r in zip(specs, roles, strict=True)))
+        roles = [tensor_role(s, cfg.layer_kinds[i]) for s in specs]
+        for sums, fmt in ((bf16, "stored"), (int8, "int8"), (q4, "q4")):
+            sums.append(sums[-1] + sum(placed_bytes(s, r, place, fmt) for s, r in zip(specs, roles, strict=True)))
         nbytes = sum(s.nbytes for s in specs)
         stored.append(nbytes)
         span.append(spans[i] if spans is not None else align_up(nbytes) + 2 * ALIGN)  # widened to blocks
@@ -105,7 +124,7 @@ def _layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None)
         copy.append(sum(placed_bytes(s, r, place, "stored") for s, r in zip(specs, roles, strict=True)
                         if place.copies or r in ("vector", "dense")))
     counts = lambda pred: tuple(_prefix([1 if pred(i) else 0 for i in range(cfg.num_layers)]))
-    return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(stored), tuple(span), tuple(copy),
+    return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(q4), tuple(stored), tuple(span), tuple(copy),
                       counts(cfg.is_moe), counts(lambda i: cfg.layer_kinds[i] is LayerKind.KDA),
                       counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA))
 

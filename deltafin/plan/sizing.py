@@ -106,9 +106,9 @@ class SizingOptions:
 
 
 def matrix_format(spine: str, resident: bool) -> str:
-    """int8 for resident matrices of an int8 spine; streamed layers stay as stored (quantizing per pass costs
-    more than it saves)."""
-    return "int8" if spine == "int8" and resident else "stored"
+    """The spine's format (int8, q4) for resident matrices; bf16 and streamed layers stay as stored (quantizing
+    per pass costs more than it saves)."""
+    return spine if spine in ("int8", "q4") and resident else "stored"
 
 
 # ---- the parts of a stage -----------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         options = replace(options, prefill_chunk=max(1, options.context))
     ids = tuple(range(start, end))
     resident, streamed = ids[:resident_count], ids[resident_count:]
-    prefix = t.int8 if spine == "int8" else t.bf16
+    prefix = t.resident(spine)
     own_moe = t.moe[end] - t.moe[start]
     n_moe = options.expert_layers if options.wide else own_moe
     if expert_cache is None and options.wide:
@@ -432,7 +432,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
     base = size_stage(cfg, start, end, place, spine, cache, 0, options)  # the parts that do not depend on k
-    prefix = t.int8 if spine == "int8" else t.bf16
+    prefix = t.resident(spine)
     fixed = base.device_total - base.stream_copies - (0 if base.discrete else base.stream_buffers)
     host_fixed = base.host - base.stream_buffers
     span = copy = 0

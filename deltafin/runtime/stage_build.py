@@ -18,7 +18,7 @@ from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, open_copy
 from deltafin.errors import OutOfMemory, SizingError
 from deltafin.kernels.linear import Weight, expert_backend
-from deltafin.kernels.quant import Int8Weight, quantize_int8_rows
+from deltafin.kernels.quant import Q4_GROUP, Int8Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_format, size_stage
@@ -76,9 +76,11 @@ class WeightPlacer:
             return t.to(self.device, torch.float32)
         if role == "dense":
             return t.to(self.device, self.dtype)
-        if (role == "matrix" and matrix_format(self.spine, resident) == "int8" and t.dim() == 2
-                and min(t.shape) > 1):
-            q = quantize_int8_rows(t)
+        fmt = matrix_format(self.spine, resident)
+        if role in ("matrix", "matrix8") and fmt != "stored" and t.dim() == 2 and min(t.shape) > 1:
+            if fmt == "q4" and role == "matrix" and t.shape[1] % Q4_GROUP == 0:
+                return quantize_q4(t).to(self.device)
+            q = quantize_int8_rows(t)  # an int8 spine, and the matrices a q4 spine keeps at 8 bits
             return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
         if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
             return t if t.device == self.device else t.to(self.device)

@@ -6,14 +6,18 @@ import pytest
 import torch
 
 from deltafin.errors import ModelFormatError
-from deltafin.kernels.linear import mxfp4_linear_reference
+from deltafin.kernels.linear import linear, mxfp4_linear_reference
 from deltafin.kernels.quant import (
+    Q4_GROUP,
     MXFP4Weight,
     check_scales,
     dequantize_int8_rows,
     dequantize_mxfp4,
+    dequantize_q4,
+    q4_bytes,
     quantize_int8_rows,
     quantize_mxfp4,
+    quantize_q4,
 )
 
 E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]
@@ -78,3 +82,39 @@ def test_int8_rows():
     # per-row absmax/127 steps: error at most half a step (plus fp16 scale rounding)
     step = w.abs().amax(1, keepdim=True) / 127
     assert ((back - w).abs() <= 0.51 * step + 1e-3 * w.abs()).all()
+
+
+def test_q4_groups_round_to_within_half_a_step_and_keep_their_extremes():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 256, generator=g) * torch.logspace(-3, 0, 96).unsqueeze(1)).to(torch.bfloat16)
+    q = quantize_q4(w)
+    assert q.shape == (96, 256) and q.nbytes == q4_bytes(96, 256) == 96 * 128 + 4 * 96 * 4
+    back = dequantize_q4(q, torch.float32).reshape(96, 4, Q4_GROUP)
+    wf = w.float().reshape(96, 4, Q4_GROUP)
+    step = q.scales.float().unsqueeze(-1)
+    # half a step of rounding, and the fp16 rounding of the scale and bias (15 steps of it at most)
+    bound = step / 2 + 15 * step * 2**-11 + q.biases.float().abs().unsqueeze(-1) * 2**-11
+    assert bool(((back - wf).abs() <= bound + 1e-7).all())
+    assert torch.allclose(back.amin(-1), wf.amin(-1), rtol=2**-10, atol=1e-6)  # the group's minimum is exact
+    with pytest.raises(ModelFormatError, match="64-value groups"):
+        quantize_q4(torch.zeros(4, 96))
+
+
+def test_q4_matmul_equals_the_product_with_the_dequantized_matrix():
+    g = torch.Generator().manual_seed(1)
+    q = quantize_q4(torch.randn(200, 128, generator=g))
+    x = torch.randn(3, 128, generator=g)
+    assert torch.allclose(linear(x, q), x @ dequantize_q4(q, torch.float32).T, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_is_mlxs_affine_4_bit_layout():
+    """MLX's own dequantize reads our bytes, scales and biases as the same matrix (so the Mac's path can run
+    MLX's quantized matmul on them as they are)."""
+    mx = pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
+    import numpy as np
+
+    q = quantize_q4(torch.randn(64, 192, generator=torch.Generator().manual_seed(2)))
+    words = mx.array(q.packed.numpy().view(np.uint32))
+    f32 = lambda t: mx.array(t.float().numpy())  # MLX computes in its scales' dtype: fp32, to compare exactly
+    theirs = mx.dequantize(words, f32(q.scales), f32(q.biases), group_size=Q4_GROUP, bits=4)
+    assert np.allclose(np.array(theirs), dequantize_q4(q, torch.float32).numpy(), rtol=1e-6, atol=1e-6)

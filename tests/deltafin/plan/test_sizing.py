@@ -153,7 +153,7 @@ def test_sessions_are_sequences_at_context(k3):
 
 
 @pytest.mark.parametrize("device", [CPU, META], ids=["cpu", "discrete"])
-@pytest.mark.parametrize("spine", ["bf16", "int8"])
+@pytest.mark.parametrize("spine", ["bf16", "int8", "q4"])
 @pytest.mark.parametrize("layout", ["resident", "streamed"])
 def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     """Every part the plan counts is what the stage holds: weights (to 1%: the plan counts AttnRes and A_log
@@ -167,7 +167,11 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
         sizing = opts.sizing_for(layer_spans(ckpt))
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
                   for k in range(7)]
-        opts = dataclasses.replace(opts, memory_bytes=max(t for t in totals if t < totals[-1]))
+        smaller = [t for t in totals if t < totals[-1]]
+        if not smaller:  # streaming needs room for two layers as stored: more than a few q4 layers of tiny's
+            assert spine == "q4" and device.type == "cpu"
+            pytest.skip("on the CPU no budget streams part of tiny's q4 spine: all resident is the smallest")
+        opts = dataclasses.replace(opts, memory_bytes=max(smaller))
     stage = Stage(ckpt, 0, cfg.num_layers, device=device, options=opts)
     try:
         assert bool(stage.sizing.streamed_layers) == (layout == "streamed")
