@@ -108,6 +108,8 @@ def spine_quality(model: str | Path, spine: str, sequences: list[list[int]], dev
         for pipe in pipes:
             pipe.close()
     n = sums["count"]
+    if n == 0:
+        raise DeltafinError("no position to measure: every sequence has fewer than 2 tokens")
     return {"model": str(model), "spine": spine, "stored_spine": STORED, "tokens": n,
             "perplexity": round(math.exp(sums["nats"]["other"] / n), 4),
             "perplexity_stored": round(math.exp(sums["nats"]["stored"] / n), 4),

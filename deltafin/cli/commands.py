@@ -183,17 +183,15 @@ def _bench_model(args: argparse.Namespace) -> dict:
     """`deltafin bench --model`: decode, or with --verify / --second-turn / --prefill, that benchmark."""
     from deltafin.cli import bench  # torch: loaded when the command runs
 
+    if args.tokens is not None and args.tokens < 1:
+        raise DeltafinError(f"--tokens must be at least 1, got {args.tokens}")
     lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
     if lengths:  # the stage is sized for the longest prompt
         args.context = max(args.context, *lengths)
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
     if args.quality:
-        from deltafin.cli import bench_quality  # torch: loaded when the command runs
-
-        spine = "int8" if args.spine == "auto" else args.spine
-        return bench_quality.spine_quality(args.model, spine, bench_quality.sequences_for(args.model, args.text),
-                                           device=args.device, tokens=args.tokens)
+        return _bench_quality(args)
     if args.workload:
         from deltafin.coordinator.workload import (
             bench_workload,  # torch: loaded when the command runs
@@ -219,6 +217,15 @@ def _bench_model(args: argparse.Namespace) -> dict:
         return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
     return bench.bench_decode(args.model, tokens=args.tokens or 16, prompt=args.prompt, measure_disk=not args.no_disk,
                               **common)
+
+
+def _bench_quality(args: argparse.Namespace) -> dict:
+    """`bench --quality`: --spine (int8 when left auto) against the spine as stored."""
+    from deltafin.cli import bench_quality  # torch: loaded when the command runs
+
+    spine = "int8" if args.spine == "auto" else args.spine
+    return bench_quality.spine_quality(args.model, spine, bench_quality.sequences_for(args.model, args.text),
+                                       device=args.device, tokens=args.tokens)
 
 
 def _stage_options(args: argparse.Namespace) -> StageOptions:

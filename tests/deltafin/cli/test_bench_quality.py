@@ -60,6 +60,10 @@ def test_the_text_is_k3_minis_held_out_split_or_a_file(tiny_dir: Path, tmp_path:
                  "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["spine"], out["tokens"]) == ("int8", 50) and out["kl_vs_stored"] >= 0 and out["top1_agreement"] > 0
+    assert main(["bench", "--model", str(tiny_dir), "--quality", "--text", str(text), "--tokens", "0"]) == 1
+    assert "error: --tokens must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(DeltafinError, match="no position to measure"):
+        spine_quality(tiny_dir, "int8", [[5]])
     text.write_text("")
     with pytest.raises(DeltafinError, match="needs at least 2"):
         sequences_for(tiny_dir, str(text))
