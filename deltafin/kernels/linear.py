@@ -2,7 +2,7 @@
 
 - dense W in x's dtype: torch.
 - dense W in another dtype (bf16 spine kept as stored under fp32 activations): exact mixed product.
-- MXFP4 (experts) and row-int8 (`--spine int8`): decoded on the device.
+- MXFP4 (experts), row-int8 (`--spine int8`) and group-wise 4-bit (`--spine q4`): decoded on the device.
 Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton; MPS: torch's int8 pack matmul)
 if it exists and passes a self-check against the torch reference; otherwise the reference runs. Which
 backends run is chosen once per process (`select_kernels`, the `--kernels` option): `auto`, `reference` (the
@@ -24,7 +24,15 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
-from deltafin.kernels.quant import Int8Weight, MXFP4Weight, Q4Weight, dequantize_q4, mxfp4_linear_reference
+from deltafin.kernels.quant import (
+    Q4_GROUP,
+    Int8Weight,
+    MXFP4Weight,
+    Q4Weight,
+    dequantize_q4,
+    mxfp4_linear_reference,
+    quantize_q4,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +78,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, MXFP4Weight):
         return mxfp4_linear(x, w)
     if isinstance(w, Q4Weight):
-        return q4_linear_reference(x, w)
+        return q4_linear(x, w)
     return int8_linear(x, w)
 
 
@@ -127,8 +135,15 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w.q[r0:r1].to(x.dtype)) * scale[r0:r1])
 
 
+def q4_linear(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+    kernel = getattr(fast_path(x.device.type), "q4", None)
+    if kernel is not None:
+        return kernel(x, w)
+    return q4_linear_reference(x, w)
+
+
 def q4_linear_reference(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
-    """x @ W.T with W dequantized a block of rows at a time (no fast path yet: the compact spine's kernels)."""
+    """x @ W.T with W dequantized a block of rows at a time: the definition every q4 kernel is checked against."""
     return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(
         x, dequantize_q4(Q4Weight(w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1]), x.dtype)))
 
@@ -199,5 +214,9 @@ def self_check(fn: Callable[..., torch.Tensor], device: torch.device) -> bool:
             q = Int8Weight(torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g).to(device),
                            (torch.rand(rows, 1, generator=g) * 0.01).half().to(device))
             if not _close(fn.int8(x, q), int8_linear_reference(x, q)):
+                return False
+        if hasattr(fn, "q4") and cols % Q4_GROUP == 0:
+            w4 = quantize_q4(dense)
+            if not _close(fn.q4(x, w4.to(device)), q4_linear_reference(x, w4.to(device))):
                 return False
     return True
