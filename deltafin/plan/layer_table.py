@@ -78,6 +78,26 @@ def placed_bytes(spec: TensorSpec, role: str, place: Placed, fmt: str) -> int:
     return spec.nbytes  # embedding, router, matrices as stored
 
 
+TENSOR_ALIGN = 64  # each tensor of a converted spine file starts on a multiple of this
+
+
+def converted_parts(spec: TensorSpec, role: str, fmt: str) -> tuple[int, ...]:
+    """The bytes of each array a tensor is written as in a converted spine file of format `fmt` (int8 | q4;
+    weights/converted_spine.py): q4 packed codes, scales, biases; row-int8 values, scales; else as stored."""
+    if role in ("matrix", "matrix8") and len(spec.shape) == 2 and min(spec.shape) > 1:
+        rows, cols = spec.shape
+        if fmt == "q4" and role == "matrix" and cols % Q4_GROUP == 0:
+            return rows * cols // 2, 2 * rows * (cols // Q4_GROUP), 2 * rows * (cols // Q4_GROUP)
+        if fmt in ("int8", "q4"):
+            return spec.numel, 2 * rows
+    return (spec.nbytes,)
+
+
+def converted_bytes(spec: TensorSpec, role: str, fmt: str) -> int:
+    """Bytes a tensor takes in a converted spine file: its arrays, each widened to TENSOR_ALIGN."""
+    return sum(-(-n // TENSOR_ALIGN) * TENSOR_ALIGN for n in converted_parts(spec, role, fmt))
+
+
 # ---- per-layer table --------------------------------------------------------------------------------------
 
 
