@@ -21,6 +21,7 @@ T = TypeVar("T")
 
 # the values of the knobs that take one of a few (the flags' choices, the typed options' checks)
 SPINES = ("auto", "bf16", "int8", "q4")
+CONVERTED_SPINES = ("q4", "int8")  # the spine formats written once to the disk (`deltafin convert`)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("fp32", "bf16")
 IO_MODES = ("direct", "buffered")

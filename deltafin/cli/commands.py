@@ -25,7 +25,7 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.options import SPINES
+from deltafin.options import CONVERTED_SPINES, SPINES
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -98,7 +98,39 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 def _cmd_download(args: argparse.Namespace) -> int:
     summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
+    if args.convert:
+        _print_conversion(args.out, args.convert, None, args.quiet)
     return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    _print_conversion(args.model, args.spine, args.out, args.quiet)
+    return 0
+
+
+def _print_conversion(model: str, spine: str, out: str | None, quiet: bool) -> None:
+    from deltafin.weights.spine_convert import convert_checkpoint  # torch: loaded when the command runs
+
+    print(json.dumps(convert_checkpoint(model, spine, out, progress=not quiet)))
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format (int8 or q4)",
+                       description="Quantize the non-expert weights (the spine) once and write them, checksummed, "
+                       "into the cache directory (spines/<checkpoint>-<format>), never into the model directory; "
+                       "worker, bench, logits and the coordinator's local stage then load them at the disk's speed. "
+                       "An interrupted run resumes; files already there are checked and rebuilt if corrupt or "
+                       "stale. A process whose plan needs a converted spine converts it by itself unless "
+                       "--no-convert; this command does it ahead of time. Prints a JSON summary.")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--spine", default="q4", choices=CONVERTED_SPINES,
+                   help="q4 (default): 4-bit groups of 64, the sensitive matrices row-int8; int8: row-int8 "
+                   "(quality of each in the README)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
+                   "that load it)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_convert)
 
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
@@ -118,6 +150,9 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", default=None, metavar="K/N",
                    help="only share K of N equal contiguous shares of every MoE layer's routed experts (0 <= K < N), "
                    "or A-B: expert ids A to B inclusive (default: all)")
+    p.add_argument("--convert", default=None, choices=CONVERTED_SPINES, metavar="FORMAT",
+                   help="then convert the downloaded spine into the cache directory, as `deltafin convert --spine "
+                   "FORMAT` does (int8 or q4)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_download)
 
@@ -366,7 +401,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_synth, _add_inspect, _add_download, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
+    _add_synth, _add_inspect, _add_download, _add_convert, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,9 +51,15 @@ def _add_memory_options(g: Any, sequences: int) -> None:
                    "memory if they fit, else streamed with a cache of the memory left)")
     g.add_argument("--spine", default="auto", choices=SPINES,
                    help="non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 "
-                   "with the sensitive matrices row-int8: a third; quality in the README; no fast kernels yet, so "
-                   "only when asked for); default auto: bf16 if it fits, else int8; layers that still do not fit "
-                   "stream from the disk")
+                   "with the sensitive matrices row-int8: a third; quality in the README); int8 and q4 are converted "
+                   "once and kept on the disk (see --no-convert); default auto: bf16 if it fits, else int8 if it "
+                   "fits, else q4; layers that still do not fit stream from the disk")
+    g.add_argument("--no-convert", dest="convert", action="store_false",
+                   help="refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet "
+                   "(default: convert it first, once, into the cache directory, as `deltafin convert` does)")
+    g.add_argument("--spine-dir", default=None, metavar="DIR",
+                   help="where converted spines are (`deltafin convert --out DIR`; default: the cache directory's "
+                   "spines/)")
     g.add_argument("--sequences", type=int, default=sequences,
                    help=f"sequences the memory plan keeps caches for (default {sequences})")
     g.add_argument("--context", type=int, default=4096,

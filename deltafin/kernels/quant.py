@@ -101,6 +101,9 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.numel() + 2 * self.scale.numel()
 
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.q.to(device), self.scale.to(device))
+
 
 def quantize_int8_rows(w: torch.Tensor, block_rows: int = 1024) -> Int8Weight:
     """Per-row absmax/127 int8 with fp16 scales, a block of rows at a time (a 33792x7168 matrix must not

@@ -81,16 +81,27 @@ def placed_bytes(spec: TensorSpec, role: str, place: Placed, fmt: str) -> int:
 TENSOR_ALIGN = 64  # each tensor of a converted spine file starts on a multiple of this
 
 
-def converted_parts(spec: TensorSpec, role: str, fmt: str) -> tuple[int, ...]:
-    """The bytes of each array a tensor is written as in a converted spine file of format `fmt` (int8 | q4;
-    weights/converted_spine.py): q4 packed codes, scales, biases; row-int8 values, scales; else as stored."""
+def converted_kind(spec: TensorSpec, role: str, fmt: str) -> str:
+    """How a converted spine of format `fmt` (int8 | q4) writes a tensor: "q4" (4-bit groups), "int8" (rows),
+    or "stored" (as the checkpoint holds it), by the rules the stage places tensors by."""
     if role in ("matrix", "matrix8") and len(spec.shape) == 2 and min(spec.shape) > 1:
-        rows, cols = spec.shape
-        if fmt == "q4" and role == "matrix" and cols % Q4_GROUP == 0:
-            return rows * cols // 2, 2 * rows * (cols // Q4_GROUP), 2 * rows * (cols // Q4_GROUP)
+        if fmt == "q4" and role == "matrix" and spec.shape[1] % Q4_GROUP == 0:
+            return "q4"
         if fmt in ("int8", "q4"):
-            return spec.numel, 2 * rows
-    return (spec.nbytes,)
+            return "int8"
+    return "stored"
+
+
+def converted_parts(spec: TensorSpec, role: str, fmt: str) -> tuple[int, ...]:
+    """The bytes of each array a tensor is written as in a converted spine file (weights/converted_spine.py):
+    q4 packed codes, fp16 scales, fp16 biases; row-int8 values, fp16 scales; else the tensor as stored."""
+    kind = converted_kind(spec, role, fmt)
+    if kind == "stored":
+        return (spec.nbytes,)
+    rows, cols = spec.shape
+    if kind == "q4":
+        return rows * cols // 2, 2 * rows * (cols // Q4_GROUP), 2 * rows * (cols // Q4_GROUP)
+    return spec.numel, 2 * rows
 
 
 def converted_bytes(spec: TensorSpec, role: str, fmt: str) -> int:

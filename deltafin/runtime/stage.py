@@ -42,6 +42,7 @@ from deltafin.runtime.stage_build import (
     ExpertProvider,
     WeightPlacer,
     check_stage_held,
+    converted_spine,
     expert_backend_for,
     open_experts,
     plan_stage,
@@ -52,6 +53,7 @@ from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counter
 from deltafin.runtime.wide import WideExperts
 from deltafin.weights.reader import ShardFiles, layer_spans
 from deltafin.weights.spine import SpinePlan, SpineStore
+from deltafin.weights.spine_convert import rebuild_unit
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +130,12 @@ class Stage:
         s = self.sizing
         plan = SpinePlan(s.resident_layers, s.streamed_layers, s.layers + s.top, s.stream_buffers)
         placer = WeightPlacer(self.device, self.dtype, s.spine)
+        source = converted_spine(self.ckpt, self.start, self.end, s, self.options)
+        repair = None if source is None or not self.options.convert else \
+            lambda unit: rebuild_unit(self.ckpt, source, unit)
         spine = SpineStore(self.ckpt, self.layers_range, placer.place, plan, self.files, first=self.first,
-                           last=self.last, progress=progress, threads=self.options.sizing.read_threads)
+                           last=self.last, progress=progress, threads=self.options.sizing.read_threads,
+                           source=source, repair=repair)
         spine.stream_place = placer.place_streamed
         return spine
 

@@ -18,7 +18,7 @@ from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, open_copy
 from deltafin.errors import OutOfMemory, SizingError
 from deltafin.kernels.linear import Weight, expert_backend
-from deltafin.kernels.quant import Q4_GROUP, Int8Weight, quantize_int8_rows, quantize_q4
+from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_format, size_stage
@@ -26,6 +26,8 @@ from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.resident import ResidentExperts
+from deltafin.weights.spine_convert import prepare_spine
+from deltafin.weights.spine_files import CONVERTED, SpineFiles, stage_units
 from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,18 @@ def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: 
         check_held(ckpt.model_dir, ckpt.config, start, end, None)
 
 
+def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
+                    options: StageOptions) -> SpineFiles | None:
+    """The converted spine a stage in an int8 or q4 plan reads (converted first where it is missing, stale or
+    partial; None where there is no room for it: the placer then quantizes as the layers load)."""
+    if sizing.spine not in CONVERTED:
+        return None
+    why = (f"layers [{start}, {end}): {len(sizing.resident_layers)} resident in {sizing.spine}, "
+           f"{len(sizing.streamed_layers)} streamed")
+    return prepare_spine(ckpt, sizing.spine, stage_units(ckpt.config, start, end), why=why,
+                         convert=options.convert, root=options.spine_dir)
+
+
 @dataclass(frozen=True)
 class WeightPlacer:
     """Places a stage's spine tensors on `device` as sizing.py counts them (roles: see models/weights.py), in
@@ -71,7 +85,9 @@ class WeightPlacer:
     dtype: torch.dtype  # activations
     spine: str
 
-    def place(self, t: torch.Tensor, role: str, resident: bool = True) -> Weight:
+    def place(self, t: torch.Tensor | Q4Weight | Int8Weight, role: str, resident: bool = True) -> Weight:
+        if isinstance(t, (Q4Weight, Int8Weight)):  # read from a converted spine: only moved
+            return t.to(self.device)
         if role == "vector":
             return t.to(self.device, torch.float32)
         if role == "dense":
@@ -80,8 +96,7 @@ class WeightPlacer:
         if role in ("matrix", "matrix8") and fmt != "stored" and t.dim() == 2 and min(t.shape) > 1:
             if fmt == "q4" and role == "matrix" and t.shape[1] % Q4_GROUP == 0:
                 return quantize_q4(t).to(self.device)
-            q = quantize_int8_rows(t)  # an int8 spine, and the matrices a q4 spine keeps at 8 bits
-            return Int8Weight(q.q.to(self.device), q.scale.to(self.device))
+            return quantize_int8_rows(t).to(self.device)  # an int8 spine, and the matrices a q4 spine keeps at 8 bits
         if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
             return t if t.device == self.device else t.to(self.device)
         return t.to(self.device, self.dtype)

@@ -59,6 +59,8 @@ class StageOptions:
     prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
     prefix_disk_bytes: int = 32 * 10**9  # what they may take there (least recently used go first)
     kernels: str = "auto"  # the process's fast paths (kernels/linear.select_kernels): auto | reference | native | mlx
+    convert: bool = True  # convert the spine first where the plan needs an int8/q4 one not on the disk yet
+    spine_dir: str | None = None  # where converted spines are (None: the cache directory's spines/<model>-<format>)
 
     def __post_init__(self) -> None:
         check_choice("io", self.io, IO_MODES)

@@ -3,7 +3,8 @@
 One pread per contiguous expert (one per tensor when its tensors are scattered), widened to block
 boundaries for O_DIRECT (F_NOCACHE on macOS; plain reads with `io="buffered"` or where the file system
 refuses direct I/O). A small pool of reader threads serves a priority queue: demand reads go before
-prefetches. Nothing is memory-mapped, so the model never page-faults its way through the checkpoint.
+prefetches, and the start's warming of the cache after both. Nothing is memory-mapped, so the model never
+page-faults its way through the checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffe
 
 log = logging.getLogger(__name__)
 
-DEMAND, PREFETCH = 0, 1
+DEMAND, PREFETCH, WARM = 0, 1, 2  # WARM: filling the cache at start from remembered heat (expert_heat.py)
 CHUNK = 4 << 20  # reads go in 4 MiB pieces, so an abandoned prefetch stops within one piece
 
 
@@ -234,6 +235,13 @@ class ShardFiles:
                         log.warning("%s: direct I/O unsupported here; reading through the page cache", path.parent)
                 self._fds[path] = cached = (fd, now)
             return cached[0]
+
+    def forget(self, path: Path) -> None:
+        """Close `path` if open: it is being replaced on purpose (a converted spine's unit rebuilt)."""
+        with self._lock:
+            cached = self._fds.pop(path, None)
+        if cached is not None:
+            os.close(cached[0])
 
     def close(self) -> None:
         with self._lock:

@@ -1,11 +1,12 @@
 """A stage's non-expert weights ("spine"): the resident layers, and the rest streamed per pass.
 
 Which layers stay resident, in which format, is sizing.py's decision (the stage hands it over as a
-SpinePlan). Resident layers are loaded once, as bf16 as stored or row-int8 (`spine="int8"`: per-row
-absmax/127, fp16 scales, multiplied by the kernels). Streamed layers are read from the shards every pass
-into two reusable aligned buffers sized by their read plans: while layer l computes, the next streamed layer
-is read (after the stage's last, its first, for the next token), each read split in 4 MiB pieces with several
-in flight. Streamed layers stay as stored (quantizing per token would cost more than it saves).
+SpinePlan). Resident layers are loaded once: as stored (bf16), or from a converted spine (spine_files.py: row-int8
+or q4 written once, read at the disk's speed and checked against its checksums), or, where none could be written,
+quantized as they load (the placer's rules). Streamed layers are read every pass into two reusable aligned
+buffers sized by their read plans: while layer l computes, the next streamed layer is read (after the stage's
+last, its first, for the next token), each read split in 4 MiB pieces with several in flight. A streamed layer is
+read as converted where the spine is, else as stored (quantizing per token would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.reader import ShardFiles, plan_tensors, read_parallel
+from deltafin.weights.spine_files import CorruptSpine, SpineFiles, layer_unit
 from deltafin.weights.tensors import bytes_to_tensor
 
 log = logging.getLogger(__name__)
@@ -44,18 +46,23 @@ class SpinePlan:
 class SpineStore:
     def __init__(self, ckpt: Checkpoint, layers: range, place: Place, plan: SpinePlan, files: ShardFiles, *,
                  first: bool, last: bool, progress: Callable[[str, float], None] | None = None,
-                 threads: int = 8):
+                 threads: int = 8, source: SpineFiles | None = None,
+                 repair: Callable[[str], SpineFiles] | None = None):
+        """`source`: the converted spine the layers are read from (None: the checkpoint's shards); `repair`
+        converts a unit again when its file fails its checksums (None: that is an error)."""
         self.cfg: ModelConfig = ckpt.config
         self.ckpt, self.place, self.plan, self.files = ckpt, place, plan, files
+        self.source, self._repair = source, repair
+        self._verified: set[str] = set()  # converted units checked in this process
         self.stream_place = place
         self._readers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="deltafin-spine-read")
         self.resident: dict[int, LayerWeights] = {}
         for n, i in enumerate(plan.resident):
             if progress is not None:
                 progress(f"loading layer {i}", n / max(1, len(plan.resident)))
-            self.resident[i] = layer_weights(self.cfg, i, self._read_each_of(i), place)
+            self.resident[i] = layer_weights(self.cfg, i, self._resident_tensors(i), place)
         self.top: TopWeights | None = self._load_top(first, last) if first or last else None
-        self._plans = {i: plan_tensors(tuple(self.ckpt.location(s) for s in self._specs(i))) for i in plan.streamed}
+        self._plans = {i: plan_tensors(self._stream_locations(i)) for i in plan.streamed}
         largest = max((p.span for p in self._plans.values()), default=0)  # aligned reads: span >= stored bytes
         self._buffers = [aligned_buffer(largest) for _ in range(2)] if plan.streamed else []
         self._streamed: dict[int, tuple[int, Future]] = {}  # layer -> (buffer index, loading future)
@@ -73,6 +80,43 @@ class SpineStore:
         prefix = f"{self.cfg.prefix}model.layers.{layer}."
         return [spec.name[len(prefix):] for spec in self._specs(layer)]
 
+    def _layer_prefix(self, layer: int) -> str:
+        return f"{self.cfg.prefix}model.layers.{layer}."
+
+    def _resident_tensors(self, layer: int) -> dict:
+        if self.source is None:
+            return self._read_each_of(layer)
+        return self._read_unit(layer_unit(layer), self._layer_prefix(layer))
+
+    def _stream_locations(self, layer: int) -> tuple:
+        if self.source is None:
+            return tuple(self.ckpt.location(s) for s in self._specs(layer))
+        return (self.source.location(layer_unit(layer)),)
+
+    def _read_unit(self, unit: str, prefix: str, retry: bool = True) -> dict:
+        """A converted unit's tensors, each a view of one buffer holding the unit's file (all of it is used)."""
+        assert self.source is not None
+        plan = plan_tensors((self.source.location(unit),))
+        mem = memoryview(aligned_buffer(plan.span))
+        read_parallel(self.files, plan, mem, self._readers)
+        data = mem[:plan.tensors[0].nbytes]
+        try:
+            self._check(unit, data)
+        except CorruptSpine:
+            if self._repair is None or not retry:
+                raise
+            self.files.forget(self.source.location(unit).file)
+            self.source = self._repair(unit)
+            return self._read_unit(unit, prefix, retry=False)
+        return self.source.tensors(self.cfg, unit, data, prefix)
+
+    def _check(self, unit: str, data: memoryview) -> None:
+        """Verify a converted unit's bytes the first time this process reads it (a streamed layer's later reads
+        are not checked again: per token, that would cost CPU for what the disk already delivered once)."""
+        if unit not in self._verified:
+            self.source.verify(unit, data, self._readers)  # type: ignore[union-attr]
+            self._verified.add(unit)
+
     def _read_each_of(self, layer: int) -> dict[str, torch.Tensor]:
         """A resident layer's tensors, each in a buffer of its own, so whatever placement keeps holds no other
         tensor's bytes."""
@@ -89,6 +133,10 @@ class SpineStore:
         return out
 
     def _load_top(self, first: bool, last: bool) -> TopWeights:
+        if self.source is not None:
+            units = (["embed"] if first else []) + (["head"] if last else [])
+            tensors = {k: v for u in units for k, v in self._read_unit(u, self.cfg.prefix).items()}
+            return top_weights(self.cfg, tensors, self.place, first=first, last=last)
         specs = tuple(s for s in self.cfg.top_tensor_specs()
                       if (first and "embed_tokens" in s.name) or (last and "embed_tokens" not in s.name))
         tensors = {s.name[len(self.cfg.prefix):]: t for s, t in zip(specs, self._read_each(specs), strict=True)}
@@ -127,8 +175,13 @@ class SpineStore:
         read_parallel(self.files, plan, mem, self._readers)
         self.stream_read_s += time.monotonic() - t0
         self.streamed_bytes += self.files.stats.bytes_read - before
-        tensors = {name: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
-                   for name, t in zip(self._names(layer), plan.tensors, strict=True)}
+        if self.source is not None:
+            data = mem[:plan.tensors[0].nbytes]
+            self._check(layer_unit(layer), data)
+            tensors = self.source.tensors(self.cfg, layer_unit(layer), data, self._layer_prefix(layer))
+        else:
+            tensors = {name: bytes_to_tensor(mem[t.offset:t.offset + t.nbytes], t.dtype, t.shape)
+                       for name, t in zip(self._names(layer), plan.tensors, strict=True)}
         return layer_weights(self.cfg, layer, tensors, self.stream_place)
 
     def is_ready(self, layer: int) -> bool:

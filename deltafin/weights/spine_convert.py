@@ -1,0 +1,271 @@
+"""Writing a converted spine (spine_files.py): each unit read from the checkpoint, quantized on the CPU a block of
+rows at a time, written to a temporary file with the CRC-32 of every 16 MiB, synced, renamed, then entered in the
+manifest; one process converts a folder at a time (a lock file), so workers sharing a machine wait for each other
+instead of writing the same files. `prepare_spine` is what a stage calls: the folder as it is if it holds the
+stage's units, else those converted first (if allowed, and if the disk has room), else None or a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint, scan_checkpoint
+from deltafin.errors import DeltafinError, ModelFormatError
+from deltafin.kernels.quant import quantize_int8_rows, quantize_q4
+from deltafin.plan.layer_table import converted_kind
+from deltafin.progress import Progress, fmt_bytes
+from deltafin.weights.spine_files import (
+    CRC_CHUNK,
+    FORMAT,
+    RECIPE,
+    VERSION,
+    SpineFiles,
+    SpineNotConverted,
+    array_offsets,
+    default_root,
+    layer_unit,
+    unit_bytes,
+    unit_file,
+    unit_specs,
+    write_manifest,
+)
+from deltafin.weights.tensors import pread_into, read_tensor
+
+log = logging.getLogger(__name__)
+
+ROOM_MARGIN = 2 * 10**9  # left free on the disk after a conversion: a full disk breaks more than this process
+COPY_PIECE = 64 << 20  # tensors kept as stored are copied this many bytes at a time
+
+
+def prepare_spine(ckpt: Checkpoint, fmt: str, units: Sequence[str], *, why: str, convert: bool = True,
+                  root: str | Path | None = None, progress: bool = True) -> SpineFiles | None:
+    """The converted spine holding `units`, converting what is missing or stale first (`why`: the plan's reason,
+    for the log). Without `convert` a missing unit is SpineNotConverted; without room on the disk it is None (the
+    caller quantizes in memory instead), after a warning saying so."""
+    folder = Path(root) if root is not None else default_root(ckpt.model_dir, fmt)
+    files = SpineFiles.open(folder, fmt)
+    stale = files.stale_reason(ckpt)
+    missing = list(units) if stale else [u for u in units if not files.has(u)]
+    if not missing:
+        return files
+    need = sum(unit_bytes(ckpt.config, u, fmt) for u in missing)
+    state = f"stale: {stale}" if stale else f"{len(missing)} of its {len(units)} parts are not converted yet"
+    if not convert:
+        raise SpineNotConverted(
+            f"the plan holds a {fmt} spine ({why}), and the converted copy in {folder} is {state}: run `deltafin "
+            f"convert --model {ckpt.model_dir} --spine {fmt}` ({fmt_bytes(need)}), or leave out --no-convert")
+    free = free_bytes(folder)
+    if need + ROOM_MARGIN > free:
+        log.warning("the plan holds a %s spine (%s), but converting it needs %s in %s and the disk has %s free: "
+                    "quantizing it in memory at every start instead (streamed layers are read as stored)", fmt, why,
+                    fmt_bytes(need), folder, fmt_bytes(free))
+        return None
+    log.info("converting the spine to %s once, into %s (%s; %s): %s", fmt, folder, fmt_bytes(need), state, why)
+    return convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None)
+
+
+def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], *, progress: bool = True,
+                  fresh: bool = False) -> SpineFiles:
+    """Convert `units` into `folder` (those another process converted meanwhile are skipped); `fresh`: the
+    folder's files are stale, start it anew."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        files = SpineFiles.open(folder, fmt)
+        if fresh or files.stale_reason(ckpt):
+            _clear(folder)
+            files = SpineFiles(folder, fmt, {})
+        todo = [u for u in units if not files.has(u)]
+        manifest = files.manifest or {"format": FORMAT, "version": VERSION, "spine": fmt, "recipe": RECIPE,
+                                      "source": fingerprint(ckpt.model_dir), "model": str(ckpt.model_dir), "units": {}}
+        total = sum(s.nbytes for u in todo for s, _ in unit_specs(ckpt.config, u))
+        t0 = time.monotonic()
+        with Progress(total, f"converting the spine to {fmt}", enabled=progress) as bar:
+            for unit in todo:
+                manifest["units"][unit] = _convert_unit(ckpt, fmt, folder, unit, bar.update)
+                write_manifest(folder, manifest)
+        if todo:
+            log.info("converted %d parts of the spine (%s read) in %.1fs into %s", len(todo), fmt_bytes(total),
+                     time.monotonic() - t0, folder)
+        return SpineFiles(folder, fmt, manifest)
+
+
+def rebuild_unit(ckpt: Checkpoint, files: SpineFiles, unit: str) -> SpineFiles:
+    """Convert one unit again (its file failed its checksums)."""
+    log.warning("rebuilding %s: its bytes do not match their checksums", files.root / unit_file(unit))
+    with _locked(files.root):
+        manifest = SpineFiles.open(files.root, files.fmt).manifest
+        manifest.get("units", {}).pop(unit, None)
+        write_manifest(files.root, manifest)
+        (files.root / unit_file(unit)).unlink(missing_ok=True)
+    return convert_units(ckpt, files.fmt, files.root, [unit], progress=False)
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the disk `folder` is (or will be) on."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+# ---- one unit ----------------------------------------------------------------------------------------------
+
+
+class _UnitWriter:
+    """A unit's file as it is written: its position, and the CRC-32 of each CRC_CHUNK so far."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")  # noqa: SIM115 (closed by finish, or by the caller's cleanup on failure)
+        self.pos, self.crcs, self._crc = 0, [], 0
+
+    def write(self, data: memoryview) -> None:
+        while len(data):
+            piece, data = data[:CRC_CHUNK - self.pos % CRC_CHUNK], data[CRC_CHUNK - self.pos % CRC_CHUNK:]
+            self.f.write(piece)
+            self._crc, self.pos = zlib.crc32(piece, self._crc), self.pos + len(piece)
+            if self.pos % CRC_CHUNK == 0:
+                self.crcs.append(self._crc)
+                self._crc = 0
+
+    def pad_to(self, offset: int) -> None:
+        if offset < self.pos:
+            raise ModelFormatError(f"{self.f.name}: an array overran its place ({self.pos} > {offset})")
+        self.write(memoryview(bytes(offset - self.pos)))
+
+    def finish(self, size: int) -> list[int]:
+        self.pad_to(size)
+        if self.pos % CRC_CHUNK:
+            self.crcs.append(self._crc)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.crcs
+
+
+def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Callable[[int], None]) -> dict:
+    specs = unit_specs(ckpt.config, unit)
+    offsets, size = array_offsets(specs, fmt)
+    tmp = folder / f"{unit_file(unit)}.tmp"
+    out = _UnitWriter(tmp)
+    try:
+        for (spec, role), offs in zip(specs, offsets, strict=True):
+            loc = ckpt.location(spec)
+            for offset, data in zip(offs, _arrays(loc, converted_kind(spec, role, fmt)), strict=True):
+                out.pad_to(offset)
+                for piece in data:
+                    out.write(piece)
+            done(spec.nbytes)
+        crcs = out.finish(size)
+    except BaseException:
+        out.f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, folder / unit_file(unit))
+    return {"bytes": size, "crc32": crcs}
+
+
+def _arrays(loc: TensorLocation, kind: str) -> list[Iterator[memoryview]]:
+    """The tensor's arrays as converted, each as pieces of bytes."""
+    if kind == "stored":
+        return [_copied(loc)]
+    w = read_tensor(loc)
+    if kind == "q4":
+        q = quantize_q4(w)
+        return [iter([_bytes(a)]) for a in (q.packed, q.scales, q.biases)]
+    q8 = quantize_int8_rows(w)
+    return [iter([_bytes(q8.q)]), iter([_bytes(q8.scale)])]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _copied(loc: TensorLocation) -> Iterator[memoryview]:
+    """A tensor kept as stored, copied a piece at a time (the embedding is gigabytes: no whole copy in memory)."""
+    fd = os.open(loc.file, os.O_RDONLY)
+    try:
+        buf = bytearray(min(COPY_PIECE, max(1, loc.nbytes)))
+        for off in range(0, loc.nbytes, COPY_PIECE):
+            view = memoryview(buf)[:min(COPY_PIECE, loc.nbytes - off)]
+            pread_into(fd, view, loc.offset + off, loc.file)
+            yield view
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold the folder's lock (another process converting into it: wait for it, saying so)."""
+    with open(folder / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting the spine into %s", folder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _clear(folder: Path) -> None:
+    for path in folder.iterdir():
+        if path.suffix in (".bin", ".tmp") or path.name.startswith("manifest"):
+            path.unlink()
+
+
+def verify_units(files: SpineFiles, units: Sequence[str]) -> list[str]:
+    """The units among `units` whose files fail their checksums (read through the page cache, a unit at a time)."""
+    bad = []
+    for unit in units:
+        entry = files.manifest["units"][unit]
+        with open(files.root / unit_file(unit), "rb") as f:
+            crcs = [zlib.crc32(piece) for piece in iter(lambda: f.read(CRC_CHUNK), b"")]
+        if crcs != entry["crc32"]:
+            bad.append(unit)
+    return bad
+
+
+def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None = None,
+                       progress: bool = True) -> dict:
+    """`deltafin convert`: every unit of the layers this checkpoint holds (a partial download converts its part),
+    the ones already converted checked against their checksums and rebuilt where they fail. A summary to print."""
+    cfg = load_config(model_dir)
+    ckpt = scan_checkpoint(model_dir, cfg)
+    layers = ckpt.layers_available()
+    if not layers:
+        raise ModelFormatError(f"{model_dir} holds no complete decoder layer to convert")
+    units = [layer_unit(i) for i in layers] + (["embed", "head"] if ckpt.top_available else [])
+    folder = Path(out).expanduser() if out is not None else default_root(model_dir, fmt)
+    t0 = time.monotonic()
+    files = SpineFiles.open(folder, fmt)
+    stale = files.stale_reason(ckpt)
+    present = [] if stale else [u for u in units if files.has(u)]
+    bad = verify_units(files, present)
+    for unit in bad:
+        files = rebuild_unit(ckpt, files, unit)
+    missing = [u for u in units if u not in present]
+    if missing:
+        need = sum(unit_bytes(cfg, u, fmt) for u in missing)
+        if need + ROOM_MARGIN > free_bytes(folder):
+            raise DeltafinError(f"converting needs {fmt_bytes(need)} in {folder}, and the disk has "
+                                f"{fmt_bytes(free_bytes(folder))} free (keeping {fmt_bytes(ROOM_MARGIN)}): free some "
+                                "space or choose another --out")
+        if stale:
+            log.info("%s is stale (%s): converting it anew", folder, stale)
+        files = convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None)
+    return {"spine": fmt, "dir": str(folder), "model": str(model_dir), "source": fingerprint(model_dir),
+            "units": len(units), "converted": len(missing), "verified": len(present) - len(bad), "rebuilt": len(bad),
+            "bytes": sum(files.manifest["units"][u]["bytes"] for u in units),
+            "seconds": round(time.monotonic() - t0, 2)}

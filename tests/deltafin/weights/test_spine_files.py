@@ -1,0 +1,151 @@
+"""A converted spine: written once (resumable, checksummed, keyed to its source), loaded without quantizing, equal
+to the spine quantized as it loads; missing, stale and corrupt files are rebuilt or refused, never used."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from deltafin.checkpoint.config import load_config
+from deltafin.kernels.quant import Int8Weight, Q4Weight, dequantize_q4
+from deltafin.runtime import stage_build
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_options import StageOptions
+from deltafin.weights import spine_convert
+from deltafin.weights.spine_convert import convert_checkpoint
+from deltafin.weights.spine_files import CorruptSpine, SpineFiles, SpineNotConverted, default_root
+from deltafin.weights.tensors import read_tensor
+
+IDS = torch.tensor([5, 9, 2, 7, 11, 3])
+
+
+@pytest.fixture
+def model(tiny_dir, tmp_path):
+    """A copy of tiny of this test's own (its fingerprint, so its converted spines, are this test's)."""
+    out = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["deltafin_test"] = str(tmp_path)  # another fingerprint than every other copy
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _logits(model, spine: str, **options) -> torch.Tensor:
+    pipe = LocalPipeline.load(model, 1, device="cpu", options=StageOptions().replace(spine=spine, **options))
+    try:
+        return pipe.forward([SeqInput("s", 0, ids=IDS)], all_logits=True)[0].logits
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("spine", ["q4", "int8"])
+def test_converted_spine_is_the_spine_quantized_at_load(model, spine, monkeypatch):
+    summary = convert_checkpoint(model, spine, progress=False)
+    layers = load_config(model).num_layers
+    assert summary["converted"] == summary["units"] == layers + 2  # its layers, the embedding, the head
+    loaded = _logits(model, spine)
+    monkeypatch.setattr(spine_convert, "free_bytes", lambda folder: 0)  # no room: quantized as it loads
+    assert torch.equal(loaded, _logits(model, spine))
+
+
+def test_a_converted_spine_loads_without_quantizing(model, monkeypatch):
+    convert_checkpoint(model, "q4", progress=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a converted spine was quantized again")
+
+    monkeypatch.setattr(stage_build, "quantize_q4", refuse)
+    monkeypatch.setattr(stage_build, "quantize_int8_rows", refuse)
+    pipe = LocalPipeline.load(model, 1, device="cpu", options=StageOptions().replace(spine="q4"))
+    try:
+        stage = pipe.stages[0]
+        kinds = {type(w) for lw in stage.spine.resident.values() for w in vars(lw.attn).values()}
+        assert Q4Weight in kinds and Int8Weight in kinds  # q4 bulk, the 8-bit projections row-int8
+    finally:
+        pipe.close()
+
+
+def test_converted_q4_is_within_half_a_step_of_the_stored_weights(model):
+    convert_checkpoint(model, "q4", progress=False)
+    pipe = LocalPipeline.load(model, 1, device="cpu", options=StageOptions().replace(spine="q4"))
+    try:
+        cfg, stage = pipe.config, pipe.stages[0]
+        q = stage.spine.resident[0].attn.q
+        stored = read_tensor(stage.ckpt.location(next(s for s in cfg.layer_tensor_specs(0)
+                                                      if s.name.endswith("self_attn.q_proj.weight")))).float()
+        assert isinstance(q, Q4Weight)
+        # round to nearest over a group's 15 steps: every value within half a step (fp16 scale and bias rounding)
+        step = q.scales.float().repeat_interleave(64, dim=1)
+        assert bool(((dequantize_q4(q, torch.float32) - stored).abs() <= 0.5 * step + 1e-3 * step).all())
+    finally:
+        pipe.close()
+
+
+def test_an_interrupted_conversion_resumes(model, monkeypatch):
+    real, calls = spine_convert._convert_unit, []
+
+    def fail_third(ckpt, fmt, folder, unit, done):
+        calls.append(unit)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(ckpt, fmt, folder, unit, done)
+
+    monkeypatch.setattr(spine_convert, "_convert_unit", fail_third)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(model, "q4", progress=False)
+    folder = default_root(model, "q4")
+    assert sorted(SpineFiles.open(folder, "q4").manifest["units"]) == sorted(calls[:2])
+    assert not list(folder.glob("*.tmp"))  # the unit being written went away with the interruption
+    monkeypatch.setattr(spine_convert, "_convert_unit", real)
+    summary = convert_checkpoint(model, "q4", progress=False)
+    assert (summary["converted"], summary["verified"], summary["rebuilt"]) == (summary["units"] - 2, 2, 0)
+
+
+def _corrupt(model, unit: str = "layer-001") -> None:
+    path = default_root(model, "q4") / f"{unit}.bin"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_unit_is_rebuilt_or_refused_never_used(model, caplog):
+    convert_checkpoint(model, "q4", progress=False)
+    want = _logits(model, "q4")
+    _corrupt(model)
+    with pytest.raises(CorruptSpine, match="layer-001.bin is corrupt"):
+        _logits(model, "q4", convert=False)
+    with caplog.at_level(logging.WARNING, logger="deltafin.weights.spine_convert"):
+        assert torch.equal(_logits(model, "q4"), want)
+    assert "rebuilding" in caplog.text
+    _corrupt(model, "head")
+    summary = convert_checkpoint(model, "q4", progress=False)
+    assert (summary["rebuilt"], summary["verified"], summary["converted"]) == (1, summary["units"] - 1, 0)
+
+
+def test_missing_or_stale_spines_are_converted_or_refused(model):
+    with pytest.raises(SpineNotConverted, match="deltafin convert --model .* --spine q4"):
+        _logits(model, "q4", convert=False)
+    want = _logits(model, "q4")  # converted first, by itself
+    assert SpineFiles.open(default_root(model, "q4"), "q4").has("layer-000")
+    folder = default_root(model, "q4")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["source"] = "0" * 16
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpineNotConverted, match="converted from another checkpoint"):
+        _logits(model, "q4", convert=False)
+    assert torch.equal(_logits(model, "q4"), want)
+    assert SpineFiles.open(folder, "q4").manifest["source"] != "0" * 16
+
+
+def test_conversion_never_writes_into_the_model_directory(model, tmp_path):
+    before = sorted(p.name for p in model.iterdir())
+    out = tmp_path / "elsewhere"
+    summary = convert_checkpoint(model, "int8", out, progress=False)
+    assert summary["dir"] == str(out) and (out / "manifest.json").is_file()
+    assert sorted(p.name for p in model.iterdir()) == before
+    assert torch.equal(_logits(model, "int8", spine_dir=str(out)), _logits(model, "int8"))
