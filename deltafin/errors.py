@@ -34,6 +34,18 @@ class ModelFormatError(DeltafinError):
         super().__init__(head + body)
 
 
+class SpineNotConverted(DeltafinError):
+    """The plan needs a converted spine (int8, q4) that is missing or stale, and conversion was refused."""
+
+
+class CorruptSpine(ModelFormatError):
+    """A converted spine's unit (a file of weights/spine_files.py) does not match its checksums."""
+
+    def __init__(self, message: str, unit: str):
+        super().__init__(message)
+        self.unit = unit
+
+
 class SizingError(DeltafinError):
     """What was asked cannot fit in the memory given; the message has the numbers."""
 

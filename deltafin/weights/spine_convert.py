@@ -21,7 +21,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint, scan_checkpoint
-from deltafin.errors import DeltafinError, ModelFormatError
+from deltafin.errors import DeltafinError, ModelFormatError, SpineNotConverted
 from deltafin.kernels.quant import quantize_int8_rows, quantize_q4
 from deltafin.plan.layer_table import converted_kind
 from deltafin.progress import Progress, fmt_bytes
@@ -31,7 +31,6 @@ from deltafin.weights.spine_files import (
     RECIPE,
     VERSION,
     SpineFiles,
-    SpineNotConverted,
     array_offsets,
     default_root,
     layer_unit,
@@ -237,16 +236,24 @@ def verify_units(files: SpineFiles, units: Sequence[str]) -> list[str]:
     return bad
 
 
+def _held_units(ckpt: Checkpoint) -> list[str]:
+    """The units whose every tensor this (perhaps partial) checkpoint holds."""
+    units = [layer_unit(i) for i in ckpt.layers_available()]
+    for top in ("embed", "head"):
+        if all(spec.name in ckpt.tensors for spec, _ in unit_specs(ckpt.config, top)):
+            units.append(top)
+    return units
+
+
 def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None = None,
                        progress: bool = True) -> dict:
     """`deltafin convert`: every unit of the layers this checkpoint holds (a partial download converts its part),
     the ones already converted checked against their checksums and rebuilt where they fail. A summary to print."""
     cfg = load_config(model_dir)
     ckpt = scan_checkpoint(model_dir, cfg)
-    layers = ckpt.layers_available()
-    if not layers:
+    units = _held_units(ckpt)
+    if not units:
         raise ModelFormatError(f"{model_dir} holds no complete decoder layer to convert")
-    units = [layer_unit(i) for i in layers] + (["embed", "head"] if ckpt.top_available else [])
     folder = Path(out).expanduser() if out is not None else default_root(model_dir, fmt)
     t0 = time.monotonic()
     files = SpineFiles.open(folder, fmt)

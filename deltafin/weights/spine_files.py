@@ -25,7 +25,7 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig, TensorSpec
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint
-from deltafin.errors import DeltafinError, ModelFormatError
+from deltafin.errors import CorruptSpine, ModelFormatError
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight
 from deltafin.options import CONVERTED_SPINES
 from deltafin.paths import cache_dir
@@ -51,17 +51,9 @@ RECIPE = f"{QUANTIZER};group={Q4_GROUP};8bit={','.join(EIGHT_BIT)};8bit-mla={','
 CONVERTED = CONVERTED_SPINES  # the spine formats that have converted files
 
 
-class SpineNotConverted(DeltafinError):
-    """The plan needs a converted spine that is missing or stale, and conversion was refused (--no-convert)."""
-
-
-class CorruptSpine(ModelFormatError):
-    """A converted unit's bytes do not match their checksums."""
-
-    def __init__(self, root: Path, unit: str):
-        super().__init__(f"converted spine {root / unit_file(unit)} is corrupt (checksum mismatch): it is rebuilt "
-                         f"when the process may convert; else delete it or run `deltafin convert`")
-        self.unit = unit
+def corrupt(root: Path, unit: str) -> CorruptSpine:
+    return CorruptSpine(f"converted spine {root / unit_file(unit)} is corrupt (checksum mismatch): it is rebuilt "
+                        "when the process may convert; else delete it or run `deltafin convert`", unit)
 
 
 def unit_file(unit: str) -> str:
@@ -157,7 +149,7 @@ class SpineFiles:
         """Raise CorruptSpine unless `data` (the unit's file as read) matches the manifest's checksums."""
         entry = self.manifest["units"][unit]
         if len(data) < entry["bytes"] or chunk_crcs(data[:entry["bytes"]], pool) != entry["crc32"]:
-            raise CorruptSpine(self.root, unit)
+            raise corrupt(self.root, unit)
 
     def tensors(self, cfg: ModelConfig, unit: str, data: memoryview, prefix: str) -> dict[str, object]:
         """The unit's tensors as views of `data`, named without `prefix`: Q4Weight, Int8Weight or as stored."""

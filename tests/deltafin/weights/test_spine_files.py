@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from deltafin.checkpoint.config import load_config
+from deltafin.cli import commands as cli
+from deltafin.errors import CorruptSpine, SpineNotConverted
 from deltafin.kernels.quant import Int8Weight, Q4Weight, dequantize_q4
 from deltafin.runtime import stage_build
 from deltafin.runtime.pipeline import LocalPipeline
@@ -18,7 +20,7 @@ from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights import spine_convert
 from deltafin.weights.spine_convert import convert_checkpoint
-from deltafin.weights.spine_files import CorruptSpine, SpineFiles, SpineNotConverted, default_root
+from deltafin.weights.spine_files import SpineFiles, default_root
 from deltafin.weights.tensors import read_tensor
 
 IDS = torch.tensor([5, 9, 2, 7, 11, 3])
@@ -149,3 +151,24 @@ def test_conversion_never_writes_into_the_model_directory(model, tmp_path):
     assert summary["dir"] == str(out) and (out / "manifest.json").is_file()
     assert sorted(p.name for p in model.iterdir()) == before
     assert torch.equal(_logits(model, "int8", spine_dir=str(out)), _logits(model, "int8"))
+
+
+def test_download_then_convert_a_workers_part(model, tmp_path, capsys):
+    """`deltafin download --convert q4` fetches layers 3-5 (the last stage) and converts what it holds: its
+    layers, the head and (tiny keeps them in one shard) the embedding; `deltafin convert` then checks them."""
+    out = tmp_path / "part"
+    assert cli.main(["download", str(model), "--out", str(out), "--layers", "3-5", "--convert", "q4",
+                     "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (summary["units"], summary["converted"]) == (3 + 2, 3 + 2)
+    files = SpineFiles.open(default_root(out, "q4"), "q4")
+    assert sorted(files.manifest["units"]) == ["embed", "head", "layer-003", "layer-004", "layer-005"]
+    assert cli.main(["convert", "--model", str(out), "--quiet"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["converted"], again["verified"], again["rebuilt"]) == (0, 5, 0)
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["convert", "--model", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err
