@@ -37,6 +37,7 @@ def _defaults() -> list[str]:
     from deltafin.plan.forward_workspace import FORWARD_SHARE
     from deltafin.plan.memory import MARGIN
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
+    from deltafin.plan.sizing_options import ONE_USER_SEQUENCES, SEQUENCES
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -51,7 +52,7 @@ def _defaults() -> list[str]:
     ngrams = list(range(NgramDrafter.max_ngram, NgramDrafter.min_ngram - 1, -1))
     return [
         f"`--sequences N` and `--context T` are the sequences and tokens the plan keeps caches and attention room "
-        f"for ({s('sequences')} and {s('context')};",
+        f"for ({ONE_USER_SEQUENCES} on one worker, {SEQUENCES} on each stage of a cluster, and {s('context')};",
         f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
         f"fits {FORWARD_SHARE:.0%} of the budget",
         f"`--prefix-disk-gb G` (default {s('prefix_disk_gb'):g};",
@@ -231,7 +232,7 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     plain_pass = (plain.sizing.spine_bytes_per_token + plain.sizing.expert_bytes_per_token) / 1e9 / MAC_SSD_GBPS \
         / EFFICIENCY
     header = (f"the trails' room, {(stage.sizing.sessions - plain.sizing.sessions) / 1e9:.2f} GB for "
-              f"{SizingOptions().sequences} sequences, costs "
+              f"{stage.sizing.sequences} sequence{'s' if stage.sizing.sequences != 1 else ''}, costs "
               f"{(lost := len(plain.sizing.resident_layers) - len(stage.sizing.resident_layers))} resident "
               f"layer{'s' if lost != 1 else ''}, so "
               f"{spine:.1f} GB of spine streamed and {experts:.1f} GB of experts per one-token pass, 6.6 GB/s at the "

@@ -6,6 +6,7 @@ they share the admission queue, the stop tokens, the context limit and the metri
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -284,6 +285,10 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     """Config and tokenizer first (fast, clear errors), then the backend, as one Engine; config.json is read
     once. `show_progress`: the load's progress and the plan on stderr (else the plan is logged)."""
     serving = serving or ServingOptions()
+    asked = stage.sizing.sequences
+    if asked is not None and asked < serving.max_active:  # more at once would evict each other's caches
+        log.info("serving %d request(s) at once: --sequences %d plans caches for no more", asked, asked)
+        serving = dataclasses.replace(serving, max_active=asked)
     cfg = load_config(cluster.model)
     tokenizer = K3Tokenizer.load(cluster.model)
     backend = await open_backend(cluster, planned_stage(stage, serving), cfg, show_progress)
@@ -292,5 +297,8 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
 
 
 def planned_stage(stage: StageOptions, serving: ServingOptions) -> StageOptions:
-    """The stages' options as the plan needs them for this serving: room for speculative forwards when drafting."""
-    return stage.replace(speculative_tokens=serving.speculative_tokens)
+    """The stages' options as the plan needs them for this serving: caches for every request it runs at once
+    (unless --sequences says; a bare one-worker plan would hold one), room for speculative forwards when
+    drafting."""
+    sequences = stage.sizing.sequences if stage.sizing.sequences is not None else serving.max_active
+    return stage.replace(speculative_tokens=serving.speculative_tokens, sequences=sequences)

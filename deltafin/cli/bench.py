@@ -16,6 +16,7 @@ import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.devices import synchronize
+from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.options import CACHE_POLICIES
 from deltafin.plan.sizing import expert_slot_bytes
@@ -48,29 +50,29 @@ GB = 1e9
 
 
 def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
-                 options: Any = None, measure_disk: bool = True) -> dict[str, Any]:
+                 options: Any = None, measure_disk: bool = True, seed: int = 0) -> dict[str, Any]:
     """Decode `tokens` greedily after a `prompt`-token prefill, the stage sized by `options` (StageOptions;
-    default: everything resident). Reports the memory plan against the peak, bytes per token (experts,
-    spine), and when anything streams the limit terms and the efficiency against them."""
-    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    default: everything resident). Reports the load's seconds, the memory plan against the peak, bytes per token
+    (experts, spine), and when anything streams the limit terms and the efficiency against them. `seed`: the
+    decoded tokens' random ids (and, but for 0, the prompt's)."""
+    pipe, loaded = _load(model, device, dtype, options)
     stage = pipe.stages[0]
     cfg, dev, plan = stage.cfg, stage.device, stage.sizing
     opts = stage.options
-    result = _decode_setup(model, stage, dtype)
+    result = {**_decode_setup(model, stage, dtype), **loaded}
     try:
         streams = plan.streaming or bool(plan.streamed_layers)
         if streams and measure_disk and cfg.moe_layers:
             result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, opts.sizing.read_threads, opts.io)
         recorder = ExpertRecorder(stage.experts)
         stage.experts = recorder
-        ids = torch.arange(prompt) % (cfg.vocab_size - 256)
-        t0 = time.perf_counter()
-        pipe.forward([SeqInput("bench", 0, ids=ids)])
-        synchronize(dev)
-        result["prefill_s"] = round(time.perf_counter() - t0, 3)
+        ids = torch.arange(prompt) if not seed else torch.randint(0, cfg.vocab_size - 256, (prompt,),
+                                                                  generator=torch.Generator().manual_seed(seed))
+        ids = ids % (cfg.vocab_size - 256)
+        result.update(_prefill_timed(pipe, stage, ids))
         before = _io_counters(stage)
         recorder.trace.clear()
-        inputs, times = _decode_steps(pipe, cfg, prompt, tokens, dev)
+        inputs, times = _decode_steps(pipe, cfg, prompt, tokens, dev, seed)
         result.update(_decode_numbers(times, before, _io_counters(stage), tokens))
         trace = list(recorder.trace)
         stage.experts = recorder.inner
@@ -80,6 +82,56 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     finally:
         pipe.close()
     return result
+
+
+def _load(model: str | Path, device: str, dtype: str, options: Any) -> tuple[LocalPipeline, dict[str, Any]]:
+    """The pipeline, timed (`load_s`), once its stores have finished warming their caches from the experts' remembered
+    heat (its reads are not the benchmark's): how many experts that read (`warmed_experts`), in how long."""
+    t0 = time.perf_counter()
+    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    out: dict[str, Any] = {"load_s": round(time.perf_counter() - t0, 3)}
+    warmers = [w for w in (getattr(s.experts, "warmer", None) for s in pipe.stages) if w is not None]
+    for w in warmers:
+        w.done.wait()
+    if warmers:
+        out.update(warmed_experts=sum(w.warmed for w in warmers), warm_s=round(max(w.seconds for w in warmers), 3))
+    return pipe, out
+
+
+def _prefill_timed(pipe: Any, stage: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """The prompt's forward: its seconds, and its experts' cache hit rate (the first tokens' after a start)."""
+    before = _io_counters(stage)
+    t0 = time.perf_counter()
+    pipe.forward([SeqInput("bench", 0, ids=ids)])
+    synchronize(stage.device)
+    out: dict[str, Any] = {"prefill_s": round(time.perf_counter() - t0, 3)}
+    after = _io_counters(stage)
+    lookups = after["lookups"] - before["lookups"]
+    out["prefill_hit_rate"] = round((after["hits"] - before["hits"]) / lookups, 4) if lookups else None
+    return out
+
+
+def bench_heat(model: str | Path, tokens: int = 16, prompt: int = 4, device: str = "auto", dtype: str = "fp32",
+               options: Any = None, measure_disk: bool = True) -> dict[str, Any]:
+    """The expert cache's hit rate without and with remembered heat, each run in a pipeline of its own (a restarted
+    process's state). The first run starts with no heat (a heat folder of its own, so the user's is neither used
+    nor changed), decodes seeded random tokens and saves what its layers used at close; the second warms its cache
+    from that heat (timing starts once warming has finished; `warmed_experts` says how many it read) and decodes
+    other seeded tokens, so the heat is the same model's traffic, not a replay of the tokens measured."""
+    with tempfile.TemporaryDirectory(prefix="deltafin-heat-") as folder:
+        opts = (options or StageOptions()).replace(expert_heat_dir=folder)
+        cold = bench_decode(model, tokens, prompt, device, dtype, opts, measure_disk, seed=0)
+        if not cold["experts_streamed"]:
+            raise DeltafinError("bench --heat: this plan holds every expert in memory, so there is no cache to warm "
+                                "(give --expert-cache-gb or a smaller --memory-gb)")
+        warm = bench_decode(model, tokens, prompt, device, dtype, opts, measure_disk=False, seed=1)
+    keys = ("cache_hit_rate", "prefill_hit_rate", "s_per_token_median", "load_s", "warmed_experts")
+    return {"bench": "heat", "model": cold["model"], "device": cold["device"], "tokens": tokens, "prompt": prompt,
+            "expert_cache_gb": cold["expert_cache_gb"], "cache_experts": cold["cache_experts"],
+            "hit_rate_cold": cold["cache_hit_rate"], "hit_rate_warm": warm["cache_hit_rate"],
+            "prefill_hit_rate_cold": cold["prefill_hit_rate"], "prefill_hit_rate_warm": warm["prefill_hit_rate"],
+            "warmed_experts": warm["warmed_experts"], "warm_s": warm["warm_s"],
+            "cold": {k: cold[k] for k in keys}, "warm": {k: warm[k] for k in keys}}
 
 
 def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
@@ -93,9 +145,10 @@ def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
         "policy": opts.cache_policy, "prefetch": opts.prefetch,
         "memory_budget_gb": None if opts.memory_bytes is None else round(opts.memory_bytes / GB, 3),
         "spine": plan.spine, "experts_streamed": plan.streaming, "expert_cache_gb": round(plan.expert_cache / GB, 3),
+        "cache_experts": plan.expert_cache // expert_slot_bytes(cfg) if plan.streaming else None,
         "spine_resident_layers": len(plan.resident_layers), "spine_streamed_layers": len(plan.streamed_layers),
         "plan_gb": {k: round(v / GB, 3) for k, v in plan.as_dict().items() if isinstance(v, int)
-                    and not isinstance(v, bool) and k not in ("start", "end", "forward_tokens")}}
+                    and not isinstance(v, bool) and k not in ("start", "end", "forward_tokens", "sequences")}}
 
 
 def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto", dtype: str = "fp32",
@@ -110,7 +163,7 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     the larger of the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt
     tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     options = options or StageOptions()
-    pipe = LocalPipeline.load(model, 1, device=device, dtype=dtype, options=options)
+    pipe, loaded = _load(model, device, dtype, options)
     stage = pipe.stages[0]
     cfg, dev, plan = stage.cfg, stage.device, stage.sizing
     chunk = pipe.max_forward_tokens or options.sizing.prefill_chunk
@@ -118,7 +171,8 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     out: dict[str, Any] = {}
     result: dict[str, Any] = {"bench": "prefill", "runtime": "deltafin", "model": str(Path(model).resolve()),
                               "device": str(dev), "dtype": dtype, "threads": torch.get_num_threads(), "chunk": chunk,
-                              "experts_streamed": plan.streaming, "all_experts_gb": round(all_experts / GB, 3)}
+                              "experts_streamed": plan.streaming, "all_experts_gb": round(all_experts / GB, 3),
+                              **loaded}
     try:
         if measure_disk and (plan.streaming or plan.streamed_layers):
             result["disk"] = expert_read_speed(stage.ckpt, cfg.moe_layers, stage.options.sizing.read_threads,
@@ -280,10 +334,11 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
     return result
 
 
-def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device) -> tuple[list, list[float]]:
+def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.device,
+                  seed: int = 0) -> tuple[list, list[float]]:
     """Decode steps feed seeded random ids: a random-weight model's greedy output repeats itself, and repeated
     tokens route to the same experts, which would flatter the cache."""
-    rng = torch.Generator().manual_seed(0)
+    rng = torch.Generator().manual_seed(seed)
     inputs, times = [], []
     for n in range(prompt, prompt + tokens):
         nxt = torch.randint(0, cfg.vocab_size - 256, (1,), generator=rng)

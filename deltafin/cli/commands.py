@@ -25,7 +25,7 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.options import CONVERTED_SPINES, SPINES
+from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -90,7 +90,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                    help="also show the memory plan of the whole model as one stage within this budget")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
     p.add_argument("--spine", default="auto", choices=SPINES, help="--memory-gb: spine format")
-    p.add_argument("--sequences", type=int, default=4, help="--memory-gb: sequences planned for (default 4)")
+    p.add_argument("--sequences", type=int, default=None,
+                   help="--memory-gb: sequences planned for (default 1: one worker, one user)")
     p.add_argument("--context", type=int, default=4096, help="--memory-gb: tokens per sequence (default 4096)")
     p.set_defaults(func=_cmd_inspect)
 
@@ -99,19 +100,21 @@ def _cmd_download(args: argparse.Namespace) -> int:
     summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
     if args.convert:
-        _print_conversion(args.out, args.convert, None, args.quiet)
+        _print_conversion(args.out, args.convert, None, args.quiet, "auto")
     return 0
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    _print_conversion(args.model, args.spine, args.out, args.quiet)
+    _print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
     return 0
 
 
-def _print_conversion(model: str, spine: str, out: str | None, quiet: bool) -> None:
+def _print_conversion(model: str, spine: str, out: str | None, quiet: bool, device: str) -> None:
+    from deltafin.devices import resolve_device  # torch: loaded when the command runs
     from deltafin.weights.spine_convert import convert_checkpoint  # torch: loaded when the command runs
 
-    print(json.dumps(convert_checkpoint(model, spine, out, progress=not quiet)))
+    summary = convert_checkpoint(model, spine, out, progress=not quiet, device=resolve_device(device))
+    print(json.dumps(summary))
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +132,9 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
                    "that load it)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
+                   "than the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_convert)
 
@@ -250,8 +256,8 @@ def _bench_model(args: argparse.Namespace) -> dict:
         return bench.bench_second_turn(args.model, prompt, new, **common)
     if lengths:
         return bench.bench_prefill(args.model, lengths, measure_disk=not args.no_disk, **common)
-    return bench.bench_decode(args.model, tokens=args.tokens or 16, prompt=args.prompt, measure_disk=not args.no_disk,
-                              **common)
+    decode = bench.bench_heat if args.heat else bench.bench_decode  # --heat: decode without and with the heat
+    return decode(args.model, tokens=args.tokens or 16, prompt=args.prompt, measure_disk=not args.no_disk, **common)
 
 
 def _bench_quality(args: argparse.Namespace) -> dict:
@@ -290,14 +296,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "has the memory plan and the peak, bytes per token (experts, spine), and when anything streams "
                        "the disk measured first with the same reader, the limit terms (t_io_limit, t_compute) and "
                        "efficiency = max(t_io_limit, t_compute) / s_per_token. --disk PATH: the reader alone. "
-                       "--kernel: MXFP4 expert throughput (packed GB/s). --model DIR --prefill LENGTHS: prefill "
+                       "--kernel: MXFP4 expert throughput (packed GB/s) and K3's big spine matrices as bf16, int8 and "
+                       "q4 at decode and prefill (ms, weight GB/s). --model DIR --prefill LENGTHS: prefill "
                        "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
                        "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
                        "prefetch and drafting on a trained model's own answers; --quality: what a spine format "
                        "costs against the spine as stored.")
     p.add_argument("--model", help="checkpoint directory: measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
-    p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel")
+    p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel and the spine matmul in each "
+                   "spine format")
     _add_model_benchmarks(p)
     p.add_argument("--tokens", type=int, default=None, help="decode steps to time (default 16); --workload: the "
                    "most tokens of each answer (default 16); --quality: the most positions measured (default: all)")
@@ -330,6 +338,10 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE")
     p.add_argument("--text", metavar="FILE", help="--quality: the text to measure on (cut into 2048-token "
                    "sequences)")
+    p.add_argument("--heat", action="store_true", help="--model: the expert cache's hit rate without and with the "
+                   "experts' remembered heat (hit_rate_cold, hit_rate_warm): decode twice, each in a fresh pipeline, "
+                   "the first with no heat (a folder of its own: yours is neither used nor changed), the second warmed "
+                   "from the heat the first saved, on other seeded tokens")
     p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
                    "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
 

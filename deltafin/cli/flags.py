@@ -35,13 +35,13 @@ if TYPE_CHECKING:  # these load torch: they are imported when a command builds t
     from deltafin.text.sampling import SamplingParams
 
 
-def add_stage_options(p: argparse.ArgumentParser, sequences: int = 4) -> None:
+def add_stage_options(p: argparse.ArgumentParser, sequences: int | None = None) -> None:
     _add_memory_options(p.add_argument_group("memory and weights", "how the model is held (default: sized to the "
                                              "memory found)"), sequences)
     _add_reading_options(p.add_argument_group("reads", "how the experts and kept prefixes use the disks"))
 
 
-def _add_memory_options(g: Any, sequences: int) -> None:
+def _add_memory_options(g: Any, sequences: int | None) -> None:
     g.add_argument("--memory-gb", type=float, default=None,
                    help="memory this process may use for the model: weights, caches, buffers, workspace (the GPU's, "
                    "on CUDA). Default: what it finds (RAM, a cgroup limit, the GPU's free memory, Metal's working "
@@ -61,7 +61,9 @@ def _add_memory_options(g: Any, sequences: int) -> None:
                    help="where converted spines are (`deltafin convert --out DIR`; default: the cache directory's "
                    "spines/)")
     g.add_argument("--sequences", type=int, default=sequences,
-                   help=f"sequences the memory plan keeps caches for (default {sequences})")
+                   help="sequences the memory plan keeps caches for (default "
+                   + (f"{sequences})" if sequences is not None else "1 on one worker, serving one user, so that its "
+                      "expert cache keeps more; 4 on each stage of a cluster)"))
     g.add_argument("--context", type=int, default=4096,
                    help="tokens per sequence the memory plan reserves caches and attention room for (default 4096)")
     g.add_argument("--prefix-cache-gb", type=float, default=None,
@@ -71,7 +73,8 @@ def _add_memory_options(g: Any, sequences: int) -> None:
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
                    "experts again (default: the --context tokens in one forward if their workspace fits a tenth of "
-                   "the memory, else as many as do, more where a small expert cache can give way; at least 512)")
+                   "the memory, else as many as do, more where a small expert cache can give way; on one worker the "
+                   "longest that leaves the expert cache 21.5%% of the memory; at least 512)")
     g.add_argument("--max-resident-layers", type=int, default=None,
                    help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
                    "(default: as many as fit)")
@@ -93,6 +96,11 @@ def _add_reading_options(g: Any) -> None:
                    help="expert cache policy (default lfu: the best of the three on measured decode traces)")
     g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="read experts only when a layer asks for them")
+    g.add_argument("--no-expert-heat", dest="expert_heat", action="store_false",
+                   help="do not remember which experts are used: by default a stage that streams experts counts "
+                   "each one's use (in the cache directory's heat/, per checkpoint) and at start reads the most used "
+                   "into its cache in the background, behind every other read, so the first tokens after a restart "
+                   "already hit")
     g.add_argument("--prefix-dir", default=None,
                    help="also keep prefixes on this disk folder, so that a request sharing one resumes after a "
                    "restart too (default: the cache directory's prefixes/)")

@@ -12,6 +12,7 @@ from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
 from deltafin.plan.layer_table import layer_table
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
+from deltafin.plan.sizing_options import SEQUENCES, one_worker
 from deltafin.weights.reader import layer_spans
 
 
@@ -30,8 +31,9 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
             spine_total[k] = spine_total.get(k, 0) + v
         layers.append({"layer": i, "kind": cfg.layer_kinds[i].value, "ffn": "moe" if cfg.is_moe(i) else "dense",
                        "attn_res_blocks": cfg.blocks_entering(i), "spine_bytes": spine,
-                       "resident_bytes": {"bf16": table.bf16[i + 1] - table.bf16[i],
-                                          "int8": table.int8[i + 1] - table.int8[i]}})
+                       "resident_bytes": {f: table.resident(f)[i + 1] - table.resident(f)[i]
+                                          for f in ("bf16", "int8", "q4")},
+                       "streamed_bytes": {f: table.streamed(f).stored[i] for f in ("bf16", "int8", "q4")}})
     top = cfg.top_spine_bytes()
     n_moe = len(cfg.moe_layers)
     contiguous, scattered, missing = _contiguity(ckpt)
@@ -62,7 +64,7 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
         },
         "layers_available": list(ckpt.layers_available()),
         "unused_tensors": len(set(ckpt.tensors) - _text_tensors(cfg)),  # e.g. the vision tower: skipped
-        "plan": None if memory_bytes is None else _plan(cfg, ckpt, memory_bytes, device, options),
+        "plan": None if memory_bytes is None else memory_plan(cfg, memory_bytes, device, options, layer_spans(ckpt)),
         "download": None if download is None else {"summary": download.describe(), "layers": list(download.layers),
                                                     "experts": download.experts and list(download.experts),
                                                     "share": download.share, "left_out": list(download.left_out),
@@ -86,13 +88,40 @@ def _text_tensors(cfg: Any) -> set[str]:
     return names
 
 
-def _plan(cfg: Any, ckpt: Checkpoint, memory_bytes: int, device: str, options: SizingOptions | None) -> dict:
-    opts = replace(options or SizingOptions(), spans=layer_spans(ckpt))
+def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions | None = None,
+                spans: tuple[int, ...] | None = None) -> dict:
+    """The memory plan of one stage of every layer within `memory_bytes` on `device` (pure; `spans`: the
+    checkpoint's layers' read buffers), with what its one-worker defaults trade (`trade`), or {"error": why}."""
+    opts = replace(options or SizingOptions(), spans=spans)
     place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
     try:
-        return choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
+        plan = choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
     except SizingError as e:
         return {"error": str(e)}
+    return {**plan, "context": opts.context, "trade": _trade(cfg, place, Budget(memory_bytes), opts, plan)}
+
+
+def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingOptions, plan: dict) -> list[dict]:
+    """What the one-worker defaults trade (sizing.py: one sequence, and the expert cache before a long forward):
+    the plan with each of them given back, as the flag that does it would make it."""
+    if plan["experts_resident"] or not one_worker(cfg, 0, cfg.num_layers, opts):
+        return []
+    changes = []
+    if opts.prefill_chunk is None and plan["forward_tokens"] < opts.context:
+        changes.append((f"--prefill-chunk {opts.context}", replace(opts, prefill_chunk=opts.context)))
+    if opts.sequences is None and opts.session_bytes is None:
+        changes.append((f"--sequences {SEQUENCES}", replace(opts, sequences=SEQUENCES)))
+    out = []
+    for flag, changed in changes:
+        try:
+            z = choose(cfg, 0, cfg.num_layers, place, budget, changed)
+        except SizingError as e:
+            out.append({"flags": flag, "error": str(e)})
+            continue
+        out.append({"flags": flag, "spine": z.spine, "resident_layers": len(z.resident_layers),
+                    "expert_cache": z.expert_cache, "forward_tokens": z.forward_tokens, "sessions": z.sessions,
+                    "prefixes": z.prefixes, "workspace": z.workspace, "spine_bytes_per_token": z.spine_bytes_per_token})
+    return out
 
 
 def _contiguity(ckpt: Checkpoint) -> tuple[int, int, int]:
@@ -110,6 +139,38 @@ def _contiguity(ckpt: Checkpoint) -> tuple[int, int, int]:
             else:
                 scattered += 1
     return contiguous, scattered, missing
+
+
+def plan_lines(plan: dict, num_layers: int) -> list[str]:
+    """A memory plan (`memory_plan`) as `inspect` prints it: the choice, its parts, its reads, its trade."""
+    if "error" in plan:
+        return [f"memory plan: {plan['error']}"]
+    experts = "resident" if plan["experts_resident"] else "streamed"
+    return [f"memory plan on {plan['device']}: {plan['spine']} spine, {len(plan['resident_layers'])} of "
+            f"{num_layers} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
+            f"  spine {plan['spine']}: {plan['spine_why']}",
+            "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
+            f"  sessions for {plan['sequences']} sequence(s) of up to {plan['context']:,} tokens; read per token: "
+            f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; a forward "
+            f"carries up to {plan['forward_tokens']:,} tokens (a prompt that long reads each expert once)",
+            *_trade_lines(plan)]
+
+
+def _trade_lines(plan: dict) -> list[str]:
+    """The one-worker defaults' trade, as `inspect` prints it: each default given back, and what it costs."""
+    lines = []
+    for t in plan.get("trade", []):
+        if "error" in t:
+            lines.append(f"  with {t['flags']}: does not fit ({t['error']})")
+            continue
+        lines.append(f"  with {t['flags']}: {t['spine']} spine, {t['resident_layers']} layers resident, expert cache "
+                     f"{_gb(t['expert_cache'])} (not {_gb(plan['expert_cache'])}), forwards of up to "
+                     f"{t['forward_tokens']:,} tokens, sessions {_gb(t['sessions'])} + prefixes {_gb(t['prefixes'])}, "
+                     f"workspace {_gb(t['workspace'])}, spine read per token {_gb(t['spine_bytes_per_token'])}")
+    if lines:
+        lines.insert(0, "  one worker, one user: one sequence, and the expert cache before a long forward (a longer "
+                     "prompt takes several forwards, each reading its experts again); the defaults given back:")
+    return lines
 
 
 def _gb(n: int) -> str:
@@ -144,19 +205,8 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r["unused_tensors"]:
         lines.append(f"unused by the text model (skipped): {r['unused_tensors']:,} tensors")
-    plan = r["plan"]
-    if plan is not None:
-        lines.append("")
-        if "error" in plan:
-            lines.append(f"memory plan: {plan['error']}")
-        else:
-            experts = "resident" if plan["experts_resident"] else "streamed"
-            lines += [f"memory plan on {plan['device']}: {plan['spine']} spine, {len(plan['resident_layers'])} of "
-                      f"{r['num_layers']} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
-                      "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
-                      f"  read per token: experts {_gb(plan['expert_bytes_per_token'])}, spine "
-                      f"{_gb(plan['spine_bytes_per_token'])}; a forward carries up to {plan['forward_tokens']:,} "
-                      "tokens (a prompt that long reads each expert once)"]
+    if r["plan"] is not None:
+        lines += ["", *plan_lines(r["plan"], r["num_layers"])]
     if r.get("download"):
         lines += ["", r["download"]["summary"]]
     if r["problems"]:

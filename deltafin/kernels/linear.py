@@ -3,12 +3,13 @@
 - dense W in x's dtype: torch.
 - dense W in another dtype (bf16 spine kept as stored under fp32 activations): exact mixed product.
 - MXFP4 (experts), row-int8 (`--spine int8`) and group-wise 4-bit (`--spine q4`): decoded on the device.
-Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton; MPS: torch's int8 pack matmul)
-if it exists and passes a self-check against the torch reference; otherwise the reference runs. Which
-backends run is chosen once per process (`select_kernels`, the `--kernels` option): `auto`, `reference` (the
-torch reference everywhere; also `DELTAFIN_KERNELS=reference`), `native` (the fast paths above), `mlx` (the
-routed experts on MLX, kernels/mlx_moe.py; the rest native). `auto` is native, with MLX for the experts on
-Apple silicon where it is installed.
+Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton, kernels/mxfp4_cuda.py and
+q4_cuda.py; MPS: torch ops, kernels/mps.py) if it exists and passes a self-check against the torch reference;
+otherwise the reference runs. Which backends run is chosen once per process (`select_kernels`, the `--kernels`
+option): `auto`, `reference` (the torch reference everywhere; also `DELTAFIN_KERNELS=reference`), `native` (the
+fast paths above), `mlx` (the routed experts on MLX, kernels/mlx_moe.py, and the q4 spine matmuls too,
+kernels/mlx_q4.py, each self-checked; the rest native). `auto` is native, with MLX for those on Apple silicon
+where it is installed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.mlx_q4 import MLXQ4Kernels
 from deltafin.kernels.quant import (
     Q4_GROUP,
     Int8Weight,
@@ -167,11 +169,11 @@ def _build_fast_path(device: str) -> Any:
         elif device == "cuda":
             from deltafin.kernels.mxfp4_cuda import cuda_fast_path  # (see above)
 
-            fn = cuda_fast_path()
+            fn = cuda_fast_path(WEIGHT_BLOCK_VALUES)
         elif device == "mps":
             from deltafin.kernels.mps import MPSKernels  # (see above)
 
-            fn = MPSKernels()
+            fn = MPSKernels(WEIGHT_BLOCK_VALUES)
         else:
             return None
     except Exception as e:  # a missing compiler or toolchain must not stop the runtime
@@ -180,7 +182,27 @@ def _build_fast_path(device: str) -> Any:
     if not self_check(fn, torch.device(device)):
         log.warning("fast kernels for %s failed their self-check; using the torch reference", device)
         return None
+    fn = _with_mlx_q4(fn, device)
     log.info("fast kernels for %s: %s", device, getattr(fn, "isa", type(fn).__name__))
+    return fn
+
+
+def q4_on_mlx(device: str) -> bool:
+    """Whether `device`'s q4 matmuls run on MLX (then a stage holds its q4 weights in MLX's memory, once)."""
+    return isinstance(fast_path(device), MLXQ4Kernels)
+
+
+def _with_mlx_q4(fn: Any, device: str) -> Any:
+    """`fn` with its q4 matmuls on MLX where the experts run on MLX, if MLX passes the same self-check."""
+    if expert_backend(device) != "mlx":
+        return fn
+    wrapped = MLXQ4Kernels(fn)
+    try:
+        if self_check(wrapped, torch.device(device)):
+            return wrapped
+        log.warning("MLX q4 matmuls for %s failed their self-check; using the native ones", device)
+    except Exception as e:  # a broken or partial MLX install must not stop the runtime
+        log.warning("MLX q4 matmuls unavailable (%s); using the native ones", e)
     return fn
 
 

@@ -3,7 +3,8 @@
 Each program owns BLOCK_R output rows and walks the input dimension in BLOCK_K steps: it loads packed
 bytes and E8M0 scales once, decodes E2M1 arithmetically (no table), and accumulates W x in fp32 for
 up to MAX_TOKENS tokens. Larger batches decode W once to bf16/fp32 and use cuBLAS (the reference path), which
-is faster there. Imported only on CUDA machines; triton comes with CUDA builds of torch.
+is faster there. q4 spine matrices: kernels/q4_cuda.py. Imported only on CUDA machines; triton comes with CUDA
+builds of torch.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafin.kernels import q4_cuda
 from deltafin.kernels.activations import GatedActivation
-from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
+from deltafin.kernels.quant import MXFP4Weight, Q4Weight, mxfp4_linear_reference
 
 MAX_TOKENS = 8
 
@@ -103,6 +105,9 @@ class CUDAMatmul:
     # BLOCK_R 4, BLOCK_K 512, 2 warps: the best of a sweep on an H200 for K3 expert shapes (21 us, 276 GB/s)
     BLOCK_R, BLOCK_K, WARPS = 4, 512, 2
 
+    def __init__(self, block_values: int):
+        self.block_values = block_values  # the most values of a q4 matrix decoded at once (prefill)
+
     def _prepare(self, x: torch.Tensor, cols: int) -> torch.Tensor | None:
         xf = x.reshape(-1, cols)
         if xf.shape[0] > MAX_TOKENS or cols % 32:
@@ -136,8 +141,12 @@ class CUDAMatmul:
             BLOCK_K=self.BLOCK_K, TOK=triton.next_power_of_2(ntok), num_warps=self.WARPS)
         return h.view(*x.shape[:-1], rows).to(x.dtype)
 
+    def q4(self, x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+        return q4_cuda.q4_linear(x, w, self.block_values)
 
-def cuda_fast_path() -> CUDAMatmul:
+
+def cuda_fast_path(block_values: int) -> CUDAMatmul:
+    """`block_values`: kernels/linear.py's bound on a converted weight block (the forward workspace counts it)."""
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available")
-    return CUDAMatmul()
+    return CUDAMatmul(block_values)

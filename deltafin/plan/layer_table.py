@@ -1,7 +1,8 @@
 """The per-layer table and the rules that place a stage's tensors: how the stage uses each tensor
 (`tensor_role`), the bytes it takes as placed (`placed_bytes`), and for every layer of a config its bytes resident
-(bf16, row-int8 or q4), read when it streams, its read buffer and the tensors placed from that buffer, with prefix
-sums so that a range of layers costs O(1). Pure, from the config and the placement alone: sizing.py builds every
+(bf16, row-int8 or q4), read when it streams (as stored for a bf16 spine; an int8 or q4 spine streams its converted
+files: `Streamed`), its read buffer and the tensors placed from that buffer, with prefix sums so that a range of
+layers costs O(1). Pure, from the config and the placement alone: sizing.py builds every
 stage's plan on this table, and the stage places its tensors by the same rules."""
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def tensor_role(spec: TensorSpec, kind: LayerKind | None = None) -> str:
     return "matrix"
 
 
+def matrix_format(spine: str, resident: bool = True) -> str:
+    """The format a stage's matrices are in: an int8 or q4 spine's, resident and streamed alike (streamed layers
+    are read from the converted spine's files, `Streamed`, never quantized per pass); a bf16 spine's as stored.
+    `resident` no longer changes the answer (the placer's calls name it)."""
+    return spine if spine in ("int8", "q4") else "stored"
+
+
 def placed_bytes(spec: TensorSpec, role: str, place: Placed, fmt: str) -> int:
     """Bytes a tensor takes on the device as the stage places it."""
     if role == "vector":
@@ -109,7 +117,31 @@ def converted_bytes(spec: TensorSpec, role: str, fmt: str) -> int:
     return sum(-(-n // TENSOR_ALIGN) * TENSOR_ALIGN for n in converted_parts(spec, role, fmt))
 
 
+def held_bytes(pairs: list[tuple[TensorSpec, str]], place: Placed, fmt: str) -> int:
+    """Bytes a resident unit of tensors (a layer, the embedding, the head: (spec, role) pairs) takes as the stage
+    holds it in format `fmt` (stored | int8 | q4): as placed, except a converted spine's unit on a placement that
+    does not copy (the CPU), which is held as read: its whole file (weights/spine_files.py), which its matrices are
+    views of, and the vectors and kv_b as placed (an upper bound: the placer makes tensors of their own of those in
+    another dtype or stacked, such as the bf16 norms and KDA's convolutions; the others stay views)."""
+    if fmt in ("int8", "q4") and not place.copies:
+        own = sum(placed_bytes(s, r, place, fmt) for s, r in pairs if r in ("vector", "dense"))
+        return align_up(sum(converted_bytes(s, r, fmt) for s, r in pairs)) + own
+    return sum(placed_bytes(s, r, place, fmt) for s, r in pairs)
+
+
 # ---- per-layer table --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What each layer costs when it streams in one spine format: the bytes read per pass, its read buffer and the
+    tensors placed from that buffer (per layer). A bf16 spine streams the checkpoint's tensors as stored; an int8 or
+    q4 spine streams its converted files (weights/spine_files.py: one file a layer, each array at TENSOR_ALIGN,
+    the file padded to direct-I/O blocks, read whole into the buffer)."""
+
+    stored: tuple[int, ...]  # bytes read when it streams
+    span: tuple[int, ...]  # its read buffer (aligned)
+    copy: tuple[int, ...]  # new allocations when it is loaded from a buffer
 
 
 @dataclass(frozen=True)
@@ -119,18 +151,27 @@ class LayerTable:
     cfg: ModelConfig
     place: Placed
     bf16: tuple[int, ...]  # resident layer, bf16 spine (prefix sums, length L+1)
-    int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums)
+    int8: tuple[int, ...]  # resident layer, int8 spine (prefix sums; held_bytes: on the CPU as converted)
     q4: tuple[int, ...]  # resident layer, q4 spine: 4-bit groups, the EIGHT_BIT matrices row-int8 (prefix sums)
-    stored: tuple[int, ...]  # per layer: bytes read when it streams
-    span: tuple[int, ...]  # per layer: its read buffer (aligned, upper bound)
-    stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer
+    stored: tuple[int, ...]  # per layer: bytes read when it streams as stored (a bf16 spine: `streamed`)
+    span: tuple[int, ...]  # per layer: its read buffer as stored (aligned, upper bound)
+    stream_copy: tuple[int, ...]  # per layer: new allocations when it is loaded from a buffer as stored
     moe: tuple[int, ...]  # prefix counts of MoE layers
     kda: tuple[int, ...]  # prefix counts of KDA layers
     mla: tuple[int, ...]  # prefix counts of MLA layers
+    int8_stream: Streamed  # streamed layers of an int8 spine: its converted files
+    q4_stream: Streamed  # streamed layers of a q4 spine: its converted files
 
     def resident(self, spine: str) -> tuple[int, ...]:
         """The resident layers' prefix sums for a spine format (bf16 | int8 | q4)."""
         return {"bf16": self.bf16, "int8": self.int8, "q4": self.q4}[spine]
+
+    def streamed(self, spine: str) -> Streamed:
+        """What streamed layers cost in a spine format: bf16 as stored (`stored`, `span`, `stream_copy`), int8 and
+        q4 in their converted form."""
+        if spine == "bf16":
+            return Streamed(self.stored, self.span, self.stream_copy)
+        return {"int8": self.int8_stream, "q4": self.q4_stream}[spine]
 
 
 def layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None = None) -> LayerTable:
@@ -146,8 +187,9 @@ def _layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None)
     for i in range(cfg.num_layers):
         specs = cfg.layer_tensor_specs(i)
         roles = [tensor_role(s, cfg.layer_kinds[i]) for s in specs]
+        pairs = list(zip(specs, roles, strict=True))
         for sums, fmt in ((bf16, "stored"), (int8, "int8"), (q4, "q4")):
-            sums.append(sums[-1] + sum(placed_bytes(s, r, place, fmt) for s, r in zip(specs, roles, strict=True)))
+            sums.append(sums[-1] + held_bytes(pairs, place, fmt))
         nbytes = sum(s.nbytes for s in specs)
         stored.append(nbytes)
         span.append(spans[i] if spans is not None else align_up(nbytes) + 2 * ALIGN)  # widened to blocks
@@ -157,7 +199,21 @@ def _layer_table(cfg: ModelConfig, place: Placed, spans: tuple[int, ...] | None)
     counts = lambda pred: tuple(_prefix([1 if pred(i) else 0 for i in range(cfg.num_layers)]))
     return LayerTable(cfg, place, tuple(bf16), tuple(int8), tuple(q4), tuple(stored), tuple(span), tuple(copy),
                       counts(cfg.is_moe), counts(lambda i: cfg.layer_kinds[i] is LayerKind.KDA),
-                      counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA))
+                      counts(lambda i: cfg.layer_kinds[i] is LayerKind.MLA), _converted_stream(cfg, place, "int8"),
+                      _converted_stream(cfg, place, "q4"))
+
+
+def _converted_stream(cfg: ModelConfig, place: Placed, fmt: str) -> Streamed:
+    """Streamed layers of a converted spine: each layer's file (its arrays at TENSOR_ALIGN, padded to direct-I/O
+    blocks) is what is read and the buffer it is read into; what is placed from it is the tensors as placed in
+    `fmt`, every one on a device that copies, else (the CPU: matrices are views of the buffer) the vectors and kv_b,
+    which the placer converts to their own tensors."""
+    stored, copy = [], []
+    for i in range(cfg.num_layers):
+        pairs = [(s, tensor_role(s, cfg.layer_kinds[i])) for s in cfg.layer_tensor_specs(i)]
+        stored.append(align_up(sum(converted_bytes(s, r, fmt) for s, r in pairs)))
+        copy.append(sum(placed_bytes(s, r, place, fmt) for s, r in pairs if place.copies or r in ("vector", "dense")))
+    return Streamed(tuple(stored), tuple(stored), tuple(copy))
 
 
 def _prefix(values: list[int]) -> list[int]:

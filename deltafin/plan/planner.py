@@ -17,13 +17,26 @@ holder's reads, plus one round trip and the outputs over the network per layer, 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from functools import cache
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights, id_ranges
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose, choose_holder, expert_slot_bytes
+from deltafin.plan.sizing import (
+    QUALITY_SOURCE,
+    SPINE_QUALITY,
+    Budget,
+    Placement,
+    SizingOptions,
+    StageSizing,
+    choose,
+    choose_holder,
+    expert_slot_bytes,
+)
+
+log = logging.getLogger(__name__)
 
 GB = 1e9
 # wide experts: what one MoE layer's expert calls cost on the network (assumed, not measured on Macs): a round
@@ -127,11 +140,20 @@ class Plan:
 
     def table(self) -> str:
         text = self._wide_table() if self.wide else self._table()
+        text += self._parts()
         if self.first_token:
             step = min(s.sizing.forward_tokens for s in self.stages)
             text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
                      f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
         return text
+
+    def _parts(self) -> str:
+        """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
+        first = self.stages[0].sizing if self.stages else None
+        lines = [f"\nspine {first.spine}: {first.spine_why}"] if first is not None and first.spine_why else []
+        lines += [f"  {s.worker}: {s.sizing.forward_tokens:,}-token forwards, {s.sizing.sequences} sequence(s); "
+                  f"{s.sizing.parts()}" for s in self.workers]
+        return "\n".join(["", *lines]) if lines else ""
 
     def _wide_table(self) -> str:
         assert self.experts is not None
@@ -184,6 +206,12 @@ class Plan:
         return "\n".join(rows)
 
 
+def stage_placement(w: WorkerCapacity, act_bytes: int) -> Placement:
+    """Where a worker's stage holds its tensors, as its own stage will: a Mac runs its routed experts on MLX (the
+    package requires MLX on macOS arm64), read in place into MLX slots, so its plan has no landing slots."""
+    return Placement(w.device, act_bytes, "mlx" if w.device == "mps" else "torch")
+
+
 def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions | None = None,
                 act_bytes: int = 4, experts: str = "local") -> Plan:
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
@@ -191,7 +219,8 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide".
 
     The spine format is one for the whole cluster: with `spine="auto"`, bf16 if the cluster holds all of it
-    resident, else row-int8 (and whatever int8 does not fit streams)."""
+    resident, else row-int8 if it holds all of that, else q4 (and whatever q4 does not fit streams, as converted);
+    each stage's sizing says why (`spine_why`), and the log once."""
     if not workers:
         raise PlanError("no workers to plan over")
     if experts not in ("wide", "local"):
@@ -200,13 +229,35 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     wide = experts == "wide"
     if wide and not cfg.moe_layers:
         wide = False  # nothing to spread
-    plan = _plan(cfg, workers, replace(opts, spine="bf16"), act_bytes, True, wide) if opts.spine == "auto" else None
-    if plan is None:
-        opts = replace(opts, spine="int8") if opts.spine == "auto" else opts
-        plan = _plan(cfg, workers, opts, act_bytes, False, wide)
+    plan, why, opts = _in_cluster_spine(cfg, workers, opts, act_bytes, wide)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
+    streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]
+    if streamed:
+        why += (f"; {sum(len(z.streamed_layers) for z in streamed)} layers still stream, read as converted "
+                f"({sum(z.spine_bytes_per_token for z in streamed) / GB:.1f} GB a token)")
+    log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
+    stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)
+    plan = replace(plan, stages=stages)
     return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS))
+
+
+def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
+                      wide: bool) -> tuple[Plan | None, str, SizingOptions]:
+    """The cheapest plan in the cluster's spine format, why that format, and the options with it: as asked, or
+    (auto) the first of bf16 and int8 that the workers hold whole, else q4 with what still does not fit streamed."""
+    if opts.spine != "auto":
+        return _plan(cfg, workers, opts, act_bytes, False, wide), "as asked (--spine)", opts
+    why = "the workers hold the whole spine as stored"
+    for spine, then in (("bf16", "int8"), ("int8", "q4")):
+        fixed = replace(opts, spine=spine)
+        plan = _plan(cfg, workers, fixed, act_bytes, True, wide)
+        if plan is not None:
+            return plan, why, fixed
+        why = (f"the workers cannot hold the whole {spine} spine beside their working sets; {then} costs "
+               f"{SPINE_QUALITY[then]} {QUALITY_SOURCE}")
+    compact = replace(opts, spine="q4")
+    return _plan(cfg, workers, compact, act_bytes, False, wide), why, compact
 
 
 def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:
@@ -230,7 +281,7 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, 
     def size(i: int, a: int, b: int) -> StageSizing | None:
         w = workers[i]
         try:
-            return choose(cfg, a, b, Placement(w.device, act_bytes), w.budget, per_worker[i])
+            return choose(cfg, a, b, stage_placement(w, act_bytes), w.budget, per_worker[i])
         except SizingError:
             return None
 
@@ -280,7 +331,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         if w.key in {s.key for s in stages} or not per_worker[i].expert_layers:
             continue
         try:
-            z = choose_holder(cfg, Placement(w.device, act_bytes), w.budget, per_worker[i])
+            z = choose_holder(cfg, stage_placement(w, act_bytes), w.budget, per_worker[i])
         except SizingError:
             continue
         holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
@@ -300,7 +351,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         layers = m.sizing.expert_layers
         share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
         o = replace(per_worker[index[m.key]], expert_share=share, prefill_chunk=tokens)
-        place = Placement(c.device, act_bytes)
+        place = stage_placement(c, act_bytes)
         z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
                                                                                        c.budget, o)
         seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
@@ -345,7 +396,7 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
         return "no worker holds the embedding/head shard: the first and last stages need it"
     biggest = max(workers, key=lambda w: w.memory_bytes)
     try:  # the smallest useful stage on the largest worker: one layer with the embedding
-        choose(cfg, 0, 1, Placement(biggest.device, act_bytes), biggest.budget, opts)
+        choose(cfg, 0, 1, stage_placement(biggest, act_bytes), biggest.budget, opts)
     except SizingError as e:
         return f"the cluster cannot hold the model's working set: on {biggest.name}, {e}"
     return (f"the workers' memory ({', '.join(f'{w.name} {w.memory_bytes / GB:.1f} GB' for w in workers)}) cannot "

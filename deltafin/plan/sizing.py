@@ -5,10 +5,12 @@ and the stage places its tensors by the same rules (`matrix_format`; the per-lay
 rules are layer_table.py's), so what is planned is what is allocated. A stage of layers [a, b) on a device holds:
 
     resident layers   the first k layers' spine as placed: vectors fp32, matrices bf16 as stored (every
-                      device: fp32 activations multiply bf16 weights without an fp32 copy) or row-int8
-                      (one byte per value + an fp16 scale per row), MLA's kv_b in the activation dtype
+                      device: fp32 activations multiply bf16 weights without an fp32 copy), row-int8
+                      (one byte per value + an fp16 scale per row) or q4 (4-bit groups, the sensitive matrices
+                      row-int8), MLA's kv_b in the activation dtype
     streamed layers   the rest: read per pass into two host buffers (double-buffered, one layer ahead),
-                      copied to the device on GPUs (two layers as stored)
+                      copied to the device on GPUs (two layers as placed); a bf16 spine streams the tensors as
+                      stored, an int8 or q4 spine its converted files (layer_table.Streamed)
     top               the embedding (first stage, as stored) and final norms + head (last stage)
     experts           every routed expert resident, when that fits; else a cache of expert slots plus the
                       reader's working slots (three layers' worth of prefetch + one read per thread); on a
@@ -25,10 +27,12 @@ rules are layer_table.py's), so what is planned is what is allocated. A stage of
 
 Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
 else row-int8: no disk reads at all is worth the int8 rounding); else experts stream, the spine is bf16 if it
-fits, row-int8 if not, and whatever int8 does not fit streams; the expert cache takes what is left. A forward
-carries the planned context if its workspace fits FORWARD_SHARE of the budget, else as many tokens as do, and more
-where a small expert cache gives way (`_grow_forward`). If not even the working set fits, SizingError says so
-with the numbers.
+fits whole, row-int8 if that does, else q4 (the compact one), whatever q4 does not fit streams, and the expert
+cache takes what is left; the plan says why (`spine_why`). A forward carries the planned context if its workspace
+fits FORWARD_SHARE of the budget, else as many tokens as do, and more where a small expert cache gives way
+(`_grow_forward`). One worker (sizing_options.py) plans one sequence, and its forward is the longest that leaves
+the cache ONE_WORKER_CACHE_SHARE of the budget (12 GB on a 64 GB Mac; as above where even PIECE_TOKENS leaves
+less). If not even the working set fits, SizingError says so with the numbers.
 """
 
 from __future__ import annotations
@@ -36,90 +40,43 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.errors import DeltafinError, SizingError
+from deltafin.errors import SizingError
 from deltafin.models.cache import mla_capacity
 from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.options import SPINES, at_least, check_choice
 from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, holder_workspace_bytes, workspace_bytes
-from deltafin.plan.layer_table import ALIGN, align_up, layer_table, placed_bytes, tensor_role
+from deltafin.plan.layer_table import (
+    ALIGN,
+    LayerTable,
+    align_up,
+    held_bytes,
+    layer_table,
+    matrix_format,
+    tensor_role,
+)
+from deltafin.plan.sizing_options import (
+    AUTO_SPINES,
+    ONE_WORKER_CACHE_SHARE,
+    QUALITY_SOURCE,
+    RESIDENT_EXPERT_SPINES,
+    SPINE_QUALITY,
+    Placement,
+    SizingOptions,
+    one_worker,
+    planned_sequences,
+)
 
 GB = 1e9
 RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where and how a stage holds its tensors."""
-
-    device: str = "cpu"  # device type: cpu, cuda, mps (meta: like cuda, for tests)
-    act_bytes: int = 4  # activation element size: fp32 4, bf16 2
-    experts: str = "torch"  # where routed experts run: torch (on `device`) or mlx (read in place into MLX slots)
-
-    @property
-    def discrete(self) -> bool:
-        """A device with memory of its own (CUDA): host parts of a stage do not count against it."""
-        return self.device not in ("cpu", "mps")
-
-    @property
-    def copies(self) -> bool:
-        """Tensors are copied off the host buffers they were read into (every device but the CPU)."""
-        return self.device != "cpu"
-
-
-@dataclass(frozen=True)
-class SizingOptions:
-    """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
-    (the command line, the Python API and an assignment off the wire all build it), with the flags' names."""
-
-    spine: str = "auto"  # auto | bf16 | int8
-    expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
-    session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
-    prefix_cache_bytes: int | None = None  # kept prefixes; None: as much as the sessions (a kept state each); 0: off
-    sequences: int = 4
-    context: int = 4096
-    prefill_chunk: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
-    # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
-    read_threads: int = 8
-    max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
-    spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
-    speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
-    expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
-    expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
-    disks: int = 1  # disks the experts are read from, each with `read_threads` readers
-
-    def __post_init__(self) -> None:
-        check_choice("spine", self.spine, SPINES)
-        at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
-                 read_threads=self.read_threads, disks=self.disks)
-        at_least(0, expert_cache_gb=self.expert_cache_bytes, session_bytes=self.session_bytes,
-                 prefix_cache_gb=self.prefix_cache_bytes, max_resident_layers=self.max_resident_layers,
-                 speculative_tokens=self.speculative_tokens, expert_layers=self.expert_layers)
-        if not 0.0 <= self.expert_share <= 1.0:
-            raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")
-
-    @property
-    def wide(self) -> bool:
-        return self.expert_layers is not None
-
-
-# ---- placement rules (the stage follows these) ----------------------------------------------------------
-
-
-def matrix_format(spine: str, resident: bool) -> str:
-    """The spine's format (int8, q4) for resident matrices; bf16 and streamed layers stay as stored (quantizing
-    per pass costs more than it saves)."""
-    return spine if spine in ("int8", "q4") and resident else "stored"
 
 
 # ---- the parts of a stage -----------------------------------------------------------------------------------
 
 
 def top_bytes(cfg: ModelConfig, place: Placement, spine: str, first: bool, last: bool) -> int:
-    total = 0
-    for s in cfg.top_tensor_specs():
-        if ("embed_tokens" in s.name and first) or ("embed_tokens" not in s.name and last):
-            total += placed_bytes(s, tensor_role(s), place, matrix_format(spine, True))
-    return total
+    """The embedding (first stage) and the final norm and head (last stage), each held as one unit."""
+    units = ([[s for s in cfg.top_tensor_specs() if "embed_tokens" in s.name]] if first else []) + (
+        [[s for s in cfg.top_tensor_specs() if "embed_tokens" not in s.name]] if last else [])
+    return sum(held_bytes([(s, tensor_role(s)) for s in unit], place, matrix_format(spine)) for unit in units)
 
 
 def expert_slot_bytes(cfg: ModelConfig) -> int:
@@ -184,7 +141,7 @@ class StageSizing:
     start: int
     end: int
     device: str
-    spine: str  # bf16 | int8, as chosen
+    spine: str  # bf16 | int8 | q4, as chosen
     resident_layers: tuple[int, ...]
     streamed_layers: tuple[int, ...]
     layers: int  # resident layers as placed
@@ -206,6 +163,8 @@ class StageSizing:
     discrete: bool = False  # host parts live apart from the device's memory
     expert_layers: int = 0  # MoE layers whose experts the store serves (wide: others' layers too)
     expert_share: float = 1.0  # the fraction of those layers' experts this worker computes (wide)
+    sequences: int = 0  # sequences the sessions are planned for (their bytes as fixed, where session_bytes is)
+    spine_why: str = ""  # why this spine format (auto: what the others would have cost; else as asked)
 
     @property
     def holder_only(self) -> bool:
@@ -239,10 +198,13 @@ class StageSizing:
         d.update(total=self.total, host=self.host, device_total=self.device_total)
         return d
 
+    def parts(self) -> str:
+        """Each part that takes memory, in GB (what the plan trades between them)."""
+        return ", ".join(f"{p.replace('_', ' ')} {getattr(self, p) / GB:.2f}" for p in self.PARTS if getattr(self, p))
+
     def describe(self) -> str:
-        parts = ", ".join(f"{p.replace('_', ' ')} {getattr(self, p) / GB:.2f}" for p in self.PARTS
-                          if getattr(self, p))
-        return f"{self.total / GB:.2f} GB: {parts}"
+        why = f"; spine {self.spine}: {self.spine_why}" if self.spine_why else ""
+        return f"{self.total / GB:.2f} GB: {self.parts()}{why}"
 
 
 @dataclass(frozen=True)
@@ -290,48 +252,67 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache,
                                                        2 if options.wide else 1)
     calls = expert_call_bytes(cfg, options.prefill_chunk, own_moe > 0, n_moe > 0) if options.wide else 0
-    n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
-    state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
-    trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
-    sessions = options.session_bytes if options.session_bytes is not None else options.sequences * (state + trail)
-    kept = options.session_bytes if options.session_bytes is not None else options.sequences * state
-    # a kept state each, no trail
-    prefixes = options.prefix_cache_bytes if options.prefix_cache_bytes is not None else kept
+    sessions, prefixes, sequences = _session_parts(cfg, t, start, end, place, options)
     last = end == cfg.num_layers
+    stream = t.streamed(spine)  # a bf16 spine's layers as stored, an int8 or q4 spine's converted files
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
         layers=prefix[start + resident_count] - prefix[start],
         top=top_bytes(cfg, place, spine, start == 0, last),
-        stream_buffers=2 * max((t.span[i] for i in streamed), default=0),
-        stream_copies=2 * max((t.stream_copy[i] for i in streamed), default=0),
+        stream_buffers=2 * max((stream.span[i] for i in streamed), default=0),
+        stream_copies=2 * max((stream.copy[i] for i in streamed), default=0),
         experts_resident=expert_cache is None, expert_cache=cache, expert_staging=staging, expert_landing=landing,
         expert_calls=calls, sessions=sessions, prefixes=prefixes,
         workspace=workspace_bytes(cfg, t, start, end, options.prefill_chunk, options.context, last),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
-        spine_bytes_per_token=sum(t.stored[i] for i in streamed), expert_bytes_per_token=per_token,
-        discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0)
+        spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
+        discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
+        sequences=sequences)
+
+
+def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place: Placement,
+                   options: SizingOptions) -> tuple[int, int, int]:
+    """(sessions, kept prefixes, sequences planned): the planned sequences' caches at the planned context (and
+    a speculative forward's trail each), a kept state each for the prefixes; the bytes as fixed where the user
+    (or the coordinator's assignment) fixed them."""
+    sequences = planned_sequences(cfg, start, end, options)
+    n_kda, n_mla = t.kda[end] - t.kda[start], t.mla[end] - t.mla[start]
+    state = sequence_bytes(cfg, n_kda, n_mla, options.context, place.act_bytes)
+    trail = n_kda * kda_trail_bytes(cfg, options.speculative_tokens) if options.speculative_tokens else 0
+    fixed = options.session_bytes
+    sessions, kept = (fixed, fixed) if fixed is not None else (sequences * (state + trail), sequences * state)
+    prefixes = options.prefix_cache_bytes if options.prefix_cache_bytes is not None else kept
+    return sessions, prefixes, sequences
 
 
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
            options: SizingOptions) -> StageSizing:
-    """The best stage that fits `budget` (see the module docstring); SizingError when none does."""
-    if options.prefill_chunk is None:
-        auto = replace(options, prefill_chunk=auto_forward_tokens(
-            cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
-        return _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
-    return _choose(cfg, start, end, place, budget, options)
+    """The best stage that fits `budget` (see the module docstring), saying why its spine format
+    (`spine_why`); SizingError when none does."""
+    if options.prefill_chunk is not None:
+        s = _choose(cfg, start, end, place, budget, options)
+    else:
+        first = _cache_first(cfg, start, end, place, budget, options) if (
+            one_worker(cfg, start, end, options) and options.expert_cache_bytes is None) else None
+        if first is not None:
+            s = first
+        else:
+            auto = replace(options, prefill_chunk=auto_forward_tokens(
+                cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
+            s = _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
+    return replace(s, spine_why=_spine_why(cfg, s, place, budget, options))
 
 
 def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
             options: SizingOptions) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
-    spines = ("bf16", "int8") if options.spine == "auto" else (options.spine,)
+    spines = AUTO_SPINES if options.spine == "auto" else (options.spine,)
     cache = options.expert_cache_bytes or 0
     if limit == n:
         if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
             # a whole spine
-            for spine in spines:
+            for spine in RESIDENT_EXPERT_SPINES if options.spine == "auto" else spines:
                 s = size_stage(cfg, start, end, place, spine, None, n, options)
                 if budget.fits(s):
                     return s
@@ -413,6 +394,39 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
     return _fill_cache(cfg, sized(lo), place, budget, replace(options, prefill_chunk=lo))
 
 
+def _cache_first(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+                 options: SizingOptions) -> StageSizing | None:
+    """One worker, no forward size or cache fixed: the longest forward up to the planned context whose plan
+    leaves the expert cache ONE_WORKER_CACHE_SHARE of the budget (or holds every expert); None where not even
+    PIECE_TOKENS does (a long context's sessions, more sequences, a smaller machine: there the forward is sized
+    as on a cluster's stage, for the long prompts such a plan is for). Each length is planned whole (spine format
+    and resident layers too)."""
+    if not cfg.moe_layers:  # no experts to read again per forward, no cache to keep
+        return None
+    floor = ONE_WORKER_CACHE_SHARE * budget.device
+
+    def sized(tokens: int) -> StageSizing:
+        return _choose(cfg, start, end, place, budget, replace(options, prefill_chunk=tokens))
+
+    def keeps(tokens: int) -> bool:
+        try:
+            s = sized(tokens)
+        except SizingError:  # this forward's workspace leaves no plan at all
+            return False
+        every = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg)
+        return s.experts_resident or s.expert_cache >= min(floor, every)
+
+    lo, hi = min(PIECE_TOKENS, max(1, options.context)), max(1, options.context)
+    if keeps(hi):
+        return sized(hi)
+    if not keeps(lo):
+        return None  # the floor is out of reach
+    while lo < hi:  # the cache shrinks as the forward grows: the longest forward that keeps the floor
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if keeps(mid) else (lo, mid - 1)
+    return sized(lo)
+
+
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
                 options: SizingOptions) -> StageSizing:
     """The expert cache takes what the rest leaves (unless the user fixed it)."""
@@ -431,6 +445,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
     """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
+    stream = t.streamed(spine)
     base = size_stage(cfg, start, end, place, spine, cache, 0, options)  # the parts that do not depend on k
     prefix = t.resident(spine)
     fixed = base.device_total - base.stream_copies - (0 if base.discrete else base.stream_buffers)
@@ -438,7 +453,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
     span = copy = 0
     suffix = []  # suffix[j]: (max span, max copy) of layers start+j .. end-1
     for i in range(end - 1, start - 1, -1):
-        span, copy = max(span, t.span[i]), max(copy, t.stream_copy[i])
+        span, copy = max(span, stream.span[i]), max(copy, stream.copy[i])
         suffix.append((span, copy))
     suffix.reverse()
     suffix.append((0, 0))
@@ -449,3 +464,36 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
         if device <= budget.device and (budget.host is None or not base.discrete or host <= budget.host):
             return k
     return None
+
+
+# ---- why this spine format -------------------------------------------------------------------------------
+
+
+def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions) -> str:
+    """Why `s` holds its spine in its format: as asked, or (auto) what the format before it would have cost
+    and what this one costs in quality (SPINE_QUALITY, from QUALITY_SOURCE)."""
+    if options.spine != "auto":
+        return "as given (--spine, or the plan of the cluster this stage is part of)"
+    if s.spine == "bf16":
+        return "the whole spine fits as stored"
+    before = AUTO_SPINES[AUTO_SPINES.index(s.spine) - 1]
+    if s.experts_resident:
+        lost = f"every expert fits beside an {s.spine} spine, not beside a {before} one"
+    else:
+        lost = _would_stream(cfg, s, place, budget, options, before)
+    tail = (f"; {len(s.streamed_layers)} of {s.end - s.start} layers still stream, read as converted "
+            f"({s.spine_bytes_per_token / GB:.1f} GB a token)") if s.streamed_layers else ""
+    return f"{lost}; {s.spine} costs {SPINE_QUALITY[s.spine]} {QUALITY_SOURCE}{tail}"
+
+
+def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions,
+                  spine: str) -> str:
+    """What `spine` would have streamed in `s`'s place: the most layers it keeps resident at the same forward."""
+    n = s.end - s.start
+    limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
+    opts = replace(options, prefill_chunk=s.forward_tokens)
+    k = _most_resident(cfg, s.start, s.end, place, spine, options.expert_cache_bytes or 0, opts, budget, limit)
+    if k is None:
+        return f"{spine} does not fit beside the working set"
+    per_token = sum(layer_table(cfg, place, options.spans).streamed(spine).stored[i] for i in range(s.start + k, s.end))
+    return f"{spine} would stream {n - k} of {n} layers ({per_token / GB:.1f} GB a token)"

@@ -22,6 +22,7 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import Cancelled, DeltafinError, InvalidInput
+from deltafin.kernels.linear import q4_on_mlx
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
@@ -42,16 +43,15 @@ from deltafin.runtime.stage_build import (
     ExpertProvider,
     WeightPlacer,
     check_stage_held,
-    converted_spine,
     expert_backend_for,
     open_experts,
-    plan_stage,
+    plan_with_spine,
     prefix_disk_for,
 )
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counters, plan_details, stage_stats
 from deltafin.runtime.wide import WideExperts
-from deltafin.weights.reader import ShardFiles, layer_spans
+from deltafin.weights.reader import ShardFiles
 from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.spine_convert import rebuild_unit
 
@@ -106,8 +106,7 @@ class Stage:
         check_stage_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
-        self.sizing = plan_stage(cfg, start, end, device, opts, layer_spans(ckpt),
-                                 "mlx" if self.expert_backend == "mlx" else "torch")
+        self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend)
         self._log_plan()
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
@@ -129,8 +128,8 @@ class Stage:
         """The spine's layers as the plan holds them: resident ones placed now, streamed ones as they are read."""
         s = self.sizing
         plan = SpinePlan(s.resident_layers, s.streamed_layers, s.layers + s.top, s.stream_buffers)
-        placer = WeightPlacer(self.device, self.dtype, s.spine)
-        source = converted_spine(self.ckpt, self.start, self.end, s, self.options)
+        placer = WeightPlacer(self.device, self.dtype, s.spine, s.spine == "q4" and q4_on_mlx(self.device.type))
+        source = self.spine_files
         repair = None if source is None or not self.options.convert else \
             lambda unit: rebuild_unit(self.ckpt, source, unit)
         spine = SpineStore(self.ckpt, self.layers_range, placer.place, plan, self.files, first=self.first,

@@ -25,6 +25,8 @@ from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
+from deltafin.weights.expert_heat import ExpertHeat
+from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.spine_convert import prepare_spine
 from deltafin.weights.spine_files import CONVERTED, SpineFiles, stage_units
@@ -64,8 +66,8 @@ def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: 
         check_held(ckpt.model_dir, ckpt.config, start, end, None)
 
 
-def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
-                    options: StageOptions) -> SpineFiles | None:
+def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing, options: StageOptions,
+                    device: torch.device) -> SpineFiles | None:
     """The converted spine a stage in an int8 or q4 plan reads (converted first where it is missing, stale or
     partial; None where there is no room for it: the placer then quantizes as the layers load)."""
     if sizing.spine not in CONVERTED:
@@ -73,7 +75,23 @@ def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
     why = (f"layers [{start}, {end}): {len(sizing.resident_layers)} resident in {sizing.spine}, "
            f"{len(sizing.streamed_layers)} streamed")
     return prepare_spine(ckpt, sizing.spine, stage_units(ckpt.config, start, end), why=why,
-                         convert=options.convert, root=options.spine_dir)
+                         convert=options.convert, root=options.spine_dir, device=device)
+
+
+def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+                    experts: str) -> tuple[StageSizing, SpineFiles | None]:
+    """A stage's plan and the converted spine it reads (converted first where missing). Without room for one, the
+    plan that needs none: resident layers quantized as they load, or, where layers stream, bf16 as stored."""
+    on = "mlx" if experts == "mlx" else "torch"
+    sizing = plan_stage(ckpt.config, start, end, device, options, layer_spans(ckpt), on)
+    files = converted_spine(ckpt, start, end, sizing, options, device)
+    if files is None and sizing.spine in CONVERTED and sizing.streamed_layers:
+        log.warning("no converted %s spine to stream layers from: running the plan that needs none (bf16, as "
+                    "stored)", sizing.spine)
+        sizing = plan_stage(ckpt.config, start, end, device, options.replace(spine="bf16"), layer_spans(ckpt), on)
+    elif files is None and sizing.spine in CONVERTED:
+        log.warning("no converted %s spine: quantizing it as it loads, at every start", sizing.spine)
+    return sizing, files
 
 
 @dataclass(frozen=True)
@@ -84,10 +102,11 @@ class WeightPlacer:
     device: torch.device
     dtype: torch.dtype  # activations
     spine: str
+    mlx_q4: bool = False  # q4 matmuls run on MLX: its weights go to MLX's memory (one copy) instead of the device
 
     def place(self, t: torch.Tensor | Q4Weight | Int8Weight, role: str, resident: bool = True) -> Weight:
         if isinstance(t, (Q4Weight, Int8Weight)):  # read from a converted spine: only moved
-            return t.to(self.device)
+            return self._q4(t) if isinstance(t, Q4Weight) else t.to(self.device)
         if role == "vector":
             return t.to(self.device, torch.float32)
         if role == "dense":
@@ -95,11 +114,18 @@ class WeightPlacer:
         fmt = matrix_format(self.spine, resident)
         if role in ("matrix", "matrix8") and fmt != "stored" and t.dim() == 2 and min(t.shape) > 1:
             if fmt == "q4" and role == "matrix" and t.shape[1] % Q4_GROUP == 0:
-                return quantize_q4(t).to(self.device)
+                return self._q4(quantize_q4(t))
             return quantize_int8_rows(t).to(self.device)  # an int8 spine, and the matrices a q4 spine keeps at 8 bits
         if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
             return t if t.device == self.device else t.to(self.device)
         return t.to(self.device, self.dtype)
+
+    def _q4(self, w: Q4Weight) -> Q4Weight:
+        if self.mlx_q4:
+            from deltafin.kernels.mlx_q4 import mlx_resident  # lazily: the MLX path loads only where it runs
+
+            return mlx_resident(w)
+        return w.to(self.device)
 
     def place_streamed(self, t: torch.Tensor, role: str) -> Weight:
         return self.place(t, role, resident=False)
@@ -108,7 +134,8 @@ class WeightPlacer:
 def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
                  layers: Iterable[int], backend: str) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
-    `expert_dir`), or resident (on MLX, or torch)."""
+    `expert_dir`; with `expert_heat_dir`, warmed at start with the experts most used before), or resident (on MLX,
+    or torch)."""
     cfg, layers = ckpt.config, list(layers)
     if sizing.streaming:
         copies = [open_copy(ckpt, d) for d in options.expert_dir]
@@ -118,10 +145,11 @@ def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, d
             log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
                                                     for c, g in zip((ckpt, *copies), speeds, strict=True)))
         demand_layers = 2 if options.sizing.expert_layers is not None and not sizing.holder_only else 1
+        heat = ExpertHeat.for_checkpoint(options.expert_heat_dir, ckpt) if options.expert_heat_dir else None
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
                            threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
-                           demand_layers=demand_layers)
+                           demand_layers=demand_layers, heat=heat)
     if backend == "mlx":
         from deltafin.weights.mlx_slots import MLXResidentExperts  # lazily: the MLX path loads only where it runs
 

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SIZING_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingOptions))
 # what the plan, the stage or the process sets, not the user
 PLANNED = frozenset({"spans", "disks", "expert_layers", "expert_share", "speculative_tokens", "host_memory_gb",
-                     "session_gb", "prefetch_layers", "disk_gbps"})
+                     "session_gb", "prefetch_layers", "disk_gbps", "expert_heat_dir"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class StageOptions:
     disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
     prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
     prefix_disk_bytes: int = 32 * 10**9  # what they may take there (least recently used go first)
+    expert_heat_dir: str | None = None  # streamed experts' use is remembered here (weights/expert_heat.py; None: not)
     kernels: str = "auto"  # the process's fast paths (kernels/linear.select_kernels): auto | reference | native | mlx
     convert: bool = True  # convert the spine first where the plan needs an int8/q4 one not on the disk yet
     spine_dir: str | None = None  # where converted spines are (None: the cache directory's spines/<model>-<format>)
@@ -90,8 +91,13 @@ def stage_options(values: Mapping[str, Any]) -> StageOptions:
     """StageOptions from values named as the flags are (`memory_gb=48`, `spine="int8"`, `prefill_chunk=2048`,
     `dtype="bf16"`, ...); names it does not know are left for other options. The command line passes its parsed
     flags, the Python API its keywords. Kept prefixes go to the cache directory's prefixes/ unless
-    `prefix_disk_gb` is 0 or `prefix_dir` says where."""
+    `prefix_disk_gb` is 0 or `prefix_dir` says where; the streamed experts' heat to its heat/ unless
+    `expert_heat` is False (`--no-expert-heat`)."""
     values = {**values, "dtype": as_dtype(values.get("dtype", "fp32"))}
+    if values.get("expert_heat", True):
+        values["expert_heat_dir"] = values.get("expert_heat_dir") or str(cache_dir("heat"))
+    else:
+        values["expert_heat_dir"] = None
     if values.get("prefix_disk_gb", 1):
         values["prefix_dir"] = values.get("prefix_dir") or str(cache_dir("prefixes"))
     else:
@@ -103,7 +109,7 @@ def stage_options(values: Mapping[str, Any]) -> StageOptions:
 
 def stage_option_names() -> set[str]:
     """The names a user gives stage options by."""
-    return option_names(StageOptions) - PLANNED
+    return option_names(StageOptions) - PLANNED | {"expert_heat"}  # expert_heat: where stage_options says
 
 
 def as_dtype(name: str | torch.dtype) -> torch.dtype:

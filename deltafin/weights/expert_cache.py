@@ -6,7 +6,8 @@ Policies (`options.CACHE_POLICIES`), compared on recorded routing traces by `del
           favourites do not squat forever); ties broken by recency
   pinned  a frequency-pinned tier: the most frequently used experts (up to `pinned_fraction` of the
           budget) are never evicted; the rest of the budget is LRU
-Pinned-in-use entries (an expert being computed with) are never evicted whatever the policy.
+Pinned-in-use entries (an expert being computed with) are never evicted whatever the policy. An entry warmed at
+start from remembered heat (expert_heat.py) is `seed`ed: ranked as past use of its weight, not as a fresh access.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class Policy(Generic[K]):
         """Resident keys in eviction order (first = evict first)."""
         raise NotImplementedError
 
+    def seed(self, key: K, weight: float) -> None:
+        """A key brought in from remembered use, `weight` in (1, 2] (hotter: higher), warmed hottest first:
+        kept above an expert used once since the start, below one used twice (LFU), and behind every access
+        since the start in recency (LRU), the coldest evicted first."""
+        raise NotImplementedError
+
 
 class LRU(Policy[K]):
     def __init__(self) -> None:
@@ -50,6 +57,10 @@ class LRU(Policy[K]):
 
     def victims(self) -> list[K]:
         return list(self.order)
+
+    def seed(self, key: K, weight: float) -> None:
+        self.order[key] = None
+        self.order.move_to_end(key, last=False)  # warmed hottest first: each colder one goes before
 
 
 class LFU(Policy[K]):
@@ -68,6 +79,10 @@ class LFU(Policy[K]):
 
     def remove(self, key: K) -> None:
         self.resident.pop(key, None)
+
+    def seed(self, key: K, weight: float) -> None:
+        self.counts[key] = max(self.counts.get(key, 0.0), weight)
+        self.resident[key] = self.tick
 
     def victims(self) -> list[K]:
         return sorted(self.resident, key=lambda k: (self.counts.get(k, 0.0), self.resident[k]))
@@ -88,6 +103,10 @@ class PinnedLRU(Policy[K]):
     def remove(self, key: K) -> None:
         self.lfu.remove(key)
         self.lru.remove(key)
+
+    def seed(self, key: K, weight: float) -> None:
+        self.lfu.seed(key, weight)
+        self.lru.seed(key, weight)
 
     def victims(self) -> list[K]:
         counts = self.lfu.counts
@@ -131,15 +150,21 @@ class ExpertCache(Generic[K, V]):
             self.policy.touch(key)
         return entry
 
-    def put(self, key: K, value: V, nbytes: int, *, pinned: bool = False, prefetched: bool = False) -> bool:
-        """Insert (or replace) an entry; False if it cannot fit even after evicting every unpinned entry."""
+    def put(self, key: K, value: V, nbytes: int, *, pinned: bool = False, prefetched: bool = False,
+            seed: float | None = None) -> bool:
+        """Insert (or replace) an entry; False if it cannot fit even after evicting every unpinned entry. `seed`:
+        an entry warmed from remembered heat (Policy.seed's weight), which takes only free room, evicting nothing."""
         if key in self.entries:
             self._drop(key, evicted=False)
-        if nbytes > self.budget or not self._make_room(nbytes):
+        if nbytes > self.budget or not (self.used + nbytes <= self.budget if seed is not None
+                                        else self._make_room(nbytes)):
             return False
         self.entries[key] = Entry(value, nbytes, 1 if pinned else 0, prefetched)
         self.used += nbytes
-        self.policy.touch(key)
+        if seed is None:
+            self.policy.touch(key)
+        else:
+            self.policy.seed(key, seed)
         return True
 
     def _make_room(self, nbytes: int) -> bool:

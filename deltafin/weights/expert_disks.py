@@ -13,7 +13,9 @@ from typing import Any
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.weights.expert_slots import Key
-from deltafin.weights.reader import ExpertReader, ReadPlan, ShardFiles, plan_read
+from deltafin.weights.reader import WARM, ExpertReader, ReadPlan, ShardFiles, plan_read
+
+WARM_RANK = 1 << 30  # beyond any layer: warming reads queue behind every demand read and guess
 
 
 @dataclass
@@ -70,9 +72,11 @@ class ExpertDisks:
 
     def submit(self, key: Key, priority: int, pool: Any, deliver: Callable[[int, ReadPlan], object],
                abort: Callable[[], bool] | None) -> Future:
-        """Queue an expert's read on its disk's readers (earlier layers first, then by `priority`)."""
+        """Queue an expert's read on its disk's readers (earlier layers first, then by `priority`; a warming read
+        after every other read of any layer)."""
         disk, plan = self.plan(key)
-        return disk.reader.submit((key[0], priority), plan, pool, deliver, abort)
+        rank = (WARM_RANK, key[0]) if priority == WARM else (key[0], priority)
+        return disk.reader.submit(rank, plan, pool, deliver, abort)
 
     def read_totals(self) -> tuple[int, int, float]:
         """(reads, bytes read, seconds reading) summed over the disks."""

@@ -2,7 +2,8 @@
 every demand read, and staged once read until their layer uses them; demand reads for the experts a layer needs
 now; and who owns each expert as its read lands. A guess is dropped when a newer guess or the layer's real choice
 no longer wants it: cancelled if still queued, stopped between pieces if running. A read another compute thread
-waits for is a demand, which nothing drops.
+waits for is a demand, which nothing drops. And the start's warming reads (expert_heat.py), behind all of those, which
+`keep` puts in the cache as they land; one a layer asks for meanwhile becomes that layer's demand, read once.
 
 Every method runs under the store's lock but `landed`, `take` and `abandon`, which take it themselves (a read's
 future calls `landed` in its reader thread, or at once where it is already done)."""
@@ -17,7 +18,7 @@ from deltafin.weights.expert_disks import ExpertDisks
 from deltafin.weights.expert_slots import Key, Loaded
 from deltafin.weights.expert_stats import ExpertStats
 from deltafin.weights.mlx_slots import MLXSlotPool
-from deltafin.weights.reader import DEMAND, PREFETCH, ReadAborted, ReadPlan, SlotPool
+from deltafin.weights.reader import DEMAND, PREFETCH, WARM, ReadAborted, ReadPlan, SlotPool
 
 
 class ExpertReads:
@@ -32,6 +33,7 @@ class ExpertReads:
         self.pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
         self.staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
         self.abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
+        self.keep: Callable[[Key, Loaded], bool] | None = None  # the warming's: a landed warming read into the cache
 
     def submit(self, key: Key, priority: int) -> Future:
         # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
@@ -53,11 +55,22 @@ class ExpertReads:
             key = (layer, e)
             if key in self.pending or key in self.staged or key in cached:
                 continue
-            if len(self.staged) + len(self.pending) >= most:
+            if len(self.staged) + self.reading() >= most:
                 break  # bounded: two layers' guesses, so a layer's own k reads always find slots
             self.submit(key, PREFETCH)
             self.stats.prefetch_issued += 1
             self.stats.prefetch_bytes += self.bytes_per_expert
+
+    def warm(self, key: Key, cached: Container[Key]) -> Future | None:
+        """Read an expert for the cache before anything asks for it (the start's warming), behind every other read;
+        None where it is cached, staged or being read already."""
+        if key in self.pending or key in self.staged or key in cached:
+            return None
+        return self.submit(key, WARM)
+
+    def reading(self) -> int:
+        """Demand reads and guesses in flight (the warming's reads aside): while there are any, warming waits."""
+        return sum(1 for _, priority in self.pending.values() if priority != WARM)
 
     def drop_guesses(self, layer: int, wanted: set[int]) -> None:
         """Drop the layer's prefetches of experts not `wanted`."""
@@ -82,13 +95,15 @@ class ExpertReads:
     def demand(self, key: Key) -> Future:
         """The read of an expert a layer needs now and nobody has staged or cached."""
         fut, priority = self.pending.get(key, (None, None))
-        if fut is not None and priority == PREFETCH and fut.cancel():
-            fut = None  # still queued behind other prefetches: read it now instead
+        if fut is not None and priority in (PREFETCH, WARM) and fut.cancel():
+            fut = None  # still queued behind other prefetches (or warming reads): read it now instead
         if fut is None:
             self.stats.misses += 1
             return self.submit(key, DEMAND)
-        # a guess being read: it is a demand now, which no newer guess may drop
-        self.stats.prefetch_hits += 1
+        if priority == WARM:  # a warming read being read: the layer waits for the disk as for a read of its own
+            self.stats.misses += 1
+        else:  # a guess being read: it is a demand now, which no newer guess may drop
+            self.stats.prefetch_hits += 1
         self.pending[key] = (fut, DEMAND)
         self.abandon_flags.pop(fut, None)
         return fut
@@ -97,6 +112,7 @@ class ExpertReads:
         """A read finished (in its reader thread). Who owns the expert now:
         - a demand read: the compute thread waiting for it (it claims it in `take`, or `abandon` frees it);
         - a prefetch still wanted: `staged`, unless the compute thread claimed it first;
+        - a warming read nobody asked for: the cache, through `keep`, where it still has room (else freed);
         - a prefetch dropped meanwhile: nobody, so its slot is freed here."""
         with self.lock:
             self.abandon_flags.pop(fut, None)
@@ -111,6 +127,9 @@ class ExpertReads:
                 return
             if is_current and current[1] == PREFETCH:
                 self.staged[key] = loaded
+            elif is_current and current[1] == WARM:
+                if self.keep is None or not self.keep(key, loaded):
+                    self.release(loaded)  # the cache filled meanwhile: nothing asked for it, so it is not waste
             elif not is_current:
                 self.stats.wasted_bytes += self.bytes_per_expert
                 self.release(loaded)

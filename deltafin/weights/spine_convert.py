@@ -48,7 +48,8 @@ COPY_PIECE = 64 << 20  # tensors kept as stored are copied this many bytes at a 
 
 
 def prepare_spine(ckpt: Checkpoint, fmt: str, units: Sequence[str], *, why: str, convert: bool = True,
-                  root: str | Path | None = None, progress: bool = True) -> SpineFiles | None:
+                  root: str | Path | None = None, progress: bool = True,
+                  device: torch.device | None = None) -> SpineFiles | None:
     """The converted spine holding `units`, converting what is missing or stale first (`why`: the plan's reason,
     for the log). Without `convert` a missing unit is SpineNotConverted; without room on the disk it is None (the
     caller quantizes in memory instead), after a warning saying so."""
@@ -66,18 +67,18 @@ def prepare_spine(ckpt: Checkpoint, fmt: str, units: Sequence[str], *, why: str,
             f"convert --model {ckpt.model_dir} --spine {fmt}` ({fmt_bytes(need)}), or leave out --no-convert")
     free = free_bytes(folder)
     if need + ROOM_MARGIN > free:
-        log.warning("the plan holds a %s spine (%s), but converting it needs %s in %s and the disk has %s free: "
-                    "quantizing it in memory at every start instead (streamed layers are read as stored)", fmt, why,
-                    fmt_bytes(need), folder, fmt_bytes(free))
+        log.warning("the plan holds a %s spine (%s), but converting it needs %s in %s and the disk has %s free",
+                    fmt, why, fmt_bytes(need), folder, fmt_bytes(free))
         return None
     log.info("converting the spine to %s once, into %s (%s; %s): %s", fmt, folder, fmt_bytes(need), state, why)
-    return convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None)
+    return convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None, device=device)
 
 
 def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], *, progress: bool = True,
-                  fresh: bool = False) -> SpineFiles:
+                  fresh: bool = False, device: torch.device | None = None) -> SpineFiles:
     """Convert `units` into `folder` (those another process converted meanwhile are skipped); `fresh`: the
-    folder's files are stale, start it anew."""
+    folder's files are stale, start it anew. `device`: where the matrices are quantized (a GPU does it many
+    times faster than the CPU; the rounding is the same arithmetic)."""
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         files = SpineFiles.open(folder, fmt)
@@ -91,7 +92,7 @@ def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str]
         t0 = time.monotonic()
         with Progress(total, f"converting the spine to {fmt}", enabled=progress) as bar:
             for unit in todo:
-                manifest["units"][unit] = _convert_unit(ckpt, fmt, folder, unit, bar.update)
+                manifest["units"][unit] = _convert_unit(ckpt, fmt, folder, unit, bar.update, device)
                 write_manifest(folder, manifest)
         if todo:
             log.info("converted %d parts of the spine (%s read) in %.1fs into %s", len(todo), fmt_bytes(total),
@@ -152,7 +153,8 @@ class _UnitWriter:
         return self.crcs
 
 
-def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Callable[[int], None]) -> dict:
+def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Callable[[int], None],
+                  device: torch.device | None = None) -> dict:
     specs = unit_specs(ckpt.config, unit)
     offsets, size = array_offsets(specs, fmt)
     tmp = folder / f"{unit_file(unit)}.tmp"
@@ -160,7 +162,7 @@ def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Cal
     try:
         for (spec, role), offs in zip(specs, offsets, strict=True):
             loc = ckpt.location(spec)
-            for offset, data in zip(offs, _arrays(loc, converted_kind(spec, role, fmt)), strict=True):
+            for offset, data in zip(offs, _arrays(loc, converted_kind(spec, role, fmt), device), strict=True):
                 out.pad_to(offset)
                 for piece in data:
                     out.write(piece)
@@ -174,11 +176,12 @@ def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Cal
     return {"bytes": size, "crc32": crcs}
 
 
-def _arrays(loc: TensorLocation, kind: str) -> list[Iterator[memoryview]]:
-    """The tensor's arrays as converted, each as pieces of bytes."""
+def _arrays(loc: TensorLocation, kind: str, device: torch.device | None) -> list[Iterator[memoryview]]:
+    """The tensor's arrays as converted (quantized on `device`), each as pieces of bytes."""
     if kind == "stored":
         return [_copied(loc)]
     w = read_tensor(loc)
+    w = w if device is None or device.type == "cpu" else w.to(device)
     if kind == "q4":
         q = quantize_q4(w)
         return [iter([_bytes(a)]) for a in (q.packed, q.scales, q.biases)]
@@ -187,7 +190,7 @@ def _arrays(loc: TensorLocation, kind: str) -> list[Iterator[memoryview]]:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def _copied(loc: TensorLocation) -> Iterator[memoryview]:
@@ -245,8 +248,8 @@ def _held_units(ckpt: Checkpoint) -> list[str]:
     return units
 
 
-def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None = None,
-                       progress: bool = True) -> dict:
+def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None = None, progress: bool = True,
+                       device: torch.device | None = None) -> dict:
     """`deltafin convert`: every unit of the layers this checkpoint holds (a partial download converts its part),
     the ones already converted checked against their checksums and rebuilt where they fail. A summary to print."""
     cfg = load_config(model_dir)
@@ -271,7 +274,7 @@ def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None =
                                 "space or choose another --out")
         if stale:
             log.info("%s is stale (%s): converting it anew", folder, stale)
-        files = convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None)
+        files = convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None, device=device)
     return {"spine": fmt, "dir": str(folder), "model": str(model_dir), "source": fingerprint(model_dir),
             "units": len(units), "converted": len(missing), "verified": len(present) - len(bad), "rebuilt": len(bad),
             "bytes": sum(files.manifest["units"][u]["bytes"] for u in units),

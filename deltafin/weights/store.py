@@ -8,7 +8,9 @@ Where experts live (expert_slots.py):
 Flow of one expert: prefetch (low priority) or demand read -> staged (read, not yet used) -> used by the
 MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expert the layer did not use
 moves to the cache too and counts as wasted bytes if it is evicted unused. The reads in flight and the staged
-guesses are expert_reads.py's, the counters expert_stats.py's.
+guesses are expert_reads.py's, the counters expert_stats.py's. Given the checkpoint's remembered heat
+(expert_heat.py), the store counts the experts its layers use, and at start reads the hottest of its layers into
+the cache behind every other read, so the first tokens after a restart already hit.
 
 Several disks (expert_disks.py): given more than one copy (or part) of the checkpoint, each layer's experts are
 divided among the disks that hold them in proportion to their speed (deltafin/plan/expert_placement.py, the code
@@ -38,6 +40,7 @@ from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.sizing import expert_slot_bytes, working_slots
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
 from deltafin.weights.expert_disks import ExpertDisks
+from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.expert_reads import ExpertReads
 from deltafin.weights.expert_slots import DeviceSlots, ExpertSlots, Key, Loaded
 from deltafin.weights.expert_stats import ExpertStats
@@ -56,7 +59,7 @@ class ExpertStore:
     def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device, cache_bytes: int,
                  io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True,
                  backend: str = "torch", act: GatedActivation | None = None, copies: Sequence[Checkpoint] = (),
-                 disk_gbps: Sequence[float] | None = None, demand_layers: int = 1):
+                 disk_gbps: Sequence[float] | None = None, demand_layers: int = 1, heat: ExpertHeat | None = None):
         cfg = ckpt.config
         self.ckpt, self.cfg, self.device = ckpt, cfg, device
         self.prefetch_enabled = prefetch
@@ -81,6 +84,8 @@ class ExpertStore:
                                  self._deliver, self.slots.release)
         self._pending, self._staged = self.reads.pending, self.reads.staged
         self.set_layers(layers)
+        self.heat = heat  # counts this store's lookups; its hottest experts are read into the cache now, behind all
+        self.warmer = heat.warm(self.reads, self.cache, self.layers, slot, threads) if heat is not None else None
         log.info("expert store: cache %.2f GB (%d slots of %.1f MB) on %s, %d working slots, %s I/O, %d readers "
                  "on each of %d disks, %s", budget / 1e9, cache_slots, slot / 1e6, device.type, working, io, threads,
                  len(self.disks), policy)
@@ -157,6 +162,8 @@ class ExpertStore:
         waiting: dict[Future, int] = {}
         with self._lock:
             self.reads.drop_guesses(layer, set(ids))  # wrong guesses: free the disk for the experts that are needed
+            if self.heat is not None:
+                self.heat.count(layer, ids)
             counts = self.stats.layer(layer)
             for e in ids:
                 key = (layer, e)
@@ -281,6 +288,9 @@ class ExpertStore:
         return self.readers.stats()
 
     def close(self) -> None:
+        for part in (self.warmer, self.heat):  # the warming ends before the readers do; the heat is saved
+            if part is not None:
+                part.close()
         self.readers.close()
         with self._lock:
             self.cache.clear()

@@ -24,8 +24,9 @@ def _tensors(obj, seen: set[int]):
 
 
 def _weight_bytes(objs) -> int:
-    """Bytes of every tensor held, each counted once (by storage on the CPU; placed tensors on a discrete
-    device are separate allocations)."""
+    """Bytes of every tensor held, each byte of memory counted once (by storage on the CPU, storages that lie in
+    one another counted as one: the tensors of a converted spine's unit kept as stored are storages of their own
+    over the unit's buffer; placed tensors on a discrete device are separate allocations)."""
     seen: set[int] = set()
     storages: dict[int, int] = {}
     total = 0
@@ -34,8 +35,13 @@ def _weight_bytes(objs) -> int:
             if t.device.type == "meta":
                 total += t.numel() * t.element_size()
             else:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return total + sum(storages.values())
+                ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                storages[ptr] = max(n, storages.get(ptr, 0))
+    end = 0
+    for ptr, n in sorted(storages.items()):  # the union of the storages' address ranges
+        total += max(0, ptr + n - max(ptr, end))
+        end = max(end, ptr + n)
+    return total
 
 
 def held(stage: Stage) -> dict[str, int]:

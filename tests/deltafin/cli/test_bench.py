@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deltafin.plan.sizing import SizingOptions
+from deltafin.checkpoint.config import load_config
+from deltafin.plan.sizing import SizingOptions, expert_slot_bytes
 from deltafin.runtime.stage_options import StageOptions
 
 
@@ -18,6 +19,27 @@ def test_bench_decode_json_on_tiny(tiny_dir):
         assert key in r, key
     assert r["bytes_read_per_token"] > 0 and r["t_compute_s"] > 0 and r["experts_streamed"]
     assert r["bytes_read_per_token"] == r["expert_bytes_read_per_token"] + r["spine_bytes_per_token"]
+    assert r["load_s"] > 0 and "warmed_experts" not in r  # no heat given: nothing warmed
+    assert r["cache_experts"] == 100_000 // expert_slot_bytes(load_config(tiny_dir)) and r["prefill_hit_rate"] == 0
+
+
+def test_bench_heat_reports_the_hit_rate_without_and_with_the_remembered_heat(small_dir, tmp_path, monkeypatch):
+    """The first run starts with an empty cache, so its prompt hits nothing; the second warms its cache from the
+    first's heat (in a folder of the benchmark's own: the user's cache directory is left alone) before timing."""
+    from deltafin.cli.bench import bench_heat
+
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(small_dir)
+    slots = 40
+    r = bench_heat(small_dir, tokens=3, prompt=3, device="cpu", measure_disk=False,
+                   options=StageOptions(sizing=SizingOptions(expert_cache_bytes=slots * expert_slot_bytes(cfg),
+                                                             read_threads=2)))
+    for key in ("hit_rate_cold", "hit_rate_warm", "prefill_hit_rate_cold", "prefill_hit_rate_warm", "warm_s"):
+        assert key in r, key
+    assert r["cache_experts"] == slots and r["cold"]["warmed_experts"] == 0 and r["warmed_experts"] == slots
+    assert r["prefill_hit_rate_cold"] == 0 < r["prefill_hit_rate_warm"]
+    assert r["cold"]["load_s"] > 0 and r["warm"]["load_s"] > 0
+    assert not (tmp_path / "cache").exists()
 
 
 def test_bench_prefill_reads_each_expert_once_per_forward(tiny_dir):

@@ -92,3 +92,15 @@ def test_every_flags_name_is_a_python_keyword_too(tmp_path: Path) -> None:
     new = {"read_threads": 3, "cache_policy": "lru", "prefetch": False, "recovery": False}
     assert model_options(tmp_path, old, local=True) == model_options(tmp_path, new, local=True)
     assert model_options(tmp_path, {"no_discover": True}) == model_options(tmp_path, {"discover": False})
+
+
+def test_the_experts_heat_is_remembered_in_the_cache_directory_unless_switched_off(tmp_path: Path) -> None:
+    from deltafin.paths import cache_dir
+    from deltafin.runtime.stage_options import StageOptions
+
+    parse = lambda *flags: stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), *flags]))
+    assert parse().expert_heat_dir == str(cache_dir("heat")) and parse("--no-expert-heat").expert_heat_dir is None
+    assert "--no-expert-heat" in worker_parser().format_help()
+    off = model_options(tmp_path, {"no_expert_heat": True}, local=True)
+    assert off == model_options(tmp_path, {"expert_heat": False}, local=True) and off[1].expert_heat_dir is None
+    assert StageOptions().expert_heat_dir is None  # a bare value remembers nothing (as it keeps no prefix on disk)

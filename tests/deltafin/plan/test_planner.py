@@ -43,9 +43,11 @@ def test_memory_weighted(k3):
 
 
 def test_faster_disk_takes_more_layers(k3):
+    """With local experts each stage reads its own layers' experts from its own disk: the fast disk takes more
+    layers (here all: its tail streams as converted int8, cheaper than the slow disk's expert reads)."""
     plan = plan_layers(k3, [_w("fast", 64, bw=13.2), _w("slow", 64, bw=3.3)], options=INT8)
-    fast, slow = plan.stages
-    assert fast.end - fast.start > slow.end - slow.start
+    layers = {s.worker: s.end - s.start for s in plan.stages}
+    assert layers["fast"] > layers.get("slow", 0)
 
 
 def test_respects_the_layers_each_worker_has(k3):

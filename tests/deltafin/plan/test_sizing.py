@@ -41,16 +41,31 @@ def test_k3_spine_as_placed_matches_its_stored_size(k3):
     kv_b = 24 * 96 * 256 * 512 * 2
     assert 0 <= t.bf16[-1] - stored - kv_b < 1e-4 * stored
     # PERF.md's ~54.5 GB row-int8 counts every matrix at a byte; the routers stay bf16 (+1.2 GB) and kv_b fp32
+    # (on a Mac, which copies every tensor off the converted file it read) ...
     routers = 92 * 896 * 7168
-    assert 54.0 * GB < t.int8[-1] - routers - 3 * kv_b // 2 < 55.0 * GB
+    mac = layer_table(k3, Placement("mps"))
+    assert 54.0 * GB < mac.int8[-1] - routers - 3 * kv_b // 2 < 55.0 * GB
+    # ... while the CPU keeps each converted layer's file, whose matrices it uses in place: kv_b's bf16 bytes stay
+    # there beside its fp32 copy, as do the vectors' stored bytes (KDA's fp32 convolutions: 41 MB), and every
+    # layer's file is padded to whole 4 KiB blocks
+    assert 54.0 * GB < t.int8[-1] - routers - 5 * kv_b // 2 < 55.0 * GB
+    convolutions = 69 * 3 * 12288 * 4 * 4
+    assert convolutions < t.int8[-1] - mac.int8[-1] - kv_b < 2 * convolutions
 
 
 def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):
-    s = choose(k3, 0, 93, Placement("mps"), Budget(56 * GB), SizingOptions())
+    """With the int8 spine asked for, a 64 GB Mac streams its tail, read from the converted int8 files (not as
+    stored): each streamed layer costs its converted file, the files' size as the converter lays them out."""
+    from deltafin.weights.spine_files import layer_unit, unit_bytes
+
+    mac = Placement("mps", experts="mlx")
+    s = choose(k3, 0, 93, mac, Budget(56 * GB), SizingOptions(spine="int8"))
     assert s.spine == "int8" and 40 < len(s.resident_layers) < 93 and s.streamed_layers[-1] == 92
-    assert s.streaming and s.device_total <= 56 * GB
-    assert s.spine_bytes_per_token == sum(layer_table(k3, Placement("mps")).stored[i] for i in s.streamed_layers)
-    assert 25.5 * GB < s.expert_bytes_per_token <= 25.83 * GB  # 92 x 16 x 17.5 MB, a sliver cached
+    assert s.streaming and s.device_total <= 56 * GB and s.spine_why.startswith("as given (--spine")
+    files = [unit_bytes(k3, layer_unit(i), "int8") for i in s.streamed_layers]
+    assert s.spine_bytes_per_token == sum(files) and s.stream_buffers == 2 * max(files)
+    assert s.spine_bytes_per_token < 0.56 * sum(layer_table(k3, mac).stored[i] for i in s.streamed_layers)
+    assert 25.0 * GB < s.expert_bytes_per_token <= 25.83 * GB  # 92 x 16 x 17.5 MB, a little cached
 
 
 def test_an_h200_holds_the_bf16_spine_and_caches_experts(k3):
@@ -66,10 +81,16 @@ def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
     # one byte less: an int8 spine keeps every expert in memory (no disk reads at all beats exact bf16) ...
     tight = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingOptions())
     assert tight.experts_resident and tight.spine == "int8" and tight.total < s.total
-    # ... and below that, the experts stream
+    # ... and below that, one worker keeps them with a shorter forward (the cache before a long forward) ...
     tighter = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), SizingOptions())
-    assert tighter.streaming and tighter.total <= tight.total - 1
-    bf16 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingOptions(spine="bf16"))
+    assert tighter.experts_resident and tighter.forward_tokens < tight.forward_tokens
+    assert tighter.total <= tight.total - 1
+    # ... while at the forward it had, the experts stream
+    fixed = SizingOptions(prefill_chunk=tight.forward_tokens)
+    streams = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), fixed)
+    assert streams.streaming and streams.total <= tight.total - 1
+    bf16 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1),
+                  SizingOptions(spine="bf16", prefill_chunk=s.forward_tokens))
     assert bf16.streaming and bf16.spine == "bf16"
 
 
@@ -168,9 +189,7 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
                   for k in range(7)]
         smaller = [t for t in totals if t < totals[-1]]
-        if not smaller:  # streaming needs room for two layers as stored: more than a few q4 layers of tiny's
-            assert spine == "q4" and device.type == "cpu"
-            pytest.skip("on the CPU no budget streams part of tiny's q4 spine: all resident is the smallest")
+        assert smaller  # a converted spine streams its converted files: two of them take less than the layers
         opts = dataclasses.replace(opts, memory_bytes=max(smaller))
     stage = Stage(ckpt, 0, cfg.num_layers, device=device, options=opts)
     try:
@@ -215,12 +234,14 @@ def test_a_budget_too_small_is_refused_before_loading(tiny_dir):
 
 
 def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
-    """Streaming layer 0 (the dense MLP, 2.3 GB) needs two buffers its size; holding it resident as int8 takes
-    less. So a budget can fit one resident layer and not zero: the search must not stop at zero."""
-    opts = SizingOptions(sequences=1, prefill_chunk=512)
-    sizes = [size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total for k in (0, 1)]
+    """Streaming layer 0 (the dense MLP, 1.2 GB as converted int8) needs two buffers its size and, on a Mac, two
+    device copies; holding it resident takes one. So a budget can fit one resident layer and not zero: the search
+    must not stop at zero."""
+    mac = Placement("mps", experts="mlx")
+    opts = SizingOptions(spine="int8", sequences=1, prefill_chunk=512)
+    sizes = [size_stage(k3, 0, 93, mac, "int8", 0, k, opts).total for k in (0, 1)]
     assert sizes[1] < sizes[0]
-    s = choose(k3, 0, 93, Placement("cpu"), Budget((sizes[0] + sizes[1]) // 2), opts)
+    s = choose(k3, 0, 93, mac, Budget((sizes[0] + sizes[1]) // 2), opts)
     assert len(s.resident_layers) == 1
 
 

@@ -92,3 +92,24 @@ def test_simulated_hit_rates_order_as_expected():
     assert simulate("lru", 5, scans) == 0.0
     assert simulate("lfu", 5, scans) > 0.35
     assert simulate("pinned", 5, scans) > 0.2  # pins half the budget: two of the three hot keys
+
+
+def test_a_warmed_entry_takes_only_free_room_and_ranks_as_remembered_use():
+    """Seeded (warmed at start, hottest first): never evicts to get in; LFU keeps it above an expert used once
+    since the start and below one used twice; LRU and the pinned tier's LRU evict the coldest warmed first."""
+    cache, evicted = _cache(LFU(), budget=3)
+    assert cache.put("hot", 0, 1, seed=2.0) and cache.put("warm", 0, 1, seed=1.5)
+    cache.put("once", 0, 1)
+    assert not cache.put("cold", 0, 1, seed=1.1) and evicted == [] and set(cache.entries) == {"hot", "warm", "once"}
+    cache.put("new", 0, 1)  # evicts the expert used once, not the warmed ones
+    assert evicted == ["once"]
+    cache.get("new")  # used twice now: above the warmed ones but the hottest (a tie, which recency breaks)
+    cache.put("newer", 0, 1)
+    assert evicted == ["once", "warm"]
+    for policy in (LRU(), PinnedLRU(capacity_pinned=0)):
+        cache, evicted = _cache(policy, budget=3)
+        for key, weight in (("hot", 2.0), ("warm", 1.5), ("cold", 1.1)):
+            assert cache.put(key, 0, 1, seed=weight)
+        cache.put("a", 0, 1)
+        cache.put("b", 0, 1)
+        assert evicted == ["cold", "warm"]

@@ -51,8 +51,23 @@ def test_converted_spine_is_the_spine_quantized_at_load(model, spine, monkeypatc
     layers = load_config(model).num_layers
     assert summary["converted"] == summary["units"] == layers + 2  # its layers, the embedding, the head
     loaded = _logits(model, spine)
+    shutil.rmtree(default_root(model, spine))
     monkeypatch.setattr(spine_convert, "free_bytes", lambda folder: 0)  # no room: quantized as it loads
     assert torch.equal(loaded, _logits(model, spine))
+
+
+def test_without_room_a_streaming_plan_runs_as_stored(model, monkeypatch, caplog):
+    """No room to convert and a plan that streams layers: the stage runs the plan that needs no conversion."""
+    monkeypatch.setattr(spine_convert, "free_bytes", lambda folder: 0)
+    options = StageOptions(memory_bytes=4 * 10**9).replace(spine="q4", expert_cache_bytes=10**6,
+                                                          max_resident_layers=3)  # the other 3 stream
+    with caplog.at_level(logging.WARNING):
+        pipe = LocalPipeline.load(model, 1, device="cpu", options=options)
+    try:
+        assert pipe.stages[0].sizing.spine == "bf16" and "running the plan that needs none" in caplog.text
+        assert not default_root(model, "q4").exists() or not list(default_root(model, "q4").glob("*.bin"))
+    finally:
+        pipe.close()
 
 
 def test_a_converted_spine_loads_without_quantizing(model, monkeypatch):
@@ -81,9 +96,13 @@ def test_converted_q4_is_within_half_a_step_of_the_stored_weights(model):
         stored = read_tensor(stage.ckpt.location(next(s for s in cfg.layer_tensor_specs(0)
                                                       if s.name.endswith("self_attn.q_proj.weight")))).float()
         assert isinstance(q, Q4Weight)
-        # round to nearest over a group's 15 steps: every value within half a step (fp16 scale and bias rounding)
+        # the nearest of a group's 16 levels over the range its clipping search chose, [bias, bias + 15 steps]: a
+        # value inside that range within half a step of it, one outside clipped to the nearer end, so each within
+        # half a step of itself clamped to the range (fp16 scale and bias rounding: the 1e-3 step)
         step = q.scales.float().repeat_interleave(64, dim=1)
-        assert bool(((dequantize_q4(q, torch.float32) - stored).abs() <= 0.5 * step + 1e-3 * step).all())
+        lo = q.biases.float().repeat_interleave(64, dim=1)
+        clamped = torch.minimum(torch.maximum(stored, lo), lo + 15 * step)
+        assert bool(((dequantize_q4(q, torch.float32) - clamped).abs() <= 0.5 * step + 1e-3 * step).all())
     finally:
         pipe.close()
 
@@ -91,11 +110,11 @@ def test_converted_q4_is_within_half_a_step_of_the_stored_weights(model):
 def test_an_interrupted_conversion_resumes(model, monkeypatch):
     real, calls = spine_convert._convert_unit, []
 
-    def fail_third(ckpt, fmt, folder, unit, done):
+    def fail_third(ckpt, fmt, folder, unit, done, device=None):
         calls.append(unit)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(ckpt, fmt, folder, unit, done)
+        return real(ckpt, fmt, folder, unit, done, device)
 
     monkeypatch.setattr(spine_convert, "_convert_unit", fail_third)
     with pytest.raises(KeyboardInterrupt):
