@@ -1,10 +1,14 @@
 """Kernel and disk micro-benchmarks that print JSON (`deltafin bench --kernel`, `deltafin bench --disk`): one
-real-size K3 expert's MXFP4 dequant+matmul (or MLX's experts at K3's width), and random whole-block reads from
-a checkpoint's files, against the physical limit (PERF.md). The model benchmarks are bench.py's.
+real-size K3 expert's MXFP4 dequant+matmul (or MLX's experts at K3's width), K3's big spine matrices in each
+spine format (bf16 as stored, row-int8, q4) at decode and prefill through `linear` (whatever fast path the device
+has), and random whole-block reads from a checkpoint's files, against the physical limit (PERF.md). The model
+benchmarks are bench.py's.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import statistics
 import time
@@ -19,9 +23,17 @@ from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
 from deltafin.errors import DeltafinError
-from deltafin.kernels.linear import expert_backend, fast_path, mxfp4_linear
+from deltafin.kernels.linear import Weight, expert_backend, fast_path, linear, mxfp4_linear
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
-from deltafin.kernels.quant import MXFP4Weight
+from deltafin.kernels.quant import (
+    Int8Weight,
+    MXFP4Weight,
+    Q4Weight,
+    dequantize_int8_rows,
+    dequantize_q4,
+    quantize_int8_rows,
+    quantize_q4,
+)
 from deltafin.models.common import activation
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights
@@ -30,6 +42,15 @@ from deltafin.weights.diskspeed import measure_reads
 from deltafin.weights.reader import Extent, ReadPlan
 
 K3_EXPERT = {"w1": (3072, 3584), "w2": (3584, 3072), "w3": (3072, 3584)}  # logical [rows, cols]
+# Three of K3's big spine matrices, [rows, cols] (K3_SPEC.md, "Tensors"): what a decode step mostly reads.
+K3_SPINE = {
+    "kda q/k/v/g_proj": (12288, 7168),  # hidden -> 96 heads x 128 (MLA's g_proj too)
+    "attention o_proj": (7168, 12288),  # KDA's and MLA's output projection
+    "shared experts gate/up_proj": (6144, 7168),
+}
+SPINE_FORMATS = ("bf16", "int8", "q4")
+ROTATION_BYTES = 512 * 10**6  # a format's copies, taken in turn, exceed any last-level cache: weights come from memory
+CHECK_ROWS = 64  # output columns checked against float64, per matrix and format
 GB = 1e9
 
 
@@ -138,3 +159,120 @@ def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
             "expert_ms": round(t_expert * 1e3, 3), "expert_packed_GBps": round(expert_bytes / t_expert / GB, 2),
             "layer_experts": k, "layer_ms": round(t_layer * 1e3, 3),
             "layer_packed_GBps": round(k * expert_bytes / t_layer / GB, 2), "expert_bytes": expert_bytes}
+
+
+# ---- spine matmul -------------------------------------------------------------------------------------
+
+
+def _spine_weight(dense: torch.Tensor, fmt: str) -> Weight:
+    return dense if fmt == "bf16" else quantize_int8_rows(dense) if fmt == "int8" else quantize_q4(dense)
+
+
+def _weight_bytes(w: Weight) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def _copy(w: Weight) -> Weight:
+    if isinstance(w, torch.Tensor):
+        return w.clone()
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.q.clone(), w.scale.clone())
+    assert isinstance(w, Q4Weight)
+    return Q4Weight(w.packed.clone(), w.scales.clone(), w.biases.clone())
+
+
+def _reference_rows(w: Weight, k: int) -> torch.Tensor:
+    """The first k rows of W as the format defines them, float64 on the host (the kernels' reference)."""
+    if isinstance(w, torch.Tensor):
+        return w[:k].cpu().double()
+    if isinstance(w, Int8Weight):
+        return dequantize_int8_rows(Int8Weight(w.q[:k].cpu(), w.scale[:k].cpu()), torch.float64)
+    assert isinstance(w, Q4Weight)
+    return dequantize_q4(Q4Weight(w.packed[:k].cpu(), w.scales[:k].cpu(), w.biases[:k].cpu()), torch.float64)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-300))
+
+
+def _in_turn(x: torch.Tensor, copies: list[Weight]) -> Callable[[], torch.Tensor]:
+    ring = itertools.cycle(copies)
+    return lambda: linear(x, next(ring))
+
+
+def _interleaved_seconds(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                         rounds: int) -> dict[str, float]:
+    """Seconds per call of each fn, as _sustained_seconds, with the fns' rounds interleaved (each round in another
+    order): on a shared machine a burst of load then falls on every format alike, not on whichever ran then."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    synchronize(device)
+    names, per_call = list(fns), {name: [] for name in fns}
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fns[name]()
+            synchronize(device)
+            per_call[name].append((time.perf_counter() - t0) / repeats)
+    return {name: statistics.median(t) for name, t in per_call.items()}
+
+
+def _bench_matrix(dense: torch.Tensor, dev: torch.device, inputs: dict[str, torch.Tensor], repeats: int,
+                  rotation_bytes: int) -> dict[str, dict[str, Any]]:
+    """Each format's ms and weight GB/s of y = x @ W.T for each input (copies of W taken in turn, so W comes from
+    memory, not a cache), its worst relative error against float64 of its own weights, and against bf16's."""
+    weights = {fmt: _spine_weight(dense, fmt).to(dev) for fmt in SPINE_FORMATS}
+    results: dict[str, dict[str, Any]] = {}
+    copies = {}
+    for fmt, w in weights.items():
+        nbytes = _weight_bytes(w)
+        copies[fmt] = [w] + [_copy(w) for _ in range(min(63, math.ceil(rotation_bytes / nbytes) - 1))]
+        results[fmt] = {"weight_bytes": nbytes, "copies": len(copies[fmt])}
+    for phase, x in inputs.items():
+        reps = repeats if phase == "decode" else max(1, repeats // 10)  # prefill is compute: fewer calls time it
+        times = _interleaved_seconds({fmt: _in_turn(x, c) for fmt, c in copies.items()}, dev, reps,
+                                     rounds=5 if phase == "decode" else 3)
+        for fmt, t in times.items():
+            results[fmt][f"{phase}_ms"] = round(t * 1e3, 4)
+            results[fmt][f"{phase}_weight_GBps"] = round(results[fmt]["weight_bytes"] / t / GB, 3)
+    del copies
+    for fmt, w in weights.items():
+        want_rows, errors, vs_bf16 = _reference_rows(w, CHECK_ROWS), [], []
+        for x in inputs.values():
+            y = linear(x, w)[:, :CHECK_ROWS].cpu()
+            errors.append(_rel(y, torch.nn.functional.linear(x.cpu().double(), want_rows)))
+            vs_bf16.append(_rel(y, linear(x, weights["bf16"])[:, :CHECK_ROWS].cpu().double()))
+        results[fmt]["rel_err"], results[fmt]["err_vs_bf16"] = max(errors), max(vs_bf16)
+    return results
+
+
+def bench_spine(device: str = "auto", dtype: str = "fp32", prefill_tokens: int | None = None, repeats: int = 20,
+                shapes: dict[str, tuple[int, int]] | None = None,
+                rotation_bytes: int | None = None) -> dict[str, Any]:
+    """Each spine format of K3's big spine matrices (`shapes`, default K3_SPINE) at decode (1 token) and a
+    prefill chunk (`prefill_tokens`, default 512 on an accelerator, 64 on the CPU) through `linear`, the formats
+    timed in interleaved rounds: ms, weight GB/s (each format's copies taken in turn add up to `rotation_bytes`,
+    default ROTATION_BYTES), `rel_err` (the product against float64 of the format's own weights: the kernel's
+    error), `err_vs_bf16` (against the bf16 matrix's product: what the format costs), and q4's speed-up over int8
+    at decode (int8 ms / q4 ms)."""
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if dt == torch.float32:
+        exact_fp32()
+    chunk = prefill_tokens or (64 if dev.type == "cpu" else 512)
+    g = torch.Generator().manual_seed(0)
+    matrices = []
+    for name, (rows, cols) in (shapes or K3_SPINE).items():
+        dense = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+        inputs = {"decode": torch.randn(1, cols, generator=g).to(dev, dt),
+                  "prefill": torch.randn(chunk, cols, generator=g).to(dev, dt)}
+        formats = _bench_matrix(dense, dev, inputs, repeats, ROTATION_BYTES if rotation_bytes is None else
+                                rotation_bytes)
+        speedup = formats["int8"]["decode_ms"] / formats["q4"]["decode_ms"]
+        matrices.append({"matrix": name, "rows": rows, "cols": cols, "formats": formats,
+                         "q4_speedup_over_int8_decode": round(speedup, 3)})
+    fast = fast_path(dev.type)
+    return {"device": str(dev), "dtype": dtype, "tokens": {"decode": 1, "prefill": chunk},
+            "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",
+            "threads": torch.get_num_threads(), "matrices": matrices}

@@ -212,6 +212,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.kernel:
         select_kernels(args.kernels)
         result = bench_kernels.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
+        result["spine"] = bench_kernels.bench_spine(args.device, args.dtype, repeats=args.repeats)
     elif args.model:
         result = _bench_model(args)
     else:

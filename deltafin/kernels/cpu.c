@@ -3,6 +3,7 @@
 //   MXFP4     routed experts: packed[r, c/2] (low nibble = even element) + E8M0 scales[r, c/32]
 //   bf16      spine as stored (bf16 -> fp32 is exact: a 16-bit shift)
 //   row-int8  spine with --spine int8: int8 q[r, c] and an fp32 scale per row
+//   q4        spine with --spine q4: MLX's affine 4-bit, packed[r, c/2] + fp16 scales and biases [r, c/64]
 // Activations stay fp32 (no int8 rounding of x, unlike llama.cpp's Q8_0 path), so results equal a dense
 // fp32 product up to summation order. Up to 4 tokens share one pass over W (each weight vector is decoded
 // once); callers use BLAS for larger batches. Memory-bound by design: the goal is W's bytes at DRAM speed.
@@ -281,6 +282,232 @@ static void row_i8(const int8_t *q, const float *x, int64_t cols, const int n, f
 }
 #endif
 
+// ---- q4: group-wise affine 4-bit, MLX's layout ----------------------------------------------------------
+// packed[r, c/2] (low nibble = even element), fp16 scales and biases [r, c/64]; W = code * scale + bias.
+// Per group of 64: sum_j (code_j s + b) x_j = s * sum_j code_j x_j + b * sum_j x_j, so the codes are
+// multiplied as small integers and the bias needs only each group's sum of x (once per call).
+// The unpack has no shuffles: a vector load puts Q4_NPL nibbles in each 32-bit lane; one AND with 0xF << 4k
+// isolates nibble k of every lane as the integer code * 16^k, which converts to fp32 exactly and meets x
+// scaled by 16^-k (exact: a power of two, unless |x| < 2^-102 where the scaled value is subnormal); x is
+// permuted and scaled once per call (deltafin_q4_prepare), so that lane i of the k-th vector meets its own
+// element. With 8 nibbles a lane the top one is a shift instead (code << 28 would not fit a signed lane).
+// Costs one AND, one convert and one FMA per VLEN codes: about the int8 kernel's work per value (measured
+// 0.8x its speed from cache on AVX2), for 0.56x its bytes, so it is faster wherever decode is memory-bound.
+
+#define Q4_GROUP 64
+#define Q4_ROWS 8  // rows a decode pass streams at once (as rows8_i8; 2 and 4 measured slower)
+#define Q4_CHUNK 64  // groups whose fp16 scales and biases are converted to fp32 at a time (a stack buffer)
+
+// IEEE half -> float for any input (the vector paths use the hardware conversion; this is the tails' and the
+// portable build's).
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else {
+        const float f = (float)man * 5.9604644775390625e-8f;  // subnormal or zero: man * 2^-24
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if defined(DF_AVX512)
+#define Q4_NPL 4  // nibbles a lane: 32 bytes zero-extended from 16-bit words into 16 lanes, one group a vector
+#define Q4_LANES 16
+#define Q4_TOP_SHIFT 0
+#define Q4_VECS 4  // vectors of codes a group
+ALWAYS_INLINE VEC load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+typedef __m512i Q4RAW;  // one group's codes as loaded
+ALWAYS_INLINE Q4RAW q4_load(const uint8_t *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS_INLINE VEC q4_code(Q4RAW v, int k) {  // nibble k of every lane, times 16^k
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF << (4 * k))));
+}
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#elif defined(DF_AVX2)
+#define Q4_NPL 8  // one 32-byte load is one group: 8 lanes of 8 nibbles
+#define Q4_LANES 8
+#define Q4_TOP_SHIFT 1
+#define Q4_VECS 8
+#if defined(__F16C__)
+ALWAYS_INLINE VEC load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else  // AVX2 without F16C (not a real CPU, but a possible -m flag set): convert in software
+ALWAYS_INLINE VEC load_f16(const uint16_t *p) {
+    float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = f16_to_f32(p[i]);
+    return _mm256_loadu_ps(f);
+}
+#endif
+typedef __m256i Q4RAW;
+ALWAYS_INLINE Q4RAW q4_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS_INLINE VEC q4_code(Q4RAW v, int k) {
+    return k == 7 ? _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28))
+                  : _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * k))));
+}
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#elif defined(DF_NEON)
+#define Q4_NPL 8  // two 16-byte loads a group: 4 lanes of 8 nibbles each
+#define Q4_LANES 4
+#define Q4_TOP_SHIFT 1
+#define Q4_VECS 16
+ALWAYS_INLINE VEC load_f16(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+typedef uint32x4x2_t Q4RAW;
+ALWAYS_INLINE Q4RAW q4_load(const uint8_t *p) {
+    Q4RAW v = {{vreinterpretq_u32_u8(vld1q_u8(p)), vreinterpretq_u32_u8(vld1q_u8(p + 16))}};
+    return v;
+}
+ALWAYS_INLINE VEC q4_code(Q4RAW v, int i) {  // vector i of 16: nibble i % 8 of the half i / 8
+    const uint32x4_t h = v.val[i / 8];
+    return i % 8 == 7 ? vcvtq_f32_u32(vshrq_n_u32(h, 28))
+                      : vcvtq_f32_u32(vandq_u32(h, vdupq_n_u32(0xFu << (4 * (i % 8)))));
+}
+#define VSTORE(p, v) vst1q_f32(p, v)
+#define VMUL(a, b) vmulq_f32(a, b)
+#else
+#define Q4_NPL 8  // portable C: one "lane", the 8 nibbles of 4 bytes read as a little-endian word
+#define Q4_LANES 1
+#define Q4_TOP_SHIFT 1
+#endif
+
+// The permuted, scaled activations: within each block of Q4_NPL * Q4_LANES values, xp[k * Q4_LANES + i] =
+// x[Q4_NPL * i + k] / 16^k (nibble k of lane i), and after all tokens' values each group's sum of x.
+static void q4_prepare(const float *x, float *xp, float *xsum, int64_t cols, int64_t ntok) {
+    const int64_t block = Q4_NPL * Q4_LANES;
+    float scale[Q4_NPL];
+    for (int k = 0; k < Q4_NPL; ++k) scale[k] = (Q4_TOP_SHIFT && k == 7) ? 1.0f : ldexpf(1.0f, -4 * k);
+    for (int64_t t = 0; t < ntok; ++t) {
+        const float *xt = x + t * cols;
+        float *pt = xp + t * cols;
+        for (int64_t b0 = 0; b0 < cols; b0 += block)
+            for (int k = 0; k < Q4_NPL; ++k)
+                for (int i = 0; i < Q4_LANES; ++i) pt[b0 + k * Q4_LANES + i] = xt[b0 + Q4_NPL * i + k] * scale[k];
+        for (int64_t g = 0; g < cols / Q4_GROUP; ++g) {
+            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight independent sums (a vector add), then in double
+            for (int j = 0; j < Q4_GROUP; j += 8)
+                for (int l = 0; l < 8; ++l) part[l] += xt[g * Q4_GROUP + j + l];
+            double s = 0;
+            for (int l = 0; l < 8; ++l) s += part[l];
+            xsum[t * (cols / Q4_GROUP) + g] = (float)s;
+        }
+    }
+}
+
+#if defined(VLEN)
+ALWAYS_INLINE void q4_codes(const uint8_t *p, VEC *c) {  // one group's codes, vector by vector
+    const Q4RAW v = q4_load(p);
+    for (int i = 0; i < Q4_VECS; ++i) c[i] = q4_code(v, i);
+}
+// n fp16 values to fp32 into f (a chunk of a row's scales).
+ALWAYS_INLINE void q4_f16_chunk(const uint16_t *h, float *f, int n) {
+    int j = 0;
+    for (; j + VLEN <= n; j += VLEN) VSTORE(f + j, load_f16(h + j));
+    for (; j < n; ++j) f[j] = f16_to_f32(h[j]);
+}
+// sum_j bias_j * xs_j over n groups: the bias term of a chunk of a row.
+ALWAYS_INLINE float q4_bias_dot(const uint16_t *h, const float *xs, int n) {
+    VEC acc = VZERO();
+    int j = 0;
+    for (; j + VLEN <= n; j += VLEN) acc = VFMA(load_f16(h + j), VLOAD(xs + j), acc);
+    float sum = VSUM(acc);
+    for (; j < n; ++j) sum += f16_to_f32(h[j]) * xs[j];
+    return sum;
+}
+// One group's codes (as q4_codes decoded them) times its permuted x: per-lane partial sums, two chains.
+ALWAYS_INLINE VEC q4_dot(const VEC *c, const float *xp) {
+    VEC a0 = VMUL(c[0], VLOAD(xp)), a1 = VMUL(c[1], VLOAD(xp + VLEN));
+    for (int i = 2; i < Q4_VECS; i += 2) {
+        a0 = VFMA(c[i], VLOAD(xp + i * VLEN), a0);
+        a1 = VFMA(c[i + 1], VLOAD(xp + (i + 1) * VLEN), a1);
+    }
+    return VADD(a0, a1);
+}
+
+// R rows against one token (decode): R independent streams keep enough memory requests in flight, and each
+// vector of x is loaded once for all R rows (as rows8_i8 does): rows a multiple of 4 KB apart map onto few L1
+// sets, and re-reading x per row then went to L2 (K3's o_proj, 6 KB rows, was 0.74x the int8 kernel). The next
+// block's rows are prefetched while this one runs: q4 rows are short (3.5 KB at K3's width), so the hardware
+// prefetcher restarts often; one block ahead made a core's decode from DRAM 1.4-1.5x faster (AVX2, Zen 3).
+ALWAYS_INLINE void rows_q4(const uint8_t *p, const uint16_t *s, const uint16_t *b, const float *xp, const float *xs,
+                           int64_t cols, const int R, float *out) {
+    const int64_t G = cols / Q4_GROUP, ps = cols / 2;
+    VEC acc[8];
+    float bsum[8], sf[8][Q4_CHUNK];
+    for (int r = 0; r < R; ++r) acc[r] = VZERO(), bsum[r] = 0.0f;
+    for (int64_t g0 = 0; g0 < G; g0 += Q4_CHUNK) {
+        const int n = G - g0 < Q4_CHUNK ? (int)(G - g0) : Q4_CHUNK;
+        for (int r = 0; r < R; ++r) {
+            q4_f16_chunk(s + r * G + g0, sf[r], n);
+            bsum[r] += q4_bias_dot(b + r * G + g0, xs + g0, n);
+        }
+        for (int j = 0; j < n; ++j) {
+            const int64_t g = g0 + j;
+            const float *xg = xp + g * Q4_GROUP;
+            Q4RAW raw[8];
+            VEC dot[8];
+            if ((j & 1) == 0)  // the next R rows' line, one block ahead (a prefetch past the end does not fault)
+                for (int r = 0; r < R; ++r) __builtin_prefetch(p + (R + r) * ps + g * (Q4_GROUP / 2));
+            for (int r = 0; r < R; ++r) raw[r] = q4_load(p + r * ps + g * (Q4_GROUP / 2));
+            for (int r = 0; r < R; ++r) dot[r] = VMUL(q4_code(raw[r], 0), VLOAD(xg));
+            for (int i = 1; i < Q4_VECS; ++i) {
+                const VEC xv = VLOAD(xg + i * VLEN);
+                for (int r = 0; r < R; ++r) dot[r] = VFMA(q4_code(raw[r], i), xv, dot[r]);
+            }
+            for (int r = 0; r < R; ++r) acc[r] = VFMA(dot[r], VSET1(sf[r][j]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = VSUM(acc[r]) + bsum[r];
+}
+
+// One row against n (1..4) tokens: each group's codes are decoded once for all of them.
+ALWAYS_INLINE void row_q4(const uint8_t *p, const uint16_t *s, const uint16_t *b, const float *xp, const float *xs,
+                          int64_t cols, const int n, float *out) {
+    const int64_t G = cols / Q4_GROUP;
+    VEC acc[4];
+    float bsum[4], sf[Q4_CHUNK];
+    for (int t = 0; t < n; ++t) acc[t] = VZERO(), bsum[t] = 0.0f;
+    for (int64_t g0 = 0; g0 < G; g0 += Q4_CHUNK) {
+        const int m = G - g0 < Q4_CHUNK ? (int)(G - g0) : Q4_CHUNK;
+        q4_f16_chunk(s + g0, sf, m);
+        for (int t = 0; t < n; ++t) bsum[t] += q4_bias_dot(b + g0, xs + t * G + g0, m);
+        for (int j = 0; j < m; ++j) {
+            const int64_t g = g0 + j;
+            VEC c[Q4_VECS];
+            q4_codes(p + g * (Q4_GROUP / 2), c);
+            const VEC sc = VSET1(sf[j]);
+            for (int t = 0; t < n; ++t) acc[t] = VFMA(q4_dot(c, xp + t * cols + g * Q4_GROUP), sc, acc[t]);
+        }
+    }
+    for (int t = 0; t < n; ++t) out[t] = VSUM(acc[t]) + bsum[t];
+}
+#define HAVE_ROWS_Q4 1
+#else  // portable C, the same arithmetic one word (8 codes) at a time
+static void row_q4(const uint8_t *p, const uint16_t *s, const uint16_t *b, const float *xp, const float *xs,
+                   int64_t cols, const int n, float *out) {
+    const int64_t G = cols / Q4_GROUP;
+    for (int t = 0; t < n; ++t) {
+        float sum = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+            float dot = 0.0f;
+            for (int w = 0; w < Q4_GROUP / 8; ++w) {
+                const uint8_t *q = p + g * (Q4_GROUP / 2) + 4 * w;
+                const uint32_t v = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+                const float *xw = xp + t * cols + g * Q4_GROUP + 8 * w;
+                for (int k = 0; k < 7; ++k) dot += (float)(v & (0xFu << (4 * k))) * xw[k];
+                dot += (float)(v >> 28) * xw[7];
+            }
+            sum += dot * f16_to_f32(s[g]) + f16_to_f32(b[g]) * xs[t * G + g];
+        }
+        out[t] = sum;
+    }
+}
+#endif
+
 // Dispatch a row against tokens t0..t0+n-1 with a literal n, so the compiler unrolls the token loop.
 #define FOR_TOKEN_BLOCKS(ntok, CALL)                                    \
     for (int64_t t0 = 0; t0 < (ntok); t0 += 4) {                        \
@@ -355,6 +582,64 @@ void deltafin_mxfp4_decode(const uint8_t *packed, const uint8_t *scales, float *
                 o[g * 32 + 2 * j] = sc * (float)kE2M1x2[b & 0xF];
                 o[g * 32 + 2 * j + 1] = sc * (float)kE2M1x2[b >> 4];
             }
+        }
+    }
+}
+
+
+// q4: x [ntok, cols] permuted and scaled into xp [ntok, cols], each group's sum into xsum [ntok, cols/64]
+// (once per call, before deltafin_q4_matmul; the layout depends on this build's vector width).
+void deltafin_q4_prepare(const float *x, float *xp, float *xsum, int64_t cols, int64_t ntok) {
+    q4_prepare(x, xp, xsum, cols, ntok);
+}
+
+void deltafin_q4_matmul(const uint8_t *packed, const uint16_t *scales, const uint16_t *biases, const float *xp,
+                        const float *xsum, float *y, int64_t rows, int64_t cols, int64_t ntok, int64_t r0,
+                        int64_t r1) {
+    const float row_scale = 1.0f;
+    const int64_t G = cols / Q4_GROUP;
+#if defined(HAVE_ROWS_Q4)
+    if (ntok == 1) {
+        for (; r0 + Q4_ROWS <= r1; r0 += Q4_ROWS)
+            rows_q4(packed + r0 * (cols / 2), scales + r0 * G, biases + r0 * G, xp, xsum, cols, Q4_ROWS, y + r0);
+    }
+#endif
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *p = packed + r * (cols / 2);
+        const uint16_t *s = scales + r * G, *b = biases + r * G;
+#define CALL_Q4(n) row_q4(p, s, b, xp + t0 * cols, xsum + t0 * G, cols, n, out)
+        FOR_TOKEN_BLOCKS(ntok, CALL_Q4)
+    }
+}
+
+// Rows [r0, r1) of a q4 W decoded to fp32 into out [rows, cols] for BLAS (more tokens than the kernel takes), in
+// the kernel's own column order and scaled by 16^k where deltafin_q4_prepare scales x by 16^-k: out times that xp
+// is W times x (both scalings are exact powers of two), and the decode needs no shuffles either.
+void deltafin_q4_decode(const uint8_t *packed, const uint16_t *scales, const uint16_t *biases, float *out,
+                        int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
+    (void)rows;
+    const int64_t G = cols / Q4_GROUP;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *p = packed + r * (cols / 2);
+        float *o = out + r * cols;
+        for (int64_t g = 0; g < G; ++g) {
+            const float sc = f16_to_f32(scales[r * G + g]), bi = f16_to_f32(biases[r * G + g]);
+#if defined(VLEN)
+            const Q4RAW v = q4_load(p + g * (Q4_GROUP / 2));
+            for (int i = 0; i < Q4_VECS; ++i) {  // vector i holds nibble i % Q4_NPL, the code times 16^k
+                const int k = i % Q4_NPL;
+                const float up = (Q4_TOP_SHIFT && k == 7) ? 1.0f : (float)(1u << (4 * k));
+                VSTORE(o + g * Q4_GROUP + i * VLEN, VFMA(q4_code(v, i), VSET1(sc), VSET1(bi * up)));
+            }
+#else
+            for (int w = 0; w < Q4_GROUP / 8; ++w) {
+                const uint8_t *q = p + g * (Q4_GROUP / 2) + 4 * w;
+                const uint32_t v = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+                float *ow = o + g * Q4_GROUP + 8 * w;
+                for (int k = 0; k < 7; ++k) ow[k] = (float)(v & (0xFu << (4 * k))) * sc + bi * (float)(1u << (4 * k));
+                ow[7] = (float)(v >> 28) * sc + bi;
+            }
+#endif
         }
     }
 }

@@ -1,4 +1,4 @@
-"""CPU fast paths: the C kernels of cpu.c (MXFP4, bf16 and row-int8 weights times fp32 activations),
+"""CPU fast paths: the C kernels of cpu.c (MXFP4, bf16, row-int8 and q4 weights times fp32 activations),
 built at first use with the system compiler and called through ctypes, which releases the GIL, on row
 blocks in parallel threads.
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin import paths
-from deltafin.kernels.quant import Int8Weight, MXFP4Weight
+from deltafin.kernels.quant import Q4_GROUP, Int8Weight, MXFP4Weight, Q4Weight
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def load_library(arch: list[str] | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int64
     for name, args in (("deltafin_mxfp4_matmul", [p] * 4 + [i] * 5), ("deltafin_mxfp4_decode", [p] * 3 + [i] * 4),
-                       ("deltafin_bf16_matmul", [p] * 3 + [i] * 5), ("deltafin_int8_matmul", [p] * 4 + [i] * 5)):
+                       ("deltafin_bf16_matmul", [p] * 3 + [i] * 5), ("deltafin_int8_matmul", [p] * 4 + [i] * 5),
+                       ("deltafin_q4_prepare", [p] * 3 + [i] * 2), ("deltafin_q4_matmul", [p] * 6 + [i] * 5),
+                       ("deltafin_q4_decode", [p] * 4 + [i] * 4)):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
     lib.deltafin_isa.restype = ctypes.c_int
@@ -89,7 +91,7 @@ def load_library(arch: list[str] | None = None) -> ctypes.CDLL:
 
 
 class CPUKernels:
-    """y = x @ W.T on the CPU for MXFP4 (`__call__`), bf16 (`bf16`) and row-int8 (`int8`) weights."""
+    """y = x @ W.T on the CPU for MXFP4 (`__call__`), bf16 (`bf16`), row-int8 (`int8`) and q4 (`q4`) weights."""
 
     def __init__(self, lib: ctypes.CDLL, threads: int | None = None):
         self.lib = lib
@@ -162,3 +164,39 @@ class CPUKernels:
             self._rows(self.lib.deltafin_int8_matmul, rows, cols, q.data_ptr(), scale.data_ptr(), xf.data_ptr(),
                        y.data_ptr(), rows, cols, ntok)
         return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+    def q4(self, x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+        """fp32 activations times a q4 matrix (MLX's affine 4-bit groups of 64), without converting W."""
+        rows, cols = w.shape
+        groups = cols // Q4_GROUP
+        if cols % Q4_GROUP or w.scales.shape != (rows, groups) or w.biases.shape != (rows, groups):
+            raise ValueError(f"q4 scales {tuple(w.scales.shape)} / biases {tuple(w.biases.shape)} do not match "
+                             f"packed {tuple(w.packed.shape)} (one per {Q4_GROUP} values)")
+        if w.packed.dtype != torch.uint8 or w.scales.dtype != torch.float16 or w.biases.dtype != torch.float16:
+            raise ValueError(f"q4 needs uint8 codes and fp16 scales/biases, got {w.packed.dtype}, {w.scales.dtype}, "
+                             f"{w.biases.dtype}")
+        xf = self._tokens(x, cols)
+        ntok = xf.shape[0]
+        prepared = torch.empty(ntok * (cols + groups), dtype=torch.float32)  # permuted x, then group sums
+        xp, xsum = prepared[:ntok * cols], prepared[ntok * cols:]
+        self.lib.deltafin_q4_prepare(xf.data_ptr(), xp.data_ptr(), xsum.data_ptr(), cols, ntok)
+        if ntok > _KERNEL_MAX_TOKENS:  # W decoded in the same permuted, scaled column order as xp
+            xm = xp.view(ntok, cols)
+            y = torch.cat([F.linear(xm, self.q4_decode(w, r, min(rows, r + _BLOCK_ROWS)))
+                           for r in range(0, rows, _BLOCK_ROWS)], dim=1)
+        else:
+            packed, scales, biases = w.packed.contiguous(), w.scales.contiguous(), w.biases.contiguous()
+            y = torch.empty(ntok, rows, dtype=torch.float32)
+            self._rows(self.lib.deltafin_q4_matmul, rows, cols, packed.data_ptr(), scales.data_ptr(),
+                       biases.data_ptr(), xp.data_ptr(), xsum.data_ptr(), y.data_ptr(), rows, cols, ntok)
+        return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+    def q4_decode(self, w: Q4Weight, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of a q4 W as a dense fp32 matrix, for BLAS: in the column order of and scaled inversely
+        to deltafin_q4_prepare's x (cpu.c), so that F.linear(prepared x, this) = x @ W.T."""
+        cols = w.shape[1]
+        packed, scales, biases = (t[r0:r1].contiguous() for t in (w.packed, w.scales, w.biases))
+        out = torch.empty(r1 - r0, cols, dtype=torch.float32)
+        self._rows(self.lib.deltafin_q4_decode, r1 - r0, cols, packed.data_ptr(), scales.data_ptr(), biases.data_ptr(),
+                   out.data_ptr(), r1 - r0, cols)
+        return out
