@@ -153,24 +153,74 @@ def q4_bytes(rows: int, cols: int) -> int:
     return rows * cols // 2 + 4 * rows * (cols // Q4_GROUP)
 
 
-def quantize_q4(w: torch.Tensor, block_rows: int = 1024) -> Q4Weight:
-    """Round to nearest over each group's [min, max] in 15 steps (the scale and bias as fp16, the codes from
-    those), a block of rows at a time so that a large matrix needs no gigabytes of fp32 temporaries."""
+# A clipping search's candidates (quantize_q4's `clips`): each shrinks a group's [min, max] toward its midpoint, at
+# the low end and at the high end, by these fractions of half its range. Chosen by greedy selection over the 13 x 13
+# grid of fractions 0.7..1.0 on k3-mini's spine matrices: these seven get 88 % of the grid's reduction of the squared
+# error (to 0.848 of plain rounding's; the grid 0.827), the same on Gaussian and Student-t data. Not the default: on
+# k3-mini's held-out split it lowers the mean KL from the stored spine by 10 % but raises perplexity (+1.71 % against
+# plain rounding's +0.78 %), as every error-minimizing rounding measured did (README, what a spine format costs).
+Q4_CLIPS = ((1.0, 0.925), (0.925, 1.0), (0.95, 0.95), (0.925, 0.975), (0.975, 0.925), (1.0, 0.975), (0.975, 1.0))
+
+
+def quantize_q4(w: torch.Tensor, block_rows: int = 256, clips: tuple[tuple[float, float], ...] = ()) -> Q4Weight:
+    """Round to nearest over each group's [min, max] in 15 steps (the scale and bias as fp16, the codes the nearest
+    of 0..15 from those). With `clips` (Q4_CLIPS), each group takes whichever of [min, max] and its shrinkings
+    rounds it with the least squared error (plain rounding wins ties); a value outside the chosen range is clipped
+    to its nearer end. A block of rows at a time through three reused fp32 buffers: a large matrix needs no
+    gigabytes of temporaries, and each pass runs over a block in the cache (twice the speed of fresh tensors)."""
     rows, cols = w.shape
     if cols % Q4_GROUP:
         raise ModelFormatError(f"a {rows}x{cols} matrix has no whole {Q4_GROUP}-value groups along its rows")
+    groups = cols // Q4_GROUP
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(rows, cols // Q4_GROUP, dtype=torch.float16, device=w.device)
+    scales = torch.empty(rows, groups, dtype=torch.float16, device=w.device)
     biases = torch.empty_like(scales)
+    bufs = [torch.empty(min(block_rows, rows), groups, Q4_GROUP, device=w.device) for _ in range(3)]
     for r in range(0, rows, block_rows):
-        g = w[r:r + block_rows].float().reshape(-1, cols // Q4_GROUP, Q4_GROUP)
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15).clamp_min(1e-8).half()
-        bias = lo.half()
-        codes = torch.round((g - bias.float()) / scale.float()).clamp_(0, 15).to(torch.uint8).reshape(len(g), cols)
-        packed[r:r + block_rows] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        scales[r:r + block_rows], biases[r:r + block_rows] = scale.squeeze(-1), bias.squeeze(-1)
+        n = min(block_rows, rows - r)
+        x, u, q = (b[:n] for b in bufs)
+        x.view(n, cols).copy_(w[r:r + n])
+        scale, bias = _q4_search(x, u, q, clips)
+        _q4_round(x, scale, bias, u, q)
+        codes = q.view(n, cols).to(torch.uint8)
+        packed[r:r + n] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales[r:r + n], biases[r:r + n] = scale.squeeze(-1), bias.squeeze(-1)
     return Q4Weight(packed, scales, biases)
+
+
+def _q4_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16 scale and bias of 15 steps over [lo, hi]; the scale at least fp16's least subnormal, so that a
+    group with no range has codes 0 (its bias), never 0/0."""
+    return ((hi - lo) / 15).clamp_min(2.0**-24).half(), lo.half()
+
+
+def _q4_round(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, u: torch.Tensor, q: torch.Tensor) -> None:
+    """Into the buffers: u = x in steps above the bias, q = its code (the nearest of 0..15)."""
+    torch.sub(x, bias.float(), out=u).div_(scale.float())
+    torch.clamp(u, 0, 15, out=q).round_()
+
+
+def _q4_error(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, u: torch.Tensor,
+              q: torch.Tensor) -> torch.Tensor:
+    """Squared error of each group [.., groups, 1] of `x` [.., groups, 64] rounded with (scale, bias)."""
+    _q4_round(x, scale, bias, u, q)
+    return torch.linalg.vector_norm(u.sub_(q), dim=-1, keepdim=True).square_().mul_(scale.float().square())
+
+
+def _q4_search(x: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+               clips: tuple[tuple[float, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (scale, bias) of least squared error among plain [min, max] and its `clips` shrinkings."""
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale, bias = _q4_range(lo, hi)
+    if not clips:
+        return scale, bias
+    best, half = _q4_error(x, scale, bias, u, q), (hi - lo) / 2
+    for a, b in clips:
+        s, z = _q4_range(lo + (1 - a) * half, hi - (1 - b) * half)
+        err = _q4_error(x, s, z, u, q)
+        better = err < best
+        best, scale, bias = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, z, bias)
+    return scale, bias
 
 
 def dequantize_q4(w: Q4Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ VERSION = 1
 CRC_CHUNK = 16 << 20
 # what decides the converted bytes besides the source: a change here (or in quantize_q4 / quantize_int8_rows,
 # which must then bump QUANTIZER) makes every converted spine stale
-QUANTIZER = "q4-minmax-rtn-1,int8-rows-absmax-1"
+QUANTIZER = "q4-minmax-rtn-2,int8-rows-absmax-1"  # 2: a group with no range has scale 2**-24, codes 0
 RECIPE = f"{QUANTIZER};group={Q4_GROUP};8bit={','.join(EIGHT_BIT)};8bit-mla={','.join(EIGHT_BIT_MLA)}"
 CONVERTED = CONVERTED_SPINES  # the spine formats that have converted files
 

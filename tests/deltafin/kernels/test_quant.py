@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from deltafin.errors import ModelFormatError
 from deltafin.kernels.linear import linear, mxfp4_linear_reference
 from deltafin.kernels.quant import (
+    Q4_CLIPS,
     Q4_GROUP,
     MXFP4Weight,
     check_scales,
@@ -84,13 +86,26 @@ def test_int8_rows():
     assert ((back - w).abs() <= 0.51 * step + 1e-3 * w.abs()).all()
 
 
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    return t.float().reshape(t.shape[0], -1, Q4_GROUP)
+
+
+def _group_sq_error(q, w: torch.Tensor) -> torch.Tensor:
+    return ((dequantize_q4(q, torch.float64) - w.double()) ** 2).reshape(w.shape[0], -1, Q4_GROUP).sum(-1)
+
+
+def _heavy_tailed(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Student-t with 3 degrees of freedom, from seeded normals (a normal over the root of a chi-square / 3)."""
+    chi2 = (torch.randn(3, rows, cols, generator=g) ** 2).sum(0)
+    return torch.randn(rows, cols, generator=g) / (chi2 / 3).sqrt()
+
+
 def test_q4_groups_round_to_within_half_a_step_and_keep_their_extremes():
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(96, 256, generator=g) * torch.logspace(-3, 0, 96).unsqueeze(1)).to(torch.bfloat16)
-    q = quantize_q4(w)
+    q = quantize_q4(w, block_rows=40)  # blocks that do not divide the rows
     assert q.shape == (96, 256) and q.nbytes == q4_bytes(96, 256) == 96 * 128 + 4 * 96 * 4
-    back = dequantize_q4(q, torch.float32).reshape(96, 4, Q4_GROUP)
-    wf = w.float().reshape(96, 4, Q4_GROUP)
+    back, wf = _groups(dequantize_q4(q, torch.float32)), _groups(w)
     step = q.scales.float().unsqueeze(-1)
     # half a step of rounding, and the fp16 rounding of the scale and bias (15 steps of it at most)
     bound = step / 2 + 15 * step * 2**-11 + q.biases.float().abs().unsqueeze(-1) * 2**-11
@@ -98,6 +113,79 @@ def test_q4_groups_round_to_within_half_a_step_and_keep_their_extremes():
     assert torch.allclose(back.amin(-1), wf.amin(-1), rtol=2**-10, atol=1e-6)  # the group's minimum is exact
     with pytest.raises(ModelFormatError, match="64-value groups"):
         quantize_q4(torch.zeros(4, 96))
+
+
+def test_a_q4_group_with_no_range_decodes_to_its_value():
+    """No 0/0: a constant group (and one narrower than fp16's least step) has codes 0 and its value as bias."""
+    w = torch.cat([torch.full((2, 128), 0.3), torch.zeros(1, 128), 0.3 + 1e-9 * torch.arange(128.0).view(1, 128)])
+    q = quantize_q4(w)
+    assert bool((q.packed == 0).all()) and bool((q.scales > 0).all())
+    assert torch.allclose(dequantize_q4(q, torch.float32), w.half().float(), rtol=0, atol=1e-6)
+
+
+def test_q4_search_clips_within_its_candidates_and_rounds_the_rest_to_within_half_a_step():
+    """A value inside the chosen range is within half a step of its code, one outside it is clipped to the
+    nearer end; the range is the group's [min, max] shrunk by at most the largest candidate fraction at each end."""
+    g = torch.Generator().manual_seed(0)
+    w = (_heavy_tailed(96, 256, g) * torch.logspace(-3, 0, 96).unsqueeze(1)).to(torch.bfloat16)
+    q = quantize_q4(w, clips=Q4_CLIPS)
+    back, wf = _groups(dequantize_q4(q, torch.float32)), _groups(w)
+    step, lo = q.scales.float().unsqueeze(-1), q.biases.float().unsqueeze(-1)
+    hi = lo + 15 * step
+    slack = 15 * step * 2**-11 + lo.abs() * 2**-11 + 1e-7  # fp16 rounding of the scale and bias
+    assert bool(((back - torch.minimum(torch.maximum(wf, lo), hi)).abs() <= step / 2 + slack).all())
+    half = (wf.amax(-1, keepdim=True) - wf.amin(-1, keepdim=True)) / 2
+    most = max(1 - min(c) for c in Q4_CLIPS) * half + slack  # the farthest any candidate moves an end
+    assert bool(((lo - wf.amin(-1, keepdim=True)).abs() <= most).all())
+    assert bool(((wf.amax(-1, keepdim=True) - hi).abs() <= most).all())
+    assert bool((lo > wf.amin(-1, keepdim=True) + slack).any())  # and some groups were clipped
+
+
+@pytest.mark.parametrize("data", ["gaussian", "heavy-tailed"])
+def test_q4_search_never_rounds_a_group_worse_than_plain_rounding(data):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 512, generator=g) if data == "gaussian" else _heavy_tailed(256, 512, g)
+    plain, searched = _group_sq_error(quantize_q4(w), w), _group_sq_error(quantize_q4(w, clips=Q4_CLIPS), w)
+    # per group at most plain's (the search's fp32 error estimates against this float64 one: a 1e-5 margin)
+    assert bool((searched <= plain * (1 + 1e-5) + 1e-12).all())
+    # and clearly less in all: plain rounding spends its steps on each group's extremes (measured 0.85, 0.83)
+    assert float(searched.sum() / plain.sum()) < 0.9
+
+
+def _brute_force(w: torch.Tensor, clips) -> list[list[tuple[float, float, float]]]:
+    """Per group, one value at a time in float64: (error, scale, bias) of the first candidate of least error."""
+    out = []
+    for row in w.double().tolist():
+        groups = []
+        for j in range(0, len(row), Q4_GROUP):
+            x = row[j:j + Q4_GROUP]
+            lo, hi = min(x), max(x)
+            best = None
+            for a, b in ((1.0, 1.0), *clips):
+                lo_c, hi_c = lo + (1 - a) * (hi - lo) / 2, hi - (1 - b) * (hi - lo) / 2
+                scale = float(np.float16(max((hi_c - lo_c) / 15, 2.0**-24)))
+                bias = float(np.float16(lo_c))
+                err = sum((v - (min(max(round((v - bias) / scale), 0), 15) * scale + bias)) ** 2 for v in x)
+                if best is None or err < best[0]:
+                    best = (err, scale, bias)
+            groups.append(best)
+        out.append(groups)
+    return out
+
+
+def test_q4_search_finds_what_a_brute_force_search_finds():
+    g = torch.Generator().manual_seed(4)
+    w = torch.cat([torch.randn(6, 256, generator=g), _heavy_tailed(6, 256, g)]) * 0.02
+    q = quantize_q4(w, block_rows=5, clips=Q4_CLIPS)  # blocks that do not divide the rows
+    mine, same = _group_sq_error(q, w), 0
+    for r, groups in enumerate(_brute_force(w, Q4_CLIPS)):
+        for j, (err, scale, bias) in enumerate(groups):
+            # the same least error (fp32 against float64 arithmetic: near-ties may pick either of two candidates)
+            assert mine[r, j].item() == pytest.approx(err, rel=1e-4)
+            if abs(mine[r, j].item() - err) <= 1e-9 * err:  # the same candidate and codes: the same scale, bias
+                assert (q.scales[r, j].item(), q.biases[r, j].item()) == (scale, bias)
+                same += 1
+    assert same >= 0.9 * w.numel() // Q4_GROUP  # nearly every group chose exactly the brute force's candidate
 
 
 def test_q4_matmul_equals_the_product_with_the_dequantized_matrix():
@@ -111,8 +199,6 @@ def test_q4_is_mlxs_affine_4_bit_layout():
     """MLX's own dequantize reads our bytes, scales and biases as the same matrix (so the Mac's path can run
     MLX's quantized matmul on them as they are)."""
     mx = pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
-    import numpy as np
-
     q = quantize_q4(torch.randn(64, 192, generator=torch.Generator().manual_seed(2)))
     words = mx.array(q.packed.numpy().view(np.uint32))
     f32 = lambda t: mx.array(t.float().numpy())  # MLX computes in its scales' dtype: fp32, to compare exactly

@@ -54,9 +54,12 @@ def test_batch_of_sequences_equals_each_alone(tiny_dir):
     together = pipe.forward([SeqInput("a", 0, ids=a), SeqInput("b", 0, ids=b)], all_logits=True)
     alone_a = pipe.forward([SeqInput("a2", 0, ids=a)], all_logits=True)[0].logits
     alone_b = pipe.forward([SeqInput("b2", 0, ids=b)], all_logits=True)[0].logits
-    # packed rows go through the same kernels, but BLAS may block a longer matrix differently: fp32 rounding
-    assert torch.allclose(together[0].logits, alone_a, atol=1e-5) and torch.allclose(together[1].logits, alone_b,
-                                                                                       atol=1e-5)
+    # packed rows go through the same kernels, but BLAS blocks a longer matrix differently: fp32 rounding
+    # (~1e-6 relative) amplified ~10x by depth, on logits of order 4; seen up to 1.6e-5. A sequence leaking
+    # into its neighbour would move logits by order one.
+    for packed, alone in ((together[0].logits, alone_a), (together[1].logits, alone_b)):
+        assert torch.equal(packed.argmax(-1), alone.argmax(-1))
+        assert torch.allclose(packed, alone, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_within_measured_distance_of_fp32(tiny_dir):
