@@ -4,9 +4,11 @@ others first (`-m "not slow"`), then these (`-m slow`)."""
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,7 @@ def _isolated_cache() -> None:
         (shared / part).mkdir(parents=True, exist_ok=True)
         (session / part).symlink_to(shared / part)
     os.environ["DELTAFIN_CACHE"] = str(session)
+    atexit.register(shutil.rmtree, session, ignore_errors=True)  # the links go, not what they point at
 
 
 _isolated_cache()
