@@ -42,6 +42,7 @@ from deltafin.worker.assignment import AssignmentSlot, check_assignment
 from deltafin.worker.peers import Peers
 
 log = logging.getLogger(__name__)
+MAX_HELD_IDS = 4096  # prefix ids one HeldPrefixes call may ask about
 
 
 def peak_rss() -> int:
@@ -114,7 +115,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self._fail(context, e)
             return
         what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
-        yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True)
+        stage = self.stage
+        disk = stage.prefixes.disk.budget if stage is not None and stage.prefixes.disk is not None else 0
+        yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True, prefix_disk_bytes=disk)
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         try:
@@ -217,6 +220,21 @@ class WorkerService(pb_grpc.WorkerServicer):
         except Exception as e:
             await self._fail(context, e)
         return pb.FindPrefixResponse()  # not reached: _fail aborts
+
+    async def HeldPrefixes(self, request: pb.HeldPrefixesRequest,
+                           context: grpc.aio.ServicerContext) -> pb.HeldPrefixesResponse:
+        try:
+            stage = self.stage
+            if stage is None:
+                raise NotAssigned("this worker has no stage: it holds no prefixes")
+            ids = list(request.prefix_ids)
+            if len(ids) > MAX_HELD_IDS or any(len(i) > 128 for i in [*ids, request.logits_for]):
+                raise CodecError(f"HeldPrefixes takes at most {MAX_HELD_IDS} ids of at most 128 characters")
+            held = await self.slot.on_stage_thread(stage.held_prefixes, ids, request.logits_for or None)
+            return codec.encode_held(held)
+        except Exception as e:
+            await self._fail(context, e)
+        return pb.HeldPrefixesResponse()  # not reached: _fail aborts
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         stage = self.stage

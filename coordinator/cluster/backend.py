@@ -22,7 +22,7 @@ import torch
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.runtime.pipeline import LocalPipeline, route
-from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
@@ -68,6 +68,11 @@ class Backend(Protocol):
         """The first stage's longest kept prefix of `tokens` (memory or disk): (its id, its length)."""
         ...
 
+    async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        """Which of `prefix_ids` every stage holds (with the same length on each), and the last stage's logits
+        kept with `logits_for`."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -87,7 +92,9 @@ class LocalBackend:
 
     @property
     def prefix_stages(self) -> list[PrefixBudget]:
-        return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize) for s in self.pipeline.stages]
+        return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize,
+                             s.prefixes.disk.budget if s.prefixes.disk is not None else 0,
+                             s.options.sizing.context) for s in self.pipeline.stages]
 
     @property
     def parallel_stages(self) -> int:
@@ -114,6 +121,10 @@ class LocalBackend:
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
         return await self._run(self.pipeline.stages[0].prefixes.find, tokens)
+
+    async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        return all_held(await self._run(lambda: [s.held_prefixes(prefix_ids, logits_for)
+                                                 for s in self.pipeline.stages]))
 
     async def close(self) -> None:
         await self._run(self.pipeline.close)
@@ -148,6 +159,7 @@ class WorkerClient:
     def __init__(self, address: str, name: str = "", max_message_bytes: int = DEFAULT_MAX_MESSAGE,
                  timeouts: Timeouts | None = None, security: ClusterSecurity | None = None):
         self.address, self.name = address, name or address
+        self.prefix_disk = 0  # what its stage keeps prefixes in on its disk (told when its assignment is ready)
         self.timeouts = timeouts or Timeouts()
         self.security = security or ClusterSecurity()
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -192,6 +204,8 @@ class WorkerClient:
             async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
                 if progress is not None:
                     progress(self, update.message, update.fraction)
+                if update.ready:
+                    self.prefix_disk = update.prefix_disk_bytes
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         self.start, self.end = start, end
@@ -247,6 +261,14 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return codec.decode_stats(r.stats)
+
+    async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        try:
+            r = await self.stub.HeldPrefixes(pb.HeldPrefixesRequest(prefix_ids=prefix_ids, logits_for=logits_for or ""),
+                                             timeout=self.timeouts.forward, metadata=self._md("HeldPrefixes"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return codec.decode_held(r)
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
         try:
@@ -328,5 +350,22 @@ class ClusterBackend:
             log.debug("no kept prefix from %s: %s", self.stages[0].name, e)
             return None
 
+    async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        """Every stage's answer; a stage that cannot say holds nothing (so nothing is resumed)."""
+        answers = await asyncio.gather(*(w.held_prefixes(prefix_ids, logits_for) for w in self.stages),
+                                       return_exceptions=True)
+        for w, a in zip(self.stages, answers, strict=True):
+            if isinstance(a, BaseException):
+                log.warning("%s could not say which kept prefixes it holds: %s", w.name, a)
+        return all_held([a if isinstance(a, HeldPrefixes) else HeldPrefixes({}) for a in answers])
+
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in self.workers))
+
+
+def all_held(answers: list[HeldPrefixes]) -> HeldPrefixes:
+    """The stages' answers as one: the ids every stage holds with the same length, the last stage's logits."""
+    if not answers:
+        return HeldPrefixes({})
+    common = {pid: n for pid, n in answers[0].lengths.items() if all(a.lengths.get(pid) == n for a in answers)}
+    return HeldPrefixes(common, answers[-1].logits)

@@ -34,6 +34,20 @@ class Record:
         return Record(array("i", self.ids), array("i", self.chunks), array("i", self.starts),
                       array("b", self.speculative))
 
+    def upto(self, tokens: int) -> Record:
+        """The record of the session's first `tokens` tokens (a prefix kept inside a forward): the forwards
+        before that point, the one it falls in cut there."""
+        out = Record()
+        for n, start, spec in zip(self.chunks, self.starts, self.speculative, strict=True):
+            if start >= tokens:
+                break
+            take = min(n, tokens - start)
+            out.chunks.append(take)
+            out.starts.append(start)
+            out.speculative.append(spec)
+        out.ids = array("i", self.ids[:out.end])
+        return out
+
     @property
     def end(self) -> int:
         return self.starts[-1] + self.chunks[-1] if self.chunks else 0
@@ -90,9 +104,10 @@ class ReplayJournal:
             j.add(item)
             self.size += item.num_tokens
             self.sessions.move_to_end(item.session_id)
-            if item.save_as:
-                self.prefixes[item.save_as] = j.copy()
-                self.size += len(j.ids)
+            for n, prefix_id in item.save_at:
+                kept = j.copy() if n == j.end else j.upto(n)
+                self.prefixes[prefix_id] = kept
+                self.size += len(kept.ids)
         self._evict()
 
     def _evict(self) -> None:

@@ -40,7 +40,7 @@ from deltafin.coordinator.cluster.rwlock import RWLock
 from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_workers
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
 from deltafin.plan.planner import Plan
-from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,9 @@ class ResilientCluster:
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
         return await self.backend.find_prefix(tokens)
+
+    async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        return await self.backend.held_prefixes(prefix_ids, logits_for)
 
     async def close(self) -> None:
         await self.membership.close()

@@ -217,9 +217,10 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     finally:
         for bar in bars.values():
             bar.close()
-    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes)
-                for s in sorted(plan.stages, key=lambda s: s.start)]
     stages = [c for c, _ in used[:len(plan.stages)]]
+    disk = {(c.start, c.end): c.prefix_disk for c in stages}
+    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, disk.get((s.start, s.end), 0),
+                             spec.sizing.context) for s in sorted(plan.stages, key=lambda s: s.start)]
     return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
                           parallel_stages([d for _, d in used[:len(plan.stages)]]),
                           holders=[c for c, _ in used[len(plan.stages):]]), plan

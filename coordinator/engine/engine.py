@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,12 +153,14 @@ class Engine:
                   sampling: SamplingParams | None = None, stop: list[str] | None = None,
                   ignore_eos: bool = False, return_logits: bool = False,
                   progress: Callable[[PrefillProgress], None] | None = None,
-                  speculative: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+                  speculative: str | None = None, boundaries: Sequence[int] = ()) -> AsyncIterator[
+            TokenEvent | Finished]:
         """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
         the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
         `progress` hears how far the prompt's prefill is (a PrefillProgress: after every chunk and every few
         seconds within; /metrics shows every request's). `speculative`: none | ngram, for this request (None:
-        the engine's)."""
+        the engine's). `boundaries`: where the prompt's messages (and cache breakpoints) end, in tokens: the
+        prefix cache keeps state there (prefix_index.py)."""
         room = self._room(prompt_ids, max_tokens)
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),
@@ -168,7 +170,7 @@ class Engine:
         req.forward_bytes = lambda tokens: forward_read_bytes(self.cfg, tokens)
         c = self.counters
         async with self.scheduler.slot():
-            req.prefix = await self._prefix_session(prompt_ids)  # now: what requests before it kept counts
+            req.prefix = await self._prefix_session(prompt_ids, boundaries)  # now: what requests before it kept
             self._admitted(req)
             outcome = "cancelled"  # until the generation finishes or fails
             try:
@@ -227,7 +229,9 @@ class Engine:
         if progress is not None:
             progress(p)
 
-    async def _prefix_session(self, prompt_ids: list[int]) -> PrefixSession | None:
+    async def _prefix_session(self, prompt_ids: list[int], boundaries: Sequence[int]) -> PrefixSession | None:
+        """Where the request resumes (the longest kept prefix of its prompt every stage holds: index.py) and
+        where it keeps state."""
         if self.prefixes is None:
             return None
         stages = list(self.backend.prefix_stages)
@@ -238,17 +242,11 @@ class Engine:
                 await self.scheduler.release_prefixes(evicted)
         if not self.prefixes.enabled:
             return None
-        session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
-        if session.resumed is None and len(prompt_ids) >= 2:  # kept before this coordinator started? ask stage 0
-            found = await self.backend.find_prefix(prompt_ids[:-1])  # (at least one prompt token left to feed)
-            evicted = self.prefixes.adopt(found[0], prompt_ids[:found[1]]) if found and found[1] else None
-            if evicted is not None:
-                log.info("resuming from a prefix of %d tokens kept before (found on the first stage's disk)",
-                         found[1])  # type: ignore[index]
-                if evicted:
-                    await self.scheduler.release_prefixes(evicted)
-                self.prefixes.counters.lookups -= 1  # one lookup of this prompt, not two
-                session = PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids)
+        session = await PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids,
+                                            self.backend.held_prefixes, self.backend.find_prefix, boundaries)
+        if session.resumed is not None:
+            log.debug("resuming %d of %d prompt tokens from a kept prefix%s", session.cached_tokens, len(prompt_ids),
+                      " (the whole prompt: no token fed)" if session.logits is not None else "")
         return session
 
     def _prefill_chunk(self) -> int | None:

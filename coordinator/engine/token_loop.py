@@ -16,6 +16,7 @@ cancelled request, a client that went away) releases the session on every stage,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -81,6 +82,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens resumed from a kept prefix instead of prefilled
+    cache_created_tokens: int = 0  # prompt tokens past those whose state this request kept for later requests
 
     @property
     def total_tokens(self) -> int:
@@ -213,8 +215,9 @@ class _Output:
 
     def finished(self, timing: Timing, drafting: Drafting) -> Finished:
         tail = self.tail()
-        cached = self.req.prefix.cached_tokens if self.req.prefix is not None else 0
-        return Finished(self.reason, Usage(len(self.req.prompt_ids), len(self.tokens), cached), tail, timing,
+        prefix = self.req.prefix
+        cached, created = (prefix.cached_tokens, prefix.created_tokens) if prefix is not None else (0, 0)
+        return Finished(self.reason, Usage(len(self.req.prompt_ids), len(self.tokens), cached, created), tail, timing,
                         self.stopped_by, drafting)
 
     def tail(self) -> Delta:
@@ -257,8 +260,8 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             token = text.tokens[-1]
             drafts = _drafts(req.speculation, req.prompt_ids + text.tokens, req.max_tokens - len(text.tokens))
             consistent = False
-            out = await forward(SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]),
-                                         speculative=bool(drafts)))
+            item = SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]), speculative=bool(drafts))
+            out = await (_first_step(forward, release, req, item) if not fed else forward(item))
             drafting.forwards += 1
             consistent = True
             fed.append(token)
@@ -283,24 +286,27 @@ def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:
 
 async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutput:
     """Feed the prompt in the chunks the stages were sized for, from the kept prefix the request resumes
-    (if any), keeping state where the prefix session asks. A prefix a stage no longer holds: start over."""
+    (if any), keeping state where the prefix session asks. A prefix a stage no longer holds: start over. A
+    prompt resumed whole feeds nothing: its kept logits are the first output's (the next forward resumes)."""
     prefix, length = req.prefix, len(req.prompt_ids)
+    if prefix is not None and prefix.logits is not None:
+        _PrefillReport(req, length, 1)
+        return SeqOutput(req.session_id, logits=prefix.logits.view(1, -1))
     step = req.prefill_chunk or length
     start = prefix.cached_tokens if prefix is not None else 0
     pos, out = start, None
     progress = _PrefillReport(req, start, step)
     while pos < length:
         end = min(pos + step, length)
-        save = await prefix.save_point(pos, end) if prefix is not None else None
+        save = await prefix.save_points(pos, end) if prefix is not None else ()
         resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
             else None
         item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
-                        save_as=save)
+                        save_at=save)
         try:
             out = await (forward(item, progress=progress.within(pos, end)) if req.progress else forward(item))
         except Exception as e:
-            if save is not None:
-                prefix.failed(save)  # type: ignore[union-attr]
+            prefix.failed([pid for _, pid in save]) if prefix is not None else None
             if resume is None or not is_prefix_missing(e):
                 raise
             prefix.missing()  # type: ignore[union-attr]
@@ -315,6 +321,27 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
         progress.at(pos)
     assert out is not None
     return out
+
+
+async def _first_step(forward: Forward, release: Release, req: Request, item: SeqInput) -> SeqOutput:
+    """The first forward after the prompt. A prompt resumed whole starts its session here, from the kept
+    prefix; a stage that no longer holds it: the prompt is prefilled after all (its kept logits gave the
+    token being fed, which a prefill's would give too), then the token is fed."""
+    prefix = req.prefix
+    if prefix is None or prefix.logits is None:
+        return await forward(item)
+    assert prefix.resumed is not None
+    try:
+        return await forward(dataclasses.replace(item, resume_from=prefix.resumed.prefix_id))
+    except Exception as e:
+        if not is_prefix_missing(e):
+            raise
+        prefix.missing()
+        await release(req.session_id, None, 0)
+        await _prefill(forward, release, req)
+        return await forward(item)
+    finally:
+        prefix.resumed_done()
 
 
 class _PrefillReport:

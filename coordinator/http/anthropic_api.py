@@ -14,8 +14,10 @@ thinking, as Anthropic's API. `output_config.format` (a JSON schema) is K3's res
 What K3's format cannot say is refused with a 400 naming it: images and documents, server tools,
 `disable_parallel_tool_use`, a final assistant message (prefill).
 
-Usage follows Anthropic's meaning: `input_tokens` are the prompt tokens prefilled, `cache_read_input_tokens`
-those resumed from a kept prefix (the two add up to the prompt).
+Usage follows Anthropic's meaning, the three adding up to the prompt: `cache_read_input_tokens` are those
+resumed from a kept prefix, `cache_creation_input_tokens` those prefilled and kept for later requests (at message
+ends, `cache_control` breakpoints and the prompt's end: coordinator/engine/prefix_index.py), `input_tokens` the
+rest. A `cache_control` on a text block is a breakpoint there.
 """
 
 from __future__ import annotations
@@ -206,9 +208,10 @@ def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _text(block: Any, where: str) -> dict[str, Any]:
+    """A text block as a content part; its `cache_control`, a breakpoint the prefix cache keeps state at."""
     if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
         raise oa.bad(where, f"{where} must be a text block {{\"type\": \"text\", \"text\": ...}}")
-    return {"type": "text", "text": block["text"]}
+    return {"type": "text", "text": block["text"], **({"cache_control": True} if block.get("cache_control") else {})}
 
 
 def _blocks(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -310,9 +313,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage(u: Usage) -> dict[str, int]:
-    """Anthropic's usage: input_tokens are those prefilled, cache_read_input_tokens those resumed."""
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic's usage, adding up to the prompt: cache_read_input_tokens those resumed from a kept prefix,
+    cache_creation_input_tokens those prefilled and kept for later requests (up to the last message end,
+    breakpoint or grid point it kept), input_tokens the rest."""
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens - u.cache_created_tokens,
+            "output_tokens": u.completion_tokens, "cache_read_input_tokens": u.cached_tokens,
+            "cache_creation_input_tokens": u.cache_created_tokens}
 
 
 def stop_reason(end: Finished, tool_calls: int) -> tuple[str, str | None]:

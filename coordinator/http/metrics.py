@@ -100,6 +100,10 @@ def _prefixes(w: _Writer, engine: Engine) -> None:
     w.metric("deltafin_prefix_hits_total", "counter", "Requests that resumed from a kept prefix.", [({}, pc.hits)])
     w.metric("deltafin_prefix_tokens_saved_total", "counter", "Prompt tokens resumed instead of prefilled.",
              [({}, pc.tokens_saved)])
+    w.metric("deltafin_prefix_whole_hits_total", "counter", "Requests whose whole prompt was kept (no prompt token "
+             "fed).", [({}, pc.whole)])
+    w.metric("deltafin_prefix_kept_total", "counter", "States kept (message ends, breakpoints, grid points, "
+             "prompts' and requests' ends).", [({}, pc.kept)])
     w.metric("deltafin_prefix_entries", "gauge", "Prefixes the stages keep.", [({}, len(index.entries))])
     w.metric("deltafin_prefix_evicted_total", "counter", "Kept prefixes dropped for room.", [({}, pc.evicted)])
     w.metric("deltafin_prefix_missing_total", "counter", "Kept prefixes a stage no longer had (the request "
@@ -112,7 +116,8 @@ _WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
     ("tokens_total", "counter", "Tokens through each worker's stage.", "tokens"),
     ("sessions", "gauge", "Open sessions (sequence caches) on each worker.", "sessions"),
     ("session_bytes", "gauge", "Bytes held by session caches.", "session_bytes"),
-    ("prefix_bytes", "gauge", "Bytes held by kept prefixes.", "prefix_bytes"),
+    ("prefix_bytes", "gauge", "Bytes held by kept prefixes in memory.", "prefix_bytes"),
+    ("prefix_disk_bytes", "gauge", "Bytes held by kept prefixes on the disk.", "prefix_disk_bytes"),
     ("expert_bytes_read_total", "counter", "Expert bytes read from the disk.", ("experts", "bytes_read")),
     ("spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.", "spine_streamed_bytes"),
     ("expert_lookups_total", "counter", "Routed-expert lookups.", ("experts", "lookups")),

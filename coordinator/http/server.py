@@ -45,7 +45,7 @@ from deltafin.coordinator.http import openai_api as oa
 from deltafin.coordinator.http.metrics import render
 from deltafin.coordinator.http.status import status as status_json
 from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
-from deltafin.text.chat import OutputParser
+from deltafin.text.chat import OutputParser, encode_with_boundaries
 from deltafin.text.chat import encode as chat_encode
 
 log = logging.getLogger(__name__)
@@ -215,14 +215,16 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
 
 
 async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params,
-               prompt_param: str, sse: _Sse | None = None) -> tuple[Events | None, _Sse]:
+               prompt_param: str, sse: _Sse | None = None, boundaries: list[int] | None = None
+               ) -> tuple[Events | None, _Sse]:
     """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
     before that (heartbeats), and then an error ends it as an event: None instead of the events. `sse`: the
-    stream to answer on (default OpenAI's)."""
+    stream to answer on (default OpenAI's); `boundaries`: where the prompt's messages end (kept prefixes)."""
     engine = request.app[ENGINE]
     prefill = _Prefill()
     events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
-                        ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative)
+                        ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative,
+                        boundaries=boundaries or ())
     sse = sse or _Sse(request)
     first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
     return (None if first is None else _rest(first, events)), sse
@@ -274,9 +276,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
-    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
-    events, sse = await _run(request, ids, view, p, "messages")
+    events, sse = await _run(request, ids, view, p, "messages", boundaries=ends)
     return await _respond(sse, events, oa.ChatFormat(engine.tokenizer, req), p.stream)
 
 
@@ -314,10 +316,10 @@ class _MessagesSse(_Sse):
 async def messages(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name)
-    ids = chat_encode(engine.tokenizer, req.messages, req.options)
+    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
     fmt = am.MessageFormat(req.params.model, len(ids))
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
-    events, sse = await _run(request, ids, view, req.params, "messages", _MessagesSse(request, fmt.head()))
+    events, sse = await _run(request, ids, view, req.params, "messages", _MessagesSse(request, fmt.head()), ends)
     return await _respond(sse, events, fmt, req.params.stream)
 
 

@@ -47,6 +47,11 @@ class KDACache:
     # a speculative forward sets `speculative`; the layer runs the exact recurrence and leaves its `trail`
     speculative: bool = field(default=False, repr=False)
     trail: KDATrail | None = field(default=None, repr=False)
+    # states to take inside the next forward (a kept prefix ending there): offsets into the forward, the tokens
+    # fed so far (a long forward runs in pieces) and, by offset, the (conv, state) taken
+    marks: tuple[int, ...] = field(default=(), repr=False)
+    fed: int = field(default=0, repr=False)
+    taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +91,7 @@ class SequenceCache:
 
     layers: dict[int, LayerCache]
     length: int = 0  # tokens this stage has processed for the session
+    logits: torch.Tensor | None = None  # a kept prompt's, on the last stage: what its first output token needs
     _snapshot: tuple | None = field(default=None, repr=False)
     # after a speculative forward of tokens [start, length): start and its KDA layers' trails (their state
     # is the one before it), until the next forward says where to continue (the drafts after it rejected)
@@ -93,8 +99,9 @@ class SequenceCache:
 
     @property
     def nbytes(self) -> int:
-        """Its caches (what the session budget holds; not the trails of a speculative forward)."""
-        return sum(c.nbytes for c in self.layers.values())
+        """Its caches (what the session budget holds; not the trails of a speculative forward), and a kept
+        prompt's logits."""
+        return sum(c.nbytes for c in self.layers.values()) + (0 if self.logits is None else self.logits.numel() * 4)
 
     @property
     def trail_bytes(self) -> int:
@@ -131,6 +138,32 @@ class SequenceCache:
                 buf[:c.length] = c.buf[:c.length]
                 layers[i] = MLACache(buf, c.length)
         return SequenceCache(layers, self.length)
+
+    def mark(self, offsets: list[int]) -> None:
+        """Before a forward: take the state after each of these many of its tokens (0 < offset < its length)
+        as it runs, for `taken_at` (KDA states are taken by the layers; MLA latents are rows already kept)."""
+        for c in self.layers.values():
+            if isinstance(c, KDACache):
+                c.marks, c.fed, c.taken = tuple(offsets), 0, {}
+
+    def taken_at(self, length: int, offset: int) -> SequenceCache:
+        """After a marked forward that started at `length` tokens: the state after `offset` of its tokens, as a
+        prefix of its own (KDA states as taken, MLA latents copied into buffers of their size)."""
+        layers: dict[int, LayerCache] = {}
+        for i, c in self.layers.items():
+            if isinstance(c, KDACache):
+                layers[i] = KDACache(*c.taken[offset])
+            else:
+                rows = length + offset
+                buf = c.buf.new_empty(mla_capacity(rows), c.buf.shape[1])
+                buf[:rows] = c.buf[:rows]
+                layers[i] = MLACache(buf, rows)
+        return SequenceCache(layers, length + offset)
+
+    def clear_marks(self) -> None:
+        for c in self.layers.values():
+            if isinstance(c, KDACache):
+                c.marks, c.fed, c.taken = (), 0, {}
 
     def start_trail(self) -> None:
         """Before a speculative forward: its KDA layers keep what they were fed (`KDATrail`)."""
@@ -195,6 +228,7 @@ class SequenceCache:
 
     def restore(self) -> None:
         """Undo everything since `snapshot()` (a forward that failed half-way)."""
+        self.clear_marks()
         if self._snapshot is None:
             return
         self.length, saved = self._snapshot

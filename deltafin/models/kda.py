@@ -6,7 +6,7 @@ P = H * d, K = conv kernel, C = chunk length. The delta rule runs in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +108,11 @@ def _pair_products_pairwise(G: torch.Tensor, Q: torch.Tensor, K: torch.Tensor) -
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       S: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same recurrence in chunked (WY) form for prefill; shapes as `delta_rule_recurrent`.
+                       S: torch.Tensor, chunk: int = CHUNK,
+                       taken: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence in chunked (WY) form for prefill; shapes as `delta_rule_recurrent`. `taken`: positions
+    (0 < r < T) whose state (after r tokens) is wanted too, filled in place; the outputs and the final state are
+    the same as without (a state inside a chunk is its chunk's first state carried on by the exact recurrence).
 
     Within a chunk, G = cumsum(g): A = diag(beta) KK (strictly lower), Tinv = (I + A)^-1,
     W = Tinv (beta*e^G*K), U = Tinv (beta*V), V' = U - W S, O = (e^G*Q) S + QK V',
@@ -136,10 +139,17 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     Kd = ((Gc - G).exp() * kc).transpose(2, 3)  # [n, H, dk, C]
     keep = Gc.transpose(2, 3).exp()  # [n, H, dk, 1]
     outs = []
+    wanted = sorted(taken) if taken else []
     for i in range(n):
         Vp = U[i] - W[i] @ S
         outs.append(Qg[i] @ S + QK[i] @ Vp)
+        inside = [r for r in wanted if i * chunk < r < (i + 1) * chunk]
+        for r in inside:  # the outputs are not needed: any query will do (k)
+            taken[r] = delta_rule_recurrent(k[i * chunk:r], k[i * chunk:r], v[i * chunk:r], g[i * chunk:r],  # type: ignore[index]
+                                            beta[i * chunk:r], S)[1]
         S = keep[i] * S + Kd[i] @ Vp
+        if (i + 1) * chunk in wanted:
+            taken[(i + 1) * chunk] = S  # type: ignore[index]
     out = torch.stack(outs).transpose(1, 2).reshape(n * chunk, h, -1)
     return out[:t], S
 
@@ -172,11 +182,12 @@ def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,
 
 def _side_by_side(spans: Sequence[tuple[int, int, KDACache]]) -> list[list[tuple[int, int, KDACache]]]:
     """Spans grouped to run together: non-speculative prefill spans of equal length share a group; decode
-    and speculative spans run alone (their recurrence is per token anyway)."""
+    and speculative spans run alone (their recurrence is per token anyway), and so do spans whose states are
+    taken inside the forward (cache.KDACache.marks)."""
     groups: dict[int, list[tuple[int, int, KDACache]]] = {}
     alone = []
     for span in spans:
-        if span[1] > 1 and not span[2].speculative:
+        if span[1] > 1 and not span[2].speculative and not span[2].marks:
             groups.setdefault(span[1], []).append(span)
         else:
             alone.append([span])
@@ -200,7 +211,11 @@ def _delta_rule_group(cfg: ModelConfig, w: KDAWeights, proj: torch.Tensor, graw:
     speculative = caches[0].speculative
     rule = delta_rule_recurrent if t == 1 or speculative else delta_rule_chunked
     state = torch.cat([c.state for c in caches])  # [B*H, dk, dv]
-    o, state = rule(stacked(q), stacked(k), stacked(qkv[2]), stacked(g), stacked(beta.view(b, t, h)), state)
+    args = (stacked(q), stacked(k), stacked(qkv[2]), stacked(g), stacked(beta.view(b, t, h)))
+    if caches[0].marks:  # alone in its group (_side_by_side)
+        o, state = _run_taking(rule, caches[0], proj, args, state, t)
+    else:
+        o, state = rule(*args, state)
     if speculative:  # alone in its group (_side_by_side)
         c = caches[0]
         fed = torch.stack([torch.cat([c.conv[j], proj[j].float()]) for j in range(3)])
@@ -208,4 +223,25 @@ def _delta_rule_group(cfg: ModelConfig, w: KDAWeights, proj: torch.Tensor, graw:
     for i, c in enumerate(caches):  # each its own storage: a kept prefix must not hold its batch's states alive
         own = state[i * h:(i + 1) * h]
         c.conv, c.state = torch.stack([wj[i] for wj in win]), own.clone() if b > 1 else own
+        if c.marks:
+            c.fed += t
+            if c.fed in c.marks:  # a mark at this call's end (a long forward runs in pieces)
+                c.taken[c.fed] = (c.conv, c.state)
     return o.view(t, b, h, d).transpose(0, 1).reshape(b * t, h, d)
+
+
+def _run_taking(rule: Callable[..., tuple[torch.Tensor, torch.Tensor]], c: KDACache, proj: torch.Tensor,
+                args: tuple[torch.Tensor, ...], state: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rule` over this call's t tokens of one sequence, taking the states its cache's marks ask for inside
+    the call (the call's end is the cache's own state, taken by the caller): each one's delta-rule state and
+    conv window, in `c.taken` by the mark's offset into the forward."""
+    inside = {m - c.fed: m for m in c.marks if c.fed < m < c.fed + t}
+    if not inside:
+        return rule(*args, state)
+    states: dict[int, torch.Tensor] = dict.fromkeys(inside)  # type: ignore[arg-type]
+    o, final = rule(*args, state, taken=states)
+    full = torch.cat([c.conv, proj.float()], dim=1)  # [3, K-1+t, P]: the window before, then the inputs
+    width = c.conv.shape[1]
+    for r, m in inside.items():
+        c.taken[m] = (full[:, r:r + width].clone(), states[r])
+    return o, final

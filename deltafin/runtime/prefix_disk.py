@@ -4,7 +4,8 @@ kept, checksummed, read back when a later request (after a restart too) shares t
 One folder per stage identity (model fingerprint, layer range, activation dtype, device), claimed with a lock
 for as long as the stage lives, so two workers on one machine never write into the same folder at once (the
 second takes the next free one). A file holds one prefix: a header (the identity, the prefix id, its length,
-the first stage's token ids, each layer's tensors), the tensors' bytes, and a BLAKE2b digest of both. A file
+the first stage's token ids, each layer's tensors; the last stage's kept prompt also its last position's
+logits), the tensors' bytes, and a BLAKE2b digest of both. A file
 that is missing, truncated, of another identity or fails its digest is ignored with a warning (and removed): the
 prompt is prefilled again, never resumed from a damaged state. The folder is an LRU within a byte budget.
 """
@@ -45,6 +46,7 @@ class FileEntry:
     length: int
     tokens: array | None  # the first stage's: the token ids the state has seen
     used: float  # last write or read (the LRU's clock)
+    logits: bool = False  # the last stage's, for a kept prompt: its last position's logits are in the file
 
 
 class PrefixDisk:
@@ -70,7 +72,8 @@ class PrefixDisk:
         length = state.length
         layers = {i: c for i, c in state.layers.items()}
         toks = array("i", tokens) if tokens is not None else None
-        fut = self._writer.submit(self._write, prefix_id, length, layers, toks)
+        fut = self._writer.submit(self._write, prefix_id, length, layers, toks, state.logits)
+        fut.length = length  # type: ignore[attr-defined]  # (length_of, while it is written)
         self._pending[prefix_id] = fut
         fut.add_done_callback(lambda f, pid=prefix_id: self._written(pid, f))
         return fut
@@ -81,7 +84,8 @@ class PrefixDisk:
         if fut.exception() is not None:
             log.warning("could not keep prefix %s on disk: %s", prefix_id[:15], fut.exception())
 
-    def _write(self, prefix_id: str, length: int, layers: dict[int, LayerCache], tokens: array | None) -> None:
+    def _write(self, prefix_id: str, length: int, layers: dict[int, LayerCache], tokens: array | None,
+               logits: torch.Tensor | None) -> None:
         tensors, spec = [], []
         for i in sorted(layers):
             c = layers[i]
@@ -89,8 +93,11 @@ class PrefixDisk:
             spec.append({"layer": i, "kind": "kda" if isinstance(c, KDACache) else "mla",
                          "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in parts]})
             tensors += [t.detach().contiguous().cpu() for _, t in parts]
+        if logits is not None:
+            tensors.append(logits.detach().float().contiguous().cpu())
         header = json.dumps({"identity": self.identity, "id": prefix_id, "length": length, "layers": spec,
-                             "tokens": tokens.tolist() if tokens is not None else None}).encode()
+                             "tokens": tokens.tolist() if tokens is not None else None,
+                             "logits": None if logits is None else logits.numel()}).encode()
         digest = hashlib.blake2b(digest_size=DIGEST)
         path, tmp = self.dir / f"{prefix_id}{SUFFIX}", self.dir / f".{prefix_id}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
@@ -104,7 +111,8 @@ class PrefixDisk:
             f.write(digest.digest())
         os.replace(tmp, path)
         with self._mutex:
-            self.files[prefix_id] = FileEntry(path, path.stat().st_size, length, tokens, time.time())
+            self.files[prefix_id] = FileEntry(path, path.stat().st_size, length, tokens, time.time(),
+                                              logits is not None)
             self._evict()
 
     def _evict(self) -> None:
@@ -164,9 +172,14 @@ class PrefixDisk:
                 buf = torch.zeros(mla_capacity(length), loaded[0].shape[1], dtype=dtype, device=self.device)
                 buf[:length] = loaded[0].to(dtype)
                 layers[int(layer["layer"])] = MLACache(buf, length)
+        logits = None
+        if header.get("logits"):
+            n = int(header["logits"])
+            logits = torch.frombuffer(bytearray(data[at:at + 4 * n]), dtype=torch.float32).to(self.device)
+            at += 4 * n
         if at != len(data) - DIGEST:
             raise ValueError("its tensors do not fill it")
-        return SequenceCache(layers, length)
+        return SequenceCache(layers, length, logits)
 
     def find(self, tokens: Sequence[int]) -> tuple[str, int] | None:
         """The longest kept prefix of `tokens` (a first stage's files carry their token ids): (id, length)."""
@@ -178,6 +191,15 @@ class PrefixDisk:
                         and e.tokens == want[:e.length]:
                     best = (prefix_id, e.length)
         return best
+
+    def length_of(self, prefix_id: str) -> int | None:
+        """The tokens a kept file holds (one being written counts), or None."""
+        with self._mutex:
+            entry = self.files.get(prefix_id)
+            if entry is not None:
+                return entry.length
+        pending = self._pending.get(prefix_id)
+        return getattr(pending, "length", None)
 
     def tokens(self, prefix_id: str) -> array | None:
         entry = self.files.get(prefix_id)
@@ -212,7 +234,8 @@ class PrefixDisk:
                 tokens = header.get("tokens")
                 st = path.stat()
                 self.files[header["id"]] = FileEntry(path, st.st_size, int(header["length"]),
-                                                     array("i", tokens) if tokens is not None else None, st.st_mtime)
+                                                     array("i", tokens) if tokens is not None else None, st.st_mtime,
+                                                     bool(header.get("logits")))
             except (OSError, ValueError, KeyError, json.JSONDecodeError, struct.error) as e:
                 log.warning("prefix file %s is unusable (%s): removed", path, e)
                 path.unlink(missing_ok=True)

@@ -3,8 +3,9 @@ token prefix resumes from it instead of prefilling again.
 
 An entry is the state of a session's layers on this stage at some token count, under an id the coordinator
 chose (it maps token prefixes to ids: coordinator/engine/prefix_index.py). Entries come from a session that is released
-with `keep_as` (the state moves, nothing is copied) or from a forward that asks to `save_as` (the live
-session's tensors are shared; see models/cache.py for why that is safe). The store is an LRU within a
+with `keep_as` (the state moves, nothing is copied) or from a forward that asks to `save_at` (at its end the live
+session's tensors are shared, see models/cache.py for why that is safe; inside it the states taken as it ran).
+The last stage keeps a kept prompt's last logits with it. The store is an LRU within a
 byte budget: a new entry evicts the least recently used ones, and one larger than the whole budget is not
 kept. Every stage keeps its own part under the same id; a stage that has lost an entry says so
 (PrefixNotFound) and the coordinator prefills from the start instead.
@@ -28,13 +29,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefixBudget:
-    """What a stage keeps prefixes within: its layers, its prefix bytes, its activations' element size (MLA
-    latents are stored in it). The coordinator's index accounts for every stage from these."""
+    """What a stage keeps prefixes within: its layers, its prefix bytes (memory, and disk), its activations'
+    element size (MLA latents are stored in it), its planned context. The coordinator's index accounts for every
+    stage from these."""
 
     start: int
     end: int
     budget: int
     act_bytes: int
+    disk: int = 0  # where the stage keeps them on its disk too: what they may take there
+    context: int = 4096  # the tokens a sequence was planned for (the grid of kept states: sizing.prefix_grid)
+
+
+@dataclass(frozen=True)
+class HeldPrefixes:
+    """A stage's answer to "which of these kept prefixes do you hold": each held id's token count, and (the last
+    stage's, when asked for one) a kept prompt's last logits."""
+
+    lengths: dict[str, int]
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,6 +108,21 @@ class PrefixStore:
             if tokens is not None:
                 self.tokens[prefix_id] = tokens
         return state
+
+    def held(self, prefix_ids: Sequence[str]) -> dict[str, int]:
+        """Which of `prefix_ids` this stage holds, in memory or on disk, with the tokens each holds."""
+        out = {}
+        for pid in prefix_ids:
+            state = self.entries.get(pid)
+            length = state.length if state is not None else self.disk.length_of(pid) if self.disk is not None else None
+            if length is not None:
+                out[pid] = length
+        return out
+
+    def logits(self, prefix_id: str) -> torch.Tensor | None:
+        """A kept prompt's last logits (the last stage keeps them with its state), or None."""
+        state = self.get(prefix_id)
+        return None if state is None else state.logits
 
     def tokens_of(self, prefix_id: str) -> array | None:
         return self.tokens.get(prefix_id)

@@ -37,7 +37,7 @@ from deltafin.models.decoder import (
 )
 from deltafin.models.moe import FusedExperts, route, routed_outputs
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
-from deltafin.runtime.prefix_store import PrefixStore
+from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions
 from deltafin.runtime.stage_build import (
     ExpertProvider,
@@ -67,7 +67,10 @@ class SeqInput:
     ids: torch.Tensor | None = None
     state: ResidualState | None = None
     resume_from: str | None = None  # a new session starts from this prefix (of cache_len tokens)
-    save_as: str | None = None  # after this forward, keep the session's state as this prefix too
+    # keep the session's state after n tokens as a prefix (cache_len < n <= cache_len + T), each under its id; a
+    # state inside the forward is taken as it runs (the forward is not split), the last stage keeps the logits
+    # of a state at the forward's end (what a prompt's first output token needs)
+    save_at: tuple[tuple[int, str], ...] = ()
     # drafted tokens to verify: logits for every token come back, and the next forward may continue from any
     # of its positions (cache_len below the session's length drops the drafts after it)
     speculative: bool = False
@@ -171,6 +174,13 @@ class Stage:
         """Free a session's caches, or keep them as the prefix `keep_as` (Sessions.release)."""
         return self.sessions.release(session_id, keep_as, keep_length)
 
+    def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
+        """Which of `prefix_ids` this stage holds (memory or disk), and on the last stage the logits kept with
+        `logits_for` (a prompt kept whole: a request for exactly it feeds no prompt token)."""
+        held = self.prefixes.held(prefix_ids)
+        logits = self.prefixes.logits(logits_for) if self.last and logits_for in held else None
+        return HeldPrefixes(held, logits)
+
     def session_bytes(self) -> int:
         """What the sessions hold against their budget (Sessions.nbytes)."""
         return self.sessions.nbytes
@@ -200,6 +210,9 @@ class Stage:
             c.snapshot()
             if item.speculative:
                 c.start_trail()
+            inside = [n - item.cache_len for n, _ in item.save_at if n < item.cache_len + item.num_tokens]
+            if inside:
+                c.mark(inside)
         try:
             state, spans = self._input(batch, caches)
             state = self._layers(state, spans, should_stop, progress)
@@ -209,7 +222,7 @@ class Stage:
                 c.restore()
                 c.drop_trail()
             raise
-        self._advance(batch, caches)
+        self._advance(batch, caches, outputs)
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
@@ -217,15 +230,19 @@ class Stage:
             self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
 
-    def _advance(self, batch: list[SeqInput], caches: list[SequenceCache]) -> None:
+    def _advance(self, batch: list[SeqInput], caches: list[SequenceCache], outputs: list[SeqOutput]) -> None:
         """After a forward that succeeded: each session holds its tokens (a speculative one, the trail to rewind
-        with), the first stage records their ids, and `save_as` keeps the state as a prefix too."""
-        for c, item in zip(caches, batch, strict=True):
+        with), the first stage records their ids, and `save_at` keeps states as prefixes too."""
+        for c, item, out in zip(caches, batch, outputs, strict=True):
             c.length += item.num_tokens
             c.end_trail(item.num_tokens if item.speculative else 0)
             tokens = self.sessions.record_tokens(item.session_id, item.cache_len, item.ids)
-            if item.save_as:
-                self.prefixes.keep(item.save_as, c.share(), tokens[:c.length] if tokens is not None else None)
+            for n, prefix_id in item.save_at:
+                kept = c.share() if n == c.length else c.taken_at(item.cache_len, n - item.cache_len)
+                if n == c.length and out.logits is not None:
+                    kept.logits = out.logits[-1].float().clone()
+                self.prefixes.keep(prefix_id, kept, tokens[:n] if tokens is not None else None)
+            c.clear_marks()
 
     def _log_plan(self) -> None:
         """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
@@ -362,9 +379,14 @@ def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None
     if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
         raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
                            f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
-    if item.speculative and item.save_as:
+    if item.speculative and item.save_at:
         raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
                            "drafts are not decided yet)")
+    end = item.cache_len + item.num_tokens
+    if any(not item.cache_len < n <= end or not prefix_id for n, prefix_id in item.save_at) \
+            or len({prefix_id for _, prefix_id in item.save_at}) != len(item.save_at):
+        raise InvalidInput(f"session {item.session_id!r}: save_at names token counts in ({item.cache_len}, {end}] "
+                           "(past the cache, within this forward), each under an id of its own")
     if start == 0:
         ids = item.ids
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):

@@ -19,6 +19,7 @@ from deltafin.errors import ChatFormatError
 from deltafin.text.tokenizer import K3Tokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+BREAKPOINT = ""  # a cache breakpoint inside a message: a segment of no text (encode_with_boundaries)
 IMAGE = "<|kimi_image_placeholder|>"
 MARKERS = (OPEN, CLOSE, SEP, EOM, IMAGE)
 EFFORTS = ("low", "high", "max")
@@ -66,6 +67,10 @@ class _Out:
     def text(self, s: str) -> None:
         if s:
             self.parts.append((s, False))
+
+    def breakpoint(self) -> None:
+        """A cache breakpoint here (Anthropic's `cache_control` on a block): an empty marker, no text."""
+        self.parts.append((BREAKPOINT, True))
 
     def open(self, tag: str, attrs: Iterable[tuple[str, Any]] = ()) -> None:
         self.special(OPEN)
@@ -123,6 +128,8 @@ def _content(out: _Out, content: Any) -> None:
             out.special(IMAGE)
         elif kind == "text" or (isinstance(part, dict) and "text" in part):
             out.text(_str(part.get("text", "")))
+            if part.get("cache_control"):
+                out.breakpoint()
         else:
             raise ChatFormatError(f"unsupported content part {kind!r}: Deltafin serves K3's text model")
 
@@ -300,10 +307,22 @@ def render_text(messages: list[dict[str, Any]], options: ChatOptions = ChatOptio
 
 
 def encode(tokenizer: K3Tokenizer, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
+    return encode_with_boundaries(tokenizer, messages, options)[0]
+
+
+def encode_with_boundaries(tokenizer: K3Tokenizer, messages: list[dict[str, Any]],
+                           options: ChatOptions = ChatOptions()) -> tuple[list[int], list[int]]:
+    """The prompt's ids and where its messages end: the token count after each end-of-message marker (the tool
+    list, each system, user, assistant and tool message) and at each cache breakpoint (a text part that carries
+    `cache_control`), in order. Segments are encoded one by one, so these are exact token positions: where
+    conversations that share their first messages diverge (the prefix cache keeps state there)."""
     ids: list[int] = []
+    ends: list[int] = []
     for text, special in render(messages, options):
         ids += tokenizer.encode(text, allow_special=special)
-    return ids
+        if special and text in (EOM, BREAKPOINT) and (not ends or ends[-1] != len(ids)):
+            ends.append(len(ids))
+    return ids, ends
 
 
 # ---- parsing the model's output -------------------------------------------------------------------------

@@ -17,14 +17,16 @@ import torch
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 6  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
+PROTOCOL_VERSION = 7  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
 # 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters
-# as messages; 6: wide experts (expert plans, worker-to-worker expert calls, expert disks)
+# as messages; 6: wide experts (expert plans, worker-to-worker expert calls, expert disks); 7: states kept
+# inside a forward (save_at), HeldPrefixes
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -67,8 +69,8 @@ def encode_inputs(batch: list[SeqInput]) -> list[pb.SequenceInput]:
     out = []
     for item in batch:
         msg = pb.SequenceInput(session_id=item.session_id, cache_len=item.cache_len,
-                               resume_from=item.resume_from or "", save_as=item.save_as or "",
-                               speculative=item.speculative)
+                               resume_from=item.resume_from or "", speculative=item.speculative,
+                               save_at=[pb.KeepPoint(tokens=n, prefix_id=pid) for n, pid in item.save_at])
         if item.ids is not None:
             msg.ids.CopyFrom(encode_tensor(item.ids))
         if item.state is not None:
@@ -89,8 +91,8 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         has_ids, has_state = msg.HasField("ids"), msg.HasField("p") or msg.HasField("b")
         if has_ids == has_state:
             raise CodecError(f"{what}: exactly one of ids or (p, b) is required")
-        extra = {"resume_from": msg.resume_from or None, "save_as": msg.save_as or None,
-                 "speculative": msg.speculative}
+        extra = {"resume_from": msg.resume_from or None, "speculative": msg.speculative,
+                 "save_at": tuple((k.tokens, k.prefix_id) for k in msg.save_at)}
         if msg.resume_from and msg.cache_len == 0:
             raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:
@@ -99,6 +101,22 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
             state = ResidualState(decode_tensor(msg.p, f"{what} p"), decode_tensor(msg.b, f"{what} b"))
             out.append(SeqInput(msg.session_id, msg.cache_len, state=state, **extra))
     return out
+
+
+def encode_held(held: HeldPrefixes) -> pb.HeldPrefixesResponse:
+    msg = pb.HeldPrefixesResponse(prefix_ids=list(held.lengths), lengths=list(held.lengths.values()))
+    if held.logits is not None:
+        msg.logits.CopyFrom(encode_tensor(held.logits))
+    return msg
+
+
+def decode_held(msg: pb.HeldPrefixesResponse) -> HeldPrefixes:
+    if len(msg.prefix_ids) != len(msg.lengths) or any(n < 1 for n in msg.lengths):
+        raise CodecError("HeldPrefixes: one positive length per prefix id")
+    logits = decode_tensor(msg.logits, "held prefix logits") if msg.HasField("logits") else None
+    if logits is not None and (logits.dim() != 1 or logits.dtype != torch.float32):
+        raise CodecError("HeldPrefixes: logits are a 1-D float32 tensor")
+    return HeldPrefixes(dict(zip(msg.prefix_ids, msg.lengths, strict=True)), logits)
 
 
 def encode_outputs(outputs: list[SeqOutput]) -> list[pb.SequenceOutput]:

@@ -157,34 +157,44 @@ class StageOptions(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
-    __slots__ = ("message", "fraction", "ready")
+    __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FRACTION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     message: str
     fraction: float
     ready: bool
-    def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ...) -> None: ...
+    prefix_disk_bytes: int
+    def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "save_as", "speculative")
+    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "speculative", "save_at")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     P_FIELD_NUMBER: _ClassVar[int]
     B_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
-    SAVE_AS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SAVE_AT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_len: int
     ids: Tensor
     p: Tensor
     b: Tensor
     resume_from: str
-    save_as: str
     speculative: bool
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., save_as: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    save_at: _containers.RepeatedCompositeFieldContainer[KeepPoint]
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., speculative: _Optional[bool] = ..., save_at: _Optional[_Iterable[_Union[KeepPoint, _Mapping]]] = ...) -> None: ...
+
+class KeepPoint(_message.Message):
+    __slots__ = ("tokens", "prefix_id")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    prefix_id: str
+    def __init__(self, tokens: _Optional[int] = ..., prefix_id: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("request_id", "sequences", "all_logits", "part_bytes")
@@ -285,6 +295,24 @@ class FindPrefixResponse(_message.Message):
     prefix_id: str
     length: int
     def __init__(self, prefix_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class HeldPrefixesRequest(_message.Message):
+    __slots__ = ("prefix_ids", "logits_for")
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FOR_FIELD_NUMBER: _ClassVar[int]
+    prefix_ids: _containers.RepeatedScalarFieldContainer[str]
+    logits_for: str
+    def __init__(self, prefix_ids: _Optional[_Iterable[str]] = ..., logits_for: _Optional[str] = ...) -> None: ...
+
+class HeldPrefixesResponse(_message.Message):
+    __slots__ = ("prefix_ids", "lengths", "logits")
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    prefix_ids: _containers.RepeatedScalarFieldContainer[str]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    logits: Tensor
+    def __init__(self, prefix_ids: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

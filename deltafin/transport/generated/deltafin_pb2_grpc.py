@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.FindPrefixRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.FindPrefixResponse.FromString,
                 _registered_method=True)
+        self.HeldPrefixes = channel.unary_unary(
+                '/deltafin.v1.Worker/HeldPrefixes',
+                request_serializer=deltafin__pb2.HeldPrefixesRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.HeldPrefixesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -150,6 +155,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeldPrefixes(self, request, context):
+        """Which of these kept prefixes the stage holds (memory or disk), before a request resumes from one; the last
+        stage also returns the logits kept with a whole prompt, so that a request for exactly it feeds no token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +210,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.FindPrefix,
                     request_deserializer=deltafin__pb2.FindPrefixRequest.FromString,
                     response_serializer=deltafin__pb2.FindPrefixResponse.SerializeToString,
+            ),
+            'HeldPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldPrefixes,
+                    request_deserializer=deltafin__pb2.HeldPrefixesRequest.FromString,
+                    response_serializer=deltafin__pb2.HeldPrefixesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +460,33 @@ class Worker:
             '/deltafin.v1.Worker/FindPrefix',
             deltafin__pb2.FindPrefixRequest.SerializeToString,
             deltafin__pb2.FindPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltafin.v1.Worker/HeldPrefixes',
+            deltafin__pb2.HeldPrefixesRequest.SerializeToString,
+            deltafin__pb2.HeldPrefixesResponse.FromString,
             options,
             channel_credentials,
             insecure,

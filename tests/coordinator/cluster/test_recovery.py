@@ -83,12 +83,12 @@ async def test_a_lost_worker_replays_the_recorded_chunks_then_retries(tiny_dir: 
 
 
 async def test_a_session_resumed_from_a_kept_prefix_replays_from_token_0(tiny_dir: Path) -> None:
-    """A session kept as a prefix (at release) and one saved mid-prompt (save_as) keep their records; a new
+    """A session kept as a prefix (at release) and one saved mid-prompt (save_at) keep their records; a new
     session resumed from either starts with that record, so after a worker loss it is rebuilt from token 0
     in the original chunks (without the prefix, which the new stage does not have) and then retried."""
     stages = FlakyStages(fail_at={5})
     rc, _ = _cluster(tiny_dir, stages)
-    await rc.forward([SeqInput("a", 0, ids=torch.tensor([5, 6, 7]), save_as="p3")])
+    await rc.forward([SeqInput("a", 0, ids=torch.tensor([5, 6, 7]), save_at=((3, "p3"),))])
     await rc.forward([_step("a", 3, [8])])
     await rc.release(["a"], ["p4"])
     assert not rc.journal.sessions and list(rc.journal.prefixes["p4"].ids) == [5, 6, 7, 8]

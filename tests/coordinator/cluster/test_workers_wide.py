@@ -93,7 +93,8 @@ async def _speculate_and_resume(backend) -> list[torch.Tensor]:
     rewind), and a new session resumed from the kept prefix: every logit."""
     ids = torch.tensor(PROMPT)
     try:
-        out = [(await backend.forward([SeqInput("s", 0, ids=ids, save_as="kept")], all_logits=True))[0].logits]
+        kept = SeqInput("s", 0, ids=ids, save_at=((len(ids), "kept"),))
+        out = [(await backend.forward([kept], all_logits=True))[0].logits]
         out.append((await backend.forward([SeqInput("s", 8, ids=torch.tensor([3, 4, 5, 6]), speculative=True)]))[0]
                    .logits)
         out.append((await backend.forward([SeqInput("s", 10, ids=torch.tensor([9]))]))[0].logits)

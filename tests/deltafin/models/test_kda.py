@@ -116,3 +116,62 @@ def test_equal_prefill_spans_run_side_by_side_as_each_alone(tiny_dir):
         assert torch.allclose(c.state, alone_cache.state, rtol=1e-5, atol=1e-6)
         assert c.state.untyped_storage().nbytes() == c.state.numel() * 4  # not a view of the batch's states
         assert torch.allclose(c.conv, alone_cache.conv, rtol=1e-5, atol=1e-6)  # projections of more rows at once
+
+
+def test_states_taken_inside_a_chunked_run_are_the_runs_to_there():
+    """The chunked rule asked for the states after r tokens (inside chunks, at a chunk's end) gives the state a
+    run of those r tokens alone ends with; its outputs and final state are unchanged by the asking."""
+    args = _delta_inputs(70)
+    o_plain, s_plain = kda.delta_rule_chunked(*args)
+    taken: dict[int, torch.Tensor] = dict.fromkeys((1, 7, 16, 33, 69))  # type: ignore[arg-type]
+    o, s = kda.delta_rule_chunked(*args, taken=taken)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    q, k, v, g, beta, S0 = args
+    for r, state in taken.items():
+        _, want = kda.delta_rule_recurrent(q[:r], k[:r], v[:r], g[:r], beta[:r], S0)
+        # float64: the same algebra, chunked up to the chunk's start then token by token
+        assert torch.allclose(state, want, rtol=1e-10, atol=1e-12), r
+
+
+def _tiny_kda_layer(tiny_dir):
+    from deltafin.checkpoint.config import load_config
+    from deltafin.mini.train import load_parameters
+    from deltafin.models.cache import new_sequence_cache
+    from deltafin.models.weights import layer_weights
+
+    cfg = load_config(tiny_dir)
+    layer = cfg.kda_layers[0]
+    prefix = f"model.layers.{layer}."
+    params = load_parameters(cfg, tiny_dir, torch.device("cpu"))
+    tensors = {k.removeprefix(prefix): v.detach() for k, v in params.items() if k.startswith(prefix)}
+    w = layer_weights(cfg, layer, tensors, lambda t, role: t).attn
+    fresh = lambda: new_sequence_cache(cfg, range(cfg.num_layers), torch.device("cpu"), torch.float32)
+    return cfg, layer, w, fresh
+
+
+def test_a_layer_takes_marked_states_in_one_run_and_in_pieces(tiny_dir):
+    """A KDA layer whose cache is marked at some offsets takes, as it runs, the conv window and state a run
+    of only that many tokens leaves (in one call and across calls, as a long forward's pieces feed it), and
+    its outputs are the unmarked layer's exactly (the marked sequence runs alone, not beside another)."""
+    cfg, layer, w, fresh = _tiny_kda_layer(tiny_dir)
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    plain = fresh()
+    out_plain = kda.kda_forward(cfg, w, x, [(0, 40, plain.layers[layer])])
+    marks = [3, 16, 25, 39]
+    for cuts in ((40,), (16, 24), (10, 15, 15)):  # one call, or pieces: 16 then 24 (a mark at a call's end)
+        marked = fresh()
+        marked.mark(marks)
+        c, at, outs = marked.layers[layer], 0, []
+        for n in cuts:
+            outs.append(kda.kda_forward(cfg, w, x[at:at + n], [(0, n, c)]))
+            at += n
+        if cuts == (40,):
+            assert torch.equal(torch.cat(outs), out_plain) and torch.equal(c.state, plain.layers[layer].state)
+        assert sorted(c.taken) == marks
+        for r in marks:
+            alone = fresh()
+            kda.kda_forward(cfg, w, x[:r], [(0, r, alone.layers[layer])])
+            conv, state = c.taken[r]
+            # fp32: the same steps, chunked from another start (one rounding order or another, ~1e-7)
+            assert torch.allclose(conv, alone.layers[layer].conv, rtol=1e-5, atol=1e-6), (cuts, r)
+            assert torch.allclose(state, alone.layers[layer].state, rtol=1e-4, atol=1e-6), (cuts, r)

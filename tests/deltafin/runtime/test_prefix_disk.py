@@ -50,10 +50,10 @@ def test_a_prefix_survives_a_restart_and_resumes_exactly(ckpt, tmp_path):
 
 
 def test_save_points_keep_their_tokens_and_later_stages_keep_theirs(ckpt, tmp_path):
-    """A forward's save_as writes every stage's part under one id; only the first stage records the tokens."""
+    """A forward's save_at writes every stage's part under one id; only the first stage records the tokens."""
     first, second = _stage(ckpt, tmp_path, 0, 3), _stage(ckpt, tmp_path, 3, 6)
-    out = first.forward([SeqInput("s", 0, ids=torch.tensor(PROMPT[:100]), save_as="p100")])[0]
-    second.forward([SeqInput("s", 0, state=out.state, save_as="p100")])
+    out = first.forward([SeqInput("s", 0, ids=torch.tensor(PROMPT[:100]), save_at=((100, "p100"),))])[0]
+    second.forward([SeqInput("s", 0, state=out.state, save_at=((100, "p100"),))])
     for s in (first, second):
         s.prefixes.disk.read("p100", torch.float32)  # waits for the background write
     assert first.prefixes.disk.tokens("p100").tolist() == PROMPT[:100]
@@ -65,14 +65,14 @@ def test_save_points_keep_their_tokens_and_later_stages_keep_theirs(ckpt, tmp_pa
 
 def test_the_disk_keeps_its_budget_least_recently_used_first(ckpt, tmp_path):
     stage = _stage(ckpt, tmp_path)
-    stage.forward([SeqInput("a", 0, ids=torch.tensor(PROMPT[:50]), save_as="first")])
+    stage.forward([SeqInput("a", 0, ids=torch.tensor(PROMPT[:50]), save_at=((50, "first"),))])
     disk = stage.prefixes.disk
     disk.read("first", torch.float32)
     one = disk.files["first"].nbytes
     stage.close()
     stage = _stage(ckpt, tmp_path, disk_bytes=2 * one + one // 2)  # room for two
     for i, name in enumerate(["second", "third"]):
-        stage.forward([SeqInput(name, 0, ids=torch.tensor(PROMPT[i:i + 50]), save_as=name)])
+        stage.forward([SeqInput(name, 0, ids=torch.tensor(PROMPT[i:i + 50]), save_at=((50, name),))])
         stage.prefixes.disk.read(name, torch.float32)
     assert sorted(stage.prefixes.disk.files) == ["second", "third"]  # the oldest went
     assert not (stage.prefixes.disk.dir / "first.prefix").exists()
@@ -95,7 +95,7 @@ def test_a_damaged_file_is_ignored_and_the_prompt_prefilled_again(ckpt, tmp_path
         path.write_bytes(bytes(data[: len(data) // 3]))
     else:  # a file of another stage identity put in this folder
         other = _stage(ckpt, tmp_path / "other", 0, 3)
-        other.forward([SeqInput("x", 0, ids=torch.tensor(PROMPT[:40]), save_as="p300")])
+        other.forward([SeqInput("x", 0, ids=torch.tensor(PROMPT[:40]), save_at=((40, "p300"),))])
         other.prefixes.disk.read("p300", torch.float32)
         other.close()
         path.write_bytes((other.prefixes.disk.dir / "p300.prefix").read_bytes())
@@ -119,7 +119,7 @@ def test_two_stages_of_one_identity_never_share_a_folder(ckpt, tmp_path):
 
 def test_kda_and_mla_state_round_trip_in_bf16(ckpt, tmp_path):
     stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(dtype=torch.bfloat16, prefix_dir=str(tmp_path)))
-    stage.forward([SeqInput("a", 0, ids=torch.tensor(PROMPT[:70]), save_as="p")])
+    stage.forward([SeqInput("a", 0, ids=torch.tensor(PROMPT[:70]), save_at=((70, "p"),))])
     kept = stage.prefixes.entries["p"]
     disk = PrefixDisk(tmp_path / "copy", stage.prefixes.disk.identity, 10**9, CPU)
     disk.write("q", kept, None).result()

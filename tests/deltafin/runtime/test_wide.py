@@ -77,7 +77,7 @@ def test_speculative_forwards_and_prefixes_through_wide_stages(small_dir):
     """A speculative forward, a rewind to its second position, a kept prefix and a session resumed from it:
     the same logits through wide stages as through one process."""
     def steps(pipe: LocalPipeline) -> list[torch.Tensor]:
-        out = [pipe.forward([SeqInput("s", 0, ids=IDS[:8], save_as="p8")], all_logits=True)[0].logits]
+        out = [pipe.forward([SeqInput("s", 0, ids=IDS[:8], save_at=((8, "p8"),))], all_logits=True)[0].logits]
         out.append(pipe.forward([SeqInput("s", 8, ids=IDS[8:12], speculative=True)])[0].logits)
         out.append(pipe.forward([SeqInput("s", 10, ids=torch.tensor([9]))])[0].logits)
         out.append(pipe.forward([SeqInput("r", 8, ids=IDS[8:10], resume_from="p8")], all_logits=True)[0].logits)

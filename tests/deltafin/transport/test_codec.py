@@ -127,7 +127,8 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
     batch = [SeqInput("step", 7, state=ResidualState(torch.randn(1, 64, generator=g), torch.randn(1, 2, 64,
                                                                                                   generator=g))),
              SeqInput("prompt", 0, state=ResidualState(torch.randn(300, 64, generator=g),
-                                                       torch.randn(300, 2, 64, generator=g)), save_as="kept"),
+                                                       torch.randn(300, 2, 64, generator=g)),
+                      save_at=((300, "kept"), (120, "mid"))),
              SeqInput("ids", 0, ids=torch.arange(50))]
     assert codec.request_bytes(batch) == 301 * 3 * 64 * 4 + 50 * 8
     parts = codec.encode_request_parts(batch, True, "r", 10_000)
@@ -137,7 +138,7 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
     back, all_logits, rid = codec.decode_request_parts(wire)
     assert (all_logits, rid) == (True, "r") and [b.session_id for b in back] == ["step", "prompt", "ids"]
     for a, b in zip(batch, back, strict=True):
-        assert (a.cache_len, a.save_as) == (b.cache_len, b.save_as)
+        assert (a.cache_len, a.save_at) == (b.cache_len, b.save_at)
         assert torch.equal(a.ids, b.ids) if a.ids is not None else (torch.equal(a.state.P, b.state.P)
                                                                    and torch.equal(a.state.B, b.state.B))
     outputs = [SeqOutput("x", logits=torch.randn(1, 3000, generator=g)),
