@@ -27,7 +27,6 @@ def test_ci_runs_the_readme_test_command():
 
 def _defaults() -> list[str]:
     from deltafin.cli.flags import add_cluster_options, add_stage_options
-    from deltafin.coordinator.engine.prefix_index import PREFIX_BLOCK
     from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
     from deltafin.coordinator.http.server import HEARTBEAT_S
     from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
@@ -35,6 +34,7 @@ def _defaults() -> list[str]:
     from deltafin.models.decoder import PIECE_TOKENS
     from deltafin.models.mla import MLA_BLOCK_BYTES
     from deltafin.plan.forward_workspace import FORWARD_SHARE
+    from deltafin.plan.kept_prefixes import GRID_MIN
     from deltafin.plan.memory import MARGIN
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.plan.sizing_options import ONE_USER_SEQUENCES, SEQUENCES
@@ -73,7 +73,7 @@ def _defaults() -> list[str]:
         f"text completions without it get {COMPLETION_MAX_TOKENS}",
         f"`stop` (up to {MAX_STOP_STRINGS} strings",
         f"sends an SSE comment every {HEARTBEAT_S:g} s",
-        f"and every {PREFIX_BLOCK:,} prompt tokens inside a long one",
+        f"never denser than every {GRID_MIN:,} tokens",
         f"`MLA_BLOCK_BYTES`, {MLA_BLOCK_BYTES >> 20} MiB",
         f"every {DraftLength.probe_every}th step probes with one draft",
         f"(a decaying count, starting at {DraftLength.prior})",

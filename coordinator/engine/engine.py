@@ -158,9 +158,8 @@ class Engine:
         """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
         the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
         `progress` hears how far the prompt's prefill is (a PrefillProgress: after every chunk and every few
-        seconds within; /metrics shows every request's). `speculative`: none | ngram, for this request (None:
-        the engine's). `boundaries`: where the prompt's messages (and cache breakpoints) end, in tokens: the
-        prefix cache keeps state there (prefix_index.py)."""
+        seconds within). `speculative`: none | ngram (None: the engine's). `boundaries`: where the prompt's
+        messages and cache breakpoints end, in tokens: the prefix cache keeps state there (prefix_index.py)."""
         room = self._room(prompt_ids, max_tokens)
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
                       sampling or SamplingParams(temperature=0.0),

@@ -10,6 +10,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import DownloadRecord, read_record
 from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
+from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.layer_table import layer_table
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
 from deltafin.plan.sizing_options import SEQUENCES, one_worker
@@ -98,7 +99,9 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
         plan = choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
     except SizingError as e:
         return {"error": str(e)}
-    return {**plan, "context": opts.context, "trade": _trade(cfg, place, Budget(memory_bytes), opts, plan)}
+    kept = kept_prefixes_text(cfg, [(0, cfg.num_layers, plan["prefixes"])], place.act_bytes, opts.context)
+    return {**plan, "context": opts.context, "trade": _trade(cfg, place, Budget(memory_bytes), opts, plan),
+            "kept_prefixes": kept}
 
 
 def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingOptions, plan: dict) -> list[dict]:
@@ -153,7 +156,7 @@ def plan_lines(plan: dict, num_layers: int) -> list[str]:
             f"  sessions for {plan['sequences']} sequence(s) of up to {plan['context']:,} tokens; read per token: "
             f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; a forward "
             f"carries up to {plan['forward_tokens']:,} tokens (a prompt that long reads each expert once)",
-            *_trade_lines(plan)]
+            f"  {plan['kept_prefixes']}", *_trade_lines(plan)]
 
 
 def _trade_lines(plan: dict) -> list[str]:

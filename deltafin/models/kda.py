@@ -111,8 +111,7 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        S: torch.Tensor, chunk: int = CHUNK,
                        taken: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence in chunked (WY) form for prefill; shapes as `delta_rule_recurrent`. `taken`: positions
-    (0 < r < T) whose state (after r tokens) is wanted too, filled in place; the outputs and the final state are
-    the same as without (a state inside a chunk is its chunk's first state carried on by the exact recurrence).
+    (0 < r < T) whose state is wanted too, filled in place; outputs and final state are the same as without.
 
     Within a chunk, G = cumsum(g): A = diag(beta) KK (strictly lower), Tinv = (I + A)^-1,
     W = Tinv (beta*e^G*K), U = Tinv (beta*V), V' = U - W S, O = (e^G*Q) S + QK V',
@@ -139,19 +138,24 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     Kd = ((Gc - G).exp() * kc).transpose(2, 3)  # [n, H, dk, C]
     keep = Gc.transpose(2, 3).exp()  # [n, H, dk, 1]
     outs = []
-    wanted = sorted(taken) if taken else []
     for i in range(n):
         Vp = U[i] - W[i] @ S
         outs.append(Qg[i] @ S + QK[i] @ Vp)
-        inside = [r for r in wanted if i * chunk < r < (i + 1) * chunk]
-        for r in inside:  # the outputs are not needed: any query will do (k)
-            taken[r] = delta_rule_recurrent(k[i * chunk:r], k[i * chunk:r], v[i * chunk:r], g[i * chunk:r],  # type: ignore[index]
-                                            beta[i * chunk:r], S)[1]
+        _take_inside(taken or {}, i * chunk, (i + 1) * chunk, (k, v, g, beta), S)
         S = keep[i] * S + Kd[i] @ Vp
-        if (i + 1) * chunk in wanted:
-            taken[(i + 1) * chunk] = S  # type: ignore[index]
+        if taken and (i + 1) * chunk in taken:
+            taken[(i + 1) * chunk] = S
     out = torch.stack(outs).transpose(1, 2).reshape(n * chunk, h, -1)
     return out[:t], S
+
+
+def _take_inside(taken: dict[int, torch.Tensor], a: int, b: int, kvgb: tuple[torch.Tensor, ...],
+                 S: torch.Tensor) -> None:
+    """The states wanted strictly inside chunk [a, b): its first state `S` carried on by the exact recurrence
+    (the outputs are not needed: any query will do, k)."""
+    k, v, g, beta = kvgb
+    for r in [r for r in taken if a < r < b]:
+        taken[r] = delta_rule_recurrent(k[a:r], k[a:r], v[a:r], g[a:r], beta[a:r], S)[1]
 
 
 def kda_forward(cfg: ModelConfig, w: KDAWeights, x: torch.Tensor,

@@ -24,6 +24,7 @@ from functools import cache
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights, id_ranges
+from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.sizing import (
     QUALITY_SOURCE,
     SPINE_QUALITY,
@@ -123,6 +124,7 @@ class Plan:
     experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
     predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
     first_token: tuple[tuple[int, float], ...] = ()  # (prompt tokens, seconds to the first token), predicted
+    kept_prefixes: str = ""  # what a kept prefix costs, where states are kept (sizing.kept_prefixes_text)
 
     @property
     def wide(self) -> bool:
@@ -145,6 +147,8 @@ class Plan:
             step = min(s.sizing.forward_tokens for s in self.stages)
             text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
                      f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
+        if self.kept_prefixes:
+            text += "\n" + self.kept_prefixes
         return text
 
     def _parts(self) -> str:
@@ -239,7 +243,9 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
     stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)
     plan = replace(plan, stages=stages)
-    return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS))
+    kept = kept_prefixes_text(cfg, [(s.start, s.end, s.sizing.prefixes) for s in stages], act_bytes, opts.context)
+    return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS),
+                   kept_prefixes=kept)
 
 
 def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,

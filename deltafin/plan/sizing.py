@@ -117,26 +117,6 @@ def sequence_bytes(cfg: ModelConfig, n_kda: int, n_mla: int, tokens: int, act_by
     return n_kda * kda_state_bytes(cfg) + n_mla * mla_capacity(tokens) * mla_row_bytes(cfg, act_bytes)
 
 
-GRID_MIN = 1024  # fewest tokens between two states kept inside one long message
-GRID_ROUND = 256
-
-
-def prefix_grid(cfg: ModelConfig, n_kda: int, n_mla: int, act_bytes: int, capacity: int, context: int) -> int:
-    """Tokens between the states a stage keeps inside a long message (or a prompt with no messages), counted
-    from the prompt's start. A kept state costs its KDA layers' states wherever it is taken, plus its latents,
-    and saves the prefill of the tokens before it: the grid is as dense as lets a prompt of the planned
-    `context` keep its grid in a quarter of the `capacity` for kept prefixes (memory, or the disk where the
-    stage keeps them there), never denser than every GRID_MIN tokens; `context` when not even one fits (only
-    the messages' ends and the prompt's are kept then)."""
-    def grid_bytes(step: int) -> int:
-        return sum(sequence_bytes(cfg, n_kda, n_mla, at, act_bytes) for at in range(step, context, step))
-
-    step = GRID_MIN
-    while step < context and grid_bytes(step) > capacity // 4:
-        step += GRID_ROUND
-    return step
-
-
 def expert_call_bytes(cfg: ModelConfig, tokens: int, issues: bool, serves: bool) -> int:
     """Buffers of wide expert calls for a forward of `tokens` tokens: a stage's calls out (its rows, then every
     pair's fp32 output coming back, as messages and as tensors) and, for a holder, the calls it serves (the same

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -237,12 +238,7 @@ class Stage:
             c.length += item.num_tokens
             c.end_trail(item.num_tokens if item.speculative else 0)
             tokens = self.sessions.record_tokens(item.session_id, item.cache_len, item.ids)
-            for n, prefix_id in item.save_at:
-                kept = c.share() if n == c.length else c.taken_at(item.cache_len, n - item.cache_len)
-                if n == c.length and out.logits is not None:
-                    kept.logits = out.logits[-1].float().clone()
-                self.prefixes.keep(prefix_id, kept, tokens[:n] if tokens is not None else None)
-            c.clear_marks()
+            _keep_states(self.prefixes, c, item, out, tokens)
 
     def _log_plan(self) -> None:
         """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
@@ -344,6 +340,18 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
+
+
+def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: SeqOutput,
+                 tokens: array | None) -> None:
+    """After a forward: the states `save_at` asks for, kept (at its end the session's own, with the last stage's
+    logits; inside it those taken as it ran)."""
+    for n, prefix_id in item.save_at:
+        kept = c.share() if n == c.length else c.taken_at(item.cache_len, n - item.cache_len)
+        if n == c.length and out.logits is not None:
+            kept.logits = out.logits[-1].float().clone()
+        prefixes.keep(prefix_id, kept, tokens[:n] if tokens is not None else None)
+    c.clear_marks()
 
 
 def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:

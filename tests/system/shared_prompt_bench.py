@@ -1,0 +1,108 @@
+"""A shared system prompt, a retried request and a restart, through `deltafin-coordinator --local serve` and the
+OpenAI chat completions route (greedy): conversation A (a system prompt of WORDS words + "Hello"), conversation B
+(the same system prompt + another question), A again; then the server restarts (SIGTERM) on the same prefix
+folder and answers B and A again. The same five requests through a server that keeps no prefixes
+(`--prefix-cache-gb 0`) give the reference text and times. Prints one JSON object: per request, its prompt tokens,
+the cached tokens the API reported, its time to the first streamed token, the expert bytes the stages read for it
+(from /metrics) and its text; and whether every text equals the reference's.
+
+    python -m tests.system.shared_prompt_bench --model K3SLICE --system-words 1500 --memlimit-gb 8 -- --spine int8
+
+Everything after `--` goes to the coordinator. With --memlimit-gb each server runs under `../shared/tools/memlimit`
+(page cache included, dropped first), so the experts really stream from the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.support.cluster import ServerProcess
+
+TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
+QUESTIONS = {"A": "Hello", "B": "Tell me about rivers"}
+ORDER = (("A", 0), ("B", 0), ("A", 0), ("B", 1), ("A", 1))  # (conversation, server run): a restart before run 1
+
+
+def system_prompt(words: int) -> str:
+    """A system prompt of `words` plain words."""
+    vocabulary = ["You", "are", "a", "careful", "assistant", "for", "a", "library", "of", "Python", "code", ".",
+                  "Answer", "in", "one", "line"]
+    return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
+
+
+def expert_bytes(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("deltafin_worker_expert_bytes_read_total{"))
+
+
+def chat(url: str, system: str, question: str, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: prompt and cached tokens, time to the first token, expert bytes read."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    before = expert_bytes(url)
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with urllib.request.urlopen(request, timeout=7200) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", ()):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning_content"):
+                    first = first if first is not None else time.perf_counter() - t0
+                    text.append(delta.get("reasoning_content") or delta.get("content"))
+    return {"prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "ttft_s": round(first or 0.0, 3), "expert_GB_read": round((expert_bytes(url) - before) / 1e9, 3),
+            "text": "".join(text)}
+
+
+def run(args: argparse.Namespace, extra: list[str], cache: bool) -> list[dict]:
+    system = system_prompt(args.system_words)
+    wrap = ((str(TOOLS / "memlimit"), f"{int(args.memlimit_gb * 1024)}M", "--drop-caches", "--")
+            if args.memlimit_gb else ())
+    out: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="deltafin-shared-") as folder:
+        prefixes = ["--prefix-dir", folder] if cache else ["--prefix-cache-gb", "0"]
+        for server_run in (0, 1):
+            server = ServerProcess(args.model, "--local", *prefixes, *extra, wrap=wrap)
+            try:
+                for name, at in ORDER:
+                    if at == server_run:
+                        out.append({"request": name, "after_restart": bool(at),
+                                    **chat(server.url, system, QUESTIONS[name], args.max_tokens)})
+            finally:
+                server.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--system-words", type=int, default=1300)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--memlimit-gb", type=float, default=None)
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    cached, reference = run(args, extra, cache=True), run(args, extra, cache=False)
+    print(json.dumps({"model": str(args.model), "system_words": args.system_words, "coordinator_args": extra,
+                      "memlimit_gb": args.memlimit_gb, "with_cache": cached, "without_cache": reference,
+                      "same_text": [a["text"] for a in cached] == [b["text"] for b in reference]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
