@@ -17,13 +17,12 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltafin.checkpoint.config import load_config
-from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import (
     add_cluster_options,
     add_sampling_options,
@@ -85,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's Messages "
                        "API), /v1/messages/count_tokens, /v1/models, /v1/status, /health "
                        "and /metrics, and a web chat at / (streamed replies, reasoning, the cluster from /v1/status). "
-                       "Prints 'serving http://HOST:PORT' once ready; SIGINT/SIGTERM stop it.")
+                       "Prints 'serving http://HOST:PORT' once ready. SIGINT/SIGTERM: it takes no new requests, "
+                       "lets those running finish for --shutdown-grace seconds, ends the rest (a stream with an error "
+                       "event, a whole response with 503) and exits; a second signal exits at once.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None,
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and the web chat's page (or $DELTAFIN_API_KEY, "
                    "or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGINT/SIGTERM (default 10)")
     add_serving_options(s)
     b = command("bench", help="concurrent requests through the serving engine: tok/s and stage utilization",
                        description="For each concurrency N, N requests at once (seeded random prompts, exactly "
@@ -216,13 +219,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         await engine.close()
         raise cannot_listen(args.host, args.port, "the API", e) from None
     print(f"serving http://{args.host}:{port} (model '{engine.model_name}'; web chat at /)", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals("deltafin-coordinator")
     try:
         await stop.wait()
-        log.info("shutting down")
+        log.info("shutting down: no new requests; %d running get %.0f s to finish (--shutdown-grace); a second "
+                 "signal exits now", engine.active, args.shutdown_grace)
+        await server.stop_listening(runner)
+        engine.begin_shutdown(max(0.0, args.shutdown_grace))
+        await engine.drained(args.shutdown_grace + 30)  # the ended ones release their sessions, then they go
     finally:
         await runner.cleanup()
         await engine.close()

@@ -48,7 +48,7 @@ from deltafin.text.chat import (
     OutputParser,
     ToolCall,
     assistant_message,
-    encode,
+    encode_with_boundaries,
 )
 from deltafin.text.sampling import SamplingParams
 
@@ -238,9 +238,9 @@ class Model:
                     **sampling: Any) -> Iterator[Piece]:
         """`chat`, a token at a time: each piece's `reasoning`, `text` (the answer) and `tool_calls`."""
         options = _chat_options(thinking, tools, tool_choice, response_format)
-        ids = encode(self.tokenizer, messages, options)
+        ids, ends = encode_with_boundaries(self.tokenizer, messages, options)
         return self._pieces(ids, OutputParser(self.tokenizer, thinking=options.thinking), max_tokens,
-                            _sampling(sampling), stop, speculative, chat=True)
+                            _sampling(sampling), stop, speculative, chat=True, boundaries=ends)
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
@@ -254,7 +254,8 @@ class Model:
         return ids
 
     def _pieces(self, ids: list[int], view: Any, max_tokens: int | None, sampling: SamplingParams,
-                stop: list[str] | None, speculative: str | None, chat: bool) -> Iterator[Piece]:
+                stop: list[str] | None, speculative: str | None, chat: bool,
+                boundaries: list[int] | None = None) -> Iterator[Piece]:
         """Run the engine's generation on its loop; its events come through a queue to this thread."""
         if self._closed:
             raise DeltafinError("this model is closed")
@@ -265,7 +266,7 @@ class Model:
         async def run() -> None:
             try:
                 async for event in self.engine.run(ids, view, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                                                   speculative=speculative):
+                                                   speculative=speculative, boundaries=boundaries or ()):
                     events.put(event)
             except Exception as e:  # to the caller's thread (a cancellation is the caller's own doing)
                 events.put(e)

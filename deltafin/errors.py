@@ -176,6 +176,11 @@ class QueueFull(DeltafinError):
     """Every slot is busy and the waiting queue is full."""
 
 
+class ShuttingDown(DeltafinError):
+    """The server is stopping: no new requests, and generations still running when its grace period ends are
+    ended (a stream with an error event, a whole response with 503)."""
+
+
 # ---- how they reach a client --------------------------------------------------------------------------------
 
 # error -> the gRPC status name a worker answers with
@@ -198,6 +203,7 @@ GRPC_STATUS: list[tuple[type[DeltafinError], str]] = [
 # error -> (HTTP status, OpenAI error type, OpenAI error code or None) the API answers with
 HTTP_STATUS: list[tuple[type[DeltafinError], tuple[int, str, str | None]]] = [
     (QueueFull, (429, "rate_limit_error", "rate_limit_exceeded")),
+    (ShuttingDown, (503, "server_error", "server_shutting_down")),
     (PromptTooLong, (400, "invalid_request_error", "context_length_exceeded")),
     (SamplingError, (400, "invalid_request_error", None)),
     (ChatFormatError, (400, "invalid_request_error", None)),

@@ -2,7 +2,8 @@
 
 The worker indexes its model directory (which may hold only some layers), measures its disk with the
 expert reader, announces `_deltafin._tcp.local.`, and waits for a coordinator to assign it a layer range.
-SIGTERM/SIGINT: stop announcing, finish or fail in-flight calls within the grace period, exit.
+SIGTERM/SIGINT: stop announcing, finish or fail in-flight calls within the grace period, exit; a second signal
+exits at once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import signal
 import socket
 import sys
 import time
@@ -20,8 +20,8 @@ from typing import Any
 
 from deltafin import __version__
 from deltafin.checkpoint.config import load_config
-from deltafin.checkpoint.shards import fingerprint, open_copy, scan_checkpoint
-from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_checkpoint
+from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import add_device_options, add_stage_options, stage_from_args
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
@@ -135,15 +135,35 @@ def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, .
                              layers=layer_ranges(ckpt.layers_available()), has_top=ckpt.top_available,
                              version=__version__, host_memory_bytes=options.host_memory_bytes or 0,
                              worker_id=uuid.uuid4().hex[:12], expert_layers=layer_ranges(experts),
-                             expert_gbps=expert_gbps, expert_disks=len(ckpts))
+                             expert_gbps=expert_gbps, expert_disks=len(ckpts),
+                             damaged=tuple(_short(p) for p in damaged(ckpt)))
 
 
 def _checkpoints(args: argparse.Namespace) -> list[Any]:
-    """--model indexed, then each --expert-dir (the same checkpoint, maybe only some of its shards)."""
+    """--model indexed (every shard's size against its header, every tensor checked), then each --expert-dir (the
+    same checkpoint, maybe only some of its shards). Damage is said once per file; those layers are not served."""
     ckpt = scan_checkpoint(args.model, load_config(args.model))
     if not ckpt.layers_available():
         raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
+    for p in damaged(ckpt):
+        log.warning("%s: %s", args.model, p.message)
+    if damaged(ckpt):
+        log.warning("this worker serves layers %s, not %s (damaged above)", id_ranges(ckpt.layers_available()),
+                    id_ranges(sorted({i for p in damaged(ckpt) for i in (p.layer, *p.layers) if i is not None})))
     return [ckpt, *(open_copy(ckpt, d) for d in args.expert_dir)]
+
+
+def _short(problem: Any) -> str:
+    """A damaged shard as a worker announces it: "FILE: its problem, in brief"."""
+    name = next((w.rstrip(":,") for w in problem.message.split() if ".safetensors" in w), "a shard")
+    layers = id_ranges(sorted({i for i in (problem.layer, *problem.layers) if i is not None}))
+    return f"{name} is damaged (layers {layers}): copy or download it again"
+
+
+def damaged(ckpt: Any) -> list[Any]:
+    """The problems of damaged files on this worker's disk (not of shards it does not hold: a worker's share of
+    a checkpoint leaves those out on purpose)."""
+    return [p for p in ckpt.problems if p.damage]
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -164,16 +184,14 @@ async def serve(args: argparse.Namespace) -> int:
     # zeroconf's blocking API runs its own loop: keep it off ours
     announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
                                                                          args.interface)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals("deltafin-worker")
     disks = f"disk{'s' * (len(speeds) > 1)} {' + '.join(f'{g:.2f}' for g in speeds)} GB/s"
     print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
           f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})", flush=True)
     await stop.wait()
     sweeper.cancel()
-    log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight", args.grace)
+    log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight (a second signal exits now)",
+             args.grace)
     t0 = time.monotonic()
     if announcer is not None:
         await asyncio.to_thread(announcer.close)

@@ -290,7 +290,8 @@ async def create_server(service: WorkerService, host: str, port: int,
     """A started gRPC server for `service` plus the standard health service; returns (server, bound port).
     With `key`, every Worker call must carry the cluster key's signature; with `tls`, only TLS is served."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
+               ("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.so_reuseport", 0)]  # gRPC's default lets a second worker share the port, silently
     interceptors = [AuthInterceptor(key)] if key is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_WorkerServicer_to_server(service, server)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +107,13 @@ class LocalBackend:
             loop = asyncio.get_running_loop()
             heard = progress
             progress = lambda fraction: loop.call_soon_threadsafe(heard, fraction)  # from the stage's thread
-        return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits, progress=progress))
+        stop = threading.Event()  # a cancelled call stops the stage between layers, not after minutes
+        try:
+            return await self._run(lambda: self.pipeline.forward(batch, all_logits=all_logits, progress=progress,
+                                                                 should_stop=stop.is_set))
+        except asyncio.CancelledError:
+            stop.set()
+            raise
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> None:

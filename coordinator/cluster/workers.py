@@ -132,7 +132,7 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
     return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
                            device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
                            worker_id=d.key, expert_layers=d.expert_ranges, expert_gbps=d.expert_speed,
-                           disks=d.expert_disks) for _, d in workers]
+                           disks=d.expert_disks, damaged=d.damaged) for _, d in workers]
 
 
 def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:

@@ -10,7 +10,7 @@ from typing import Any
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.report import PrefillReporter
 from deltafin.coordinator.engine.token_loop import Finished
-from deltafin.text.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode
+from deltafin.text.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode_with_boundaries
 from deltafin.text.sampling import SamplingParams
 
 
@@ -45,10 +45,11 @@ class ChatSession:
         """One user message and the model's reply; the conversation keeps both once the reply finished."""
         messages = [*self.messages, {"role": "user", "content": text}]
         options = self.options()
-        reply = Reply(prompt_ids=encode(self.engine.tokenizer, messages, options))
+        ids, ends = encode_with_boundaries(self.engine.tokenizer, messages, options)
+        reply = Reply(prompt_ids=ids)
         parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
-        async for event in self.engine.run(reply.prompt_ids, parser, max_tokens=self.max_tokens,
-                                           sampling=self.sampling, progress=PrefillReporter()):
+        async for event in self.engine.run(ids, parser, max_tokens=self.max_tokens, sampling=self.sampling,
+                                           progress=PrefillReporter(), boundaries=ends):
             d = event.delta
             reply.reasoning += d.reasoning
             reply.content += d.content

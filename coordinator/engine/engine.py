@@ -6,6 +6,7 @@ they share the admission queue, the stop tokens, the context limit and the metri
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -28,7 +29,7 @@ from deltafin.coordinator.engine.token_loop import (
     TokenEvent,
     generate,
 )
-from deltafin.errors import DeltafinError, PromptTooLong
+from deltafin.errors import DeltafinError, PromptTooLong, ShuttingDown
 from deltafin.options import PREFILL_BATCHES, check_choice
 from deltafin.plan.planner import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
@@ -42,6 +43,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
+DEFAULT_CONTEXT = 4096  # an engine built without a plan (tests, benchmarks): SizingOptions.context's default
 
 
 @dataclass
@@ -103,7 +105,7 @@ class ServingOptions:
     speculative: str = "none"  # none | ngram: how requests that do not say draft
     max_active: int = 4  # requests generating at once (their steps are batched)
     queue_depth: int = 16  # requests waiting for a slot; more are refused (QueueFull)
-    max_context: int = 131072  # prompt + generated tokens per request
+    max_context: int | None = None  # prompt + generated tokens per request (None: the plan's context, --context)
     pipeline_depth: int = 0  # batches in flight through the stages (0: one per stage that computes beside others)
     prefill_batches: str = "ride"  # ride: decode steps go with the next prompt chunk | separate: they take turns
     default_max_tokens: int = SERVING_MAX_TOKENS  # for chat requests that do not say (capped by the context)
@@ -115,8 +117,8 @@ class ServingOptions:
         if self.speculative not in MODES:
             raise DeltafinError(f"unknown speculative mode {self.speculative!r}: {', '.join(MODES)}")
         check_choice("prefill_batches", self.prefill_batches, PREFILL_BATCHES)
-        if (self.max_active < 1 or self.queue_depth < 0 or self.max_context < 2 or self.default_max_tokens < 1
-                or self.pipeline_depth < 0):
+        if (self.max_active < 1 or self.queue_depth < 0 or (self.max_context is not None and self.max_context < 2)
+                or self.default_max_tokens < 1 or self.pipeline_depth < 0):
             raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
                                 "--pipeline-depth >= 0, --max-context >= 2")
 
@@ -133,7 +135,7 @@ class Engine:
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name  # what responses carry, whatever name a request used ...
         self.strict_model_name = serving.strict_model_name  # ... unless this: then another name is model_not_found
-        self.max_context = serving.max_context
+        self.max_context = serving.max_context or DEFAULT_CONTEXT  # open_engine: the plan's
         self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
         self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
@@ -144,6 +146,8 @@ class Engine:
         self._prefix_stages: list[PrefixBudget] = []
         self.prefilling: dict[str, Prefilling] = {}  # session id -> progress, while its prompt is prefilled
         self.started = time.time()
+        self.active = 0  # requests admitted and not yet ended
+        self.closing = False  # a shutdown began: no new requests
         ids = {tokenizer.specials[t] for t in STOP_TOKENS if t in tokenizer.specials}
         if cfg.eos_token_id is not None:
             ids.add(cfg.eos_token_id)
@@ -155,23 +159,25 @@ class Engine:
                   progress: Callable[[PrefillProgress], None] | None = None,
                   speculative: str | None = None, boundaries: Sequence[int] = ()) -> AsyncIterator[
             TokenEvent | Finished]:
-        """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields
-        the generation's events. `max_tokens=None`: the engine's default, capped by the context left.
-        `progress` hears how far the prompt's prefill is (a PrefillProgress: after every chunk and every few
-        seconds within). `speculative`: none | ngram (None: the engine's). `boundaries`: where the prompt's
-        messages and cache breakpoints end, in tokens: the prefix cache keeps state there (prefix_index.py)."""
+        """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields the
+        generation's events. `max_tokens=None`: the default, capped by the context left; `progress`: how far the
+        prefill is; `speculative`: none | ngram (None: the engine's); `boundaries`: where the prompt's messages
+        and cache breakpoints end, in tokens (the prefix cache keeps state there: prefix_index.py)."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down: it takes no new requests")
         room = self._room(prompt_ids, max_tokens)
         req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
-                      sampling or SamplingParams(temperature=0.0),
-                      frozenset() if ignore_eos else self.stop_ids, stop or [], return_logits,
-                      prefill_chunk=self._prefill_chunk(), speculation=self._speculation(speculative))
+                      sampling or SamplingParams(temperature=0.0), frozenset() if ignore_eos else self.stop_ids,
+                      stop or [], return_logits, prefill_chunk=self._prefill_chunk(),
+                      speculation=self._speculation(speculative),
+                      forward_bytes=lambda tokens: forward_read_bytes(self.cfg, tokens))
         req.progress = lambda p: self._track(req.session_id, p, progress)
-        req.forward_bytes = lambda tokens: forward_read_bytes(self.cfg, tokens)
         c = self.counters
         async with self.scheduler.slot():
             req.prefix = await self._prefix_session(prompt_ids, boundaries)  # now: what requests before it kept
             self._admitted(req)
             outcome = "cancelled"  # until the generation finishes or fails
+            self.active += 1
             try:
                 async for event in generate(self.scheduler.forward, self.scheduler.release, view, req):
                     if isinstance(event, Finished):
@@ -184,11 +190,32 @@ class Engine:
                 outcome = "failed"
                 raise
             finally:
-                self.prefilling.pop(req.session_id, None)
-                if outcome == "failed":
-                    c.failed += 1
-                elif outcome == "cancelled":
-                    c.cancelled += 1
+                self._ended(req, outcome)
+
+    def _ended(self, req: Request, outcome: str) -> None:
+        """A request left its slot: finished (counted with its Finished), failed or cancelled."""
+        self.active -= 1
+        self.prefilling.pop(req.session_id, None)
+        if outcome == "failed":
+            self.counters.failed += 1
+        elif outcome == "cancelled":
+            self.counters.cancelled += 1
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Take no new requests; generations still running `grace` seconds from now are ended: each one's
+        forward (running or waiting) fails with ShuttingDown, which `run` raises after releasing its sessions and
+        the API turns into an ending its clients read (a stream's error event, a 503)."""
+        self.closing = True
+        error = ShuttingDown("the server is shutting down: this generation was ended before it finished "
+                             "(--shutdown-grace)")
+        asyncio.get_running_loop().call_later(grace, self.scheduler.end, error)
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until no request is running; whether none is."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.active
 
     def _admitted(self, req: Request) -> None:
         """A request got its slot: counted, and with -v what its prefill will cost (tokens, forwards, reads)."""
@@ -214,7 +241,8 @@ class Engine:
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
-                                f"{self.max_context} tokens")
+                                f"{self.max_context} tokens (what the memory plan holds; a server started with "
+                                "--max-context N plans for more)")
         return room
 
     def _track(self, session_id: str, p: PrefillProgress, progress: Callable[[PrefillProgress], None] | None
@@ -282,6 +310,7 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     """Config and tokenizer first (fast, clear errors), then the backend, as one Engine; config.json is read
     once. `show_progress`: the load's progress and the plan on stderr (else the plan is logged)."""
     serving = serving or ServingOptions()
+    serving = dataclasses.replace(serving, max_context=serving.max_context or stage.sizing.context)
     asked = stage.sizing.sequences
     if asked is not None and asked < serving.max_active:  # more at once would evict each other's caches
         log.info("serving %d request(s) at once: --sequences %d plans caches for no more", asked, asked)
@@ -298,4 +327,6 @@ def planned_stage(stage: StageOptions, serving: ServingOptions) -> StageOptions:
     (unless --sequences says; a bare one-worker plan would hold one), room for speculative forwards when
     drafting."""
     sequences = stage.sizing.sequences if stage.sizing.sequences is not None else serving.max_active
+    if serving.max_context is not None and serving.max_context != stage.sizing.context:
+        stage = stage.replace(context=serving.max_context)  # the plan reserves room for the requests' context
     return stage.replace(speculative_tokens=serving.speculative_tokens, sequences=sequences)

@@ -65,6 +65,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._progress: dict[int, Callable[[float], None]] = {}  # a pending forward's listener, by its future
+        self._carried: dict[asyncio.Task[None], list[asyncio.Future[SeqOutput]]] = {}  # a batch's callers
+        self._ended: BaseException | None = None  # `end`: every forward from now on fails with this
 
     @property
     def pipeline_depth(self) -> int:
@@ -93,6 +95,8 @@ class Scheduler:
     async def forward(self, seq: SeqInput, progress: Callable[[float], None] | None = None) -> SeqOutput:
         """One sequence's forward, sent with whatever other sequences are ready at the same time; `progress`
         hears how far the batch that carries it is (the fraction of the model's layers done)."""
+        if self._ended is not None:
+            raise self._ended
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run(), name="deltafin-batcher")
             self._loop_task.add_done_callback(self._batcher_ended)
@@ -136,6 +140,7 @@ class Scheduler:
                 batch, self._pending = self._next_batch(self._pending)
                 task = asyncio.create_task(self._send(batch), name="deltafin-batch")
                 self._inflight[task] = frozenset(s.session_id for s, _ in batch)
+                self._carried[task] = [f for _, f in batch]
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
                 task.add_done_callback(self._sent)
 
@@ -167,7 +172,18 @@ class Scheduler:
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._inflight.pop(task, None)
+        self._carried.pop(task, None)
         self._wake.set()  # room for the next batch
+
+    def end(self, error: BaseException) -> None:
+        """Fail every forward with `error`, those waiting and those in batches in flight (cancelled on the
+        stages), and every one asked for from now on (a server shutting down)."""
+        self._ended = error
+        _fail([f for _, f in self._pending], error)
+        self._pending.clear()
+        for task, futures in list(self._carried.items()):
+            _fail(futures, error)
+            task.cancel()
 
     def _batcher_ended(self, task: asyncio.Task[None]) -> None:
         """The batcher never ends but by close(); if it failed, its waiting requests fail with the reason."""

@@ -306,8 +306,11 @@ def usage(u: Usage) -> dict[str, Any]:
             "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def model_card(name: str, created: float) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(created), "owned_by": "deltafin"}
+def model_card(name: str, created: float, context: int) -> dict[str, Any]:
+    """OpenAI's model object, with the deployment's context length (prompt + generated tokens a request may have,
+    as the memory plan reserves: --max-context) as other servers add it."""
+    return {"id": name, "object": "model", "created": int(created), "owned_by": "deltafin",
+            "context_length": context, "max_model_len": context}
 
 
 def _token(tokenizer: K3Tokenizer, token_id: int) -> tuple[str, list[int]]:

@@ -334,13 +334,14 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({"object": "list", "data": [oa.model_card(engine.model_name, engine.started)]})
+    return web.json_response({"object": "list", "data": [oa.model_card(engine.model_name, engine.started,
+                                                                      engine.max_context)]})
 
 
 async def model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     name = oa.served_model(request.match_info["name"], engine.model_name, engine.strict_model_name)
-    return web.json_response(oa.model_card(name, engine.started))
+    return web.json_response(oa.model_card(name, engine.started, engine.max_context))
 
 
 async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -380,7 +381,7 @@ async def status(request: web.Request) -> web.Response:
         stats, error = None, str(e) or type(e).__name__
     return web.json_response(status_json(engine.model_name, time.time() - engine.started, engine.counters,
                                          engine.scheduler.stats, list(engine.prefilling.values()), stats,
-                                         time.monotonic(), error))
+                                         time.monotonic(), error, engine.max_context))
 
 
 # the web chat's files (coordinator/http/web/), by the name in the URL: file, content type; any other name is a 404
@@ -451,3 +452,9 @@ async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 <<
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound
+
+
+async def stop_listening(runner: web.AppRunner) -> None:
+    """Close the listening sockets: no new connections; those open (running requests) go on."""
+    for site in list(runner.sites):
+        await site.stop()

@@ -65,6 +65,8 @@ class ExpertLocation:
 class Problem:
     message: str
     layer: int | None = None  # the decoder layer concerned, None for files and top-level tensors
+    layers: tuple[int, ...] = ()  # a damaged shard's: every decoder layer it leaves incomplete
+    damage: bool = False  # a file on the disk is damaged (truncated, a corrupt header), not merely absent
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Checkpoint:
 
     def layers_available(self) -> tuple[int, ...]:
         """Decoder layers whose every tensor is present and well formed on this disk."""
-        bad = {p.layer for p in self.problems}
+        bad = {p.layer for p in self.problems} | {i for p in self.problems for i in p.layers}
         return tuple(i for i in range(self.config.num_layers) if i not in bad)
 
     @property
@@ -105,7 +107,8 @@ class Checkpoint:
         """Raise ModelFormatError listing every problem (limited to `layers` and file-level ones)."""
         wanted = None if layers is None else set(layers)
         found = [p.message for p in self.problems
-                 if (p.layer is None and top) or (p.layer is not None and (wanted is None or p.layer in wanted))]
+                 if (p.layer is None and not p.layers and top)
+                 or any(i is not None and (wanted is None or i in wanted) for i in (p.layer, *p.layers))]
         if found:
             raise ModelFormatError(found)
 
@@ -165,16 +168,44 @@ def scan_checkpoint(model_dir: str | Path, config: ModelConfig) -> Checkpoint:
             problems.append(Problem(f"shard {fname} is listed in {INDEX_NAME} but missing from {model_dir}",
                                     layer))
             continue
-        found, size = read_header(path, problems, layer)
+        seen: set[str] = set()
+        cut: list[tuple[str, int]] = []
+        found, size = read_header(path, problems, layer, seen, cut)
         sizes[fname] = size
+        if cut:
+            problems.append(_truncated(config, fname, size, cut, len(seen)))
         for name in names:
             if name in found:
                 tensors[name] = found[name]
-            elif found:  # a header that failed to parse was already reported
+            elif seen and name not in seen:  # (a header that failed to parse, a cut tensor: reported already)
                 problems.append(Problem(f"tensor {name} is listed under {fname} in the index but is not in "
                                         "that shard's header", layer))
     problems += _validate(config, tensors, weight_map)
     return Checkpoint(model_dir, config, tensors, problems, sizes)
+
+
+def _truncated(config: ModelConfig, fname: str, size: int, cut: list[tuple[str, int]], tensors: int) -> Problem:
+    """One problem for a shard shorter than its header says: what is cut off, which layers it leaves incomplete,
+    and what to do."""
+    prefix = f"{config.prefix}model.layers."
+    layers = tuple(sorted({i for i in (_layer_of(n, prefix) for n, _ in cut) if i is not None}))
+    top = any(_layer_of(n, prefix) is None for n, _ in cut)
+    what = ", ".join([*([f"layers {id_ranges(layers)}"] if layers else []), *(["the embedding/head"] if top else [])])
+    return Problem(f"shard {fname} is truncated: {size:,} bytes, but its header's tensors end at byte "
+                   f"{max(end for _, end in cut):,}; {len(cut)} of its {tensors} tensors are cut off ({what}): copy "
+                   "or download it again (`deltafin download SOURCE --out DIR` refetches what does not match)",
+                   layers[0] if len(layers) == 1 and not top else None, () if top else layers, damage=True)
+
+
+def id_ranges(ids: Iterable[int]) -> str:
+    """Sorted ids as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" ("none" for no ids)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def _weight_map(model_dir: Path, problems: list[Problem]) -> dict[str, str]:
@@ -215,45 +246,51 @@ def _layer_of(name: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def read_header(path: Path, problems: list[Problem], layer: int | None) -> tuple[dict[str, TensorLocation], int]:
-    """Parse one shard's header. Returns ({name: location}, file size); problems are appended."""
+def read_header(path: Path, problems: list[Problem], layer: int | None, seen: set[str] | None = None,
+                cut: list[tuple[str, int]] | None = None) -> tuple[dict[str, TensorLocation], int]:
+    """Parse one shard's header. Returns ({name: location}, file size); problems are appended. `seen` collects
+    every tensor name the header has; with `cut`, tensors the file is too short for go there (name, end byte)
+    for the caller to report once, instead of a problem each."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 problems.append(Problem(f"shard {path.name} is {size} bytes: too short for a safetensors "
-                                        "header", layer))
+                                        "header", layer, damage=True))
                 return {}, size
             (n,) = struct.unpack("<Q", head)
             if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
                 problems.append(Problem(f"shard {path.name} declares a {n}-byte header but the file is "
-                                        f"{size} bytes: truncated or not a safetensors file", layer))
+                                        f"{size} bytes: truncated or not a safetensors file", layer, damage=True))
                 return {}, size
             raw = f.read(n)
     except OSError as e:
-        problems.append(Problem(f"cannot read shard {path.name}: {e.strerror or e}", layer))
+        problems.append(Problem(f"cannot read shard {path.name}: {e.strerror or e}", layer, damage=True))
         return {}, 0
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
-        problems.append(Problem(f"shard {path.name} has a corrupt JSON header: {e}", layer))
+        problems.append(Problem(f"shard {path.name} has a corrupt JSON header: {e}", layer, damage=True))
         return {}, size
     data_start = 8 + n
     out: dict[str, TensorLocation] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        loc = _location(path, name, entry, data_start, size, problems, layer)
+        if seen is not None:
+            seen.add(name)
+        loc = _location(path, name, entry, data_start, size, problems, layer, cut)
         if loc is not None:
             out[name] = loc
     return out, size
 
 
 def _location(path: Path, name: str, entry: object, data_start: int, size: int,
-              problems: list[Problem], layer: int | None) -> TensorLocation | None:
+              problems: list[Problem], layer: int | None, cut: list[tuple[str, int]] | None = None
+              ) -> TensorLocation | None:
     try:
         dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]  # type: ignore[index]
         ok = (dtype in DTYPE_BYTES and all(isinstance(d, int) and d >= 0 for d in shape)
@@ -261,16 +298,19 @@ def _location(path: Path, name: str, entry: object, data_start: int, size: int,
     except (TypeError, KeyError, ValueError):
         ok = False
     if not ok:
-        problems.append(Problem(f"shard {path.name}: malformed header entry for tensor {name}", layer))
+        problems.append(Problem(f"shard {path.name}: malformed header entry for tensor {name}", layer, damage=True))
         return None
     nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
     if end - begin != nbytes:
         problems.append(Problem(f"tensor {name} in {path.name}: data_offsets cover {end - begin} bytes but "
-                                f"{dtype}{list(shape)} needs {nbytes}", layer))
+                                f"{dtype}{list(shape)} needs {nbytes}", layer, damage=True))
         return None
     if data_start + end > size:
-        problems.append(Problem(f"shard {path.name} is truncated: tensor {name} ends at byte "
-                                f"{data_start + end} but the file has {size} bytes", layer))
+        if cut is not None:
+            cut.append((name, data_start + end))
+        else:
+            problems.append(Problem(f"shard {path.name} is truncated: tensor {name} ends at byte "
+                                    f"{data_start + end} but the file has {size} bytes", layer, damage=True))
         return None
     return TensorLocation(name, path, data_start + begin, nbytes, dtype, tuple(shape))
 

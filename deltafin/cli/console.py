@@ -4,7 +4,10 @@ exit status (never a traceback for a user's mistake)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -57,3 +60,20 @@ def run_cli(main_fn: Callable[[], int]) -> int:
         print(f"error: unexpected {type(e).__name__}: {e} (run with -v for details; please report it)",
               file=sys.stderr)
         return 1
+
+
+def stop_on_signals(what: str) -> asyncio.Event:
+    """An event the first SIGINT or SIGTERM sets (the process then stops gracefully); a second one ends it at
+    once, status 130 (a graceful stop that takes too long must not need SIGKILL). Call inside the running loop."""
+    stop = asyncio.Event()
+
+    def heard(sig: signal.Signals) -> None:
+        if stop.is_set():
+            print(f"{what}: {sig.name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, heard, sig)
+    return stop

@@ -190,8 +190,10 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once; their steps are batched (default 4)")
     p.add_argument("--queue-depth", type=int, default=16,
                    help="requests waiting for a slot; more are refused with 429 (default 16)")
-    p.add_argument("--max-context", type=int, default=131072,
-                   help="prompt + generated tokens per request (default 131072)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + generated tokens per request, which the memory plan reserves room for (default: "
+                   "--context, 4096; at K3's width each 1,024 tokens more take 57 MB of memory per sequence, and "
+                   "attention workspace); a longer request is refused before its prefill")
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="batches in flight through the stages at once (default 0: one per stage that computes "
                    "beside the others, so every stage works; CPU workers on one host share its cores and count "

@@ -145,12 +145,3 @@ class ExpertPlan:
         return self.holders[self.placement.holders.index(key)]
 
 
-def id_ranges(ids: list[int]) -> str:
-    """Sorted ids as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" ("none" for no ids)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"

@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import PlanError, SizingError
-from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights, id_ranges
+from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.sizing import (
     QUALITY_SOURCE,
@@ -59,6 +60,7 @@ class WorkerCapacity:
     expert_layers: tuple[tuple[int, int], ...] | None = None  # ranges whose experts it can read (None: `layers`)
     expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
     disks: int = 1  # disks it reads experts from
+    damaged: tuple[str, ...] = ()  # damaged shards on its disk ("FILE: layers A-B"), for the plan's errors
 
     @property
     def key(self) -> str:
@@ -396,6 +398,10 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
             have.update(range(a, b))
     missing = [i for i in range(cfg.num_layers) if i not in have]
     if missing:
+        damage = "; ".join(f"{w.name} ({w.address or w.key}) has them but cannot serve them: {d}"
+                           for w in workers for d in w.damaged)
+        if damage:
+            return f"no worker holds layers {id_ranges(missing)}: {damage}"
         return (f"no worker holds layers {id_ranges(missing)}: copy them to a worker's disk or add a worker that has "
                 "them")
     if not any(w.has_top for w in workers):

@@ -71,8 +71,10 @@ class LocalPipeline:
         return min(limits) if limits else None
 
     def forward(self, batch: list[SeqInput], all_logits: bool = False,
-                progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
-        """The batch through every stage; `progress(fraction of the model's layers done)` after each layer."""
+                progress: Callable[[float], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> list[SeqOutput]:
+        """The batch through every stage; `progress(fraction of the model's layers done)` after each layer;
+        `should_stop` asked between layers (Cancelled: the sessions of the stage that stopped are as before)."""
         hops = route(len(self.stages), batch)
         i, inputs = next(hops)
         layers = self.stages[-1].end
@@ -80,7 +82,8 @@ class LocalPipeline:
             stage = self.stages[i]
             hop = None if progress is None else (lambda d, _n, at=stage.start: progress((at + d) / layers))
             try:
-                i, inputs = hops.send(stage.forward(inputs, all_logits=all_logits, progress=hop))
+                i, inputs = hops.send(stage.forward(inputs, all_logits=all_logits, progress=hop,
+                                                    should_stop=should_stop))
             except StopIteration as done:
                 return done.value
 

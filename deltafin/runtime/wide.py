@@ -25,8 +25,9 @@ from typing import Any, Protocol
 import torch
 
 from deltafin.checkpoint.config import ModelConfig
+from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.plan.expert_placement import ExpertPlacement, id_ranges
+from deltafin.plan.expert_placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 

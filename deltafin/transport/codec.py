@@ -412,6 +412,7 @@ class WorkerDescription:
     expert_layers: tuple[tuple[int, int], ...] | None = None  # [start, end) ranges of experts it reads (None: layers)
     expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
     expert_disks: int = 1
+    damaged: tuple[str, ...] = ()  # shards on its disk that it cannot serve from: "FILE: layers A-B"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -439,7 +440,7 @@ def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
                          assigned=pb.LayerRange(start=d.assigned[0], end=d.assigned[1]), state=d.state,
                          version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id,
                          expert_layers=[pb.LayerRange(start=a, end=b) for a, b in d.expert_ranges],
-                         expert_gbps=d.expert_speed, expert_disks=d.expert_disks)
+                         expert_gbps=d.expert_speed, expert_disks=d.expert_disks, damaged=list(d.damaged))
 
 
 def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
@@ -449,7 +450,8 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
                              protocol_version=msg.protocol_version, version=msg.version, state=msg.state,
                              assigned=(msg.assigned.start, msg.assigned.end), host_memory_bytes=msg.host_memory_bytes,
                              worker_id=msg.worker_id, expert_layers=tuple((r.start, r.end) for r in msg.expert_layers),
-                             expert_gbps=msg.expert_gbps, expert_disks=msg.expert_disks or 1)
+                             expert_gbps=msg.expert_gbps, expert_disks=msg.expert_disks or 1,
+                             damaged=tuple(msg.damaged))
 
 
 def layer_ranges(layers: tuple[int, ...] | list[int]) -> tuple[tuple[int, int], ...]:

@@ -39,6 +39,7 @@ def txt_record(d: WorkerDescription) -> dict[str, str]:
         "experts": ",".join(f"{a}-{b}" for a, b in d.expert_ranges),
         "ebw": f"{d.expert_speed:.3f}",
         "disks": str(d.expert_disks),
+        **({"dmg": "; ".join(d.damaged)[:200]} if d.damaged else {}),  # (a TXT string holds 255 bytes)
     }
 
 
@@ -53,7 +54,8 @@ def parse_txt(props: dict[bytes, bytes | None], address: str) -> WorkerDescripti
         layers=layers,  # type: ignore[arg-type]
         has_top=p.get("top") == "1", protocol_version=int(p.get("v", "0")), version=p.get("ver", ""),
         host_memory_bytes=int(p.get("hmem", "0")), worker_id=p.get("id", ""), expert_layers=experts,
-        expert_gbps=float(p.get("ebw", "0")), expert_disks=int(p.get("disks", "1")))
+        expert_gbps=float(p.get("ebw", "0")), expert_disks=int(p.get("disks", "1")),
+        damaged=tuple(x for x in p.get("dmg", "").split("; ") if x))
 
 
 def _ranges(text: str) -> tuple[tuple[int, int], ...]:

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 
 from deltafin.text.tokenizer import K3Tokenizer
 from tests.support.cluster import COORDINATOR, workers
@@ -75,3 +76,55 @@ def test_cluster_options_go_before_or_after_the_command(tiny_dir: Path) -> None:
     assert mixed.returncode == 0, mixed.stderr
     missing = _run("generate", "hi", "--local")
     assert missing.returncode == 2 and "--model" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _serving(*args: str, serve: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    server = subprocess.Popen([*COORDINATOR, *args, "serve", "--port", "0", *serve], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    line = server.stdout.readline()  # type: ignore[union-attr]
+    m = re.search(r"serving (http://[\d.]+:\d+)", line)
+    assert m, line + server.stderr.read()  # type: ignore[union-attr]
+    return server, m.group(1)
+
+
+@pytest.mark.slow
+def test_sigint_ends_a_running_stream_within_the_grace_and_a_second_exits_at_once(tiny_dir: Path) -> None:
+    """SIGINT while a long stream runs: the server takes no new connection, the stream gets --shutdown-grace (1 s)
+    to finish, then ends with an error event its client reads (code server_shutting_down, after the tokens it
+    had), and the process exits 0 within seconds, not after the stream's thousands of tokens. A second SIGINT
+    during a long grace ends the process at once (status 130)."""
+    import time
+
+    for second_signal in (False, True):
+        grace = "60" if second_signal else "1"
+        server, url = _serving("--model", str(tiny_dir), "--local", "-q", serve=("--shutdown-grace", grace))
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4000, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            chunks = iter(stream)
+            got = [next(chunks).choices[0].text for _ in range(3)]
+            t0 = time.monotonic()
+            server.send_signal(signal.SIGINT)
+            if second_signal:
+                time.sleep(1.0)
+                server.send_signal(signal.SIGINT)
+                assert server.wait(10) == 130 and time.monotonic() - t0 < 10
+                continue
+            try:
+                for chunk in chunks:
+                    got.append(chunk.choices[0].text)
+                raise AssertionError("the stream ended without the shutdown's error event")
+            except openai.APIError as e:
+                assert "shutting down" in str(e.message)
+            assert 3 < len(got) < 4000
+            assert server.wait(30) == 0 and time.monotonic() - t0 < 20
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                raise AssertionError("a stopped server answered")
+            except OSError:
+                pass
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()

@@ -58,7 +58,10 @@ def test_stream_pieces_add_up_to_generate_and_the_last_one_carries_the_result(mo
     assert [p.token_id for p in pieces if p.token_id is not None][:len(whole.token_ids)] == whole.token_ids
     assert [p.finish_reason for p in pieces[:-1]] == [None] * (len(pieces) - 1)
     last = pieces[-1].completion
-    assert pieces[-1].finish_reason == whole.finish_reason and replace(last, timing=whole.timing) == whole
+    assert pieces[-1].finish_reason == whole.finish_reason
+    assert replace(last, timing=whole.timing, usage=whole.usage) == whole
+    # the same prompt again: resumed whole from the first call's kept prompt
+    assert (last.usage.prompt_tokens, last.usage.cached_tokens) == (whole.usage.prompt_tokens,) * 2
 
 
 def test_sampling_with_a_seed_repeats_and_differs_from_greedy(model) -> None:

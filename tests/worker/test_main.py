@@ -17,3 +17,42 @@ def test_worker_start_errors_are_clear(tmp_path):
 def test_sigint_stops_an_idle_worker(tiny_dir):
     with workers(tiny_dir, 1) as procs:
         assert procs[0].stop(signal.SIGINT) == 0
+
+
+def test_a_second_worker_on_a_port_in_use_refuses_to_start(tiny_dir):
+    """gRPC would let two servers share a port (SO_REUSEPORT) and the OS spread connections over them: the second
+    worker refuses instead, with the message `serve` gives for a port in use."""
+    with workers(tiny_dir, 1) as (first,):
+        port = first.address.rsplit(":", 1)[1]
+        r = subprocess.run([*WORKER, "--model", str(tiny_dir), "--port", port, "--no-announce", "--memory-gb", "2"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"127.0.0.1:{port} is already in use by another process" in r.stderr
+        assert first.proc.poll() is None  # the first one still serves
+
+
+def test_a_damaged_shard_is_said_once_and_the_coordinator_names_it(tiny_dir, tmp_path):
+    """A copy of the model with one shard cut short: the worker says so once, for that file, with the fix, and
+    serves the other layers; the coordinator's plan names the file and the worker instead of "no worker holds
+    layers 2"."""
+    import shutil
+
+    from tests.support.cluster import COORDINATOR, WorkerProcess
+
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model)
+    shard = model / "model-00003-of-00007.safetensors"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    worker = WorkerProcess(model, "damaged")
+    try:
+        worker.wait_ready()
+        plan = subprocess.run([*COORDINATOR, "--model", str(model), "--worker", worker.address, "--no-discover",
+                               "plan"], capture_output=True, text=True, timeout=120)
+    finally:
+        worker.stop()
+    log = worker.proc.stderr.read()  # type: ignore[union-attr]
+    assert log.count("model-00003-of-00007.safetensors is truncated") == 1, log
+    assert "copy or download it again" in log and "this worker serves layers 0-1, 3-5, not 2" in log
+    assert plan.returncode == 1 and "Traceback" not in plan.stderr
+    assert "no worker holds layers 2: damaged" in plan.stderr
+    assert "model-00003-of-00007.safetensors is damaged (layers 2): copy or download it again" in plan.stderr

@@ -288,7 +288,8 @@
 
   function renderSummary(s) {
     const c = s.counters;
-    const items = [["model", s.model], ["up", duration(s.uptime_s)], ["requests", String(c.requests)],
+    const items = [["model", s.model], ["context", s.context_length ? `${s.context_length} tokens` : "?"],
+                   ["up", duration(s.uptime_s)], ["requests", String(c.requests)],
                    ["tokens", `${c.generated_tokens} out, ${c.prompt_tokens} in`],
                    ["last tok/s", c.last_tokens_per_second.toFixed(2)],
                    ["running", `${s.queue.running}, ${s.queue.waiting} waiting`]];

@@ -123,8 +123,8 @@ def _corrupt_missing_shard(d: Path) -> None:
 
 
 CORRUPTIONS = {
-    "truncated shard": (_corrupt_truncate, ["shard model-00003-of-00007.safetensors is truncated: tensor "
-                                            "language_model.model.layers.2."]),
+    "truncated shard": (_corrupt_truncate, ["shard model-00003-of-00007.safetensors is truncated: ",
+                                            "tensors are cut off (layers 2): copy or download it again"]),
     "missing tensor": (_corrupt_missing_tensor, ["missing tensor language_model.model.layers.3.self_attn."
                                                  "kv_b_proj.weight"]),
     "wrong dtype": (_corrupt_dtype, ["tensor language_model.model.layers.1.block_sparse_moe.experts.5.w2."
@@ -162,6 +162,23 @@ def test_problems_are_attributed_to_layers(tiny_dir: Path, tmp_path: Path):
     assert ckpt.layers_available() == (0, 1, 2, 3, 4)
     assert ckpt.top_available
     ckpt.raise_problems(layers=[0, 1])  # a stage that does not need layer 5 can still load
+
+
+def test_a_truncated_shard_is_one_problem_naming_its_layers(tiny_dir: Path, tmp_path: Path, capsys):
+    """A shard cut in half: one problem for the file (not one a tensor, and none saying a tensor is "not in that
+    shard's header", which it is), with the layers it leaves out, which are then not available; inspect prints
+    that one line."""
+    d = _copy(tiny_dir, tmp_path)
+    shard = d / "model-00003-of-00007.safetensors"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    ckpt = scan_checkpoint(d, load_config(d))
+    assert len(ckpt.problems) == 1 and ckpt.problems[0].damage
+    p = ckpt.problems[0]
+    assert p.message.startswith("shard model-00003-of-00007.safetensors is truncated") and "(layers 2)" in p.message
+    assert 2 not in ckpt.layers_available() and 1 in ckpt.layers_available()
+    assert main(["inspect", "--model", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "1 problem(s):" in out and "not in that shard's header" not in out
 
 
 def test_inspect_cli_subprocess_has_no_traceback(tmp_path: Path):
