@@ -22,7 +22,7 @@ from deltafin import __version__
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_checkpoint
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
-from deltafin.cli.flags import add_device_options, add_stage_options, stage_from_args
+from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
@@ -39,7 +39,7 @@ log = logging.getLogger("deltafin.worker")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafin-worker", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (all layers, or only this worker's)")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP + " (all layers, or only this worker's)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; use 0.0.0.0 or a LAN address to serve other "
                    "machines, on a network you trust: the worker runs whatever a coordinator asks)")

@@ -118,7 +118,9 @@ async def find_workers(spec: ClusterSpec) -> list[Worker]:
     addresses = await discover_addresses(spec)
     if not addresses:
         raise ClusterError("no workers: none answered on Bonjour within "
-                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port")
+                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port. To run on this "
+                           "machine alone, add --local (or use `deltafin serve` / `deltafin chat --local`); to use "
+                           "other machines, start `deltafin-worker --model ...` on each")
     usable = await probe_workers(spec, addresses)
     if not usable:
         raise ClusterError("no usable workers: every one found was unreachable, runs another model or protocol, or "

@@ -91,10 +91,7 @@ def parse_messages(body: Any, served: str, strict: bool = False, counting: bool 
     """A Messages request (`counting`: a count_tokens request, which has no max_tokens)."""
     if not isinstance(body, dict):
         raise oa.bad(None, "the request body must be a JSON object")
-    model = _get(body, "model", str)
-    if model is None:
-        raise oa.bad("model", "'model' is required")
-    model = oa.served_model(model, served, strict)
+    model = oa.served_model(_get(body, "model", str, default=served), served, strict)  # (left out: the served one)
     max_tokens = _get(body, "max_tokens", int)
     if max_tokens is None and not counting:
         raise oa.bad("max_tokens", "'max_tokens' is required")

@@ -97,10 +97,7 @@ def served_model(requested: str, served: str, strict: bool) -> str:
 
 
 def _params(body: dict[str, Any], served: str, logprobs: int | None, strict: bool) -> Params:
-    model = _field(body, "model", str)
-    if model is None:
-        raise bad("model", "'model' is required")
-    model = served_model(model, served, strict)
+    model = served_model(_field(body, "model", str, served), served, strict)  # (left out: the served one)
     n = _field(body, "n", int, 1)
     if n != 1:
         raise bad("n", "only n=1 is supported: Deltafin generates one choice per request")

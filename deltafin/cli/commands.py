@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,13 +20,15 @@ import numpy as np
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
-from deltafin.cli.flags import add_device_options, add_stage_options, stage_from_args
+from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
+from deltafin.cli.models import add_models_command
 from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
 from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES
+from deltafin.paths import bundled_model, models_dir
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -84,7 +87,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                        description="Read config.json, the safetensors index and every shard header (no tensor "
                        "data) and print layers, experts, spine bytes, expert bytes per token, contiguity and "
                        "problems. Exits 1 if the checkpoint has problems.")
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--memory-gb", type=float, default=None,
                    help="also show the memory plan of the whole model as one stage within this budget")
@@ -97,11 +100,22 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
-    summary = download(open_source(args.source), args.out, args.layers, args.experts, show_progress=not args.quiet)
+    out = args.out or str(models_dir() / _default_name(args.source))
+    summary = download(open_source(args.source), out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
+    if args.out is None:
+        print(f"(as {Path(out).name}: --model {Path(out).name} finds it)")
     if args.convert:
-        _print_conversion(args.out, args.convert, None, args.quiet, "auto")
+        _print_conversion(out, args.convert, None, args.quiet, "auto")
     return 0
+
+
+def _default_name(source: str) -> str:
+    """The name a download goes under by default: a Hub repository's name, a directory's name."""
+    name = source.split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1].removeprefix("hf:")
+    if not name or name in (".", ".."):
+        raise DeltafinError(f"cannot name a model after {source!r}: give --out DIR")
+    return name
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -125,7 +139,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                        "An interrupted run resumes; files already there are checked and rebuilt if corrupt or "
                        "stale. A process whose plan needs a converted spine converts it by itself unless "
                        "--no-convert; this command does it ahead of time. Prints a JSON summary.")
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--spine", default="q4", choices=CONVERTED_SPINES,
                    help="q4 (default): 4-bit groups of 64, the sensitive matrices row-int8; int8: row-int8 "
                    "(quality of each in the README)")
@@ -150,7 +164,9 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="SOURCE",
                    help="hf:ORG/NAME[@REVISION] (the Hugging Face Hub: its cache, token and HF_HUB_OFFLINE) or a "
                    "checkpoint directory (a NAS, an external disk)")
-    p.add_argument("--out", required=True, help="the worker's model directory (created)")
+    p.add_argument("--out", default=None,
+                   help="the worker's model directory (created; default: the cache directory's models/NAME, NAME "
+                   "being the repository's or the directory's name, which --model NAME then finds)")
     p.add_argument("--layers", default=None, metavar="A-B",
                    help="decoder layers A to B inclusive, as `plan` prints a stage (default: all)")
     p.add_argument("--experts", default=None, metavar="K/N",
@@ -188,7 +204,7 @@ def _add_logits(sub: argparse._SubParsersAction) -> None:
                        "position) with numpy.save. The reference check against other implementations: fp32 on "
                        "CUDA disables TF32. --mode decode feeds one token at a time through the caches; "
                        "--stages N splits the layers into N in-process stages passing only the residual state.")
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", required=True, help="output .npy file")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
@@ -303,7 +319,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
                        "prefetch and drafting on a trained model's own answers; --quality: what a spine format "
                        "costs against the spine as stored.")
-    p.add_argument("--model", help="checkpoint directory: measure decode")
+    p.add_argument("--model", type=model_arg, help=MODEL_HELP + ": measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel and the spine matmul in each "
                    "spine format")
@@ -381,7 +397,7 @@ def _add_tokenize(sub: argparse._SubParsersAction) -> None:
                        description="Encode TEXT with the model's tokenizer and print the ids as a JSON list. "
                        "Special-token text is ordinary text unless --allow-special. With --chat, TEXT is a JSON "
                        "list of messages rendered in K3's chat format, with the generation prompt.")
-    p.add_argument("--model", required=True, help="checkpoint directory (tiktoken.model, tokenizer_config.json)")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--chat", action="store_true", help="TEXT is a JSON list of chat messages")
     p.add_argument("--thinking", default="max", choices=["low", "high", "max", "none", "off"],
                    help="--chat: thinking effort; none: thinking without the effort message; off: no thinking")
@@ -390,7 +406,7 @@ def _add_tokenize(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_tokenize)
     d = sub.add_parser("detokenize", help="print the text of token ids",
                        description="Decode IDS (a JSON list or comma-separated ids); invalid UTF-8 becomes U+FFFD.")
-    d.add_argument("--model", required=True, help="checkpoint directory")
+    d.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     d.add_argument("--skip-special", action="store_true", help="leave special tokens out")
     d.add_argument("ids", metavar="IDS")
     d.set_defaults(func=_cmd_detokenize)
@@ -405,16 +421,34 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job: a synthetic K3 on a local one-worker cluster",
-                       description="Create (once, cached) a small synthetic K3 checkpoint with random weights, "
-                       "start a deltafin-worker on 127.0.0.1, connect to it over gRPC as a one-worker cluster and "
-                       "generate a chat reply. The weights are random, so the text is too.")
+    p = sub.add_parser("demo", help="the main job: k3-mini (a small K3 trained on Python's documentation, bundled) "
+                       "on a local one-worker cluster",
+                       description="Start a deltafin-worker on 127.0.0.1 with k3-mini, the small K3 that ships with "
+                       "Deltafin (or --preset tiny|small: a synthetic K3 with random weights, written once into the "
+                       "cache directory), connect to it over gRPC as a one-worker cluster and stream a chat reply.")
     demo.add_arguments(p)
     p.set_defaults(func=lambda args: asyncio.run(demo.run_demo(args)))
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("serve", add_help=False, help="the one-machine server: the HTTP APIs and the web chat on this "
+                   "machine alone, k3-mini unless --model says (deltafin-coordinator --local serve; --help for its "
+                   "options)")  # (main hands its arguments over whole)
+
+
+def serve(argv: list[str]) -> int:
+    """`deltafin serve ARGS`: `deltafin-coordinator serve --local ARGS`, the bundled model unless --model says."""
+    from deltafin.coordinator.main import main as coordinator  # grpc and the HTTP stack: loaded when it runs
+
+    if "-h" not in argv and "--help" not in argv and not any(a == "--model" or a.startswith("--model=")
+                                                             for a in argv):
+        argv = ["--model", str(bundled_model()), *argv]
+    return coordinator(["serve", "--local", *argv])
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_synth, _add_inspect, _add_download, _add_convert, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo]
+    _add_synth, _add_inspect, _add_download, _add_convert, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo,
+    _add_serve, add_models_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(log_level(args))
     return run_cli(lambda: args.func(args))

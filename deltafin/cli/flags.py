@@ -25,6 +25,7 @@ from deltafin.options import (
     SPINES,
     from_values,
 )
+from deltafin.paths import resolve_model
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES
 
@@ -123,7 +124,8 @@ def add_device_options(p: argparse.ArgumentParser, device_help: str | None = Non
 
 def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Where the model runs: discovered/named workers, or in-process (--local); and how its stages hold it."""
-    p.add_argument("--model", required=model_required, help="the checkpoint directory (same files as the workers')")
+    p.add_argument("--model", type=model_arg, required=model_required,
+                   help=MODEL_HELP + " (the same files as the workers')")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                    help="a worker to use (repeatable); discovered workers are added unless --no-discover")
     p.add_argument("--no-discover", dest="discover", action="store_false", help="use only the --worker addresses")
@@ -182,6 +184,17 @@ def add_speculative_option(p: argparse.ArgumentParser) -> None:
                    "forward (the same output; fewer passes over the weights when drafts land; the plan gives "
                    "every sequence room for a verification's KDA trail, 0.21 GB at K3's width); none: one token "
                    "per forward (default)")
+
+
+MODEL_HELP = "a model: its directory, k3-mini (the bundled one) or a name `deltafin models` lists"
+
+
+def model_arg(text: str) -> str:
+    """--model as argparse takes it: a directory, the bundled model or a model's name (paths.resolve_model)."""
+    try:
+        return str(resolve_model(text))
+    except FileNotFoundError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serving_options(p: argparse.ArgumentParser) -> None:

@@ -282,6 +282,20 @@ async def test_any_model_name_is_served_and_answered_with_the_served_one_unless_
         server.engine.strict_model_name = False
 
 
+async def test_a_request_may_leave_the_model_out(server: Server) -> None:
+    """`model` left out: the served model answers (one server serves one model)."""
+    async with aiohttp.ClientSession() as s:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0}
+        async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and (await r.json())["model"] == MODEL
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+        async with s.post(server.url + "/v1/messages", json=body) as r:
+            assert r.status == 200 and (await r.json())["model"] == MODEL
+        async with s.get(server.url + "/v1/models") as r:
+            card = (await r.json())["data"][0]
+            assert card["context_length"] == server.engine.max_context == card["max_model_len"]
+
+
 async def test_unknown_path_and_bad_json(server: Server) -> None:
     models = await server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]

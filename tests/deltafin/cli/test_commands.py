@@ -1,0 +1,36 @@
+"""`deltafin`'s commands as a newcomer meets them: `deltafin serve` runs the bundled model on this machine alone;
+a coordinator that finds no worker says how to run alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from tests.support.cluster import COORDINATOR
+
+DELTAFIN = [sys.executable, "-m", "deltafin"]
+
+
+def test_deltafin_serve_runs_the_bundled_model_alone() -> None:
+    server = subprocess.Popen([*DELTAFIN, "serve", "--port", "0", "--device", "cpu", "-q"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        m = re.search(r"serving (http://[\d.]+:\d+) \(model 'k3-mini'", line)
+        assert m, line + server.stderr.read()  # type: ignore[union-attr]
+        card = json.loads(urllib.request.urlopen(m.group(1) + "/v1/models", timeout=30).read())["data"][0]
+        assert (card["id"], card["context_length"]) == ("k3-mini", 4096)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+
+
+def test_a_coordinator_with_no_worker_says_how_to_run_alone() -> None:
+    r = subprocess.run([*COORDINATOR, "--model", "k3-mini", "--interface", "127.0.0.1", "--discover-timeout", "0.5",
+                        "plan"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "no workers" in r.stderr and "add --local (or use `deltafin serve`" in r.stderr

@@ -1,0 +1,31 @@
+"""`deltafin models`: the bundled model and those under the cache's models/, with what each holds; `--model NAME`
+finds them on every command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from deltafin.cli.commands import main
+
+
+def test_models_lists_what_each_holds_and_names_find_them(tiny_dir: Path, tmp_path: Path, monkeypatch,
+                                                          capsys) -> None:
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    shutil.copytree(tiny_dir, models / "tiny")
+    shutil.copytree(tiny_dir, models / "cut")
+    shard = models / "cut" / "model-00003-of-00007.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(rows) == ["k3-mini", "cut", "tiny"]
+    assert (rows["k3-mini"]["layers"], rows["k3-mini"]["of_layers"], rows["k3-mini"]["top"]) == (8, 8, True)
+    assert (rows["tiny"]["layers"], rows["tiny"]["held"], rows["tiny"]["problems"]) == (6, "0-5", 0)
+    assert (rows["cut"]["held"], rows["cut"]["problems"]) == ("0-1, 3-5", 1)
+    assert rows["tiny"]["disk_bytes"] > 1_000_000
+    assert main(["models"]) == 0
+    assert "1 damaged file(s): deltafin inspect --model cut" in capsys.readouterr().out
+    assert main(["tokenize", "--model", "tiny", "hello"]) == 0  # a name, on any command
+    assert json.loads(capsys.readouterr().out)
