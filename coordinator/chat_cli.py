@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, TextIO
 
+from deltafin.cli.console import log_level
 from deltafin.cli.flags import (
     add_cluster_options,
     add_sampling_options,
@@ -78,6 +80,8 @@ async def run_chat(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
     engine = await open_engine(cluster_from_args(args), stage_from_args(args), serving_from_args(args))
+    if log_level(args) < 1:  # loaded: from now on (unless -v) the log would only break into the conversation
+        logging.getLogger("deltafin").setLevel(logging.WARNING)
     printer = _Printer(sys.stdout.isatty())
     session = ChatSession(engine, sampling, args.max_tokens, args.system, args.thinking)
     lines = _Lines(sys.stdin)
@@ -136,15 +140,18 @@ async def _show_end(reply: Reply, engine: Engine) -> None:
 
 
 class _Printer:
-    """A reply as it streams: reasoning dimmed on a terminal, a line break where the channel changes."""
+    """A reply as it streams: reasoning dimmed on a terminal, a line break where the channel changes; piped, each
+    channel starts with a marker ([reasoning], [answer]) where dimming cannot tell them apart."""
 
     def __init__(self, tty: bool):
+        self.tty = tty
         self.dim, self.plain = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
         self.channel = ""
 
     def __call__(self, kind: str, piece: str) -> None:
         if kind != self.channel:
-            print("\n" if self.channel else "", end="")
+            marker = "" if self.tty else ("[reasoning] " if kind == "reasoning" else "[answer] ")
+            print(("\n" if self.channel else "") + marker, end="")
             self.channel = kind
         print(f"{self.dim}{piece}{self.plain}" if kind == "reasoning" else piece, end="", flush=True)
 

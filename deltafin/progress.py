@@ -23,7 +23,8 @@ def fmt_bytes(n: float) -> str:
 
 
 class Progress:
-    """Progress of `total` units (bytes when `unit="B"`); use as a context manager."""
+    """Progress of `total` units (bytes when `unit="B"`; `unit=""`: a fraction of 1, shown as a percentage alone);
+    use as a context manager."""
 
     def __init__(self, total: float, desc: str, unit: str = "B", stream: TextIO | None = None,
                  enabled: bool = True, interval: float = 5.0):
@@ -48,9 +49,11 @@ class Progress:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        pct = 100.0 * self.done / self.total
-        speed = f"{fmt_bytes(rate)}/s" if self.unit == "B" else f"{rate:.1f} {self.unit}/s"
+        pct = 100.0 * min(self.done, self.total) / self.total
         eta_s = f"{eta:.0f}s" if eta != float("inf") else "?"
+        if not self.unit:  # a fraction: no amounts, no rate of "units"
+            return f"{self.desc}: {pct:5.1f}% eta {eta_s}"
+        speed = f"{fmt_bytes(rate)}/s" if self.unit == "B" else f"{rate:.1f} {self.unit}/s"
         return (f"{self.desc}: {pct:5.1f}% {self._amount(self.done)} / {self._amount(self.total)} "
                 f"{speed} eta {eta_s}")
 

@@ -100,6 +100,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
+    if args.quiet:  # no progress, and no log line below a warning either
+        logging.getLogger("deltafin").setLevel(logging.WARNING)
     out = args.out or str(models_dir() / _default_name(args.source))
     summary = download(open_source(args.source), out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
@@ -119,6 +121,8 @@ def _default_name(source: str) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    if args.quiet:
+        logging.getLogger("deltafin").setLevel(logging.WARNING)
     _print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
     return 0
 

@@ -16,3 +16,7 @@ def test_chat_command(tiny_dir: Path) -> None:
     assert done.stdout.count("you> ") == 5
     assert done.stderr.count("[5 tokens") == 2
     assert "[thinking low]" in done.stderr and "unknown command '/bogus'" in done.stderr
+    # piped: each channel marked (no dimming to tell them apart); once loaded, no info log inside the chat
+    assert done.stdout.count("[reasoning] ") + done.stdout.count("[answer] ") >= 2
+    after_load = done.stderr[done.stderr.index("chatting with"):]
+    assert " I deltafin" not in after_load, after_load
