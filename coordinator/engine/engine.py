@@ -134,6 +134,7 @@ class Engine:
         serving = serving or ServingOptions()
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name  # what responses carry, whatever name a request used ...
+        self.model_dir: Path | None = None  # its directory (open_engine), for the routes that describe it
         self.strict_model_name = serving.strict_model_name  # ... unless this: then another name is model_not_found
         self.max_context = serving.max_context or DEFAULT_CONTEXT  # open_engine: the plan's
         self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
@@ -319,7 +320,9 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     tokenizer = K3Tokenizer.load(cluster.model)
     backend = await open_backend(cluster, planned_stage(stage, serving), cfg, show_progress)
     name = serving.served_model_name or Path(cluster.model).resolve().name
-    return Engine(backend, tokenizer, cfg, name, serving, prefix_cache=True)
+    engine = Engine(backend, tokenizer, cfg, name, serving, prefix_cache=True)
+    engine.model_dir = Path(cluster.model)
+    return engine
 
 
 def planned_stage(stage: StageOptions, serving: ServingOptions) -> StageOptions:

@@ -8,6 +8,7 @@ the API's response or stream events; this module starts the generation and sends
     POST /v1/completions        OpenAI's text completion of a prompt (text or token ids)
     POST /v1/messages           Anthropic's Messages API: thinking, text and tool_use blocks, its SSE events
     POST /v1/messages/count_tokens  the prompt tokens a Messages request would build
+    /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version: Ollama's API (ollama_routes.py)
     GET  /v1/models             the served model
     GET  /health                200 when every worker answers, else 503
     GET  /metrics               Prometheus text: requests, tokens, tok/s, queue, per-worker I/O and hit rate
@@ -17,7 +18,7 @@ the API's response or stream events; this module starts the generation and sends
 
 Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
 413 body too large, 429 queue full, 500/503 a worker failed); under /v1/messages they take Anthropic's shape
-(anthropic_api.py: a full queue is 529 overloaded_error). A client that disconnects cancels its
+(anthropic_api.py: a full queue is 529 overloaded_error), under /api/ Ollama's `{"error"}`. A client that disconnects cancels its
 generation, which frees its sessions on every worker. A stream whose first token takes longer than
 HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
 comment every HEARTBEAT_S, so that read timeouts and proxies see bytes; a failure after that is an error
@@ -32,7 +33,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any, Protocol
 
@@ -41,10 +42,21 @@ from aiohttp import web
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillProgress, TextView, TokenEvent
 from deltafin.coordinator.http import anthropic_api as am
+from deltafin.coordinator.http import ollama_routes
 from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http.handling import (
+    ENGINE,
+    MAX_BODY,
+    REQUESTS,
+    Events,
+    as_api_error,
+    error_response,
+    first_event,
+    read_json,
+    rest_of,
+)
 from deltafin.coordinator.http.metrics import render
 from deltafin.coordinator.http.status import status as status_json
-from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
 from deltafin.text.chat import OutputParser, encode_with_boundaries
 from deltafin.text.chat import encode as chat_encode
 
@@ -52,31 +64,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
 
-ENGINE = web.AppKey("engine", Engine)
-REQUESTS = web.AppKey("requests", dict)
-MAX_BODY = web.AppKey("max_body", int)
-Events = AsyncIterator[TokenEvent | Finished]
-
-
-def _error_response(err: oa.ApiError, path: str) -> web.Response:
-    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
-    if am.is_messages_path(path):
-        status, body = am.error_body(err)
-        return web.json_response(body, status=status)
-    return web.json_response(err.body(), status=err.status)
-
-
-def _as_api_error(e: BaseException) -> oa.ApiError:
-    """The API's answer to an error: its own, or the one deltafin/errors.py's HTTP_STATUS gives it."""
-    if isinstance(e, oa.ApiError):
-        return e
-    found = lookup(HTTP_STATUS, e)
-    if found is None:
-        log.exception("unexpected error serving a request")
-        return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
-    status, kind, code = found
-    message = f"a worker failed: {e}" if code == "worker_unavailable" else str(e)
-    return oa.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
 
 
 @web.middleware
@@ -89,7 +76,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return response
     except web.HTTPException as e:
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        response = _error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
+        response = error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
                                                f"the request body is larger than {request.app[MAX_BODY]} bytes",
                                                type=kind), request.path)
         status = response.status
@@ -98,7 +85,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         status = 499  # the client went away
         raise
     except Exception as e:
-        response = _error_response(_as_api_error(e), request.path)
+        response = error_response(as_api_error(e), request.path)
         status = response.status
         return response
     finally:
@@ -106,32 +93,6 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         key = (resource.canonical if resource is not None else "other", status)
         counts = request.app[REQUESTS]
         counts[key] = counts.get(key, 0) + 1
-
-
-async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
-
-
-async def _first(events: Events, prompt_param: str) -> TokenEvent | Finished:
-    """The first event, before any response header: admission and prompt errors become proper statuses."""
-    try:
-        return await anext(events)
-    except PromptTooLong as e:
-        await events.aclose()
-        raise oa.ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
-    except BaseException:
-        await events.aclose()
-        raise
-
-
-async def _rest(first: TokenEvent | Finished, events: Events) -> Events:
-    yield first
-    async with contextlib.aclosing(events):
-        async for e in events:
-            yield e
 
 
 class _Sse:
@@ -193,7 +154,7 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
     """A stream's first event. Until it comes, every HEARTBEAT_S the stream opens (if it has not) and a
     comment says how far the request is (clients skip comments). Errors before the stream opened are
     statuses, as `_first` makes them; after, an error event ends the stream and None is returned."""
-    first = asyncio.ensure_future(_first(events, prompt_param))
+    first = asyncio.ensure_future(first_event(events, prompt_param))
     try:
         while not (await asyncio.wait({first}, timeout=HEARTBEAT_S))[0]:
             if not sse.started:
@@ -209,7 +170,7 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
     except Exception as e:
         if not sse.started or isinstance(e, ConnectionResetError):
             raise
-        await sse.error(_as_api_error(e))
+        await sse.error(as_api_error(e))
         await sse.finish()
         return None
 
@@ -226,8 +187,9 @@ async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: o
                         ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative,
                         boundaries=boundaries or ())
     sse = sse or _Sse(request)
-    first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream else _first(events, prompt_param))
-    return (None if first is None else _rest(first, events)), sse
+    first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream
+                   else first_event(events, prompt_param))
+    return (None if first is None else rest_of(first, events)), sse
 
 
 class _Format(Protocol):
@@ -257,7 +219,7 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # the headers went out: the failure is an error event, then [DONE]
-        await sse.error(_as_api_error(e))
+        await sse.error(as_api_error(e))
     return await sse.finish()
 
 
@@ -266,7 +228,7 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = oa.parse_completion(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
+    req = oa.parse_completion(await read_json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
     events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
     return await _respond(sse, events, oa.CompletionFormat(engine.tokenizer, req), p.stream)
@@ -274,7 +236,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = oa.parse_chat(await _json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
+    req = oa.parse_chat(await read_json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
     ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
@@ -315,7 +277,7 @@ class _MessagesSse(_Sse):
 
 async def messages(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name)
+    req = am.parse_messages(await read_json(request), engine.model_name, engine.strict_model_name)
     ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
     fmt = am.MessageFormat(req.params.model, len(ids))
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
@@ -325,7 +287,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    req = am.parse_messages(await _json(request), engine.model_name, engine.strict_model_name, counting=True)
+    req = am.parse_messages(await read_json(request), engine.model_name, engine.strict_model_name, counting=True)
     return web.json_response({"input_tokens": len(chat_encode(engine.tokenizer, req.messages, req.options))})
 
 
@@ -438,6 +400,7 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | Non
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
+    ollama_routes.add_routes(app)
     app.router.add_get("/", web_file)
     app.router.add_get("/web/{name}", web_file)
     return app
