@@ -96,6 +96,12 @@ def served_model(requested: str, served: str, strict: bool) -> str:
     return served
 
 
+def request_params(body: dict[str, Any], served: str, strict: bool) -> Params:
+    """The model, limits, sampling and streaming of a body in OpenAI's field names (no logprobs): what another
+    of OpenAI's APIs (the Responses API) shares with chat completions."""
+    return _params(body, served, None, strict)
+
+
 def _params(body: dict[str, Any], served: str, logprobs: int | None, strict: bool) -> Params:
     model = served_model(_field(body, "model", str, served), served, strict)  # (left out: the served one)
     n = _field(body, "n", int, 1)

@@ -8,6 +8,7 @@ the API's response or stream events; this module starts the generation and sends
     POST /v1/completions        OpenAI's text completion of a prompt (text or token ids)
     POST /v1/messages           Anthropic's Messages API: thinking, text and tool_use blocks, its SSE events
     POST /v1/messages/count_tokens  the prompt tokens a Messages request would build
+    POST /v1/responses          OpenAI's Responses API: reasoning items, output text, function calls (responses_api.py)
     /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version: Ollama's API (ollama_routes.py)
     GET  /v1/models             the served model
     GET  /health                200 when every worker answers, else 503
@@ -18,9 +19,9 @@ the API's response or stream events; this module starts the generation and sends
 
 Errors are OpenAI-style JSON bodies with the HTTP status (400 bad request, 404 unknown model or path,
 413 body too large, 429 queue full, 500/503 a worker failed); under /v1/messages they take Anthropic's shape
-(anthropic_api.py: a full queue is 529 overloaded_error), under /api/ Ollama's `{"error"}`. A client that disconnects cancels its
-generation, which frees its sessions on every worker. A stream whose first token takes longer than
-HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
+(anthropic_api.py: a full queue is 529 overloaded_error), under /api/ Ollama's `{"error"}`. A client that
+disconnects cancels its generation, which frees its sessions on every worker. A stream whose first token takes
+longer than HEARTBEAT_S (a queue, a long prefill: minutes at K3's size) opens anyway and says how far it is in an SSE
 comment every HEARTBEAT_S, so that read timeouts and proxies see bytes; a failure after that is an error
 event in the stream.
 """
@@ -44,6 +45,7 @@ from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillP
 from deltafin.coordinator.http import anthropic_api as am
 from deltafin.coordinator.http import ollama_routes
 from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import responses_api as rs
 from deltafin.coordinator.http.handling import (
     ENGINE,
     MAX_BODY,
@@ -285,6 +287,30 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await _respond(sse, events, fmt, req.params.stream)
 
 
+class _ResponsesSse(_Sse):
+    """The Responses API's stream: `event: TYPE` before each data line, a failure as an `error` event, no [DONE]."""
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.response.write(rs.sse_event(obj))
+
+    async def error(self, err: oa.ApiError) -> None:
+        await self.send({"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param,
+                         "sequence_number": 0})
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write_eof()
+        return self.response
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = rs.parse_responses(await read_json(request), engine.model_name, engine.strict_model_name)
+    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
+    view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
+    events, sse = await _run(request, ids, view, req.params, "input", _ResponsesSse(request), ends)
+    return await _respond(sse, events, rs.ResponsesFormat(req), req.params.stream)
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     req = am.parse_messages(await read_json(request), engine.model_name, engine.strict_model_name, counting=True)
@@ -395,6 +421,7 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | Non
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post(rs.PATH, responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{name}", model)
     app.router.add_get("/health", health)
