@@ -61,10 +61,12 @@ class Manifest:
         self.path = out / MANIFEST
         self.index_sha256 = index_sha256
         self.files: dict[str, list[Range]] = {}
+        self.sha256: dict[str, str] = {}  # whole files checked against the source's published sha256
         self.record: dict[str, Any] = {}
         data = _load(self.path)
         if data.get("version") == VERSION and data.get("index_sha256") == index_sha256:
             self.files = {k: [(int(a), int(b)) for a, b in v] for k, v in data.get("files", {}).items()}
+            self.sha256 = {str(k): str(v) for k, v in (data.get("sha256") or {}).items()}
 
     def done(self, path: str) -> list[Range]:
         return self.files.get(path, [])
@@ -87,7 +89,8 @@ class Manifest:
 
     def save(self, complete: bool = False) -> None:
         data = {"version": VERSION, "index_sha256": self.index_sha256, **self.record, "complete": complete,
-                "files": {k: [list(r) for r in v] for k, v in sorted(self.files.items())}}
+                "files": {k: [list(r) for r in v] for k, v in sorted(self.files.items())},
+                "sha256": dict(sorted(self.sha256.items()))}
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
             json.dump(data, f, separators=(",", ":"))
@@ -102,6 +105,13 @@ def _load(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def recorded_sha256(model_dir: str | Path) -> dict[str, str]:
+    """The sha256 of each file a download checked against its source's published hash (`deltafin doctor --full`
+    compares them with what the disk holds now)."""
+    data = _load(Path(model_dir) / MANIFEST).get("sha256")
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def read_record(model_dir: str | Path) -> DownloadRecord | None:

@@ -20,6 +20,7 @@ import numpy as np
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.cli.doctor import add_doctor_command
 from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
 from deltafin.cli.models import add_models_command
 from deltafin.coordinator import chat_cli, demo
@@ -452,7 +453,7 @@ def serve(argv: list[str]) -> int:
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_synth, _add_inspect, _add_download, _add_convert, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo,
-    _add_serve, add_models_command]
+    _add_serve, add_models_command, lambda sub: add_doctor_command(sub, model_arg, MODEL_HELP)]
 
 
 def build_parser() -> argparse.ArgumentParser:

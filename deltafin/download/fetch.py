@@ -463,6 +463,7 @@ class _Fetcher:
             if h.hexdigest() != job.file.sha256:
                 dest.unlink()  # so that the next run fetches it again rather than trust it
             _check_sha(job.file, h.hexdigest(), self.source.label, dest)
+            self.manifest.sha256[job.file.path] = job.file.sha256
         self._check_header(job, dest)
 
     def _check_header(self, job: FileJob, dest: Path) -> None:

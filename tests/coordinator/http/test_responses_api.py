@@ -57,7 +57,8 @@ async def test_what_it_cannot_do_is_a_400_naming_the_parameter(client: openai.As
     cases = [({"previous_response_id": "resp_1"}, "previous_response_id"),
              ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
              ({"tools": [{"type": "web_search"}]}, "tools"),
-             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content")]
+             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+              "input[0].content")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(**{"model": MODEL, "input": "hi", **extra})

@@ -14,6 +14,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from deltafin.checkpoint.config import load_config
+from deltafin.checkpoint.manifest import recorded_sha256
 from deltafin.checkpoint.shards import INDEX_NAME, open_checkpoint
 from deltafin.download.fetch import download
 from deltafin.download.sources import HubSource, LocalSource, open_source
@@ -87,6 +88,8 @@ def test_whole_shards_come_from_the_hub_cache_and_parts_through_the_filesystem(h
     dense, top = index[cfg.layer_tensor_specs(0)[0].name], index[cfg.top_tensor_specs()[0].name]
     for whole in (dense, top):  # every tensor needed: hf_hub_download's file (the cache's blob, linked)
         assert os.stat(out / whole).st_ino == os.stat(os.path.realpath(hub / whole)).st_ino
+        # its sha256, checked against the Hub's, is recorded (for `deltafin doctor --full`)
+        assert recorded_sha256(out)[whole] == hashlib.sha256((out / whole).read_bytes()).hexdigest()
     partial = index[cfg.layer_tensor_specs(1)[0].name]
     assert os.stat(out / partial).st_ino != os.stat(os.path.realpath(hub / partial)).st_ino
     src, ckpt = open_checkpoint(tiny_dir, cfg), open_checkpoint(out, cfg, strict=False)

@@ -1,0 +1,52 @@
+"""`deltafin doctor`: every check on a sound setup passes; a truncated shard, a file whose bytes no longer match
+the Hub's sha256 and an unreadable cluster key file each fail with the fix, and the exit status says so."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from deltafin.cli.commands import main
+
+SHARD = "model-00003-of-00007.safetensors"
+
+
+def _checks(capsys, *args: str) -> tuple[int, dict[str, list[dict]]]:
+    rc = main(["doctor", "--device", "cpu", "--json", *args])
+    out: dict[str, list[dict]] = {}
+    for c in json.loads(capsys.readouterr().out):
+        out.setdefault(c["name"], []).append(c)
+    return rc, out
+
+
+def test_a_sound_model_passes_every_check(tiny_dir: Path, capsys) -> None:
+    rc, checks = _checks(capsys, "--model", str(tiny_dir))
+    assert rc == 0
+    assert not [c for cs in checks.values() for c in cs if c["status"] == "fail"]
+    for name in ("python", "torch", "device", "memory", "plan", "config", "tokenizer", "shards", "disk",
+                 "cache disk", "bonjour", "port"):
+        assert name in checks, name
+    assert "layers 0-5 of 6" in checks["shards"][0]["detail"]
+
+
+def test_damage_and_bad_files_fail_with_their_fix(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_dir, model)
+    good = hashlib.sha256((model / "model-00002-of-00007.safetensors").read_bytes()).hexdigest()
+    (model / ".deltafin-download.json").write_text(json.dumps({"sha256": {
+        "model-00002-of-00007.safetensors": good, "model-00004-of-00007.safetensors": "0" * 64}}))
+    shard = model / SHARD
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (tmp_path / "key").write_text("short")
+    rc, checks = _checks(capsys, "--model", str(model), "--full", "--cluster-key-file", str(tmp_path / "key"))
+    assert rc == 1
+    (shards,) = checks["shards"]
+    assert shards["status"] == "fail" and SHARD in shards["detail"] and "download" in shards["fix"]
+    (sha,) = checks["sha256"]
+    assert sha["status"] == "fail" and "model-00004-of-00007.safetensors" in sha["detail"]
+    assert [c["status"] for c in checks["security"]] == ["fail"]
+    assert main(["doctor", "--device", "cpu", "--model", str(model)]) == 1
+    text = capsys.readouterr().out
+    assert "✘ shards" in text and "fix: copy or download the file again" in text
