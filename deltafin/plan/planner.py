@@ -127,6 +127,7 @@ class Plan:
     predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
     first_token: tuple[tuple[int, float], ...] = ()  # (prompt tokens, seconds to the first token), predicted
     kept_prefixes: str = ""  # what a kept prefix costs, where states are kept (sizing.kept_prefixes_text)
+    context: int = 0  # tokens a request may have (prompt and reply): what the sessions were planned for
 
     @property
     def wide(self) -> bool:
@@ -149,6 +150,9 @@ class Plan:
             step = min(s.sizing.forward_tokens for s in self.stages)
             text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
                      f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
+        if self.context:
+            text += (f"\ncontext: {self.context:,} tokens a request (prompt and reply; --max-context plans for more, "
+                     "each 1,024 tokens more taking its MLA latents' room in every sequence's caches)")
         if self.kept_prefixes:
             text += "\n" + self.kept_prefixes
         return text
@@ -247,7 +251,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     plan = replace(plan, stages=stages)
     kept = kept_prefixes_text(cfg, [(s.start, s.end, s.sizing.prefixes) for s in stages], act_bytes, opts.context)
     return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS),
-                   kept_prefixes=kept)
+                   kept_prefixes=kept, context=opts.context)
 
 
 def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
