@@ -74,6 +74,11 @@ class Backend(Protocol):
         kept with `logits_for`."""
         ...
 
+    def resuming(self, prefix_id: str, tokens: list[int]) -> None:
+        """A request resumes from this kept prefix, which holds `tokens`: a backend that rebuilds sessions after
+        losing a worker must know how to feed it again (it may have been kept before this coordinator started)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -132,6 +137,9 @@ class LocalBackend:
     async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
         return all_held(await self._run(lambda: [s.held_prefixes(prefix_ids, logits_for)
                                                  for s in self.pipeline.stages]))
+
+    def resuming(self, prefix_id: str, tokens: list[int]) -> None:
+        pass  # in-process stages are never lost
 
     async def close(self) -> None:
         await self._run(self.pipeline.close)
@@ -365,6 +373,9 @@ class ClusterBackend:
             if isinstance(a, BaseException):
                 log.warning("%s could not say which kept prefixes it holds: %s", w.name, a)
         return all_held([a if isinstance(a, HeldPrefixes) else HeldPrefixes({}) for a in answers])
+
+    def resuming(self, prefix_id: str, tokens: list[int]) -> None:
+        pass  # without recovery (ResilientCluster), a lost worker ends the requests it served
 
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in self.workers))

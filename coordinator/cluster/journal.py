@@ -110,6 +110,21 @@ class ReplayJournal:
                 self.size += len(kept.ids)
         self._evict()
 
+    def know_prefix(self, prefix_id: str, tokens: list[int], chunk: int | None) -> None:
+        """A kept prefix a request resumes from, fed as `tokens` in forwards of `chunk` tokens if it has no record
+        (the stages kept it before this journal existed): so that a session resumed from it can be replayed."""
+        if prefix_id in self.prefixes or not tokens:
+            return
+        step = chunk or len(tokens)
+        record = Record(array("i", tokens))
+        for start in range(0, len(tokens), step):
+            record.chunks.append(min(step, len(tokens) - start))
+            record.starts.append(start)
+            record.speculative.append(False)
+        self.prefixes[prefix_id] = record
+        self.size += len(tokens)
+        self._evict()
+
     def _evict(self) -> None:
         while self.size > self.budget and self.prefixes:
             self.forget_prefix(next(iter(self.prefixes)))

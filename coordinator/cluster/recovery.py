@@ -161,6 +161,9 @@ class ResilientCluster:
     async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
         return await self.backend.held_prefixes(prefix_ids, logits_for)
 
+    def resuming(self, prefix_id: str, tokens: list[int]) -> None:
+        self.journal.know_prefix(prefix_id, tokens, self.max_forward_tokens)
+
     async def close(self) -> None:
         await self.membership.close()
         await self.backend.close()

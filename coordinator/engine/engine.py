@@ -273,6 +273,7 @@ class Engine:
         session = await PrefixSession.start(self.prefixes, self.scheduler.release_prefixes, prompt_ids,
                                             self.backend.held_prefixes, self.backend.find_prefix, boundaries)
         if session.resumed is not None:
+            self.backend.resuming(session.resumed.prefix_id, list(session.resumed.tokens))
             log.debug("resuming %d of %d prompt tokens from a kept prefix%s", session.cached_tokens, len(prompt_ids),
                       " (the whole prompt: no token fed)" if session.logits is not None else "")
         return session

@@ -390,17 +390,13 @@ def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None
     if item.speculative and item.save_at:
         raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
                            "drafts are not decided yet)")
-    end = item.cache_len + item.num_tokens
-    if any(not item.cache_len < n <= end or not prefix_id for n, prefix_id in item.save_at) \
-            or len({prefix_id for _, prefix_id in item.save_at}) != len(item.save_at):
-        raise InvalidInput(f"session {item.session_id!r}: save_at names token counts in ({item.cache_len}, {end}] "
-                           "(past the cache, within this forward), each under an id of its own")
     if start == 0:
         ids = item.ids
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
             raise InvalidInput("stage 0 takes a non-empty 1-D integer tensor of token ids")
         if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
             raise InvalidInput(f"token ids must be in [0, {cfg.vocab_size})")
+        _check_save_at(item)
         return
     st, d, n = item.state, cfg.hidden_size, cfg.blocks_entering(start)
     if st is None:
@@ -411,6 +407,16 @@ def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None
                            f"P {list(st.P.shape)}, B {list(st.B.shape)}")
     if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
         raise InvalidInput("residual state contains NaN or Inf")
+    _check_save_at(item)
+
+
+def _check_save_at(item: SeqInput) -> None:
+    """The states a forward keeps: past the cache, within the forward, each under an id of its own."""
+    end = item.cache_len + item.num_tokens
+    if any(not item.cache_len < n <= end or not prefix_id for n, prefix_id in item.save_at) \
+            or len({prefix_id for _, prefix_id in item.save_at}) != len(item.save_at):
+        raise InvalidInput(f"session {item.session_id!r}: save_at names token counts in ({item.cache_len}, {end}] "
+                           "(past the cache, within this forward), each under an id of its own")
 
 
 def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:
