@@ -40,7 +40,7 @@ from deltafin.coordinator.engine.engine import ServingOptions, open_engine
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.errors import DeltafinError
 from deltafin.options import from_values, option_names
-from deltafin.paths import resolve_model
+from deltafin.paths import model_path as resolve_model_path
 from deltafin.runtime.stage_options import StageOptions, stage_option_names, stage_options
 from deltafin.text.chat import (
     EFFORTS,
@@ -158,10 +158,7 @@ def model_options(model_path: str | Path, options: dict[str, Any],
             raise DeltafinError(f"unknown option {name!r}; the options are: {', '.join(sorted(known))}")
     values = {ALIASES.get(k, k): v for k, v in options.items() if k not in SWITCHES_OFF}
     values.update({SWITCHES_OFF[k]: not v for k, v in options.items() if k in SWITCHES_OFF})
-    try:
-        values.update(fixed, model=str(resolve_model(model_path)))
-    except FileNotFoundError as e:
-        raise DeltafinError(str(e)) from None
+    values.update(fixed, model=str(resolve_model_path(model_path)))
     try:
         return ClusterOptions.of(values), stage_options(values), from_values(ServingOptions, values)
     except DeltafinError as e:  # the flags' names, as the keywords they are here

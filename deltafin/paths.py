@@ -36,6 +36,14 @@ def models_dir() -> Path:
     return cache_dir("models")
 
 
+def model_path(model: str | Path) -> Path:
+    """`resolve_model`, but what names no model stays as given: the command then says what is missing there."""
+    try:
+        return resolve_model(model)
+    except FileNotFoundError:
+        return Path(model)
+
+
 def resolve_model(model: str | Path) -> Path:
     """A model as the user names it: a directory (with a config.json or not: the commands say what is wrong with
     it), the bundled `k3-mini`, or a name under models_dir(). A name that is none of these: FileNotFoundError

@@ -222,7 +222,7 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
     import grpc
 
     from deltafin import errors
-    from deltafin.coordinator.http.server import _as_api_error
+    from deltafin.coordinator.http.handling import as_api_error
     from deltafin.transport.grpc_status import status_for
 
     defined = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for name, path in MODULES.items()
@@ -241,10 +241,10 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
              (errors.WorkerLost("w1", 10.0), 503, "worker_unavailable"),
              (errors.SizingError("too big"), 500, None)]
     for error, status, code in cases:
-        api = _as_api_error(error)
+        api = as_api_error(error)
         assert (api.status, api.code) == (status, code), error
-    assert _as_api_error(errors.ChatFormatError("bad roles")).param == "messages"
-    assert _as_api_error(errors.SamplingError("top_p", "top_p must be in (0, 1]")).param == "top_p"
+    assert as_api_error(errors.ChatFormatError("bad roles")).param == "messages"
+    assert as_api_error(errors.SamplingError("top_p", "top_p must be in (0, 1]")).param == "top_p"
 
 
 # the functions over 40 lines, and why each reads best whole

@@ -69,7 +69,7 @@ def _get(obj: dict[str, Any], name: str, kind: type, where: str | None = None, d
     if value is None:
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return oa.as_float(value, path)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         got = _TYPE_NAMES.get(float if type(value) is int else type(value), type(value).__name__)
         raise oa.bad(path, f"'{path}' must be {_TYPE_NAMES[kind]}, got {got}")
@@ -120,8 +120,10 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
 
 def _stops(body: dict[str, Any]) -> list[str]:
     stops = _get(body, "stop_sequences", list, default=[])
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > oa.MAX_STOP_STRINGS:
-        raise oa.bad("stop_sequences", f"'stop_sequences' takes up to {oa.MAX_STOP_STRINGS} non-empty strings")
+    if not all(isinstance(s, str) and 0 < len(s) <= oa.MAX_STOP_CHARS for s in stops) \
+            or len(stops) > oa.MAX_STOP_STRINGS:
+        raise oa.bad("stop_sequences", f"'stop_sequences' takes up to {oa.MAX_STOP_STRINGS} non-empty strings of up "
+                     f"to {oa.MAX_STOP_CHARS} characters")
     return list(stops)
 
 

@@ -4,6 +4,8 @@ generation (admission and prompt errors as statuses), and an error in the shape 
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -17,7 +19,9 @@ from deltafin.coordinator.engine.token_loop import Finished, TokenEvent
 from deltafin.coordinator.http import anthropic_api as am
 from deltafin.coordinator.http import ollama_api as ol
 from deltafin.coordinator.http import openai_api as oa
-from deltafin.errors import HTTP_STATUS, PromptTooLong, lookup
+from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
+from deltafin.text.chat import ChatOptions, encode_with_boundaries
+from deltafin.text.tokenizer import K3Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +55,71 @@ def as_api_error(e: BaseException) -> oa.ApiError:
     return oa.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
 
 
+MAX_DEPTH = 64  # objects and arrays nested in a body (a tool's schema needs a handful)
+
+
 async def read_json(request: web.Request) -> Any:
+    """The body as JSON, refused with a 4xx before any work when it cannot be: an unreadable encoding, an unknown
+    charset (415), text that is not JSON, nesting deeper than MAX_DEPTH, a number JSON's parser will not hold,
+    strings that are not Unicode (a lone surrogate escape)."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = await request.read()
+    except web.HTTPException:
+        raise
+    except Exception as e:  # a Content-Encoding the body does not match (deflate of something else, ...)
+        raise oa.bad(None, f"the request body cannot be decoded ({request.headers.get('Content-Encoding', 'as sent')}"
+                     f"): {e}") from None
+    charset = request.charset or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        raise oa.ApiError(415, f"unsupported charset {charset!r}: send JSON in UTF-8",
+                          code="unsupported_media_type") from None
+    try:
+        body = json.loads(raw.decode(charset))
+    except RecursionError:
+        raise oa.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer of over 4,300 digits
         raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
+    _check_value(body)
+    return body
+
+
+def _check_value(body: Any) -> None:
+    """No nesting past MAX_DEPTH, every string encodable as UTF-8 (walked without recursion)."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_DEPTH:
+                raise oa.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels")
+            items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+            for key, item in items:
+                if isinstance(key, str):
+                    _encodable(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            _encodable(value)
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise oa.bad(None, "the request body has a string that is not valid Unicode (a lone surrogate escape, "
+                     "such as \\ud800)") from None
+
+
+async def chat_prompt(tokenizer: K3Tokenizer, messages: list[dict[str, Any]], options: ChatOptions
+                      ) -> tuple[list[int], list[int]]:
+    """The prompt's ids and message ends, in a thread (a prompt of megabytes takes seconds to tokenize, which the
+    event loop must not wait for); a conversation the chat format cannot render is a 400 naming `messages`."""
+    try:
+        return await asyncio.to_thread(encode_with_boundaries, tokenizer, messages, options)
+    except ChatFormatError as e:
+        raise oa.bad("messages", str(e)) from None
+    except (TypeError, AttributeError, KeyError, ValueError) as e:
+        raise oa.bad("messages", f"a message has a field of the wrong shape ({type(e).__name__}: {e})") from None
 
 
 async def first_event(events: Events, prompt_param: str) -> TokenEvent | Finished:

@@ -146,8 +146,10 @@ def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
         raise oa.bad("options.num_predict", "'options.num_predict' must be a positive integer, -1 or -2")
     stop = o.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > oa.MAX_STOP_STRINGS:
-        raise oa.bad("options.stop", f"'options.stop' takes up to {oa.MAX_STOP_STRINGS} non-empty strings")
+    if not all(isinstance(s, str) and 0 < len(s) <= oa.MAX_STOP_CHARS for s in stops) \
+            or len(stops) > oa.MAX_STOP_STRINGS:
+        raise oa.bad("options.stop", f"'options.stop' takes up to {oa.MAX_STOP_STRINGS} non-empty strings of up to "
+                     f"{oa.MAX_STOP_CHARS} characters")
     try:
         sampling = SamplingParams(
             temperature=_number(o, "temperature", 0.8), top_p=_number(o, "top_p", 0.9),
@@ -155,7 +157,7 @@ def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
             repetition_penalty=_number(o, "repeat_penalty", 1.0),
             presence_penalty=_number(o, "presence_penalty", 0.0),
             frequency_penalty=_number(o, "frequency_penalty", 0.0),
-            seed=int(o["seed"]) if isinstance(o.get("seed"), int) and not isinstance(o.get("seed"), bool) else None)
+            seed=o["seed"] if isinstance(o.get("seed"), int) and not isinstance(o.get("seed"), bool) else None)
     except SamplingError as e:
         raise oa.bad(f"options.{e.param}" if e.param else "options", str(e)) from None
     stream = _get(body, "stream", bool, True)
@@ -166,7 +168,7 @@ def _number(o: dict[str, Any], name: str, default: float) -> float:
     value = o.get(name, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise oa.bad(f"options.{name}", f"'options.{name}' must be a number")
-    return float(value)
+    return oa.as_float(value, f"options.{name}")
 
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:

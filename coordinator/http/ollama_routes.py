@@ -13,6 +13,7 @@ An error before the reply starts is a status with Ollama's `{"error"}` body; aft
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -24,8 +25,16 @@ from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import PlainText
 from deltafin.coordinator.http import ollama_api as ol
 from deltafin.coordinator.http import openai_api as oa
-from deltafin.coordinator.http.handling import ENGINE, Events, as_api_error, first_event, read_json, rest_of
-from deltafin.text.chat import OutputParser, encode_with_boundaries
+from deltafin.coordinator.http.handling import (
+    ENGINE,
+    Events,
+    as_api_error,
+    chat_prompt,
+    first_event,
+    read_json,
+    rest_of,
+)
+from deltafin.text.chat import OutputParser
 
 
 def add_routes(app: web.Application) -> None:
@@ -75,9 +84,10 @@ async def _reply(request: web.Request, engine: Engine, req: ol.OllamaRequest, ch
                      f"{engine.max_context} tokens (a server started with --max-context N plans for more)")
     p = req.params
     if req.messages is None:
-        ids, ends, view = engine.tokenizer.encode(req.prompt), [], PlainText(engine.tokenizer)
+        ids, ends = await asyncio.to_thread(engine.tokenizer.encode, req.prompt), []  # (off the event loop)
+        view = PlainText(engine.tokenizer)
     else:
-        ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
+        ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
         view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events = engine.run(ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop, boundaries=ends)
     first = await first_event(events, "messages" if chat else "prompt")

@@ -30,6 +30,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it; no client needs more)
 MAX_TOP_LOGPROBS = 20
 Events = AsyncIterator[TokenEvent | Finished]
 
@@ -54,6 +55,14 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
                list: "an array"}
 
 
+def as_float(value: int | float, name: str) -> float:
+    """A JSON number as a float; one too large (hundreds of digits) is a 400 naming `name`."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise bad(name, f"'{name}' is out of range") from None
+
+
 def _json_type(value: Any) -> str:
     for kind, name in [(bool, "a boolean"), *_TYPE_NAMES.items()]:
         if isinstance(value, kind):
@@ -67,7 +76,7 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> 
     if value is None:
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return as_float(value, name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise bad(name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {_json_type(value)}")
     return value
@@ -97,8 +106,7 @@ def served_model(requested: str, served: str, strict: bool) -> str:
 
 
 def request_params(body: dict[str, Any], served: str, strict: bool) -> Params:
-    """The model, limits, sampling and streaming of a body in OpenAI's field names (no logprobs): what another
-    of OpenAI's APIs (the Responses API) shares with chat completions."""
+    """A body's model, limits, sampling and streaming in OpenAI's names (what the Responses API shares)."""
     return _params(body, served, None, strict)
 
 
@@ -137,8 +145,9 @@ def _stops(body: dict[str, Any]) -> list[str]:
         stops = list(stop)
     else:
         raise bad("stop", "'stop' must be a string or an array of strings")
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise bad("stop", f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_CHARS} "
+                  "characters")
     return stops
 
 
@@ -146,7 +155,7 @@ def _sampling(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
     bias_in = _field(body, "logit_bias", dict, {})
     try:
         bias = tuple((int(k), float(v)) for k, v in bias_in.items())
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise bad("logit_bias", "'logit_bias' maps token ids (strings of integers) to numbers") from None
     try:
         return SamplingParams(
@@ -310,8 +319,7 @@ def usage(u: Usage) -> dict[str, Any]:
 
 
 def model_card(name: str, created: float, context: int) -> dict[str, Any]:
-    """OpenAI's model object, with the deployment's context length (prompt + generated tokens a request may have,
-    as the memory plan reserves: --max-context) as other servers add it."""
+    """OpenAI's model object, with the deployment's context length (--max-context) as other servers add it."""
     return {"id": name, "object": "model", "created": int(created), "owned_by": "deltafin",
             "context_length": context, "max_model_len": context}
 

@@ -52,6 +52,7 @@ from deltafin.coordinator.http.handling import (
     REQUESTS,
     Events,
     as_api_error,
+    chat_prompt,
     error_response,
     first_event,
     read_json,
@@ -59,8 +60,7 @@ from deltafin.coordinator.http.handling import (
 )
 from deltafin.coordinator.http.metrics import render
 from deltafin.coordinator.http.status import status as status_json
-from deltafin.text.chat import OutputParser, encode_with_boundaries
-from deltafin.text.chat import encode as chat_encode
+from deltafin.text.chat import OutputParser
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,9 @@ async def _respond(sse: _Sse, events: Events | None, fmt: _Format, stream: bool)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = oa.parse_completion(await read_json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
+    body = await read_json(request)  # (tokenizing a prompt of megabytes: off the event loop)
+    req = await asyncio.to_thread(oa.parse_completion, body, engine.model_name, engine.tokenizer,
+                                  engine.strict_model_name)
     p = req.params
     events, sse = await _run(request, req.prompt_ids, PlainText(engine.tokenizer), p, "prompt")
     return await _respond(sse, events, oa.CompletionFormat(engine.tokenizer, req), p.stream)
@@ -240,7 +242,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = oa.parse_chat(await read_json(request), engine.model_name, engine.tokenizer, engine.strict_model_name)
     p = req.params
-    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
+    ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events, sse = await _run(request, ids, view, p, "messages", boundaries=ends)
     return await _respond(sse, events, oa.ChatFormat(engine.tokenizer, req), p.stream)
@@ -280,7 +282,7 @@ class _MessagesSse(_Sse):
 async def messages(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = am.parse_messages(await read_json(request), engine.model_name, engine.strict_model_name)
-    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
+    ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
     fmt = am.MessageFormat(req.params.model, len(ids))
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events, sse = await _run(request, ids, view, req.params, "messages", _MessagesSse(request, fmt.head()), ends)
@@ -305,7 +307,7 @@ class _ResponsesSse(_Sse):
 async def responses(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = rs.parse_responses(await read_json(request), engine.model_name, engine.strict_model_name)
-    ids, ends = encode_with_boundaries(engine.tokenizer, req.messages, req.options)
+    ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events, sse = await _run(request, ids, view, req.params, "input", _ResponsesSse(request), ends)
     return await _respond(sse, events, rs.ResponsesFormat(req), req.params.stream)
@@ -314,7 +316,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     req = am.parse_messages(await read_json(request), engine.model_name, engine.strict_model_name, counting=True)
-    return web.json_response({"input_tokens": len(chat_encode(engine.tokenizer, req.messages, req.options))})
+    return web.json_response({"input_tokens": len((await chat_prompt(engine.tokenizer, req.messages,
+                                                                      req.options))[0])})
 
 
 # ---- models, health, metrics --------------------------------------------------------------------------------

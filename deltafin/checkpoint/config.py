@@ -20,6 +20,8 @@ from typing import Any
 
 from deltafin.errors import ConfigError
 
+NAMES_HINT = "--model also takes k3-mini or a model name that `deltafin models` lists"
+
 MXFP4_GROUP = 32  # values per E8M0 scale
 
 
@@ -308,7 +310,8 @@ def _bytes_by_dtype(specs: tuple[TensorSpec, ...]) -> dict[str, int]:
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no config.json in {model_dir}: point --model at a Kimi K3 checkpoint directory")
+        hint = "" if Path(model_dir).is_dir() else f" ({model_dir} is not a directory; {NAMES_HINT})"
+        raise ConfigError(f"no config.json in {model_dir}: point --model at a Kimi K3 checkpoint directory{hint}")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

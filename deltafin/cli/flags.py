@@ -25,7 +25,7 @@ from deltafin.options import (
     SPINES,
     from_values,
 )
-from deltafin.paths import resolve_model
+from deltafin.paths import model_path
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES
 
@@ -190,11 +190,9 @@ MODEL_HELP = "a model: its directory, k3-mini (the bundled one) or a name `delta
 
 
 def model_arg(text: str) -> str:
-    """--model as argparse takes it: a directory, the bundled model or a model's name (paths.resolve_model)."""
-    try:
-        return str(resolve_model(text))
-    except FileNotFoundError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """--model as argparse takes it: a directory, the bundled model or a model's name (paths.resolve_model); what
+    is none of these stays as given, for the command to say what is missing there (load_config: one line)."""
+    return str(model_path(text))
 
 
 def add_serving_options(p: argparse.ArgumentParser) -> None:

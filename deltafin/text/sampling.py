@@ -15,6 +15,8 @@ import torch
 
 from deltafin.errors import SamplingError
 
+MIN_TEMPERATURE = 1e-5  # below this, sampling is the argmax (logits / 1e-300 are infinities, and NaN after)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +41,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be between 0 and 2^64 - 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -51,7 +54,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax: temperature 0 (or below MIN_TEMPERATURE, where dividing by it overflows), or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)
@@ -159,24 +163,40 @@ class Sampler:
 
 
 class StopMatcher:
-    """Stop strings over streamed text: releases text only when it cannot be the start of a stop string."""
+    """Stop strings over streamed text: releases text only when it cannot be the start of a stop string.
+
+    Each stop string has a Knuth-Morris-Pratt automaton whose state is the longest prefix of it the text ends
+    with, so every generated character costs O(1) per stop string (amortized): linear time however long the
+    strings and the text. The first stop string to be completed ends the text, before it (of several completed
+    by the same character, the longest)."""
 
     def __init__(self, stops: list[str]):
         if any(not s for s in stops):
             raise SamplingError("stop", "stop strings must not be empty")
         self.stops = stops
-        self.pending = ""
+        self.fail = [_failure(s) for s in stops]
+        self.state = [0] * len(stops)  # matched prefix length of each stop string
+        self.pending = ""  # text held back: it may be the start of a stop string
 
     def push(self, text: str) -> tuple[str, str | None]:
         """Add generated text; returns (text safe to emit, the stop string reached or None). After a stop
         string, the text before it is returned and the rest is dropped."""
+        start = len(self.pending)
         self.pending += text
-        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
-        if hits:
-            cut, stop = min(hits)
-            out, self.pending = self.pending[:cut], ""
-            return out, stop
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        for at in range(start, len(self.pending)):
+            ch, done = self.pending[at], None
+            for i, s in enumerate(self.stops):
+                k = self.state[i]
+                while k and s[k] != ch:
+                    k = self.fail[i][k - 1]
+                k = k + 1 if s[k] == ch else 0
+                if k == len(s) and (done is None or len(s) > len(done)):  # of those ending here, the longest
+                    done = s
+                self.state[i] = k % len(s)
+            if done is not None:
+                out, self.pending, self.state = self.pending[:at + 1 - len(done)], "", [0] * len(self.stops)
+                return out, done
+        hold = max(self.state, default=0)
         out = self.pending[:len(self.pending) - hold]
         self.pending = self.pending[len(out):]
         return out, None
@@ -184,3 +204,16 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's failure function: for each prefix s[:i+1], the length of its longest proper prefix that is also
+    its suffix."""
+    out, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out

@@ -191,5 +191,5 @@ def test_the_readmes_example_runs_as_written(tmp_path) -> None:
         reply = m.chat([{"role": "user", "content": "What does `json.dumps` do?"}], max_tokens=64)
         article = m.generate("Show me the source of `heapq.heappush`.", max_tokens=20).text
     want = (re.escape(f"{out.text!r} {out.finish_reason} {out.usage.completion_tokens} ") + r"\d+ tok/s\n"
-            + re.escape(f"{source}{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{article!r}\n"))
+            + re.escape(f"{source}\n{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{article!r}\n"))
     assert re.fullmatch(want, run.stdout), run.stdout

@@ -419,8 +419,9 @@ async def test_speculative_per_request_same_text_and_counted(server: Server) -> 
 
 
 async def test_the_readmes_client_examples_run_as_written(server: Server) -> None:
-    """The README's `openai` and `anthropic` examples, pointed at this server (its address for 127.0.0.1:8000),
-    print what the async clients get for the same requests (greedy: the same text)."""
+    """The README's `openai`, `anthropic` and `ollama`/Responses examples, pointed at this server (its address for
+    127.0.0.1:8000), print what the async clients get for the same requests (greedy: the same text; sampled:
+    what the numbers must be)."""
     import contextlib
     import io
 
@@ -428,7 +429,7 @@ async def test_the_readmes_client_examples_run_as_written(server: Server) -> Non
 
     readme = (Path(__file__).parents[3] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "base_url=" in b]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
 
     def run(block: str) -> str:
         out = io.StringIO()
@@ -448,3 +449,4 @@ async def test_the_readmes_client_examples_run_as_written(server: Server) -> Non
                      printed[1], re.S)
     assert m, printed[1]
     assert int(m.group(1)) + int(m.group(2)) == n.input_tokens and 1 <= int(m.group(3)) <= 128
+    assert printed[2].count("\n") >= 2  # Ollama's chat reply and the Responses API's output text, each printed
