@@ -192,6 +192,7 @@ GRPC_STATUS: list[tuple[type[DeltafinError], str]] = [
     (NotHeld, "FAILED_PRECONDITION"),
     (SessionOutOfSync, "FAILED_PRECONDITION"),
     (OutOfMemory, "RESOURCE_EXHAUSTED"),
+    (SizingError, "RESOURCE_EXHAUSTED"),  # an assignment this worker's budget cannot hold
     (Cancelled, "CANCELLED"),
     (NotAssigned, "FAILED_PRECONDITION"),
     (FingerprintMismatch, "FAILED_PRECONDITION"),

@@ -1,8 +1,9 @@
 """What a worker was assigned (an Assigned: a Stage, and with wide experts its share of every MoE layer's experts:
 deltafin/runtime/assigned.py), the one thread that owns it, and the transaction that replaces it.
 
-An Assign is checked first (`check_assignment`: the same checkpoint, and layers and experts on this worker's
-disks), then loaded on the stage's thread while its progress streams back (`AssignmentSlot.replace`). One
+An Assign is checked first (`check_assignment`: the same checkpoint, options the command line would take, layers
+and experts on this worker's disks; `check_fits`: a plan its budget holds), so that a refused one leaves the old
+assignment serving, then loaded on the stage's thread while its progress streams back (`AssignmentSlot.replace`). One
 assignment loads at a time, handed what was held before; one whose caller goes away (cancelled, deadline) is
 closed once its load ends, before the next one loads, so that two are never in memory.
 """
@@ -20,14 +21,16 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.errors import FingerprintMismatch, NotAssigned
+from deltafin.errors import CodecError, FingerprintMismatch, NotAssigned
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.runtime.assigned import Assigned, assign
 from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.codec import WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,9 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
     if not description.has_layers(request.start, request.end):
         raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
                           f"(it has {description.layers})")
+    if plan is not None and len(plan.holders) < 2:
+        raise CodecError("a wide expert plan divides the experts among two holders or more (one worker computes "
+                         "its own layers' experts: send no expert plan)")
     if plan is not None:
         index = plan.placement.index(description.key)
         held = {i for a, b in description.expert_ranges for i in range(a, b)}
@@ -77,6 +83,13 @@ class AssignmentSlot:
 
     async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def check_fits(self, start: int, end: int, options: StageOptions) -> None:
+        """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold: the
+        same pure plan the stage makes when it loads."""
+        if end > start:
+            plan_stage(self.ckpt.config, start, end, self.device, options, layer_spans(self.ckpt),
+                       expert_backend_for(self.ckpt.config, self.device))
 
     async def replace(self, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
                       peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:

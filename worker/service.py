@@ -34,6 +34,7 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
+from deltafin.transport.decoding import DecodeGuard
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
@@ -102,6 +103,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             pb.AssignProgress]:
         try:
             options, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
+            self.slot.check_fits(request.start, request.end, options)
             peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
         except Exception as e:
             await self._fail(context, e)
@@ -215,6 +217,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             tokens = codec.decode_tensor(request.tokens, "tokens")
             if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32):
                 raise CodecError("FindPrefix takes a 1-D integer tensor of token ids")
+            vocab = stage.cfg.vocab_size
+            if tokens.numel() and bool(((tokens < 0) | (tokens >= vocab)).any()):
+                raise CodecError(f"FindPrefix: token ids must be in [0, {vocab})")
             found = await self.slot.on_stage_thread(stage.prefixes.find, tokens.tolist())
             return pb.FindPrefixResponse(prefix_id=found[0], length=found[1]) if found else pb.FindPrefixResponse()
         except Exception as e:
@@ -292,7 +297,7 @@ async def create_server(service: WorkerService, host: str, port: int,
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
                ("grpc.so_reuseport", 0)]  # gRPC's default lets a second worker share the port, silently
-    interceptors = [AuthInterceptor(key)] if key is not None else []
+    interceptors = [*([AuthInterceptor(key)] if key is not None else []), DecodeGuard()]  # the key first
     server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

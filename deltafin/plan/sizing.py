@@ -435,8 +435,8 @@ def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
         return s
     room = budget.device - s.device_total
     cache = s.expert_cache + max(0, room)
-    if options.wide:  # never more than every expert it could be asked for
-        cache = min(cache, s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg))
+    moe = s.expert_layers if options.wide else sum(cfg.is_moe(i) for i in range(s.start, s.end))
+    cache = min(cache, moe * cfg.num_experts * expert_slot_bytes(cfg))  # never more than every expert it reads
     return size_stage(cfg, s.start, s.end, place, s.spine, cache, len(s.resident_layers), options)
 
 

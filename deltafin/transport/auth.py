@@ -77,7 +77,7 @@ class Verifier:
         if isinstance(value, bytes):
             value = value.decode("ascii", "replace")
         parts = value.split(".")
-        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit():
+        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit() or len(parts[1]) > 12:
             return "malformed authentication header"
         _, stamp, nonce, mac = parts
         if not hmac.compare_digest(_mac(self.key, method, stamp, nonce), mac):
@@ -124,13 +124,12 @@ def _refusal(handler: Any, why: str) -> Any:
 
     if handler is None:
         return None
+    # the request is never parsed (None: its bytes as they came): garbage from an unknown caller costs nothing
     if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                     handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                    handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
 
 
 # ---- TLS --------------------------------------------------------------------------------------------------

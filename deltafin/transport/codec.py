@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from deltafin.errors import CodecError
+from deltafin.errors import CodecError, DeltafinError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
@@ -316,6 +317,9 @@ def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
 # ---- stage options and counters ------------------------------------------------------------------------------
 
 _OPTIONS = {f.name for f in pb.StageOptions.DESCRIPTOR.fields} - {"none"}
+# options whose default is None (chosen from the memory, or off): the only ones `none` may name
+NULLABLE_OPTIONS = frozenset(f.name for cls in (StageOptions, SizingOptions) for f in dataclasses.fields(cls)
+                             if f.default is None)
 _NONE_ALIASES = {"prefix_cache_bytes": "prefix_bytes", "prefill_chunk": "max_forward_tokens"}  # `none`'s spelling
 _NONE_NAMES = {v: k for k, v in _NONE_ALIASES.items()}
 
@@ -338,18 +342,25 @@ def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
 
 
 def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageOptions:
-    """The options a coordinator sent, over this worker's `defaults`."""
+    """The options a coordinator sent, over this worker's `defaults`, checked as the command line's are (the same
+    typed values): what the flags refuse, the wire cannot say either (CodecError: INVALID_ARGUMENT)."""
     nones = [_NONE_NAMES.get(name, name) for name in msg.none]
     unknown = set(nones) - _OPTIONS
     if unknown:
         raise CodecError(f"unknown stage options {sorted(unknown)}")
+    required = sorted(n for n in nones if n not in NULLABLE_OPTIONS)
+    if required:
+        raise CodecError(f"stage options {required} cannot be none")
     changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields() if f.name != "none"}
     changes.update(dict.fromkeys(nones))
     if "dtype" in changes:
         if changes["dtype"] not in ("fp32", "bf16"):
             raise CodecError(f"stage option dtype={changes['dtype']!r}: fp32 or bf16")
         changes["dtype"] = torch.float32 if changes["dtype"] == "fp32" else torch.bfloat16
-    return defaults.replace(**changes)
+    try:
+        return defaults.replace(**changes)
+    except (DeltafinError, TypeError, ValueError) as e:
+        raise CodecError(f"stage options: {e}") from None
 
 
 def encode_stats(stats: dict[str, Any]) -> pb.StageStats:
