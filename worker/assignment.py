@@ -88,6 +88,8 @@ class AssignmentSlot:
         """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold: the
         same pure plan the stage makes when it loads."""
         if end > start:
+            if options.sizing.session_bytes == 0:
+                raise CodecError("session_bytes 0 leaves a stage no room for any sequence")
             plan_stage(self.ckpt.config, start, end, self.device, options, layer_spans(self.ckpt),
                        expert_backend_for(self.ckpt.config, self.device))
 

@@ -119,7 +119,8 @@ async def chat_prompt(tokenizer: K3Tokenizer, messages: list[dict[str, Any]], op
     except ChatFormatError as e:
         raise oa.bad("messages", str(e)) from None
     except (TypeError, AttributeError, KeyError, ValueError) as e:
-        raise oa.bad("messages", f"a message has a field of the wrong shape ({type(e).__name__}: {e})") from None
+        raise oa.bad("messages", f"'messages': a message has a field of the wrong shape "
+                     f"({type(e).__name__}: {e})") from None
 
 
 async def first_event(events: Events, prompt_param: str) -> TokenEvent | Finished:

@@ -187,3 +187,79 @@ def test_truncated_shard_fails_the_request_clearly(tiny_dir: Path, tmp_path: Pat
         assert failed and all(c == "DATA_LOSS" and shard in d and "truncated" in d for c, d in failed)
         h = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert h.status == health_pb2.HealthCheckResponse.SERVING and w.proc.poll() is None
+
+
+# ---- the fuzz report's cases, one call each --------------------------------------------------------------------
+
+
+def _status(call) -> tuple[str, str]:
+    try:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            list(result)
+        return "OK", ""
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+BAD_OPTIONS = [pb.StageOptions(expert_layers=-1), pb.StageOptions(none=["spine"]), pb.StageOptions(none=["context"]),
+               pb.StageOptions(none=["read_threads"]), pb.StageOptions(spine="fp4"), pb.StageOptions(io="mmap"),
+               pb.StageOptions(sequences=0), pb.StageOptions(sequences=-1), pb.StageOptions(context=0),
+               pb.StageOptions(context=-1), pb.StageOptions(prefill_chunk=0), pb.StageOptions(session_bytes=-1),
+               pb.StageOptions(session_bytes=0), pb.StageOptions(memory_bytes=1000)]
+
+
+def test_a_refused_assignment_leaves_the_old_one_serving(worker, tiny_dir: Path) -> None:
+    """Each option the command line refuses is refused off the wire too (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
+    for a budget that cannot hold the stage) before the assigned stage goes: a forward still works after each,
+    and a valid assignment is taken at once (the report's wedged worker took none after expert_layers=-1)."""
+    client, proc = worker
+    cfg = load_config(tiny_dir)
+    client.assign(0, cfg.num_layers)
+    for i, options in enumerate(BAD_OPTIONS):
+        request = pb.Assignment(start=0, end=cfg.num_layers, model_fingerprint=fingerprint(client.model),
+                                options=options)
+        code, detail = _status(lambda request=request: client.stub.Assign(request, timeout=60))
+        assert code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED") and detail, (options, code, detail)
+        assert client.forward(ids_seq(f"still{i}", [1, 2, 3])) == "OK", options
+    holder = pb.Holder(worker_id=client.stub.Info(pb.InfoRequest(), timeout=10).worker_id, address="x", name="me")
+    alone = pb.ExpertPlan(holders=[holder], layers=[pb.LayerExperts(layer=i, bounds=[0, cfg.num_experts])
+                                                    for i in cfg.moe_layers])
+    request = pb.Assignment(start=0, end=cfg.num_layers, model_fingerprint=fingerprint(client.model), experts=alone)
+    assert _status(lambda: client.stub.Assign(request, timeout=60))[0] == "INVALID_ARGUMENT"
+    client.assign(0, cfg.num_layers, max_resident_layers=0)  # every layer streams: buffers of this model's size
+    stats = codec.decode_stats(client.stub.Stats(pb.StatsRequest(), timeout=10).stats)
+    assert stats["rss_peak_bytes"] < 2e9 and client.forward(ids_seq("streamed", [1, 2, 3])) == "OK"
+    assert client.healthy() and proc.proc.poll() is None
+
+
+def test_malformed_requests_and_out_of_range_ids_are_invalid_argument(worker, tiny_dir: Path) -> None:
+    client, _ = worker
+    client.assign(0, load_config(tiny_dir).num_layers)
+    for method in ("Info", "Forward", "Release", "Cancel", "Stats", "RunExperts", "FindPrefix", "HeldPrefixes"):
+        raw = client.channel.unary_unary(f"/deltafin.v1.Worker/{method}", request_serializer=lambda b: b,
+                                         response_deserializer=lambda b: b)
+        code, detail = _status(lambda raw=raw: raw(b"\xff\xff\xff\xff\x0f", timeout=10))
+        assert code == "INVALID_ARGUMENT" and method in detail, (method, code, detail)
+    ids = codec.encode_tensor(torch.tensor([2**40]))
+    code, detail = _status(lambda: client.stub.FindPrefix(pb.FindPrefixRequest(tokens=ids), timeout=10))
+    assert code == "INVALID_ARGUMENT" and "token ids" in detail
+    assert client.healthy()
+
+
+def test_with_a_key_nothing_is_parsed_before_the_signature(tiny_dir: Path, tmp_path: Path) -> None:
+    """Unsigned garbage is UNAUTHENTICATED (not a decode error: nothing is parsed for an unknown caller), and so is
+    a header whose time has 5,000 digits (the report: UNKNOWN)."""
+    from deltafin.transport.auth import HEADER
+
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    with workers(tiny_dir, 1, "--cluster-key-file", str(key)) as (w,):
+        channel = grpc.insecure_channel(w.address)
+        raw = channel.unary_unary("/deltafin.v1.Worker/Forward", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+        assert _status(lambda: raw(b"\xff\xff\xff\xff\x0f", timeout=10))[0] == "UNAUTHENTICATED"
+        stamp = "9" * 5000
+        header = ((HEADER, f"v1.{stamp}.00.{'0' * 64}"),)
+        code, detail = _status(lambda: raw(b"", timeout=10, metadata=header))
+        assert code == "UNAUTHENTICATED" and "malformed" in detail

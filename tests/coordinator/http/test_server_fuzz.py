@@ -120,3 +120,89 @@ def urllib_get(url: str) -> str:
 
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.read().decode()
+
+
+# ---- the fuzz report's cases, one request each ---------------------------------------------------------------
+
+
+def _raw(url: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+BIG = "9" * 400  # an integer of 400 digits: a float cannot hold it
+CASES = [  # (name, path, raw body, headers, status, text the error says)
+    ("nested 10,000 deep", "/v1/chat/completions", _nested(10_000), {}, 400, "nested deeper"),
+    ("a tool schema nested 400 deep", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+     '"parameters": ' + '{"a": ' * 400 + "1" + "}" * 400 + "}}]}", {}, 400, "nested deeper"),
+    *[(f"a 400-digit {p}", "/v1/completions", f'{{"prompt": "x", "{p}": {BIG}}}', {}, 400, p)
+      for p in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")],
+    ("a 400-digit logit_bias", "/v1/completions", f'{{"prompt": "x", "logit_bias": {{"1": {BIG}}}}}', {}, 400,
+     "logit_bias"),
+    ("seed 2^64", "/v1/completions", '{"prompt": "x", "seed": 18446744073709551616}', {}, 400, "seed"),
+    ("an integer of 5,000 digits", "/v1/completions", '{"prompt": "x", "max_tokens": ' + "1" * 5000 + "}", {}, 400,
+     "not valid JSON"),
+    ("tool_calls 5 on an assistant message", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": 5}, '
+     '{"role": "user", "content": "z"}]}', {}, 400, "messages"),
+    ("charset=bogus", "/v1/completions", '{"prompt": "x"}', {"Content-Type": "application/json; charset=bogus"},
+     415, "charset"),
+    ("deflate of something else", "/v1/completions", '{"prompt": "x"}', {"Content-Encoding": "deflate"}, 400,
+     "cannot be decoded"),
+    ("a lone surrogate, echoed, streamed", "/v1/completions",
+     '{"prompt": "a\\ud800b", "echo": true, "stream": true}', {}, 400, "not valid Unicode"),
+    ("a prompt past the context", "/v1/completions", json.dumps({"prompt": [6] * 20000}), {}, 400,
+     "context limit"),
+    ("Anthropic: nested 10,000 deep", "/v1/messages", _nested(10_000), {}, 400, "nested deeper"),
+    ("Ollama: charset=bogus", "/api/chat", "{}", {"Content-Type": "application/json; charset=bogus"}, 415,
+     "charset"),
+    ("Responses: a 400-digit temperature", "/v1/responses", f'{{"input": "x", "temperature": {BIG}}}', {}, 400,
+     "temperature"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,says", CASES, ids=[c[0] for c in CASES])
+def test_the_fuzz_reports_requests_are_4xx_in_their_apis_shape(api_url, name, path, body, headers, status,
+                                                               says) -> None:
+    code, text = _raw(api_url + path, body.encode(), headers)
+    assert code == status, (code, text[:300])
+    error = json.loads(text)
+    message = error["error"] if path.startswith("/api/") else error["error"]["message"]  # Ollama: a string
+    assert says in message, message
+
+
+def test_a_tiny_temperature_is_greedy_not_an_error(api_url) -> None:
+    code, text = _raw(api_url + "/v1/completions", b'{"prompt": "ok", "max_tokens": 3, "temperature": 1e-300}')
+    greedy = _raw(api_url + "/v1/completions", b'{"prompt": "ok", "max_tokens": 3, "temperature": 0}')
+    assert code == 200 and json.loads(text)["choices"][0]["text"] == json.loads(greedy[1])["choices"][0]["text"]
+
+
+def test_a_long_stop_string_is_refused_at_once_and_the_server_answers_meanwhile(api_url) -> None:
+    """The report's stall: a 1,000,000-character stop string took 23 s of the event loop (quadratic matching),
+    and /v1/models waited as long. Now it is refused at once (512 characters at most, matched in linear time)
+    and the longest one allowed costs nothing noticeable."""
+    import time
+    import urllib.request
+
+    t0 = time.monotonic()
+    code, text = _raw(api_url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 1,
+                                                               "stop": ["z" * 1_000_000]}).encode())
+    assert code == 400 and "512 characters" in text and time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    code, _ = _raw(api_url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4, "temperature": 0,
+                                                            "stop": ["z" * 511 + "y"] * 16}).encode())
+    with urllib.request.urlopen(api_url + "/v1/models", timeout=30) as r:
+        assert r.status == 200
+    assert code == 200 and time.monotonic() - t0 < 10
