@@ -33,13 +33,15 @@ Events = AsyncIterator[TokenEvent | Finished]
 
 def error_response(err: oa.ApiError, path: str) -> web.Response:
     """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, Ollama's under
-    /api/, else OpenAI's."""
+    /api/, else OpenAI's; the connection closed after it where the request's body could not be read through."""
     if am.is_messages_path(path):
         status, body = am.error_body(err)
-        return web.json_response(body, status=status)
-    if ol.is_ollama_path(path):
-        return web.json_response(ol.error_body(err), status=err.status)
-    return web.json_response(err.body(), status=err.status)
+    else:
+        status, body = err.status, ol.error_body(err) if ol.is_ollama_path(path) else err.body()
+    response = web.json_response(body, status=status)
+    if getattr(err, "close_connection", False):
+        response.force_close()
+    return response
 
 
 def as_api_error(e: BaseException) -> oa.ApiError:
@@ -67,8 +69,11 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPException:
         raise
     except Exception as e:  # a Content-Encoding the body does not match (deflate of something else, ...)
-        raise oa.bad(None, f"the request body cannot be decoded ({request.headers.get('Content-Encoding', 'as sent')}"
-                     f"): {e}") from None
+        request.content.feed_eof()  # what is left of it cannot be read either: aiohttp must not try after us
+        err = oa.bad(None, f"the request body cannot be decoded ({request.headers.get('Content-Encoding', 'as sent')}"
+                     f"): {e}")
+        err.close_connection = True  # type: ignore[attr-defined]  # the stream's place in the body is lost
+        raise err from None
     charset = request.charset or "utf-8"
     try:
         codecs.lookup(charset)

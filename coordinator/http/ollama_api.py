@@ -173,7 +173,9 @@ def _number(o: dict[str, Any], name: str, default: float) -> float:
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:
     think = body.get("think", True)
-    if think is not False and think not in THINK:
+    if think is None:
+        think = True
+    if think is not False and not (isinstance(think, bool | str) and think in THINK):
         raise oa.bad("think", "'think' must be true, false, \"low\", \"medium\" or \"high\"")
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(_is_tool(t) for t in tools)):

@@ -263,3 +263,19 @@ def test_with_a_key_nothing_is_parsed_before_the_signature(tiny_dir: Path, tmp_p
         header = ((HEADER, f"v1.{stamp}.00.{'0' * 64}"),)
         code, detail = _status(lambda: raw(b"", timeout=10, metadata=header))
         assert code == "UNAUTHENTICATED" and "malformed" in detail
+
+
+def test_every_rpc_fuzzed_answers_specifically_and_the_worker_keeps_a_valid_plan(worker, tiny_dir: Path) -> None:
+    """Every RPC of the Worker service with fuzzed messages (options the command line refuses, ranges past the
+    model, tensors of any shape, garbage bytes): never INTERNAL or UNKNOWN, never a stall, and after every Assign
+    the worker still takes and serves a valid plan. (`python -m tests.system.fuzz --surface grpc --minutes N` is
+    the long run.)"""
+    from tests.support.fuzz import fuzz_grpc, valid_forward
+
+    client, proc = worker
+    cfg = load_config(tiny_dir)
+    model = {"fingerprint": fingerprint(tiny_dir), "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+             "blocks": cfg.blocks_entering(0), "vocab": cfg.vocab_size}
+    counts = fuzz_grpc(proc.address, 300, model, valid_forward(proc.address, model["fingerprint"], cfg.num_layers))
+    assert client.healthy() and proc.proc.poll() is None
+    print(f"\nfuzzed RPCs: {sum(counts.values())}, by RPC and status {dict(sorted(counts.items()))}")

@@ -206,3 +206,22 @@ def test_a_long_stop_string_is_refused_at_once_and_the_server_answers_meanwhile(
     with urllib.request.urlopen(api_url + "/v1/models", timeout=30) as r:
         assert r.status == 200
     assert code == 200 and time.monotonic() - t0 < 10
+
+
+def test_every_route_of_a_real_server_fuzzed_answers_below_500_without_a_stall(tiny_dir: Path) -> None:
+    """`deltafin-coordinator --local serve` as a process: every route's body (OpenAI's, Anthropic's, the Responses
+    API's, Ollama's) with fields replaced by hostile JSON, hostile raw bodies and headers, the GET routes: no 5xx,
+    nothing slower than the stall bound, and the server still answers a valid request after.
+    (`python -m tests.system.fuzz --surface http --minutes N` is the long run.)"""
+    from tests.support.cluster import ServerProcess
+    from tests.support.fuzz import fuzz_http
+
+    server = ServerProcess(tiny_dir, "--local", serve_args=("--served-model-name", "tiny", "--default-max-tokens", "8",
+                                                            "--max-context", "512"))
+    try:
+        counts = fuzz_http(server.url, 400)
+        code, text = _post(server.url + "/v1/completions", {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+        assert code == 200, text
+    finally:
+        assert server.stop() == 0
+    print(f"\nfuzzed HTTP requests: {sum(counts.values())}, by route and status {dict(sorted(counts.items()))}")
