@@ -9,6 +9,7 @@ import codecs
 import contextlib
 import json
 import logging
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,15 +34,12 @@ Events = AsyncIterator[TokenEvent | Finished]
 
 def error_response(err: oa.ApiError, path: str) -> web.Response:
     """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, Ollama's under
-    /api/, else OpenAI's; the connection closed after it where the request's body could not be read through."""
+    /api/, else OpenAI's."""
     if am.is_messages_path(path):
         status, body = am.error_body(err)
     else:
         status, body = err.status, ol.error_body(err) if ol.is_ollama_path(path) else err.body()
-    response = web.json_response(body, status=status)
-    if getattr(err, "close_connection", False):
-        response.force_close()
-    return response
+    return web.json_response(body, status=status)
 
 
 def as_api_error(e: BaseException) -> oa.ApiError:
@@ -61,19 +59,11 @@ MAX_DEPTH = 64  # objects and arrays nested in a body (a tool's schema needs a h
 
 
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON, refused with a 4xx before any work when it cannot be: an unreadable encoding, an unknown
-    charset (415), text that is not JSON, nesting deeper than MAX_DEPTH, a number JSON's parser will not hold,
-    strings that are not Unicode (a lone surrogate escape)."""
-    try:
-        raw = await request.read()
-    except web.HTTPException:
-        raise
-    except Exception as e:  # a Content-Encoding the body does not match (deflate of something else, ...)
-        request.content.feed_eof()  # what is left of it cannot be read either: aiohttp must not try after us
-        err = oa.bad(None, f"the request body cannot be decoded ({request.headers.get('Content-Encoding', 'as sent')}"
-                     f"): {e}")
-        err.close_connection = True  # type: ignore[attr-defined]  # the stream's place in the body is lost
-        raise err from None
+    """The body as JSON, refused with a 4xx before any work when it cannot be: a Content-Encoding other than
+    identity, gzip or deflate (415) or one the body does not match, a decoded body over the size limit (413), an
+    unknown charset (415), text that is not JSON, nesting deeper than MAX_DEPTH, a number JSON's parser will not
+    hold, strings that are not Unicode (a lone surrogate escape)."""
+    raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""), request.app[MAX_BODY])
     charset = request.charset or "utf-8"
     try:
         codecs.lookup(charset)
@@ -88,6 +78,40 @@ async def read_json(request: web.Request) -> Any:
         raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
     _check_value(body)
     return body
+
+
+# The server decodes Content-Encoding itself (start() turns aiohttp's off): aiohttp's decoder leaves a handler
+# waiting forever for a deflate body that ends early when the body arrives after the headers.
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _decoded(raw: bytes, content_encoding: str, limit: int) -> bytes:
+    """The body with its codings undone, last applied first; never more than `limit` bytes of it."""
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        if coding not in WBITS:
+            raise oa.ApiError(415, f"unsupported Content-Encoding {coding!r}: send the body as is, gzip or deflate",
+                              code="unsupported_media_type")
+        wbits = WBITS[coding]
+        if coding == "deflate" and not _zlib_header(raw):
+            wbits = -zlib.MAX_WBITS  # a raw deflate stream, as some clients send
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(raw, limit + 1)
+        except zlib.error as e:
+            raise oa.bad(None, f"the request body is not {coding} data: {e}") from None
+        if len(out) > limit:
+            raise oa.ApiError(413, f"the request body is larger than {limit} bytes once decoded ({coding})")
+        if not inflater.eof or inflater.unused_data:
+            raise oa.bad(None, f"the request body is not one complete {coding} stream")
+        raw = out
+    return raw
+
+
+def _zlib_header(data: bytes) -> bool:
+    return len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
 
 
 def _check_value(body: Any) -> None:

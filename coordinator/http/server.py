@@ -439,7 +439,8 @@ def create_app(engine: Engine, max_body_bytes: int = 8 << 20, api_key: str | Non
 async def start(engine: Engine, host: str, port: int, max_body_bytes: int = 8 << 20,
                 api_key: str | None = None) -> tuple[web.AppRunner, int]:
     """Serve the API; returns the runner (await runner.cleanup() to stop) and the bound port."""
-    runner = web.AppRunner(create_app(engine, max_body_bytes, api_key), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(create_app(engine, max_body_bytes, api_key), handler_cancellation=True, access_log=None,
+                            auto_decompress=False)  # read_json decodes bodies (handling.WBITS says why)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

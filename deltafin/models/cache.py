@@ -125,6 +125,12 @@ class SequenceCache:
             for i, c in self.layers.items()}
         return SequenceCache(layers, self.length)
 
+    def resume_bytes(self, room: int) -> int:
+        """What `resume(room)` holds: the KDA states, and MLA buffers with room for `room` more tokens (not the
+        kept logits, which stay with the prefix)."""
+        return sum(c.nbytes if isinstance(c, KDACache) else
+                   mla_capacity(c.length + room) * c.buf.shape[1] * c.buf.element_size() for c in self.layers.values())
+
     def resume(self, room: int) -> SequenceCache:
         """A live session that continues from this state: KDA tensors shared, MLA latents copied into buffers
         of their own with room for `room` more tokens (appending into a shared buffer would overwrite what

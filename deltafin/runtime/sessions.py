@@ -97,7 +97,7 @@ class Sessions(Mapping[str, SequenceCache]):
                                  "(evicted or never kept); start the session with cache_len 0")
         if kept.length != cache_len:
             raise InvalidInput(f"prefix {prefix_id!r} holds {kept.length} tokens, not {cache_len}")
-        self._make_room(kept.nbytes + kept.growth(num_tokens), pinned)
+        self._make_room(kept.resume_bytes(num_tokens), pinned)
         cache = kept.resume(num_tokens)
         self.caches[session_id] = cache
         known = self.prefixes.tokens_of(prefix_id) if self.first else None

@@ -77,6 +77,27 @@ def test_eviction_names_the_evicted_session(ckpt):
         stage.forward([SeqInput(s, 0, ids=torch.tensor([1])) for s in ("x", "y", "z")])
 
 
+def test_sessions_resumed_from_a_kept_prompt_fit_the_budget_planned_for_them(ckpt):
+    """The fuzz report's neighbours' streams that died on the session budget: a budget of N sequences at the
+    context held N sessions started fresh but not N resumed from a kept prompt, because a resume was charged the
+    prompt's kept logits (which stay with the prefix) on top of its caches."""
+    cfg = ckpt.config
+    context, n = 64, 3
+    one = sequence_bytes(cfg, len(cfg.kda_layers), len(cfg.mla_layers), context, 4)
+    stage = Stage(ckpt, 0, 6, device=CPU,
+                  options=StageOptions(sizing=SizingOptions(session_bytes=n * one, context=context)))
+    prompt = torch.arange(1, 61)
+    stage.forward([SeqInput("first", 0, ids=prompt, save_at=((60, "p"),))])
+    assert stage.prefixes.get("p", torch.float32).logits is not None  # the last stage kept the prompt's logits
+    assert stage.release("first")
+    resumed = [SeqInput(f"r{i}", 60, ids=torch.tensor([i + 1]), resume_from="p") for i in range(n)]
+    out = stage.forward(resumed)
+    fresh = Stage(ckpt, 0, 6, device=CPU)
+    want = fresh.forward([SeqInput("f", 0, ids=torch.cat([prompt, torch.tensor([1])]))])[0].logits
+    assert len(stage.sessions) == n and stage.sessions.nbytes <= n * one
+    torch.testing.assert_close(out[0].logits, want, rtol=1e-4, atol=1e-5)  # fp32, two chunkings of one sum
+
+
 def test_failed_forward_restores_sessions(ckpt):
     stage = Stage(ckpt, 0, 6, device=CPU)
     ids = torch.tensor([7, 8, 9, 10])
