@@ -33,7 +33,7 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
-from deltafin.coordinator.cluster.connect import ClusterOptions, cluster_spec
+from deltafin.coordinator.cluster.connect import ClusterOptions, cluster_spec, local_plan
 from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
 from deltafin.coordinator.engine.engine import Engine, ServingOptions, open_engine, planned_stage
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text")
     add_sampling_options(g, temperature=0.0, max_tokens=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
-    add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing)"))
+    add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing); with "
+                                                   "--local, this process's plan (loads nothing)"))
     s = command("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's Messages "
                        "API), /v1/messages/count_tokens, /v1/models, /v1/status, /health "
@@ -136,6 +137,9 @@ async def _open(args: argparse.Namespace, serving: ServingOptions | None = None)
 async def cmd_plan(args: argparse.Namespace) -> int:
     cluster, stage, serving = _options(args)
     cfg = load_config(cluster.model)
+    if cluster.local:
+        print(local_plan(cluster, planned_stage(stage, serving), cfg))
+        return 0
     spec = cluster_spec(cluster, planned_stage(stage, serving), cfg)
     workers = await find_workers(spec)
     try:

@@ -8,6 +8,7 @@ both build the stages' StageOptions beside it, and `open_backend` takes the two.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
@@ -16,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.checkpoint.shards import scan_checkpoint
+from deltafin.checkpoint.shards import open_checkpoint, scan_checkpoint
 from deltafin.coordinator.cluster.backend import Backend, LocalBackend, Timeouts
 from deltafin.coordinator.cluster.recovery import RecoveryOptions, connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
-from deltafin.devices import resolve_device
+from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.options import DEVICES, EXPERT_MODES, check_choice, from_values
 from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.stage import split_layers
+from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
 from deltafin.weights.reader import layer_spans
@@ -102,6 +105,21 @@ async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelC
     else:
         log.info("the plan:\n%s", plan.table())
     return backend
+
+
+def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> str:
+    """What `open_backend` loads in this process with `cluster.local`, planned the same way (nothing is loaded):
+    each stage's memory by part, why its spine format, and what a forward carries."""
+    device = resolve_device(cluster.device)
+    options = dataclasses.replace(with_memory_found(stage, device), dtype=resolve_dtype(stage.dtype_name))
+    ckpt = open_checkpoint(cluster.model, cfg)
+    lines = []
+    for a, b in split_layers(cfg, cluster.local_stages):
+        z = plan_stage(cfg, a, b, device, options, layer_spans(ckpt), expert_backend_for(cfg, device))
+        lines.append(f"layers {a}-{b - 1} on {device.type} (this process): {len(z.resident_layers)} resident, "
+                     f"{len(z.streamed_layers)} streamed; {z.forward_tokens:,}-token forwards, {z.sequences} "
+                     f"sequence(s) of {stage.sizing.context:,} tokens; {z.describe()}")
+    return "\n".join(lines)
 
 
 def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> ClusterSpec:

@@ -81,6 +81,24 @@ def test_cluster_options_go_before_or_after_the_command(tiny_dir: Path) -> None:
     assert missing.returncode == 2 and "--model" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_plan_with_local_prints_the_plan_the_load_runs(tiny_dir: Path) -> None:
+    """`--local plan` once answered "no workers"; it prints each in-process stage's plan without loading, the
+    same plan `generate` then loads (its log line for the stage)."""
+    plan = _run("--model", str(tiny_dir), "--local", "--local-stages", "2", "--memory-gb", "3", "--sequences", "2",
+                "plan")
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.strip().splitlines()
+    assert [line.split(" on ")[0] for line in lines] == ["layers 0-2", "layers 3-5"]
+    assert all("2 sequence(s) of 4,096 tokens" in line for line in lines), lines
+    loaded = _run("--model", str(tiny_dir), "--local", "--local-stages", "2", "--memory-gb", "3", "--sequences", "2",
+                  "-v", "generate", "hi", "--max-tokens", "1")
+    assert loaded.returncode == 0, loaded.stderr
+    for line in lines:
+        layers = line.split(" on ")[0].removeprefix("layers ").split("-")
+        memory = line.split("; ", 2)[2]  # "1.15 GB: layers ..., ...; spine ...": the stage's sizing
+        assert f"stage [{layers[0]}, {int(layers[1]) + 1}) on cpu: {memory}" in loaded.stderr, (line, loaded.stderr)
+
+
 def _serving(*args: str, serve: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     server = subprocess.Popen([*COORDINATOR, *args, "serve", "--port", "0", *serve], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
