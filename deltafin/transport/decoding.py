@@ -36,6 +36,39 @@ async def _refuse(context: grpc.aio.ServicerContext, method: str, why: str) -> N
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message ({why})")
 
 
+def _guard_unary(inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await _refuse(context, method, request.why)
+        return await inner(request, context)
+
+    return unary
+
+
+def _guard_unary_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Malformed):
+            await _refuse(context, method, request.why)
+        async for reply in inner(request, context):
+            yield reply
+
+    return unary_stream
+
+
+def _guard_stream_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def checked() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, Malformed):
+                    await _refuse(context, method, request.why)
+                yield request
+
+        async for reply in inner(checked(), context):
+            yield reply
+
+    return stream_stream
+
+
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """See the module docstring."""
 
@@ -47,37 +80,11 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         parse, write = _tolerant(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if isinstance(request, Malformed):
-                    await _refuse(context, method, request.why)
-                return await inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary, parse, write)
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method), parse, write)
         if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                if isinstance(request, Malformed):
-                    await _refuse(context, method, request.why)
-                async for reply in inner_us(request, context):
-                    yield reply
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, parse, write)
+            return grpc.unary_stream_rpc_method_handler(_guard_unary_stream(handler.unary_stream, method), parse,
+                                                        write)
         if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-                                    ) -> AsyncIterator[Any]:
-                async def checked() -> AsyncIterator[Any]:
-                    async for request in requests:
-                        if isinstance(request, Malformed):
-                            await _refuse(context, method, request.why)
-                        yield request
-
-                async for reply in inner_ss(checked(), context):
-                    yield reply
-
-            return grpc.stream_stream_rpc_method_handler(stream_stream, parse, write)
+            return grpc.stream_stream_rpc_method_handler(_guard_stream_stream(handler.stream_stream, method), parse,
+                                                         write)
         return handler

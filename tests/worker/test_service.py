@@ -4,6 +4,7 @@ are checked; a cancelled Assign closes what it loaded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -35,12 +36,19 @@ def served(tiny_dir):
     desc = WorkerDescription("t", "", "cpu", 10**9, 1.0, fingerprint(tiny_dir), layer_ranges(ckpt.layers_available()),
                              True)
 
-    async def start():
+    @contextlib.asynccontextmanager
+    async def serving():
+        """The servicer on a loopback port, stopped whatever the test does (a gRPC server left to the garbage
+        collector after its event loop closed hangs the interpreter's exit)."""
         service = WorkerService(ckpt, desc, torch.device("cpu"), StageOptions())
         server, port = await create_server(service, "127.0.0.1", 0)
-        return service, server, port
+        try:
+            yield service, port
+        finally:
+            await server.stop(0)
+            service.close()
 
-    return start, cfg
+    return serving, cfg
 
 
 async def _assign(stub, tiny_dir, start, end):
@@ -50,7 +58,7 @@ async def _assign(stub, tiny_dir, start, end):
 
 
 def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(served, tiny_dir):
-    start, cfg = served
+    serving, cfg = served
     d = cfg.hidden_size
     n = cfg.blocks_entering(3)
 
@@ -73,8 +81,7 @@ def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(se
     ]
 
     async def run():
-        service, server, port = await start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:  # nothing assigned yet
                 await stub.Forward(pb.ForwardRequest(sequences=[seq(p=f32(1, d), b=f32(1, n, d))]), timeout=10)
@@ -98,18 +105,15 @@ def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(se
             assert stats["state"] == "ready" and stats["layers"] == [3, 6] and stats["sessions"] == 1
             released = await stub.Release(pb.ReleaseRequest(session_ids=["s", "nope"]), timeout=5)
             assert released.released == 1
-        await server.stop(0)
-        service.close()
 
     asyncio.run(run())
 
 
 def test_assignment_is_checked(served, tiny_dir):
-    start, _ = served
+    serving, _ = served
 
     async def run():
-        service, server, port = await start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             for assignment, code, message in [
                 (pb.Assignment(start=0, end=6, model_fingerprint="0" * 16), grpc.StatusCode.FAILED_PRECONDITION,
@@ -129,8 +133,6 @@ def test_assignment_is_checked(served, tiny_dir):
                 assert e.value.code() == code and message in e.value.details()
             info = await stub.Info(pb.InfoRequest(), timeout=5)
             assert info.state == "idle"
-        await server.stop(0)
-        service.close()
 
     asyncio.run(run())
 
@@ -139,7 +141,7 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     """The coordinator gives up on an Assign (deadline) while the stage loads: the worker closes that stage
     once its load ends, before the next Assign loads another (never two stages in memory), and serves the
     next assignment."""
-    start, cfg = served
+    serving, cfg = served
     events: list[str] = []
     load = AssignmentSlot.load
 
@@ -160,8 +162,7 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     monkeypatch.setattr(Stage, "close", recorded_close)
 
     async def run():
-        service, server, port = await start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Assign(pb.Assignment(start=0, end=3, model_fingerprint=fingerprint(tiny_dir),
@@ -172,8 +173,6 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
             assert service.state == "idle" and service.stage is None
             await _assign(stub, tiny_dir, 3, 6)
             info = await stub.Info(pb.InfoRequest(), timeout=5)
-        await server.stop(None)
-        service.close()
         return info
 
     info = asyncio.run(run())
@@ -185,36 +184,39 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     """A worker assigned no layers of a wide plan serves its experts: a call's outputs are the experts' on its
     rows (as the one-process loop computes them), hints are taken at once, and calls it cannot compute get a
     status that says why."""
-    start, cfg = served
+    serving, cfg = served
 
     async def run():
-        service, server, port = await start()
-        key = service.description.key
-        placement = ExpertPlacement.build([key], cfg.moe_layers, cfg.num_experts, lambda i, _: 1.0)
-        plan = codec.encode_expert_plan(ExpertPlan(placement, (Holder(key, f"127.0.0.1:{port}", "t"),)))
         options = codec.encode_stage_options({"dtype": "fp32", "expert_layers": len(cfg.moe_layers),
                                               "expert_cache_bytes": 10**6})
         g = torch.Generator().manual_seed(1)
         call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 2, 2, 1]),
-                          torch.tensor([4, 4, 9, 13]))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                          torch.tensor([4, 4, 6, 1]))  # all in this worker's half of the experts, below
+
+        def plan_of(*holders: Holder) -> pb.ExpertPlan:
+            placement = ExpertPlacement.build([h.key for h in holders], cfg.moe_layers, cfg.num_experts,
+                                              lambda i, _: 1.0)
+            return codec.encode_expert_plan(ExpertPlan(placement, holders))
+
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            me, other = Holder(service.description.key, f"127.0.0.1:{port}", "t"), Holder("other", "127.0.0.1:9")
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.RunExperts(codec.encode_expert_call(call), timeout=10)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "serves no experts" in e.value.details()
-            for bad, words in [(pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir)),
-                                "only an expert holder of a wide plan"),
-                               (pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir),
-                                              experts=codec.encode_expert_plan(ExpertPlan(
-                                                  ExpertPlacement.build(["other"], cfg.moe_layers, cfg.num_experts,
-                                                                        lambda i, _: 1.0), (Holder("other", "x:1"),))),
-                                              options=options), "does not name this worker")]:
+            holder_only = {"start": 0, "end": 0, "model_fingerprint": fingerprint(tiny_dir), "options": options}
+            for bad, code, words in [
+                (pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir)),
+                 grpc.StatusCode.FAILED_PRECONDITION, "only an expert holder of a wide plan"),
+                (pb.Assignment(**holder_only, experts=plan_of(me)), grpc.StatusCode.INVALID_ARGUMENT,
+                 "two holders or more"),
+                (pb.Assignment(**holder_only, experts=plan_of(other, Holder("another", "127.0.0.1:10"))),
+                 grpc.StatusCode.FAILED_PRECONDITION, "does not name this worker")]:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in stub.Assign(bad, timeout=30):
                         pass
-                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in e.value.details()
-            async for _ in stub.Assign(pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir),
-                                                     options=options, experts=plan), timeout=60):
+                assert e.value.code() == code and words in e.value.details(), words
+            async for _ in stub.Assign(pb.Assignment(**holder_only, experts=plan_of(me, other)), timeout=60):
                 pass
             assert (await stub.Info(pb.InfoRequest(), timeout=5)).state == "ready"
             got = codec.decode_tensor((await stub.RunExperts(codec.encode_expert_call(call), timeout=30)).outputs, "o")
@@ -227,11 +229,9 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
                 assert e.value.code() == code
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
             assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 1
-            assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 4, 9, 13
+            assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 1, 4, 6
             assert (await stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
                                           timeout=5)).ByteSize() == 0  # hints: answered at once, read behind
-        await server.stop(0)
-        service.close()
         ckpt = open_checkpoint(tiny_dir, cfg)
         resident = ResidentExperts(ckpt, cfg.moe_layers, torch.device("cpu"))
         want = expert_outputs(cfg, call.layer, call.z, call.rows, call.experts, resident.experts)
@@ -244,7 +244,7 @@ def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it
     """ForwardParts: parts joined into one forward give what Forward gives; a stream of parts larger than the
     stage's largest forward could carry is refused (RESOURCE_EXHAUSTED), its parts past the cap dropped as they
     arrive."""
-    start, cfg = served
+    serving, cfg = served
     d, n = cfg.hidden_size, cfg.blocks_entering(3)
 
     def part(session: str, tokens: int, value: float) -> pb.ForwardRequest:
@@ -253,8 +253,7 @@ def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it
             session_id=session, cache_len=0, p=codec.encode_tensor(state[0]), b=codec.encode_tensor(state[1]))])
 
     async def run():
-        service, server, port = await start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             await _assign(stub, tiny_dir, 3, 6)
             whole = await stub.Forward(pb.ForwardRequest(sequences=part("a", 6, 0.1).sequences), timeout=30)
@@ -267,7 +266,5 @@ def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it
                 async for _ in stub.ForwardParts(flood, timeout=60):
                     pass
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "send it in chunks" in e.value.details()
-        await server.stop(0)
-        service.close()
 
     asyncio.run(run())
