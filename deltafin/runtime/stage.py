@@ -370,11 +370,11 @@ def _check_batch(cfg: ModelConfig, start: int, end: int, batch: list[SeqInput], 
     one forward may carry (None: no limit)."""
     if not batch or len({b.session_id for b in batch}) != len(batch):
         raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
+    for item in batch:  # first: the token counts below need well-formed inputs
+        _check_input(cfg, start, end, item)
     if all_logits and end == cfg.num_layers and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
         raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
                            "tokens (what the plan holds logits for): send it in pieces")
-    for item in batch:
-        _check_input(cfg, start, end, item)
     tokens = sum(b.num_tokens for b in batch)
     if limit is not None and tokens > limit:
         raise InvalidInput(f"this forward carries {tokens} tokens; stage [{start}, {end}) was sized for "
@@ -384,29 +384,28 @@ def _check_batch(cfg: ModelConfig, start: int, end: int, batch: list[SeqInput], 
 def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None:
     if item.cache_len < 0:
         raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
-    if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
-        raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
-                           f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
-    if item.speculative and item.save_at:
-        raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
-                           "drafts are not decided yet)")
     if start == 0:
         ids = item.ids
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
             raise InvalidInput("stage 0 takes a non-empty 1-D integer tensor of token ids")
         if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
             raise InvalidInput(f"token ids must be in [0, {cfg.vocab_size})")
-        _check_save_at(item)
-        return
-    st, d, n = item.state, cfg.hidden_size, cfg.blocks_entering(start)
-    if st is None:
-        raise InvalidInput(f"stage [{start}, {end}) takes a residual state, not token ids")
-    t = st.P.shape[0]
-    if st.P.shape != (t, d) or st.B.shape != (t, n, d) or t == 0:
-        raise InvalidInput(f"residual state must be P [T, {d}] and B [T, {n}, {d}] with T > 0; got "
-                           f"P {list(st.P.shape)}, B {list(st.B.shape)}")
-    if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
-        raise InvalidInput("residual state contains NaN or Inf")
+    else:
+        st, d, n = item.state, cfg.hidden_size, cfg.blocks_entering(start)
+        if st is None:
+            raise InvalidInput(f"stage [{start}, {end}) takes a residual state, not token ids")
+        t = st.P.shape[0] if st.P.dim() else 0
+        if st.P.shape != (t, d) or st.B.shape != (t, n, d) or t == 0:
+            raise InvalidInput(f"residual state must be P [T, {d}] and B [T, {n}, {d}] with T > 0; got "
+                               f"P {list(st.P.shape)}, B {list(st.B.shape)}")
+        if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
+            raise InvalidInput("residual state contains NaN or Inf")
+    if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
+        raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
+                           f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
+    if item.speculative and item.save_at:
+        raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
+                           "drafts are not decided yet)")
     _check_save_at(item)
 
 

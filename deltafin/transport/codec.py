@@ -97,9 +97,15 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         if msg.resume_from and msg.cache_len == 0:
             raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:
-            out.append(SeqInput(msg.session_id, msg.cache_len, ids=decode_tensor(msg.ids, f"{what} ids"), **extra))
+            ids = decode_tensor(msg.ids, f"{what} ids")
+            if ids.dim() != 1:
+                raise CodecError(f"{what}: ids must be a 1-D tensor of token ids; got shape {list(ids.shape)}")
+            out.append(SeqInput(msg.session_id, msg.cache_len, ids=ids, **extra))
         else:
             state = ResidualState(decode_tensor(msg.p, f"{what} p"), decode_tensor(msg.b, f"{what} b"))
+            if state.P.dim() != 2 or state.B.dim() != 3 or state.P.shape[0] != state.B.shape[0]:
+                raise CodecError(f"{what}: a residual state is P [T, D] and B [T, N, D]; got P "
+                                 f"{list(state.P.shape)}, B {list(state.B.shape)}")
             out.append(SeqInput(msg.session_id, msg.cache_len, state=state, **extra))
     return out
 

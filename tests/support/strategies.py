@@ -3,6 +3,7 @@ hostile (shared by the codec's and the worker's fuzz tests)."""
 
 from __future__ import annotations
 
+import random
 import struct
 
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ DTYPES = ["float32", "bfloat16", "float16", "int64", "int32", "int8", "", "compl
 
 
 SPECIAL_FLOATS = [float("nan"), float("inf"), -float("inf"), 1e38, 0.0]
+DRAWN_VALUES = 1024  # a tensor's values drawn one by one up to this many (hypothesis refuses lists near 8,192)
 
 
 @st.composite
@@ -27,14 +29,27 @@ def tensors(draw, dtype=None, shape=None, vocab: int = 300_000) -> pb.Tensor:
     if not draw(st.booleans()):
         size = max(0, size + draw(st.sampled_from([-1, 1, 7])))
     if dtype == "float32" and size % 4 == 0:
-        finite = st.floats(-3, 3, width=32)
-        values = draw(st.lists(finite | st.sampled_from(SPECIAL_FLOATS) if draw(st.booleans()) else finite,
-                               min_size=size // 4, max_size=size // 4))
-        data = struct.pack(f"<{len(values)}f", *values)
+        n = size // 4
+        special = draw(st.booleans())
+        if n <= DRAWN_VALUES:
+            finite = st.floats(-3, 3, width=32)
+            values = draw(st.lists(finite | st.sampled_from(SPECIAL_FLOATS) if special else finite,
+                                   min_size=n, max_size=n))
+        else:  # past what hypothesis draws one by one: seeded values, a special one in place if asked
+            rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+            values = [rng.uniform(-3, 3) for _ in range(n)]
+            if special:
+                values[rng.randrange(n)] = rng.choice(SPECIAL_FLOATS)
+        data = struct.pack(f"<{n}f", *values)
     elif dtype in ("int64", "int32") and size % (8 if dtype == "int64" else 4) == 0:
         n = size // (8 if dtype == "int64" else 4)
         high = vocab - 1 if draw(st.booleans()) else vocab + 5
-        values = draw(st.lists(st.integers(-1 if high > vocab else 0, high), min_size=n, max_size=n))
+        low = -1 if high > vocab else 0
+        if n <= DRAWN_VALUES:
+            values = draw(st.lists(st.integers(low, high), min_size=n, max_size=n))
+        else:
+            rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+            values = [rng.randint(low, high) for _ in range(n)]
         data = struct.pack(f"<{n}{'q' if dtype == 'int64' else 'i'}", *values)
     else:
         data = draw(st.binary(min_size=size, max_size=size))

@@ -1,8 +1,8 @@
 """The long fuzz run: hostile requests to a real `deltafin-coordinator --local serve` (every HTTP route) and/or a
 real `deltafin-worker` (every RPC) for N minutes each, in batches of the same strategies the tests use
-(tests/support/fuzz.py). Stops at the first 5xx, INTERNAL/UNKNOWN, stall or lost worker (the failing request is
-printed); prints one JSON object: per surface, the minutes, the requests and their counts by route (or RPC) and
-status.
+(tests/support/fuzz.py). A surface stops at its first 5xx, INTERNAL/UNKNOWN, stall or lost worker; prints one JSON
+object: per surface, the minutes run, the requests and their counts by route (or RPC) and status, and the failure
+(the request that found it) if there was one, in which case it exits 1. Progress goes to stderr.
 
     python -m tests.system.fuzz --model DIR --minutes 15 [--surface http|grpc|both]
 """
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from deltafin.checkpoint.config import load_config
@@ -24,18 +27,16 @@ from tests.support.fuzz import fuzz_grpc, fuzz_http, valid_forward
 
 BATCH = 200  # examples a hypothesis run; runs repeat until the minutes are up
 
+log = logging.getLogger("fuzz")
+
 
 def soak_http(model: Path, minutes: float) -> dict:
     server = ServerProcess(model, "--local", serve_args=("--served-model-name", "tiny", "--default-max-tokens", "8",
                                                          "--max-context", "512"))
-    counts: Counter = Counter()
     try:
-        deadline = time.monotonic() + 60 * minutes
-        while time.monotonic() < deadline:
-            fuzz_http(server.url, BATCH, counts)
+        return _soak("http", minutes, lambda counts: fuzz_http(server.url, BATCH, counts))
     finally:
         assert server.stop() == 0, "the server did not stop cleanly"
-    return _summary(minutes, counts)
 
 
 def soak_grpc(model: Path, minutes: float) -> dict:
@@ -43,24 +44,40 @@ def soak_grpc(model: Path, minutes: float) -> dict:
     shape = {"fingerprint": fingerprint(model), "layers": cfg.num_layers, "hidden": cfg.hidden_size,
              "blocks": cfg.blocks_entering(0), "vocab": cfg.vocab_size}
     worker = WorkerProcess(model, "fuzz", "--max-message-mb", "4")
-    counts: Counter = Counter()
     try:
         worker.wait_ready()
         valid = valid_forward(worker.address, shape["fingerprint"], cfg.num_layers)
-        deadline = time.monotonic() + 60 * minutes
-        while time.monotonic() < deadline:
+
+        def batch(counts: Counter) -> None:
             fuzz_grpc(worker.address, BATCH, shape, valid, counts)
             assert worker.proc.poll() is None, "the worker died"
+
+        return _soak("grpc", minutes, batch)
     finally:
         worker.stop()
-    return _summary(minutes, counts)
 
 
-def _summary(minutes: float, counts: Counter) -> dict:
+def _soak(surface: str, minutes: float, batch: Callable[[Counter], None]) -> dict:
+    """Batches until the minutes are up or one fails (an assertion naming the request); the counts either way."""
+    counts: Counter = Counter()
+    t0 = time.monotonic()
+    failure = None
+    while failure is None and time.monotonic() < t0 + 60 * minutes:
+        try:
+            batch(counts)
+        except AssertionError as e:
+            failure = str(e)
+        log.info("%s: %.1f min, %d requests%s", surface, (time.monotonic() - t0) / 60, sum(counts.values()),
+                 f"; FAILED: {failure}" if failure else "")
+    return _summary((time.monotonic() - t0) / 60, counts, failure)
+
+
+def _summary(minutes: float, counts: Counter, failure: str | None) -> dict:
     by_route: dict[str, dict[str, int]] = {}
     for (route, status), n in sorted(counts.items()):
         by_route.setdefault(route, {})[str(status)] = n
-    return {"minutes": minutes, "requests": sum(counts.values()), "by_route_and_status": by_route}
+    out = {"minutes": round(minutes, 2), "requests": sum(counts.values()), "by_route_and_status": by_route}
+    return out if failure is None else {**out, "failure": failure}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--surface", choices=["http", "grpc", "both"], default="both")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="deltafin-fuzz-") as folder:
         model = args.model or synthesize("tiny", Path(folder) / "tiny", seed=0, show_progress=False)
         out = {}
@@ -77,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.surface in ("grpc", "both"):
             out["grpc"] = soak_grpc(model, args.minutes)
     print(json.dumps(out, indent=1))
+    if any("failure" in v for v in out.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -30,18 +30,6 @@ from tests.support.strategies import sequences
 SPECIFIC = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE"}
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 @st.composite
 def plausible(draw, first: bool, hidden: int, blocks: int, vocab: int) -> pb.SequenceInput:
     """A well-formed sequence whose session may or may not exist (so the stage, not the codec, judges it)."""
@@ -94,7 +82,6 @@ class Worker:
 
 
 def ids_seq(sid: str, ids: list[int], cache_len: int = 0) -> pb.SequenceInput:
-
     return pb.SequenceInput(session_id=sid, cache_len=cache_len,
                             ids=codec.encode_tensor(torch.tensor(ids, dtype=torch.long)))
 
@@ -245,6 +232,39 @@ def test_malformed_requests_and_out_of_range_ids_are_invalid_argument(worker, ti
     code, detail = _status(lambda: client.stub.FindPrefix(pb.FindPrefixRequest(tokens=ids), timeout=10))
     assert code == "INVALID_ARGUMENT" and "token ids" in detail
     assert client.healthy()
+
+
+def test_inputs_of_the_wrong_rank_are_invalid_argument(worker, tiny_dir: Path) -> None:
+    """The soak's case: a 0-D tensor of ids (8 bytes, no shape) with every position's logits asked for was INTERNAL
+    (its token count was taken before its shape was checked); ids and residual states of the wrong rank are refused
+    by name, whatever else the forward asks for."""
+    client, _ = worker
+    cfg = load_config(tiny_dir)
+    d, n = cfg.hidden_size, cfg.blocks_entering(3)
+
+    def refused(request: pb.ForwardRequest) -> str:
+        code, detail = _status(lambda: client.stub.Forward(request, timeout=30))
+        assert code == "INVALID_ARGUMENT", (code, detail)
+        return detail
+
+    scalar = pb.Tensor(dtype="int64", data=b"\0" * 8)
+    client.assign(0, cfg.num_layers)
+    for extra in ({"all_logits": True}, {}):
+        assert "1-D tensor of token ids" in refused(pb.ForwardRequest(
+            request_id="fuzz", sequences=[pb.SequenceInput(session_id="a", ids=scalar)], **extra))
+    detail = refused(pb.ForwardRequest(sequences=[pb.SequenceInput(session_id="a", ids=scalar, speculative=True)]))
+    assert "1-D" in detail
+    two_d = codec.encode_tensor(torch.zeros(2, 2, dtype=torch.long))
+    assert "got shape [2, 2]" in refused(pb.ForwardRequest(sequences=[pb.SequenceInput(session_id="a", ids=two_d)]))
+    client.assign(3, cfg.num_layers)
+    for p, b in [(torch.zeros(d), torch.zeros(1, n, d)), (torch.zeros(2, d), torch.zeros(1, n, d)),
+                 (torch.zeros(1, d), torch.zeros(n, d))]:
+        seq = pb.SequenceInput(session_id="a", p=codec.encode_tensor(p), b=codec.encode_tensor(b))
+        assert "P [T, D] and B [T, N, D]" in refused(pb.ForwardRequest(sequences=[seq], all_logits=True))
+    assert client.forward(pb.SequenceInput(session_id="a", p=codec.encode_tensor(torch.zeros(1, d)),
+                                           b=codec.encode_tensor(torch.zeros(1, n, d)))) == "OK"
+    client.assign(0, cfg.num_layers)
+    assert client.forward(ids_seq("ok", [1, 2])) == "OK" and client.healthy()
 
 
 def test_with_a_key_nothing_is_parsed_before_the_signature(tiny_dir: Path, tmp_path: Path) -> None:

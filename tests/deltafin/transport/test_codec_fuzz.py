@@ -29,9 +29,10 @@ def _well_formed(msg: pb.SequenceInput) -> bool:
     has_ids, has_p, has_b = msg.HasField("ids"), msg.HasField("p"), msg.HasField("b")
     if not msg.session_id or msg.cache_len < 0 or (msg.resume_from and msg.cache_len == 0):
         return False
-    if has_ids:
-        return not (has_p or has_b) and _tensor_ok(msg.ids)
-    return has_p and has_b and _tensor_ok(msg.p) and _tensor_ok(msg.b)
+    if has_ids:  # ids [T]
+        return not (has_p or has_b) and _tensor_ok(msg.ids) and len(msg.ids.shape) == 1
+    return (has_p and has_b and _tensor_ok(msg.p) and _tensor_ok(msg.b)  # P [T, D], B [T, n, D]
+            and len(msg.p.shape) == 2 and len(msg.b.shape) == 3 and msg.p.shape[0] == msg.b.shape[0])
 
 
 def _check_decoded(msgs: list[pb.SequenceInput]) -> None:
