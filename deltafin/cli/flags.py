@@ -64,7 +64,7 @@ def _add_memory_options(g: Any, sequences: int | None) -> None:
     g.add_argument("--sequences", type=int, default=sequences,
                    help="sequences the memory plan keeps caches for (default "
                    + (f"{sequences})" if sequences is not None else "1 on one worker, serving one user, so that its "
-                      "expert cache keeps more; 4 on each stage of a cluster)"))
+                      "expert cache keeps more; 4 on each stage of a cluster; serve: its --max-active)"))
     g.add_argument("--context", type=int, default=4096,
                    help="tokens per sequence the memory plan reserves caches and attention room for (default 4096)")
     g.add_argument("--prefix-cache-gb", type=float, default=None,

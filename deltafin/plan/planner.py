@@ -240,6 +240,10 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     if wide and not cfg.moe_layers:
         wide = False  # nothing to spread
     plan, why, opts = _in_cluster_spine(cfg, workers, opts, act_bytes, wide)
+    if plan is not None and plan.wide and len(plan.workers) < 2:  # workers refuse a plan of one holder
+        log.warning("wide experts need two workers or more to spread over; %s computes its own layers' experts",
+                    plan.workers[0].worker)
+        plan, why, opts = _in_cluster_spine(cfg, workers, options or SizingOptions(), act_bytes, False)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
     streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]

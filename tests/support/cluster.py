@@ -17,6 +17,20 @@ WORKER = [sys.executable, "-m", "deltafin.worker.main"]
 COORDINATOR = [sys.executable, "-m", "deltafin.coordinator.main"]
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+_LOGS = tempfile.TemporaryDirectory(prefix="deltafin-test-logs-")  # the processes' logs, removed at exit
+
+
+def _start(cmd: list[str], what: str) -> tuple[subprocess.Popen, Path]:
+    """`cmd` with its log (stderr) in a file, never a pipe: a pipe nobody reads fills after ~64 KB of log and then
+    blocks the process at its next log line (a long fuzz run wedged a worker that way). Stdout stays a pipe, for
+    the line that says where it listens."""
+    fd, log = tempfile.mkstemp(prefix=f"{what}-", suffix=".log", dir=_LOGS.name)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fd, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(fd)
+    return proc, Path(log)
 
 
 class WorkerProcess:
@@ -34,9 +48,12 @@ class WorkerProcess:
         cmd += ["--interface", "127.0.0.1"] if announce else ["--no-announce"]
         self.name = name or "default"
         self.wrapped = bool(prefix)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc, self.log_path = _start(cmd, "worker")
         self.address = ""
+
+    def log(self) -> str:
+        """What the worker has logged so far (its stderr)."""
+        return self.log_path.read_text()
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
@@ -44,7 +61,7 @@ class WorkerProcess:
             line = self.proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker {self.name} exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                    raise RuntimeError(f"worker {self.name} exited: {self.log()}")
                 continue
             m = LISTENING.search(line)
             if m:
@@ -104,15 +121,19 @@ class ServerProcess:
     def __init__(self, model: Path, *args: str, serve_args: tuple[str, ...] = (), wrap: tuple[str, ...] = ()):
         cmd = [*wrap, *COORDINATOR, "--model", str(model), "--no-discover", "-q",
                *args, "serve", "--port", "0", *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc, self.log_path = _start(cmd, "serve")
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         m = SERVING.search(line)
         if not m:
             self.proc.kill()
-            raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read()}")  # type: ignore[union-attr]
+            self.proc.wait()
+            raise RuntimeError(f"server did not start: {line}{self.log()}")
         self.url = m.group(1)
         self.wrapped = bool(wrap)
+
+    def log(self) -> str:
+        """What the server has logged so far (its stderr)."""
+        return self.log_path.read_text()
 
     def stop(self) -> int:
         """SIGTERM to the server (under wrappers, to the process at the bottom of them: a wrapper such as memlimit

@@ -58,15 +58,16 @@ def soak_grpc(model: Path, minutes: float) -> dict:
 
 
 def _soak(surface: str, minutes: float, batch: Callable[[Counter], None]) -> dict:
-    """Batches until the minutes are up or one fails (an assertion naming the request); the counts either way."""
+    """Batches until the minutes are up or one fails; the counts either way."""
     counts: Counter = Counter()
     t0 = time.monotonic()
     failure = None
     while failure is None and time.monotonic() < t0 + 60 * minutes:
         try:
             batch(counts)
-        except AssertionError as e:
-            failure = str(e)
+        except Exception as e:  # an assertion naming the request, or hypothesis' group of them
+            log.exception("%s: failed", surface)
+            failure = f"{type(e).__name__}: {e}"
         log.info("%s: %.1f min, %d requests%s", surface, (time.monotonic() - t0) / 60, sum(counts.values()),
                  f"; FAILED: {failure}" if failure else "")
     return _summary((time.monotonic() - t0) / 60, counts, failure)

@@ -173,7 +173,7 @@ def test_a_lost_expert_holder_moves_its_experts(small_dir: Path, tmp_path: Path)
             for w in restarted:
                 w.stop()
             assert server.stop() == 0
-        log = server.proc.stderr.read()  # type: ignore[union-attr]
+        log = server.log()
     assert re.search(r"holder's experts \(16/48x7\) moved to w[01]", log), log[-3000:]
     assert "same stages; retrying the step" in log, log[-3000:]  # the stages kept their sessions: no replay
     assert "| holder experts" in log, log[-3000:]  # it rejoined as an expert holder

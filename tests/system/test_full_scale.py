@@ -104,7 +104,7 @@ def test_a_worker_with_no_sizing_flags_fits_its_cap(k3_cut: Path, monkeypatch):
     peak = stage["rss_peak_bytes"]
     slack = plan["workspace"] + plan["sessions"] + plan["overhead"]
     assert plan["total"] - slack <= peak <= plan["total"], (peak, plan)
-    cap = re.search(r"memlimit: limit \S+ peak (\S+)", worker.proc.stderr.read())  # type: ignore[union-attr]
+    cap = re.search(r"memlimit: limit \S+ peak (\S+)", worker.log())
     assert cap is not None
 
 

@@ -50,7 +50,7 @@ def test_a_damaged_shard_is_said_once_and_the_coordinator_names_it(tiny_dir, tmp
                                "plan"], capture_output=True, text=True, timeout=120)
     finally:
         worker.stop()
-    log = worker.proc.stderr.read()  # type: ignore[union-attr]
+    log = worker.log()
     assert log.count("model-00003-of-00007.safetensors is truncated") == 1, log
     assert "copy or download it again" in log and "this worker serves layers 0-1, 3-5, not 2" in log
     assert plan.returncode == 1 and "Traceback" not in plan.stderr

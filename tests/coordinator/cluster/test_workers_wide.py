@@ -43,7 +43,7 @@ def test_wide_workers_equal_one_process(small_dir, local_result, n, experts):
 
         async def run():
             backend, plan = await connect_cluster(spec, show_progress=False)
-            assert plan.wide == (experts == "wide") and len(plan.stages) == n
+            assert plan.wide == (experts == "wide" and n > 1) and len(plan.stages) == n  # one worker: local
             if plan.wide:
                 assert sorted(plan.experts.holders) == sorted(s.key for s in plan.stages)
             result = await _run(backend, close=False)
@@ -81,7 +81,7 @@ def test_a_worker_without_layers_serves_its_share(small_dir, local_result, tmp_p
             (prefill, ids, _), stats = asyncio.run(run())
         finally:
             extra.stop()
-        log = extra.proc.stderr.read()  # type: ignore[union-attr]
+        log = extra.log()
     assert torch.equal(prefill, local_result[0]) and ids == local_result[1]
     holder = next(s for s in stats if s["name"] == "holder")
     assert holder["layers"] == [0, 0] and holder["wide"]["calls_served"] > 0 and holder["plan"]["sessions"] == 0
@@ -151,7 +151,7 @@ def test_counters_and_the_per_holder_log(small_dir):
                             *(a for p in procs for a in ("--worker", p.address)), "generate", "counted",
                             "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-    logs = [p.proc.stderr.read() for p in procs]  # type: ignore[union-attr]
+    logs = [p.log() for p in procs]
     rows = json.loads(r.stdout)["workers"]
     assert [row["name"] for row in rows] == ["w0", "w1"]
     for row in rows:
