@@ -72,9 +72,9 @@ def parse_generate(body: Any, served: str, strict: bool) -> OllamaRequest:
     if body.get("suffix"):
         raise oa.bad("suffix", "'suffix' (fill-in-the-middle) is not supported by Kimi K3")
     params = _params(body, served, strict)
-    if _get(body, "raw", bool, False):
+    if oa.json_field(body, "raw", bool, False):
         return OllamaRequest(params, None, ChatOptions(thinking=False, effort=None), prompt, _num_ctx(body))
-    system = _get(body, "system", str, None)
+    system = oa.json_field(body, "system", str, None)
     messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
     return OllamaRequest(params, messages, _chat_options(body), context=_num_ctx(body))
 
@@ -83,16 +83,6 @@ def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise oa.bad(None, "the request body must be a JSON object")
     return body
-
-
-def _get(obj: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    """obj[name] checked against a JSON type; absent or null gives the default."""
-    value = obj.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise oa.bad(name, f"'{name}' has the wrong type: {type(value).__name__}")
-    return value
 
 
 def _is_tool(t: Any) -> bool:
@@ -126,7 +116,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _options(body: dict[str, Any]) -> dict[str, Any]:
-    return _get(body, "options", dict, {})
+    return oa.json_field(body, "options", dict, {})
 
 
 def _num_ctx(body: dict[str, Any]) -> int | None:
@@ -138,7 +128,7 @@ def _num_ctx(body: dict[str, Any]) -> int | None:
 
 def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
     """The sampling and limits of `options`, checked as the OpenAI route checks its own."""
-    model = oa.served_model(_get(body, "model", str, served), served, strict)
+    model = oa.served_model(oa.json_field(body, "model", str, served), served, strict)
     o = _options(body)
     num_predict = o.get("num_predict")
     if num_predict is not None and (not isinstance(num_predict, int) or isinstance(num_predict, bool)
@@ -160,7 +150,7 @@ def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
             seed=o["seed"] if isinstance(o.get("seed"), int) and not isinstance(o.get("seed"), bool) else None)
     except SamplingError as e:
         raise oa.bad(f"options.{e.param}" if e.param else "options", str(e)) from None
-    stream = _get(body, "stream", bool, True)
+    stream = oa.json_field(body, "stream", bool, True)
     return oa.Params(model, num_predict if num_predict and num_predict > 0 else None, sampling, stops, stream)
 
 

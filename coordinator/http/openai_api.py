@@ -70,7 +70,7 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+def json_field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
     """body[name] checked against a JSON type; absent or null gives the default."""
     value = body.get(name)
     if value is None:
@@ -111,28 +111,28 @@ def request_params(body: dict[str, Any], served: str, strict: bool) -> Params:
 
 
 def _params(body: dict[str, Any], served: str, logprobs: int | None, strict: bool) -> Params:
-    model = served_model(_field(body, "model", str, served), served, strict)  # (left out: the served one)
-    n = _field(body, "n", int, 1)
+    model = served_model(json_field(body, "model", str, served), served, strict)  # (left out: the served one)
+    n = json_field(body, "n", int, 1)
     if n != 1:
         raise bad("n", "only n=1 is supported: Deltafin generates one choice per request")
-    if _field(body, "best_of", int, 1) != 1:
+    if json_field(body, "best_of", int, 1) != 1:
         raise bad("best_of", "only best_of=1 is supported")
-    max_tokens = _field(body, "max_completion_tokens", int, None)
+    max_tokens = json_field(body, "max_completion_tokens", int, None)
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None)
+        max_tokens = json_field(body, "max_tokens", int, None)
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict, None)
+    stream = json_field(body, "stream", bool, False)
+    options = json_field(body, "stream_options", dict, None)
     if options is not None and not stream:
         raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    include_usage = bool(options and _field(options, "include_usage", bool, False))
-    speculative = _field(body, "speculative", str, None)
+    include_usage = bool(options and json_field(options, "include_usage", bool, False))
+    speculative = json_field(body, "speculative", str, None)
     if speculative is not None and speculative not in MODES:
         raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
     return Params(model, max_tokens, _sampling(body, logprobs), _stops(body), stream, include_usage,
-                  _field(body, "ignore_eos", bool, False), speculative)
+                  json_field(body, "ignore_eos", bool, False), speculative)
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -152,20 +152,20 @@ def _stops(body: dict[str, Any]) -> list[str]:
 
 
 def _sampling(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    bias_in = _field(body, "logit_bias", dict, {})
+    bias_in = json_field(body, "logit_bias", dict, {})
     try:
         bias = tuple((int(k), float(v)) for k, v in bias_in.items())
     except (TypeError, ValueError, OverflowError):
         raise bad("logit_bias", "'logit_bias' maps token ids (strings of integers) to numbers") from None
     try:
         return SamplingParams(
-            temperature=_field(body, "temperature", float, 1.0), top_p=_field(body, "top_p", float, 1.0),
-            top_k=max(0, _field(body, "top_k", int, 0)),  # vLLM spells "off" as -1
-            min_p=_field(body, "min_p", float, 0.0),
-            repetition_penalty=_field(body, "repetition_penalty", float, 1.0),
-            presence_penalty=_field(body, "presence_penalty", float, 0.0),
-            frequency_penalty=_field(body, "frequency_penalty", float, 0.0),
-            seed=_field(body, "seed", int, None), logprobs=logprobs, logit_bias=bias)
+            temperature=json_field(body, "temperature", float, 1.0), top_p=json_field(body, "top_p", float, 1.0),
+            top_k=max(0, json_field(body, "top_k", int, 0)),  # vLLM spells "off" as -1
+            min_p=json_field(body, "min_p", float, 0.0),
+            repetition_penalty=json_field(body, "repetition_penalty", float, 1.0),
+            presence_penalty=json_field(body, "presence_penalty", float, 0.0),
+            frequency_penalty=json_field(body, "frequency_penalty", float, 0.0),
+            seed=json_field(body, "seed", int, None), logprobs=logprobs, logit_bias=bias)
     except SamplingError as e:
         raise bad(e.param, str(e)) from None
 
@@ -190,7 +190,7 @@ class CompletionRequest:
 def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    logprobs = _field(body, "logprobs", int, None)
+    logprobs = json_field(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
     params = _params(body, served, logprobs, strict)
@@ -199,7 +199,7 @@ def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: boo
     _check_bias(params, tokenizer.vocab_size)
     if body.get("suffix"):
         raise bad("suffix", "'suffix' (fill-in-the-middle) is not supported by Kimi K3")
-    echo = _field(body, "echo", bool, False)
+    echo = json_field(body, "echo", bool, False)
     if echo and logprobs is not None:
         raise bad("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported")
     prompt = body.get("prompt")
@@ -238,8 +238,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    want_logprobs = _field(body, "logprobs", bool, False)
-    top = _field(body, "top_logprobs", int, None)
+    want_logprobs = json_field(body, "logprobs", bool, False)
+    top = json_field(body, "top_logprobs", int, None)
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -269,12 +269,12 @@ def _is_tool(t: Any) -> bool:
 
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:
-    kwargs = _field(body, "chat_template_kwargs", dict, {})
+    kwargs = json_field(body, "chat_template_kwargs", dict, {})
     thinking = kwargs.get("thinking", True)
     if not isinstance(thinking, bool):
         raise bad("chat_template_kwargs", "chat_template_kwargs.thinking must be true or false")
     effort = kwargs.get("thinking_effort", SERVING_EFFORT)
-    reasoning = _field(body, "reasoning_effort", str, None)
+    reasoning = json_field(body, "reasoning_effort", str, None)
     if reasoning is not None:
         if reasoning == "none":
             thinking = False
@@ -298,7 +298,7 @@ def _chat_options(body: dict[str, Any]) -> ChatOptions:
         raise bad("tool_choice", "'tool_choice' must be auto, none, required or {\"type\": \"function\", ...}")
     if tool_choice == "required" and not tools:
         raise bad("tool_choice", "'tool_choice' requires 'tools'")
-    fmt = _field(body, "response_format", dict, None)
+    fmt = json_field(body, "response_format", dict, None)
     if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise bad("response_format", "'response_format.type' must be text, json_object or json_schema")
     return ChatOptions(thinking=thinking, effort=effort if thinking else None, tools=tools or None,

@@ -46,7 +46,7 @@ def parse_responses(body: Any, served: str, strict: bool = False) -> ResponsesRe
     if body.get("previous_response_id"):
         raise oa.bad("previous_response_id", "'previous_response_id' is not supported: responses are not stored "
                      "(store is false); send the whole conversation in 'input'")
-    max_tokens = _get(body, "max_output_tokens", int, None)
+    max_tokens = oa.json_field(body, "max_output_tokens", int, None)
     if max_tokens is not None and max_tokens < 1:
         raise oa.bad("max_output_tokens", "'max_output_tokens' must be at least 1")
     chat_like = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "top_k", "min_p", "seed")
@@ -60,15 +60,6 @@ def parse_responses(body: Any, served: str, strict: bool = False) -> ResponsesRe
             "reasoning": {"effort": options.effort if options.thinking else "none", "summary": None},
             "text": body.get("text") or {"format": {"type": "text"}}}
     return ResponsesRequest(params, messages, options, echo)
-
-
-def _get(obj: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise oa.bad(name, f"'{name}' has the wrong type: {type(value).__name__}")
-    return value
 
 
 def _text(content: Any, where: str) -> str:
@@ -121,7 +112,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _options(body: dict[str, Any]) -> ChatOptions:
-    reasoning = _get(body, "reasoning", dict, {})
+    reasoning = oa.json_field(body, "reasoning", dict, {})
     effort = reasoning.get("effort")
     if effort is not None and effort != "none" and effort not in EFFORTS:
         raise oa.bad("reasoning.effort", f"unsupported reasoning effort {effort!r}: none, minimal, low, medium, "
@@ -144,7 +135,7 @@ def _options(body: dict[str, Any]) -> ChatOptions:
         tool_choice = choice
     elif choice not in (None, "auto"):
         raise oa.bad("tool_choice", "'tool_choice' must be auto, none, required or {\"type\": \"function\", ...}")
-    fmt = (_get(body, "text", dict, {}) or {}).get("format") or {"type": "text"}
+    fmt = (oa.json_field(body, "text", dict, {}) or {}).get("format") or {"type": "text"}
     if fmt.get("type") == "json_schema":
         response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
                                                                   "schema": fmt.get("schema", {})}}
