@@ -209,7 +209,8 @@ def fuzz_grpc(address: str, examples: int, model: dict[str, Any], valid: Callabl
         assert status not in GRPC_BAD, (rpc, status, request)
         assert time.monotonic() - t0 < STALL_S, ("stall", rpc, request)
         if rpc == "Assign":
-            assert valid() == "OK", ("the worker serves no valid plan after", request)
+            answer = valid()
+            assert answer == "OK", ("the worker serves no valid plan after", request, answer)
 
     one()
     channel.close()
@@ -217,23 +218,35 @@ def fuzz_grpc(address: str, examples: int, model: dict[str, Any], valid: Callabl
 
 
 def valid_forward(address: str, fingerprint: str, layers: int) -> Callable[[], str]:
-    """A forward of the whole model's layers from token ids, re-assigning them first if they are not what the
-    worker holds now: what a coordinator does after a refused or replaced plan."""
+    """A forward of the whole model's layers from token ids, the valid plan (default options) assigned first where
+    the worker holds another, or where the plan it holds refuses the forward (a fuzzed plan it took may have
+    options no 3-token forward fits, such as forwards of one token): what a coordinator does after a refused or
+    replaced plan. "OK", or the status that the valid plan itself got."""
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.WorkerStub(channel)
     n = [0]
 
-    def run() -> str:
+    def assign() -> None:
+        list(stub.Assign(pb.Assignment(start=0, end=layers, model_fingerprint=fingerprint), timeout=STALL_S))
+
+    def forward() -> str:
         n[0] += 1
-        info = stub.Info(pb.InfoRequest(), timeout=STALL_S)
-        if (info.assigned.start, info.assigned.end) != (0, layers) or info.state != "ready":
-            list(stub.Assign(pb.Assignment(start=0, end=layers, model_fingerprint=fingerprint), timeout=120))
         seq = pb.SequenceInput(session_id=f"valid{n[0]}", ids=codec.encode_tensor(torch.tensor([1, 2, 3])))
         try:
             stub.Forward(pb.ForwardRequest(request_id="valid", sequences=[seq]), timeout=STALL_S)
             stub.Release(pb.ReleaseRequest(session_ids=[f"valid{n[0]}"]), timeout=STALL_S)
             return "OK"
         except grpc.RpcError as e:
-            return e.code().name
+            return f"{e.code().name}: {e.details()}"
+
+    def run() -> str:
+        info = stub.Info(pb.InfoRequest(), timeout=STALL_S)
+        if (info.assigned.start, info.assigned.end) != (0, layers) or info.state != "ready":
+            assign()
+            return forward()
+        if forward() == "OK":
+            return "OK"
+        assign()  # the fuzzed plan it holds refused the forward: the valid plan must serve it
+        return forward()
 
     return run
