@@ -266,9 +266,12 @@ def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) ->
 
 
 def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
-    """The `plan` command's output in the README (real workers, CPU placement) is what the planner gives now."""
+    """The `plan` command's output in the README (real workers, CPU placement) is what the planner gives now, for
+    the sequences `serve` plans for (its --max-active)."""
     from deltafin.checkpoint.config import load_config
+    from deltafin.coordinator.engine.engine import ServingOptions
     from deltafin.plan.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.sizing_options import SizingOptions
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
@@ -279,7 +282,8 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
         workers = [WorkerCapacity(f"mac{i + 1}", int(budget_gb) * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),),
                                   True, worker_id=str(i)) for i in range(int(n))]
         experts = "wide" if int(n) > 1 else "local"  # the command's default (--experts auto)
-        table = plan_layers(cfg, workers, experts=experts).table().splitlines()
+        options = SizingOptions(sequences=ServingOptions().max_active)
+        table = plan_layers(cfg, workers, options, experts=experts).table().splitlines()
         shown = [[t for t in row.split() if not t.startswith("127.0.0.1:")] for row in rows.splitlines()[1:]]
         body = [row.split() for row in table[1:] if row.startswith(("mac", "total"))]
         assert shown + [["total", *total.split()]] == body, (n, budget_gb)
