@@ -5,9 +5,10 @@ decodes each weight once in registers (code * scale + bias, the reference's valu
 accumulating in fp32; x and y stay in the caller's dtype (fp32 or bf16), converted on load and store. More
 tokens (prefill): the product is compute-bound, so a Triton kernel decodes a block of rows to the activations'
 dtype in one pass and cuBLAS multiplies, the blocks bounded like the reference's (linear.WEIGHT_BLOCK_VALUES,
-passed in). Measured on an H200 (torch 2.11, Triton 3.6; .dev/q4_cuda_bench.py), 12288x7168, fp32: one token
+passed in). Measured on an H200 (torch 2.11, Triton 3.6; a one-off timing script), 12288x7168, fp32: one token
 70-80 us against 386 us for the int8 spine's path and 1.2 ms for the reference; 8 tokens 130 us; 512 tokens
-2.0 ms (bf16 0.35 ms) against 3.2 ms (1.5 ms) for the reference. torch's `_weight_int4pack_mm` (tinygemm) was
+2.0 ms (bf16 0.35 ms) against 3.2 ms (1.5 ms) for the reference; `deltafin bench --kernel --device cuda` times
+K3's spine shapes in every format (README, Speed). torch's `_weight_int4pack_mm` (tinygemm) was
 measured too: 28 us at one token but bf16 activations only, our fp16 scale and bias re-rounded to bf16 zero
 points (twice the GEMV's error against the exact product) and 3.1 ms at 512 tokens; it is not used.
 """
@@ -121,7 +122,7 @@ def _q4_dequant_kernel(packed_ptr, scales_ptr, biases_ptr, out_ptr, nbytes, BLOC
 
 def gemv_shape(ntok: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_W, warps) for `ntok` <= GEMV_CHUNK tokens, the fastest of a sweep on an H200 at K3's
-    12288x7168 and 7168x33792 (.dev/q4_cuda_bench.py). BLOCK_W = 128 words a warp, so that every tile has
+    12288x7168 and 7168x33792 (a one-off sweep). BLOCK_W = 128 words a warp, so that every tile has
     the layout of the word loads (otherwise Triton converts layouts through shared memory inside the loop);
     the accumulator (TOK * BLOCK_R * BLOCK_W / threads values a thread) stays in the registers."""
     if ntok <= 1:
