@@ -140,6 +140,24 @@ class Finished:
     drafting: Drafting = field(default_factory=Drafting)
 
 
+async def gathered(events: AsyncIterator[TokenEvent | Finished],
+                   each: Callable[[TokenEvent | Finished], None] | None = None) -> tuple[Delta, Finished]:
+    """A whole reply from its events (a response that is not streamed): their deltas joined, and the event that
+    finished it. `each` sees every event on the way (logprobs, counts)."""
+    reasoning, content, calls, end = [], [], [], None
+    async for e in events:
+        reasoning.append(e.delta.reasoning)
+        content.append(e.delta.content)
+        calls += e.delta.tool_calls
+        if each is not None:
+            each(e)
+        if isinstance(e, Finished):
+            end = e
+    if end is None:
+        raise RuntimeError("a reply's events ended without Finished")
+    return Delta("".join(reasoning), "".join(content), calls), end
+
+
 @dataclass(frozen=True)
 class PrefillProgress:
     """How far a prompt's prefill is: prompt tokens in the caches (resumed ones included; a forward's part counted

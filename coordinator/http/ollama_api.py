@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent
+from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathered
 from deltafin.coordinator.http import openai_api as oa
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta
@@ -229,15 +229,7 @@ class OllamaFormat:
         return [self._line(e.delta, end)]
 
     async def whole(self, events: Events) -> dict[str, Any]:
-        reasoning, content, calls, end = [], [], [], None
-        async for e in events:
-            reasoning.append(e.delta.reasoning)
-            content.append(e.delta.content)
-            calls += e.delta.tool_calls
-            if isinstance(e, Finished):
-                end = e
-        assert end is not None
-        return self._line(Delta("".join(reasoning), "".join(content), calls), end)
+        return self._line(*await gathered(events))
 
 
 def _arguments(text: str) -> Any:

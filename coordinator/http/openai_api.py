@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage
+from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage, gathered
 from deltafin.errors import SamplingError
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.text.drafting import MODES
@@ -459,21 +459,20 @@ class ChatFormat:
         return None
 
     async def whole(self, events: Events) -> dict[str, Any]:
-        reasoning, content, calls, lps, end = [], [], [], [], None
-        async for e in events:
-            reasoning.append(e.delta.reasoning)
-            content.append(e.delta.content)
-            for c in e.delta.tool_calls:
-                self.call_ids.append(new_id("call"))
-                calls.append(tool_call_json(c, self.call_ids[-1]))
-            if isinstance(e, Finished):
-                end = e
-            elif (lp := self._logprob(e)) is not None:
+        lps: list[dict[str, Any]] = []
+
+        def keep_logprob(e: TokenEvent | Finished) -> None:
+            if (lp := self._logprob(e)) is not None:
                 lps.append(lp)
-        assert end is not None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else "")}
+
+        reply, end = await gathered(events, keep_logprob)
+        calls = []
+        for c in reply.tool_calls:
+            self.call_ids.append(new_id("call"))
+            calls.append(tool_call_json(c, self.call_ids[-1]))
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if calls else "")}
         if self.thinking:
-            message["reasoning_content"] = "".join(reasoning)
+            message["reasoning_content"] = reply.reasoning
         if calls:
             message["tool_calls"] = calls
         return self._chunk("chat.completion", [{"index": 0, "message": message, "logprobs": {"content": lps} if

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent
+from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathered
 from deltafin.coordinator.http import openai_api as oa
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall
 
@@ -188,21 +188,16 @@ class ResponsesFormat:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     async def whole(self, events: Events) -> dict[str, Any]:
-        reasoning, content, calls, end = [], [], [], None
-        async for e in events:
-            reasoning.append(e.delta.reasoning)
-            content.append(e.delta.content)
-            calls += e.delta.tool_calls
-            self.reasoning_tokens += isinstance(e, TokenEvent) and bool(e.delta.reasoning)
-            if isinstance(e, Finished):
-                end = e
-        assert end is not None
-        if "".join(reasoning):
-            self.items.append(_reasoning_item(_id("rs"), "".join(reasoning)))
-        if "".join(content) or not calls:
-            self.items.append(_message_item(_id("msg"), "".join(content), "completed"))
-        self.items += [_call_item(c) for c in calls]
+        reply, end = await gathered(events, self._count_reasoning)
+        if reply.reasoning:
+            self.items.append(_reasoning_item(_id("rs"), reply.reasoning))
+        if reply.content or not reply.tool_calls:
+            self.items.append(_message_item(_id("msg"), reply.content, "completed"))
+        self.items += [_call_item(c) for c in reply.tool_calls]
         return self.response("completed", end)
+
+    def _count_reasoning(self, e: TokenEvent | Finished) -> None:
+        self.reasoning_tokens += isinstance(e, TokenEvent) and bool(e.delta.reasoning)
 
     def opening(self) -> list[dict[str, Any]]:
         head = self.response("in_progress")
@@ -211,7 +206,7 @@ class ResponsesFormat:
     def chunks(self, e: TokenEvent | Finished) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         d: Delta = e.delta
-        self.reasoning_tokens += isinstance(e, TokenEvent) and bool(d.reasoning)
+        self._count_reasoning(e)
         if d.reasoning:
             out += self._into("reasoning") + [self._event(
                 "response.reasoning_text.delta", item_id=self.items[-1]["id"], output_index=len(self.items) - 1,
