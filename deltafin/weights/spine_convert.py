@@ -95,8 +95,8 @@ def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str]
                 manifest["units"][unit] = _convert_unit(ckpt, fmt, folder, unit, bar.update, device)
                 write_manifest(folder, manifest)
         if todo:
-            log.info("converted %d parts of the spine (%s read) in %.1fs into %s", len(todo), fmt_bytes(total),
-                     time.monotonic() - t0, folder)
+            log.info("converted %d part%s of the spine (%s read) in %.1fs into %s", len(todo),
+                     "" if len(todo) == 1 else "s", fmt_bytes(total), time.monotonic() - t0, folder)
         return SpineFiles(folder, fmt, manifest)
 
 
