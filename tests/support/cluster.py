@@ -152,6 +152,30 @@ class ServerProcess:
         return self.proc.returncode
 
 
+TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"  # memlimit and disklimit (../shared/tools)
+
+
+def memlimit(gb: float | None) -> tuple[str, ...]:
+    """The wrapper that caps a process's memory and page cache at `gb` (caches dropped first); none for None."""
+    return (str(TOOLS / "memlimit"), f"{int(gb * 1024)}M", "--drop-caches", "--") if gb else ()
+
+
+def restarted_servers(model: Path, *args: str, runs: int, wrap: tuple[str, ...] = ()):
+    """`runs` servers of the same options one after another (a restart between each), each stopped when the loop
+    takes the next."""
+    for _ in range(runs):
+        server = ServerProcess(model, *args, wrap=wrap)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A bench's own arguments and, after `--`, the coordinator's."""
+    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

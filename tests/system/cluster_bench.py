@@ -21,9 +21,7 @@ import sys
 from pathlib import Path
 
 from deltafin.checkpoint.config import load_config
-from tests.support.cluster import COORDINATOR, WorkerProcess
-
-TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
+from tests.support.cluster import COORDINATOR, TOOLS, WorkerProcess
 
 
 def _caps(rate: str, memlimit_gb: float) -> tuple[str, ...]:

@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 
 from deltafin.checkpoint.config import load_config
-from tests.support.cluster import ServerProcess
-
-TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
+from tests.support.cluster import memlimit, restarted_servers, split_at_dashes
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -57,28 +55,21 @@ def one_mode(args: argparse.Namespace, disk: bool, extra: list[str], prompt: lis
     """The prompt through a server, then the longer prompt through the server restarted on the same folder."""
     with tempfile.TemporaryDirectory(prefix="deltafin-restart-") as folder:
         prefixes = ["--prefix-dir", folder] if disk else ["--prefix-disk-gb", "0"]
-        wrap = ((str(TOOLS / "memlimit"), f"{int(args.memlimit_gb * 1024)}M", "--drop-caches", "--")
-                if args.memlimit_gb else ())
-        runs = {}
-        for name, ids in (("before_restart", prompt), ("after_restart", longer)):
-            server = ServerProcess(args.model, "--local", *prefixes, *extra, wrap=wrap)
-            try:
-                runs[name] = complete(server.url, ids, args.max_tokens)
-            finally:
-                server.stop()
-        return runs
+        servers = restarted_servers(args.model, "--local", *prefixes, *extra, runs=2, wrap=memlimit(args.memlimit_gb))
+        requests = (("before_restart", prompt), ("after_restart", longer))
+        return {name: complete(server.url, ids, args.max_tokens)
+                for (name, ids), server in zip(requests, servers, strict=True)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own, extra = split_at_dashes(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--memlimit-gb", type=float, default=None)
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(own)
     vocab = load_config(args.model).vocab_size - 256
     ids = torch.randint(0, vocab, (args.prompt_tokens + args.new_tokens,), generator=torch.Generator().manual_seed(0))
     prompt, longer = ids[:args.prompt_tokens].tolist(), ids.tolist()

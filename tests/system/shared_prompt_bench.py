@@ -22,9 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.cluster import ServerProcess
+from tests.support.cluster import memlimit, restarted_servers, split_at_dashes
 
-TOOLS = Path(__file__).resolve().parents[3] / "shared" / "tools"
 QUESTIONS = {"A": "Hello", "B": "Tell me about rivers"}
 ORDER = (("A", 0), ("B", 0), ("A", 0), ("B", 1), ("A", 1))  # (conversation, server run): a restart before run 1
 
@@ -72,32 +71,26 @@ def chat(url: str, system: str, question: str, max_tokens: int) -> dict:
 
 def run(args: argparse.Namespace, extra: list[str], cache: bool) -> list[dict]:
     system = system_prompt(args.system_words)
-    wrap = ((str(TOOLS / "memlimit"), f"{int(args.memlimit_gb * 1024)}M", "--drop-caches", "--")
-            if args.memlimit_gb else ())
     out: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="deltafin-shared-") as folder:
         prefixes = ["--prefix-dir", folder] if cache else ["--prefix-cache-gb", "0"]
-        for server_run in (0, 1):
-            server = ServerProcess(args.model, "--local", *prefixes, *extra, wrap=wrap)
-            try:
-                for name, at in ORDER:
-                    if at == server_run:
-                        out.append({"request": name, "after_restart": bool(at),
-                                    **chat(server.url, system, QUESTIONS[name], args.max_tokens)})
-            finally:
-                server.stop()
+        servers = restarted_servers(args.model, "--local", *prefixes, *extra, runs=2, wrap=memlimit(args.memlimit_gb))
+        for server_run, server in enumerate(servers):
+            for name, at in ORDER:
+                if at == server_run:
+                    out.append({"request": name, "after_restart": bool(at),
+                                **chat(server.url, system, QUESTIONS[name], args.max_tokens)})
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own, extra = split_at_dashes(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--system-words", type=int, default=1300)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--memlimit-gb", type=float, default=None)
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(own)
     cached, reference = run(args, extra, cache=True), run(args, extra, cache=False)
     print(json.dumps({"model": str(args.model), "system_words": args.system_words, "coordinator_args": extra,
                       "memlimit_gb": args.memlimit_gb, "with_cache": cached, "without_cache": reference,

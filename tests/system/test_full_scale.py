@@ -15,12 +15,12 @@ import torch
 
 from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.checkpoint.shards import open_checkpoint
-from tests.support.cluster import WorkerProcess
+from tests.support.cluster import TOOLS, WorkerProcess
 
 GB = 10**9
 CAP = "12G"  # under what the 4-layer cut needs with a bf16 spine (~15 GB): the worker must choose int8 and stream
 CAP_BYTES = 12 * 2**30
-MEMLIMIT = Path(__file__).resolve().parents[3] / "shared" / "tools" / "memlimit"
+MEMLIMIT = TOOLS / "memlimit"
 
 
 def _header(path: Path) -> dict:
