@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -193,3 +194,28 @@ def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 3
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def timed_stream(url: str, route: str, body: dict, text_of: Callable[[dict], str]) -> dict:
+    """One streamed request to a server's OpenAI `route` (the served model filled in, usage asked for): the time to
+    its first text, the text (`text_of` a choice) and the usage it reported."""
+    import json
+    import urllib.request
+
+    _, models = http_get(f"{url}/v1/models")
+    body = {"model": json.loads(models)["data"][0]["id"], "stream": True,
+            "stream_options": {"include_usage": True}, **body}
+    request = urllib.request.Request(f"{url}{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with urllib.request.urlopen(request, timeout=7200) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for piece in filter(None, map(text_of, chunk.get("choices", ()))):
+                first = first if first is not None else time.perf_counter() - t0
+                text.append(piece)
+    return {"ttft_s": round(first or 0.0, 3), "text": "".join(text), "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}

@@ -17,38 +17,19 @@ import argparse
 import json
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
 from deltafin.checkpoint.config import load_config
-from tests.support.cluster import memlimit, restarted_servers, split_at_dashes
+from tests.support.cluster import memlimit, restarted_servers, split_at_dashes, timed_stream
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed greedy completion: its time to the first text, the text, the cached tokens reported."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    t0, first, text, usage = time.perf_counter(), None, [], {}
-    with urllib.request.urlopen(request, timeout=7200) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", ()):
-                if choice.get("text"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    text.append(choice["text"])
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft_s": round(first or 0.0, 3), "cached_tokens": cached, "text": "".join(text)}
+    out = timed_stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                       lambda choice: choice.get("text"))
+    return {k: out[k] for k in ("ttft_s", "cached_tokens", "text")}
 
 
 def one_mode(args: argparse.Namespace, disk: bool, extra: list[str], prompt: list[int], longer: list[int]) -> dict:

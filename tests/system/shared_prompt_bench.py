@@ -18,11 +18,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.cluster import memlimit, restarted_servers, split_at_dashes
+from tests.support.cluster import memlimit, restarted_servers, split_at_dashes, timed_stream
 
 QUESTIONS = {"A": "Hello", "B": "Tell me about rivers"}
 ORDER = (("A", 0), ("B", 0), ("A", 0), ("B", 1), ("A", 1))  # (conversation, server run): a restart before run 1
@@ -41,32 +40,19 @@ def expert_bytes(url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("deltafin_worker_expert_bytes_read_total{"))
 
 
+def _delta_text(choice: dict) -> str | None:
+    delta = choice.get("delta", {})
+    return delta.get("reasoning_content") or delta.get("content")
+
+
 def chat(url: str, system: str, question: str, max_tokens: int) -> dict:
     """One streamed greedy chat completion: prompt and cached tokens, time to the first token, expert bytes read."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True},
-                       "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
-    request = urllib.request.Request(f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
     before = expert_bytes(url)
-    t0, first, text, usage = time.perf_counter(), None, [], {}
-    with urllib.request.urlopen(request, timeout=7200) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", ()):
-                delta = choice.get("delta", {})
-                if delta.get("content") or delta.get("reasoning_content"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    text.append(delta.get("reasoning_content") or delta.get("content"))
-    return {"prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "ttft_s": round(first or 0.0, 3), "expert_GB_read": round((expert_bytes(url) - before) / 1e9, 3),
-            "text": "".join(text)}
+    body = {"max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    out = timed_stream(url, "/v1/chat/completions", body, _delta_text)
+    return {"prompt_tokens": out["prompt_tokens"], "cached_tokens": out["cached_tokens"], "ttft_s": out["ttft_s"],
+            "expert_GB_read": round((expert_bytes(url) - before) / 1e9, 3), "text": out["text"]}
 
 
 def run(args: argparse.Namespace, extra: list[str], cache: bool) -> list[dict]:
