@@ -87,29 +87,18 @@ def test_causal_conv_matches_conv1d():
 def test_equal_prefill_spans_run_side_by_side_as_each_alone(tiny_dir):
     """Two prompts of one length in one forward (their heads stacked in one chunk loop) give what each gives
     alone, outputs and caches; a third of another length runs in its own group."""
-    from deltafin.checkpoint.config import load_config
-    from deltafin.mini.train import load_parameters
-    from deltafin.models.cache import new_sequence_cache
-    from deltafin.models.weights import layer_weights
-
-    cfg = load_config(tiny_dir)
-    layer = cfg.kda_layers[0]
-    prefix = f"model.layers.{layer}."
-    params = load_parameters(cfg, tiny_dir, torch.device("cpu"))
-    tensors = {k.removeprefix(prefix): v.detach() for k, v in params.items() if k.startswith(prefix)}
-    w = layer_weights(cfg, layer, tensors, lambda t, role: t).attn
+    cfg, layer, w, fresh = _tiny_kda_layer(tiny_dir)
     g = torch.Generator().manual_seed(3)
     lengths = (24, 24, 9)
     x = torch.randn(sum(lengths), cfg.hidden_size, generator=g)
-    fresh = lambda: new_sequence_cache(cfg, range(cfg.num_layers), torch.device("cpu"), torch.float32).layers[layer]
     caches, spans, start = [], [], 0
     for n in lengths:
-        caches.append(fresh())
+        caches.append(fresh().layers[layer])
         spans.append((start, n, caches[-1]))
         start += n
     together = kda.kda_forward(cfg, w, x, spans)
     for (s, n, c) in spans:
-        alone_cache = fresh()
+        alone_cache = fresh().layers[layer]
         alone = kda.kda_forward(cfg, w, x[s:s + n], [(0, n, alone_cache)])
         # fp32: the same operations per head; the matmuls over more rows at once may round differently (~1e-7)
         assert torch.allclose(together[s:s + n], alone, rtol=1e-5, atol=1e-6)
