@@ -1,7 +1,8 @@
 """A cluster of simulated Macs on this machine: one worker process per Mac, each under its own disk-read cap
 (`../shared/tools/disklimit RATE`: its own SSD) and memory cap (`memlimit`: its own RAM, page cache included),
 then the coordinator's `generate --json` (single stream) and, optionally, `bench --concurrency` (serving) over
-them, for each worker count and expert placement asked. Prints one JSON object.
+them, for each worker count and expert placement asked, with each worker's stage load time. Prints one JSON
+object.
 
     python -m tests.system.cluster_bench --model K3SLICE --workers 1,2,4 --experts wide,local \\
         --disk-rate 250M --memory-gb 5 --memlimit-gb 5.5 -- --spine int8 --expert-cache-gb 0.5 --sequences 1 \\
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from deltafin.checkpoint.config import load_config
-from tests.support.cluster import COORDINATOR, TOOLS, WorkerProcess
+from tests.support.cluster import COORDINATOR, TOOLS, WorkerProcess, split_at_dashes
 
 
 def _caps(rate: str, memlimit_gb: float) -> tuple[str, ...]:
@@ -55,6 +57,12 @@ def decode_summary(cfg, generate: dict) -> dict:
             "hit_rate": generate["hit_rate"]}
 
 
+def stage_load_seconds(log: str) -> float | None:
+    """How long the worker's stage took to load (its log's "stage [a, b) loaded in S s" line)."""
+    found = re.findall(r"stage \[\d+, \d+\) loaded in ([\d.]+)s", log)
+    return float(found[-1]) if found else None
+
+
 def run(model: Path, n: int, experts: str, args: argparse.Namespace) -> dict:
     prefix = _caps(args.disk_rate, args.memlimit_gb)
     gbps = str(float(args.disk_rate.rstrip("MmGg")) / (1000 if args.disk_rate[-1] in "Mm" else 1))
@@ -66,6 +74,7 @@ def run(model: Path, n: int, experts: str, args: argparse.Namespace) -> dict:
         result["generate"] = _coordinator(model, addresses, experts, args.extra, "generate", args.prompt,
                                           "--max-tokens", str(args.tokens), "--json")
         result["decode"] = decode_summary(load_config(model), result["generate"])
+        result["stage_load_s"] = {p.name: stage_load_seconds(p.log()) for p in procs}
         if args.concurrency:
             result["bench"] = _coordinator(model, addresses, experts, args.extra, "bench", "--concurrency",
                                            args.concurrency, "--prompt-tokens", "8", "--max-tokens",
@@ -77,9 +86,7 @@ def run(model: Path, n: int, experts: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_at_dashes(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(prog="python -m tests.system.cluster_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4)")
@@ -97,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in [int(x) for x in args.workers.split(",")]:
         for experts in (args.experts.split(",") if n > 1 else ["local"]):
             runs.append(run(args.model, n, experts, args))
-            print(json.dumps({k: runs[-1][k] for k in ("workers", "experts", "decode")}), file=sys.stderr, flush=True)
+            progress = {k: runs[-1][k] for k in ("workers", "experts", "stage_load_s", "decode")}
+            print(json.dumps(progress), file=sys.stderr, flush=True)
     print(json.dumps({"model": str(args.model), "disk_rate": args.disk_rate, "memory_gb": args.memory_gb,
                       "runs": runs}, indent=1))
     return 0
