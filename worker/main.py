@@ -30,6 +30,7 @@ from deltafin.runtime.stage_options import with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 from deltafin.transport.discovery import Announcer
+from deltafin.transport.ports import check_free
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.worker.service import WorkerService, create_server
 
@@ -167,6 +168,8 @@ def damaged(ckpt: Any) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.port:  # before the shards are checked and the disk timed; gRPC's own refusal would log a C-core line too
+        check_free(args.host, args.port, "this worker")
     key, tls, peer_security = _security(args)
     ckpts = _checkpoints(args)
     device = resolve_device(args.device)

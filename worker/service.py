@@ -38,7 +38,7 @@ from deltafin.transport.decoding import DecodeGuard
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
-from deltafin.transport.ports import cannot_listen, check_free
+from deltafin.transport.ports import cannot_listen
 from deltafin.worker.assignment import AssignmentSlot, check_assignment
 from deltafin.worker.peers import Peers
 
@@ -302,8 +302,6 @@ async def create_server(service: WorkerService, host: str, port: int,
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if port:
-        check_free(host, port, "this worker")  # asked first: gRPC's own refusal logs a line of its C core before ours
     address = f"{host}:{port}"
     try:  # gRPC says 0, or (newer) raises RuntimeError, without the reason
         bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
