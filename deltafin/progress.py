@@ -22,6 +22,12 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def silenced() -> bool:
+    """Whether progress is off everywhere: -q sets this module's logger above INFO (`setup_logging`), which stops the
+    terminal's status line too, not only the log lines."""
+    return log.level > logging.INFO
+
+
 class Progress:
     """Progress of `total` units (bytes when `unit="B"`; `unit=""`: a fraction of 1, shown as a percentage alone);
     use as a context manager."""
@@ -30,8 +36,8 @@ class Progress:
                  enabled: bool = True, interval: float = 5.0):
         self.total, self.desc, self.unit = max(total, 1), desc, unit
         self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.enabled = enabled and not silenced()
+        self.tty = self.enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = 0.2 if self.tty else interval
         self.done = 0.0
         self.start = self._last = time.monotonic()

@@ -79,7 +79,6 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--order", default="canonical", choices=["canonical", "grouped"],
                    help="tensor order in each shard: canonical (as safetensors' save_file writes, the default) or "
                    "grouped (spine in spec order, then experts)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_synth)
 
 
@@ -101,8 +100,6 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
-    if args.quiet:  # no progress, and no log line below a warning either
-        logging.getLogger("deltafin").setLevel(logging.WARNING)
     out = args.out or str(models_dir() / _default_name(args.source))
     summary = download(open_source(args.source), out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
@@ -122,8 +119,6 @@ def _default_name(source: str) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    if args.quiet:
-        logging.getLogger("deltafin").setLevel(logging.WARNING)
     _print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
     return 0
 
@@ -154,7 +149,6 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
                    "than the CPU)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_convert)
 
 
@@ -180,7 +174,6 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--convert", default=None, choices=CONVERTED_SPINES, metavar="FORMAT",
                    help="then convert the downloaded spine into the cache directory, as `deltafin convert --spine "
                    "FORMAT` does (int8 or q4)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_download)
 
 
@@ -459,12 +452,12 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
     parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
-    add_logging_options(parser, "--quiet-logs")  # `synth --quiet` is its progress bar's
+    add_logging_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(sub)
     for command in sub.choices.values():  # and after any command's name as well
-        add_logging_options(command, "--quiet-logs", after_command=True)
+        add_logging_options(command, after_command=True)
     return parser
 
 

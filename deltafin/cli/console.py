@@ -1,5 +1,5 @@
-"""What every entry point shares: logging levels from -q/-v/-vv, and turning errors into one line and an
-exit status (never a traceback for a user's mistake)."""
+"""What every entry point shares: logging levels (and progress bars) from -q/-v/-vv, and turning errors into one
+line and an exit status (never a traceback for a user's mistake)."""
 
 from __future__ import annotations
 
@@ -16,28 +16,30 @@ from deltafin.errors import DeltafinError
 log = logging.getLogger("deltafin")
 
 VERBOSE_HELP = "more logging: -v Deltafin's debug log, -vv every library's too"
+QUIET_HELP = "warnings and errors only, and no progress bars"
 
 
-def add_logging_options(p: argparse.ArgumentParser, quiet: str = "--quiet", after_command: bool = False) -> None:
-    """-v/-vv and -q (long name `quiet`, read back by `log_level`). After a command's name they have no defaults
-    of their own (argparse.SUPPRESS), so that they override what came before the name rather than reset it."""
-    verbose, quiet_logs = (argparse.SUPPRESS, argparse.SUPPRESS) if after_command else (0, False)
+def add_logging_options(p: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """-v/-vv and -q/--quiet, one meaning on every command (read back by `log_level`). After a command's name they
+    have no defaults of their own (argparse.SUPPRESS), so that they override what came before the name rather than
+    reset it."""
+    verbose, quiet = (argparse.SUPPRESS, argparse.SUPPRESS) if after_command else (0, False)
     p.add_argument("-v", "--verbose", action="count", default=verbose, help=VERBOSE_HELP)
-    p.add_argument("-q", quiet, dest="quiet_logs", action="store_true", default=quiet_logs,
-                   help="warnings and errors only")
+    p.add_argument("-q", "--quiet", action="store_true", default=quiet, help=QUIET_HELP)
 
 
 def log_level(args: argparse.Namespace) -> int:
     """The `setup_logging` level of the options `add_logging_options` added."""
-    return -1 if args.quiet_logs else args.verbose
+    return -1 if args.quiet else args.verbose
 
 
 def setup_logging(verbose: int = 0) -> None:
-    """-1 (-q): warnings and errors; 0: Deltafin's progress (INFO); 1 (-v): Deltafin's debug log too; 2 (-vv):
-    the libraries' debug logs as well (gRPC, asyncio, zeroconf)."""
+    """-1 (-q): warnings and errors, and no progress bars (deltafin.progress); 0: Deltafin's progress (INFO);
+    1 (-v): Deltafin's debug log too; 2 (-vv): the libraries' debug logs as well (gRPC, asyncio, zeroconf)."""
     root = logging.WARNING if verbose < 0 else logging.DEBUG if verbose >= 2 else logging.INFO
     logging.basicConfig(level=root, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.getLogger("deltafin.progress").setLevel(logging.WARNING if verbose < 0 else logging.NOTSET)
     if verbose == 1:
         logging.getLogger("deltafin").setLevel(logging.DEBUG)
 

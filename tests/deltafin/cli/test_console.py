@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+
+def every_parser() -> list[argparse.ArgumentParser]:
+    """The three entry points' parsers and each of their commands'."""
+    from deltafin.cli.commands import build_parser as deltafin_parser
+    from deltafin.coordinator.main import build_parser as coordinator_parser
+    from deltafin.worker.main import build_parser as worker_parser
+
+    tops = [deltafin_parser(), coordinator_parser(), worker_parser()]
+    commands = [c for p in tops for a in p._actions if isinstance(a, argparse._SubParsersAction)
+                for c in a.choices.values()]
+    return tops + commands
 
 
 def test_quiet_default_verbose_and_very_verbose_logging() -> None:
@@ -33,10 +46,42 @@ def test_every_command_line_takes_the_logging_options_before_or_after_the_comman
     assert log_level(deltafin(["tokenize", "--model", "M", "hi", "-vv"])) == 2
     assert log_level(deltafin(["-vv", "bench", "--model", "M"])) == 2  # not reset by the command's own options
     assert log_level(deltafin(["-v", "synth", "--preset", "tiny", "--out", "D", "-q"])) == -1
-    synth = deltafin(["synth", "--preset", "tiny", "--out", "D", "--quiet"])  # synth's own: its progress bar
-    assert synth.quiet and log_level(synth) == 0
     coordinator = coordinator_parser().parse_args
     assert log_level(coordinator(["generate", "hi", "-v"])) == 1
     assert log_level(coordinator(["-v", "generate", "hi"])) == 1
     assert log_level(coordinator(["-q", "generate", "hi"])) == -1
     assert log_level(worker_parser().parse_args(["--model", "M", "-vv"])) == 2
+
+
+def test_quiet_is_one_flag_with_one_meaning_on_every_command() -> None:
+    """-q and --quiet are the same flag everywhere (synth, download and convert once had a --quiet of their own
+    that only hid the progress bar, while -q was deltafin's --quiet-logs)."""
+    from deltafin.cli.commands import build_parser as deltafin_parser
+    from deltafin.cli.console import QUIET_HELP, log_level
+    from deltafin.coordinator.main import build_parser as coordinator_parser
+    from deltafin.worker.main import build_parser as worker_parser
+
+    deltafin = deltafin_parser().parse_args
+    for command in (["synth", "--preset", "tiny", "--out", "D"], ["download", "hf:o/m"], ["convert", "--model", "M"],
+                    ["tokenize", "--model", "M", "hi"]):
+        for flag in ("-q", "--quiet"):
+            assert log_level(deltafin([*command, flag])) == -1 and log_level(deltafin([flag, *command])) == -1
+    assert log_level(coordinator_parser().parse_args(["--model", "M", "serve", "--quiet"])) == -1
+    assert log_level(worker_parser().parse_args(["--model", "M", "--quiet"])) == -1
+    for parser in every_parser():
+        quiet = [a for a in parser._actions if "-q" in a.option_strings]
+        assert [(a.option_strings, a.help) for a in quiet] == [(["-q", "--quiet"], QUIET_HELP)], parser.prog
+
+
+def test_quiet_silences_the_progress_bar_on_a_terminal_too() -> None:
+    script = ("import io, sys; from deltafin.cli.console import setup_logging; from deltafin.progress import Progress\n"
+              "class T(io.StringIO):\n    def isatty(self): return True\n"
+              "setup_logging(int(sys.argv[1])); t = T()\n"
+              "with Progress(10, 'work', stream=t) as bar: bar.update(10)\n"
+              "print(repr(t.getvalue()))")
+
+    def drawn(level: int) -> str:
+        return subprocess.run([sys.executable, "-c", script, str(level)], capture_output=True, text=True, timeout=60,
+                              check=True).stdout.strip()
+
+    assert "work: 100.0%" in drawn(0) and drawn(-1) == "''"
