@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltafin.checkpoint.config import load_config
-from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
+from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import (
     add_cluster_options,
     add_sampling_options,
@@ -41,6 +41,7 @@ from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
 from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
+from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import SERVING_MAX_TOKENS
@@ -64,9 +65,22 @@ def _common_options(after_command: bool) -> argparse.ArgumentParser:
     return common
 
 
+SERVE_HELP = "serve the HTTP APIs (OpenAI, Anthropic, Ollama, OpenAI Responses) and a web chat"
+SERVE_DESCRIPTION = (
+    "Serves OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{name}; OpenAI's Responses API "
+    "at /v1/responses; Anthropic's /v1/messages and /v1/messages/count_tokens; Ollama's /api/chat, /api/generate, "
+    "/api/tags, /api/show, /api/ps and /api/version; /v1/status (the cluster), /health and /metrics (Prometheus); "
+    "and a web chat at / (its files under /web/{name}: streamed replies, reasoning, the cluster from /v1/status). "
+    "Prints 'serving http://HOST:PORT' once ready. SIGINT/SIGTERM: it takes no new requests, lets those running "
+    "finish for --shutdown-grace seconds, ends the rest (a stream with an error event, a whole response with 503) "
+    "and exits; a second signal exits at once.")
+LOCAL_SERVE_DESCRIPTION = ("The one-machine server: the model runs in this process (as `deltafin-coordinator --local "
+                           "serve` does), k3-mini unless --model names another. " + SERVE_DESCRIPTION)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-coordinator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, parents=[_common_options(False)])
+    p = Parser(prog="deltafin-coordinator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+               parents=[_common_options(False)])
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     after = _common_options(True)
 
@@ -81,13 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
     add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing); with "
                                                    "--local, this process's plan (loads nothing)"))
-    s = command("serve", help="serve the OpenAI- and Anthropic-compatible HTTP API",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's Messages "
-                       "API), /v1/messages/count_tokens, /v1/models, /v1/status, /health "
-                       "and /metrics, and a web chat at / (streamed replies, reasoning, the cluster from /v1/status). "
-                       "Prints 'serving http://HOST:PORT' once ready. SIGINT/SIGTERM: it takes no new requests, "
-                       "lets those running finish for --shutdown-grace seconds, ends the rest (a stream with an error "
-                       "event, a whole response with 503) and exits; a second signal exits at once.")
+    _add_serve_options(command("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION))
+    b = command("bench", help="concurrent requests through the serving engine: tok/s and stage utilization",
+                       description="For each concurrency N, N requests at once (seeded random prompts, exactly "
+                       "--max-tokens tokens each) through the same scheduler the server uses; prints JSON: "
+                       "aggregate tok/s, per-request decode tok/s, time to first token, batches, and each stage's "
+                       "utilization (its forwards' time over the wall time).")
+    b.add_argument("--concurrency", default="1,2,4", help="comma-separated request counts (default 1,2,4; "
+                   "--max-active is raised to the largest)")
+    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every request (default 64)")
+    b.add_argument("--max-tokens", type=int, default=16, help="tokens every request generates (default 16)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    b.add_argument("--long-prompt", type=int, default=0, metavar="T",
+                   help="also start one request with a T-token prompt beside the streams: its time to first token "
+                   "and the streams' speed meanwhile (compare --prefill-batches ride and separate)")
+    add_serving_options(b)
+    return p
+
+
+def _add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None,
@@ -107,20 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGINT/SIGTERM (default 10)")
     add_serving_options(s)
-    b = command("bench", help="concurrent requests through the serving engine: tok/s and stage utilization",
-                       description="For each concurrency N, N requests at once (seeded random prompts, exactly "
-                       "--max-tokens tokens each) through the same scheduler the server uses; prints JSON: "
-                       "aggregate tok/s, per-request decode tok/s, time to first token, batches, and each stage's "
-                       "utilization (its forwards' time over the wall time).")
-    b.add_argument("--concurrency", default="1,2,4", help="comma-separated request counts (default 1,2,4; "
-                   "--max-active is raised to the largest)")
-    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every request (default 64)")
-    b.add_argument("--max-tokens", type=int, default=16, help="tokens every request generates (default 16)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
-    b.add_argument("--long-prompt", type=int, default=0, metavar="T",
-                   help="also start one request with a T-token prompt beside the streams: its time to first token "
-                   "and the streams' speed meanwhile (compare --prefill-batches ride and separate)")
-    add_serving_options(b)
+
+
+def _serve_parser(prog: str) -> argparse.ArgumentParser:
+    """`deltafin serve`'s parser: the coordinator's options and serve's, k3-mini unless --model says."""
+    p = Parser(prog=prog, description=LOCAL_SERVE_DESCRIPTION, parents=[_common_options(False)])
+    p.set_defaults(model=str(bundled_model()))
+    _add_serve_options(p)
     return p
 
 
@@ -223,7 +242,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         await engine.close()
         raise cannot_listen(args.host, args.port, "the API", e) from None
     print(f"serving http://{args.host}:{port} (model '{engine.model_name}'; web chat at /)", flush=True)
-    stop = stop_on_signals("deltafin-coordinator")
+    stop = stop_on_signals(args.prog)
     try:
         await stop.wait()
         log.info("shutting down: no new requests; %d running get %.0f s to finish (--shutdown-grace); a second "
@@ -273,7 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("the following arguments are required: --model")
+    return _run(args, parser.prog)
+
+
+def serve_main(argv: list[str], prog: str = "deltafin serve") -> int:
+    """`deltafin serve ARGS`: `deltafin-coordinator --local serve ARGS`, the bundled model unless --model says, with
+    a parser of its own, so that its usage, help and errors say `deltafin serve`."""
+    args = _serve_parser(prog).parse_args(argv)
+    args.local, args.command = True, "serve"
+    return _run(args, prog)
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
     setup_logging(log_level(args))
+    args.prog = prog  # what a message names this process by (a second signal's)
     command = {"generate": cmd_generate, "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench}[args.command]
     return run_cli(lambda: asyncio.run(command(args)))
 

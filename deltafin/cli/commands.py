@@ -19,7 +19,7 @@ import numpy as np
 
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
-from deltafin.cli.console import add_logging_options, log_level, run_cli, setup_logging
+from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging
 from deltafin.cli.doctor import add_doctor_command
 from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
 from deltafin.cli.models import add_models_command
@@ -29,7 +29,7 @@ from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
 from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES
-from deltafin.paths import bundled_model, models_dir
+from deltafin.paths import models_dir
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -429,19 +429,16 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("serve", add_help=False, help="the one-machine server: the HTTP APIs and the web chat on this "
-                   "machine alone, k3-mini unless --model says (deltafin-coordinator --local serve; --help for its "
-                   "options)")  # (main hands its arguments over whole)
+    sub.add_parser("serve", add_help=False, help="the one-machine server: the HTTP APIs (OpenAI, Anthropic, Ollama, "
+                   "OpenAI Responses) and the web chat on this machine alone, k3-mini unless --model says (`deltafin "
+                   "serve --help` for its options)")  # (main hands its arguments to serve's own parser)
 
 
 def serve(argv: list[str]) -> int:
-    """`deltafin serve ARGS`: `deltafin-coordinator serve --local ARGS`, the bundled model unless --model says."""
-    from deltafin.coordinator.main import main as coordinator  # grpc and the HTTP stack: loaded when it runs
+    """`deltafin serve ARGS`: `deltafin-coordinator --local serve ARGS`, the bundled model unless --model says."""
+    from deltafin.coordinator.main import serve_main  # grpc and the HTTP stack: loaded when it runs
 
-    if "-h" not in argv and "--help" not in argv and not any(a == "--model" or a.startswith("--model=")
-                                                             for a in argv):
-        argv = ["--model", str(bundled_model()), *argv]
-    return coordinator(["serve", "--local", *argv])
+    return serve_main(argv)
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
@@ -450,7 +447,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltafin", description="Run Kimi K3 on machines you own.")
+    parser = Parser(prog="deltafin", description="Run Kimi K3 on machines you own.")
     parser.add_argument("--version", action="version", version=f"deltafin {__version__}")
     add_logging_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -463,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
-        return serve(argv[1:])
+    at = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))  # the command's name
+    if argv[at:at + 1] == ["serve"]:  # (the options before it are -q/-v, which serve's parser takes too)
+        return serve(argv[:at] + argv[at + 1:])
     args = build_parser().parse_args(argv)
     setup_logging(log_level(args))
     return run_cli(lambda: args.func(args))

@@ -1,15 +1,18 @@
-"""What every entry point shares: logging levels (and progress bars) from -q/-v/-vv, and turning errors into one
-line and an exit status (never a traceback for a user's mistake)."""
+"""What every entry point shares: its parser (a mistyped option gets a suggestion), logging levels (and progress
+bars) from -q/-v/-vv, and turning errors into one line and an exit status (never a traceback for a user's
+mistake)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from deltafin.errors import DeltafinError
 
@@ -17,6 +20,42 @@ log = logging.getLogger("deltafin")
 
 VERBOSE_HELP = "more logging: -v Deltafin's debug log, -vv every library's too"
 QUIET_HELP = "warnings and errors only, and no progress bars"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but an option it does not know gets a suggestion among those it and the command given know
+    ("unrecognized arguments: --max-tokns (did you mean --max-tokens?)"), said by that command's parser (its usage).
+    The parsers `add_subparsers` makes are of this class too."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: Any = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self._chosen(parsed)
+            known = [o for p in chosen for a in p._actions for o in a.option_strings]
+            chosen[-1].error(f"unrecognized arguments: {' '.join(extras)}{did_you_mean(extras, known)}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> list[argparse.ArgumentParser]:
+        """This parser and the parsers of the commands `parsed` names, outermost first."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                command = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(command, Parser):
+                    return [self, *command._chosen(parsed)]
+        return [self]
+
+
+def did_you_mean(unknown: list[str], known: list[str]) -> str:
+    """" (did you mean --x?)" for the unknown options close to a known one (difflib), else ""."""
+    close = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        match = difflib.get_close_matches(flag, [k for k in known if k != flag], n=1) if flag.startswith("-") else []
+        close += [(flag, match[0])] if match else []
+    if len(close) == 1:
+        return f" (did you mean {close[0][1]}?)"
+    return f" (did you mean {', '.join(f'{m} for {f}' for f, m in close)}?)" if close else ""
 
 
 def add_logging_options(p: argparse.ArgumentParser, after_command: bool = False) -> None:

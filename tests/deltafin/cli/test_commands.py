@@ -1,5 +1,6 @@
-"""`deltafin`'s commands as a newcomer meets them: `deltafin serve` runs the bundled model on this machine alone;
-a coordinator that finds no worker says how to run alone."""
+"""`deltafin`'s commands as a newcomer meets them: `deltafin serve` runs the bundled model on this machine alone
+and names itself so in its help and errors, which list every route it serves; a coordinator that finds no worker
+says how to run alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 import urllib.request
+
+import pytest
 
 from tests.support.cluster import COORDINATOR
 
@@ -34,3 +37,35 @@ def test_a_coordinator_with_no_worker_says_how_to_run_alone() -> None:
                         "plan"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "no workers" in r.stderr and "add --local (or use `deltafin serve`" in r.stderr
+
+
+def _help(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_serve_help_names_the_command_and_lists_every_route_the_server_has(capsys) -> None:
+    from deltafin.cli.commands import main as deltafin
+    from deltafin.coordinator.http.server import create_app
+    from deltafin.coordinator.main import main as coordinator
+
+    routes = {r.resource.canonical for r in create_app(None).router.routes()}  # type: ignore[arg-type]
+    assert {"/v1/chat/completions", "/v1/responses", "/api/chat", "/metrics", "/health", "/"} <= routes
+    for main, argv, prog in [(deltafin, ["serve", "--help"], "deltafin serve"),
+                             (deltafin, ["-q", "serve", "--help"], "deltafin serve"),
+                             (coordinator, ["serve", "--help"], "deltafin-coordinator serve")]:
+        text = _help(main, argv, capsys)
+        assert text.startswith(f"usage: {prog} [-h]"), text[:200]
+        assert routes - {word.strip("(),;:.'") for word in text.split()} == set(), prog
+
+
+def test_serve_errors_name_deltafin_serve(capsys) -> None:
+    from deltafin.cli.commands import main as deltafin
+
+    with pytest.raises(SystemExit) as done:
+        deltafin(["serve", "--port", "eighty"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "deltafin-coordinator" not in err
+    assert err.startswith("usage: deltafin serve") and "deltafin serve: error: argument --port: invalid int" in err

@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 
 def every_parser() -> list[argparse.ArgumentParser]:
     """The three entry points' parsers and each of their commands'."""
@@ -85,3 +87,36 @@ def test_quiet_silences_the_progress_bar_on_a_terminal_too() -> None:
                               check=True).stdout.strip()
 
     assert "work: 100.0%" in drawn(0) and drawn(-1) == "''"
+
+
+def test_a_mistyped_option_gets_a_suggestion_on_every_entry_point(capsys) -> None:
+    from deltafin.cli.commands import main as deltafin
+    from deltafin.cli.console import Parser
+    from deltafin.coordinator.main import main as coordinator
+    from deltafin.worker.main import main as worker
+
+    assert all(isinstance(p, Parser) for p in every_parser())  # one helper behind every parser and command
+    cases = [(deltafin, ["tokenize", "--model", "M", "hi", "--alow-special"],
+              "deltafin tokenize: error: unrecognized arguments: --alow-special (did you mean --allow-special?)"),
+             (deltafin, ["serve", "--prot", "8000"],
+              "deltafin serve: error: unrecognized arguments: --prot 8000 (did you mean --port?)"),
+             (coordinator, ["--model", "M", "generate", "hi", "--max-tokns", "3"],
+              "deltafin-coordinator generate: error: unrecognized arguments: --max-tokns 3 (did you mean "
+              "--max-tokens?)"),
+             (worker, ["--model", "M", "--max-mesage-mb=3"],
+              "deltafin-worker: error: unrecognized arguments: --max-mesage-mb=3 (did you mean --max-message-mb?)")]
+    for main, argv, line in cases:
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == line
+
+
+def test_did_you_mean_names_each_close_option_and_nothing_for_the_rest() -> None:
+    from deltafin.cli.console import did_you_mean
+
+    known = ["--max-tokens", "--temperature", "--top-p", "-q", "--quiet"]
+    assert did_you_mean(["--max-token"], known) == " (did you mean --max-tokens?)"
+    assert did_you_mean(["--temprature=0.5", "extra", "--max-tokns"], known) == \
+        " (did you mean --temperature for --temprature, --max-tokens for --max-tokns?)"
+    assert did_you_mean(["--colour", "words"], known) == ""
+    assert did_you_mean(["--quiet"], known) == ""  # known (given at the wrong level): no suggestion of itself
