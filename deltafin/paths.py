@@ -36,6 +36,20 @@ def models_dir() -> Path:
     return cache_dir("models")
 
 
+def known_models() -> list[tuple[str, Path]]:
+    """(what `--model` takes to find it, directory) of every model by name: the bundled one first, then those under
+    models_dir() (`name_of`)."""
+    folder = models_dir()
+    kept = sorted(p for p in folder.glob("*") if p.is_dir()) if folder.is_dir() else []
+    return [(BUNDLED, bundled_model()), *((name_of(p), p) for p in kept)]
+
+
+def name_of(kept: Path) -> str:
+    """What `--model` takes to find the model at `kept`, a folder of models_dir(): its name, or its whole path where
+    its name is the bundled model's (`--model k3-mini` is always the model this Deltafin ships)."""
+    return str(kept) if kept.name == BUNDLED else kept.name
+
+
 def model_path(model: str | Path) -> Path:
     """`resolve_model`, but what names no model stays as given: the command then says what is missing there."""
     try:
@@ -58,6 +72,6 @@ def resolve_model(model: str | Path) -> Path:
         return models_dir() / name
     if path.exists():
         return path  # a file: the command says it is not a model directory
-    known = ", ".join([BUNDLED, *sorted(p.name for p in models_dir().glob("*") if p.is_dir())])
+    known = ", ".join(name for name, _ in known_models())
     raise FileNotFoundError(f"no model {name!r}: not a directory, and no model of that name (known: {known}; "
                             f"`deltafin models` lists them, `deltafin download SOURCE` adds one to {models_dir()})")

@@ -29,7 +29,7 @@ from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
 from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES
-from deltafin.paths import models_dir
+from deltafin.paths import models_dir, name_of
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -104,7 +104,7 @@ def _cmd_download(args: argparse.Namespace) -> int:
     summary = download(open_source(args.source), out, args.layers, args.experts, show_progress=not args.quiet)
     print(summary.line())
     if args.out is None:
-        print(f"(as {Path(out).name}: --model {Path(out).name} finds it)")
+        print(f"(--model {name_of(Path(out))} finds it)")
     if args.convert:
         _print_conversion(out, args.convert, None, args.quiet, "auto")
     return 0

@@ -11,14 +11,7 @@ from typing import Any
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import id_ranges, scan_checkpoint
 from deltafin.errors import DeltafinError
-from deltafin.paths import BUNDLED, bundled_model, models_dir
-
-
-def known_models() -> list[tuple[str, Path]]:
-    """(name, directory) of every model `--model NAME` finds: the bundled one first."""
-    folder = models_dir()
-    found = sorted((p.name, p) for p in folder.glob("*") if p.is_dir()) if folder.is_dir() else []
-    return [(BUNDLED, bundled_model()), *found]
+from deltafin.paths import BUNDLED, known_models, models_dir
 
 
 def describe(name: str, path: Path) -> dict[str, Any]:
@@ -52,6 +45,14 @@ def _conversions(path: Path) -> list[str]:
     return out
 
 
+_SHADOWED = f" (named {BUNDLED} too: --model {BUNDLED} is the bundled one, this one's path finds it)"
+
+
+def _shown(row: dict[str, Any]) -> str:
+    """A row's name in the table: a model found by its path alone (`paths.name_of`) shows none."""
+    return "(by its path)" if row["name"] == row["path"] else row["name"]
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     rows = [describe(name, path) for name, path in known_models()]
     if args.json:
@@ -61,11 +62,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for r in rows:
         size = f"{r['disk_bytes'] / 1e9:.2f} GB"
         if "error" in r:
-            print(f"{r['name']:<20} {size:>9}  {r['error']}")
+            print(f"{_shown(r):<20} {size:>9}  {r['error']}")
             continue
         damaged = f", {r['problems']} damaged file(s): deltafin inspect --model {r['name']}" if r["problems"] else ""
-        print(f"{r['name']:<20} {size:>9} {r['layers']:>4} of {r['of_layers']:<3} {r['held']:<16} "
-              f"{'yes' if r['top'] else 'no':<4} {', '.join(r['conversions']) or '-':<24} {r['path']}{damaged}")
+        print(f"{_shown(r):<20} {size:>9} {r['layers']:>4} of {r['of_layers']:<3} {r['held']:<16} "
+              f"{'yes' if r['top'] else 'no':<4} {', '.join(r['conversions']) or '-':<24} {r['path']}{damaged}"
+              f"{_SHADOWED if _shown(r) != r['name'] else ''}")
     print(f"\n(--model NAME runs one of these; `deltafin download SOURCE` adds one to {models_dir()})")
     return 0
 
