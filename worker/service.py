@@ -119,7 +119,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
         stage = self.stage
         disk = stage.prefixes.disk.budget if stage is not None and stage.prefixes.disk is not None else 0
-        yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True, prefix_disk_bytes=disk)
+        yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True, prefix_disk_bytes=disk,
+                                state_identity=stage.identity if stage is not None else "")
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         try:

@@ -100,7 +100,7 @@ class LocalBackend:
     def prefix_stages(self) -> list[PrefixBudget]:
         return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize,
                              s.prefixes.disk.budget if s.prefixes.disk is not None else 0,
-                             s.options.sizing.context) for s in self.pipeline.stages]
+                             s.options.sizing.context, s.identity) for s in self.pipeline.stages]
 
     @property
     def parallel_stages(self) -> int:
@@ -175,6 +175,7 @@ class WorkerClient:
                  timeouts: Timeouts | None = None, security: ClusterSecurity | None = None):
         self.address, self.name = address, name or address
         self.prefix_disk = 0  # what its stage keeps prefixes in on its disk (told when its assignment is ready)
+        self.identity = ""  # what its stage's kept states depend on (told when its assignment is ready)
         self.timeouts = timeouts or Timeouts()
         self.security = security or ClusterSecurity()
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -220,7 +221,7 @@ class WorkerClient:
                 if progress is not None:
                     progress(self, update.message, update.fraction)
                 if update.ready:
-                    self.prefix_disk = update.prefix_disk_bytes
+                    self.prefix_disk, self.identity = update.prefix_disk_bytes, update.state_identity
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         self.start, self.end = start, end

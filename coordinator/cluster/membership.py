@@ -94,7 +94,7 @@ class Membership:
             if self.journal.sessions:  # a request started meanwhile: not now
                 await asyncio.gather(*(c.close() for c, _ in workers))
                 return
-            backend, plan = await assign_plan(cur.spec, cur.cfg, workers, show_progress=False, reuse=True)
+            backend, plan = await assign_plan(cur.spec, cur.cfg, workers, show_progress=False)
             await cur.adopt(backend, plan)
             self.journal.mark_all_stale()
         log.warning("worker(s) %s joined; new plan %s%s", ", ".join(d.name for _, d in new),

@@ -213,7 +213,7 @@ class ResilientCluster:
             before = [(w.address, w.start, w.end) for w in self.backend.stages]
             current = {(d.address, d.assigned) for _, d in candidates if d.state == "ready"}
             try:
-                backend, plan = await assign_plan(self.spec, self.cfg, candidates, show_progress=False, reuse=True)
+                backend, plan = await assign_plan(self.spec, self.cfg, candidates, show_progress=False)
             except DeltafinError as e:
                 raise ClusterUnavailable(f"the workers that answer cannot run the model: {e} "
                                          f"(after: {cause})") from None

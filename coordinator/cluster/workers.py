@@ -175,11 +175,11 @@ def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> di
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
-                      reuse: bool = False) -> tuple[ClusterBackend, Plan]:
+                      ) -> tuple[ClusterBackend, Plan]:
     """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
-    does not use are closed; on failure every client is closed. With `reuse` (a re-plan by this same
-    coordinator), a worker already serving exactly its new range keeps its stage and its caches; with wide
-    experts every worker is told the new placement (and keeps its stage and store if its own part is the same)."""
+    does not use are closed; on failure every client is closed. Every worker is sent its assignment; one already
+    serving exactly that (the same layers and options: a re-plan that left it alone) keeps its stage and its
+    caches, and with wide experts its store when only the placement changed (runtime/assigned.py)."""
     try:
         plan = plan_cluster(spec, cfg, workers)
     except DeltafinError:
@@ -204,13 +204,8 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
         if bar is not None:
             bar.update(max(0.0, fraction - bar.done))
 
-    todo = []
-    for s, (c, d) in zip(plan.workers, used, strict=True):
-        if reuse and wide is None and d.state == "ready" and d.assigned == (s.start, s.end):
-            c.start, c.end = s.start, s.end
-            bars[id(c)].update(1.0)
-        else:
-            todo.append(c.assign(s.start, s.end, mine, stage_options(s, spec, wide is not None), progress, wide))
+    todo = [c.assign(s.start, s.end, mine, stage_options(s, spec, wide is not None), progress, wide)
+            for s, (c, _) in zip(plan.workers, used, strict=True)]
     try:
         await asyncio.gather(*todo)
     except BaseException:
@@ -220,9 +215,10 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
         for bar in bars.values():
             bar.close()
     stages = [c for c, _ in used[:len(plan.stages)]]
-    disk = {(c.start, c.end): c.prefix_disk for c in stages}
-    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, disk.get((s.start, s.end), 0),
-                             spec.sizing.context) for s in sorted(plan.stages, key=lambda s: s.start)]
+    told = {(c.start, c.end): c for c in stages}
+    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, told[s.start, s.end].prefix_disk,
+                             spec.sizing.context, told[s.start, s.end].identity)
+                for s in sorted(plan.stages, key=lambda s: s.start)]
     return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
                           parallel_stages([d for _, d in used[:len(plan.stages)]]),
                           holders=[c for c, _ in used[len(plan.stages):]]), plan

@@ -66,6 +66,7 @@ class StageShare:
     act_bytes: int
     disk: int = 0
     context: int = 4096
+    identity: str = ""  # what its kept states' numbers depend on: another identity holds none of the index's
 
     @property
     def capacity(self) -> int:
@@ -77,7 +78,7 @@ def stage_shares(cfg: ModelConfig, stages: Sequence[PrefixBudget]) -> list[Stage
     for s in stages:
         kinds = cfg.layer_kinds[s.start:s.end]
         out.append(StageShare(sum(k is LayerKind.KDA for k in kinds), sum(k is LayerKind.MLA for k in kinds),
-                              s.budget, s.act_bytes, s.disk, s.context))
+                              s.budget, s.act_bytes, s.disk, s.context, s.identity))
     return out
 
 
@@ -121,9 +122,17 @@ class PrefixIndex:
         return bool(self.shares) and all(s.budget > 0 for s in self.shares)
 
     def reshape(self, shares: list[StageShare]) -> list[str]:
-        """The stages changed (a re-plan): their new budgets; entries beyond them are evicted (returned)."""
+        """The stages changed (a re-plan): their new budgets; entries beyond them are evicted (returned). A stage
+        of another identity (another spine format, dtype, device or kernels) holds none of the states indexed:
+        every entry goes."""
+        before = [(s.n_kda, s.n_mla, s.identity) for s in self.shares]
         self.shares = shares
         self.grid = self._grid()
+        if before and before != [(s.n_kda, s.n_mla, s.identity) for s in shares]:
+            gone = list(self.entries)
+            self.entries.clear()
+            self.counters.evicted += len(gone)
+            return gone
         return self._evict_for(0) or []
 
     def _grid(self) -> int:

@@ -187,6 +187,13 @@ def _build_fast_path(device: str) -> Any:
     return fn
 
 
+def kernel_family(device: str) -> str:
+    """The kernels that multiply on `device`, named as far as they change results (each rounds its own way):
+    the fast path's instruction set or kind, or "reference"."""
+    fn = fast_path(device)
+    return "reference" if fn is None else str(getattr(fn, "isa", type(fn).__name__))
+
+
 def q4_on_mlx(device: str) -> bool:
     """Whether `device`'s q4 matmuls run on MLX (then a stage holds its q4 weights in MLX's memory, once)."""
     return isinstance(fast_path(device), MLXQ4Kernels)

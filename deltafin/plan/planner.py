@@ -25,6 +25,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import PlanError, SizingError
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
+from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.sizing import (
     QUALITY_SOURCE,
@@ -34,7 +35,6 @@ from deltafin.plan.sizing import (
     SizingOptions,
     StageSizing,
     choose,
-    choose_holder,
     expert_slot_bytes,
 )
 

@@ -43,7 +43,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.models.cache import mla_capacity
 from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, holder_workspace_bytes, workspace_bytes
+from deltafin.options import CONVERTED_SPINES
+from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 from deltafin.plan.layer_table import (
     ALIGN,
     LayerTable,
@@ -55,6 +56,7 @@ from deltafin.plan.layer_table import (
 )
 from deltafin.plan.sizing_options import (
     AUTO_SPINES,
+    NO_COPY_SPINES,
     ONE_WORKER_CACHE_SHARE,
     QUALITY_SOURCE,
     RESIDENT_EXPERT_SPINES,
@@ -165,6 +167,8 @@ class StageSizing:
     expert_share: float = 1.0  # the fraction of those layers' experts this worker computes (wide)
     sequences: int = 0  # sequences the sessions are planned for (their bytes as fixed, where session_bytes is)
     spine_why: str = ""  # why this spine format (auto: what the others would have cost; else as asked)
+    converted: bool = True  # an int8/q4 spine is read from its converted copy (else quantized as it loads, its
+    # streamed layers read as stored: SizingOptions.converted)
 
     @property
     def holder_only(self) -> bool:
@@ -219,7 +223,7 @@ class Budget:
         return s.device_total <= self.device and (self.host is None or s.host <= self.host)
 
 
-def _expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_moe: int, expert_cache: int | None,
+def expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_moe: int, expert_cache: int | None,
                   demand: int) -> tuple[int, int, int, int]:
     """(cache, host staging, device landing, expected bytes read per token) of an expert store over `n_moe` MoE
     layers: every expert resident (`expert_cache` None), or a cache of whole slots beside the working slots of
@@ -233,6 +237,12 @@ def _expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_
     held = min(1.0, cache_slots / (n_moe * cfg.num_experts * share)) if n_moe and share > 0 else 0.0
     per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * share * (1 - held))
     return cache_slots * slot, working, working if place.copies and place.experts != "mlx" else 0, per_token
+
+
+def stream_format(spine: str, options: SizingOptions) -> str:
+    """What a streamed layer of a `spine` stage is read as: its converted copy's files, or (no copy: bf16, and int8
+    or q4 quantized as the resident layers load) the checkpoint's tensors as stored."""
+    return spine if options.converted else "bf16"
 
 
 def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
@@ -249,12 +259,12 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     n_moe = options.expert_layers if options.wide else own_moe
     if expert_cache is None and options.wide:
         raise SizingError("wide experts are always cached, never all resident")
-    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache,
+    cache, staging, landing, per_token = expert_parts(cfg, place, options, n_moe, expert_cache,
                                                        2 if options.wide else 1)
     calls = expert_call_bytes(cfg, options.prefill_chunk, own_moe > 0, n_moe > 0) if options.wide else 0
     sessions, prefixes, sequences = _session_parts(cfg, t, start, end, place, options)
     last = end == cfg.num_layers
-    stream = t.streamed(spine)  # a bf16 spine's layers as stored, an int8 or q4 spine's converted files
+    stream = t.streamed(stream_format(spine, options))
     return StageSizing(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
         layers=prefix[start + resident_count] - prefix[start],
@@ -267,7 +277,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
-        sequences=sequences)
+        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES)
 
 
 def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place: Placement,
@@ -297,17 +307,33 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
         if first is not None:
             s = first
         else:
-            auto = replace(options, prefill_chunk=auto_forward_tokens(
-                cfg, layer_table(cfg, place, options.spans), start, end, options.context, budget.device))
-            s = _grow_forward(cfg, _choose(cfg, start, end, place, budget, auto), place, budget, auto)
+            s, auto = _auto_forward_choice(cfg, start, end, place, budget, options)
+            s = _grow_forward(cfg, s, place, budget, auto)
     return replace(s, spine_why=_spine_why(cfg, s, place, budget, options))
+
+
+def _auto_forward_choice(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+                         options: SizingOptions) -> tuple[StageSizing, SizingOptions]:
+    """The stage at the forward auto_forward_tokens gives `budget`, and the options with it; where that forward
+    leaves no plan, at the shortest it gives (the one for a budget of nothing): a longer forward never makes a
+    budget that holds the working set refuse, so a stage plans in every budget from the least it needs
+    (plan/least.py finds it) and the "at least" of the refusal is that least."""
+    table = layer_table(cfg, place, options.spans)
+    auto = replace(options, prefill_chunk=auto_forward_tokens(cfg, table, start, end, options.context, budget.device))
+    try:
+        return _choose(cfg, start, end, place, budget, auto), auto
+    except SizingError:
+        shortest = replace(options, prefill_chunk=auto_forward_tokens(cfg, table, start, end, options.context, 0))
+        if shortest.prefill_chunk == auto.prefill_chunk:
+            raise
+        return _choose(cfg, start, end, place, budget, shortest), shortest
 
 
 def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
             options: SizingOptions) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
-    spines = AUTO_SPINES if options.spine == "auto" else (options.spine,)
+    spines = (AUTO_SPINES if options.converted else NO_COPY_SPINES) if options.spine == "auto" else (options.spine,)
     cache = options.expert_cache_bytes or 0
     if limit == n:
         if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
@@ -333,40 +359,6 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
         f"helps, they need at least {need.device_total / GB:.2f} GB{host} ({need.describe()}), and the budget is "
         f"{budget.device / GB:.2f} GB{have}. Give this stage fewer layers (more workers) or more memory, or ask "
         "for fewer or shorter sequences")
-
-
-def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
-    """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
-    assert options.wide, "a worker without layers only serves wide experts"
-    if options.prefill_chunk is None:
-        options = replace(options, prefill_chunk=max(1, options.context))
-    n_moe = options.expert_layers or 0
-    cache, staging, landing, per_token = _expert_parts(cfg, place, options, n_moe, expert_cache, 1)
-    return StageSizing(
-        start=0, end=0, device=place.device, spine="none", resident_layers=(), streamed_layers=(), layers=0, top=0,
-        stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
-        expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.prefill_chunk, False, n_moe > 0),
-        sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.prefill_chunk),
-        overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, spine_bytes_per_token=0,
-        expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
-        expert_share=options.expert_share)
-
-
-def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
-    """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
-    expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
-    if options.prefill_chunk is None:  # the calls of forwards up to the context, within FORWARD_SHARE
-        cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
-        per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
-        options = replace(options, prefill_chunk=max(PIECE_TOKENS, min(options.context, cap // per_token)))
-    base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
-    if not budget.fits(base):
-        raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
-                          f"and the budget is {budget.device / GB:.2f} GB")
-    if options.expert_cache_bytes is not None:
-        return base
-    cap = (options.expert_layers or 0) * cfg.num_experts * expert_slot_bytes(cfg)
-    return size_holder(cfg, place, min(cap, base.expert_cache + budget.device - base.device_total), options)
 
 
 def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
@@ -445,7 +437,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
     """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
-    stream = t.streamed(spine)
+    stream = t.streamed(stream_format(spine, options))
     base = size_stage(cfg, start, end, place, spine, cache, 0, options)  # the parts that do not depend on k
     prefix = t.resident(spine)
     fixed = base.device_total - base.stream_copies - (0 if base.discrete else base.stream_buffers)
@@ -472,8 +464,9 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
 def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions) -> str:
     """Why `s` holds its spine in its format: as asked, or (auto) what the format before it would have cost
     and what this one costs in quality (SPINE_QUALITY, from QUALITY_SOURCE)."""
+    no_copy = "" if s.converted else "; no converted copy to read: quantized as the resident layers load"
     if options.spine != "auto":
-        return "as given (--spine, or the plan of the cluster this stage is part of)"
+        return "as given (--spine, or the plan of the cluster this stage is part of)" + no_copy
     if s.spine == "bf16":
         return "the whole spine fits as stored"
     before = AUTO_SPINES[AUTO_SPINES.index(s.spine) - 1]
@@ -481,8 +474,10 @@ def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budge
         lost = f"every expert fits beside an {s.spine} spine, not beside a {before} one"
     else:
         lost = _would_stream(cfg, s, place, budget, options, before)
-    tail = (f"; {len(s.streamed_layers)} of {s.end - s.start} layers still stream, read as converted "
-            f"({s.spine_bytes_per_token / GB:.1f} GB a token)") if s.streamed_layers else ""
+    tail = (f"; {len(s.streamed_layers)} of {s.end - s.start} layers still stream, read as "
+            f"{'converted' if s.converted else 'stored'} ({s.spine_bytes_per_token / GB:.1f} GB a token)"
+            ) if s.streamed_layers else ""
+    tail += no_copy
     return f"{lost}; {s.spine} costs {SPINE_QUALITY[s.spine]} {QUALITY_SOURCE}{tail}"
 
 
@@ -495,5 +490,6 @@ def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
     k = _most_resident(cfg, s.start, s.end, place, spine, options.expert_cache_bytes or 0, opts, budget, limit)
     if k is None:
         return f"{spine} does not fit beside the working set"
-    per_token = sum(layer_table(cfg, place, options.spans).streamed(spine).stored[i] for i in range(s.start + k, s.end))
+    stream = layer_table(cfg, place, options.spans).streamed(stream_format(spine, options))
+    per_token = sum(stream.stored[i] for i in range(s.start + k, s.end))
     return f"{spine} would stream {n - k} of {n} layers ({per_token / GB:.1f} GB a token)"

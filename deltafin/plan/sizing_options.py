@@ -24,6 +24,9 @@ ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user'
 # chat's turn (later turns resume from the kept prefix) only saves prompts that long: 12.0 GB of a 64 GB Mac's 56
 ONE_WORKER_CACHE_SHARE = 0.215
 AUTO_SPINES = ("bf16", "int8", "q4")  # auto: the first that holds the whole spine; q4 streams what does not fit
+# auto where no converted copy can be read or written: int8 quantized as the resident layers load, the rest streamed
+# as stored (a 4-bit spine quantized at every start only where it is asked for)
+NO_COPY_SPINES = ("bf16", "int8")
 RESIDENT_EXPERT_SPINES = ("bf16", "int8")  # auto, every expert resident: never q4's rounding for no reads at all
 # what the compact formats cost, measured through the runtime (the plan says it where it chooses one)
 SPINE_QUALITY = {"int8": "-0.01 % perplexity, mean KL 0.005", "q4": "+0.78 % perplexity, mean KL 0.089"}
@@ -69,6 +72,8 @@ class SizingOptions:
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
     expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
     disks: int = 1  # disks the experts are read from, each with `read_threads` readers
+    converted: bool = True  # an int8/q4 spine has a converted copy on the disk (or room to write one): streamed
+    # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
 
     def __post_init__(self) -> None:
         check_choice("spine", self.spine, SPINES)

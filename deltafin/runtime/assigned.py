@@ -1,10 +1,10 @@
 """What a worker computes with once assigned: its stage (when it has layers), and with wide experts its expert
 store, the holder that serves other stages' calls from it, and its stage's router over every holder.
 
-A new assignment of the same layers with the same options (only the placement of the experts changed: a
-holder was lost or joined) keeps the stage, its sessions and its store, and only re-points them; anything else
-loads afresh. Pure of transport: the other holders come in as `peers` (worker/peers.py over gRPC, or
-wide.LocalPeer in one process).
+A new assignment of the same layers with the same options (a re-plan that left this worker alone, or only the
+placement of the experts changed: a holder was lost or joined) keeps the stage, its sessions and its store, and
+only re-points them; anything else loads afresh. Pure of transport: the other holders come in as `peers`
+(worker/peers.py over gRPC, or wide.LocalPeer in one process).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
 from deltafin.plan.expert_placement import ExpertPlan
-from deltafin.plan.sizing import Budget, Placement, StageSizing, choose_holder, size_holder
+from deltafin.plan.holder_sizing import choose_holder, size_holder
+from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import ExpertProvider, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
@@ -82,6 +83,9 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     """Load (or keep from `old`) what the assignment asks for; `old` is closed unless kept."""
     cfg = ckpt.config
     if plan is None:
+        if old is not None and old.plan is None and (old.start, old.end) == (start, end) and old.options == options:
+            log.info("kept layers %s with their caches: the same assignment", _span(start, end))
+            return old
         if old is not None:
             old.close()
         stage = Stage(ckpt, start, end, device=device, options=options, progress=progress)

@@ -1,13 +1,16 @@
 """A stage's kept prefixes on its disk: the KDA states and MLA latents a prefix holds, written once when it is
 kept, checksummed, read back when a later request (after a restart too) shares that prefix.
 
-One folder per stage identity (model fingerprint, layer range, activation dtype, device), claimed with a lock
-for as long as the stage lives, so two workers on one machine never write into the same folder at once (the
-second takes the next free one). A file holds one prefix: a header (the identity, the prefix id, its length,
-the first stage's token ids, each layer's tensors; the last stage's kept prompt also its last position's
-logits), the tensors' bytes, and a BLAKE2b digest of both. A file
-that is missing, truncated, of another identity or fails its digest is ignored with a warning (and removed): the
-prompt is prefilled again, never resumed from a damaged state. The folder is an LRU within a byte budget.
+One folder per stage identity (stage_build.state_identity: model fingerprint, layer range, activation dtype,
+device, spine format of each layer, kernels), claimed with a lock for as long as the stage lives, so two workers on
+one machine never write into the same folder at once (the second takes the next free one), and a state is never
+read back by a stage that computes with other numbers. The budget is the whole prefix folder's: folders of other
+identities that no process holds (left by runs with another spine format, say) give way, oldest files first.
+A file holds one prefix: a header (the identity, the prefix id, its length, the first stage's token ids, each
+layer's tensors; the last stage's kept prompt also its last position's logits), the tensors' bytes, and a BLAKE2b
+digest of both. A file that is missing, truncated, of another identity or fails its digest is ignored with a
+warning (and removed): the prompt is prefilled again, never resumed from a damaged state. The folder is an LRU
+within a byte budget.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -58,6 +62,7 @@ class PrefixDisk:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deltafin-prefix-write")
         self._pending: dict[str, Future] = {}
         self._scan()
+        _room_beside(Path(root), self.dir, budget - self.nbytes)
         log.info("prefixes on disk in %s: %d kept, %.2f of %.2f GB", self.dir, len(self.files), self.nbytes / 1e9,
                  budget / 1e9)
 
@@ -246,6 +251,38 @@ class PrefixDisk:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         os.close(self._lock_fd)
+
+
+def _room_beside(root: Path, mine: Path, room: int) -> None:
+    """Files of the folders under `root` that no process holds, oldest first, until they take at most `room` bytes
+    (a folder left empty goes too); each folder's lock is held while its files go."""
+    held, files = [], []
+    try:
+        for folder in root.iterdir():
+            if folder == mine or not folder.is_dir():
+                continue
+            fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live stage's
+                os.close(fd)
+                continue
+            held.append((folder, fd))
+            files += [(p.stat().st_mtime, p.stat().st_size, p) for p in folder.glob(f"*{SUFFIX}")]
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= room:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            log.info("prefix file %s removed: a stage of another identity kept it, and this folder needs the room",
+                     path)
+        for folder, _ in held:
+            if not any(folder.glob(f"*{SUFFIX}")):
+                shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        for _, fd in held:
+            os.close(fd)
 
 
 def _claim(root: Path, identity: str) -> tuple[Path, int]:

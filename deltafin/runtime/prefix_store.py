@@ -39,6 +39,7 @@ class PrefixBudget:
     act_bytes: int
     disk: int = 0  # where the stage keeps them on its disk too: what they may take there
     context: int = 4096  # the tokens a sequence was planned for (the grid of kept states: sizing.prefix_grid)
+    identity: str = ""  # what its kept states' numbers depend on (stage_build.state_identity)
 
 
 @dataclass(frozen=True)

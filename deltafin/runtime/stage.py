@@ -48,6 +48,7 @@ from deltafin.runtime.stage_build import (
     open_experts,
     plan_with_spine,
     prefix_disk_for,
+    state_identity,
 )
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counters, plan_details, stage_stats
@@ -123,7 +124,10 @@ class Stage:
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),
                  len(self.spine.plan.streamed), "streamed" if self.sizing.streaming else "resident")
-        self.prefixes = PrefixStore(self.sizing.prefixes, prefix_disk_for(ckpt, start, end, device, opts, self.sizing))
+        # what its kept states' numbers depend on: states of another identity are never resumed here
+        self.identity = state_identity(ckpt, start, end, device, opts, self.sizing, self.expert_backend)
+        self.prefixes = PrefixStore(self.sizing.prefixes, prefix_disk_for(ckpt, device, opts, self.sizing,
+                                                                          self.identity))
         self.sessions = Sessions(cfg, self.layers_range, device, self.dtype, self.cache_budget, self.prefixes,
                                  first=self.first)
         self.timings = StageTimings()

@@ -6,6 +6,8 @@ the check that the checkpoint holds its tensors, how each of its weights is plac
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,9 +17,9 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
-from deltafin.checkpoint.shards import Checkpoint, fingerprint, open_copy
+from deltafin.checkpoint.shards import Checkpoint, fingerprint, id_ranges, open_copy
 from deltafin.errors import OutOfMemory, SizingError
-from deltafin.kernels.linear import Weight, expert_backend
+from deltafin.kernels.linear import Weight, expert_backend, kernel_family
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
@@ -29,7 +31,7 @@ from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.spine_convert import prepare_spine
-from deltafin.weights.spine_files import CONVERTED, SpineFiles, stage_units
+from deltafin.weights.spine_files import CONVERTED, RECIPE, SpineFiles, stage_units
 from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -166,11 +168,33 @@ def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:
     return "mlx" if verified(activation(cfg)) else "torch"
 
 
-def prefix_disk_for(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                    sizing: StageSizing) -> PrefixDisk | None:
-    """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's identity."""
+def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+                   sizing: StageSizing, expert_backend: str) -> str:
+    """What a kept state's numbers depend on, as one name: the checkpoint, the layers, the activation dtype, the
+    device, each layer's spine format (a converted one's recipe), where the routed experts run and the kernels
+    that multiply (their rounding differs). A state is resumed only by a stage of the same identity: a kept
+    prompt computed with a bf16 spine is never continued (nor its logits reused) by a q4 one."""
+    dtype = str(options.dtype).removeprefix("torch.")
+    numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if sizing.spine in CONVERTED else None,
+               "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
+               "wide": options.sizing.wide}
+    digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
+    return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
+
+
+def spine_layout(sizing: StageSizing) -> str:
+    """Each of the stage's layers' matrix format, as ranges: "q4 0-7", "int8 0-4, stored 5-92"."""
+    formats = [(i, matrix_format(sizing.spine)) for i in sizing.resident_layers]
+    formats += [(i, matrix_format(sizing.spine, resident=False)) for i in sizing.streamed_layers]
+    by_format: dict[str, list[int]] = {}
+    for i, fmt in sorted(formats):
+        by_format.setdefault(fmt, []).append(i)
+    return ", ".join(f"{fmt} {id_ranges(layers)}" for fmt, layers in by_format.items())
+
+
+def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, sizing: StageSizing,
+                    identity: str) -> PrefixDisk | None:
+    """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's `identity`."""
     if not options.prefix_dir or not options.prefix_disk_bytes or not sizing.prefixes:
         return None
-    dtype = str(options.dtype).removeprefix("torch.")
-    identity = f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}"
     return PrefixDisk(options.prefix_dir, identity, options.prefix_disk_bytes, device)

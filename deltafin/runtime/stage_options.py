@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SIZING_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingOptions))
 # what the plan, the stage or the process sets, not the user
 PLANNED = frozenset({"spans", "disks", "expert_layers", "expert_share", "speculative_tokens", "host_memory_gb",
-                     "session_gb", "prefetch_layers", "disk_gbps", "expert_heat_dir"})
+                     "session_gb", "prefetch_layers", "disk_gbps", "expert_heat_dir", "converted"})
 
 
 @dataclass(frozen=True)

@@ -71,18 +71,25 @@ def prepare_spine(ckpt: Checkpoint, fmt: str, units: Sequence[str], *, why: str,
                     fmt, why, fmt_bytes(need), folder, fmt_bytes(free))
         return None
     log.info("converting the spine to %s once, into %s (%s; %s): %s", fmt, folder, fmt_bytes(need), state, why)
-    return convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None, device=device)
+    return convert_units(ckpt, fmt, folder, missing, progress=progress, device=device)
 
 
 def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], *, progress: bool = True,
-                  fresh: bool = False, device: torch.device | None = None) -> SpineFiles:
-    """Convert `units` into `folder` (those another process converted meanwhile are skipped); `fresh`: the
-    folder's files are stale, start it anew. `device`: where the matrices are quantized (a GPU does it many
-    times faster than the CPU; the rounding is the same arithmetic)."""
+                  device: torch.device | None = None) -> SpineFiles:
+    """Convert `units` into `folder` (those another process converted meanwhile are skipped; stale files, started
+    anew). `device`: where the matrices are quantized (a GPU does it many times faster than the CPU; the rounding
+    is the same arithmetic)."""
+    return _convert(ckpt, fmt, folder, units, progress, device)[0]
+
+
+def _convert(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], progress: bool,
+             device: torch.device | None) -> tuple[SpineFiles, list[str]]:
+    """convert_units, and the units this process converted: what it finds once it holds the lock decides, not what
+    it saw before (another process may have converted them, or refreshed a stale copy, while this one waited)."""
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         files = SpineFiles.open(folder, fmt)
-        if fresh or files.stale_reason(ckpt):
+        if files.stale_reason(ckpt):
             _clear(folder)
             files = SpineFiles(folder, fmt, {})
         todo = [u for u in units if not files.has(u)]
@@ -97,7 +104,7 @@ def convert_units(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str]
         if todo:
             log.info("converted %d part%s of the spine (%s read) in %.1fs into %s", len(todo),
                      "" if len(todo) == 1 else "s", fmt_bytes(total), time.monotonic() - t0, folder)
-        return SpineFiles(folder, fmt, manifest)
+        return SpineFiles(folder, fmt, manifest), todo
 
 
 def rebuild_unit(ckpt: Checkpoint, files: SpineFiles, unit: str) -> SpineFiles:
@@ -266,16 +273,27 @@ def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None =
     for unit in bad:
         files = rebuild_unit(ckpt, files, unit)
     missing = [u for u in units if u not in present]
-    if missing:
-        need = sum(unit_bytes(cfg, u, fmt) for u in missing)
-        if need + ROOM_MARGIN > free_bytes(folder):
-            raise DeltafinError(f"converting needs {fmt_bytes(need)} in {folder}, and the disk has "
-                                f"{fmt_bytes(free_bytes(folder))} free (keeping {fmt_bytes(ROOM_MARGIN)}): free some "
-                                "space or choose another --out")
-        if stale:
-            log.info("%s is stale (%s): converting it anew", folder, stale)
-        files = convert_units(ckpt, fmt, folder, missing, progress=progress, fresh=stale is not None, device=device)
-    return {"spine": fmt, "dir": str(folder), "model": str(model_dir), "source": fingerprint(model_dir),
-            "units": len(units), "converted": len(missing), "verified": len(present) - len(bad), "rebuilt": len(bad),
-            "bytes": sum(files.manifest["units"][u]["bytes"] for u in units),
-            "seconds": round(time.monotonic() - t0, 2)}
+    files, converted = _convert_missing(ckpt, fmt, folder, missing, stale, progress, device) if missing else (files, [])
+    by_another = len(missing) - len(converted)  # while this process waited for the folder's lock
+    summary = {"spine": fmt, "dir": str(folder), "model": str(model_dir), "source": fingerprint(model_dir),
+               "units": len(units), "converted": len(converted), "verified": len(present) - len(bad),
+               "rebuilt": len(bad), "converted_by_another": by_another,
+               "bytes": sum(files.manifest["units"][u]["bytes"] for u in units),
+               "seconds": round(time.monotonic() - t0, 2)}
+    if by_another:
+        summary["note"] = (f"another process converted {by_another} of the parts while this one waited for the lock"
+                           + ("" if converted else ": the copy was already complete"))
+    return summary
+
+
+def _convert_missing(ckpt: Checkpoint, fmt: str, folder: Path, missing: list[str], stale: str | None, progress: bool,
+                     device: torch.device | None) -> tuple[SpineFiles, list[str]]:
+    """`convert`'s missing units, if the disk has room for them; and those this process converted."""
+    need = sum(unit_bytes(ckpt.config, u, fmt) for u in missing)
+    if need + ROOM_MARGIN > free_bytes(folder):
+        raise DeltafinError(f"converting needs {fmt_bytes(need)} in {folder}, and the disk has "
+                            f"{fmt_bytes(free_bytes(folder))} free (keeping {fmt_bytes(ROOM_MARGIN)}): free some "
+                            "space or choose another --out")
+    if stale:
+        log.info("%s is stale (%s): converting it anew", folder, stale)
+    return _convert(ckpt, fmt, folder, missing, progress, device)

@@ -117,7 +117,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share")
+    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share", "converted")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class StageOptions(_message.Message):
     NONE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CONVERTED_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     memory_bytes: int
     host_memory_bytes: int
@@ -156,19 +157,22 @@ class StageOptions(_message.Message):
     none: _containers.RepeatedScalarFieldContainer[str]
     expert_layers: int
     expert_share: float
-    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ...) -> None: ...
+    converted: bool
+    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., converted: _Optional[bool] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
-    __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes")
+    __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes", "state_identity")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FRACTION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     message: str
     fraction: float
     ready: bool
     prefix_disk_bytes: int
-    def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
+    state_identity: str
+    def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ..., prefix_disk_bytes: _Optional[int] = ..., state_identity: _Optional[str] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
     __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "speculative", "save_at")
@@ -473,7 +477,7 @@ class ExpertStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
 
 class StageSizing(_message.Message):
-    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why")
+    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +508,7 @@ class StageSizing(_message.Message):
     EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SPINE_WHY_FIELD_NUMBER: _ClassVar[int]
+    CONVERTED_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     device: str
@@ -534,4 +539,5 @@ class StageSizing(_message.Message):
     expert_share: float
     sequences: int
     spine_why: str
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ...) -> None: ...
+    converted: bool
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ...) -> None: ...

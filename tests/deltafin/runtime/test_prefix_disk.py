@@ -133,3 +133,21 @@ def test_kda_and_mla_state_round_trip_in_bf16(ckpt, tmp_path):
             assert d.buf.dtype == torch.bfloat16 and torch.equal(c.buf[:70], d.buf[:70])
     disk.close()
     stage.close()
+
+
+def test_folders_of_other_identities_give_way_when_nothing_holds_them(ckpt, tmp_path):
+    """The budget is the prefix folder's: a stage of another identity (another spine, say) that no process holds
+    loses its oldest files to make room; one a live stage holds keeps them."""
+    old = _stage(ckpt, tmp_path)
+    old.forward([SeqInput("a", 0, ids=torch.tensor(PROMPT))])
+    old.release("a", keep_as="p300")
+    old.prefixes.disk.read("p300", torch.float32)  # written
+    size = old.prefixes.disk.files["p300"].nbytes
+    other = PrefixDisk(tmp_path, "another-identity", size // 2, CPU)  # a live stage holds `old`'s folder
+    assert (old.prefixes.disk.dir / "p300.prefix").exists()
+    other.close()
+    old.close()
+    PrefixDisk(tmp_path, "another-identity", 10 * size, CPU).close()  # room enough: nothing goes
+    assert (old.prefixes.disk.dir / "p300.prefix").exists()
+    PrefixDisk(tmp_path, "another-identity", size // 2, CPU).close()
+    assert not old.prefixes.disk.dir.exists()  # its only file went, and the empty folder with it

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -185,6 +187,31 @@ def test_download_then_convert_a_workers_part(model, tmp_path, capsys):
     assert cli.main(["convert", "--model", str(out), "--quiet"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert (again["converted"], again["verified"], again["rebuilt"]) == (0, 5, 0)
+
+
+def test_a_convert_that_only_waited_for_the_lock_reports_it_converted_nothing(model, tmp_path, caplog):
+    """Another process holds the folder's lock and completes the copy meanwhile: this `convert` waited, converted
+    nothing itself, and says so (it reported every part as converted by itself)."""
+    done = tmp_path / "done"
+    convert_checkpoint(model, "q4", out=done, progress=False)  # what the other process will have written
+    folder = default_root(model, "q4")
+    folder.mkdir(parents=True)
+    result: dict = {}
+    with caplog.at_level(logging.INFO, logger="deltafin.weights"), spine_convert._locked(folder):
+        waiter = threading.Thread(target=lambda: result.update(convert_checkpoint(model, "q4", progress=False)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while "waiting for another process" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiter.is_alive() and "waiting for another process" in caplog.text
+        for f in done.iterdir():
+            if f.name != ".lock":
+                shutil.copy(f, folder / f.name)
+    waiter.join(60)
+    units = result["units"]
+    assert (result["converted"], result["converted_by_another"], result["verified"]) == (0, units, 0)
+    assert result["note"] == (f"another process converted {units} of the parts while this one waited for the lock: "
+                              "the copy was already complete")
 
 
 def test_convert_errors_are_one_line(tmp_path, capsys):
