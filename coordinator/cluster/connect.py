@@ -30,6 +30,7 @@ from deltafin.runtime.stage import split_layers
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
+from deltafin.transport.ports import check_address
 from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class ClusterOptions:
         check_choice("experts", self.experts, EXPERT_MODES)
         if self.worker_timeout <= 0 or self.forward_timeout <= 0:
             raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
+        for address in self.worker:
+            check_address(address)
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> ClusterOptions:

@@ -127,7 +127,8 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
     p.add_argument("--model", type=model_arg, required=model_required,
                    help=MODEL_HELP + " (the same files as the workers')")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                   help="a worker to use (repeatable); discovered workers are added unless --no-discover")
+                   help="a worker to use (repeatable; port 1-65535, an IPv6 host in brackets: [::1]:7070); "
+                   "discovered workers are added unless --no-discover")
     p.add_argument("--no-discover", dest="discover", action="store_false", help="use only the --worker addresses")
     p.add_argument("--discover-timeout", type=float, default=3.0, help="seconds to browse for workers")
     p.add_argument("--expect", type=int, default=None, help="stop browsing once this many workers answered")

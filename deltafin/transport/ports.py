@@ -1,11 +1,32 @@
-"""Why a server cannot listen on an address, in words a user can act on (gRPC only says it failed to bind)."""
+"""Addresses: a worker's HOST:PORT as a user writes it, checked before any lookup; and why a server cannot
+listen on an address, in words a user can act on (gRPC only says it failed to bind)."""
 
 from __future__ import annotations
 
 import errno
+import ipaddress
+import re
 import socket
 
 from deltafin.errors import DeltafinError
+
+HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?")  # a name or an IPv4 address
+
+
+def check_address(text: str, flag: str = "--worker") -> str:
+    """`text` if it is HOST:PORT (port 1-65535; an IPv6 host in brackets, [::1]:7070), else the one-line error
+    saying so: a mistyped address is not sent to the name resolver, whose error would not say what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            known_host = isinstance(ipaddress.ip_address(host[1:-1]), ipaddress.IPv6Address)
+        except ValueError:
+            known_host = False
+    else:
+        known_host = HOST_NAME.fullmatch(host) is not None
+    if not (sep and known_host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise DeltafinError(f"{flag} {text!r}: HOST:PORT expected (port 1-65535; IPv6 as [::1]:7070)")
+    return text
 
 
 def cannot_listen(host: str, port: int, what: str, error: OSError | None = None, flag: str = "--port"

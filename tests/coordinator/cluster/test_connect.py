@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.flags import cluster_from_args, serving_from_args, stage_from_args
 from deltafin.coordinator.cluster.connect import cluster_spec
 from deltafin.coordinator.engine.engine import open_engine, planned_stage
 from deltafin.coordinator.main import build_parser
+from deltafin.errors import DeltafinError
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 
 
@@ -56,3 +59,16 @@ async def test_a_start_parses_config_json_once(tiny_dir: Path, monkeypatch) -> N
                                show_progress=False)
     await engine.close()
     assert len(calls) == 1
+
+
+def test_a_mistyped_worker_address_is_refused_before_any_lookup(tiny_dir: Path, capsys) -> None:
+    """`--worker localhost7070` (and the Python API's workers=[...]) is one line saying what an address is, not a
+    name resolver's error after a timeout."""
+    import deltafin
+    from deltafin.coordinator.main import main
+
+    assert main(["--model", str(tiny_dir), "--worker", "localhost7070", "--no-discover", "plan"]) == 1
+    assert capsys.readouterr().err == ("error: --worker 'localhost7070': HOST:PORT expected (port 1-65535; IPv6 as "
+                                       "[::1]:7070)\n")
+    with pytest.raises(DeltafinError, match=r"^worker 'h:99999': HOST:PORT expected"):
+        deltafin.connect(tiny_dir, workers=["h:99999"], discover=False)

@@ -41,3 +41,15 @@ def test_a_worker_on_a_taken_port_exits_with_the_reason(taken: int, tiny_dir) ->
     assert run.returncode != 0
     assert f"127.0.0.1:{taken} is already in use" in run.stderr and "please report" not in run.stderr
     assert "Failed to add port" not in run.stderr  # asked before gRPC tries, whose C core would log its own line
+
+
+def test_a_worker_address_is_host_colon_port_or_one_line_saying_so() -> None:
+    from deltafin.transport.ports import check_address
+
+    for good in ("localhost:7070", "10.0.0.2:1", "mac-studio.local:65535", "[::1]:7070", "[fe80::1%en0]:50051"):
+        assert check_address(good) == good
+    for bad in ("localhost7070", "localhost:", ":7070", "localhost:0", "localhost:65536", "localhost:70a",
+                "::1:7070", "[::1]7070", "[10.0.0.1]:7070", "[nonsense]:7070", "my host:7070", "http://h:7070", ""):
+        with pytest.raises(DeltafinError) as e:
+            check_address(bad)
+        assert str(e.value) == f"--worker {bad!r}: HOST:PORT expected (port 1-65535; IPv6 as [::1]:7070)"
