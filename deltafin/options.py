@@ -48,6 +48,14 @@ def at_least(low: int, **values: float | None) -> None:
             raise DeltafinError(f"{flag(name)} must be at least 1" if low else f"{flag(name)} must not be negative")
 
 
+def more_than_zero(**values: float | None) -> None:
+    """Each given value (None: not given) is more than 0 (a budget of nothing holds nothing), else the error names
+    its flag."""
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise DeltafinError(f"{flag(name)} must be more than 0")
+
+
 def _gb_name(field: str) -> str | None:
     return field[:-len("_bytes")] + "_gb" if field.endswith("_bytes") else None
 

@@ -26,12 +26,15 @@ from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.runtime.stage_options import with_memory_found
+from deltafin.plan.least import least_options, shortfall, smallest_stages
+from deltafin.plan.sizing import Placement
+from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
 from deltafin.transport.discovery import Announcer
 from deltafin.transport.ports import check_free
 from deltafin.weights.diskspeed import measure_disk
+from deltafin.weights.reader import layer_spans
 from deltafin.worker.service import WorkerService, create_server
 
 log = logging.getLogger("deltafin.worker")
@@ -167,6 +170,22 @@ def damaged(ckpt: Any) -> list[Any]:
     return [p for p in ckpt.problems if p.damage]
 
 
+def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: str) -> None:
+    """A budget in which not even the smallest stage this worker could be given plans (one of its layers alone, or
+    an expert holder, with one sequence: plan/least.py) is refused now, before the worker listens: no coordinator
+    could use it, and more workers do not change what a stage needs."""
+    ckpt, cfg = ckpts[0], ckpts[0].config
+    place = Placement(device.type, 2 if options.dtype_name == "bf16" else 4, "mlx" if device.type == "mps" else "torch")
+    experts = sum(1 for i in cfg.moe_layers if any(i in c.layers_available() for c in ckpts))
+    sizing = least_options(options.sizing_for(layer_spans(ckpt)))
+    stages = smallest_stages(cfg, place, sizing, ckpt.layers_available(), ckpt.top_available, experts)
+    least = shortfall(stages, options.memory_bytes)
+    if least is not None:
+        raise DeltafinError(f"this worker's memory budget, {options.memory_bytes / 1e9:.2f} GB ({source}), is below "
+                            f"the least any stage of this model needs on {device.type}: {least.describe()}. Give it "
+                            "more memory; more workers do not help (every stage needs this much)")
+
+
 async def serve(args: argparse.Namespace) -> int:
     if args.port:  # before the shards are checked and the disk timed; gRPC's own refusal would log a C-core line too
         check_free(args.host, args.port, "this worker")
@@ -175,8 +194,10 @@ async def serve(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     options = stage_from_args(args)
     select_kernels(options.kernels)
+    options = with_memory_found(options, device)  # the budget, found or given
+    _check_budget(ckpts, device, options, "--memory-gb" if args.memory_gb is not None else "found on this machine")
     speeds = _disk_speeds(args, ckpts)
-    options = dataclasses.replace(with_memory_found(options, device), disk_gbps=speeds)  # the budget, found or given
+    options = dataclasses.replace(options, disk_gbps=speeds)
     desc = _describe(args, ckpts, speeds, device, options)
     max_message = int(args.max_message_mb * (1 << 20))
     service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)

@@ -25,7 +25,7 @@ from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.options import DEVICES, EXPERT_MODES, check_choice, from_values
-from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.pipeline import LocalPipeline, check_budget
 from deltafin.runtime.stage import split_layers
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
@@ -116,8 +116,10 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
     device = resolve_device(cluster.device)
     options = dataclasses.replace(with_memory_found(stage, device), dtype=resolve_dtype(stage.dtype_name))
     ckpt = open_checkpoint(cluster.model, cfg)
+    ranges = split_layers(cfg, cluster.local_stages)
+    check_budget(ckpt, ranges, device, options)  # as open_backend would refuse it: with the least it needs
     lines = []
-    for a, b in split_layers(cfg, cluster.local_stages):
+    for a, b in ranges:
         z = plan_stage(cfg, a, b, device, options, layer_spans(ckpt), expert_backend_for(cfg, device))
         lines.append(f"layers {a}-{b - 1} on {device.type} (this process): {len(z.resident_layers)} resident, "
                      f"{len(z.streamed_layers)} streamed; {z.forward_tokens:,}-token forwards, {z.sequences} "

@@ -48,6 +48,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from deltafin.cli.inspection import (  # torch: loaded when the command runs
+        cannot_fit,
         format_report,
         inspect_model,
     )
@@ -58,7 +59,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                                                           sequences=args.sequences,
                                                                           context=args.context))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 1 if report["problems"] else 0
+    return 1 if report["problems"] or cannot_fit(report) else 0
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
@@ -86,11 +87,13 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a checkpoint and report any problems",
                        description="Read config.json, the safetensors index and every shard header (no tensor "
                        "data) and print layers, experts, spine bytes, expert bytes per token, contiguity and "
-                       "problems. Exits 1 if the checkpoint has problems.")
+                       "problems. Exits 1 if the checkpoint has problems, or if the memory plan of --memory-gb "
+                       "cannot fit.")
     p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--memory-gb", type=float, default=None,
-                   help="also show the memory plan of the whole model as one stage within this budget")
+                   help="also show the memory plan of the whole model as one stage within this budget (more "
+                   "than 0; one that cannot fit says the least it needs, and inspect exits 1)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
     p.add_argument("--spine", default="auto", choices=SPINES, help="--memory-gb: spine format")
     p.add_argument("--sequences", type=int, default=None,

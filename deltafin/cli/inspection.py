@@ -10,8 +10,10 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import DownloadRecord, read_record
 from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
+from deltafin.options import more_than_zero
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.layer_table import layer_table
+from deltafin.plan.least import check_fits
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
 from deltafin.plan.sizing_options import SEQUENCES, one_worker
 from deltafin.weights.reader import layer_spans
@@ -21,6 +23,7 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
                   options: SizingOptions | None = None) -> dict[str, Any]:
     """A JSON-able report of the checkpoint at `model_dir` (config errors raise; tensor problems are listed).
     With `memory_bytes`, also the memory plan of one stage of every layer within it on `device`."""
+    more_than_zero(memory_gb=memory_bytes)
     cfg = load_config(model_dir)
     ckpt = scan_checkpoint(model_dir, cfg)
     table = layer_table(cfg, Placement(device), layer_spans(ckpt))
@@ -96,7 +99,7 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
     opts = replace(options or SizingOptions(), spans=spans)
     place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
     try:
-        plan = choose(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
+        plan = check_fits(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
     except SizingError as e:
         return {"error": str(e)}
     kept = kept_prefixes_text(cfg, [(0, cfg.num_layers, plan["prefixes"])], place.act_bytes, opts.context)
@@ -214,6 +217,11 @@ def format_report(r: dict[str, Any]) -> str:
         lines += ["", r["download"]["summary"]]
     if r["problems"]:
         lines += ["", f"{len(r['problems'])} problem(s):"] + [f"  - {p}" for p in r["problems"]]
-    else:
+    elif not cannot_fit(r):
         lines += ["", "no problems found"]
     return "\n".join(lines)
+
+
+def cannot_fit(r: dict[str, Any]) -> bool:
+    """The report has a memory plan (`--memory-gb`), and it cannot fit: `inspect` then exits 1."""
+    return r["plan"] is not None and "error" in r["plan"]

@@ -42,11 +42,7 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
-    if options.prefill_chunk is None:  # the calls of forwards up to the context, within FORWARD_SHARE
-        cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
-        per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
-        options = replace(options, prefill_chunk=max(PIECE_TOKENS, min(options.context, cap // per_token)))
-    base = size_holder(cfg, place, options.expert_cache_bytes or 0, options)
+    base, options = _holder_base(cfg, place, budget, options)
     if not budget.fits(base):
         raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
                           f"and the budget is {budget.device / GB:.2f} GB")
@@ -54,3 +50,20 @@ def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: S
         return base
     cap = (options.expert_layers or 0) * cfg.num_experts * expert_slot_bytes(cfg)
     return size_holder(cfg, place, min(cap, base.expert_cache + budget.device - base.device_total), options)
+
+
+def _holder_base(cfg: ModelConfig, place: Placement, budget: Budget,
+                 options: SizingOptions) -> tuple[StageSizing, SizingOptions]:
+    """A holder's working set (its cache only as the user fixed it), and the options with its forward: with none
+    fixed, the calls of forwards up to the context within FORWARD_SHARE of the budget, or, where those leave no
+    room, of PIECE_TOKENS (the shortest it gives): a holder plans in every budget from its least (plan/least.py)."""
+    if options.prefill_chunk is not None:
+        return size_holder(cfg, place, options.expert_cache_bytes or 0, options), options
+    cap = max(holder_workspace_bytes(cfg, PIECE_TOKENS), int(FORWARD_SHARE * budget.device))
+    per_token = holder_workspace_bytes(cfg, 2) - holder_workspace_bytes(cfg, 1)
+    for tokens in (max(PIECE_TOKENS, min(options.context, cap // per_token)), PIECE_TOKENS):
+        sized = replace(options, prefill_chunk=tokens)
+        base = size_holder(cfg, place, options.expert_cache_bytes or 0, sized)
+        if budget.fits(base):
+            break
+    return base, sized

@@ -27,6 +27,7 @@ from deltafin.errors import PlanError, SizingError
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
 from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
+from deltafin.plan.least import too_small
 from deltafin.plan.sizing import (
     QUALITY_SOURCE,
     SPINE_QUALITY,
@@ -414,6 +415,11 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOption
                 "them")
     if not any(w.has_top for w in workers):
         return "no worker holds the embedding/head shard: the first and last stages need it"
+    held = [(w.name, w.memory_bytes, stage_placement(w, act_bytes), [i for a, b in w.layers for i in range(a, b)],
+             w.has_top, _expert_layers(cfg, w)) for w in workers]
+    small = too_small(cfg, held, opts)
+    if small is not None:  # not even its smallest stage fits: more workers would not help it
+        return small
     biggest = max(workers, key=lambda w: w.memory_bytes)
     try:  # the smallest useful stage on the largest worker: one layer with the embedding
         choose(cfg, 0, 1, stage_placement(biggest, act_bytes), biggest.budget, opts)

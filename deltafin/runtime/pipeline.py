@@ -14,13 +14,17 @@ import numpy as np
 import torch
 
 from deltafin.checkpoint.config import ModelConfig, load_config, with_eps_convention
-from deltafin.checkpoint.shards import open_checkpoint
+from deltafin.checkpoint.shards import Checkpoint, open_checkpoint
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.plan.least import check_fits
+from deltafin.plan.sizing import Budget, Placement
 from deltafin.progress import Progress
 from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
+from deltafin.runtime.stage_build import expert_backend_for
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.weights.reader import layer_spans
 
 # the hub's route for one forward: yields (stage index, its inputs), is sent that stage's outputs
 Route = Generator[tuple[int, list[SeqInput]], list[SeqOutput], list[SeqOutput]]
@@ -57,8 +61,10 @@ class LocalPipeline:
             exact_fp32()
         dev = resolve_device(device)
         opts = dataclasses.replace(options or StageOptions(), dtype=torch_dtype)
+        ranges = split_layers(cfg, n_stages)
+        check_budget(ckpt, ranges, dev, opts)  # every stage, before the first loads
         stages = []
-        for a, b in split_layers(cfg, n_stages):
+        for a, b in ranges:
             with Progress(1.0, f"load layers {a}-{b - 1}", unit="", enabled=show_progress) as bar:
                 stages.append(Stage(ckpt, a, b, device=dev, options=opts,
                                     progress=lambda _msg, fraction, bar=bar: bar.update(max(0.0, fraction - bar.done))))
@@ -94,6 +100,18 @@ class LocalPipeline:
     def close(self) -> None:
         for stage in self.stages:
             stage.close()
+
+
+def check_budget(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device, options: StageOptions) -> None:
+    """Each stage of `ranges` plans within the budget, or SizingError with the least it needs (plan/least.py), before
+    any weights load; a stage sizes itself again when it loads (the same function, so the same plan)."""
+    if options.memory_bytes is None:
+        return
+    cfg, spans = ckpt.config, layer_spans(ckpt)
+    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, expert_backend_for(cfg, device))
+    budget = Budget(options.memory_bytes, options.host_memory_bytes)
+    for a, b in ranges:
+        check_fits(cfg, a, b, place, budget, options.sizing_for(spans))
 
 
 def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",

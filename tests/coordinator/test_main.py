@@ -99,6 +99,19 @@ def test_plan_with_local_prints_the_plan_the_load_runs(tiny_dir: Path) -> None:
         assert f"stage [{layers[0]}, {int(layers[1]) + 1}) on cpu: {memory}" in loaded.stderr, (line, loaded.stderr)
 
 
+def test_local_plan_refuses_a_budget_it_cannot_fit_with_the_least_that_plans(tiny_dir: Path) -> None:
+    """`--local plan` in a budget too small exits 1 with one line: the least the stage needs (not "more workers",
+    which an in-process stage cannot use); that much, as printed, plans."""
+    small = _run("--model", str(tiny_dir), "--local", "--memory-gb", "0.3", "-q", "plan")
+    assert small.returncode == 1 and "Traceback" not in small.stderr and not small.stdout
+    (line,) = small.stderr.strip().splitlines()
+    m = re.fullmatch(r"error: layers 0-5 cannot fit on cpu: they need at least ([\d.]+) GB \(.*\), and the budget is "
+                     r"0.30 GB\. Give it more memory, or ask for fewer or shorter sequences", line)
+    assert m, line
+    least = _run("--model", str(tiny_dir), "--local", "--memory-gb", m.group(1), "-q", "plan")
+    assert least.returncode == 0 and least.stdout.startswith("layers 0-5 on cpu"), least.stderr
+
+
 def _serving(*args: str, serve: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     server = subprocess.Popen([*COORDINATOR, *args, "serve", "--port", "0", *serve], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import deltafin
-from deltafin.errors import DeltafinError, PromptTooLong, SamplingError
+from deltafin.errors import DeltafinError, PromptTooLong, SamplingError, SizingError
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.chat import ChatOptions, OutputParser, encode
 from deltafin.text.tokenizer import K3Tokenizer
@@ -136,6 +136,20 @@ def test_errors_are_the_projects_classes_with_the_option_named(model, tiny_dir) 
         deltafin.load(tiny_dir / "nowhere")
     with pytest.raises(DeltafinError, match="no workers"):
         deltafin.connect(tiny_dir, discover=False)
+
+
+def test_an_impossible_budget_is_refused_before_anything_loads(tiny_dir, monkeypatch) -> None:
+    """`memory_gb=0` is refused, naming the keyword; a budget below the least a stage needs says that least, before a
+    stage loads (none is built here: building one fails the test)."""
+    def loads(*_args, **_kwargs):
+        raise AssertionError("a stage was loaded")
+
+    monkeypatch.setattr("deltafin.runtime.pipeline.Stage", loads)
+    with pytest.raises(DeltafinError, match="^memory_gb must be more than 0$"):
+        deltafin.load(tiny_dir, device="cpu", progress=False, memory_gb=0)
+    with pytest.raises(SizingError, match=r"^layers 0-5 cannot fit on cpu: they need at least 1\.\d\d GB \(.*\), and "
+                                          r"the budget is 0\.30 GB\. Give it more memory"):
+        deltafin.load(tiny_dir, device="cpu", progress=False, memory_gb=0.3)
 
 
 def test_the_articles_engine_gives_the_generated_text(tiny_dir, reference) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deltafin.errors import DeltafinError
-from deltafin.options import at_least, check_choice, flag, from_values, option_names
+from deltafin.options import at_least, check_choice, flag, from_values, more_than_zero, option_names
 from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 
@@ -31,3 +31,14 @@ def test_the_checks_name_the_flag() -> None:
     with pytest.raises(DeltafinError, match="--context must be at least 1"):
         at_least(1, sequences=2, context=0)
     at_least(0, memory_gb=None, prefix_disk_gb=0)  # not given, or at the bound: fine
+
+
+@pytest.mark.parametrize("gb", [0, -1, 1e-10])
+def test_a_memory_budget_must_be_more_than_nothing(gb) -> None:
+    """`--memory-gb 0` (or `memory_gb=0`, or a budget under a byte) was accepted, to fail later as a plan that
+    cannot fit: the typed options refuse it, naming the flag, wherever they are built."""
+    with pytest.raises(DeltafinError, match="^--memory-gb must be more than 0$"):
+        from_values(StageOptions, {"memory_gb": gb})
+    with pytest.raises(DeltafinError, match="^--memory-gb must be more than 0$"):
+        more_than_zero(memory_gb=int(gb * 1e9))
+    more_than_zero(memory_gb=None)  # not given: the memory found

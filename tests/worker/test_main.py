@@ -56,3 +56,19 @@ def test_a_damaged_shard_is_said_once_and_the_coordinator_names_it(tiny_dir, tmp
     assert plan.returncode == 1 and "Traceback" not in plan.stderr
     assert "no worker holds layers 2: damaged" in plan.stderr
     assert "model-00003-of-00007.safetensors is damaged (layers 2): copy or download it again" in plan.stderr
+
+
+def test_a_budget_no_stage_fits_is_refused_before_it_listens(tiny_dir):
+    """0.3 GB is below the runtime's own overhead (1 GiB): the worker refuses it at start, in one line with the
+    least any stage needs and that more workers do not help, and never listens (only the coordinator did, advising
+    more workers); a budget of 0 is refused as a flag's value."""
+    r = subprocess.run([*WORKER, "--model", str(tiny_dir), "--no-announce", "--memory-gb", "0.3", "-q"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "listening" not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: this worker's memory budget, 0.30 GB (--memory-gb), is below the least any stage "
+                           "of this model needs on cpu: 1."), line
+    assert "more workers do not help" in line
+    zero = subprocess.run([*WORKER, "--model", str(tiny_dir), "--no-announce", "--memory-gb", "0", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert zero.returncode == 1 and zero.stderr.strip() == "error: --memory-gb must be more than 0"

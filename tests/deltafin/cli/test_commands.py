@@ -69,3 +69,27 @@ def test_serve_errors_name_deltafin_serve(capsys) -> None:
     err = capsys.readouterr().err
     assert done.value.code == 2 and "deltafin-coordinator" not in err
     assert err.startswith("usage: deltafin serve") and "deltafin serve: error: argument --port: invalid int" in err
+
+
+def test_inspect_exits_1_when_the_memory_plan_cannot_fit(capsys) -> None:
+    """`inspect --memory-gb 0.1` printed "cannot fit", then "no problems found", and exited 0: it says the least
+    the plan needs and exits 1, and "no problems found" stays for a plan that fits."""
+    from deltafin.cli.commands import main as deltafin
+
+    assert deltafin(["-q", "inspect", "--model", "k3-mini", "--memory-gb", "0.1"]) == 1
+    out = capsys.readouterr().out
+    assert "memory plan: layers 0-7 cannot fit on cpu: they need at least 1." in out, out
+    assert "more workers" not in out and "no problems found" not in out
+    assert deltafin(["-q", "inspect", "--model", "k3-mini", "--memory-gb", "0.1", "--json"]) == 1
+    assert "cannot fit" in json.loads(capsys.readouterr().out)["plan"]["error"]
+    assert deltafin(["-q", "inspect", "--model", "k3-mini", "--memory-gb", "2"]) == 0
+    assert "no problems found" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["bench", "--no-disk"], ["logits", "--ids", "1,2", "--out", "x.npy"],
+                                  ["chat", "--local"], ["serve", "--port", "0"]], ids=lambda a: a[0])
+def test_a_memory_budget_of_nothing_is_refused_naming_its_flag(argv, capsys) -> None:
+    from deltafin.cli.commands import main as deltafin
+
+    assert deltafin(["-q", *argv, "--model", "k3-mini", "--memory-gb", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --memory-gb must be more than 0"

@@ -75,10 +75,21 @@ def test_one_mac_streams_what_does_not_fit(k3):
 def test_refusals_are_specific(k3):
     with pytest.raises(PlanError, match="no worker holds layers 50-92"):
         plan_layers(k3, [_w("a", 64, ((0, 50),))], options=INT8)
-    with pytest.raises(PlanError, match="cannot hold the model's working set"):
+    with pytest.raises(PlanError, match="tiny has 2.00 GB on cpu, and the least any stage of this model needs"):
         plan_layers(k3, [_w("tiny", 2)], options=INT8)
     with pytest.raises(PlanError, match="no workers"):
         plan_layers(k3, [], options=INT8)
+
+
+def test_a_worker_below_the_least_stage_is_named_without_advising_more_workers(k3):
+    """A worker whose budget holds not even its smallest stage (one layer, or an expert holder) is named with its
+    budget and that least, and told that more workers do not help; the advice to add workers was wrong for it."""
+    opts = SizingOptions(spine="int8", sequences=1)
+    with pytest.raises(PlanError) as refused:
+        plan_layers(k3, [_w("big", 8), _w("small", 1.5)], options=opts)
+    message = str(refused.value)
+    assert message.startswith("small has 1.50 GB on cpu, and the least any stage of this model needs there is 2.")
+    assert "big" not in message and "more workers do not help" in message and "add memory or workers" not in message
 
 
 def test_table_lists_every_stage(k3):
