@@ -34,7 +34,7 @@ def _defaults() -> list[str]:
     from deltafin.models.decoder import PIECE_TOKENS
     from deltafin.models.mla import MLA_BLOCK_BYTES
     from deltafin.plan.forward_workspace import FORWARD_SHARE
-    from deltafin.plan.kept_prefixes import GRID_MIN
+    from deltafin.plan.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
     from deltafin.plan.memory import MARGIN
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.plan.sizing_options import ONE_USER_SEQUENCES, SEQUENCES
@@ -55,7 +55,8 @@ def _defaults() -> list[str]:
         f"for ({ONE_USER_SEQUENCES} on one worker, {SEQUENCES} on each stage of a cluster, and {s('context')};",
         f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
         f"fits {FORWARD_SHARE:.0%} of the budget",
-        f"`--prefix-disk-gb G` (default {s('prefix_disk_gb'):g};",
+        f"`--prefix-disk-gb G` (default: room for {KEPT_ON_DISK} of the model's kept states at `--context` tokens, "
+        f"at most {PREFIX_DISK_BYTES / 1e9:g} GB",
         f"forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
         f"and {RUNTIME_OVERHEAD >> 30} GiB for the runtime",
         f"grown in {MLA_BLOCK_TOKENS}-token blocks",

@@ -22,7 +22,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import recorded_sha256
 from deltafin.checkpoint.shards import id_ranges, scan_checkpoint
 from deltafin.errors import DeltafinError
-from deltafin.paths import cache_dir
+from deltafin.paths import BUNDLED, bundled_model, cache_dir
 from deltafin.text.tokenizer import K3Tokenizer
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -176,16 +176,23 @@ def _disk(model: str) -> list[Check]:
 
 
 def _cache_room(model: str | None) -> list[Check]:
+    """Free space in the cache directory for the kept prefixes a stage of `model` (else of `deltafin serve`'s
+    model, k3-mini) writes by default, and with --model a q4 spine."""
+    from deltafin.plan.kept_prefixes import default_prefix_disk_bytes  # (lazily: torch)
+    from deltafin.plan.sizing import Placement  # (lazily: torch)
+    from deltafin.plan.sizing_options import SizingOptions  # (lazily: torch)
+
     root = cache_dir()
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
-    need, what = 32 * 10**9, "32 GB of kept prefixes (--prefix-disk-gb)"
+    cfg = load_config(model or bundled_model())
+    need = default_prefix_disk_bytes(cfg, SizingOptions().context, Placement("cpu").act_bytes)
+    what = f"{need / 1e9:.2f} GB of kept prefixes (--prefix-disk-gb's default for {Path(model or BUNDLED).name})"
     if model is not None:
         from deltafin.plan.layer_table import layer_table  # (lazily: torch)
-        from deltafin.plan.sizing import Placement  # (lazily: torch)
 
-        q4 = layer_table(load_config(model), Placement("cpu")).resident("q4")[-1]
-        need, what = need + q4, f"a q4 spine ({q4 / 1e9:.1f} GB) and 32 GB of kept prefixes"
+        q4 = layer_table(cfg, Placement("cpu")).resident("q4")[-1]
+        need, what = need + q4, f"a q4 spine ({q4 / 1e9:.1f} GB) and {what}"
     ok = free >= need
     return [Check("cache disk", OK if ok else WARN, f"{free / 1e9:.1f} GB free in {root} for {what}",
                   "" if ok else "free space there, or point $DELTAFIN_CACHE at a larger disk (or --prefix-disk-gb "

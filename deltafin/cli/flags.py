@@ -105,9 +105,10 @@ def _add_reading_options(g: Any) -> None:
     g.add_argument("--prefix-dir", default=None,
                    help="also keep prefixes on this disk folder, so that a request sharing one resumes after a "
                    "restart too (default: the cache directory's prefixes/)")
-    g.add_argument("--prefix-disk-gb", type=float, default=32.0,
-                   help="what kept prefixes may take on the disk, least recently used out first (default 32; 0: "
-                   "memory only)")
+    g.add_argument("--prefix-disk-gb", type=float, default=None,
+                   help="what kept prefixes may take on the disk, least recently used out first (default: room for "
+                   "64 of the model's kept states at --context tokens, at most 32 GB: K3's 32 GB, k3-mini's 0.36 GB; "
+                   "0: memory only)")
 
 
 def stage_from_args(args: argparse.Namespace) -> StageOptions:

@@ -27,17 +27,30 @@ def prefix_grid(cfg: ModelConfig, n_kda: int, n_mla: int, act_bytes: int, capaci
     return step
 
 
-PREFIX_DISK_BYTES = 32 * 10**9  # a stage's kept prefixes on its disk, by default (--prefix-disk-gb)
+KEPT_ON_DISK = 64  # kept states a stage's disk has room for by default (--prefix-disk-gb) ...
+PREFIX_DISK_BYTES = 32 * 10**9  # ... but never more than this
+
+
+def default_prefix_disk_bytes(cfg: ModelConfig, context: int, act_bytes: int) -> int:
+    """What a stage's kept prefixes may take on its disk unless --prefix-disk-gb says: room for KEPT_ON_DISK states
+    of the whole model (a stage's own are no larger) at `context` tokens, at most PREFIX_DISK_BYTES. At K3's width
+    64 states of 4,096 tokens are 44 GB, so 32 GB; k3-mini's are 5.7 MB each, so 0.36 GB. The stage and `doctor`
+    both ask here."""
+    n_kda = sum(k is LayerKind.KDA for k in cfg.layer_kinds)
+    state = sequence_bytes(cfg, n_kda, len(cfg.layer_kinds) - n_kda, context, act_bytes)
+    return min(PREFIX_DISK_BYTES, KEPT_ON_DISK * state)
 
 
 def kept_prefixes_text(cfg: ModelConfig, stages: list[tuple[int, int, int]], act_bytes: int, context: int,
-                       disk: int = PREFIX_DISK_BYTES) -> str:
+                       disk: int | None = None) -> str:
     """What a kept prefix costs and where states are kept, as `plan` and `inspect` print it: the state of a
     boundary at this model's width (its KDA layers' states, and its MLA layers' latents a token), and the grid
-    (the densest of the stages': `stages` are (start, end, memory for kept prefixes))."""
+    (the densest of the stages': `stages` are (start, end, memory for kept prefixes)). `disk`: a stage's disk
+    budget for them (default: `default_prefix_disk_bytes`)."""
     kinds = cfg.layer_kinds
     n_kda = sum(k is LayerKind.KDA for k in kinds)
     n_mla = len(kinds) - n_kda
+    disk = default_prefix_disk_bytes(cfg, context, act_bytes) if disk is None else disk
     grids = [prefix_grid(cfg, sum(k is LayerKind.KDA for k in kinds[a:b]), sum(k is LayerKind.MLA for k in kinds[a:b]),
                          act_bytes, disk or memory, context) for a, b, memory in stages]
     grid = max(grids, default=context)
@@ -45,5 +58,10 @@ def kept_prefixes_text(cfg: ModelConfig, stages: list[tuple[int, int, int]], act
     memory = sum(m for _, _, m in stages)
     return (f"kept prefixes: a state is {n_kda * kda_state_bytes(cfg) / GB:.3f} GB ({n_kda} KDA layers) + "
             f"{n_mla * mla_row_bytes(cfg, act_bytes) / 1e3:.1f} KB a token ({n_mla} MLA layers' latents); "
-            f"{memory / GB:.2f} GB of memory for them" + (f" and {disk / GB:.0f} GB of disk a stage" if disk else "")
+            f"{memory / GB:.2f} GB of memory for them" + (f" and {_gb(disk)} of disk a stage" if disk else "")
             + f"; kept at message ends, cache breakpoints, {where}prompts' and requests' ends")
+
+
+def _gb(n: int) -> str:
+    """A disk budget in GB, with the digits a small one needs (32 GB; 0.012 GB)."""
+    return f"{n / GB:.0f} GB" if n >= 10 * GB else f"{n / GB:.3g} GB"

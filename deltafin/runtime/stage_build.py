@@ -23,6 +23,7 @@ from deltafin.kernels.linear import Weight, expert_backend, kernel_family
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
+from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
 from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_format, size_stage
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
@@ -194,7 +195,11 @@ def spine_layout(sizing: StageSizing) -> str:
 
 def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, sizing: StageSizing,
                     identity: str) -> PrefixDisk | None:
-    """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's `identity`."""
-    if not options.prefix_dir or not options.prefix_disk_bytes or not sizing.prefixes:
+    """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's `identity`, within
+    `prefix_disk_bytes` (default: the model's, at the planned context: kept_prefixes.default_prefix_disk_bytes)."""
+    budget = options.prefix_disk_bytes
+    if budget is None:
+        budget = default_prefix_disk_bytes(ckpt.config, options.sizing.context, options.dtype.itemsize)
+    if not options.prefix_dir or not budget or not sizing.prefixes:
         return None
-    return PrefixDisk(options.prefix_dir, identity, options.prefix_disk_bytes, device)
+    return PrefixDisk(options.prefix_dir, identity, budget, device)

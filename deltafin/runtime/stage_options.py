@@ -27,7 +27,6 @@ from deltafin.options import (
     at_least,
     check_choice,
     from_values,
-    more_than_zero,
     option_names,
 )
 from deltafin.paths import cache_dir
@@ -58,7 +57,8 @@ class StageOptions:
     expert_dir: tuple[str, ...] = ()  # more copies (or parts) of the checkpoint on other disks, read for experts
     disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
     prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
-    prefix_disk_bytes: int = 32 * 10**9  # what they may take there (least recently used go first)
+    prefix_disk_bytes: int | None = None  # what they may take there, least recently used out first (None: the
+    # model's default, room for 64 states at the planned context, at most 32 GB: default_prefix_disk_bytes)
     expert_heat_dir: str | None = None  # streamed experts' use is remembered here (weights/expert_heat.py; None: not)
     kernels: str = "auto"  # the process's fast paths (kernels/linear.select_kernels): auto | reference | native | mlx
     convert: bool = True  # convert the spine first where the plan needs an int8/q4 one not on the disk yet
@@ -68,8 +68,8 @@ class StageOptions:
         check_choice("io", self.io, IO_MODES)
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("kernels", self.kernels, KERNELS)
-        more_than_zero(memory_gb=self.memory_bytes)
-        at_least(0, host_memory_bytes=self.host_memory_bytes, prefix_disk_gb=self.prefix_disk_bytes)
+        at_least(0, memory_gb=self.memory_bytes, host_memory_bytes=self.host_memory_bytes,
+                 prefix_disk_gb=self.prefix_disk_bytes)
         at_least(1, prefetch_layers=self.prefetch_layers)
 
     def replace(self, **changes: Any) -> StageOptions:
@@ -99,7 +99,7 @@ def stage_options(values: Mapping[str, Any]) -> StageOptions:
         values["expert_heat_dir"] = values.get("expert_heat_dir") or str(cache_dir("heat"))
     else:
         values["expert_heat_dir"] = None
-    if values.get("prefix_disk_gb", 1):
+    if values.get("prefix_disk_gb") != 0:  # not given (None): the model's default budget
         values["prefix_dir"] = values.get("prefix_dir") or str(cache_dir("prefixes"))
     else:
         values["prefix_dir"] = None

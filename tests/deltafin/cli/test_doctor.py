@@ -50,3 +50,23 @@ def test_damage_and_bad_files_fail_with_their_fix(tiny_dir: Path, tmp_path: Path
     assert main(["doctor", "--device", "cpu", "--model", str(model)]) == 1
     text = capsys.readouterr().out
     assert "✘ shards" in text and "fix: copy or download the file again" in text
+
+
+def test_the_cache_room_is_asked_for_the_prefix_budget_the_model_gets(tmp_path: Path, k3_config_raw, monkeypatch,
+                                                                      capsys) -> None:
+    """16.5 GB free: enough for k3-mini's kept prefixes (0.36 GB by default; it warned for 32 GB), not for K3's."""
+    from deltafin.cli import doctor
+
+    free = shutil.disk_usage(tmp_path)._replace(free=int(16.5e9))
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda path: free)
+    _, checks = _checks(capsys)  # no --model: `deltafin serve`'s, k3-mini
+    (room,) = checks["cache disk"]
+    assert room["status"] == "ok" and "16.5 GB free" in room["detail"]
+    assert "for 0.36 GB of kept prefixes (--prefix-disk-gb's default for k3-mini)" in room["detail"]
+    k3 = tmp_path / "k3"
+    k3.mkdir()
+    (k3 / "config.json").write_text(json.dumps(k3_config_raw))
+    _, checks = _checks(capsys, "--model", str(k3))
+    (room,) = checks["cache disk"]
+    assert room["status"] == "warn" and "and 32.00 GB of kept prefixes (--prefix-disk-gb's default for k3)" \
+        in room["detail"]

@@ -48,7 +48,8 @@ def test_old_flag_spellings_are_aliases_of_the_ones_named_like_the_fields(tmp_pa
 
 def test_kept_prefixes_go_to_the_cache_directory_unless_the_disk_budget_is_zero(tmp_path: Path) -> None:
     parse = lambda *flags: stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), *flags]))
-    assert parse().prefix_dir.endswith("prefixes") and parse().prefix_disk_bytes == 32 * 10**9
+    assert parse().prefix_dir.endswith("prefixes") and parse().prefix_disk_bytes is None  # the model's default
+    assert parse("--prefix-disk-gb", "0.5").prefix_disk_bytes == 5 * 10**8
     assert parse("--prefix-dir", str(tmp_path)).prefix_dir == str(tmp_path)
     assert parse("--prefix-disk-gb", "0").prefix_dir is None
 
@@ -57,8 +58,7 @@ def test_kept_prefixes_go_to_the_cache_directory_unless_the_disk_budget_is_zero(
     (["--sequences", "0"], "--sequences must be at least 1"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
     (["--threads", "0"], "--read-threads must be at least 1"),
-    (["--memory-gb", "-1"], "--memory-gb must be more than 0"),
-    (["--memory-gb", "0"], "--memory-gb must be more than 0"),
+    (["--memory-gb", "-1"], "--memory-gb must not be negative"),
     (["--expert-cache-gb", "-2"], "--expert-cache-gb must not be negative"),
     (["--max-resident-layers", "-1"], "--max-resident-layers must not be negative"),
     (["--prefix-disk-gb", "-1"], "--prefix-disk-gb must not be negative"),

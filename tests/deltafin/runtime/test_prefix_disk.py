@@ -15,6 +15,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import PrefixNotFound
 from deltafin.models.cache import KDACache
+from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
@@ -31,6 +32,17 @@ def ckpt(tiny_dir):
 def _stage(ckpt, folder: Path, start: int = 0, end: int = 6, disk_bytes: int = 10**9) -> Stage:
     return Stage(ckpt, start, end, device=CPU, options=StageOptions(prefix_dir=str(folder),
                                                                     prefix_disk_bytes=disk_bytes))
+
+
+def test_the_disk_budget_is_the_models_default_unless_given(ckpt, tmp_path):
+    """No --prefix-disk-gb: room for KEPT_ON_DISK of this model's states at the planned context (the one place
+    doctor asks too), not a fixed 32 GB; one given wins."""
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(prefix_dir=str(tmp_path / "a")).replace(context=2048))
+    assert stage.prefixes.disk.budget == default_prefix_disk_bytes(ckpt.config, 2048, 4) < 10**8
+    given = _stage(ckpt, tmp_path / "b", disk_bytes=5 * 10**9)
+    assert given.prefixes.disk.budget == 5 * 10**9
+    stage.close()
+    given.close()
 
 
 def test_a_prefix_survives_a_restart_and_resumes_exactly(ckpt, tmp_path):
