@@ -27,6 +27,7 @@ from deltafin.options import (
     at_least,
     check_choice,
     from_values,
+    more_than_zero,
     option_names,
 )
 from deltafin.paths import cache_dir
@@ -68,8 +69,8 @@ class StageOptions:
         check_choice("io", self.io, IO_MODES)
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("kernels", self.kernels, KERNELS)
-        at_least(0, memory_gb=self.memory_bytes, host_memory_bytes=self.host_memory_bytes,
-                 prefix_disk_gb=self.prefix_disk_bytes)
+        more_than_zero(memory_gb=self.memory_bytes)
+        at_least(0, host_memory_bytes=self.host_memory_bytes, prefix_disk_gb=self.prefix_disk_bytes)
         at_least(1, prefetch_layers=self.prefetch_layers)
 
     def replace(self, **changes: Any) -> StageOptions:
