@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 README = " ".join((ROOT / "README.md").read_text().split())  # one line: a figure may wrap anywhere
 
 
+@pytest.mark.parametrize("doc", ["README.md", "deploy/README.md"])
+def test_the_readmes_name_no_file_a_clone_lacks(doc: str) -> None:
+    """Every path a README names relative to itself is in the repository (it once named ../shared/, the
+    workspace around the clone), and every link it makes leads to a file."""
+    text = (ROOT / doc).read_text()
+    assert re.findall(r"\.\./[\w./-]+", text) == []
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
+    assert [t for t in links if not ((ROOT / doc).parent / t).exists()] == []
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
