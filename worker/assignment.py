@@ -44,6 +44,10 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
             f"this worker holds checkpoint {description.model_fingerprint}, the coordinator "
             f"{request.model_fingerprint}: both must use the same model files")
     options = codec.decode_stage_options(request.options, defaults)
+    own, asked = defaults.sizing.spine, options.sizing.spine
+    if request.end > request.start and own != "auto" and asked != own:
+        raise NotAssigned(f"this worker was started with --spine {own}, and the plan holds the spine as {asked}: "
+                          f"start the coordinator with --spine {own} (or this worker with --spine auto)")
     plan = codec.decode_expert_plan(request.experts, cfg.num_experts) if request.HasField("experts") else None
     if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
         raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "

@@ -35,6 +35,7 @@ from deltafin.transport.discovery import Announcer
 from deltafin.transport.ports import check_free
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import layer_spans
+from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.service import WorkerService, create_server
 
 log = logging.getLogger("deltafin.worker")
@@ -140,7 +141,8 @@ def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, .
                              version=__version__, host_memory_bytes=options.host_memory_bytes or 0,
                              worker_id=uuid.uuid4().hex[:12], expert_layers=layer_ranges(experts),
                              expert_gbps=expert_gbps, expert_disks=len(ckpts),
-                             damaged=tuple(_short(p) for p in damaged(ckpt)))
+                             damaged=tuple(_short(p) for p in damaged(ckpt)), spine=options.sizing.spine,
+                             spine_disk=spine_disk(ckpt, options.spine_dir))
 
 
 def _checkpoints(args: argparse.Namespace) -> list[Any]:

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import resource
-import sys
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CodecError, DeltafinError, NotAssigned, OutOfMemory
+from deltafin.plan.memory import peak_rss
 from deltafin.plan.sizing import boundary_bytes_per_token
 from deltafin.runtime.assigned import Assigned
 from deltafin.runtime.stage import Stage
@@ -39,16 +38,12 @@ from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
 from deltafin.transport.ports import cannot_listen
+from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.assignment import AssignmentSlot, check_assignment
 from deltafin.worker.peers import Peers
 
 log = logging.getLogger(__name__)
 MAX_HELD_IDS = 4096  # prefix ids one HeldPrefixes call may ask about
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -118,6 +113,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             return
         what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
         stage = self.stage
+        if stage is not None:  # it may have converted its spine: the next plan knows
+            disk = await asyncio.to_thread(spine_disk, self.ckpt, self.defaults.spine_dir)
+            self.description = dataclasses.replace(self.description, spine_disk=disk)
         disk = stage.prefixes.disk.budget if stage is not None and stage.prefixes.disk is not None else 0
         yield pb.AssignProgress(message=f"{what} ready", fraction=1.0, ready=True, prefix_disk_bytes=disk,
                                 state_identity=stage.identity if stage is not None else "")

@@ -134,7 +134,8 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
     return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
                            device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
                            worker_id=d.key, expert_layers=d.expert_ranges, expert_gbps=d.expert_speed,
-                           disks=d.expert_disks, damaged=d.damaged) for _, d in workers]
+                           disks=d.expert_disks, damaged=d.damaged, spine=d.spine, spine_disk=d.spine_disk)
+            for _, d in workers]
 
 
 def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
@@ -168,7 +169,7 @@ def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> di
                "context": spec.sizing.context, "prefill_chunk": z.forward_tokens,
                "max_resident_layers": spec.sizing.max_resident_layers}
     if not z.holder_only:
-        options["spine"] = z.spine
+        options.update(spine=z.spine, converted=z.converted)
     if wide:
         options.update(expert_layers=z.expert_layers, expert_share=z.expert_share)
     return options

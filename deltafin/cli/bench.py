@@ -13,9 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
-import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -31,6 +29,7 @@ from deltafin.devices import synchronize
 from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.options import CACHE_POLICIES
+from deltafin.plan.memory import peak_rss
 from deltafin.plan.sizing import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -352,7 +351,7 @@ def _decode_steps(pipe: Any, cfg: Any, prompt: int, tokens: int, dev: torch.devi
 
 def _peak_memory(dev: torch.device, plan: Any) -> dict[str, Any]:
     """The process's peak resident memory (and the GPU's peak allocation) against the plan."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    rss = peak_rss()
     out: dict[str, Any] = {"peak_rss_gb": round(rss / GB, 3), "planned_gb": round(plan.total / GB, 3)}
     if dev.type == "cuda":
         out["peak_cuda_allocated_gb"] = round(torch.cuda.max_memory_allocated(dev) / GB, 3)

@@ -154,3 +154,18 @@ def mps_working_set() -> int | None:
         return int(torch.mps.recommended_max_memory())
     except (AttributeError, RuntimeError):
         return None
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes, since it started: Linux's VmHWM (getrusage's ru_maxrss also
+    counts what the parent held when it forked, a test runner's gigabytes say), elsewhere ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # POSIX only: loaded where /proc is not
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+

@@ -29,8 +29,6 @@ from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.least import too_small
 from deltafin.plan.sizing import (
-    QUALITY_SOURCE,
-    SPINE_QUALITY,
     Budget,
     Placement,
     SizingOptions,
@@ -38,6 +36,8 @@ from deltafin.plan.sizing import (
     choose,
     expert_slot_bytes,
 )
+from deltafin.plan.spine_choice import asked_spine, choose_spine
+from deltafin.plan.spine_copies import SpineDisk
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class WorkerCapacity:
     expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
     disks: int = 1  # disks it reads experts from
     damaged: tuple[str, ...] = ()  # damaged shards on its disk ("FILE: layers A-B"), for the plan's errors
+    spine: str = "auto"  # the format it was started with (--spine): the plan honours it or refuses
+    spine_disk: SpineDisk | None = None  # the converted spines on its disk (None: not known, taken as writable)
 
     @property
     def key(self) -> str:
@@ -249,7 +251,8 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
     streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]
     if streamed:
-        why += (f"; {sum(len(z.streamed_layers) for z in streamed)} layers still stream, read as converted "
+        why += (f"; {sum(len(z.streamed_layers) for z in streamed)} layers still stream, read as "
+                f"{'converted' if opts.converted and opts.spine != 'bf16' else 'stored'} "
                 f"({sum(z.spine_bytes_per_token for z in streamed) / GB:.1f} GB a token)")
     log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
     stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)
@@ -261,20 +264,18 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
 
 def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
                       wide: bool) -> tuple[Plan | None, str, SizingOptions]:
-    """The cheapest plan in the cluster's spine format, why that format, and the options with it: as asked, or
-    (auto) the first of bf16 and int8 that the workers hold whole, else q4 with what still does not fit streamed."""
-    if opts.spine != "auto":
-        return _plan(cfg, workers, opts, act_bytes, False, wide), "as asked (--spine)", opts
-    why = "the workers hold the whole spine as stored"
-    for spine, then in (("bf16", "int8"), ("int8", "q4")):
-        fixed = replace(opts, spine=spine)
-        plan = _plan(cfg, workers, fixed, act_bytes, True, wide)
-        if plan is not None:
-            return plan, why, fixed
-        why = (f"the workers cannot hold the whole {spine} spine beside their working sets; {then} costs "
-               f"{SPINE_QUALITY[then]} {QUALITY_SOURCE}")
-    compact = replace(opts, spine="q4")
-    return _plan(cfg, workers, compact, act_bytes, False, wide), why, compact
+    """The cheapest plan in the cluster's spine format, why that format, and the options with it
+    (plan/spine_choice.py: as asked, by the coordinator or the workers; else by memory and what the disks hold)."""
+    spine, asked = asked_spine(opts.spine, [(w.name, w.spine) for w in workers])
+    by_key = {w.key: w for w in workers}
+
+    def unready(plan: Plan, fmt: str) -> list[str]:
+        disks = [(s.worker, by_key[s.key].spine_disk) for s in plan.stages]
+        return [name for (name, disk), s in zip(disks, plan.stages, strict=True)
+                if disk is not None and not disk.ready(cfg, fmt, s.start, s.end)]
+
+    return choose_spine(replace(opts, spine=spine), lambda o, whole: _plan(cfg, workers, o, act_bytes, whole, wide),
+                        unready, asked or "as asked (--spine)")
 
 
 def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:

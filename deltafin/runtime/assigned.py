@@ -83,13 +83,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     """Load (or keep from `old`) what the assignment asks for; `old` is closed unless kept."""
     cfg = ckpt.config
     if plan is None:
-        if old is not None and old.plan is None and (old.start, old.end) == (start, end) and old.options == options:
-            log.info("kept layers %s with their caches: the same assignment", _span(start, end))
-            return old
-        if old is not None:
-            old.close()
-        stage = Stage(ckpt, start, end, device=device, options=options, progress=progress)
-        return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
+        return _local(ckpt, start, end, device, options, old, progress)
     index = plan.placement.index(me)
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
@@ -118,6 +112,18 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         names = {h.key: h.name or h.address for h in plan.holders}
         stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names))  # type: ignore[arg-type]
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
+
+
+def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+           old: Assigned | None, progress: Callable[[str, float], None] | None) -> Assigned:
+    """A stage computing its own layers' experts: `old` kept if it is the same assignment, else closed."""
+    if old is not None and old.plan is None and (old.start, old.end) == (start, end) and old.options == options:
+        log.info("kept layers %s with their caches: the same assignment", _span(start, end))
+        return old
+    if old is not None:
+        old.close()
+    stage = Stage(ckpt, start, end, device=device, options=options, progress=progress)
+    return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
 
 
 def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions) -> StageSizing:

@@ -23,7 +23,6 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import Cancelled, DeltafinError, InvalidInput
-from deltafin.kernels.linear import q4_on_mlx
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
@@ -124,10 +123,9 @@ class Stage:
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),
                  len(self.spine.plan.streamed), "streamed" if self.sizing.streaming else "resident")
-        # what its kept states' numbers depend on: states of another identity are never resumed here
         self.identity = state_identity(ckpt, start, end, device, opts, self.sizing, self.expert_backend)
-        self.prefixes = PrefixStore(self.sizing.prefixes, prefix_disk_for(ckpt, device, opts, self.sizing,
-                                                                          self.identity))
+        disk = prefix_disk_for(ckpt, device, opts, self.sizing, self.identity)
+        self.prefixes = PrefixStore(self.sizing.prefixes, disk)
         self.sessions = Sessions(cfg, self.layers_range, device, self.dtype, self.cache_budget, self.prefixes,
                                  first=self.first)
         self.timings = StageTimings()
@@ -136,7 +134,7 @@ class Stage:
         """The spine's layers as the plan holds them: resident ones placed now, streamed ones as they are read."""
         s = self.sizing
         plan = SpinePlan(s.resident_layers, s.streamed_layers, s.layers + s.top, s.stream_buffers)
-        placer = WeightPlacer(self.device, self.dtype, s.spine, s.spine == "q4" and q4_on_mlx(self.device.type))
+        placer = WeightPlacer.of(s, self.device, self.dtype)
         source = self.spine_files
         repair = None if source is None or not self.options.convert else \
             lambda unit: rebuild_unit(self.ckpt, source, unit)

@@ -6,10 +6,11 @@ the check that the checkpoint holds its tensors, how each of its weights is plac
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,20 +20,31 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, id_ranges, open_copy
 from deltafin.errors import OutOfMemory, SizingError
-from deltafin.kernels.linear import Weight, expert_backend, kernel_family
+from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on_mlx
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
-from deltafin.plan.sizing import Budget, Placement, StageSizing, choose, matrix_format, size_stage
+from deltafin.plan.sizing import (
+    AUTO_SPINES,
+    QUALITY_SOURCE,
+    SPINE_QUALITY,
+    Budget,
+    Placement,
+    StageSizing,
+    choose,
+    matrix_format,
+    size_stage,
+)
+from deltafin.plan.spine_copies import SpineDisk, stage_units
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
-from deltafin.weights.spine_convert import prepare_spine
-from deltafin.weights.spine_files import CONVERTED, RECIPE, SpineFiles, stage_units
+from deltafin.weights.spine_convert import prepare_spine, spine_disk
+from deltafin.weights.spine_files import CONVERTED, RECIPE, SpineFiles
 from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -83,18 +95,50 @@ def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
 
 def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
                     experts: str) -> tuple[StageSizing, SpineFiles | None]:
-    """A stage's plan and the converted spine it reads (converted first where missing). Without room for one, the
-    plan that needs none: resident layers quantized as they load, or, where layers stream, bf16 as stored."""
+    """A stage's plan and the converted spine it reads, the plan following what the disk holds: a converted copy
+    there is read, one missing is converted first (where there is room), and without room for it the plan that
+    needs none (`without_room`)."""
     on = "mlx" if experts == "mlx" else "torch"
-    sizing = plan_stage(ckpt.config, start, end, device, options, layer_spans(ckpt), on)
-    files = converted_spine(ckpt, start, end, sizing, options, device)
-    if files is None and sizing.spine in CONVERTED and sizing.streamed_layers:
-        log.warning("no converted %s spine to stream layers from: running the plan that needs none (bf16, as "
-                    "stored)", sizing.spine)
-        sizing = plan_stage(ckpt.config, start, end, device, options.replace(spine="bf16"), layer_spans(ckpt), on)
-    elif files is None and sizing.spine in CONVERTED:
-        log.warning("no converted %s spine: quantizing it as it loads, at every start", sizing.spine)
+
+    def plan(opts: StageOptions) -> StageSizing:
+        return plan_stage(ckpt.config, start, end, device, opts, layer_spans(ckpt), on)
+
+    sizing = plan(options)
+    if sizing.spine in CONVERTED and sizing.converted:
+        disk = spine_disk(ckpt, options.spine_dir)
+        if not disk.ready(ckpt.config, sizing.spine, start, end):
+            sizing = without_room(plan, options, sizing, disk, ckpt.config)
+    files = converted_spine(ckpt, start, end, sizing, options, device) if sizing.converted else None
+    if files is None and sizing.spine in CONVERTED and sizing.converted:  # the room went while this one looked
+        sizing = plan(options.replace(spine=sizing.spine, converted=False))
+        log.warning("no converted %s spine: %s", sizing.spine, sizing.spine_why)
     return sizing, files
+
+
+def without_room(plan: Callable[[StageOptions], StageSizing], options: StageOptions, chosen: StageSizing,
+                 disk: SpineDisk, cfg: ModelConfig) -> StageSizing:
+    """The plan when `chosen`'s format has no converted copy on the disk and no room to write one: with `--spine
+    auto`, another format's copy that is there and fits (read at the disk's speed, never quantized at every start);
+    else the plan that needs no copy (the format asked, or auto's without a copy: int8 quantized as the resident
+    layers load, the streamed ones read as stored)."""
+    a, b, fmt = chosen.start, chosen.end, chosen.spine
+    lack = (f"no converted {fmt} copy of layers {a}-{b - 1} and no room to write one "
+            f"({disk.missing_bytes(cfg, fmt, a, b) / 1e9:.1f} GB to write, {(disk.room or 0) / 1e9:.1f} GB free)")
+    if options.sizing.spine == "auto":
+        for other in (f for f in AUTO_SPINES if f in CONVERTED and f != fmt and disk.has(cfg, f, a, b)):
+            try:
+                s = plan(options.replace(spine=other))
+            except OutOfMemory:
+                continue
+            why = f"{lack}: the converted {other} copy on the disk is read ({other} costs {SPINE_QUALITY[other]} " \
+                  f"{QUALITY_SOURCE})"
+            log.warning("spine %s: %s", other, why)
+            return dataclasses.replace(s, spine_why=why)
+    s = plan(options.replace(converted=False))
+    why = f"{lack}: {s.spine} quantized as the resident layers load, at every start" + (
+        f"; {len(s.streamed_layers)} layers stream as stored" if s.streamed_layers else "")
+    log.warning("spine %s: %s", s.spine, why)
+    return dataclasses.replace(s, spine_why=why)
 
 
 @dataclass(frozen=True)
@@ -106,6 +150,12 @@ class WeightPlacer:
     dtype: torch.dtype  # activations
     spine: str
     mlx_q4: bool = False  # q4 matmuls run on MLX: its weights go to MLX's memory (one copy) instead of the device
+    converted: bool = True  # streamed layers come in converted (else as stored, and stay so: sizing.converted)
+
+    @classmethod
+    def of(cls, sizing: StageSizing, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
+        """The placer of a stage's plan: its format, on MLX where q4 matmuls run there, its streamed layers'."""
+        return cls(device, dtype, sizing.spine, sizing.spine == "q4" and q4_on_mlx(device.type), sizing.converted)
 
     def place(self, t: torch.Tensor | Q4Weight | Int8Weight, role: str, resident: bool = True) -> Weight:
         if isinstance(t, (Q4Weight, Int8Weight)):  # read from a converted spine: only moved
@@ -114,7 +164,7 @@ class WeightPlacer:
             return t.to(self.device, torch.float32)
         if role == "dense":
             return t.to(self.device, self.dtype)
-        fmt = matrix_format(self.spine, resident)
+        fmt = matrix_format(self.spine) if resident or self.converted else "stored"
         if role in ("matrix", "matrix8") and fmt != "stored" and t.dim() == 2 and min(t.shape) > 1:
             if fmt == "q4" and role == "matrix" and t.shape[1] % Q4_GROUP == 0:
                 return self._q4(quantize_q4(t))
@@ -186,7 +236,8 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
 def spine_layout(sizing: StageSizing) -> str:
     """Each of the stage's layers' matrix format, as ranges: "q4 0-7", "int8 0-4, stored 5-92"."""
     formats = [(i, matrix_format(sizing.spine)) for i in sizing.resident_layers]
-    formats += [(i, matrix_format(sizing.spine, resident=False)) for i in sizing.streamed_layers]
+    streamed = matrix_format(sizing.spine) if sizing.converted else "stored"
+    formats += [(i, streamed) for i in sizing.streamed_layers]
     by_format: dict[str, list[int]] = {}
     for i, fmt in sorted(formats):
         by_format.setdefault(fmt, []).append(i)

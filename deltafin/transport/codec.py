@@ -18,16 +18,18 @@ from deltafin.errors import CodecError, DeltafinError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.spine_copies import SpineDisk
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 7  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
+PROTOCOL_VERSION = 8  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
 # 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters
 # as messages; 6: wide experts (expert plans, worker-to-worker expert calls, expert disks); 7: states kept
-# inside a forward (save_at), HeldPrefixes
+# inside a forward (save_at), HeldPrefixes; 8: a stage's kept-state identity, the workers' own spine format and
+# converted spines, plans without a converted copy
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -430,6 +432,8 @@ class WorkerDescription:
     expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
     expert_disks: int = 1
     damaged: tuple[str, ...] = ()  # shards on its disk that it cannot serve from: "FILE: layers A-B"
+    spine: str = "auto"  # the spine format it was started with (--spine)
+    spine_disk: SpineDisk | None = None  # the converted spines on its disk (None: not said)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -457,7 +461,15 @@ def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
                          assigned=pb.LayerRange(start=d.assigned[0], end=d.assigned[1]), state=d.state,
                          version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id,
                          expert_layers=[pb.LayerRange(start=a, end=b) for a, b in d.expert_ranges],
-                         expert_gbps=d.expert_speed, expert_disks=d.expert_disks, damaged=list(d.damaged))
+                         expert_gbps=d.expert_speed, expert_disks=d.expert_disks, damaged=list(d.damaged),
+                         spine=d.spine, **_spine_disk_fields(d.spine_disk))
+
+
+def _spine_disk_fields(disk: SpineDisk | None) -> dict[str, Any]:
+    if disk is None:
+        return {}
+    return {"converted": [pb.ConvertedSpine(format=f, units=sorted(u)) for f, u in sorted(disk.copies.items())],
+            **({"spine_room_bytes": disk.room} if disk.room is not None else {})}
 
 
 def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
@@ -468,7 +480,9 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
                              assigned=(msg.assigned.start, msg.assigned.end), host_memory_bytes=msg.host_memory_bytes,
                              worker_id=msg.worker_id, expert_layers=tuple((r.start, r.end) for r in msg.expert_layers),
                              expert_gbps=msg.expert_gbps, expert_disks=msg.expert_disks or 1,
-                             damaged=tuple(msg.damaged))
+                             damaged=tuple(msg.damaged), spine=msg.spine or "auto",
+                             spine_disk=SpineDisk({c.format: frozenset(c.units) for c in msg.converted},
+                                                  msg.spine_room_bytes if msg.HasField("spine_room_bytes") else None))
 
 
 def layer_ranges(layers: tuple[int, ...] | list[int]) -> tuple[tuple[int, int], ...]:

@@ -23,7 +23,9 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint, scan_checkpoint
 from deltafin.errors import DeltafinError, ModelFormatError, SpineNotConverted
 from deltafin.kernels.quant import quantize_int8_rows, quantize_q4
+from deltafin.options import CONVERTED_SPINES
 from deltafin.plan.layer_table import converted_kind
+from deltafin.plan.spine_copies import SpineDisk, converted_unit_bytes, layer_unit, unit_tensors
 from deltafin.progress import Progress, fmt_bytes
 from deltafin.weights.spine_files import (
     CRC_CHUNK,
@@ -33,10 +35,7 @@ from deltafin.weights.spine_files import (
     SpineFiles,
     array_offsets,
     default_root,
-    layer_unit,
-    unit_bytes,
     unit_file,
-    unit_specs,
     write_manifest,
 )
 from deltafin.weights.tensors import pread_into, read_tensor
@@ -59,7 +58,7 @@ def prepare_spine(ckpt: Checkpoint, fmt: str, units: Sequence[str], *, why: str,
     missing = list(units) if stale else [u for u in units if not files.has(u)]
     if not missing:
         return files
-    need = sum(unit_bytes(ckpt.config, u, fmt) for u in missing)
+    need = sum(converted_unit_bytes(ckpt.config, u, fmt) for u in missing)
     state = f"stale: {stale}" if stale else f"{len(missing)} of its {len(units)} parts are not converted yet"
     if not convert:
         raise SpineNotConverted(
@@ -95,7 +94,7 @@ def _convert(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], pro
         todo = [u for u in units if not files.has(u)]
         manifest = files.manifest or {"format": FORMAT, "version": VERSION, "spine": fmt, "recipe": RECIPE,
                                       "source": fingerprint(ckpt.model_dir), "model": str(ckpt.model_dir), "units": {}}
-        total = sum(s.nbytes for u in todo for s, _ in unit_specs(ckpt.config, u))
+        total = sum(s.nbytes for u in todo for s, _ in unit_tensors(ckpt.config, u))
         t0 = time.monotonic()
         with Progress(total, f"converting the spine to {fmt}", enabled=progress) as bar:
             for unit in todo:
@@ -116,6 +115,22 @@ def rebuild_unit(ckpt: Checkpoint, files: SpineFiles, unit: str) -> SpineFiles:
         write_manifest(files.root, manifest)
         (files.root / unit_file(unit)).unlink(missing_ok=True)
     return convert_units(ckpt, files.fmt, files.root, [unit], progress=False)
+
+
+def spine_disk(ckpt: Checkpoint, spine_dir: str | Path | None = None) -> SpineDisk:
+    """What this machine's disk holds of `ckpt`'s converted spines: each format's units converted and current (a
+    stale, damaged or foreign folder holds none), and the bytes a conversion may still write there."""
+    copies = {}
+    for fmt in CONVERTED_SPINES:
+        folder = Path(spine_dir) if spine_dir is not None else default_root(ckpt.model_dir, fmt)
+        try:
+            files = SpineFiles.open(folder, fmt)
+        except ModelFormatError:  # an unreadable manifest: nothing there to read (a conversion replaces it)
+            continue
+        if files.manifest and files.stale_reason(ckpt) is None:
+            copies[fmt] = frozenset(u for u in files.manifest.get("units", {}) if files.has(u))
+    folder = Path(spine_dir) if spine_dir is not None else default_root(ckpt.model_dir, CONVERTED_SPINES[0])
+    return SpineDisk(copies, max(0, free_bytes(folder) - ROOM_MARGIN))
 
 
 def free_bytes(folder: Path) -> int:
@@ -162,7 +177,7 @@ class _UnitWriter:
 
 def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Callable[[int], None],
                   device: torch.device | None = None) -> dict:
-    specs = unit_specs(ckpt.config, unit)
+    specs = unit_tensors(ckpt.config, unit)
     offsets, size = array_offsets(specs, fmt)
     tmp = folder / f"{unit_file(unit)}.tmp"
     out = _UnitWriter(tmp)
@@ -250,7 +265,7 @@ def _held_units(ckpt: Checkpoint) -> list[str]:
     """The units whose every tensor this (perhaps partial) checkpoint holds."""
     units = [layer_unit(i) for i in ckpt.layers_available()]
     for top in ("embed", "head"):
-        if all(spec.name in ckpt.tensors for spec, _ in unit_specs(ckpt.config, top)):
+        if all(spec.name in ckpt.tensors for spec, _ in unit_tensors(ckpt.config, top)):
             units.append(top)
     return units
 
@@ -289,7 +304,7 @@ def convert_checkpoint(model_dir: str | Path, fmt: str, out: str | Path | None =
 def _convert_missing(ckpt: Checkpoint, fmt: str, folder: Path, missing: list[str], stale: str | None, progress: bool,
                      device: torch.device | None) -> tuple[SpineFiles, list[str]]:
     """`convert`'s missing units, if the disk has room for them; and those this process converted."""
-    need = sum(unit_bytes(ckpt.config, u, fmt) for u in missing)
+    need = sum(converted_unit_bytes(ckpt.config, u, fmt) for u in missing)
     if need + ROOM_MARGIN > free_bytes(folder):
         raise DeltafinError(f"converting needs {fmt_bytes(need)} in {folder}, and the disk has "
                             f"{fmt_bytes(free_bytes(folder))} free (keeping {fmt_bytes(ROOM_MARGIN)}): free some "

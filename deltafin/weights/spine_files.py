@@ -29,14 +29,8 @@ from deltafin.errors import CorruptSpine, ModelFormatError
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight
 from deltafin.options import CONVERTED_SPINES
 from deltafin.paths import cache_dir
-from deltafin.plan.layer_table import (
-    EIGHT_BIT,
-    EIGHT_BIT_MLA,
-    TENSOR_ALIGN,
-    converted_kind,
-    converted_parts,
-    tensor_role,
-)
+from deltafin.plan.layer_table import EIGHT_BIT, EIGHT_BIT_MLA, TENSOR_ALIGN, converted_kind, converted_parts
+from deltafin.plan.spine_copies import unit_tensors
 from deltafin.weights.directio import align_up
 from deltafin.weights.tensors import bytes_to_tensor
 
@@ -60,25 +54,6 @@ def unit_file(unit: str) -> str:
     return f"{unit}.bin"
 
 
-def layer_unit(layer: int) -> str:
-    return f"layer-{layer:03d}"
-
-
-def stage_units(cfg: ModelConfig, start: int, end: int) -> list[str]:
-    """The units a stage of layers [start, end) loads: its layers, the embedding (first) and the head (last)."""
-    units = [layer_unit(i) for i in range(start, end)]
-    return units + (["embed"] if start == 0 else []) + (["head"] if end == cfg.num_layers else [])
-
-
-def unit_specs(cfg: ModelConfig, unit: str) -> tuple[tuple[TensorSpec, str], ...]:
-    """The unit's tensors with their roles (layer_table.tensor_role), in the checkpoint's spec order."""
-    if unit.startswith("layer-"):
-        layer = int(unit.removeprefix("layer-"))
-        return tuple((s, tensor_role(s, cfg.layer_kinds[layer])) for s in cfg.layer_tensor_specs(layer))
-    embed = unit == "embed"
-    return tuple((s, tensor_role(s)) for s in cfg.top_tensor_specs() if ("embed_tokens" in s.name) == embed)
-
-
 def array_offsets(specs: Iterable[tuple[TensorSpec, str]], fmt: str) -> tuple[list[list[int]], int]:
     """Each tensor's arrays' offsets in the unit's file, and the file's size (padded to direct-I/O blocks)."""
     offsets, pos = [], 0
@@ -89,10 +64,6 @@ def array_offsets(specs: Iterable[tuple[TensorSpec, str]], fmt: str) -> tuple[li
             pos += -(-n // TENSOR_ALIGN) * TENSOR_ALIGN
         offsets.append(mine)
     return offsets, align_up(pos)
-
-
-def unit_bytes(cfg: ModelConfig, unit: str, fmt: str) -> int:
-    return array_offsets(unit_specs(cfg, unit), fmt)[1]
 
 
 def chunk_crcs(data: memoryview, pool: Executor | None = None) -> list[int]:
@@ -153,7 +124,7 @@ class SpineFiles:
 
     def tensors(self, cfg: ModelConfig, unit: str, data: memoryview, prefix: str) -> dict[str, object]:
         """The unit's tensors as views of `data`, named without `prefix`: Q4Weight, Int8Weight or as stored."""
-        specs = unit_specs(cfg, unit)
+        specs = unit_tensors(cfg, unit)
         offsets, _ = array_offsets(specs, self.fmt)
         raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         out: dict[str, object] = {}

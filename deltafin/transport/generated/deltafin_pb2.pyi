@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged")
+    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged", "spine", "converted", "spine_room_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class WorkerInfo(_message.Message):
     FORWARD_LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    SPINE_FIELD_NUMBER: _ClassVar[int]
+    CONVERTED_FIELD_NUMBER: _ClassVar[int]
+    SPINE_ROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     device: str
@@ -68,7 +71,18 @@ class WorkerInfo(_message.Message):
     forward_layers_done: int
     forward_layers: int
     damaged: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ...) -> None: ...
+    spine: str
+    converted: _containers.RepeatedCompositeFieldContainer[ConvertedSpine]
+    spine_room_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ...) -> None: ...
+
+class ConvertedSpine(_message.Message):
+    __slots__ = ("format", "units")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    units: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, format: _Optional[str] = ..., units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("start", "end", "model_fingerprint", "options", "experts")

@@ -219,3 +219,15 @@ def test_parallel_stages_count_cpu_workers_on_one_host_once():
     assert parallel_stages([worker("10.0.0.1:1", "cuda:0", "a"), worker("10.0.0.1:2", "cuda:1", "b"),
                             worker("10.0.0.1:3", "cuda:0", "c")]) == 3  # GPUs, even one shared, overlap work
     assert parallel_stages([worker("10.0.0.1:1", "mps", "a"), worker("10.0.0.2:1", "mps", "b")]) == 2
+
+
+def test_a_worker_s_own_spine_is_the_plan_s_or_the_plan_is_refused(tiny_dir):
+    """A worker started with --spine q4: an auto coordinator plans q4 and says why; one that asks for int8 is
+    refused with both formats named (before: the worker's flag was silently replaced by the plan's)."""
+    with workers(tiny_dir, 1, "--spine", "q4", prefix="q4w") as procs:
+        base = ("--model", str(tiny_dir), "--no-discover", "--worker", procs[0].address)
+        r = _coordinator(*base, "plan")
+        assert r.returncode == 0, r.stderr
+        assert "spine q4: as the workers were started (--spine q4 on q4w0)" in r.stdout + r.stderr
+        r = _coordinator(*base, "--spine", "int8", "plan")
+        assert r.returncode == 1 and "asks for --spine int8, but q4w0 (--spine q4) started with another" in r.stderr

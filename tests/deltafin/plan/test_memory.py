@@ -4,12 +4,13 @@ platform monkeypatched, and the safety margins."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from deltafin.plan import memory
-from deltafin.plan.memory import MARGIN, MemoryFound, cgroup_limit, find_memory
+from deltafin.plan.memory import MARGIN, MemoryFound, cgroup_limit, find_memory, peak_rss
 
 
 def _files(root: Path, files: dict[str, str]) -> None:
@@ -78,3 +79,14 @@ def test_margins():
 def test_unreadable_limits_are_ignored(tmp_path, value):
     _files(tmp_path, {"proc": "4:memory:/x\n", "cg/memory/x/memory.limit_in_bytes": value})
     assert cgroup_limit(tmp_path / "proc", tmp_path / "cg") is None
+
+
+def test_a_process_s_peak_is_its_own_not_the_parent_s_it_forked_from():
+    """ru_maxrss survives fork and exec on Linux: a worker started by a test runner of 1.5 GB reported a peak of
+    1.5 GB before it loaded anything (a test then failed only in the full suite). peak_rss is the process's own."""
+    ballast = bytearray(1_500_000_000)  # this process holds 1.5 GB when it forks the child
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # touched: resident
+    child = subprocess.run([sys.executable, "-c", "from deltafin.plan.memory import peak_rss; print(peak_rss())"],
+                           capture_output=True, text=True, check=True)
+    assert peak_rss() >= 1_500_000_000 > 2 * int(child.stdout)
+    del ballast

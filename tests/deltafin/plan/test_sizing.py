@@ -56,13 +56,13 @@ def test_k3_spine_as_placed_matches_its_stored_size(k3):
 def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):
     """With the int8 spine asked for, a 64 GB Mac streams its tail, read from the converted int8 files (not as
     stored): each streamed layer costs its converted file, the files' size as the converter lays them out."""
-    from deltafin.weights.spine_files import layer_unit, unit_bytes
+    from deltafin.plan.spine_copies import converted_unit_bytes, layer_unit
 
     mac = Placement("mps", experts="mlx")
     s = choose(k3, 0, 93, mac, Budget(56 * GB), SizingOptions(spine="int8"))
     assert s.spine == "int8" and 40 < len(s.resident_layers) < 93 and s.streamed_layers[-1] == 92
     assert s.streaming and s.device_total <= 56 * GB and s.spine_why.startswith("as given (--spine")
-    files = [unit_bytes(k3, layer_unit(i), "int8") for i in s.streamed_layers]
+    files = [converted_unit_bytes(k3, layer_unit(i), "int8") for i in s.streamed_layers]
     assert s.spine_bytes_per_token == sum(files) and s.stream_buffers == 2 * max(files)
     assert s.spine_bytes_per_token < 0.56 * sum(layer_table(k3, mac).stored[i] for i in s.streamed_layers)
     assert 25.0 * GB < s.expert_bytes_per_token <= 25.83 * GB  # 92 x 16 x 17.5 MB, a little cached

@@ -23,7 +23,7 @@ from deltafin.plan.sizing import (
     size_stage,
 )
 from deltafin.plan.sizing_options import SEQUENCES
-from deltafin.weights.spine_files import layer_unit, unit_bytes
+from deltafin.plan.spine_copies import converted_unit_bytes, layer_unit
 
 GB = 10**9
 MAC = Placement("mps", experts="mlx")  # a 64 GB Mac: its routed experts run on MLX
@@ -93,7 +93,7 @@ def test_streamed_layers_of_a_converted_spine_cost_their_converted_files(k3):
     layer's tensors as placed in q4. A bf16 spine still streams its tensors as stored."""
     s = choose(k3, 0, 93, MAC, Budget(40 * GB), SizingOptions())
     assert s.spine == "q4" and s.streamed_layers and "layers still stream, read as converted" in s.spine_why
-    files = [unit_bytes(k3, layer_unit(i), "q4") for i in s.streamed_layers]
+    files = [converted_unit_bytes(k3, layer_unit(i), "q4") for i in s.streamed_layers]
     assert s.spine_bytes_per_token == sum(files) and s.stream_buffers == 2 * max(files)
     placed = [sum(placed_bytes(t, tensor_role(t, k3.layer_kinds[i]), MAC, "q4") for t in k3.layer_tensor_specs(i))
               for i in s.streamed_layers]

@@ -162,3 +162,15 @@ def test_prefill_chunk_and_prefix_cache_bytes_keep_their_first_names_in_none() -
     assert got.sizing.prefill_chunk is None and got.sizing.prefix_cache_bytes is None
     sent = codec.encode_stage_options({"prefill_chunk": 128})
     assert codec.decode_stage_options(sent, defaults).sizing.prefill_chunk == 128
+
+
+def test_a_worker_says_its_own_spine_and_the_converted_copies_on_its_disk():
+    from deltafin.plan.spine_copies import SpineDisk
+
+    disk = SpineDisk({"q4": frozenset({"layer-000", "layer-001", "embed"}), "int8": frozenset()}, room=12 * 10**9)
+    d = WorkerDescription("w", "", "cpu", 1, 1.0, "fp", ((0, 2),), True, spine="q4", spine_disk=disk)
+    back = codec.decode_info(pb.WorkerInfo.FromString(codec.encode_info(d).SerializeToString()), "h:1")
+    assert back.spine == "q4" and back.spine_disk == disk
+    unknown = dataclasses.replace(d, spine="auto", spine_disk=SpineDisk({}, None))  # room not known: unset
+    back = codec.decode_info(pb.WorkerInfo.FromString(codec.encode_info(unknown).SerializeToString()), "h:1")
+    assert back.spine == "auto" and back.spine_disk.room is None and back.spine_disk.ready(None, "q4", 0, 2)

@@ -58,15 +58,19 @@ def test_converted_spine_is_the_spine_quantized_at_load(model, spine, monkeypatc
     assert torch.equal(loaded, _logits(model, spine))
 
 
-def test_without_room_a_streaming_plan_runs_as_stored(model, monkeypatch, caplog):
-    """No room to convert and a plan that streams layers: the stage runs the plan that needs no conversion."""
+def test_without_room_a_streaming_plan_runs_as_asked_without_a_copy(model, monkeypatch, caplog):
+    """No room to convert and a q4 plan that streams layers: the stage keeps the q4 it was asked for, quantized as
+    its resident layers load, and reads the streamed ones as stored (no copy, no bf16 plan it was not asked for)."""
     monkeypatch.setattr(spine_convert, "free_bytes", lambda folder: 0)
     options = StageOptions(memory_bytes=4 * 10**9).replace(spine="q4", expert_cache_bytes=10**6,
                                                           max_resident_layers=3)  # the other 3 stream
     with caplog.at_level(logging.WARNING):
         pipe = LocalPipeline.load(model, 1, device="cpu", options=options)
     try:
-        assert pipe.stages[0].sizing.spine == "bf16" and "running the plan that needs none" in caplog.text
+        stage = pipe.stages[0]
+        assert stage.sizing.spine == "q4" and not stage.sizing.converted and stage.spine_files is None
+        assert "no room to write one" in caplog.text and "quantized as the resident layers load" in caplog.text
+        assert stage_build.spine_layout(stage.sizing) == "q4 0-2, stored 3-5"
         assert not default_root(model, "q4").exists() or not list(default_root(model, "q4").glob("*.bin"))
     finally:
         pipe.close()
