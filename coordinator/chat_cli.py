@@ -25,7 +25,7 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
-from deltafin.errors import DeltafinError
+from deltafin.errors import DeltafinError, PromptTooLong
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
 if TYPE_CHECKING:  # the model stack loads only when a chat starts, not for --help
@@ -117,12 +117,21 @@ async def run_chat(args: argparse.Namespace) -> int:
             except asyncio.CancelledError:
                 print("\n[stopped; this turn is not kept]", file=sys.stderr)
                 continue
+            except DeltafinError as e:  # this turn failed; the conversation so far is kept for the next
+                print(f"\n[{e}; the conversation so far is kept{_what_now(e)}]", file=sys.stderr)
+                continue
             finally:
                 current = None
             await _show_end(reply, engine)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await engine.close()
+
+
+def _what_now(e: DeltafinError) -> str:
+    if isinstance(e, PromptTooLong):
+        return ": send a shorter message, or /reset to start anew"
+    return ": send it again, or another message"
 
 
 async def _show_end(reply: Reply, engine: Engine) -> None:

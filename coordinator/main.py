@@ -48,7 +48,7 @@ from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.transport.ports import cannot_listen, check_free
 
 if TYPE_CHECKING:
-    from deltafin.plan.planner import Plan
+    from deltafin.plan.cluster_plan import Plan
 
 log = logging.getLogger("deltafin.coordinator")
 

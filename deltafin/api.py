@@ -60,7 +60,7 @@ THINKING = (*EFFORTS, "off")
 _DONE = object()  # the end of a stream's events
 SAMPLING = option_names(SamplingParams) - {"logprobs", "logit_bias"}  # a call's sampling keywords
 # the flags named otherwise than their fields, as keywords too: every flag's name with underscores is an option
-ALIASES = {"threads": "read_threads", "policy": "cache_policy"}
+ALIASES = {"threads": "read_threads", "policy": "cache_policy", "max_context": "context"}
 SWITCHES_OFF = {"no_prefetch": "prefetch", "no_discover": "discover", "no_recovery": "recovery",
                 "no_expert_heat": "expert_heat"}
 

@@ -47,7 +47,7 @@ def _defaults() -> list[str]:
     from deltafin.plan.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
     from deltafin.plan.memory import MARGIN
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
-    from deltafin.plan.sizing_options import ONE_USER_SEQUENCES, SEQUENCES
+    from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -61,12 +61,13 @@ def _defaults() -> list[str]:
     s, c = stage.get_default, cluster.get_default
     ngrams = list(range(NgramDrafter.max_ngram, NgramDrafter.min_ngram - 1, -1))
     return [
-        f"`--sequences N` and `--context T` are the sequences and tokens the plan keeps caches and attention room "
-        f"for ({ONE_USER_SEQUENCES} on one worker, {SEQUENCES} on each stage of a cluster, and {s('context')};",
+        f"`--sequences N` is the sequences the plan keeps caches for ({ONE_USER_SEQUENCES} on one worker, "
+        f"{SEQUENCES} on each stage of a cluster;",
+        f"holds, whichever is less: the plan is made for {BASE_CONTEXT} tokens, then its context grows",
         f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
         f"fits {FORWARD_SHARE:.0%} of the budget",
-        f"`--prefix-disk-gb G` (default: room for {KEPT_ON_DISK} of the model's kept states at `--context` tokens, "
-        f"at most {PREFIX_DISK_BYTES / 1e9:g} GB",
+        f"`--prefix-disk-gb G` (default: room for {KEPT_ON_DISK} of the model's kept states at `--max-context` "
+        f"tokens, {BASE_CONTEXT} at most, at most {PREFIX_DISK_BYTES / 1e9:g} GB",
         f"forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
         f"and {RUNTIME_OVERHEAD >> 30} GiB for the runtime",
         f"grown in {MLA_BLOCK_TOKENS}-token blocks",
@@ -164,7 +165,8 @@ MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 G
 def _mac_projection(cfg) -> list[str]:
     """Each cluster's rows: its experts local (the stages one after another), and with more than one Mac wide (every
     SSD reading at once: the plan's prediction)."""
-    from deltafin.plan.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.planner import plan_layers
 
     rows = []
     for label, n, budget_gb in MACS:
@@ -200,7 +202,9 @@ def _first_token_projection(cfg) -> list[str]:
     conversation (`--context 65536 --sequences 1`), with forwards of 512 tokens (the default before) and as the
     plan sizes them now: the planner's prediction from bytes and disk speeds over the assumed efficiency, and
     the same plans' decode time per token."""
-    from deltafin.plan.planner import PROMPT_LENGTHS, WorkerCapacity, plan_layers
+    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.first_token import PROMPT_LENGTHS
+    from deltafin.plan.planner import plan_layers
     from deltafin.plan.sizing import SizingOptions
 
     rows = []
@@ -231,7 +235,8 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     """The drafting table for one 64 GB Mac: its MPS plan with --speculative (room for every sequence's trail),
     that plan's fixed spine and experts, the experts a pass of k drafts reads as measured on the k3-slice (the
     README's row) and under a uniform router, the best k."""
-    from deltafin.plan.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.planner import plan_layers
     from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingOptions
     from deltafin.text.drafting import distinct_experts, expected_tokens
 
@@ -281,7 +286,8 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
     the sequences `serve` plans for (its --max-active)."""
     from deltafin.checkpoint.config import load_config
     from deltafin.coordinator.engine.engine import ServingOptions
-    from deltafin.plan.planner import WorkerCapacity, plan_layers
+    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.planner import plan_layers
     from deltafin.plan.sizing_options import SizingOptions
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")

@@ -47,6 +47,11 @@ class Backend(Protocol):
         ...
 
     @property
+    def context(self) -> int:
+        """Tokens a request may have (prompt and reply): what every stage's sessions were planned for."""
+        ...
+
+    @property
     def parallel_stages(self) -> int:
         """Stages that can compute at the same time: the scheduler's default number of batches in flight."""
         ...
@@ -100,7 +105,11 @@ class LocalBackend:
     def prefix_stages(self) -> list[PrefixBudget]:
         return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize,
                              s.prefixes.disk.budget if s.prefixes.disk is not None else 0,
-                             s.options.sizing.context, s.identity) for s in self.pipeline.stages]
+                             s.sizing.context, s.identity) for s in self.pipeline.stages]
+
+    @property
+    def context(self) -> int:
+        return min(s.sizing.context for s in self.pipeline.stages)
 
     @property
     def parallel_stages(self) -> int:
@@ -308,8 +317,9 @@ class ClusterBackend:
 
     def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
                  prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None,
-                 holders: list[WorkerClient] | None = None):
+                 holders: list[WorkerClient] | None = None, context: int = 0):
         self.stages = sorted(stages, key=lambda w: w.start)
+        self.context = context  # the plan's: tokens a request may have
         self.holders = list(holders or [])
         self.max_forward_tokens = max_forward_tokens
         self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)

@@ -39,7 +39,7 @@ from deltafin.coordinator.cluster.membership import Membership
 from deltafin.coordinator.cluster.rwlock import RWLock
 from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_workers
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
-from deltafin.plan.planner import Plan
+from deltafin.plan.cluster_plan import Plan
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 
@@ -101,6 +101,10 @@ class ResilientCluster:
     @property
     def prefix_stages(self) -> list[PrefixBudget]:
         return self.backend.prefix_stages
+
+    @property
+    def context(self) -> int:
+        return self.backend.context
 
     @property
     def stages(self) -> list[Any]:

@@ -22,8 +22,9 @@ from deltafin.checkpoint.shards import fingerprint
 from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_MODES
+from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder
-from deltafin.plan.planner import Plan, StagePlan, WorkerCapacity, plan_layers
+from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import SizingOptions
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -166,7 +167,7 @@ def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> di
     options = {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
                "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
                "session_bytes": z.sessions, "prefix_cache_bytes": z.prefixes, "sequences": spec.sizing.sequences,
-               "context": spec.sizing.context, "prefill_chunk": z.forward_tokens,
+               "context": z.context, "prefill_chunk": z.forward_tokens,
                "max_resident_layers": spec.sizing.max_resident_layers}
     if not z.holder_only:
         options.update(spine=z.spine, converted=z.converted)
@@ -218,11 +219,11 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     stages = [c for c, _ in used[:len(plan.stages)]]
     told = {(c.start, c.end): c for c in stages}
     prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, told[s.start, s.end].prefix_disk,
-                             spec.sizing.context, told[s.start, s.end].identity)
+                             s.sizing.context, told[s.start, s.end].identity)
                 for s in sorted(plan.stages, key=lambda s: s.start)]
     return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
                           parallel_stages([d for _, d in used[:len(plan.stages)]]),
-                          holders=[c for c, _ in used[len(plan.stages):]]), plan
+                          holders=[c for c, _ in used[len(plan.stages):]], context=plan.context), plan
 
 
 def parallel_stages(workers: list[WorkerDescription]) -> int:

@@ -31,7 +31,7 @@ from deltafin.coordinator.engine.token_loop import (
 )
 from deltafin.errors import DeltafinError, PromptTooLong, ShuttingDown
 from deltafin.options import PREFILL_BATCHES, check_choice
-from deltafin.plan.planner import forward_read_bytes
+from deltafin.plan.first_token import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
@@ -43,7 +43,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|end_of_msg|>", "[EOS]")  # K3 stops on 163586 and 163585 (K3_SPEC §8)
-DEFAULT_CONTEXT = 4096  # an engine built without a plan (tests, benchmarks): SizingOptions.context's default
+DEFAULT_CONTEXT = 4096  # an engine over a backend that plans no context (tests' scripted models)
 
 
 @dataclass
@@ -99,13 +99,12 @@ class Counters:
 
 @dataclass(frozen=True)
 class ServingOptions:
-    """How the engine serves requests: how many at once, how many wait, their context, the pipelining and
-    drafting. Checked when built, before anything loads."""
+    """How the engine serves requests: how many at once, how many wait, the pipelining and drafting (their
+    context is the plan's: --max-context, a stage option). Checked when built, before anything loads."""
 
     speculative: str = "none"  # none | ngram: how requests that do not say draft
     max_active: int = 4  # requests generating at once (their steps are batched)
     queue_depth: int = 16  # requests waiting for a slot; more are refused (QueueFull)
-    max_context: int | None = None  # prompt + generated tokens per request (None: the plan's context, --context)
     pipeline_depth: int = 0  # batches in flight through the stages (0: one per stage that computes beside others)
     prefill_batches: str = "ride"  # ride: decode steps go with the next prompt chunk | separate: they take turns
     default_max_tokens: int = SERVING_MAX_TOKENS  # for chat requests that do not say (capped by the context)
@@ -117,10 +116,9 @@ class ServingOptions:
         if self.speculative not in MODES:
             raise DeltafinError(f"unknown speculative mode {self.speculative!r}: {', '.join(MODES)}")
         check_choice("prefill_batches", self.prefill_batches, PREFILL_BATCHES)
-        if (self.max_active < 1 or self.queue_depth < 0 or (self.max_context is not None and self.max_context < 2)
-                or self.default_max_tokens < 1 or self.pipeline_depth < 0):
+        if (self.max_active < 1 or self.queue_depth < 0 or self.default_max_tokens < 1 or self.pipeline_depth < 0):
             raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
-                                "--pipeline-depth >= 0, --max-context >= 2")
+                                "--pipeline-depth >= 0")
 
     @property
     def speculative_tokens(self) -> int:
@@ -130,13 +128,14 @@ class ServingOptions:
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: K3Tokenizer, cfg: ModelConfig, model_name: str,
-                 serving: ServingOptions | None = None, prefix_cache: bool = False):
+                 serving: ServingOptions | None = None, prefix_cache: bool = False, context: int | None = None):
+        """`context`: tokens a request may have, where not the backend's plan's (tests over scripted models)."""
         serving = serving or ServingOptions()
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name  # what responses carry, whatever name a request used ...
         self.model_dir: Path | None = None  # its directory (open_engine), for the routes that describe it
         self.strict_model_name = serving.strict_model_name  # ... unless this: then another name is model_not_found
-        self.max_context = serving.max_context or DEFAULT_CONTEXT  # open_engine: the plan's
+        self._context = context
         self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
         self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
@@ -153,6 +152,11 @@ class Engine:
         if cfg.eos_token_id is not None:
             ids.add(cfg.eos_token_id)
         self.stop_ids = frozenset(ids)
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a request may have (prompt and reply): the plan's (after a re-plan, the new one's)."""
+        return self._context or getattr(self.backend, "context", None) or DEFAULT_CONTEXT
 
     async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
                   sampling: SamplingParams | None = None, stop: list[str] | None = None,
@@ -242,8 +246,8 @@ class Engine:
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens{asked}, more than the context limit of "
-                                f"{self.max_context} tokens (what the memory plan holds; a server started with "
-                                "--max-context N plans for more)")
+                                f"{self.max_context} tokens (what the memory plan holds; --max-context N plans "
+                                "for more)")
         return room
 
     def _track(self, session_id: str, p: PrefillProgress, progress: Callable[[PrefillProgress], None] | None
@@ -312,7 +316,6 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     """Config and tokenizer first (fast, clear errors), then the backend, as one Engine; config.json is read
     once. `show_progress`: the load's progress and the plan on stderr (else the plan is logged)."""
     serving = serving or ServingOptions()
-    serving = dataclasses.replace(serving, max_context=serving.max_context or stage.sizing.context)
     asked = stage.sizing.sequences
     if asked is not None and asked < serving.max_active:  # more at once would evict each other's caches
         log.info("serving %d request(s) at once: --sequences %d plans caches for no more", asked, asked)
@@ -331,6 +334,4 @@ def planned_stage(stage: StageOptions, serving: ServingOptions) -> StageOptions:
     (unless --sequences says; a bare one-worker plan would hold one), room for speculative forwards when
     drafting."""
     sequences = stage.sizing.sequences if stage.sizing.sequences is not None else serving.max_active
-    if serving.max_context is not None and serving.max_context != stage.sizing.context:
-        stage = stage.replace(context=serving.max_context)  # the plan reserves room for the requests' context
     return stage.replace(speculative_tokens=serving.speculative_tokens, sequences=sequences)

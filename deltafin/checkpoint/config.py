@@ -111,6 +111,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    max_context: int | None = None  # max_position_embeddings: the longest sequence the model was made for
     # Two epsilons the references disagree on (K3_SPEC §8). Default: the HF/fla reference code, 1e-6 for the
     # MLA q_a/kv_a layernorms and for the KDA q/k L2 norm; llama.cpp uses 1e-5 (rms_norm_eps) for both.
     # `with_eps_convention(cfg, "llama.cpp")` switches, for exact comparisons with llama.cpp.
@@ -397,6 +398,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=t.get("bos_token_id", default=raw.get("bos_token_id")),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         pad_token_id=t.get("pad_token_id", default=raw.get("pad_token_id")),
+        max_context=t.int("max_position_embeddings", default=None),
     )
     _check_shapes(cfg, where)
     return cfg

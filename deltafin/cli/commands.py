@@ -21,7 +21,14 @@ from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging
 from deltafin.cli.doctor import add_doctor_command
-from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
+from deltafin.cli.flags import (
+    MODEL_HELP,
+    add_context_option,
+    add_device_options,
+    add_stage_options,
+    model_arg,
+    stage_from_args,
+)
 from deltafin.cli.models import add_models_command
 from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
@@ -98,7 +105,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spine", default="auto", choices=SPINES, help="--memory-gb: spine format")
     p.add_argument("--sequences", type=int, default=None,
                    help="--memory-gb: sequences planned for (default 1: one worker, one user)")
-    p.add_argument("--context", type=int, default=4096, help="--memory-gb: tokens per sequence (default 4096)")
+    add_context_option(p, "--memory-gb: tokens a request may have (default: the model's own maximum, or the longest "
+                       "the memory holds beside the plan's expert cache, whichever is less)")
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -246,7 +254,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
         raise DeltafinError(f"--tokens must be at least 1, got {args.tokens}")
     lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
     if lengths:  # the stage is sized for the longest prompt
-        args.context = max(args.context, *lengths)
+        args.context = max(args.context or 0, *lengths)
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
     if args.quality:

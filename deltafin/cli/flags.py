@@ -65,23 +65,36 @@ def _add_memory_options(g: Any, sequences: int | None) -> None:
                    help="sequences the memory plan keeps caches for (default "
                    + (f"{sequences})" if sequences is not None else "1 on one worker, serving one user, so that its "
                       "expert cache keeps more; 4 on each stage of a cluster; serve: its --max-active)"))
-    g.add_argument("--context", type=int, default=4096,
-                   help="tokens per sequence the memory plan reserves caches and attention room for (default 4096)")
+    add_context_option(g)
     g.add_argument("--prefix-cache-gb", type=float, default=None,
                    help="keep sequence state after a request within this many GB, so that a request that starts "
                    "with the same tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: "
-                   "as much as the sequences' caches: --sequences states at --context tokens)")
+                   "as much as the sequences' caches: --sequences states at --max-context tokens)")
     g.add_argument("--prefill-chunk", type=int, default=None,
                    help="most tokens one forward carries; longer prompts go in chunks, and each chunk reads the "
-                   "experts again (default: the --context tokens in one forward if their workspace fits a tenth of "
-                   "the memory, else as many as do, more where a small expert cache can give way; on one worker the "
-                   "longest that leaves the expert cache 21.5%% of the memory; at least 512)")
+                   "experts again (default: the --max-context tokens, 4,096 where it is not given, in one forward "
+                   "if their workspace fits a tenth of the memory, else as many as do, more where a small expert "
+                   "cache can give way; on one worker the longest that leaves the expert cache 21.5%% of the "
+                   "memory; at least 512)")
     g.add_argument("--max-resident-layers", type=int, default=None,
                    help="keep at most this many layers' spine in memory; the rest streams from the disk every token "
                    "(default: as many as fit)")
     g.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on "
                    "MLX on Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX")
+
+
+CONTEXT_HELP = ("tokens a request may have, prompt and reply, which the memory plan reserves caches and attention "
+                "room for; a longer request is refused before its prefill (default: the model's own maximum, or the "
+                "longest the memory holds beside the plan's expert cache, whichever is less: `plan` and `inspect` "
+                "say which, and what a longer one would cost; at K3's width each 1,024 tokens take 57 MB per "
+                "sequence)")
+
+
+def add_context_option(g: Any, help_text: str = CONTEXT_HELP) -> None:
+    """--max-context (the plan's `context`); --context, its name before, still works."""
+    g.add_argument("--max-context", dest="context", type=int, default=None, metavar="N", help=help_text)
+    g.add_argument("--context", dest="context", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_reading_options(g: Any) -> None:
@@ -203,10 +216,6 @@ def add_serving_options(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once; their steps are batched (default 4)")
     p.add_argument("--queue-depth", type=int, default=16,
                    help="requests waiting for a slot; more are refused with 429 (default 16)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="prompt + generated tokens per request, which the memory plan reserves room for (default: "
-                   "--context, 4096; at K3's width each 1,024 tokens more take 57 MB of memory per sequence, and "
-                   "attention workspace); a longer request is refused before its prefill")
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="batches in flight through the stages at once (default 0: one per stage that computes "
                    "beside the others, so every stage works; CPU workers on one host share its cores and count "

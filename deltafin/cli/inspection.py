@@ -11,11 +11,12 @@ from deltafin.checkpoint.manifest import DownloadRecord, read_record
 from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
 from deltafin.options import more_than_zero
+from deltafin.plan.context import context_why, cost_per_1k, grown
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.layer_table import layer_table
 from deltafin.plan.least import check_fits
 from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
-from deltafin.plan.sizing_options import SEQUENCES, one_worker
+from deltafin.plan.sizing_options import SEQUENCES, base_context, one_worker
 from deltafin.weights.reader import layer_spans
 
 
@@ -99,11 +100,14 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
     opts = replace(options or SizingOptions(), spans=spans)
     place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
     try:
-        plan = check_fits(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts).as_dict()
+        z = grown(cfg, check_fits(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts), place,
+                  Budget(memory_bytes), opts)
     except SizingError as e:
         return {"error": str(e)}
-    kept = kept_prefixes_text(cfg, [(0, cfg.num_layers, plan["prefixes"])], place.act_bytes, opts.context)
-    return {**plan, "context": opts.context, "trade": _trade(cfg, place, Budget(memory_bytes), opts, plan),
+    plan = z.as_dict()
+    kept = kept_prefixes_text(cfg, [(0, cfg.num_layers, plan["prefixes"])], place.act_bytes, z.context)
+    why = context_why(cfg, opts, z.context, cost_per_1k(cfg, z, place, opts))
+    return {**plan, "context_why": why, "trade": _trade(cfg, place, Budget(memory_bytes), opts, plan),
             "kept_prefixes": kept}
 
 
@@ -112,9 +116,9 @@ def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingOptions, plan
     the plan with each of them given back, as the flag that does it would make it."""
     if plan["experts_resident"] or not one_worker(cfg, 0, cfg.num_layers, opts):
         return []
-    changes = []
-    if opts.prefill_chunk is None and plan["forward_tokens"] < opts.context:
-        changes.append((f"--prefill-chunk {opts.context}", replace(opts, prefill_chunk=opts.context)))
+    changes, tokens = [], opts.context or base_context(cfg)  # a forward as long as the asked (or base) context
+    if opts.prefill_chunk is None and plan["forward_tokens"] < tokens:
+        changes.append((f"--prefill-chunk {tokens}", replace(opts, prefill_chunk=tokens)))
     if opts.sequences is None and opts.session_bytes is None:
         changes.append((f"--sequences {SEQUENCES}", replace(opts, sequences=SEQUENCES)))
     out = []
@@ -159,6 +163,7 @@ def plan_lines(plan: dict, num_layers: int) -> list[str]:
             f"  sessions for {plan['sequences']} sequence(s) of up to {plan['context']:,} tokens; read per token: "
             f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; a forward "
             f"carries up to {plan['forward_tokens']:,} tokens (a prompt that long reads each expert once)",
+            f"  context: {plan['context']:,} tokens a request: {plan['context_why']}",
             f"  {plan['kept_prefixes']}", *_trade_lines(plan)]
 
 

@@ -20,11 +20,13 @@ from deltafin.plan.sizing import (
     expert_parts,
     expert_slot_bytes,
 )
+from deltafin.plan.sizing_options import resolved
 
 
 def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
     """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
     assert options.wide, "a worker without layers only serves wide experts"
+    options = resolved(cfg, options)
     if options.prefill_chunk is None:
         options = replace(options, prefill_chunk=max(1, options.context))
     n_moe = options.expert_layers or 0
@@ -36,13 +38,13 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.prefill_chunk),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, spine_bytes_per_token=0,
         expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
-        expert_share=options.expert_share)
+        expert_share=options.expert_share, context=options.context)
 
 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
-    base, options = _holder_base(cfg, place, budget, options)
+    base, options = _holder_base(cfg, place, budget, resolved(cfg, options))
     if not budget.fits(base):
         raise SizingError(f"an expert holder needs at least {base.device_total / GB:.2f} GB ({base.describe()}), "
                           f"and the budget is {budget.device / GB:.2f} GB")

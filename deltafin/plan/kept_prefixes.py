@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.plan.sizing import GB, kda_state_bytes, mla_row_bytes, sequence_bytes
+from deltafin.plan.sizing_options import BASE_CONTEXT
 
 GRID_MIN = 1024  # fewest tokens between two states kept inside one long message
 GRID_ROUND = 256
@@ -31,13 +32,15 @@ KEPT_ON_DISK = 64  # kept states a stage's disk has room for by default (--prefi
 PREFIX_DISK_BYTES = 32 * 10**9  # ... but never more than this
 
 
-def default_prefix_disk_bytes(cfg: ModelConfig, context: int, act_bytes: int) -> int:
+def default_prefix_disk_bytes(cfg: ModelConfig, context: int | None, act_bytes: int) -> int:
     """What a stage's kept prefixes may take on its disk unless --prefix-disk-gb says: room for KEPT_ON_DISK states
-    of the whole model (a stage's own are no larger) at `context` tokens, at most PREFIX_DISK_BYTES. At K3's width
-    64 states of 4,096 tokens are 44 GB, so 32 GB; k3-mini's are 5.7 MB each, so 0.36 GB. The stage and `doctor`
-    both ask here."""
+    of the whole model (a stage's own are no larger) at `context` tokens (at most BASE_CONTEXT: kept states are
+    conversations' prefixes, while a plan's context may reach a model's million tokens), at most PREFIX_DISK_BYTES.
+    At K3's width 64 states of 4,096 tokens are 44 GB, so 32 GB; k3-mini's are 5.7 MB each, so 0.36 GB. The stage
+    and `doctor` both ask here."""
     n_kda = sum(k is LayerKind.KDA for k in cfg.layer_kinds)
-    state = sequence_bytes(cfg, n_kda, len(cfg.layer_kinds) - n_kda, context, act_bytes)
+    tokens = min(context or BASE_CONTEXT, BASE_CONTEXT)
+    state = sequence_bytes(cfg, n_kda, len(cfg.layer_kinds) - n_kda, tokens, act_bytes)
     return min(PREFIX_DISK_BYTES, KEPT_ON_DISK * state)
 
 

@@ -156,11 +156,12 @@ def mps_working_set() -> int | None:
         return None
 
 
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes, since it started: Linux's VmHWM (getrusage's ru_maxrss also
-    counts what the parent held when it forked, a test runner's gigabytes say), elsewhere ru_maxrss."""
+def peak_rss(status: Path = Path("/proc/self/status")) -> int:
+    """This process's peak resident memory in bytes, since it started: Linux's VmHWM in `status` (getrusage's
+    ru_maxrss also counts what the parent held when it forked, a test runner's gigabytes say), elsewhere
+    ru_maxrss (bytes on macOS, KiB on Linux)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in status.read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:

@@ -65,6 +65,7 @@ from deltafin.plan.sizing_options import (
     SizingOptions,
     one_worker,
     planned_sequences,
+    resolved,
 )
 
 GB = 1e9
@@ -169,6 +170,7 @@ class StageSizing:
     spine_why: str = ""  # why this spine format (auto: what the others would have cost; else as asked)
     converted: bool = True  # an int8/q4 spine is read from its converted copy (else quantized as it loads, its
     # streamed layers read as stored: SizingOptions.converted)
+    context: int = 0  # tokens a sequence may hold: what the sessions and the attention room are planned for
 
     @property
     def holder_only(self) -> bool:
@@ -249,6 +251,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
                resident_count: int, options: SizingOptions) -> StageSizing:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
+    options = resolved(cfg, options)
     t = layer_table(cfg, place, options.spans)
     if options.prefill_chunk is None:  # no budget to keep within: the whole planned context in one forward
         options = replace(options, prefill_chunk=max(1, options.context))
@@ -277,7 +280,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
-        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES)
+        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES, context=options.context)
 
 
 def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place: Placement,
@@ -298,7 +301,9 @@ def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place:
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
            options: SizingOptions) -> StageSizing:
     """The best stage that fits `budget` (see the module docstring), saying why its spine format
-    (`spine_why`); SizingError when none does."""
+    (`spine_why`); SizingError when none does. With no context given, the plan is for BASE_CONTEXT (at most the
+    model's own): plan/context.py grows it into the room the plan leaves."""
+    options = resolved(cfg, options)
     if options.prefill_chunk is not None:
         s = _choose(cfg, start, end, place, budget, options)
     else:

@@ -11,13 +11,16 @@ sized as a cluster's stage's is, for the long prompts such a plan is for. A clus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
 from deltafin.options import SPINES, at_least, check_choice
 
 SEQUENCES = 4  # sequences a stage of a cluster plans caches for, unless the user says
+# the context a plan is sized for first when the user gives none (--max-context), then grown into the memory it
+# leaves unused, up to the model's own maximum (plan/context.py)
+BASE_CONTEXT = 4096
 ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user's conversation
 # one worker: the share of the budget the expert cache keeps before a forward grows past PIECE_TOKENS. Published
 # K3 hit rates are 29-41 % for 3-29 GB caches (skewed routing: every GB pays), while a forward longer than a
@@ -62,7 +65,7 @@ class SizingOptions:
     session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
     prefix_cache_bytes: int | None = None  # kept prefixes; None: as much as the sessions (a kept state each); 0: off
     sequences: int | None = None  # None: ONE_USER_SEQUENCES on one worker (one_worker), else SEQUENCES
-    context: int = 4096
+    context: int | None = None  # tokens a sequence may hold; None: the longest the memory holds (plan/context.py)
     prefill_chunk: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
     # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
     read_threads: int = 8
@@ -88,6 +91,17 @@ class SizingOptions:
     @property
     def wide(self) -> bool:
         return self.expert_layers is not None
+
+
+def resolved(cfg: ModelConfig, options: SizingOptions) -> SizingOptions:
+    """`options` with a context to size for: as given, else BASE_CONTEXT (at most the model's own); the plan then
+    grows it into the room it leaves (plan/context.py)."""
+    return options if options.context is not None else replace(options, context=base_context(cfg))
+
+
+def base_context(cfg: ModelConfig) -> int:
+    """The context a plan is first sized for when the user gives none: BASE_CONTEXT, at most the model's own."""
+    return min(BASE_CONTEXT, cfg.max_context or BASE_CONTEXT)
 
 
 def one_worker(cfg: ModelConfig, start: int, end: int, options: SizingOptions) -> bool:

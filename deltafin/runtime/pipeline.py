@@ -22,7 +22,7 @@ from deltafin.plan.least import check_fits
 from deltafin.plan.sizing import Budget, Placement
 from deltafin.progress import Progress
 from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
-from deltafin.runtime.stage_build import expert_backend_for
+from deltafin.runtime.stage_build import disk_plan, expert_backend_for
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 
@@ -63,6 +63,7 @@ class LocalPipeline:
         opts = dataclasses.replace(options or StageOptions(), dtype=torch_dtype)
         ranges = split_layers(cfg, n_stages)
         check_budget(ckpt, ranges, dev, opts)  # every stage, before the first loads
+        opts = shared_context(ckpt, ranges, dev, opts)
         stages = []
         for a, b in ranges:
             with Progress(1.0, f"load layers {a}-{b - 1}", unit="", enabled=show_progress) as bar:
@@ -112,6 +113,19 @@ def check_budget(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.
     budget = Budget(options.memory_bytes, options.host_memory_bytes)
     for a, b in ranges:
         check_fits(cfg, a, b, place, budget, options.sizing_for(spans))
+
+
+def shared_context(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device,
+                   options: StageOptions) -> StageOptions:
+    """`options` with the one context several in-process stages share where none was given (a request goes through
+    all): the least of the longest each stage's memory holds (plan/context.py), at the shortest forward their plans
+    chose (so that none plans a longer one in its room)."""
+    if options.sizing.context is not None or options.memory_bytes is None or len(ranges) < 2:
+        return options
+    backend = expert_backend_for(ckpt.config, device)
+    plans = [disk_plan(ckpt, a, b, device, options, backend) for a, b in ranges]
+    forward = options.sizing.prefill_chunk or min(z.forward_tokens for z in plans)
+    return options.replace(context=min(z.context for z in plans), prefill_chunk=forward)
 
 
 def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",

@@ -24,6 +24,7 @@ from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on
 from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
+from deltafin.plan.context import grown
 from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
 from deltafin.plan.sizing import (
     AUTO_SPINES,
@@ -60,15 +61,17 @@ class ExpertProvider(Protocol):
 
 def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
                spans: tuple[int, ...] | None = None, experts: str = "torch") -> StageSizing:
-    """What the stage will hold (pure): within `memory_bytes` if set, else everything resident; `experts`
-    is where the routed experts run (torch or mlx)."""
+    """What the stage will hold (pure): within `memory_bytes` if set (its context, where none is given, the longest
+    that memory holds: plan/context.py), else everything resident; `experts` is where the routed experts run
+    (torch or mlx)."""
     place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
     sizing = options.sizing_for(spans)
     if options.memory_bytes is None:
         spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
         return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
+    budget = Budget(options.memory_bytes, options.host_memory_bytes)
     try:
-        return choose(cfg, start, end, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
+        return grown(cfg, choose(cfg, start, end, place, budget, sizing), place, budget, sizing)
     except SizingError as e:
         raise OutOfMemory(str(e)) from None
 
@@ -93,11 +96,11 @@ def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
                          convert=options.convert, root=options.spine_dir, device=device)
 
 
-def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                    experts: str) -> tuple[StageSizing, SpineFiles | None]:
-    """A stage's plan and the converted spine it reads, the plan following what the disk holds: a converted copy
-    there is read, one missing is converted first (where there is room), and without room for it the plan that
-    needs none (`without_room`)."""
+def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+              experts: str) -> StageSizing:
+    """A stage's plan, following what the disk holds (nothing is written): a converted copy there is read, one
+    missing is planned for where there is room to convert it, and without room the plan that needs none
+    (`without_room`). `experts`: where the routed experts run (expert_backend_for)."""
     on = "mlx" if experts == "mlx" else "torch"
 
     def plan(opts: StageOptions) -> StageSizing:
@@ -108,9 +111,18 @@ def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device
         disk = spine_disk(ckpt, options.spine_dir)
         if not disk.ready(ckpt.config, sizing.spine, start, end):
             sizing = without_room(plan, options, sizing, disk, ckpt.config)
+    return sizing
+
+
+def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
+                    experts: str) -> tuple[StageSizing, SpineFiles | None]:
+    """A stage's plan (`disk_plan`) and the converted spine it reads, converted first where it is missing."""
+    sizing = disk_plan(ckpt, start, end, device, options, experts)
     files = converted_spine(ckpt, start, end, sizing, options, device) if sizing.converted else None
     if files is None and sizing.spine in CONVERTED and sizing.converted:  # the room went while this one looked
-        sizing = plan(options.replace(spine=sizing.spine, converted=False))
+        on = "mlx" if experts == "mlx" else "torch"
+        sizing = plan_stage(ckpt.config, start, end, device, options.replace(spine=sizing.spine, converted=False),
+                            layer_spans(ckpt), on)
         log.warning("no converted %s spine: %s", sizing.spine, sizing.spine_why)
     return sizing, files
 
@@ -250,7 +262,7 @@ def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOption
     `prefix_disk_bytes` (default: the model's, at the planned context: kept_prefixes.default_prefix_disk_bytes)."""
     budget = options.prefix_disk_bytes
     if budget is None:
-        budget = default_prefix_disk_bytes(ckpt.config, options.sizing.context, options.dtype.itemsize)
+        budget = default_prefix_disk_bytes(ckpt.config, sizing.context, options.dtype.itemsize)
     if not options.prefix_dir or not budget or not sizing.prefixes:
         return None
     return PrefixDisk(options.prefix_dir, identity, budget, device)

@@ -65,7 +65,7 @@ def plan_details(cfg: ModelConfig, s: StageSizing, opts: StageOptions) -> str:
              f"{served / 1e9:.1f} GB of experts it serves" if served else "no routed experts")
     chunks = "--prefill-chunk" if opts.sizing.prefill_chunk else "as long as the budget allows"
     return (f"forwards of up to {s.forward_tokens} tokens ({chunks}), {s.sequences} sequences x "
-            f"{opts.sizing.context} tokens of context; {cache}; spine {s.spine}, {len(s.resident_layers)} layers "
+            f"{s.context} tokens of context; {cache}; spine {s.spine}, {len(s.resident_layers)} layers "
             f"resident, {len(s.streamed_layers)} streamed; policy {opts.cache_policy}, prefetch "
             f"{'on' if opts.prefetch else 'off'}")
 

@@ -80,15 +80,15 @@ def test_the_systemd_unit_starts_a_worker_the_cli_accepts():
 
 
 @pytest.mark.parametrize("platform_name, factor", [("darwin", 1), ("linux", 1024)])
-def test_peak_rss_units_follow_the_platform(monkeypatch, platform_name, factor):
-    """getrusage's ru_maxrss is bytes on macOS and KiB on Linux."""
+def test_peak_rss_units_follow_the_platform(monkeypatch, tmp_path, platform_name, factor):
+    """Where there is no /proc (macOS), getrusage's ru_maxrss: bytes on macOS and KiB on Linux."""
     import resource
 
-    from deltafin.worker.service import peak_rss
+    from deltafin.plan.memory import peak_rss
 
     monkeypatch.setattr(sys, "platform", platform_name)
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=1000))
-    assert peak_rss() == 1000 * factor
+    assert peak_rss(tmp_path / "no-proc-status") == 1000 * factor
 
 
 def test_device_auto_on_apple_silicon_is_mps_with_mlx_experts(monkeypatch):

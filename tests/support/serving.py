@@ -108,8 +108,9 @@ async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: st
     from deltafin.coordinator.engine.engine import Engine, ServingOptions
     from deltafin.coordinator.http.server import start
 
-    prefix_cache = engine_options.pop("prefix_cache", False)
-    engine = Engine(backend, tok, cfg, model, ServingOptions(**engine_options), prefix_cache=prefix_cache)
+    prefix_cache, context = engine_options.pop("prefix_cache", False), engine_options.pop("max_context", None)
+    engine = Engine(backend, tok, cfg, model, ServingOptions(**engine_options), prefix_cache=prefix_cache,
+                    context=context)
     runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=max_body, api_key=api_key)
     return engine, runner, f"http://127.0.0.1:{port}"
 

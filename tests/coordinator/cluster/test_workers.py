@@ -231,3 +231,19 @@ def test_a_worker_s_own_spine_is_the_plan_s_or_the_plan_is_refused(tiny_dir):
         assert "spine q4: as the workers were started (--spine q4 on q4w0)" in r.stdout + r.stderr
         r = _coordinator(*base, "--spine", "int8", "plan")
         assert r.returncode == 1 and "asks for --spine int8, but q4w0 (--spine q4) started with another" in r.stderr
+
+
+def test_a_13k_prompt_through_two_workers_with_the_defaults(tiny_dir):
+    """No --max-context: the plan holds the longest context the workers' memory holds beside their plans (before:
+    4,096 tokens for every deployment, and a 13,520-token prompt through two workers was refused); the prompt's
+    greedy continuation equals single-machine mode's."""
+    import deltafin
+
+    prompt = (torch.arange(13_520) % 700 + 5).tolist()
+    with workers(tiny_dir, 2) as procs:
+        with deltafin.connect(tiny_dir, [p.address for p in procs], discover=False, progress=False) as model:
+            assert model.engine.max_context > 13_520 + 4
+            got = model.generate(prompt, max_tokens=4)
+    assert got.usage.prompt_tokens == 13_520 and got.usage.completion_tokens == 4
+    with deltafin.load(tiny_dir, device="cpu", progress=False, max_context=13_600) as model:
+        assert model.generate(prompt, max_tokens=4).text == got.text

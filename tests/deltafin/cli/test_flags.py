@@ -36,7 +36,26 @@ def test_the_flags_and_the_python_keywords_build_the_same_options(tmp_path: Path
     assert (stage.sizing.spine, stage.sizing.prefill_chunk, stage.sizing.read_threads) == ("int8", 600, 3)
     assert (stage.cache_policy, stage.prefetch, stage.prefix_dir) == ("lru", False, None)
     assert (cluster.local, cluster.local_stages, cluster.worker_timeout) == (True, 2, 4.0)
-    assert (serving.max_active, serving.max_context) == (2, 8192)
+    assert (serving.max_active, stage.sizing.context) == (2, 8192)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["bench"], ["plan"]])
+def test_max_context_is_one_flag_on_every_command_that_generates(tmp_path: Path, command) -> None:
+    """--max-context is the plan's context wherever the model runs (before: serve's own, and --context
+    elsewhere); --context, its name before, still parses to the same value."""
+    parse = lambda *flags: stage_from_args(coordinator_parser().parse_args(["--model", str(tmp_path), *command,
+                                                                            *flags]))
+    assert parse("--max-context", "8192").sizing.context == parse("--context", "8192").sizing.context == 8192
+    assert parse().sizing.context is None  # the plan's: the longest the memory holds, at most the model's own
+
+
+def test_chat_and_the_worker_take_max_context(tmp_path: Path) -> None:
+    from deltafin.cli.commands import build_parser
+
+    chat = build_parser().parse_args(["chat", "--model", str(tmp_path), "--local", "--max-context", "512"])
+    assert stage_from_args(chat).sizing.context == 512
+    assert stage_from_args(worker_parser().parse_args(["--model", str(tmp_path), "--max-context", "512"])
+                           ).sizing.context == 512
 
 
 def test_old_flag_spellings_are_aliases_of_the_ones_named_like_the_fields(tmp_path: Path) -> None:

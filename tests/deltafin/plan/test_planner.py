@@ -6,7 +6,8 @@ import pytest
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.errors import PlanError
-from deltafin.plan.planner import WorkerCapacity, plan_layers
+from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import SizingOptions
 
 GB = 10**9

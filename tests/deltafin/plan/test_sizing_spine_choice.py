@@ -11,8 +11,9 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.cli.inspection import memory_plan, plan_lines
+from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.layer_table import layer_table, placed_bytes, tensor_role
-from deltafin.plan.planner import WorkerCapacity, plan_layers
+from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import (
     ONE_WORKER_CACHE_SHARE,
     Budget,

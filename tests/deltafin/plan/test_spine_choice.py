@@ -9,7 +9,8 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.errors import PlanError
-from deltafin.plan.planner import WorkerCapacity, plan_layers
+from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import SizingOptions
 from deltafin.plan.spine_choice import asked_spine
 from deltafin.plan.spine_copies import SpineDisk, converted_unit_bytes, stage_units

@@ -1,0 +1,199 @@
+"""A cluster's plan as a value (pure): what the planner knows of each worker (`WorkerCapacity`), each stage it gave one
+(`StagePlan`) and the whole (`Plan`), with the table `plan` prints. The planner (planner.py) makes them; first-token
+times (first_token.py) and the coordinator read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.sizing import Budget, Placement, StageSizing
+from deltafin.plan.spine_copies import SpineDisk
+
+GB = 1e9
+# wide experts: what one MoE layer's expert calls cost on the network (assumed, not measured on Macs): a round
+# trip on a wired LAN or a Thunderbolt bridge (PERF.md: 0.1-0.5 ms) and the outputs back at 10 Gbit/s
+EXPERT_CALL_RTT_S = 0.0005
+LINK_BYTES_PER_S = 1.25e9
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    name: str  # for display
+    memory_bytes: int  # the stage's budget: device memory on a GPU, RAM on a CPU or a Mac
+    disk_gbps: float
+    layers: tuple[tuple[int, int], ...]  # [start, end) ranges on its disk
+    has_top: bool  # embedding/head present
+    address: str = ""
+    device: str = "cpu"  # device type: cpu | cuda | mps
+    host_memory_bytes: int | None = None  # RAM beside a discrete GPU
+    worker_id: str = ""  # unique per worker process (names need not be)
+    expert_layers: tuple[tuple[int, int], ...] | None = None  # ranges whose experts it can read (None: `layers`)
+    expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
+    disks: int = 1  # disks it reads experts from
+    damaged: tuple[str, ...] = ()  # damaged shards on its disk ("FILE: layers A-B"), for the plan's errors
+    spine: str = "auto"  # the format it was started with (--spine): the plan honours it or refuses
+    spine_disk: SpineDisk | None = None  # the converted spines on its disk (None: not known, taken as writable)
+
+    @property
+    def key(self) -> str:
+        """What identifies the worker: its id, else its address, else its name."""
+        return self.worker_id or self.address or self.name
+
+    def holds(self, start: int, end: int) -> bool:
+        return any(a <= start and end <= b for a, b in self.layers)
+
+    def holds_experts(self, layer: int) -> bool:
+        return any(a <= layer < b for a, b in (self.layers if self.expert_layers is None else self.expert_layers))
+
+    @property
+    def expert_speed(self) -> float:
+        return self.expert_gbps or self.disk_gbps
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.memory_bytes, self.host_memory_bytes)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    worker: str
+    address: str
+    start: int
+    end: int
+    sizing: StageSizing
+    seconds_per_token: float
+    worker_id: str = ""
+    memory_bytes: int = 0  # the worker's budget the stage was sized against
+    host_memory_bytes: int | None = None
+    disk_gbps: float = 0.0  # its model disk (the spine streams from it)
+    expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
+
+    @property
+    def key(self) -> str:
+        return self.worker_id or self.address or self.worker
+
+    @property
+    def spine_bytes(self) -> int:
+        """Resident spine (layers and top) as placed."""
+        return self.sizing.layers + self.sizing.top
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Spine bytes read per token (layers that do not stay resident)."""
+        return self.sizing.spine_bytes_per_token
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0 if self.sizing.experts_resident else self.sizing.expert_cache
+
+    @property
+    def expert_bytes_per_token(self) -> int:
+        return self.sizing.expert_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    holders: tuple[StagePlan, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
+    experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
+    predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
+    first_token: tuple[tuple[int, float], ...] = ()  # (prompt tokens, seconds to the first token), predicted
+    kept_prefixes: str = ""  # what a kept prefix costs, where states are kept (sizing.kept_prefixes_text)
+    context: int = 0  # tokens a request may have (prompt and reply): what the sessions were planned for
+    context_why: str = ""  # as asked, the model's own maximum, or what memory holds (and what more would cost)
+
+    @property
+    def wide(self) -> bool:
+        return self.experts is not None
+
+    @property
+    def workers(self) -> tuple[StagePlan, ...]:
+        return self.stages + self.holders
+
+    @property
+    def seconds_per_token(self) -> float:
+        if self.predicted_seconds is not None:
+            return self.predicted_seconds
+        return sum(s.seconds_per_token for s in self.stages)
+
+    def table(self) -> str:
+        text = self._wide_table() if self.wide else self._table()
+        text += self._parts()
+        if self.first_token:
+            step = min(s.sizing.forward_tokens for s in self.stages)
+            text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
+                     f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
+        if self.context:
+            text += f"\ncontext: {self.context:,} tokens a request (prompt and reply): {self.context_why}"
+        if self.kept_prefixes:
+            text += "\n" + self.kept_prefixes
+        return text
+
+    def _parts(self) -> str:
+        """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
+        first = self.stages[0].sizing if self.stages else None
+        lines = [f"\nspine {first.spine}: {first.spine_why}"] if first is not None and first.spine_why else []
+        lines += [f"  {s.worker}: {s.sizing.forward_tokens:,}-token forwards, {s.sizing.sequences} sequence(s); "
+                  f"{s.sizing.parts()}" for s in self.workers]
+        return "\n".join(["", *lines]) if lines else ""
+
+    def _wide_table(self) -> str:
+        assert self.experts is not None
+        head = (f"{'worker':<16} {'address':<21} {'dev':<5} {'layers':>7} {'spine':>11} {'resident':>9} "
+                f"{'experts':>13} {'cache GB':>8} {'total/budget GB':>16} {'exp GB/tok':>10} {'spine GB/tok':>12} "
+                f"{'disk s/tok':>10}")
+        rows = [head]
+        for s in self.workers:
+            z = s.sizing
+            layers = "-" if z.holder_only else f"{s.start}-{s.end - 1}"
+            spine = "-" if z.holder_only else f"{z.spine} {len(z.resident_layers)}/{z.end - z.start}"
+            share = self.experts.describe(self.experts.holders.index(s.key))
+            rows.append(f"{s.worker[:16]:<16} {s.address[:21]:<21} {z.device:<5} {layers:>7} {spine:>11} "
+                        f"{s.spine_bytes / GB:>9.2f} {share:>13} {z.expert_cache / GB:>8.2f} "
+                        f"{f'{z.device_total / GB:.1f}/{s.memory_bytes / GB:.1f}':>16} "
+                        f"{z.expert_bytes_per_token / GB:>10.3f} {z.spine_bytes_per_token / GB:>12.3f} "
+                        f"{s.seconds_per_token:>10.3f}")
+        experts = sum(s.sizing.expert_bytes_per_token for s in self.workers) / GB
+        spine = sum(s.sizing.spine_bytes_per_token for s in self.workers) / GB
+        rows.append(f"{'total (wide)':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
+                    f"{sum(s.spine_bytes for s in self.workers) / GB:>9.2f} {'':>13} {'':>8} {'':>16} "
+                    f"{experts:>10.3f} {spine:>12.3f} {self.seconds_per_token:>10.3f}")
+        rows.append("wide experts: every worker reads and computes its share of every MoE layer's routed experts for "
+                    "every stage (experts: of a layer's, x layers); cache GB: its expert cache")
+        rows.append("exp/spine GB/tok: what its disks read per token; disk s/tok: that at their speed; total: s/token "
+                    "with every disk reading at once (per MoE layer the slowest holder's expected reads, plus "
+                    f"{EXPERT_CALL_RTT_S * 1e3:.1f} ms a round trip and the outputs at "
+                    f"{LINK_BYTES_PER_S * 8 / 1e9:.0f} Gbit/s)")
+        return "\n".join(rows)
+
+    def _table(self) -> str:
+        head = (f"{'worker':<16} {'address':<21} {'dev':<5} {'layers':>7} {'spine':>11} {'resident':>9} "
+                f"{'experts':>9} {'sessions':>8} {'total/budget GB':>16} {'GB/token':>9} {'s/token':>8}")
+        rows = [head]
+        for s in self.stages:
+            z = s.sizing
+            spine = f"{z.spine} {len(z.resident_layers)}/{z.end - z.start}"
+            experts = "resident" if z.experts_resident else f"{z.expert_cache / GB:.2f} c"
+            per_token = (z.expert_bytes_per_token + z.spine_bytes_per_token) / GB
+            rows.append(f"{s.worker[:16]:<16} {s.address[:21]:<21} {z.device:<5} {f'{s.start}-{s.end - 1}':>7} "
+                        f"{spine:>11} {s.spine_bytes / GB:>9.2f} {experts:>9} {z.sessions / GB:>8.2f} "
+                        f"{f'{z.device_total / GB:.1f}/{s.memory_bytes / GB:.1f}':>16} {per_token:>9.3f} "
+                        f"{s.seconds_per_token:>8.3f}")
+        total = sum((s.sizing.expert_bytes_per_token + s.sizing.spine_bytes_per_token) for s in self.stages) / GB
+        rows.append(f"{'total':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
+                    f"{sum(s.spine_bytes for s in self.stages) / GB:>9.2f} {'':>9} {'':>8} {'':>16} {total:>9.3f} "
+                    f"{self.seconds_per_token:>8.3f}")
+        rows.append("spine: format, layers resident of the stage's; resident: spine + embedding/head GB; experts: "
+                    "resident, or the cache (c) in GB; GB/token: expert + spine bytes read per token")
+        return "\n".join(rows)
+
+
+def stage_placement(w: WorkerCapacity, act_bytes: int) -> Placement:
+    """Where a worker's stage holds its tensors, as its own stage will: a Mac runs its routed experts on MLX (the
+    package requires MLX on macOS arm64), read in place into MLX slots, so its plan has no landing slots."""
+    return Placement(w.device, act_bytes, "mlx" if w.device == "mps" else "torch")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
