@@ -189,7 +189,7 @@ def _status(call) -> tuple[str, str]:
         return e.code().name, e.details()
 
 
-BAD_OPTIONS = [pb.StageOptions(expert_layers=-1), pb.StageOptions(none=["spine"]), pb.StageOptions(none=["context"]),
+BAD_OPTIONS = [pb.StageOptions(expert_layers=-1), pb.StageOptions(none=["spine"]),
                pb.StageOptions(none=["read_threads"]), pb.StageOptions(spine="fp4"), pb.StageOptions(io="mmap"),
                pb.StageOptions(sequences=0), pb.StageOptions(sequences=-1), pb.StageOptions(context=0),
                pb.StageOptions(context=-1), pb.StageOptions(prefill_chunk=0), pb.StageOptions(session_bytes=-1),

@@ -240,10 +240,10 @@ def test_a_13k_prompt_through_two_workers_with_the_defaults(tiny_dir):
     import deltafin
 
     prompt = (torch.arange(13_520) % 700 + 5).tolist()
-    with workers(tiny_dir, 2) as procs:
-        with deltafin.connect(tiny_dir, [p.address for p in procs], discover=False, progress=False) as model:
-            assert model.engine.max_context > 13_520 + 4
-            got = model.generate(prompt, max_tokens=4)
+    with workers(tiny_dir, 2) as procs, deltafin.connect(tiny_dir, [p.address for p in procs], discover=False,
+                                                         progress=False) as model:
+        assert model.engine.max_context > 13_520 + 4
+        got = model.generate(prompt, max_tokens=4)
     assert got.usage.prompt_tokens == 13_520 and got.usage.completion_tokens == 4
     with deltafin.load(tiny_dir, device="cpu", progress=False, max_context=13_600) as model:
         assert model.generate(prompt, max_tokens=4).text == got.text

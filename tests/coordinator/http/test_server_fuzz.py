@@ -65,7 +65,7 @@ def api_url(tiny_dir: Path):
 
     async def up():
         engine = Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny",
-                        ServingOptions(max_context=256))
+                        ServingOptions(), context=256)
         runner, port = await start(engine, "127.0.0.1", 0)
         return engine, runner, port
 

@@ -26,7 +26,8 @@ def test_deltafin_serve_runs_the_bundled_model_alone() -> None:
         m = re.search(r"serving (http://[\d.]+:\d+) \(model 'k3-mini'", line)
         assert m, line + server.stderr.read()  # type: ignore[union-attr]
         card = json.loads(urllib.request.urlopen(m.group(1) + "/v1/models", timeout=30).read())["data"][0]
-        assert (card["id"], card["context_length"]) == ("k3-mini", 4096)
+        # its context: the model's own (1,048,576), or the longest this machine's memory holds beside the plan
+        assert card["id"] == "k3-mini" and 4096 < card["context_length"] <= 1 << 20
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0
