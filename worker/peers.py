@@ -61,16 +61,16 @@ class GrpcPeer:
 
     def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
         pieces = call_pieces(call, self.max_message_bytes - self.max_message_bytes // 8)
-        futures = [asyncio.run_coroutine_threadsafe(self._run(codec.encode_expert_call(piece), piece.pairs,
+        futures = [asyncio.run_coroutine_threadsafe(self._run(codec.encode_expert_call(piece),
                                                               int(piece.z.shape[0])), self.loop)
                    for _, piece in pieces]
 
         def finish() -> torch.Tensor:  # on the stage's thread: each piece's deadline and probes bound the wait
             if len(pieces) == 1:
                 return futures[0].result()
-            out = torch.empty(call.pairs, self.expert_dim, dtype=torch.float32)
-            for (sel, _), fut in zip(pieces, futures, strict=True):
-                out[sel] = fut.result()
+            out = torch.zeros(int(call.z.shape[0]), self.expert_dim, dtype=torch.float32)
+            for (rows, _), fut in zip(pieces, futures, strict=True):  # the pieces' sums, in their order
+                out[rows] += fut.result()
             return out
 
         return finish
@@ -82,7 +82,7 @@ class GrpcPeer:
 
     # ---- on the event loop -----------------------------------------------------------------------------------
 
-    async def _run(self, request: pb.ExpertRequest, pairs: int, tokens: int) -> torch.Tensor:
+    async def _run(self, request: pb.ExpertRequest, tokens: int) -> torch.Tensor:
         deadline = self.plan.call_timeout * max(1.0, tokens / CALL_UNIT)
         rpc = self.stub.RunExperts(request, timeout=deadline, metadata=self._md("RunExperts"))
         probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.plan.probe_interval, metadata=self._md("Info"))
@@ -98,8 +98,8 @@ class GrpcPeer:
             out = codec.decode_tensor(response.outputs, "expert outputs")
         except CodecError as e:
             raise HolderError(who, "DATA_LOSS", str(e)) from None
-        if out.dtype != torch.float32 or tuple(out.shape) != (pairs, self.expert_dim):
-            raise HolderError(who, "DATA_LOSS", f"answered {out.dtype} {list(out.shape)} for {pairs} pairs")
+        if out.dtype != torch.float32 or tuple(out.shape) != (tokens, self.expert_dim):
+            raise HolderError(who, "DATA_LOSS", f"answered {out.dtype} {list(out.shape)} for {tokens} rows")
         return out
 
     async def _hint(self, request: pb.ExpertRequest) -> None:

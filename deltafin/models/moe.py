@@ -27,10 +27,12 @@ class ExpertSource(Protocol):
 
 
 class RoutedExperts(Protocol):
-    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+                 ) -> Callable[[], torch.Tensor]:
         """Start every (token, slot) pair's expert output, Expert_{idx[n, j]}(z[n]) (some of them elsewhere:
-        wide experts); the returned function finishes them -> [N, k, De] fp32, each pair's output exactly as
-        `expert_outputs` computes it."""
+        wide experts, each holder summing its share of a token: `weighted_row_sums`); the returned function
+        finishes them -> sum_j weights[n, j] * Expert_{idx[n, j]}(z[n]), [N, De] fp32, each pair's output exactly
+        as `expert_outputs` computes it, the sum grouped by where the pairs ran."""
         ...
 
 
@@ -75,12 +77,31 @@ def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Te
     return out
 
 
+def weighted_row_sums(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Each row's weights[p] * out[p] summed over its pairs -> [n_rows, De] fp32. `rows` must not decrease (a
+    row's pairs are together, in slot order, as a token's share of a layer's pairs is): the products are the
+    one-process path's, summed as a [n_rows, most pairs a row has, De] block is, padded with exact zeros."""
+    counts = torch.bincount(rows, minlength=n_rows)
+    width = int(counts.max()) if rows.numel() else 0
+    pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[rows]
+    dense = out.new_zeros(n_rows, width, out.shape[1])
+    dense[rows, pos] = out * weights.to(out.dtype).unsqueeze(-1)
+    return dense.sum(1)
+
+
 def routed_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Tensor,
                    experts: ExpertSource) -> torch.Tensor:
     """Every (token, slot) pair's expert output in this process -> [N, k, De] fp32 (pairs in row-major order)."""
     n_tok, k = idx.shape
     rows = torch.arange(n_tok, device=z.device).repeat_interleave(k)
     return expert_outputs(cfg, layer, z, rows, idx.reshape(-1), experts).view(n_tok, k, cfg.expert_dim)
+
+
+def routed_sum(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+               experts: ExpertSource) -> torch.Tensor:
+    """sum_j weights[n, j] * Expert_{idx[n, j]}(z[n]) in this process -> [N, De] fp32, over the slots in their fixed
+    order (in place: no second [N, k, De] buffer)."""
+    return routed_outputs(cfg, layer, z, idx, experts).mul_(weights.unsqueeze(-1)).sum(1)
 
 
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,
@@ -95,12 +116,11 @@ def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, ex
         y = fused(layer, z, idx, weights)
     else:
         if routed is not None:
-            finish = routed(layer, z, idx)
+            finish = routed(layer, z, idx, weights)
             shared = dense_mlp(cfg, w.shared, x) if w.shared is not None else None
-            outs = finish()
+            y = finish()
         else:
-            outs = routed_outputs(cfg, layer, z, idx, experts)
-        y = outs.mul_(weights.unsqueeze(-1)).sum(1)  # fixed slot order; in place: no second [N, k, De] buffer
+            y = routed_sum(cfg, layer, z, idx, weights, experts)
     if w.latent_up is not None:
         if w.latent_norm is not None:
             y = rms_norm(y, w.latent_norm, cfg.rms_norm_eps)

@@ -17,6 +17,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from deltafin.models.decoder import (
     layer_in_pieces,
     pieces_of,
 )
-from deltafin.models.moe import FusedExperts, route, routed_outputs
+from deltafin.models.moe import FusedExperts, route, routed_sum
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions
@@ -279,11 +280,11 @@ class Stage:
                 progress(layer + 1 - self.start, self.end - self.start)
         return state
 
-    def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The routed experts' outputs (wide: through every holder; else from this stage's store), timed: what the
-        stage waits for once its shared experts are done."""
-        finish = self.wide(layer, z, idx) if self.wide is not None else (
-            lambda: routed_outputs(self.cfg, layer, z, idx, self.experts.experts))
+    def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Callable[[], Any]:
+        """The routed experts' weighted sum (wide: through every holder; else from this stage's store), timed: what
+        the stage waits for once its shared experts are done."""
+        finish = self.wide(layer, z, idx, w) if self.wide is not None else (
+            lambda: routed_sum(self.cfg, layer, z, idx, w, self.experts.experts))
         return lambda: self.timings.count_experts(finish)
 
     def _timed_fused(self, fused: FusedExperts) -> FusedExperts:

@@ -1,15 +1,18 @@
 """Wide experts (DESIGN.md): a layer's routed experts computed by every holder of their bytes at once.
 
 The stage side, `WideExperts`, is the model's RoutedExperts (models/moe.py): once a layer's router has chosen, it
-sends each holder the latent rows routed to that holder's experts with the (row, expert) pairs, computes its own
-share meanwhile, and hands back every pair's output, which the model weighs and sums in the one-process order.
-Each expert sees the same rows in the same order wherever it runs, so the result is bit-identical to one process
-(same kernels, same dtype). The holder side, `ExpertHolder`, computes a call's pairs from the worker's expert
-store. How a call reaches a holder (`Peer`) is given: gRPC between workers (worker/peers.py), or direct calls on
-a thread of their own in one process (`LocalPeer`: tests).
+sends each holder only the latent rows of the tokens routed to that holder's experts, with the (row, expert) pairs
+and their routing weights, computes its own share meanwhile, and adds the holders' answers: each holder sends back
+one row per token, its pairs' weighted outputs summed (models.moe.weighted_row_sums), not one row per pair, so the
+bytes back are the bytes out. Each expert sees the same rows in the same order wherever it runs, so every pair's
+output is the one-process path's, bit for bit; the sum of a token's 16 weighted outputs is grouped by holder
+(each holder's share, then the holders in placement order), so a wide stage's result equals one process's to
+fp32 rounding (the order of that sum), not bit for bit. The holder side, `ExpertHolder`, computes a call's pairs
+from the worker's expert store. How a call reaches a holder (`Peer`) is given: gRPC between workers
+(worker/peers.py), or direct calls on a thread of their own in one process (`LocalPeer`: tests).
 
 Shapes: N tokens, k slots, P = N*k pairs (row-major: pair p is token p // k, slot p % k), Ph a holder's pairs,
-Th its distinct rows, De the expert width.
+Th its distinct rows (tokens), De the expert width.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
+from deltafin.models.moe import weighted_row_sums
 from deltafin.plan.expert_placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
@@ -39,8 +43,9 @@ class ExpertCall:
 
     layer: int
     z: torch.Tensor  # [Th, De] the rows routed to this holder's experts, in token order
-    rows: torch.Tensor  # [Ph] int64, into z
+    rows: torch.Tensor  # [Ph] int64, into z, not decreasing (a token's pairs together, in slot order)
     experts: torch.Tensor  # [Ph] int64 expert ids
+    weights: torch.Tensor  # [Ph] fp32 the pairs' routing weights: the holder answers each row's weighted sum
     hints: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
@@ -54,7 +59,8 @@ class Peer(Protocol):
     name: str
 
     def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
-        """Send the call; the returned function waits for its outputs [Ph, De] fp32 (HolderError on failure)."""
+        """Send the call; the returned function waits for its rows' weighted sums [Th, De] fp32 (HolderError on
+        failure)."""
         ...
 
     def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
@@ -120,42 +126,39 @@ class WideExperts:
 
     # ---- RoutedExperts ----------------------------------------------------------------------------------------
 
-    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def __call__(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+                 ) -> Callable[[], torch.Tensor]:
         n_tok, k = idx.shape
-        ids = idx.reshape(-1).cpu()
+        ids, w = idx.reshape(-1).cpu(), weights.reshape(-1).float().cpu()
         rows = torch.arange(n_tok).repeat_interleave(k)
         owner = self._owners[layer][ids]
-        parts: list[tuple[int, torch.Tensor]] = []  # (holder, its pair positions in row-major order)
+        parts: list[tuple[int, ExpertCall, torch.Tensor]] = []  # (holder, its call, the tokens of its rows)
         for h in torch.unique(owner).tolist():
-            parts.append((h, (owner == h).nonzero(as_tuple=True)[0]))
+            sel = (owner == h).nonzero(as_tuple=True)[0]  # its pairs, in row-major order
+            tokens, local_rows = torch.unique(rows[sel], sorted=True, return_inverse=True)
+            parts.append((h, ExpertCall(layer, z[tokens.to(z.device)], local_rows, ids[sel], w[sel]), tokens))
         started = time.monotonic()
-        waits = []
-        for h, sel in parts:
-            if h != self.me:
-                waits.append((h, sel, self._send(layer, h, z, rows[sel], ids[sel])))
+        waits = {h: self.peers[self.placement.holders[h]].call(call) for h, call, _ in parts if h != self.me}
 
         def finish() -> torch.Tensor:
-            out = torch.zeros(n_tok * k, self.cfg.expert_dim, dtype=torch.float32, device=z.device)
-            for h, sel in parts:
+            sums = {}
+            for h, call, _ in parts:
                 if h == self.me:
                     t0 = time.monotonic()
-                    out[sel.to(z.device)] = self.local.pair_outputs(layer, z, rows[sel], ids[sel])  # type: ignore[union-attr]
-                    self._count(h, ids[sel], time.monotonic() - t0)
+                    sums[h] = ExpertHolder.summed(self.local, call, z.device)  # type: ignore[arg-type]
+                    self._count(h, call.experts, time.monotonic() - t0)
             t0 = time.monotonic()
-            for h, sel, wait in waits:
-                out[sel.to(z.device)] = wait().to(z.device)
-                self._count(h, ids[sel], time.monotonic() - started)
+            for h, call, _ in parts:
+                if h in waits:
+                    sums[h] = waits[h]().to(z.device)
+                    self._count(h, call.experts, time.monotonic() - started)
             self.stats.peer_wait_s += time.monotonic() - t0
-            return out.view(n_tok, k, self.cfg.expert_dim)
+            y = torch.zeros(n_tok, self.cfg.expert_dim, dtype=torch.float32, device=z.device)
+            for h, _, tokens in parts:  # the holders' sums, in placement order
+                y[tokens.to(z.device)] += sums[h]
+            return y
 
         return finish
-
-    def _send(self, layer: int, holder: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor
-              ) -> Callable[[], torch.Tensor]:
-        """The holder's pairs with only the rows they need, numbered afresh (in the same token order)."""
-        needed, local_rows = torch.unique(rows, sorted=True, return_inverse=True)
-        call = ExpertCall(layer, z[needed.to(z.device)], local_rows, ids)
-        return self.peers[self.placement.holders[holder]].call(call)
 
     def _count(self, holder: int, ids: torch.Tensor, seconds: float) -> None:
         c = self.stats.holder(self.names[self.placement.holders[holder]])
@@ -226,8 +229,13 @@ class ExpertHolder:
                                                                                                torch.bfloat16):
             raise InvalidInput(f"an expert call's rows must be float32 or bfloat16 [T, {self.cfg.expert_dim}]; got "
                                f"{call.z.dtype} {list(call.z.shape)}")
-        if call.rows.shape != call.experts.shape or call.rows.dim() != 1 or call.pairs == 0:
-            raise InvalidInput("an expert call needs as many rows as experts, and at least one pair")
+        if call.rows.shape != call.experts.shape or call.rows.shape != call.weights.shape or call.rows.dim() != 1 \
+                or call.pairs == 0:
+            raise InvalidInput("an expert call needs as many rows as experts and weights, and at least one pair")
+        if call.weights.dtype != torch.float32 or not bool(torch.isfinite(call.weights).all()):
+            raise InvalidInput("an expert call's weights must be finite float32")
+        if call.pairs > 1 and bool((call.rows[1:] < call.rows[:-1]).any()):
+            raise InvalidInput("an expert call's rows must not decrease (a token's pairs together, in order)")
         if int(call.rows.min()) < 0 or int(call.rows.max()) >= t:
             raise InvalidInput(f"an expert call's rows must be in [0, {t})")
         if int(call.experts.min()) < 0 or int(call.experts.max()) >= e:
@@ -238,13 +246,20 @@ class ExpertHolder:
         if not bool(torch.isfinite(call.z).all()):
             raise InvalidInput("an expert call's rows contain NaN or Inf")
 
+    @staticmethod
+    def summed(store: Provider, call: ExpertCall, device: torch.device) -> torch.Tensor:
+        """Each row's weighted sum of its pairs' outputs [Th, De] fp32, computed from `store`."""
+        out = store.pair_outputs(call.layer, call.z.to(device), call.rows, call.experts)
+        return weighted_row_sums(out, call.rows.to(out.device), call.weights.to(out.device), int(call.z.shape[0]))
+
     @torch.inference_mode()
     def run(self, call: ExpertCall) -> torch.Tensor:
-        """The call's outputs [Ph, De] fp32; its hints go to the store first, behind the call's own reads."""
+        """The call's rows' weighted sums [Th, De] fp32; its hints go to the store first, behind the call's own
+        reads."""
         self.check(call)
         t0 = time.monotonic()
         self.hint(call.hints)
-        out = self.store.pair_outputs(call.layer, call.z.to(self.device), call.rows, call.experts)
+        out = self.summed(self.store, call, self.device)
         with self._lock:
             self.served.calls += 1
             self.served.pairs += call.pairs
@@ -272,13 +287,14 @@ class LocalPeer:
 
 
 def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, ExpertCall]]:
-    """The call cut into pieces of whole experts whose rows and outputs stay under `max_bytes` each, with the
-    positions of each piece's pairs in the call: each expert still sees all its rows, in order, in one piece.
-    (One expert's rows and outputs, at most 8 * De bytes a token, always fit a message that carries a stage's
-    residual state of the same tokens, which is what bounds a forward.)"""
+    """The call cut into pieces of whole experts whose rows and sums stay under `max_bytes` each, with the rows of
+    `call.z` each piece's rows are: each expert still sees all its rows, in order, in one piece, and each piece's
+    answer (its rows' sums over its pairs) adds into the call's. (One expert's rows and sums, at most 8 * De bytes a
+    token, always fit a message that carries a stage's residual state of the same tokens, which is what bounds a
+    forward.)"""
     row_bytes = call.z.shape[1] * 4
     if 2 * call.pairs * row_bytes <= max_bytes:
-        return [(torch.arange(call.pairs), call)]
+        return [(torch.arange(call.z.shape[0]), call)]
     order = torch.argsort(call.experts, stable=True)  # each expert's pairs together, in their order
     counts = torch.bincount(call.experts[order]).tolist()
     pieces, start, size = [], 0, 0
@@ -290,13 +306,11 @@ def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, Ex
         start, size = start + n, size + n
     bounds.append(start)
     for a, b in zip(bounds, bounds[1:], strict=False):
-        sel = order[a:b]
+        sel = torch.sort(order[a:b]).values  # back in the call's order: a token's pairs together
         needed, rows = torch.unique(call.rows[sel], sorted=True, return_inverse=True)
-        pieces.append((sel, ExpertCall(call.layer, call.z[needed], rows, call.experts[sel],
-                                       call.hints if not pieces else ())))
+        pieces.append((needed, ExpertCall(call.layer, call.z[needed], rows, call.experts[sel], call.weights[sel],
+                                          call.hints if not pieces else ())))
     return pieces
-
-
 
 
 def wide_stats(store: Any, holder: ExpertHolder, wide: WideExperts | None, own_layers: range,

@@ -283,6 +283,7 @@ def encode_expert_call(call: ExpertCall | None, hints: Hints = ()) -> pb.ExpertR
         msg.z.CopyFrom(encode_tensor(call.z))
         msg.rows.CopyFrom(encode_tensor(call.rows))
         msg.experts.CopyFrom(encode_tensor(call.experts))
+        msg.weights.CopyFrom(encode_tensor(call.weights))
     return msg
 
 
@@ -290,14 +291,17 @@ def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]
     """(the call, or None when the message only hints; its hints)."""
     hints = tuple((h.layer, tuple(h.experts)) for h in msg.hints)
     if not msg.HasField("z"):
-        if msg.HasField("rows") or msg.HasField("experts"):
-            raise CodecError("an expert call needs its rows z with rows and experts")
+        if msg.HasField("rows") or msg.HasField("experts") or msg.HasField("weights"):
+            raise CodecError("an expert call needs its rows z with rows, experts and weights")
         return None, hints
+    if not msg.HasField("weights"):
+        raise CodecError("an expert call needs its pairs' weights")
     z = decode_tensor(msg.z, "expert call z")
     rows, experts = decode_tensor(msg.rows, "expert call rows"), decode_tensor(msg.experts, "expert call experts")
+    weights = decode_tensor(msg.weights, "expert call weights")
     if rows.dtype != torch.int64 or experts.dtype != torch.int64:
         raise CodecError("an expert call's rows and experts must be int64")
-    return ExpertCall(msg.layer, z, rows, experts, hints), hints
+    return ExpertCall(msg.layer, z, rows, experts, weights, hints), hints
 
 
 def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:

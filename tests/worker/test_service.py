@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import grpc
@@ -181,17 +182,17 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
 
 
 def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served, tiny_dir):
-    """A worker assigned no layers of a wide plan serves its experts: a call's outputs are the experts' on its
-    rows (as the one-process loop computes them), hints are taken at once, and calls it cannot compute get a
-    status that says why."""
+    """A worker assigned no layers of a wide plan serves its experts: a call's answer is each row's weighted sum of
+    its pairs' expert outputs (each as the one-process loop computes it), hints are taken at once, and calls it
+    cannot compute get a status that says why."""
     serving, cfg = served
 
     async def run():
         options = codec.encode_stage_options({"dtype": "fp32", "expert_layers": len(cfg.moe_layers),
                                               "expert_cache_bytes": 10**6})
         g = torch.Generator().manual_seed(1)
-        call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 2, 2, 1]),
-                          torch.tensor([4, 4, 6, 1]))  # all in this worker's half of the experts, below
+        call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 1, 2, 2]),
+                          torch.tensor([4, 1, 4, 6]), torch.tensor([0.5, 2.0, 0.25, 1.0]))  # all in this worker's half
 
         def plan_of(*holders: Holder) -> pb.ExpertPlan:
             placement = ExpertPlacement.build([h.key for h in holders], cfg.moe_layers, cfg.num_experts,
@@ -220,8 +221,8 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
                 pass
             assert (await stub.Info(pb.InfoRequest(), timeout=5)).state == "ready"
             got = codec.decode_tensor((await stub.RunExperts(codec.encode_expert_call(call), timeout=30)).outputs, "o")
-            dense = ExpertCall(0, call.z, call.rows, call.experts)  # layer 0 has no experts to hold
-            outside = ExpertCall(call.layer, call.z, torch.tensor([0, 5, 1, 1]), call.experts)  # row 5 of 3
+            dense = dataclasses.replace(call, layer=0)  # layer 0 has no experts to hold
+            outside = dataclasses.replace(call, rows=torch.tensor([0, 1, 1, 5]))  # row 5 of 3
             for bad_call, code in [(dense, grpc.StatusCode.FAILED_PRECONDITION),
                                    (outside, grpc.StatusCode.INVALID_ARGUMENT)]:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -234,8 +235,9 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
                                           timeout=5)).ByteSize() == 0  # hints: answered at once, read behind
         ckpt = open_checkpoint(tiny_dir, cfg)
         resident = ResidentExperts(ckpt, cfg.moe_layers, torch.device("cpu"))
-        want = expert_outputs(cfg, call.layer, call.z, call.rows, call.experts, resident.experts)
-        assert torch.equal(got, want)
+        pairs = expert_outputs(cfg, call.layer, call.z, call.rows, call.experts, resident.experts)
+        want = torch.stack([pairs[0] * 0.5, pairs[1] * 2.0, pairs[2] * 0.25 + pairs[3] * 1.0])
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
     asyncio.run(run())
 

@@ -275,18 +275,20 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("layer", "z", "rows", "experts", "hints")
+    __slots__ = ("layer", "z", "rows", "experts", "hints", "weights")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Z_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     z: Tensor
     rows: Tensor
     experts: Tensor
     hints: _containers.RepeatedCompositeFieldContainer[ExpertHint]
-    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ...) -> None: ...
+    weights: Tensor
+    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ExpertHint(_message.Message):
     __slots__ = ("layer", "experts")

@@ -1,7 +1,8 @@
 """Wide experts with real worker processes on 127.0.0.1: every worker computes its share of every layer's experts
-for every stage, worker to worker. 1, 2 and 3 wide workers give exactly what one process gives; so do a worker
-with no layers of its own (an expert holder only), drafting and the prefix cache; a worker with two disks reads
-from both; the counters and the -v log say who read and computed what."""
+for every stage, worker to worker. 1, 2 and 3 wide workers give what one process gives (one worker and local
+experts bit for bit, wide workers to fp32 rounding: tests/support/wide.py's WIDE_CLOSE, with the same greedy
+tokens); so do a worker with no layers of its own (an expert holder only), drafting and the prefix cache; a worker
+with two disks reads from both; the counters and the -v log say who read and computed what."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from tests.coordinator.cluster.test_workers import PROMPT, _run
 from tests.support.cluster import COORDINATOR, WorkerProcess, workers
+from tests.support.wide import wide_close
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,9 @@ def test_wide_workers_equal_one_process(small_dir, local_result, n, experts):
 
         (prefill, ids, rows), stats = asyncio.run(run())
     want_prefill, want_ids, want_rows = local_result
-    assert torch.equal(prefill, want_prefill)  # fp32 on the CPU: bit-identical
-    assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(rows, want_rows, strict=True))
+    same = torch.equal if not (experts == "wide" and n > 1) else wide_close  # fp32 on the CPU: bit-identical
+    assert same(prefill, want_prefill)
+    assert ids == want_ids and all(same(a, b) for a, b in zip(rows, want_rows, strict=True))
     if experts == "wide" and n > 1:  # every worker computed other stages' experts, and read for them
         assert all(s["wide"]["calls_served"] > 0 and s["wide"]["others_expert_bytes"] > 0 for s in stats), stats
 
@@ -82,7 +85,7 @@ def test_a_worker_without_layers_serves_its_share(small_dir, local_result, tmp_p
         finally:
             extra.stop()
         log = extra.log()
-    assert torch.equal(prefill, local_result[0]) and ids == local_result[1]
+    assert wide_close(prefill, local_result[0]) and ids == local_result[1]
     holder = next(s for s in stats if s["name"] == "holder")
     assert holder["layers"] == [0, 0] and holder["wide"]["calls_served"] > 0 and holder["plan"]["sessions"] == 0
     assert "expert holder on cpu" in log
@@ -116,7 +119,7 @@ def test_drafting_and_the_prefix_cache_through_wide_workers(small_dir):
             return await _speculate_and_resume(backend)
 
         got = asyncio.run(run())
-    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(got) == len(want) and all(wide_close(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_worker_reads_its_experts_from_two_disks(tiny_dir, tmp_path):

@@ -99,15 +99,20 @@ def test_expert_calls_and_plans_round_trip():
 
     g = torch.Generator().manual_seed(0)
     call = ExpertCall(3, torch.randn(4, 16, generator=g), torch.tensor([0, 1, 1, 3]), torch.tensor([7, 2, 9, 2]),
-                      ((4, (1, 5)), (5, (0,))))
+                      torch.tensor([0.5, 0.25, 0.75, 1.0]), ((4, (1, 5)), (5, (0,))))
     wire = codec.encode_expert_call(call).SerializeToString()
     back, hints = codec.decode_expert_call(pb.ExpertRequest.FromString(wire))
     assert back is not None and back.layer == 3 and hints == call.hints
-    assert all(torch.equal(getattr(back, f), getattr(call, f)) for f in ("z", "rows", "experts"))
+    assert all(torch.equal(getattr(back, f), getattr(call, f)) for f in ("z", "rows", "experts", "weights"))
     only, hints = codec.decode_expert_call(codec.encode_expert_call(None, ((2, (8, 1)),)))
     assert only is None and hints == ((2, (8, 1)),)
     with pytest.raises(CodecError, match="int64"):
-        codec.decode_expert_call(codec.encode_expert_call(ExpertCall(3, call.z, call.rows.int(), call.experts)))
+        codec.decode_expert_call(codec.encode_expert_call(ExpertCall(3, call.z, call.rows.int(), call.experts,
+                                                                     call.weights)))
+    unweighted = codec.encode_expert_call(call)
+    unweighted.ClearField("weights")
+    with pytest.raises(CodecError, match="weights"):
+        codec.decode_expert_call(unweighted)
 
     placement = ExpertPlacement.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
     plan = ExpertPlan(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
