@@ -183,3 +183,9 @@ class ClusterSecurity:
 
     def metadata(self, method: str) -> tuple[tuple[str, str], ...] | None:
         return sign(self.key, method) if self.key is not None else None
+
+    def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        """A channel to `address`: over TLS when there is TLS (its options added), else in the clear."""
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, self.tls.credentials(), options=options + self.tls.options())
