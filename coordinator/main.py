@@ -43,6 +43,7 @@ from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
+from deltafin.plan.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.transport.ports import cannot_listen, check_free
@@ -93,8 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text")
     add_sampling_options(g, temperature=0.0, max_tokens=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) at the end")
-    add_speculative_option(command("plan", help="find workers and print the layer plan (assigns nothing); with "
-                                                   "--local, this process's plan (loads nothing)"))
+    pl = command("plan", help="find workers and print the layer plan (assigns nothing); with --local, this "
+                              "process's plan (loads nothing)",
+                 description="Find the workers, measure the links to and between them, and print the plan: each "
+                 "stage's layers, spine and memory, the links, the experts' mode and why, and the predicted time of "
+                 "a token and of a prompt's first token (disks and links). Assigns nothing.")
+    add_speculative_option(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object instead of the table")
+    pl.add_argument("--prompt-tokens", type=int, action="append", default=[], metavar="N",
+                    help="also predict the first token of a prompt of N tokens (repeatable; JSON: prompts)")
     _add_serve_options(command("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION))
     b = command("bench", help="concurrent requests through the serving engine: tok/s and stage utilization",
                        description="For each concurrency N, N requests at once (seeded random prompts, exactly "
@@ -162,9 +170,12 @@ async def cmd_plan(args: argparse.Namespace) -> int:
     spec = cluster_spec(cluster, planned_stage(stage, serving), cfg)
     workers = await find_workers(spec)
     try:
-        plan = plan_cluster(spec, cfg, workers)
-        print(plan.table())
-        print("\n".join(download_commands(plan)))
+        plan = await plan_cluster(spec, cfg, workers)
+        if args.json:
+            print(json.dumps(plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), indent=1))
+        else:
+            print(plan.table())
+            print("\n".join(download_commands(plan)))
     finally:
         await asyncio.gather(*(c.close() for c, _ in workers))
     return 0

@@ -163,28 +163,33 @@ MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 G
 
 
 def _mac_projection(cfg) -> list[str]:
-    """Each cluster's rows: its experts local (the stages one after another), and with more than one Mac wide (every
-    SSD reading at once: the plan's prediction)."""
+    """Each cluster's rows, per link kind between its Macs (plan/links.py PROFILES): the experts `--experts auto`
+    chooses for that link (plan/modes.py), what a token reads, its time (disks and links, over the assumed
+    efficiency) and a 4K prompt's first token."""
     from deltafin.plan.cluster_plan import WorkerCapacity
-    from deltafin.plan.planner import plan_layers
+    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.modes import choose_mode
+    from deltafin.plan.predict import prefill_seconds
+    from deltafin.plan.sizing import SizingOptions
 
     rows = []
     for label, n, budget_gb in MACS:
         workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
                                   device="mps", worker_id=str(i)) for i in range(n)]
-        for experts in ("local", "wide") if n > 1 else ("local",):
-            plan = plan_layers(cfg, workers, experts=experts)
+        for kind in PROFILES if n > 1 else ("—",):
+            links = Links(assumed=PROFILES[kind]) if n > 1 else Links()
+            plan = choose_mode(cfg, workers, SizingOptions(), 4, "auto", links)
             stages = [s.sizing for s in plan.workers]
             resident = sum(len(z.resident_layers) for z in stages)
             read = sum(z.expert_bytes_per_token for z in stages) / 1e9
             spine = sum(z.spine_bytes_per_token for z in stages) / 1e9
-            cache = sum(z.expert_cache for z in stages) / 1e9
             seconds = plan.seconds_per_token / EFFICIENCY
+            prompt = prefill_seconds(cfg, plan, 4096).total / EFFICIENCY
             what = f"{stages[0].spine} spine, {resident} of {cfg.num_layers} layers resident"
-            what += f", {cache:.0f} GB of expert cache" if n > 1 else ""
             each = f" ({max(z.expert_bytes_per_token for z in stages) / 1e9:.1f} a Mac)" if plan.wide else ""
-            rows.append(f"| {label} | {experts if n > 1 else '—'} | {what} | {read:.1f} + {spine:.1f} = "
-                        f"{read + spine:.1f}{each} | {seconds:.1f} s | {1 / seconds:.3f} |")
+            experts = ("wide" if plan.wide else "local") if n > 1 else "—"
+            rows.append(f"| {label} | {kind} | {experts} | {what} | {read:.1f} + {spine:.1f} = {read + spine:.1f}"
+                        f"{each} | {seconds:.2f} s | {1 / seconds:.3f} | {prompt / 60:.1f} min |")
     return rows
 
 
@@ -203,8 +208,8 @@ def _first_token_projection(cfg) -> list[str]:
     plan sizes them now: the planner's prediction from bytes and disk speeds over the assumed efficiency, and
     the same plans' decode time per token."""
     from deltafin.plan.cluster_plan import WorkerCapacity
-    from deltafin.plan.first_token import PROMPT_LENGTHS
     from deltafin.plan.planner import plan_layers
+    from deltafin.plan.predict import PROMPT_LENGTHS
     from deltafin.plan.sizing import SizingOptions
 
     rows = []
@@ -216,7 +221,7 @@ def _first_token_projection(cfg) -> list[str]:
                                experts="wide" if n > 1 else "local")
             tokens = min(s.sizing.forward_tokens for s in plan.stages)
             assert [k for k, _ in plan.first_token] == list(PROMPT_LENGTHS)
-            times = " | ".join(f"{t / EFFICIENCY / 60:.1f} min" for _, t in plan.first_token)
+            times = " | ".join(f"{t.total / EFFICIENCY / 60:.1f} min" for _, t in plan.first_token)
             rows.append(f"| {label} | {'512 (before)' if forward else f'{tokens:,}'} | {times} | "
                         f"{plan.seconds_per_token / EFFICIENCY:.2f} s |")
     return rows

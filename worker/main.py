@@ -31,12 +31,12 @@ from deltafin.plan.sizing import Placement
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
-from deltafin.transport.discovery import Announcer
-from deltafin.transport.ports import check_free
+from deltafin.transport.discovery import Announcer, interface_addresses
+from deltafin.transport.ports import check_address, check_free
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.spine_convert import spine_disk
-from deltafin.worker.service import WorkerService, create_server
+from deltafin.worker.service import WorkerService, create_server, expire_sessions
 
 log = logging.getLogger("deltafin.worker")
 
@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1; use 0.0.0.0 or a LAN address to serve other "
                    "machines, on a network you trust: the worker runs whatever a coordinator asks)")
     p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed at start)")
+    p.add_argument("--advertise", action="append", default=[], metavar="HOST:PORT", type=_address,
+                   help="an address this worker is reached at, announced instead of the one it listens on "
+                   "(repeatable: a Thunderbolt bridge's and Wi-Fi's, a forwarded port's); with --host 0.0.0.0 and "
+                   "none given, every interface's address is announced. A coordinator measures each and uses the "
+                   "fastest")
     add_device_options(p)
     p.add_argument("--name", default=None, help="name in the announcement and plans (default: host name)")
     p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
@@ -83,6 +88,14 @@ def _add_security_options(p: argparse.ArgumentParser) -> None:
                      "with TLS and presents its own --tls-cert")
     sec.add_argument("--tls-server-name", default=None,
                      help="the name other workers' certificates carry, when it is not the address dialled")
+
+
+def _address(text: str) -> str:
+    """--advertise's value, checked as HOST:PORT (argparse says the error with the flag's name)."""
+    try:
+        return check_address(text, "")
+    except DeltafinError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
 
 
 def _loopback(host: str) -> bool:
@@ -166,6 +179,15 @@ def _short(problem: Any) -> str:
     return f"{name} is damaged (layers {layers}): copy or download it again"
 
 
+def reached_at(host: str, port: int, advertised: list[str]) -> tuple[str, ...]:
+    """The addresses this worker announces it is reached at, for a coordinator to choose the fastest from: the
+    `advertised` ones where given, else each interface's IPv4 address where it listens on all of them, else none
+    (it is reached where it was found)."""
+    if advertised:
+        return tuple(dict.fromkeys(advertised))
+    return tuple(f"{ip}:{port}" for ip in interface_addresses()) if host in ("0.0.0.0", "::") else ()
+
+
 def damaged(ckpt: Any) -> list[Any]:
     """The problems of damaged files on this worker's disk (not of shards it does not hold: a worker's share of
     a checkpoint leaves those out on purpose)."""
@@ -204,8 +226,9 @@ async def serve(args: argparse.Namespace) -> int:
     max_message = int(args.max_message_mb * (1 << 20))
     service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)
     server, port = await create_server(service, args.host, args.port, max_message, key, tls)
-    sweeper = asyncio.ensure_future(service.expire_sessions(args.session_ttl))
-    desc = dataclasses.replace(desc, address=f"{args.host}:{port}")
+    sweeper = asyncio.ensure_future(expire_sessions(service, args.session_ttl))
+    desc = dataclasses.replace(desc, address=f"{args.host}:{port}", addresses=reached_at(args.host, port,
+                                                                                         args.advertise))
     service.description = desc
     # zeroconf's blocking API runs its own loop: keep it off ours
     announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,

@@ -3,8 +3,9 @@
 A stage thread sends a layer's expert calls (wide.Peer) and waits for them while it computes its own share; the
 calls themselves run on the worker's event loop, signed with the cluster key and over TLS exactly as the
 coordinator's calls are (a worker that serves TLS calls its peers with TLS, presenting its own certificate for
-mutual TLS). Each call is watched: a holder that answers no liveness probe for `lost_after` seconds is lost, and
-the stage's forward fails with UNAVAILABLE naming it, which the coordinator recovers from by planning again.
+mutual TLS). Each call is watched (transport/liveness.py): a holder that answers no liveness probe (sent over a
+channel of their own, never behind a call's data) for `lost_after` seconds is lost, and the stage's forward fails
+with UNAVAILABLE naming it, which the coordinator recovers from by planning again.
 Calls bigger than the message cap go in pieces of whole experts (wide.call_pieces).
 """
 
@@ -20,18 +21,22 @@ import torch
 
 from deltafin.errors import CodecError, HolderError
 from deltafin.plan.expert_placement import ExpertPlan, Holder
+from deltafin.plan.links import Link
 from deltafin.runtime.wide import ExpertCall, call_pieces
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, Hints
+from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, await_watched
+from deltafin.transport.ports import check_address
 
 log = logging.getLogger(__name__)
 
 SERVICE = "/deltafin.v1.Worker/"
 HINT_TIMEOUT = 5.0  # seconds a hint may take before it is dropped (it only starts reads early)
+LINK_TIMEOUT = 30.0  # seconds one probe of a link may take (its largest transfer, on a slow link)
 CALL_UNIT = 512  # tokens of the call timeout's unit (the coordinator's --forward-timeout is per 512 tokens)
 
 
@@ -48,10 +53,11 @@ class GrpcPeer:
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                    ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
-        tls = security.tls
-        self.channel = (grpc.aio.secure_channel(holder.address, tls.credentials(), options=options + tls.options())
-                        if tls is not None else grpc.aio.insecure_channel(holder.address, options=options))
+        self.channel = security.channel(holder.address, options)
         self.stub = pb_grpc.WorkerStub(self.channel)
+        # the liveness probes on a connection of their own: they never queue behind a call's bulk data
+        self.probe_channel = security.channel(holder.address, options)
+        self.probes = pb_grpc.WorkerStub(self.probe_channel)
         self._hints: set[Future] = set()
 
     def _md(self, method: str) -> tuple[tuple[str, str], ...] | None:
@@ -62,7 +68,7 @@ class GrpcPeer:
     def call(self, call: ExpertCall) -> Callable[[], torch.Tensor]:
         pieces = call_pieces(call, self.max_message_bytes - self.max_message_bytes // 8)
         futures = [asyncio.run_coroutine_threadsafe(self._run(codec.encode_expert_call(piece),
-                                                              int(piece.z.shape[0])), self.loop)
+                                                              int(piece.z.shape[0]), piece.bf16), self.loop)
                    for _, piece in pieces]
 
         def finish() -> torch.Tensor:  # on the stage's thread: each piece's deadline and probes bound the wait
@@ -82,10 +88,10 @@ class GrpcPeer:
 
     # ---- on the event loop -----------------------------------------------------------------------------------
 
-    async def _run(self, request: pb.ExpertRequest, tokens: int) -> torch.Tensor:
+    async def _run(self, request: pb.ExpertRequest, tokens: int, bf16: bool) -> torch.Tensor:
         deadline = self.plan.call_timeout * max(1.0, tokens / CALL_UNIT)
         rpc = self.stub.RunExperts(request, timeout=deadline, metadata=self._md("RunExperts"))
-        probe = lambda: self.stub.Info(pb.InfoRequest(), timeout=self.plan.probe_interval, metadata=self._md("Info"))
+        probe = lambda: self.probes.Info(pb.InfoRequest(), timeout=self.plan.probe_interval, metadata=self._md("Info"))
         who = f"{self.name} ({self.holder.address})"
         try:
             response = await await_watched(rpc, probe, self.plan.probe_interval, self.plan.lost_after)
@@ -98,9 +104,10 @@ class GrpcPeer:
             out = codec.decode_tensor(response.outputs, "expert outputs")
         except CodecError as e:
             raise HolderError(who, "DATA_LOSS", str(e)) from None
-        if out.dtype != torch.float32 or tuple(out.shape) != (tokens, self.expert_dim):
+        want = torch.bfloat16 if bf16 else torch.float32
+        if out.dtype != want or tuple(out.shape) != (tokens, self.expert_dim):
             raise HolderError(who, "DATA_LOSS", f"answered {out.dtype} {list(out.shape)} for {tokens} rows")
-        return out
+        return out.float()
 
     async def _hint(self, request: pb.ExpertRequest) -> None:
         try:
@@ -109,7 +116,7 @@ class GrpcPeer:
             log.debug("hint to %s failed: %s", self.name, e.code().name)
 
     async def close(self) -> None:
-        await self.channel.close()
+        await asyncio.gather(self.channel.close(), self.probe_channel.close())
 
 
 class Peers:
@@ -134,6 +141,27 @@ class Peers:
             else:
                 self.peers[key] = GrpcPeer(holder, plan, expert_dim, loop, self.security, self.max_message_bytes)
         return dict(self.peers)
+
+    async def measure(self, address: str) -> Link:
+        """This worker's link to the worker at `address` (transport/echo.py), over a channel of its own."""
+        check_address(address, "a link's far end")
+        tls = self.security.tls
+        options = [("grpc.max_receive_message_length", self.max_message_bytes),
+                   ("grpc.max_send_message_length", self.max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        async with (grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
+                    if tls is not None else grpc.aio.insecure_channel(address, options=options)) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            md = self.security.metadata(SERVICE + "Echo")
+
+            async def echo(payload: bytes, reply_bytes: int) -> int:
+                reply = await stub.Echo(pb.EchoRequest(payload=payload, reply_bytes=reply_bytes), timeout=LINK_TIMEOUT,
+                                        metadata=md)
+                return len(reply.payload)
+
+            try:
+                return await measure(echo, address)
+            except grpc.aio.AioRpcError as e:
+                raise HolderError(address, e.code().name, f"its link cannot be measured: {e.details()}") from None
 
     async def close(self) -> None:
         for peer in self.peers.values():

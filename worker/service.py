@@ -34,6 +34,7 @@ from deltafin.transport import codec
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
 from deltafin.transport.decoding import DecodeGuard
+from deltafin.transport.echo import MAX_REPLY
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
@@ -270,22 +271,37 @@ class WorkerService(pb_grpc.WorkerServicer):
         stats["rss_peak_bytes"] = peak_rss()
         return pb.StatsResponse(stats=codec.encode_stats(stats))
 
-    async def expire_sessions(self, idle_seconds: float) -> None:
-        """Forever: every so often, drop sessions idle for longer than `idle_seconds`."""
-        while True:
-            await asyncio.sleep(max(1.0, min(60.0, idle_seconds / 4)))
-            stage = self.stage
-            if stage is None:
-                continue
-            gone = await self.slot.on_stage_thread(stage.expire, idle_seconds)
-            if gone:
-                log.info("expired %d idle sessions (TTL %.0fs)", len(gone), idle_seconds)
+    async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoReply:
+        if not 0 <= request.reply_bytes <= MAX_REPLY:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes must be in [0, {MAX_REPLY}]")
+        return pb.EchoReply(payload=bytes(request.reply_bytes))
+
+    async def MeasureLink(self, request: pb.MeasureLinkRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.LinkMeasure:
+        try:
+            link = await self.peers.measure(request.address)
+        except Exception as e:
+            await self._fail(context, e)
+        return pb.LinkMeasure(rtt_s=link.rtt_s, up_bps=link.up_bps, down_bps=link.down_bps,
+                              probe_bytes=link.probe_bytes)
 
     def close(self) -> None:
         for flag in self.running.values():
             flag.set()
         self.expert_executor.shutdown(wait=True)
         self.slot.close()
+
+
+async def expire_sessions(service: WorkerService, idle_seconds: float) -> None:
+    """Forever: every so often, drop the sessions of `service`'s stage idle for longer than `idle_seconds`."""
+    while True:
+        await asyncio.sleep(max(1.0, min(60.0, idle_seconds / 4)))
+        stage = service.stage
+        if stage is None:
+            continue
+        gone = await service.slot.on_stage_thread(stage.expire, idle_seconds)
+        if gone:
+            log.info("expired %d idle sessions (TTL %.0fs)", len(gone), idle_seconds)
 
 
 async def create_server(service: WorkerService, host: str, port: int,

@@ -22,15 +22,17 @@ import torch
 
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.plan.links import Link
 from deltafin.runtime.pipeline import LocalPipeline, route
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
-from deltafin.transport.liveness import Silent, await_watched
+from deltafin.transport.liveness import Silent, Watch, await_watched, receiving, sending
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,7 @@ class LocalBackend:
 
 
 FORWARD_UNIT = 512  # tokens of one default prompt chunk (--prefill-chunk)
+PART_BYTES = 1 << 20  # a forward's parts, each way: each one a sign of life (liveness.py), ~8 s apart at 1 Mbit/s
 
 
 @dataclass
@@ -193,14 +196,13 @@ class WorkerClient:
                    # its own (a shared subchannel would still be backing off from the dead process)
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                    ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
-        tls = self.security.tls
-        if tls is not None:
-            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
-        else:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = self.security.channel(address, options)
         self.stub = pb_grpc.WorkerStub(self.channel)
+        # Info (the liveness probe) on a connection of its own: it never queues behind a forward's bulk data
+        self.probe_channel = self.security.channel(address, options)
+        self.probes = pb_grpc.WorkerStub(self.probe_channel)
         self.start = self.end = 0
-        self.part_bytes = max_message_bytes - max_message_bytes // 8  # tensor data a message carries, at most
+        self.part_bytes = min(PART_BYTES, max_message_bytes - max_message_bytes // 8)  # tensor data a message carries
 
     def _md(self, method: str) -> Any:
         return self.security.metadata(SERVICE + method)
@@ -210,13 +212,34 @@ class WorkerClient:
 
     async def info(self, timeout: float | None = None) -> codec.WorkerDescription:
         try:
-            msg = await self.stub.Info(pb.InfoRequest(), timeout=timeout or self.timeouts.control,
-                                       metadata=self._md("Info"))
+            msg = await self.probes.Info(pb.InfoRequest(), timeout=timeout or self.timeouts.control,
+                                         metadata=self._md("Info"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         d = codec.decode_info(msg, self.address)
         self.name = d.name or self.name
         return d
+
+    async def measure_link(self) -> Link:
+        """The coordinator's link to this worker (transport/echo.py)."""
+        async def echo(payload: bytes, reply_bytes: int) -> int:
+            reply = await self.stub.Echo(pb.EchoRequest(payload=payload, reply_bytes=reply_bytes),
+                                         timeout=self.timeouts.control, metadata=self._md("Echo"))
+            return len(reply.payload)
+
+        try:
+            return await measure(echo, self.address)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+
+    async def measure_link_to(self, address: str) -> Link:
+        """This worker's link to the worker at `address`, measured by this worker."""
+        try:
+            m = await self.stub.MeasureLink(pb.MeasureLinkRequest(address=address), timeout=self.timeouts.control,
+                                            metadata=self._md("MeasureLink"))
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from None
+        return Link(m.rtt_s, m.up_bps, m.down_bps, address, m.probe_bytes)
 
     async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
                      progress: Any = None, experts: ExpertPlan | None = None) -> None:
@@ -237,24 +260,26 @@ class WorkerClient:
 
     async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str,
                       progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
-        """One stage's forward, watched: if the worker stops answering probes for `lost_after` seconds,
-        the call is abandoned with WorkerLost (a frozen process never reaches its deadline otherwise). The
-        probes' answers say how far the forward is: `progress(layers done, layers)`."""
+        """One stage's forward, watched (transport/liveness.py): if the worker shows no sign of life (a probe
+        answered, a part of the call sent or received) for `lost_after` seconds, the call is abandoned with
+        WorkerLost (a frozen process never reaches its deadline otherwise). The probes' answers say how far the
+        forward is: `progress(layers done, layers)`."""
         tokens = sum(item.num_tokens for item in batch)
         deadline = self.timeouts.forward_deadline(tokens)
 
         async def probe() -> None:
-            info = await self.stub.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
-                                        metadata=self._md("Info"))
+            info = await self.probes.Info(pb.InfoRequest(), timeout=self.timeouts.probe_interval,
+                                          metadata=self._md("Info"))
             if progress is not None and info.forward_layers:
                 progress(info.forward_layers_done, info.forward_layers)
 
         # in parts: a long prompt's states (or the ones that come back) may be larger than one message
         parts = codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes)
-        call = self.stub.ForwardParts(iter(parts), timeout=deadline, metadata=self._md("ForwardParts"))
+        watch = Watch()
+        call = self.stub.ForwardParts(sending(parts, watch), timeout=deadline, metadata=self._md("ForwardParts"))
         try:
             response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after,
-                                           _collect(call))
+                                           receiving(call, watch), watch)
         except Silent as e:
             raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
         except grpc.aio.AioRpcError as e:
@@ -304,11 +329,7 @@ class WorkerClient:
         return (r.prefix_id, r.length) if r.prefix_id else None
 
     async def close(self) -> None:
-        await self.channel.close()
-
-
-async def _collect(call: Any) -> list[pb.ForwardResponse]:
-    return [part async for part in call]
+        await asyncio.gather(self.channel.close(), self.probe_channel.close())
 
 
 class ClusterBackend:

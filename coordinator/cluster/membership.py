@@ -84,7 +84,7 @@ class Membership:
         current = await probe_workers(cur.spec, in_use, quiet=True, timeout=cur.probe_timeout())
         workers = current + new
         try:
-            better = len(plan_cluster(cur.spec, cur.cfg, workers).workers) > len(cur.plan.workers)
+            better = len((await plan_cluster(cur.spec, cur.cfg, workers)).workers) > len(cur.plan.workers)
         except DeltafinError:
             better = False
         if not better or self.journal.sessions:

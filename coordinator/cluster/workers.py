@@ -20,11 +20,12 @@ import grpc
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import fingerprint
 from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
+from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder
-from deltafin.plan.planner import plan_layers
+from deltafin.plan.modes import choose_mode
 from deltafin.plan.sizing import SizingOptions
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -52,7 +53,8 @@ class ClusterSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
-    experts: str = "auto"  # wide | local | auto: wide when the plan has more than one worker
+    experts: str = "auto"  # wide | local | auto: whichever the plan predicts faster, with more than one worker
+    probe: LinkProbe = field(default_factory=LinkProbe)  # the links measured so far (kept across re-plans)
 
 
 Worker = tuple[WorkerClient, WorkerDescription]
@@ -108,7 +110,8 @@ async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = F
             usable.append((client, info))
             continue
         await client.close()
-    return usable
+    return await spec.probe.fastest(usable, lambda address: WorkerClient(
+        address, timeouts=spec.timeouts, security=spec.security, max_message_bytes=spec.max_message_bytes))
 
 
 _REFUSALS_SEEN: set[str] = set()  # refusals already warned about by quiet probes
@@ -139,13 +142,15 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
             for _, d in workers]
 
 
-def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
-    """The layers over the workers; with `--experts auto`, the experts wide when more than one worker answers."""
+async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
+    """The layers over the workers, priced with the links measured to and between them (link_probe.py); with
+    `--experts auto` and more than one worker, wide or local experts, whichever the plan predicts faster
+    (plan/modes.py), and why."""
     if spec.experts not in EXPERT_MODES:
         raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
     caps = capacities(workers, spec.memory_cap)
-    mode = spec.experts if spec.experts != "auto" else ("wide" if len(workers) > 1 else "local")
-    plan = plan_layers(cfg, caps, spec.sizing, spec.act_bytes, experts=mode)
+    links = await spec.probe.links(workers, pairs=len(workers) > 1 and spec.experts != "local")
+    plan = choose_mode(cfg, caps, spec.sizing, spec.act_bytes, spec.experts, links)
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
               plan.table())
     return plan
@@ -183,7 +188,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     serving exactly that (the same layers and options: a re-plan that left it alone) keeps its stage and its
     caches, and with wide experts its store when only the placement changed (runtime/assigned.py)."""
     try:
-        plan = plan_cluster(spec, cfg, workers)
+        plan = await plan_cluster(spec, cfg, workers)
     except DeltafinError:
         await asyncio.gather(*(c.close() for c, _ in workers))
         raise

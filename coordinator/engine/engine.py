@@ -31,7 +31,7 @@ from deltafin.coordinator.engine.token_loop import (
 )
 from deltafin.errors import DeltafinError, PromptTooLong, ShuttingDown
 from deltafin.options import PREFILL_BATCHES, check_choice
-from deltafin.plan.first_token import forward_read_bytes
+from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions

@@ -1,4 +1,5 @@
-"""`deltafin bench --quality`: what a spine format costs, measured against the spine as stored.
+"""`deltafin bench --quality`: what a spine format costs, measured against the spine as stored; with `--wire bf16`,
+what the lossy wire costs, measured against one process.
 
 The same token sequences go through two in-process stages of the same checkpoint: one with the spine as stored
 (bf16) and one with the format asked for (`--spine`). At every position but each sequence's last: the format's
@@ -107,10 +108,31 @@ def spine_quality(model: str | Path, spine: str, sequences: list[list[int]], dev
     finally:
         for pipe in pipes:
             pipe.close()
+    return {**_figures(model, sums), "spine": spine, "stored_spine": STORED}
+
+
+def wire_quality(model: str | Path, wire: str, sequences: list[list[int]], device: str = "cpu",
+                 tokens: int | None = None) -> dict[str, Any]:
+    """What `wire` costs: two wide stages, each holding half of every layer's experts (runtime/local_wide.py), whose
+    hop and whose calls to each other round what crosses as the links would carry it, against one process (the
+    spine as stored in both); the same figures as `spine_quality`."""
+    from deltafin.runtime.local_wide import LocalWide  # (lazily: the wide stages load only here)
+
+    one = LocalPipeline.load(model, 1, device=device)
+    wide = LocalWide(Path(model), 2, device=torch.device(device), wire=wire)
+    try:
+        sums = compare(one, wide.pipeline, sequences, tokens)
+    finally:
+        one.close()
+        wide.close()
+    return {**_figures(model, sums), "wire": wire, "against": "one process (the wire's fp32)"}
+
+
+def _figures(model: str | Path, sums: dict) -> dict[str, Any]:
     n = sums["count"]
     if n == 0:
         raise DeltafinError("no position to measure: every sequence has fewer than 2 tokens")
-    return {"model": str(model), "spine": spine, "stored_spine": STORED, "tokens": n,
-            "perplexity": round(math.exp(sums["nats"]["other"] / n), 4),
+    return {"model": str(model), "tokens": n, "perplexity": round(math.exp(sums["nats"]["other"] / n), 4),
             "perplexity_stored": round(math.exp(sums["nats"]["stored"] / n), 4),
             "kl_vs_stored": round(sums["kl"] / n, 6), "top1_agreement": round(sums["same"] / n, 5)}
+

@@ -35,7 +35,7 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES
+from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES, WIRES
 from deltafin.paths import models_dir, name_of
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
@@ -287,12 +287,15 @@ def _bench_model(args: argparse.Namespace) -> dict:
 
 
 def _bench_quality(args: argparse.Namespace) -> dict:
-    """`bench --quality`: --spine (int8 when left auto) against the spine as stored."""
+    """`bench --quality`: --spine (int8 when left auto) against the spine as stored; or --wire against one
+    process."""
     from deltafin.cli import bench_quality  # torch: loaded when the command runs
 
+    sequences = bench_quality.sequences_for(args.model, args.text)
+    if args.wire != "fp32":
+        return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
     spine = "int8" if args.spine == "auto" else args.spine
-    return bench_quality.spine_quality(args.model, spine, bench_quality.sequences_for(args.model, args.text),
-                                       device=args.device, tokens=args.tokens)
+    return bench_quality.spine_quality(args.model, spine, sequences, device=args.device, tokens=args.tokens)
 
 
 def _stage_options(args: argparse.Namespace) -> StageOptions:
@@ -364,6 +367,9 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE")
     p.add_argument("--text", metavar="FILE", help="--quality: the text to measure on (cut into 2048-token "
                    "sequences)")
+    p.add_argument("--wire", choices=WIRES, default="fp32", help="--quality: with bf16, what that wire costs instead "
+                   "of a spine format: two wide stages whose hop and expert calls round what crosses the links as "
+                   "--wire bf16 does, against one process (default fp32: the spine's cost)")
     p.add_argument("--heat", action="store_true", help="--model: the expert cache's hit rate without and with the "
                    "experts' remembered heat (hit_rate_cold, hit_rate_warm): decode twice, each in a fresh pipeline, "
                    "the first with no heat (a folder of its own: yours is neither used nor changed), the second warmed "

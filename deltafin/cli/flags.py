@@ -23,6 +23,7 @@ from deltafin.options import (
     KERNELS,
     PREFILL_BATCHES,
     SPINES,
+    WIRES,
     from_values,
 )
 from deltafin.paths import model_path
@@ -155,6 +156,10 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
                    help="wide: every worker reads and computes its share of every layer's routed experts, so every "
                    "disk works on every token; local: each stage reads its own layers' experts; auto (default): "
                    "wide with more than one worker")
+    p.add_argument("--wire", default="fp32", choices=WIRES,
+                   help="what crosses the links between the machines: fp32 (default: exact), or bf16 (half the "
+                   "bytes of the stage hops' states and the wide experts' rows and sums; lossy: its cost in the "
+                   "README, measured like the spine formats)")
     add_stage_options(p)
     sec = p.add_argument_group("security",
                                "how this coordinator proves itself to workers (see deploy/README.md, Security)")
@@ -173,8 +178,10 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
 def _add_recovery_options(p: argparse.ArgumentParser) -> None:
     rec = p.add_argument_group("fault tolerance")
     rec.add_argument("--worker-timeout", type=float, default=10.0,
-                     help="a worker that answers nothing for this many seconds during a forward is lost "
-                     "(default 10)")
+                     help="a worker that shows no sign of life for this many seconds during a forward is lost: "
+                     "no answer to the liveness probes (on a connection of their own) and no part of the forward's "
+                     "states sent or received, so a slow link that still moves them is not a dead worker (default "
+                     "10)")
     rec.add_argument("--forward-timeout", type=float, default=600.0,
                      help="deadline of one stage's forward of up to 512 tokens, longer ones in proportion (default "
                      "600: one prompt chunk may stream every expert of the stage)")

@@ -5,17 +5,27 @@ times (first_token.py) and the coordinator read them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.links import Links
 from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.plan.spine_copies import SpineDisk
 
 GB = 1e9
-# wide experts: what one MoE layer's expert calls cost on the network (assumed, not measured on Macs): a round
-# trip on a wired LAN or a Thunderbolt bridge (PERF.md: 0.1-0.5 ms) and the outputs back at 10 Gbit/s
-EXPERT_CALL_RTT_S = 0.0005
-LINK_BYTES_PER_S = 1.25e9
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """A predicted time (plan/predict.py): what the disks take, what the links take, and the total (less than their
+    sum where they overlap)."""
+
+    disk: float
+    link: float
+    total: float
+
+    def describe(self) -> str:
+        return f"{_time(self.total)} (disks {_time(self.disk)}, links {_time(self.link)})"
 
 @dataclass(frozen=True)
 class WorkerCapacity:
@@ -97,8 +107,10 @@ class Plan:
     stages: tuple[StagePlan, ...]
     holders: tuple[StagePlan, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
     experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
-    predicted_seconds: float | None = None  # wide experts: a token with every disk reading in parallel
-    first_token: tuple[tuple[int, float], ...] = ()  # (prompt tokens, seconds to the first token), predicted
+    links: Links = field(default_factory=Links)  # what the links were measured (or assumed) to be
+    token: Seconds | None = None  # a decoded token, predicted (plan/predict.py)
+    first_token: tuple[tuple[int, Seconds], ...] = ()  # (prompt tokens, its time to the first token), predicted
+    mode_why: str = ""  # why wide or local experts (as asked, or what the links and disks make each cost)
     kept_prefixes: str = ""  # what a kept prefix costs, where states are kept (sizing.kept_prefixes_text)
     context: int = 0  # tokens a request may have (prompt and reply): what the sessions were planned for
     context_why: str = ""  # as asked, the model's own maximum, or what memory holds (and what more would cost)
@@ -113,22 +125,32 @@ class Plan:
 
     @property
     def seconds_per_token(self) -> float:
-        if self.predicted_seconds is not None:
-            return self.predicted_seconds
+        if self.token is not None:
+            return self.token.total
         return sum(s.seconds_per_token for s in self.stages)
 
     def table(self) -> str:
         text = self._wide_table() if self.wide else self._table()
-        text += self._parts()
-        if self.first_token:
-            step = min(s.sizing.forward_tokens for s in self.stages)
-            text += ("\ntime to first token (predicted from bytes and disk speeds, in forwards of "
-                     f"{step} tokens): " + ", ".join(f"{n // 1024}K {_minutes(t)}" for n, t in self.first_token))
+        text += self._parts() + self._times()
         if self.context:
             text += f"\ncontext: {self.context:,} tokens a request (prompt and reply): {self.context_why}"
         if self.kept_prefixes:
             text += "\n" + self.kept_prefixes
         return text
+
+    def _times(self) -> str:
+        """The links, the experts' mode and why, and the predictions: a token, a prompt's first token."""
+        lines = ["links (" + ("measured" if self.links.measured else f"assumed: {self.links.assumed.describe()}")
+                 + "):", *self.links.describe()]
+        if self.mode_why:
+            lines.append(f"experts {'wide' if self.wide else 'local'}: {self.mode_why}")
+        if self.token is not None:
+            lines.append(f"a token (predicted from bytes, disk speeds and links): {self.token.describe()}")
+        if self.first_token:
+            step = min(s.sizing.forward_tokens for s in self.stages)
+            lines.append(f"time to first token (in forwards of {step} tokens): "
+                         + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token))
+        return "\n" + "\n".join(lines)
 
     def _parts(self) -> str:
         """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
@@ -162,9 +184,8 @@ class Plan:
         rows.append("wide experts: every worker reads and computes its share of every MoE layer's routed experts for "
                     "every stage (experts: of a layer's, x layers); cache GB: its expert cache")
         rows.append("exp/spine GB/tok: what its disks read per token; disk s/tok: that at their speed; total: s/token "
-                    "with every disk reading at once (per MoE layer the slowest holder's expected reads, plus "
-                    f"{EXPERT_CALL_RTT_S * 1e3:.1f} ms a round trip and the outputs at "
-                    f"{LINK_BYTES_PER_S * 8 / 1e9:.0f} Gbit/s)")
+                    "with every disk reading at once (per MoE layer the slowest holder's expected reads, then the "
+                    "calls' round trip and rows over the links), and the stage hops")
         return "\n".join(rows)
 
     def _table(self) -> str:
@@ -193,6 +214,10 @@ def stage_placement(w: WorkerCapacity, act_bytes: int) -> Placement:
     """Where a worker's stage holds its tensors, as its own stage will: a Mac runs its routed experts on MLX (the
     package requires MLX on macOS arm64), read in place into MLX slots, so its plan has no landing slots."""
     return Placement(w.device, act_bytes, "mlx" if w.device == "mps" else "torch")
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 10 else _minutes(seconds)
 
 
 def _minutes(seconds: float) -> str:

@@ -25,9 +25,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import PlanError, SizingError
 from deltafin.plan.cluster_plan import (
-    EXPERT_CALL_RTT_S,
     GB,
-    LINK_BYTES_PER_S,
     Plan,
     StagePlan,
     WorkerCapacity,
@@ -35,20 +33,22 @@ from deltafin.plan.cluster_plan import (
 )
 from deltafin.plan.context import at_context, context_why, cost_per_1k, longest_context
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
-from deltafin.plan.first_token import PROMPT_LENGTHS, prefill_seconds
 from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.least import too_small
+from deltafin.plan.links import Links
+from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds
 from deltafin.plan.sizing import SizingOptions, StageSizing, choose, expert_slot_bytes
 from deltafin.plan.spine_choice import asked_spine, choose_spine
 
 log = logging.getLogger(__name__)
 
 def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions | None = None,
-                act_bytes: int = 4, experts: str = "local") -> Plan:
+                act_bytes: int = 4, experts: str = "local", links: Links | None = None) -> Plan:
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
     usefully take layers are left out, or with wide experts serve experts only). Raises PlanError with the reason
-    when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide".
+    when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide". `links`: the
+    cluster's, as measured (plan/links.py; None: all assumed), priced in every stage's cost and the predictions.
 
     The spine format is one for the whole cluster: with `spine="auto"`, bf16 if the cluster holds all of it
     resident, else row-int8 if it holds all of that, else q4 (and whatever q4 does not fit streams, as converted);
@@ -61,6 +61,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     wide = experts == "wide"
     if wide and not cfg.moe_layers:
         wide = False  # nothing to spread
+    links = links or Links()
     plan, why, opts = _in_cluster_spine(cfg, workers, opts, act_bytes, wide)
     if plan is not None and plan.wide and len(plan.workers) < 2:  # workers refuse a plan of one holder
         log.warning("wide experts need two workers or more to spread over; %s computes its own layers' experts",
@@ -75,11 +76,11 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
                 f"({sum(z.spine_bytes_per_token for z in streamed) / GB:.1f} GB a token)")
     log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
     stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)
-    plan = _with_context(cfg, replace(plan, stages=stages), workers, opts, act_bytes)
+    plan = _with_context(cfg, replace(plan, stages=stages, links=links), workers, opts, act_bytes)
     kept = kept_prefixes_text(cfg, [(s.start, s.end, s.sizing.prefixes) for s in plan.stages], act_bytes,
                               plan.context)
-    return replace(plan, first_token=tuple((n, prefill_seconds(cfg, plan, n)) for n in PROMPT_LENGTHS),
-                   kept_prefixes=kept)
+    return replace(plan, token=token_seconds(cfg, plan, act_bytes), kept_prefixes=kept,
+                   first_token=tuple((n, prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in PROMPT_LENGTHS))
 
 
 def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], opts: SizingOptions,
@@ -111,8 +112,9 @@ def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: Siz
         return [name for (name, disk), s in zip(disks, plan.stages, strict=True)
                 if disk is not None and not disk.ready(cfg, fmt, s.start, s.end)]
 
-    return choose_spine(replace(opts, spine=spine), lambda o, whole: _plan(cfg, workers, o, act_bytes, whole, wide),
-                        unready, asked or "as asked (--spine)")
+    return choose_spine(replace(opts, spine=spine),
+                        lambda o, whole: _plan(cfg, workers, o, act_bytes, whole, wide), unready,
+                        asked or "as asked (--spine)")
 
 
 def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:
@@ -167,7 +169,8 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, 
 
 def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: bool) -> tuple[StagePlan, float]:
     """A stage of layers [a, b) on `w` and its cost: its reads' seconds (with wide experts only its spine's: the
-    experts are read by every holder), and a tie-break that is least when spines follow memory."""
+    experts are read by every holder), and a tie-break that is least when spines follow memory. (Its hop over its
+    link is left to the predictions: an extra stage costs a round trip, and buys memory.)"""
     read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
     stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
@@ -212,30 +215,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
                    / max(c.disk_gbps, 1e-3)) / GB
         sized.append(replace(m, sizing=z, seconds_per_token=seconds))
-    return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement,
-                _wide_seconds(cfg, placement, sized, caps))
-
-
-def _wide_seconds(cfg: ModelConfig, placement: ExpertPlacement, members: list[StagePlan],
-                  caps: list[WorkerCapacity]) -> float:
-    """A token's time with every disk reading at once: per MoE layer the slowest holder's expected misses (a
-    uniform router: each holder's cache keeps its share of what it computes), plus the calls' round trip and
-    outputs on the network, plus the spine the stages stream one after another."""
-    k, b, e = cfg.experts_per_token, cfg.bytes_per_expert, cfg.num_experts
-    slot = expert_slot_bytes(cfg)
-    miss = [1 - min(1.0, m.sizing.expert_cache // slot / placement.count(i)) if placement.count(i) else 0.0
-            for i, m in enumerate(members)]
-    owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
-    total = 0.0
-    for layer in placement.layers:
-        bounds = placement.bounds_of(layer)
-        reads = [k * b * (bounds[i + 1] - bounds[i]) / e * miss[i] / (max(c.expert_speed, 1e-3) * GB)
-                 for i, c in enumerate(caps)]
-        remote = 1 - (bounds[owner[layer] + 1] - bounds[owner[layer]]) / e
-        network = (EXPERT_CALL_RTT_S + k * cfg.expert_dim * 4 * remote / LINK_BYTES_PER_S) if remote > 0 else 0.0
-        total += max(reads) + network
-    return total + sum(m.sizing.spine_bytes_per_token / (max(c.disk_gbps, 1e-3) * GB)
-                       for m, c in zip(members, caps, strict=True))
+    return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement)
 
 
 def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int) -> str:

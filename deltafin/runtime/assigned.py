@@ -106,11 +106,12 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
             stage, sizing = None, holder_sizing(ckpt, device, options)
             log.info("expert holder on %s: %s", device, sizing.describe())
             store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
-    holder = ExpertHolder(cfg, store, device)  # type: ignore[arg-type]
+    holder = ExpertHolder(cfg, store, device, options.dtype)  # type: ignore[arg-type]
     if stage is not None:
         others = {h: p for h, p in peers.items() if h != me}
         names = {h.key: h.name or h.address for h in plan.holders}
-        stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names))  # type: ignore[arg-type]
+        stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names,  # type: ignore[arg-type]
+                                   lossy=options.wire == "bf16"))
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
 
 

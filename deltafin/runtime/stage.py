@@ -220,7 +220,7 @@ class Stage:
         try:
             state, spans = self._input(batch, caches)
             state = self._layers(state, spans, should_stop, progress)
-            outputs = self._output(batch, spans, state, all_logits)
+            outputs = _outputs(self, batch, spans, state, all_logits)
         except BaseException:
             for c in caches:
                 c.restore()
@@ -321,17 +321,6 @@ class Stage:
                   for b in batch]  # type: ignore[union-attr]
         return ResidualState.cat(states), spans
 
-    def _output(self, batch: list[SeqInput], spans: list[Span], state: ResidualState,
-                all_logits: bool) -> list[SeqOutput]:
-        if not self.last:
-            return [SeqOutput(b.session_id, state=s) for b, s in zip(batch, state.split([s.length for s in spans]),
-                                                                        strict=True)]
-        if not all_logits:
-            state, spans = _logit_rows(batch, spans, state)
-        logits = head(self.cfg, self.top, state)  # type: ignore[arg-type]
-        return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
-                                                                                                     strict=True)]
-
     def stats(self) -> dict[str, object]:
         """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
         return stage_stats(self.timings, self.spine, self.experts, self.prefixes)
@@ -355,6 +344,23 @@ def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: S
             kept.logits = out.logits[-1].float().clone()
         prefixes.keep(prefix_id, kept, tokens[:n] if tokens is not None else None)
     c.clear_marks()
+
+
+def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: ResidualState,
+             all_logits: bool) -> list[SeqOutput]:
+    """A forward's outputs: each sequence's residual state for the next stage (as bfloat16 with --wire bf16: what
+    crosses the link), or from the last stage its logits (its last row's; every row's with `all_logits` or a
+    speculative forward)."""
+    if not stage.last:
+        if stage.options.wire == "bf16":
+            state = ResidualState(state.P.to(torch.bfloat16), state.B.to(torch.bfloat16))
+        return [SeqOutput(b.session_id, state=s) for b, s in zip(batch, state.split([s.length for s in spans]),
+                                                                    strict=True)]
+    if not all_logits:
+        state, spans = _logit_rows(batch, spans, state)
+    logits = head(stage.cfg, stage.top, state)  # type: ignore[arg-type]
+    return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
+                                                                                                 strict=True)]
 
 
 def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:

@@ -24,6 +24,7 @@ from deltafin.options import (
     GB,
     IO_MODES,
     KERNELS,
+    WIRES,
     at_least,
     check_choice,
     from_values,
@@ -62,6 +63,7 @@ class StageOptions:
     # model's default, room for 64 states at the planned context, at most 32 GB: default_prefix_disk_bytes)
     expert_heat_dir: str | None = None  # streamed experts' use is remembered here (weights/expert_heat.py; None: not)
     kernels: str = "auto"  # the process's fast paths (kernels/linear.select_kernels): auto | reference | native | mlx
+    wire: str = "fp32"  # what a stage's output states and its expert calls' rows and sums cross the links as
     convert: bool = True  # convert the spine first where the plan needs an int8/q4 one not on the disk yet
     spine_dir: str | None = None  # where converted spines are (None: the cache directory's spines/<model>-<format>)
 
@@ -69,6 +71,7 @@ class StageOptions:
         check_choice("io", self.io, IO_MODES)
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice("wire", self.wire, WIRES)
         more_than_zero(memory_gb=self.memory_bytes)
         at_least(0, host_memory_bytes=self.host_memory_bytes, prefix_disk_gb=self.prefix_disk_bytes)
         at_least(1, prefetch_layers=self.prefetch_layers)

@@ -47,6 +47,7 @@ class ExpertCall:
     experts: torch.Tensor  # [Ph] int64 expert ids
     weights: torch.Tensor  # [Ph] fp32 the pairs' routing weights: the holder answers each row's weighted sum
     hints: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    bf16: bool = False  # the lossy wire (--wire bf16): z comes, and the sums go back, as bfloat16
 
     @property
     def pairs(self) -> int:
@@ -104,8 +105,9 @@ class WideExperts:
     share); `local`: its expert store; `peers`: every other holder by key."""
 
     def __init__(self, cfg: ModelConfig, placement: ExpertPlacement, me: str | None, local: Provider | None,
-                 peers: Mapping[str, Peer], names: Mapping[str, str] | None = None):
-        self.cfg, self.placement, self.local, self.peers = cfg, placement, local, dict(peers)
+                 peers: Mapping[str, Peer], names: Mapping[str, str] | None = None, lossy: bool = False):
+        """`lossy`: the other holders' rows go, and their sums come back, as bfloat16 (--wire bf16)."""
+        self.cfg, self.placement, self.local, self.peers, self.lossy = cfg, placement, local, dict(peers), lossy
         self.me = placement.index(me) if me is not None else None
         if self.me is not None and local is None:
             raise ValueError("a holder of experts needs its store")
@@ -136,7 +138,9 @@ class WideExperts:
         for h in torch.unique(owner).tolist():
             sel = (owner == h).nonzero(as_tuple=True)[0]  # its pairs, in row-major order
             tokens, local_rows = torch.unique(rows[sel], sorted=True, return_inverse=True)
-            parts.append((h, ExpertCall(layer, z[tokens.to(z.device)], local_rows, ids[sel], w[sel]), tokens))
+            zh, wire = z[tokens.to(z.device)], self.lossy and h != self.me
+            parts.append((h, ExpertCall(layer, zh.to(torch.bfloat16) if wire else zh, local_rows, ids[sel], w[sel],
+                                        bf16=wire), tokens))
         started = time.monotonic()
         waits = {h: self.peers[self.placement.holders[h]].call(call) for h, call, _ in parts if h != self.me}
 
@@ -155,7 +159,7 @@ class WideExperts:
             self.stats.peer_wait_s += time.monotonic() - t0
             y = torch.zeros(n_tok, self.cfg.expert_dim, dtype=torch.float32, device=z.device)
             for h, _, tokens in parts:  # the holders' sums, in placement order
-                y[tokens.to(z.device)] += sums[h]
+                y[tokens.to(z.device)] += sums[h].to(y.dtype)
             return y
 
         return finish
@@ -217,8 +221,9 @@ class ExpertHolder:
     """The holder side: other stages' calls computed from this worker's expert store (on a thread of their own,
     beside the worker's stage), with counters."""
 
-    def __init__(self, cfg: ModelConfig, store: Provider, device: torch.device):
-        self.cfg, self.store, self.device = cfg, store, device
+    def __init__(self, cfg: ModelConfig, store: Provider, device: torch.device, dtype: torch.dtype = torch.float32):
+        """`dtype`: the worker's activations, which a call's rows are computed in whatever they came as."""
+        self.cfg, self.store, self.device, self.dtype = cfg, store, device, dtype
         self.served = ServedCounts()
         self._lock = threading.Lock()
 
@@ -247,9 +252,10 @@ class ExpertHolder:
             raise InvalidInput("an expert call's rows contain NaN or Inf")
 
     @staticmethod
-    def summed(store: Provider, call: ExpertCall, device: torch.device) -> torch.Tensor:
-        """Each row's weighted sum of its pairs' outputs [Th, De] fp32, computed from `store`."""
-        out = store.pair_outputs(call.layer, call.z.to(device), call.rows, call.experts)
+    def summed(store: Provider, call: ExpertCall, device: torch.device, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+        """Each row's weighted sum of its pairs' outputs [Th, De] fp32, computed from `store` (rows in `dtype`)."""
+        out = store.pair_outputs(call.layer, call.z.to(device, dtype or call.z.dtype), call.rows, call.experts)
         return weighted_row_sums(out, call.rows.to(out.device), call.weights.to(out.device), int(call.z.shape[0]))
 
     @torch.inference_mode()
@@ -259,7 +265,9 @@ class ExpertHolder:
         self.check(call)
         t0 = time.monotonic()
         self.hint(call.hints)
-        out = self.summed(self.store, call, self.device)
+        out = self.summed(self.store, call, self.device, self.dtype)
+        if call.bf16:
+            out = out.to(torch.bfloat16)
         with self._lock:
             self.served.calls += 1
             self.served.pairs += call.pairs
@@ -309,7 +317,7 @@ def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, Ex
         sel = torch.sort(order[a:b]).values  # back in the call's order: a token's pairs together
         needed, rows = torch.unique(call.rows[sel], sorted=True, return_inverse=True)
         pieces.append((needed, ExpertCall(call.layer, call.z[needed], rows, call.experts[sel], call.weights[sel],
-                                          call.hints if not pieces else ())))
+                                          call.hints if not pieces else (), call.bf16)))
     return pieces
 
 

@@ -25,11 +25,10 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 8  # 2: budgets are whole-stage memory (sizing.py), worker ids; 3: prefix cache;
-# 4: speculative forwards and releases that keep a session's first N tokens; 5: stage options and counters
-# as messages; 6: wide experts (expert plans, worker-to-worker expert calls, expert disks); 7: states kept
-# inside a forward (save_at), HeldPrefixes; 8: a stage's kept-state identity, the workers' own spine format and
-# converted spines, plans without a converted copy
+PROTOCOL_VERSION = 8  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
+# session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
+# states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
+# addresses), summed expert answers, the bf16 wire
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -284,6 +283,7 @@ def encode_expert_call(call: ExpertCall | None, hints: Hints = ()) -> pb.ExpertR
         msg.rows.CopyFrom(encode_tensor(call.rows))
         msg.experts.CopyFrom(encode_tensor(call.experts))
         msg.weights.CopyFrom(encode_tensor(call.weights))
+        msg.bf16 = call.bf16
     return msg
 
 
@@ -301,7 +301,7 @@ def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]
     weights = decode_tensor(msg.weights, "expert call weights")
     if rows.dtype != torch.int64 or experts.dtype != torch.int64:
         raise CodecError("an expert call's rows and experts must be int64")
-    return ExpertCall(msg.layer, z, rows, experts, weights, hints), hints
+    return ExpertCall(msg.layer, z, rows, experts, weights, hints, msg.bf16), hints
 
 
 def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:
@@ -438,6 +438,7 @@ class WorkerDescription:
     damaged: tuple[str, ...] = ()  # shards on its disk that it cannot serve from: "FILE: layers A-B"
     spine: str = "auto"  # the spine format it was started with (--spine)
     spine_disk: SpineDisk | None = None  # the converted spines on its disk (None: not said)
+    addresses: tuple[str, ...] = ()  # every address it is reached at (the coordinator measures and uses the fastest)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -466,14 +467,13 @@ def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
                          version=d.version, host_memory_bytes=d.host_memory_bytes, worker_id=d.worker_id,
                          expert_layers=[pb.LayerRange(start=a, end=b) for a, b in d.expert_ranges],
                          expert_gbps=d.expert_speed, expert_disks=d.expert_disks, damaged=list(d.damaged),
-                         spine=d.spine, **_spine_disk_fields(d.spine_disk))
+                         spine=d.spine, addresses=list(d.addresses), **_spine_disk_fields(d.spine_disk))
 
 
 def _spine_disk_fields(disk: SpineDisk | None) -> dict[str, Any]:
-    if disk is None:
-        return {}
-    return {"converted": [pb.ConvertedSpine(format=f, units=sorted(u)) for f, u in sorted(disk.copies.items())],
-            **({"spine_room_bytes": disk.room} if disk.room is not None else {})}
+    return {} if disk is None else {
+        "converted": [pb.ConvertedSpine(format=f, units=sorted(u)) for f, u in sorted(disk.copies.items())],
+        **({"spine_room_bytes": disk.room} if disk.room is not None else {})}
 
 
 def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
@@ -484,7 +484,7 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
                              assigned=(msg.assigned.start, msg.assigned.end), host_memory_bytes=msg.host_memory_bytes,
                              worker_id=msg.worker_id, expert_layers=tuple((r.start, r.end) for r in msg.expert_layers),
                              expert_gbps=msg.expert_gbps, expert_disks=msg.expert_disks or 1,
-                             damaged=tuple(msg.damaged), spine=msg.spine or "auto",
+                             damaged=tuple(msg.damaged), spine=msg.spine or "auto", addresses=tuple(msg.addresses),
                              spine_disk=SpineDisk({c.format: frozenset(c.units) for c in msg.converted},
                                                   msg.spine_room_bytes if msg.HasField("spine_room_bytes") else None))
 

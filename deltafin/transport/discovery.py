@@ -70,6 +70,12 @@ def _ranges(text: str) -> tuple[tuple[int, int], ...]:
 _DARWIN_SKIP = ("awdl", "llw", "utun", "lo")
 
 
+def interface_addresses() -> list[str]:
+    """This machine's IPv4 addresses but loopback's (a worker listening on all of them is reached at each)."""
+    return [ip.ip for a in ifaddr.get_adapters() for ip in a.ips
+            if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
+
+
 def default_interfaces() -> list[str] | None:
     """Interfaces to use when none are named: every one (None), but on macOS the IPv4 addresses of the real
     interfaces only (Wi-Fi, Ethernet, the Thunderbolt bridge)."""

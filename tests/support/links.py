@@ -43,15 +43,21 @@ def free_port() -> int:
 class LinkProxy:
     """A running linkproxy in front of `targets` (HOST:PORT each); `addresses[i]` reaches `targets[i]`."""
 
-    def __init__(self, targets: list[str], rtt_ms: float, mbps: float):
+    def __init__(self, targets: list[str], rtt_ms: float, mbps: float, ports: list[int] | None = None):
         self.targets = list(targets)
-        self.ports = [free_port() for _ in targets]
+        self.ports = list(ports) if ports is not None else [free_port() for _ in targets]
         cmd = [sys.executable, str(LINKPROXY), "--rtt-ms", str(rtt_ms), "--mbps", str(mbps)]
         for port, target in zip(self.ports, targets, strict=True):
             cmd += ["--listen", str(port), "--to", target]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.carried: dict[str, Carried] = {}
         self._wait_listening()
+
+    def __enter__(self) -> LinkProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     @property
     def addresses(self) -> list[str]:

@@ -1,81 +1,13 @@
-"""Wide experts in one process: N "workers" built by the workers' own assignment code (deltafin/runtime/assigned.py),
-each holder reached on a thread of its own (wide.LocalPeer), so the stage side, the holder side and the reuse
-rules run exactly as in worker processes, without gRPC."""
+"""Wide experts in one process for the tests: the runtime's own in-process cluster (runtime/local_wide.py), and
+how close a wide stage is to one process."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import torch
 
-from deltafin.checkpoint.config import load_config
-from deltafin.checkpoint.shards import open_checkpoint
-from deltafin.devices import exact_fp32
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.runtime.assigned import Assigned, assign
-from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import split_layers
-from deltafin.runtime.stage_options import StageOptions
-from deltafin.runtime.wide import LocalPeer
+from deltafin.runtime.local_wide import LocalWide as WideCluster
 
-CPU = torch.device("cpu")
-
-
-class WideCluster:
-    """`stages` workers with layers (near-equal ranges) and `holders` more with none; `weights` are the
-    holders' shares (default equal); every store caches `cache_bytes`."""
-
-    def __init__(self, model: Path, stages: int, holders: int = 0, weights: list[float] | None = None,
-                 cache_bytes: int = 64 << 20, **options: object):
-        exact_fp32()
-        cfg = load_config(model)
-        self.cfg, self.ckpt = cfg, open_checkpoint(model, cfg)
-        self.keys = [f"w{i}" for i in range(stages + holders)]
-        self.ranges = [*split_layers(cfg, stages), *[(0, 0)] * holders]
-        w = weights or [1.0] * len(self.keys)
-        self.placement = ExpertPlacement.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
-        self.plan = ExpertPlan(self.placement, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
-        self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, expert_layers=len(cfg.moe_layers),
-                                              read_threads=2, **options)
-        self.executors = {k: ThreadPoolExecutor(1, thread_name_prefix=f"holder-{k}") for k in self.keys}
-        self.assigned: dict[str, Assigned] = {}
-        self.assign(self.plan)
-
-    def peers(self) -> dict[str, LocalPeer]:
-        return {k: _LazyPeer(self, k) for k in self.keys}  # type: ignore[misc]
-
-    def assign(self, plan: ExpertPlan, ranges: list[tuple[int, int]] | None = None) -> None:
-        """(Re-)assign every worker as the coordinator would: same layers and options keep what they hold."""
-        self.plan = plan
-        for key, (a, b) in zip(self.keys, ranges or self.ranges, strict=True):
-            self.assigned[key] = assign(self.ckpt, a, b, CPU, self.options, plan, key, self.peers(),
-                                        self.assigned.get(key))
-
-    @property
-    def pipeline(self) -> LocalPipeline:
-        return LocalPipeline([a.stage for a in self.assigned.values() if a.stage is not None])
-
-    def close(self) -> None:
-        for a in self.assigned.values():
-            a.close()
-        for e in self.executors.values():
-            e.shutdown(wait=True)
-
-
-class _LazyPeer(LocalPeer):
-    """A peer that finds its holder when called (a re-assignment replaces holders)."""
-
-    def __init__(self, cluster: WideCluster, key: str):
-        self.cluster, self.key, self.name = cluster, key, key
-
-    @property
-    def holder(self):  # type: ignore[override]
-        return self.cluster.assigned[self.key].holder
-
-    @property
-    def executor(self):  # type: ignore[override]
-        return self.cluster.executors[self.key]
+__all__ = ["WIDE_CLOSE", "WideCluster", "wide_close"]
 
 
 # several holders: a token's 16 weighted expert outputs are summed per holder, then across holders, in fp32 (each

@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged", "spine", "converted", "spine_room_bytes")
+    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged", "spine", "converted", "spine_room_bytes", "addresses")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class WorkerInfo(_message.Message):
     SPINE_FIELD_NUMBER: _ClassVar[int]
     CONVERTED_FIELD_NUMBER: _ClassVar[int]
     SPINE_ROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     device: str
@@ -74,7 +75,8 @@ class WorkerInfo(_message.Message):
     spine: str
     converted: _containers.RepeatedCompositeFieldContainer[ConvertedSpine]
     spine_room_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ...) -> None: ...
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConvertedSpine(_message.Message):
     __slots__ = ("format", "units")
@@ -131,7 +133,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share", "converted")
+    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share", "converted", "wire")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +154,7 @@ class StageOptions(_message.Message):
     EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
     CONVERTED_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     memory_bytes: int
     host_memory_bytes: int
@@ -172,7 +175,8 @@ class StageOptions(_message.Message):
     expert_layers: int
     expert_share: float
     converted: bool
-    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., converted: _Optional[bool] = ...) -> None: ...
+    wire: str
+    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., converted: _Optional[bool] = ..., wire: _Optional[str] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes", "state_identity")
@@ -275,20 +279,22 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("layer", "z", "rows", "experts", "hints", "weights")
+    __slots__ = ("layer", "z", "rows", "experts", "hints", "weights", "bf16")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Z_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    BF16_FIELD_NUMBER: _ClassVar[int]
     layer: int
     z: Tensor
     rows: Tensor
     experts: Tensor
     hints: _containers.RepeatedCompositeFieldContainer[ExpertHint]
     weights: Tensor
-    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    bf16: bool
+    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., bf16: _Optional[bool] = ...) -> None: ...
 
 class ExpertHint(_message.Message):
     __slots__ = ("layer", "experts")
@@ -559,3 +565,35 @@ class StageSizing(_message.Message):
     converted: bool
     context: int
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ..., context: _Optional[int] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class MeasureLinkRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class LinkMeasure(_message.Message):
+    __slots__ = ("rtt_s", "up_bps", "down_bps", "probe_bytes")
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    UP_BPS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rtt_s: float
+    up_bps: float
+    down_bps: float
+    probe_bytes: int
+    def __init__(self, rtt_s: _Optional[float] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ..., probe_bytes: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,16 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.HeldPrefixesRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.HeldPrefixesResponse.FromString,
                 _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/deltafin.v1.Worker/Echo',
+                request_serializer=deltafin__pb2.EchoRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.EchoReply.FromString,
+                _registered_method=True)
+        self.MeasureLink = channel.unary_unary(
+                '/deltafin.v1.Worker/MeasureLink',
+                request_serializer=deltafin__pb2.MeasureLinkRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.LinkMeasure.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -163,6 +173,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Echo(self, request, context):
+        """A link's probe: `payload` back, or `reply_bytes` bytes; timed by the caller (round trip, bandwidth each way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MeasureLink(self, request, context):
+        """This worker measures its link to another worker at `address` (the plan prices the expert calls between them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +239,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.HeldPrefixes,
                     request_deserializer=deltafin__pb2.HeldPrefixesRequest.FromString,
                     response_serializer=deltafin__pb2.HeldPrefixesResponse.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=deltafin__pb2.EchoRequest.FromString,
+                    response_serializer=deltafin__pb2.EchoReply.SerializeToString,
+            ),
+            'MeasureLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.MeasureLink,
+                    request_deserializer=deltafin__pb2.MeasureLinkRequest.FromString,
+                    response_serializer=deltafin__pb2.LinkMeasure.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +521,60 @@ class Worker:
             '/deltafin.v1.Worker/HeldPrefixes',
             deltafin__pb2.HeldPrefixesRequest.SerializeToString,
             deltafin__pb2.HeldPrefixesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltafin.v1.Worker/Echo',
+            deltafin__pb2.EchoRequest.SerializeToString,
+            deltafin__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MeasureLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltafin.v1.Worker/MeasureLink',
+            deltafin__pb2.MeasureLinkRequest.SerializeToString,
+            deltafin__pb2.LinkMeasure.FromString,
             options,
             channel_credentials,
             insecure,

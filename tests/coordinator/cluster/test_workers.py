@@ -52,8 +52,8 @@ def local_result(small_dir):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_cluster_equals_local(small_dir, local_result, n):
-    with workers(small_dir, n) as procs:
-        spec = ClusterSpec(small_dir, addresses=[p.address for p in procs], discover=False)
+    with workers(small_dir, n) as procs:  # the pipeline: each stage its own experts (wide: test_workers_wide.py)
+        spec = ClusterSpec(small_dir, addresses=[p.address for p in procs], discover=False, experts="local")
 
         async def run():
             backend, plan = await connect_cluster(spec, show_progress=False)
@@ -106,7 +106,8 @@ def test_workers_with_the_same_name_on_one_host_form_a_cluster(tiny_dir):
         local = asyncio.run(_run(LocalBackend(LocalPipeline.load(tiny_dir, 1, device="cpu"))))
 
         async def run():
-            backend, plan = await connect_cluster(ClusterSpec(tiny_dir, addresses=addresses, discover=False),
+            backend, plan = await connect_cluster(ClusterSpec(tiny_dir, addresses=addresses, discover=False,
+                                                              experts="local"),
                                                   show_progress=False)
             assert len(plan.stages) == 2 and plan.stages[0].worker == plan.stages[1].worker  # one name ...
             assert len({s.key for s in plan.stages}) == 2  # ... two workers
@@ -178,7 +179,8 @@ def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
 
     with workers(tiny_dir, n) as procs:
         spec = ClusterSpec(tiny_dir, addresses=[p.address for p in procs], discover=False,
-                           sizing=SizingOptions(sequences=1, context=length + 8), max_message_bytes=1 << 20)
+                           sizing=SizingOptions(sequences=1, context=length + 8), max_message_bytes=1 << 20,
+                           experts="local")
 
         async def run():
             backend, plan = await connect_cluster(spec, show_progress=False)

@@ -163,3 +163,34 @@ def test_counters_and_the_per_holder_log(small_dir):
     for log in logs:
         lines = [line for line in log.splitlines() if "wide:" in line]
         assert lines and all("w0" in line and "w1" in line and "(self)" in line for line in lines[-2:]), log[-2000:]
+
+
+def _link_bytes(model: Path, tokens: int) -> int:
+    """Bytes two wide workers' links carried (coordinator and peers through the proxies, probes included) for a
+    4-token prompt and `tokens` greedy tokens."""
+    import deltafin
+    from tests.support.links import slow_links
+
+    with workers(model, 2) as procs, slow_links([p.address for p in procs], rtt_ms=0, mbps=0) as proxy, \
+            deltafin.connect(model, proxy.addresses, discover=False, progress=False, experts="wide",
+                             rejoin_interval=0) as m:
+        assert m.engine.backend.plan.wide
+        assert m.generate([5, 9, 2, 7], max_tokens=tokens).usage.completion_tokens == tokens
+    return sum(c.to + c.back for c in proxy.carried.values())
+
+
+def test_a_decoded_token_moves_a_row_each_way_per_moe_layer(small_dir):
+    """Two wide workers behind proxies (the coordinator and the peers reach each worker through them): a token's
+    link bytes, measured as the difference of two runs, are at most the hops (ids in; the state out of the first
+    stage and into the second; the last position's logits back) and, per MoE layer, the token's row to the other
+    holder and one summed row back (before: a row back per pair there), with a little room for gRPC's framing."""
+    from deltafin.checkpoint.config import load_config
+
+    cfg = load_config(small_dir)
+    per_token = (_link_bytes(small_dir, 18) - _link_bytes(small_dir, 2)) / 16
+    state = (1 + 1) * cfg.hidden_size * 4  # the residual state at the split (one banked block), fp32
+    hops = 4 + 2 * state + cfg.vocab_size * 4
+    calls = len(cfg.moe_layers) * 2 * cfg.expert_dim * 4  # a row out, its sum back
+    pairs_back = len(cfg.moe_layers) * (cfg.experts_per_token / 2) * cfg.expert_dim * 4  # before: per pair, ~k/2
+    assert per_token <= 1.1 * (hops + calls) + 6000, (per_token, hops, calls)
+    assert per_token < hops + len(cfg.moe_layers) * cfg.expert_dim * 4 + pairs_back  # less than before

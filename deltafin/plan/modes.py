@@ -1,0 +1,68 @@
+"""Wide or local experts, chosen by what the links and the disks make each cost (pure).
+
+Wide experts put every disk on every token but send each MoE layer's rows over the links; local experts (the
+pipelined plan) send only the stage hops. With `--experts auto` and several workers both are planned and priced
+(plan/predict.py: a decoded token, a prompt's first token, each with the links as measured) and the one a chat turn
+takes less time in is used: a TURN_PROMPT-token prompt and TURN_REPLY tokens of reply. (Where every expert is in
+memory nothing is read, and wide spreads their compute: the predictions leave compute out.) On a fast link (a
+Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide prompt moves more over the air than the
+disks read, and the pipelined plan wins. The plan says which and why (`Plan.mode_why`); `--experts wide|local`
+forces one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.errors import PlanError
+from deltafin.plan.cluster_plan import Plan, WorkerCapacity
+from deltafin.plan.links import Links
+from deltafin.plan.planner import plan_layers
+from deltafin.plan.predict import prefill_seconds
+from deltafin.plan.sizing import SizingOptions
+
+TURN_PROMPT = 4096  # a chat turn, as the choice weighs it: its prompt ...
+TURN_REPLY = 512  # ... and its reply
+
+
+def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions, act_bytes: int,
+                asked: str, links: Links) -> Plan:
+    """The plan in the experts' mode `asked` (wide | local), or with "auto" the faster for a turn (see the module
+    docstring), its `mode_why` set."""
+    if asked != "auto":
+        plan = plan_layers(cfg, workers, options, act_bytes, asked, links)
+        return replace(plan, mode_why=f"as asked (--experts {asked})")
+    if len(workers) < 2 or not cfg.moe_layers:
+        plan = plan_layers(cfg, workers, options, act_bytes, "local", links)
+        return replace(plan, mode_why="one worker reads its own experts" if len(workers) < 2 else "no routed experts")
+    plans = {}
+    for mode in ("wide", "local"):
+        try:
+            plans[mode] = plan_layers(cfg, workers, options, act_bytes, mode, links)
+        except PlanError:
+            if mode == "local" and "wide" in plans:
+                return replace(plans["wide"], mode_why="the workers hold the model only with wide experts")
+            raise
+    if not any(s.sizing.expert_bytes_per_token for p in plans.values() for s in p.workers):  # no disk to add
+        return replace(plans["wide"], mode_why="every expert is in memory: wide spreads their compute")
+    turns = {mode: turn_seconds(cfg, p, act_bytes) for mode, p in plans.items()}
+    mode = "wide" if plans["wide"].wide and turns["wide"] <= turns["local"] else "local"
+    return replace(plans[mode], mode_why=_why(cfg, plans, turns, mode, act_bytes))
+
+
+def turn_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> float:
+    """A chat turn's predicted time on `plan`: its prompt's first token, then its reply."""
+    assert plan.token is not None
+    return prefill_seconds(cfg, plan, TURN_PROMPT, act_bytes=act_bytes).total + TURN_REPLY * plan.token.total
+
+
+def _why(cfg: ModelConfig, plans: dict[str, Plan], turns: dict[str, float], chosen: str, act_bytes: int) -> str:
+    parts = []
+    for mode in ("wide", "local"):
+        p = plans[mode]
+        prompt = prefill_seconds(cfg, p, TURN_PROMPT, act_bytes=act_bytes)
+        parts.append(f"{mode}: a token {p.token.describe()}, a {TURN_PROMPT:,}-token prompt {prompt.describe()}"
+                     if p.token is not None else mode)
+    return (f"a turn of a {TURN_PROMPT:,}-token prompt and {TURN_REPLY} tokens takes {turns[chosen]:.0f} s, "
+            f"against {turns['local' if chosen == 'wide' else 'wide']:.0f} s ({'; '.join(parts)})")

@@ -1,0 +1,136 @@
+"""A plan's time, predicted from its bytes, its disks' speeds and its links (pure): a decoded token and a prompt's
+first token, each split into what the disks take and what the links take. Compute is left out (a Mac's GPU keeps
+up with its SSD: README, Apple silicon).
+
+- Disks: each forward reads every MoE layer's experts its tokens touch (a uniform router, less what the caches keep)
+  and streams the spine that does not stay; with local experts the stages read one after another, with wide experts
+  every holder reads its share of a layer at once (the slowest holder sets the layer's time).
+- Links (plan/links.py): every stage's hop through the coordinator (its input states there, its output back: a
+  stage's residual state, (1 + blocks) x D values a token; the first stage's token ids, the last's logits of the
+  last position), and with wide experts each MoE layer's calls from the stage that owns it to the other holders,
+  at once: a round trip and the rows of the tokens routed to each (out, and their sums back). A token waits for its
+  calls after its reads; a prompt's calls move while the holders read (the larger of the two counts).
+`plan` prints both parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
+`forward_read_bytes`.
+"""
+
+from __future__ import annotations
+
+from deltafin.checkpoint.config import ModelConfig
+from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
+from deltafin.plan.links import COORDINATOR, Links
+from deltafin.plan.sizing import boundary_bytes_per_token, expert_slot_bytes
+
+PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
+
+
+def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Experts of a layer that `tokens` tokens touch under a uniform router: E(1 - (1 - k/E)^T)."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def forward_read_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """The expert bytes one forward of `tokens` prompt tokens reads, every MoE layer's touched experts (uniform
+    router, no cache): what a prefill's progress counts (its time left)."""
+    return len(cfg.moe_layers) * distinct_experts(cfg, tokens) * cfg.bytes_per_expert if cfg.moe_layers else tokens
+
+
+def hop_bytes(cfg: ModelConfig, start: int, end: int, tokens: int, act_bytes: int) -> tuple[int, int]:
+    """(bytes to, bytes back) of a forward of `tokens` tokens through a stage of layers [start, end): the first
+    stage's token ids or the residual state entering `start`; the state leaving `end`, or the last position's fp32
+    logits."""
+    into = tokens * (4 if start == 0 else boundary_bytes_per_token(cfg, start, act_bytes))
+    out = 4 * cfg.vocab_size if end == cfg.num_layers else tokens * boundary_bytes_per_token(cfg, end, act_bytes)
+    return into, out
+
+
+def token_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> Seconds:
+    """One decoded token's time (the disks' and the links', which do not overlap: a token's calls wait on its
+    router, and its next layer on its calls)."""
+    return _forward(cfg, plan, 1, act_bytes, overlap=False)
+
+
+def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None,
+                    act_bytes: int = 4) -> Seconds:
+    """A prompt's time to its first token: in forwards of the plan's size (or `forward_tokens`), each reading every
+    MoE layer's experts its tokens touch (less what the caches keep) and streaming the spine that does not stay,
+    while its states cross the links."""
+    step = forward_tokens or min(s.sizing.forward_tokens for s in plan.stages)
+    disk = link = total = 0.0
+    done = 0
+    while done < tokens:
+        n = min(step, tokens - done)
+        s = _forward(cfg, plan, n, act_bytes, overlap=True)
+        disk, link, total, done = disk + s.disk, link + s.link, total + s.total, done + n
+    return Seconds(disk, link, total)
+
+
+def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:
+    links = plan.links
+    hops = sum(links.between(COORDINATOR, s.key).seconds(*hop_bytes(cfg, s.start, s.end, tokens, act_bytes))
+               for s in plan.stages)
+    spine = sum(s.sizing.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
+    if plan.experts is None:
+        reads = sum(_local_reads(cfg, s, tokens) for s in plan.stages)
+        return Seconds(reads + spine, hops, reads + spine + hops)
+    reads_sum = calls_sum = total = 0.0
+    for reads, calls in _wide_layers(cfg, plan, links, tokens):
+        reads_sum, calls_sum = reads_sum + reads, calls_sum + calls
+        total += max(reads, calls) if overlap else reads + calls
+    return Seconds(reads_sum + spine, calls_sum + hops, total + spine + hops)
+
+
+def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
+    z, slot = s.sizing, expert_slot_bytes(cfg)
+    layers = z.expert_layers or 0
+    held = min(1.0, z.expert_cache // slot / (layers * cfg.num_experts)) if layers else 0.0
+    return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
+
+
+def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float]]:
+    """Per MoE layer: (the slowest holder's reads, the owner's calls to the other holders, all at once)."""
+    members, p = plan.workers, plan.experts
+    assert p is not None
+    slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
+    touched = distinct_experts(cfg, tokens) if tokens > 1 else k  # a token reads its k experts
+    held = [min(1.0, m.sizing.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
+    owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
+    out = []
+    for layer in p.layers:
+        bounds = p.bounds_of(layer)
+        share = [(bounds[i + 1] - bounds[i]) / e for i in range(len(members))]
+        reads = max(touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / (_speed(m, True) * GB)
+                    for i, m in enumerate(members))
+        o = owner[layer]
+        rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * 4 for i in range(len(members))]
+        calls = max((links.between(members[o].key, m.key).seconds(rows[i], rows[i])
+                     for i, m in enumerate(members) if i != o and share[i] > 0), default=0.0)
+        out.append((reads, calls))
+    return out
+
+
+def _speed(s: StagePlan, experts: bool = False) -> float:
+    """A member's disk speed: its model disk's (the spine), or all its expert disks' (`experts`)."""
+    return max((s.expert_gbps or s.disk_gbps) if experts else s.disk_gbps, 1e-3)
+
+
+def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: int = 4) -> dict:
+    """The plan as `plan --json` prints it: the mode and why, each worker's part, the links (measured or assumed),
+    and the predictions (a token; the first token of PROMPT_LENGTHS and of `prompts`), disks and links apart."""
+    names = dict(plan.links.names) or {s.key: s.worker for s in plan.workers}
+    link = lambda v: {"rtt_ms": round(v.rtt_s * 1e3, 3), "up_mbit_s": round(v.up_bps * 8 / 1e6, 1),
+                      "down_mbit_s": round(v.down_bps * 8 / 1e6, 1), "address": v.address}
+    seconds = lambda s: {"total_s": round(s.total, 3), "disk_s": round(s.disk, 3), "link_s": round(s.link, 3)}
+    return {"experts": "wide" if plan.wide else "local", "why": plan.mode_why, "context": plan.context,
+            "workers": [{"name": s.worker, "address": s.address, "layers": [s.start, s.end], "spine": s.sizing.spine,
+                         "resident_layers": len(s.sizing.resident_layers),
+                         "expert_cache_gb": round(s.sizing.expert_cache / GB, 3),
+                         "expert_gb_per_token": round(s.sizing.expert_bytes_per_token / GB, 3)} for s in plan.workers],
+            "links": {"measured": plan.links.measured, "assumed": link(plan.links.assumed),
+                      "coordinator": {names.get(k, k): link(v) for k, v in plan.links.to_workers.items()},
+                      "between": {f"{names.get(a, a)} -> {names.get(b, b)}": link(v)
+                                  for (a, b), v in plan.links.pairs.items()}},
+            "token": seconds(plan.token) if plan.token is not None else None,
+            "first_token": {str(n): seconds(s) for n, s in plan.first_token},
+            "prompts": {str(n): seconds(prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in prompts}}

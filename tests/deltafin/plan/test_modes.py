@@ -1,0 +1,49 @@
+"""Wide or local experts by what the links make each cost (K3's full geometry, pure): wide on a fast link, the
+pipelined plan where a turn's rows would take the link longer than the disks take to read; as asked when asked;
+wide where every expert is in memory (nothing read, their compute spread)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltafin.checkpoint.config import load_config, parse_config
+from deltafin.checkpoint.presets import preset_config
+from deltafin.paths import bundled_model
+from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.links import PROFILES, Links, profile
+from deltafin.plan.modes import choose_mode, turn_seconds
+from deltafin.plan.planner import plan_layers
+from deltafin.plan.sizing import SizingOptions
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return parse_config(preset_config("k3"))
+
+
+def _macs(n: int, gb: int = 56, layers: int = 93) -> list[WorkerCapacity]:
+    return [WorkerCapacity(f"m{i}", gb * GB, 6.6, ((0, layers),), True, address=f"m{i}:1", device="mps",
+                           worker_id=f"m{i}") for i in range(n)]
+
+
+def test_a_fast_link_is_wide_and_a_slow_one_the_pipelined_plan(k3):
+    fast = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
+    assert fast.wide and fast.mode_why.startswith("a turn of a 4,096-token prompt and 512 tokens takes")
+    slow_link = Links(assumed=profile(40.0, 20))  # a congested link: 40 ms, 20 Mbit/s
+    slow = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", slow_link)
+    wide = plan_layers(k3, _macs(2), experts="wide", links=slow_link)
+    assert not slow.wide and turn_seconds(k3, slow) < turn_seconds(k3, wide)
+    assert "local: a token" in slow.mode_why and "wide: a token" in slow.mode_why
+
+
+def test_asked_is_kept_and_resident_experts_stay_wide(k3):
+    slow_link = Links(assumed=profile(40.0, 20))
+    asked = choose_mode(k3, _macs(2), SizingOptions(), 4, "wide", slow_link)
+    assert asked.wide and asked.mode_why == "as asked (--experts wide)"
+    mini = load_config(bundled_model())
+    small = choose_mode(mini, _macs(2, 8, 8), SizingOptions(), 4, "auto", slow_link)
+    assert small.wide and small.mode_why == "every expert is in memory: wide spreads their compute"
+    one = choose_mode(k3, _macs(1), SizingOptions(), 4, "auto", slow_link)
+    assert not one.wide and one.mode_why == "one worker reads its own experts"

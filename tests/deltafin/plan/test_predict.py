@@ -1,0 +1,57 @@
+"""A plan's predicted time on K3's full geometry (pure): a decoded token's and a prompt's link time against the
+bytes counted from the config by hand (the rows of the tokens each holder gets, each way, a round trip per MoE
+layer; each stage's hop through the coordinator), and the disks' time unchanged by the links."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltafin.checkpoint.config import parse_config
+from deltafin.checkpoint.presets import preset_config
+from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.links import Links, profile
+from deltafin.plan.planner import plan_layers
+from deltafin.plan.predict import prefill_seconds, token_seconds
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return parse_config(preset_config("k3"))
+
+
+def _macs(n: int) -> list[WorkerCapacity]:
+    return [WorkerCapacity(f"m{i}", 56 * GB, 6.6, ((0, 93),), True, address=f"m{i}:1", device="mps",
+                           worker_id=f"m{i}") for i in range(n)]
+
+
+def test_a_wide_token_pays_a_round_trip_and_a_row_each_way_per_moe_layer(k3):
+    link = profile(4.0, 400)  # Wi-Fi: 4 ms, 50 MB/s each way
+    plan = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=link))
+    fast = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=profile(0.0, 10**9)))
+    t = token_seconds(k3, plan)
+    assert t.disk == pytest.approx(token_seconds(k3, fast).disk)  # the links move nothing the disks read
+    row = 3584 * 4  # a token's latent row (fp32), out and its sum back
+    boundary = plan.stages[0].end
+    state = (1 + -(-boundary // 12)) * 7168 * 4  # (1 + blocks) x D fp32 entering the second stage
+    calls = 0.0
+    for layer in k3.moe_layers:
+        b = plan.experts.bounds_of(layer)
+        owner = 0 if layer < boundary else 1
+        other = 1 - owner
+        s = (b[other + 1] - b[other]) / 896
+        calls += 0.004 + 2 * (1 - (1 - s) ** 16) * row / 50e6  # the other holder gets it with prob. 1 - (1-s)^16
+    hops = 2 * 0.004 + (4 + 2 * state + 163840 * 4) / 50e6  # a call a stage: ids in, the state out and in, logits
+    assert t.link == pytest.approx(calls + hops, rel=1e-6)
+    assert t.total == pytest.approx(t.disk + t.link, rel=1e-6)  # a token waits on its calls
+
+
+def test_a_prompt_s_rows_move_while_the_holders_read(k3):
+    slow = Links(assumed=profile(4.0, 15))  # Wi-Fi scaled to 250 MB/s disks
+    plan = plan_layers(k3, _macs(2), experts="wide", links=slow)
+    p = prefill_seconds(k3, plan, 4096)
+    assert p.link > p.disk  # at K3's width a wide prompt moves more over this link than the disks read
+    assert max(p.disk, p.link) <= p.total < p.disk + p.link  # overlapped, layer by layer
+    local = plan_layers(k3, _macs(2), experts="local", links=slow)
+    assert prefill_seconds(k3, local, 4096).link < p.link / 10  # only the hops

@@ -1,0 +1,35 @@
+"""The lossy wire (--wire bf16) in one process: what would cross the links is rounded to bfloat16 as the workers
+send it (a stage's output states; the rows a stage sends other holders and the sums they answer), its own share
+and the last stage's logits not; the result stays near the exact wire's and its greedy tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafin.runtime.local_wide import LocalWide
+from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.wide import ExpertCall
+
+IDS = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17])
+
+
+def test_the_lossy_wire_rounds_what_crosses_and_stays_near_the_exact_one(small_dir):
+    exact, lossy = LocalWide(small_dir, 2), LocalWide(small_dir, 2, wire="bf16")
+    try:
+        first = lossy.pipeline.stages[0]
+        out = first.forward([SeqInput("a", 0, ids=IDS)])[0]
+        assert out.state.P.dtype == out.state.B.dtype == torch.bfloat16  # half the hop's bytes
+        seen: list[ExpertCall] = []
+        holder = lossy.assigned["w1"].holder
+        run = holder.run
+        holder.run = lambda call: seen.append(call) or run(call)  # type: ignore[method-assign]
+        got = lossy.pipeline.forward([SeqInput("b", 0, ids=IDS)], all_logits=True)[0].logits
+        want = exact.pipeline.forward([SeqInput("b", 0, ids=IDS)], all_logits=True)[0].logits
+        assert seen and all(c.bf16 and c.z.dtype == torch.bfloat16 for c in seen if c.z.shape[0])
+        assert got.dtype == torch.float32 and not torch.equal(got, want)
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) < 0.05 * scale  # bf16's 8 bits of mantissa, through the layers
+        assert int(got[-1].argmax()) == int(want[-1].argmax())
+    finally:
+        exact.close()
+        lossy.close()

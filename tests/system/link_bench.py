@@ -1,0 +1,129 @@
+"""A cluster of simulated Macs behind simulated links: one worker process per Mac (each under its own `disklimit`
+and `memlimit`, as in cluster_bench.py), each reached through `../shared/tools/linkproxy` with a link kind's round
+trip and bandwidth (deltafin/plan/links.py PROFILES; `--scale-to RATE` scales the bandwidth by RATE over a Mac's
+6.6 GB/s SSD, so that the links keep their ratio to the disks), and this process as the coordinator, reaching
+every worker through the proxies (and so do the workers each other, with wide experts). For each profile: the
+plan's mode and its prediction, a prompt's prefill seconds, the seconds per decoded token, the greedy ids and the
+bytes each link carried each way. Prints one JSON object.
+
+    python -m tests.system.link_bench --model K3SLICE --workers 2 --profiles loopback,wifi,1gbe --scale-to 250M \\
+        --disk-rate 250M --memlimit-gb 6 --memory-gb 5.5 --prompt-tokens 819 --tokens 4 -- --spine int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import deltafin
+from deltafin.checkpoint.config import load_config
+from deltafin.plan.links import PROFILES, Link
+from deltafin.plan.predict import prefill_seconds
+from tests.support.cluster import WorkerProcess, split_at_dashes
+from tests.support.links import slow_links
+from tests.system.cluster_bench import _caps
+
+MAC_SSD = 6.6e9  # bytes a second a Mac's SSD reads (PERF.md): what --scale-to scales the links by
+
+
+def profile_link(name: str, scale: float) -> tuple[float, float]:
+    """(rtt ms, Mbit/s) of a profile, its bandwidth scaled ("loopback": no delay, no cap)."""
+    if name == "loopback":
+        return 0.0, 0.0
+    link: Link = PROFILES[name]
+    return link.rtt_s * 1e3, link.up_bps * 8 / 1e6 * scale
+
+
+def _rate(text: str) -> float:
+    unit = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1].upper(), 1.0)
+    return float(text.rstrip("KkMmGg")) * unit
+
+
+def run(args: argparse.Namespace, name: str, options: dict) -> dict:
+    cfg = load_config(args.model)
+    rtt_ms, mbps = profile_link(name, _rate(args.scale_to) / MAC_SSD if args.scale_to else 1.0)
+    prefix = _caps(args.disk_rate, args.memlimit_gb)
+    gbps = str(_rate(args.disk_rate) / 1e9)
+    procs = [WorkerProcess(args.model, f"w{i}", "--disk-gbps", gbps, *args.worker_args, memory_gb=args.memory_gb,
+                           prefix=prefix) for i in range(args.workers)]
+    ids = (torch.arange(args.prompt_tokens) * 7919 % (cfg.vocab_size - 1000) + 500).tolist()
+    try:
+        addresses = [p.wait_ready(timeout=900) for p in procs]
+        with slow_links(addresses, rtt_ms, mbps) as proxy, deltafin.connect(
+                args.model, proxy.addresses, discover=False, progress=False, **options) as model:
+            plan = model.engine.backend.plan
+            t0 = time.monotonic()
+            out = model.generate(ids, max_tokens=args.tokens)
+            wall = time.monotonic() - t0
+        probes = [plan.links.to_workers.values(), plan.links.pairs.values()]
+        probed = {a: sum(v.probe_bytes for group in probes for v in group if v.address == a) for a in proxy.addresses}
+        carried = {f"w{i}": {"to": c.to, "back": c.back, "probes": probed[via]}
+                   for i, (a, via) in enumerate(zip(addresses, proxy.addresses, strict=True))
+                   if (c := proxy.carried.get(a)) is not None}
+    finally:
+        for p in procs:
+            p.stop()
+    predicted = prefill_seconds(cfg, plan, args.prompt_tokens)
+    return {"profile": name, "rtt_ms": rtt_ms, "mbit_s": round(mbps, 2) or None, "capped": bool(prefix),
+            "experts": "wide" if plan.wide else "local", "why": plan.mode_why,
+            "prefill_s": round(out.timing.prefill_s, 2), "s_per_token": round(out.timing.decode_s /
+                                                                              max(1, out.timing.decode_steps), 3),
+            "wall_s": round(wall, 1), "ids": list(out.token_ids), "text": out.text,
+            "link_bytes": carried,  # each link's, both ways; "probes": what measuring the links moved over it
+            "request_bytes": sum(c["to"] + c["back"] - c["probes"] for c in carried.values()),
+            "predicted": {"prefill_s": round(predicted.total, 2), "prefill_disk_s": round(predicted.disk, 2),
+                          "prefill_link_s": round(predicted.link, 2),
+                          "s_per_token": round(plan.token.total, 3) if plan.token else None}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, extra = split_at_dashes(list(sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(prog="python -m tests.system.link_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--profiles", default="loopback,wifi",
+                   help=f"link kinds, comma-separated: loopback, {', '.join(PROFILES)} (default loopback,wifi)")
+    p.add_argument("--scale-to", default="", metavar="RATE",
+                   help="scale the links' bandwidth to disks of RATE a second (e.g. 250M: the disklimit rate)")
+    p.add_argument("--disk-rate", default="250M", help="each worker's disk read cap (default 250M)")
+    p.add_argument("--memory-gb", type=float, default=5.5, help="each worker's --memory-gb (default 5.5)")
+    p.add_argument("--memlimit-gb", type=float, default=6.0, help="each worker's memory cap, page cache included")
+    p.add_argument("--prompt-tokens", type=int, default=819)
+    p.add_argument("--tokens", type=int, default=4, help="tokens to generate (default 4)")
+    p.add_argument("--experts", default="auto", help="the coordinator's --experts (default auto)")
+    p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
+                   help="an argument for every worker (repeatable)")
+    args = p.parse_args(argv)
+    options = {"experts": args.experts, **_keywords(extra)}
+    runs = []
+    for name in args.profiles.split(","):
+        runs.append(run(args, name, options))
+        print(json.dumps({k: runs[-1][k] for k in ("profile", "experts", "prefill_s", "s_per_token",
+                                                     "request_bytes", "predicted")}), file=sys.stderr, flush=True)
+    print(json.dumps({"model": str(args.model), "workers": args.workers, "disk_rate": args.disk_rate,
+                      "scale_to": args.scale_to or None, "runs": runs}, indent=1))
+    return 0
+
+
+def _keywords(extra: list[str]) -> dict:
+    """The coordinator's flags after `--` as the Python API's keywords (`--spine int8` -> spine="int8")."""
+    out, i = {}, 0
+    while i < len(extra):
+        name = extra[i].lstrip("-").replace("-", "_")
+        if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            value: object = extra[i + 1]
+            out[name] = float(value) if name.endswith("_gb") else int(value) if str(value).isdigit() else value
+            i += 2
+        else:
+            out[name] = True
+            i += 1
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
