@@ -315,6 +315,11 @@ class Model:
             return ChatReply("".join(text), out_ids, reason, usage, timing, ids, "".join(reasoning), list(calls))
         return Completion("".join(text), out_ids, reason, usage, timing, ids)
 
+    def stats(self) -> list[dict[str, Any]]:
+        """Each stage's counters (and each wide expert holder's): forwards, seconds of compute, of waiting on the
+        disk and on other holders, expert cache hits and bytes read, as `deltafin-coordinator stats` prints them."""
+        return self._loop.run(self.engine.worker_stats())
+
     def close(self) -> None:
         """Free the stages (in this process) or the sessions and connections (workers); idempotent."""
         if self._closed:

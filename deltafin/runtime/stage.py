@@ -323,7 +323,7 @@ class Stage:
 
     def stats(self) -> dict[str, object]:
         """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
-        return stage_stats(self.timings, self.spine, self.experts, self.prefixes)
+        return stage_stats(self.timings, self.spine, self.experts, self.prefixes, range(self.start, self.end))
 
     def close(self) -> None:
         self.sessions.close()

@@ -71,8 +71,10 @@ def plan_details(cfg: ModelConfig, s: StageSizing, opts: StageOptions) -> str:
 
 
 def stage_stats(timings: StageTimings, spine: SpineStore, experts: ExpertProvider,
-                prefixes: PrefixStore) -> dict[str, object]:
-    """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
+                prefixes: PrefixStore, layers: range) -> dict[str, object]:
+    """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream). The stage's compute
+    is its forwards' time less its waits for its own `layers`' experts (a wide store also waits for other stages'
+    layers, in the calls it serves: not this stage's time) and for its streamed spine."""
     out: dict[str, object] = {"forwards": timings.forwards, "tokens": timings.tokens,
                               "seconds": round(timings.seconds, 4),
                               "experts_s": round(timings.experts_s, 4),
@@ -84,5 +86,5 @@ def stage_stats(timings: StageTimings, spine: SpineStore, experts: ExpertProvide
         e = snapshot()
         out["experts"] = e.as_dict()
         out["disks"] = experts.disk_stats()  # type: ignore[attr-defined]
-        out["compute_s"] = round(timings.seconds - e.io_wait_s - spine.wait_s, 4)
+        out["compute_s"] = round(timings.seconds - e.over(layers).io_wait_s - spine.wait_s, 4)
     return out

@@ -14,6 +14,7 @@ class LayerCounts:
     lookups: int = 0
     hits: int = 0  # found cached or staged (a prefetch that landed in time)
     expert_bytes: int = 0  # experts read from the disk (their own bytes, without block alignment)
+    io_wait_s: float = 0.0  # the wait for them (the caller's: its compute thread's, or a holder's serving one)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ExpertStats:
             if c is not None:
                 total.lookups, total.hits, total.expert_bytes = (total.lookups + c.lookups, total.hits + c.hits,
                                                                  total.expert_bytes + c.expert_bytes)
+                total.io_wait_s += c.io_wait_s
         return total
 
     @property

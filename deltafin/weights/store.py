@@ -140,7 +140,9 @@ class ExpertStore:
             while waiting:
                 t0 = time.monotonic()
                 done, _ = wait(list(waiting), return_when=FIRST_COMPLETED)
-                self.stats.io_wait_s += time.monotonic() - t0
+                waited = time.monotonic() - t0
+                self.stats.io_wait_s += waited
+                self.stats.layer(layer).io_wait_s += waited
                 for fut in done:
                     e = waiting.pop(fut)
                     loaded = self.reads.take((layer, e), fut)  # a failed read raises here: this request fails
@@ -219,7 +221,9 @@ class ExpertStore:
             for fut, e in list(waiting.items()):
                 t0 = time.monotonic()
                 got[e] = (self.reads.take((layer, e), fut), False)
-                self.stats.io_wait_s += time.monotonic() - t0
+                waited = time.monotonic() - t0
+                self.stats.io_wait_s += waited
+                self.stats.layer(layer).io_wait_s += waited
                 del waiting[fut]
             yield {e: loaded.weights for e, (loaded, _) in got.items()}
         finally:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import deltafin
 from deltafin.checkpoint.config import load_config
+from deltafin.paths import model_path
 from deltafin.plan.links import PROFILES, Link
 from deltafin.plan.predict import prefill_seconds
 from tests.support.cluster import WorkerProcess, split_at_dashes
@@ -32,9 +33,12 @@ MAC_SSD = 6.6e9  # bytes a second a Mac's SSD reads (PERF.md): what --scale-to s
 
 
 def profile_link(name: str, scale: float) -> tuple[float, float]:
-    """(rtt ms, Mbit/s) of a profile, its bandwidth scaled ("loopback": no delay, no cap)."""
+    """(rtt ms, Mbit/s) of a profile, its bandwidth scaled ("loopback": no delay, no cap; "4ms": that round trip,
+    no cap)."""
     if name == "loopback":
         return 0.0, 0.0
+    if name.endswith("ms"):
+        return float(name[:-2]), 0.0
     link: Link = PROFILES[name]
     return link.rtt_s * 1e3, link.up_bps * 8 / 1e6 * scale
 
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
             t0 = time.monotonic()
             out = model.generate(ids, max_tokens=args.tokens)
             wall = time.monotonic() - t0
+            stats = model.stats()
         probes = [plan.links.to_workers.values(), plan.links.pairs.values()]
         probed = {a: sum(v.probe_bytes for group in probes for v in group if v.address == a) for a in proxy.addresses}
         carried = {f"w{i}": {"to": c.to, "back": c.back, "probes": probed[via]}
@@ -74,20 +79,29 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
             "prefill_s": round(out.timing.prefill_s, 2), "s_per_token": round(out.timing.decode_s /
                                                                               max(1, out.timing.decode_steps), 3),
             "wall_s": round(wall, 1), "ids": list(out.token_ids), "text": out.text,
-            "link_bytes": carried,  # each link's, both ways; "probes": what measuring the links moved over it
+            "link_bytes": carried, "stages": [_stage_seconds(s) for s in stats],  # each link's, both ways; "probes": what measuring the links moved over it
             "request_bytes": sum(c["to"] + c["back"] - c["probes"] for c in carried.values()),
             "predicted": {"prefill_s": round(predicted.total, 2), "prefill_disk_s": round(predicted.disk, 2),
                           "prefill_link_s": round(predicted.link, 2),
                           "s_per_token": round(plan.token.total, 3) if plan.token else None}}
 
 
+def _stage_seconds(stats: dict) -> dict:
+    """Where a stage's (or holder's) time went: its forwards' seconds, computing, waiting on its disk and on the
+    other holders."""
+    wide = stats.get("wide") or {}
+    return {**{k: v for k, v in stats.items() if k in ("name", "layers", "forwards", "tokens", "seconds")
+               or k.endswith("_s")}, **{k: v for k, v in wide.items() if k.endswith("_s")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, extra = split_at_dashes(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(prog="python -m tests.system.link_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=model_path, required=True, help="a model directory or name (k3-mini)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--profiles", default="loopback,wifi",
-                   help=f"link kinds, comma-separated: loopback, {', '.join(PROFILES)} (default loopback,wifi)")
+                   help=f"link kinds, comma-separated: loopback, {', '.join(PROFILES)}, or a bare round trip such as "
+                        "10ms (default loopback,wifi)")
     p.add_argument("--scale-to", default="", metavar="RATE",
                    help="scale the links' bandwidth to disks of RATE a second (e.g. 250M: the disklimit rate)")
     p.add_argument("--disk-rate", default="250M", help="each worker's disk read cap (default 250M)")
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="an argument for every worker (repeatable)")
     args = p.parse_args(argv)
+    for name in args.profiles.split(","):
+        if name != "loopback" and name not in PROFILES and not re.fullmatch(r"\d+(\.\d+)?ms", name):
+            p.error(f"unknown link profile {name!r}: loopback, {', '.join(PROFILES)}, or a round trip such as 10ms")
     options = {"experts": args.experts, **_keywords(extra)}
     runs = []
     for name in args.profiles.split(","):

@@ -33,3 +33,25 @@ def test_the_lossy_wire_rounds_what_crosses_and_stays_near_the_exact_one(small_d
     finally:
         exact.close()
         lossy.close()
+
+
+def test_a_wide_stage_counts_as_its_compute_only_its_own_waits(small_dir):
+    """A holder's store also waits for the experts of the calls it serves (other stages' layers, on its serving
+    thread): those waits are not its stage's, whose compute is its forwards' time less its own waits."""
+    wide = LocalWide(small_dir, 2, cache_bytes=0)
+    try:
+        wide.pipeline.forward([SeqInput("a", 0, ids=IDS)])
+        others = 0.0
+        for key, (a, b) in zip(wide.keys, wide.ranges, strict=True):
+            stage = wide.assigned[key].stage
+            stats = stage.stats()
+            store = stage.experts.snapshot_stats() if hasattr(stage.experts, "snapshot_stats") else None
+            assert store is not None and store.io_wait_s > 0  # it read experts (no cache)
+            own = store.over(range(a, b)).io_wait_s
+            others += store.io_wait_s - own
+            # the counters are rounded to 0.1 ms each
+            assert abs(stats["compute_s"] - (stats["seconds"] - own - stats["spine_wait_s"])) < 2e-4
+            assert 0 <= stats["compute_s"] <= stats["seconds"]
+        assert others > 0  # the holders waited for calls they served, and that was left out
+    finally:
+        wide.close()
