@@ -156,16 +156,22 @@ def test_the_readmes_k3_figures_are_the_codes(tmp_path: Path) -> None:
     assert not missing, "README does not say:\n" + "\n".join(missing)
 
 
-# the projection for Macs: the planner's MPS plans at a Mac's budget and SSD, at an assumed streaming efficiency
-MAC_SSD_GBPS, EFFICIENCY = 6.6, 0.85
+# the projection for Macs: the planner's MPS plans at a Mac's budget, SSD and compute (PERF.md's M1 Max: 400 GB/s
+# of unified memory, 10 TFLOP/s), at an assumed streaming efficiency
+MAC_SSD_GBPS, MAC_MEMORY_GBPS, MAC_TFLOPS, EFFICIENCY = 6.6, 400.0, 10.0, 0.85
 MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 GB", 4, 56),
         ("2 × 128 GB (112 GB budgets)", 2, 112))
+
+
+def _mac_compute(cfg):
+    from deltafin.plan.compute import assumed_gpu
+    return assumed_gpu(cfg, MAC_MEMORY_GBPS, MAC_TFLOPS)
 
 
 def _mac_projection(cfg) -> list[str]:
     """Each cluster's rows, per link kind between its Macs (plan/links.py PROFILES): the experts `--experts auto`
     chooses for that link (plan/modes.py), what a token reads, its time (disks and links, over the assumed
-    efficiency) and a 4K prompt's first token."""
+    efficiency; the compute as assumed) and a 4K prompt's first token."""
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.links import PROFILES, Links
     from deltafin.plan.modes import choose_mode
@@ -175,7 +181,7 @@ def _mac_projection(cfg) -> list[str]:
     rows = []
     for label, n, budget_gb in MACS:
         workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
-                                  device="mps", worker_id=str(i)) for i in range(n)]
+                                  device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
         for kind in PROFILES if n > 1 else ("—",):
             links = Links(assumed=PROFILES[kind]) if n > 1 else Links()
             plan = choose_mode(cfg, workers, SizingOptions(), 4, "auto", links)
@@ -215,7 +221,7 @@ def _first_token_projection(cfg) -> list[str]:
     rows = []
     for label, n, budget_gb in MACS[:3]:
         workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
-                                  device="mps", worker_id=str(i)) for i in range(n)]
+                                  device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
         for forward in (512, None):
             plan = plan_layers(cfg, workers, SizingOptions(context=65536, sequences=1, prefill_chunk=forward),
                                experts="wide" if n > 1 else "local")

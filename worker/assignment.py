@@ -28,8 +28,8 @@ from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
-from deltafin.transport.codec import WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.worker_info import WorkerDescription
 from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)

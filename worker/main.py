@@ -23,16 +23,18 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_checkpoint
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
-from deltafin.devices import resolve_device
+from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.least import least_options, shortfall, smallest_stages
 from deltafin.plan.sizing import Placement
+from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription, layer_ranges
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.discovery import Announcer, interface_addresses
 from deltafin.transport.ports import check_address, check_free
+from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.spine_convert import spine_disk
@@ -141,7 +143,7 @@ def _disk_speeds(args: argparse.Namespace, ckpts: list[Any]) -> tuple[float, ...
 def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
               options: Any) -> WorkerDescription:
     """What this worker announces: its layers on disk (and the experts on every disk), memory budget, measured
-    disk speeds, a fresh id."""
+    disk speeds and compute, a fresh id."""
     ckpt = ckpts[0]
     experts = sorted({i for c in ckpts for i in c.layers_available()})
     # a disk that holds no MoE layer reads no experts; speeds of the ones that do add up
@@ -155,7 +157,8 @@ def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, .
                              worker_id=uuid.uuid4().hex[:12], expert_layers=layer_ranges(experts),
                              expert_gbps=expert_gbps, expert_disks=len(ckpts),
                              damaged=tuple(_short(p) for p in damaged(ckpt)), spine=options.sizing.spine,
-                             spine_disk=spine_disk(ckpt, options.spine_dir))
+                             spine_disk=spine_disk(ckpt, options.spine_dir),
+                             compute=measure_compute(ckpt.config, device, resolve_dtype(options.dtype_name)))
 
 
 def _checkpoints(args: argparse.Namespace) -> list[Any]:

@@ -30,15 +30,16 @@ from deltafin.plan.sizing import boundary_bytes_per_token
 from deltafin.runtime.assigned import Assigned
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.transport import codec
+from deltafin.transport import codec, worker_info
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, WorkerDescription
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.decoding import DecodeGuard
 from deltafin.transport.echo import MAX_REPLY
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
 from deltafin.transport.ports import cannot_listen
+from deltafin.transport.worker_info import WorkerDescription
 from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.assignment import AssignmentSlot, check_assignment
 from deltafin.worker.peers import Peers
@@ -91,7 +92,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     # ---- RPCs --------------------------------------------------------------------------------------
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
-        msg = codec.encode_info(self.info())
+        msg = worker_info.encode_info(self.info())
         msg.forward_layers_done, msg.forward_layers = self.progress
         return msg
 

@@ -20,19 +20,20 @@ from typing import Any, Protocol
 import grpc
 import torch
 
+from deltafin.coordinator.cluster.relay import Relay
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.links import Link
-from deltafin.runtime.pipeline import LocalPipeline, route
+from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
-from deltafin.transport import codec
+from deltafin.transport import codec, worker_info
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
-from deltafin.transport.liveness import Silent, Watch, await_watched, receiving, sending
+from deltafin.transport.liveness import Silent, Watch, await_watched, receiving, sending, sending_async
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +211,13 @@ class WorkerClient:
     def _error(self, e: grpc.aio.AioRpcError) -> RemoteError:
         return RemoteError(f"{self.name} ({self.address})", e.code(), e.details() or "")
 
-    async def info(self, timeout: float | None = None) -> codec.WorkerDescription:
+    async def info(self, timeout: float | None = None) -> worker_info.WorkerDescription:
         try:
             msg = await self.probes.Info(pb.InfoRequest(), timeout=timeout or self.timeouts.control,
                                          metadata=self._md("Info"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        d = codec.decode_info(msg, self.address)
+        d = worker_info.decode_info(msg, self.address)
         self.name = d.name or self.name
         return d
 
@@ -259,11 +260,14 @@ class WorkerClient:
         self.start, self.end = start, end
 
     async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str,
-                      progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
+                      progress: Callable[[int, int], None] | None = None, relayed: Relay | None = None,
+                      relay: Relay | None = None) -> list[SeqOutput]:
         """One stage's forward, watched (transport/liveness.py): if the worker shows no sign of life (a probe
         answered, a part of the call sent or received) for `lost_after` seconds, the call is abandoned with
         WorkerLost (a frozen process never reaches its deadline otherwise). The probes' answers say how far the
-        forward is: `progress(layers done, layers)`."""
+        forward is: `progress(layers done, layers)`. `relayed`: the inputs come part by part from the stage
+        before (`batch` names the sequences and their tokens); `relay`: each output part goes on to the next
+        stage as it comes (coordinator/cluster/relay.py)."""
         tokens = sum(item.num_tokens for item in batch)
         deadline = self.timeouts.forward_deadline(tokens)
 
@@ -274,12 +278,13 @@ class WorkerClient:
                 progress(info.forward_layers_done, info.forward_layers)
 
         # in parts: a long prompt's states (or the ones that come back) may be larger than one message
-        parts = codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes)
         watch = Watch()
-        call = self.stub.ForwardParts(sending(parts, watch), timeout=deadline, metadata=self._md("ForwardParts"))
+        parts = (sending_async(relayed.parts(), watch) if relayed is not None else
+                 sending(codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes), watch))
+        call = self.stub.ForwardParts(parts, timeout=deadline, metadata=self._md("ForwardParts"))
         try:
             response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after,
-                                           receiving(call, watch), watch)
+                                           receiving(call, watch, relay.put if relay is not None else None), watch)
         except Silent as e:
             raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
         except grpc.aio.AioRpcError as e:
@@ -353,28 +358,52 @@ class ClusterBackend:
     async def forward(self, batch: list[SeqInput], all_logits: bool = False,
                       resume: tuple[int, list[SeqInput]] | None = None,
                       progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
-        """The batch through every stage. A failure at stage i carries `resume_at = (i, that stage's inputs)`:
-        the stages before it have advanced, it and those after have not (a failed forward changes no session),
-        so `resume=resume_at` on the same stages finishes the same forward."""
+        """The batch through every stage, each hop relayed part by part (relay.py: the next stage's call starts
+        with the first part of the one before's answer). A failure at stage i carries `resume_at = (i, that
+        stage's inputs)`: the stages before it have advanced, it and those after have not (a failed forward, or
+        one whose inputs never all came, changes no session), so `resume=resume_at` on the same stages finishes
+        the same forward."""
         request_id = uuid.uuid4().hex
-        hops = route(len(self.stages), *(batch, 0) if resume is None else (resume[1], resume[0]))
-        i, inputs = next(hops)
-        layers = self.stages[-1].end
-        while True:
+        first, inputs = (0, batch) if resume is None else resume
+        layers, last = self.stages[-1].end, len(self.stages) - 1
+        calls: dict[int, asyncio.Task[list[SeqOutput]]] = {}
+
+        def start(i: int, relayed: Relay | None) -> None:
             worker = self.stages[i]
             hop = None if progress is None else (lambda d, _n, at=worker.start: progress((at + d) / layers))
-            try:
-                outputs = await worker.forward(inputs, all_logits, request_id, hop)
-            except asyncio.CancelledError:
-                await asyncio.shield(self._cancel(worker, request_id))
-                raise
-            except (RemoteError, WorkerLost) as e:
-                e.resume_at = (i, inputs)  # type: ignore[attr-defined]
-                raise
-            try:
-                i, inputs = hops.send(outputs)
-            except StopIteration as done:
-                return done.value
+            relay = None if i == last else Relay(inputs, all_logits, request_id, self.stages[i + 1].part_bytes,
+                                                 lambda: start(i + 1, relay))
+            calls[i] = asyncio.ensure_future(self._stage(worker, inputs, all_logits, request_id, hop, relayed, relay))
+
+        start(first, None)
+        try:
+            for i in range(first, last + 1):
+                try:
+                    outputs = await calls[i]
+                except (RemoteError, WorkerLost) as e:
+                    e.resume_at = (i, inputs)  # type: ignore[attr-defined]
+                    raise
+                if i < last:
+                    inputs = [b.carrying(o.state) for b, o in zip(inputs, outputs, strict=True)]  # type: ignore[arg-type]
+                    if i + 1 not in calls:  # an answer of no parts (nothing relayed): the next call starts whole
+                        start(i + 1, None)
+            return outputs
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.gather(*(self._cancel(self.stages[i], request_id)
+                                                  for i, c in calls.items() if not c.done())))
+            raise
+        finally:
+            await _dropped(list(calls.values()))
+
+    @staticmethod
+    async def _stage(worker: WorkerClient, batch: list[SeqInput], all_logits: bool, request_id: str,
+                     progress: Callable[[int, int], None] | None, relayed: Relay | None,
+                     relay: Relay | None) -> list[SeqOutput]:
+        """One stage's call; its relay to the next closed once its answer is whole."""
+        outputs = await worker.forward(batch, all_logits, request_id, progress, relayed, relay)
+        if relay is not None:
+            relay.close()
+        return outputs
 
     @staticmethod
     async def _cancel(worker: WorkerClient, request_id: str) -> None:
@@ -411,6 +440,13 @@ class ClusterBackend:
 
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in self.workers))
+
+
+async def _dropped(tasks: list[asyncio.Task]) -> None:
+    """Tasks cancelled where they still run, and waited for (nothing left behind, no exception unretrieved)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def all_held(answers: list[HeldPrefixes]) -> HeldPrefixes:

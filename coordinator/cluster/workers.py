@@ -30,8 +30,9 @@ from deltafin.plan.sizing import SizingOptions
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.transport.auth import ClusterSecurity
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, WorkerDescription
+from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION
 from deltafin.transport.discovery import browse
+from deltafin.transport.worker_info import WorkerDescription
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
     return [WorkerCapacity(d.name, cap(d.memory_bytes), d.disk_gbps, d.layers, d.has_top, d.address,
                            device=d.device.split(":")[0], host_memory_bytes=d.host_memory_bytes or None,
                            worker_id=d.key, expert_layers=d.expert_ranges, expert_gbps=d.expert_speed,
-                           disks=d.expert_disks, damaged=d.damaged, spine=d.spine, spine_disk=d.spine_disk)
+                           disks=d.expert_disks, damaged=d.damaged, spine=d.spine, spine_disk=d.spine_disk,
+                           compute=d.compute)
             for _, d in workers]
 
 

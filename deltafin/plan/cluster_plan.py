@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltafin.plan.compute import ComputeSpeed
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.links import Links
 from deltafin.plan.sizing import Budget, Placement, StageSizing
@@ -17,15 +18,17 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Seconds:
-    """A predicted time (plan/predict.py): what the disks take, what the links take, and the total (less than their
-    sum where they overlap)."""
+    """A predicted time (plan/predict.py): what the disks take, what the links take, what the compute takes (0: not
+    known), and the total (less than their sum where they overlap)."""
 
     disk: float
     link: float
     total: float
+    compute: float = 0.0
 
     def describe(self) -> str:
-        return f"{_time(self.total)} (disks {_time(self.disk)}, links {_time(self.link)})"
+        compute = f", compute {_time(self.compute)}" if self.compute else ""
+        return f"{_time(self.total)} (disks {_time(self.disk)}, links {_time(self.link)}{compute})"
 
 @dataclass(frozen=True)
 class WorkerCapacity:
@@ -44,6 +47,7 @@ class WorkerCapacity:
     damaged: tuple[str, ...] = ()  # damaged shards on its disk ("FILE: layers A-B"), for the plan's errors
     spine: str = "auto"  # the format it was started with (--spine): the plan honours it or refuses
     spine_disk: SpineDisk | None = None  # the converted spines on its disk (None: not known, taken as writable)
+    compute: ComputeSpeed | None = None  # measured (plan/compute.py; None: not known, its compute left out)
 
     @property
     def key(self) -> str:
@@ -78,6 +82,7 @@ class StagePlan:
     host_memory_bytes: int | None = None
     disk_gbps: float = 0.0  # its model disk (the spine streams from it)
     expert_gbps: float = 0.0  # its expert disks together (0: disk_gbps)
+    compute: ComputeSpeed | None = None  # the worker's, measured (None: not known)
 
     @property
     def key(self) -> str:
@@ -142,10 +147,14 @@ class Plan:
         """The links, the experts' mode and why, and the predictions: a token, a prompt's first token."""
         lines = ["links (" + ("measured" if self.links.measured else f"assumed: {self.links.assumed.describe()}")
                  + "):", *self.links.describe()]
+        speeds = [(s.worker, s.compute) for s in self.workers]
+        lines += ["compute (measured by each worker):" if all(c for _, c in speeds) else
+                  "compute (measured by each worker; left out of the predictions where not known):"]
+        lines += [f"  {name}: {c.describe() if c else 'not known'}" for name, c in speeds]
         if self.mode_why:
             lines.append(f"experts {'wide' if self.wide else 'local'}: {self.mode_why}")
         if self.token is not None:
-            lines.append(f"a token (predicted from bytes, disk speeds and links): {self.token.describe()}")
+            lines.append(f"a token (predicted from bytes, disk speeds, links and compute): {self.token.describe()}")
         if self.first_token:
             step = min(s.sizing.forward_tokens for s in self.stages)
             lines.append(f"time to first token (in forwards of {step} tokens): "

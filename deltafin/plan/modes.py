@@ -1,13 +1,13 @@
-"""Wide or local experts, chosen by what the links and the disks make each cost (pure).
+"""Wide or local experts, chosen by what the links, the disks and the compute make each cost (pure).
 
 Wide experts put every disk on every token but send each MoE layer's rows over the links; local experts (the
 pipelined plan) send only the stage hops. With `--experts auto` and several workers both are planned and priced
-(plan/predict.py: a decoded token, a prompt's first token, each with the links as measured) and the one a chat turn
-takes less time in is used: a TURN_PROMPT-token prompt and TURN_REPLY tokens of reply. (Where every expert is in
-memory nothing is read, and wide spreads their compute: the predictions leave compute out.) On a fast link (a
-Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide prompt moves more over the air than the
-disks read, and the pipelined plan wins. The plan says which and why (`Plan.mode_why`); `--experts wide|local`
-forces one.
+(plan/predict.py: a decoded token, a prompt's first token, each with the links as measured and the workers' compute)
+and the one a chat turn takes less time in is used: a TURN_PROMPT-token prompt and TURN_REPLY tokens of reply.
+(Where every expert is in memory nothing is read and wide spreads their compute: wide, where the workers' compute is
+not known to price it.) On a fast link (a Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide
+prompt moves more over the air than the disks read, and the pipelined plan wins. The plan says which and why
+(`Plan.mode_why`); `--experts wide|local` forces one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
             if mode == "local" and "wide" in plans:
                 return replace(plans["wide"], mode_why="the workers hold the model only with wide experts")
             raise
-    if not any(s.sizing.expert_bytes_per_token for p in plans.values() for s in p.workers):  # no disk to add
+    resident = not any(s.sizing.expert_bytes_per_token for p in plans.values() for s in p.workers)
+    if resident and any(s.compute is None for p in plans.values() for s in p.workers):  # nothing to price
         return replace(plans["wide"], mode_why="every expert is in memory: wide spreads their compute")
     turns = {mode: turn_seconds(cfg, p, act_bytes) for mode, p in plans.items()}
     mode = "wide" if plans["wide"].wide and turns["wide"] <= turns["local"] else "local"

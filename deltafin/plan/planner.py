@@ -174,7 +174,7 @@ def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: boo
     read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
     stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
-                      w.disk_gbps, w.expert_speed)
+                      w.disk_gbps, w.expert_speed, w.compute)
     weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
     return stage, seconds + 1e-2 * weight ** 2 / max(1, w.memory_bytes) / GB
 
@@ -193,7 +193,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         except SizingError:
             continue
         holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
-                                 w.disk_gbps, w.expert_speed))
+                                 w.disk_gbps, w.expert_speed, w.compute))
     members = [*stages, *holders]
     caps = [workers[index[m.key]] for m in members]
     slot = expert_slot_bytes(cfg)

@@ -1,15 +1,18 @@
-"""A plan's time, predicted from its bytes, its disks' speeds and its links (pure): a decoded token and a prompt's
-first token, each split into what the disks take and what the links take. Compute is left out (a Mac's GPU keeps
-up with its SSD: README, Apple silicon).
+"""A plan's time, predicted from its bytes, its disks' speeds, its links and its workers' measured compute (pure): a
+decoded token and a prompt's first token, each split into what the disks, the links and the compute take.
 
 - Disks: each forward reads every MoE layer's experts its tokens touch (a uniform router, less what the caches keep)
   and streams the spine that does not stay; with local experts the stages read one after another, with wide experts
   every holder reads its share of a layer at once (the slowest holder sets the layer's time).
-- Links (plan/links.py): every stage's hop through the coordinator (its input states there, its output back: a
-  stage's residual state, (1 + blocks) x D values a token; the first stage's token ids, the last's logits of the
-  last position), and with wide experts each MoE layer's calls from the stage that owns it to the other holders,
-  at once: a round trip and the rows of the tokens routed to each (out, and their sums back). A token waits for its
-  calls after its reads; a prompt's calls move while the holders read (the larger of the two counts).
+- Links (plan/links.py): every stage's hop through the coordinator (a stage's residual state, (1 + blocks) x D
+  values a token, relayed to the next stage part by part as it comes, so the two links carry it at once; the first
+  stage's token ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
+  the stage that owns it to the other holders, at once: a round trip and the rows of the tokens routed to each
+  (out, and their sums back). A token waits for its calls after its reads; a prompt's calls move while the
+  holders read (the larger of the two counts).
+- Compute (plan/compute.py, where the workers measured theirs; else none): each stage's spine, one layer after
+  another, and each MoE layer's routed experts, which overlap their reads (the store hands each expert to the
+  matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once).
 `plan` prints both parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
 `forward_read_bytes`.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
+from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
 from deltafin.plan.sizing import boundary_bytes_per_token, expert_slot_bytes
 
@@ -57,28 +61,58 @@ def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: i
     MoE layer's experts its tokens touch (less what the caches keep) and streaming the spine that does not stay,
     while its states cross the links."""
     step = forward_tokens or min(s.sizing.forward_tokens for s in plan.stages)
-    disk = link = total = 0.0
+    disk = link = total = compute = 0.0
     done = 0
     while done < tokens:
         n = min(step, tokens - done)
         s = _forward(cfg, plan, n, act_bytes, overlap=True)
-        disk, link, total, done = disk + s.disk, link + s.link, total + s.total, done + n
-    return Seconds(disk, link, total)
+        disk, link, total, compute, done = disk + s.disk, link + s.link, total + s.total, compute + s.compute, done + n
+    return Seconds(disk, link, total, compute)
+
+
+def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
+    """A forward's hops through the coordinator: the ids to the first stage, each stage's output state relayed to
+    the next part by part (coordinator/cluster/relay.py: both links carry it at once, the slower one sets the time),
+    the last position's logits back; a round trip per stage."""
+    stages, links = plan.stages, plan.links
+    first_in, _ = hop_bytes(cfg, stages[0].start, stages[0].end, tokens, act_bytes)
+    _, last_out = hop_bytes(cfg, stages[-1].start, stages[-1].end, tokens, act_bytes)
+    link = [links.between(COORDINATOR, s.key) for s in stages]
+    relayed = sum(max(link[i].seconds(0, b, 0), link[i + 1].seconds(b, 0, 0))
+                  for i, b in enumerate(hop_bytes(cfg, s.start, s.end, tokens, act_bytes)[1] for s in stages[:-1]))
+    return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + relayed + link[-1].seconds(0, last_out, 0)
 
 
 def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:
     links = plan.links
-    hops = sum(links.between(COORDINATOR, s.key).seconds(*hop_bytes(cfg, s.start, s.end, tokens, act_bytes))
-               for s in plan.stages)
+    hops = hops_seconds(cfg, plan, tokens, act_bytes)
     spine = sum(s.sizing.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
+    spine_compute = sum(_spine_compute(cfg, s, tokens) for s in plan.stages)
     if plan.experts is None:
-        reads = sum(_local_reads(cfg, s, tokens) for s in plan.stages)
-        return Seconds(reads + spine, hops, reads + spine + hops)
-    reads_sum = calls_sum = total = 0.0
-    for reads, calls in _wide_layers(cfg, plan, links, tokens):
-        reads_sum, calls_sum = reads_sum + reads, calls_sum + calls
-        total += max(reads, calls) if overlap else reads + calls
-    return Seconds(reads_sum + spine, calls_sum + hops, total + spine + hops)
+        reads = compute = busy = 0.0
+        for s in plan.stages:
+            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
+            reads, compute, busy = reads + r, compute + c, busy + max(r, c)
+        return Seconds(reads + spine, hops, busy + spine + spine_compute + hops, compute + spine_compute)
+    reads_sum = calls_sum = compute_sum = total = 0.0
+    for reads, compute, calls in _wide_layers(cfg, plan, links, tokens):
+        reads_sum, calls_sum, compute_sum = reads_sum + reads, calls_sum + calls, compute_sum + compute
+        holders = max(reads, compute)
+        total += max(holders, calls) if overlap else holders + calls
+    return Seconds(reads_sum + spine, calls_sum + hops, total + spine + spine_compute + hops,
+                   compute_sum + spine_compute)
+
+
+def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
+    return 0.0 if s.compute is None else spine_seconds(cfg, s.compute, s.start, s.end, tokens, s.sizing.spine)
+
+
+def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) -> float:
+    """`layers` MoE layers' routed experts of a forward of `tokens` on `s`'s worker."""
+    if s.compute is None or not layers:
+        return 0.0
+    touched = distinct_experts(cfg, tokens) if tokens > 1 else cfg.experts_per_token
+    return layers * s.compute.expert_seconds(touched, tokens * cfg.experts_per_token)
 
 
 def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
@@ -88,8 +122,9 @@ def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
     return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 
-def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float]]:
-    """Per MoE layer: (the slowest holder's reads, the owner's calls to the other holders, all at once)."""
+def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float, float]]:
+    """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
+    holders, all at once)."""
     members, p = plan.workers, plan.experts
     assert p is not None
     slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
@@ -102,11 +137,13 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> lis
         share = [(bounds[i + 1] - bounds[i]) / e for i in range(len(members))]
         reads = max(touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / (_speed(m, True) * GB)
                     for i, m in enumerate(members))
+        compute = max((m.compute.expert_seconds(touched * share[i], tokens * k * share[i])
+                       for i, m in enumerate(members) if m.compute is not None and share[i] > 0), default=0.0)
         o = owner[layer]
         rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * 4 for i in range(len(members))]
         calls = max((links.between(members[o].key, m.key).seconds(rows[i], rows[i])
                      for i, m in enumerate(members) if i != o and share[i] > 0), default=0.0)
-        out.append((reads, calls))
+        out.append((reads, compute, calls))
     return out
 
 
@@ -117,16 +154,23 @@ def _speed(s: StagePlan, experts: bool = False) -> float:
 
 def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: int = 4) -> dict:
     """The plan as `plan --json` prints it: the mode and why, each worker's part, the links (measured or assumed),
-    and the predictions (a token; the first token of PROMPT_LENGTHS and of `prompts`), disks and links apart."""
+    each worker's measured compute, and the predictions (a token; the first token of PROMPT_LENGTHS and of `prompts`),
+    disks, links and compute apart."""
     names = dict(plan.links.names) or {s.key: s.worker for s in plan.workers}
     link = lambda v: {"rtt_ms": round(v.rtt_s * 1e3, 3), "up_mbit_s": round(v.up_bps * 8 / 1e6, 1),
                       "down_mbit_s": round(v.down_bps * 8 / 1e6, 1), "address": v.address}
-    seconds = lambda s: {"total_s": round(s.total, 3), "disk_s": round(s.disk, 3), "link_s": round(s.link, 3)}
+    seconds = lambda s: {"total_s": round(s.total, 3), "disk_s": round(s.disk, 3), "link_s": round(s.link, 3),
+                         "compute_s": round(s.compute, 3)}
+    compute = lambda c: None if c is None else {
+        "expert_one_ms": round(c.expert_one_s * 1e3, 4), "expert_token_ms": round(c.expert_token_s * 1e3, 4),
+        "spine_gflop_s_one": {f: round(v / 1e9, 2) for f, v in c.spine_one.items()},
+        "spine_gflop_s_batched": {f: round(v / 1e9, 2) for f, v in c.spine_many.items()}}
     return {"experts": "wide" if plan.wide else "local", "why": plan.mode_why, "context": plan.context,
             "workers": [{"name": s.worker, "address": s.address, "layers": [s.start, s.end], "spine": s.sizing.spine,
                          "resident_layers": len(s.sizing.resident_layers),
                          "expert_cache_gb": round(s.sizing.expert_cache / GB, 3),
-                         "expert_gb_per_token": round(s.sizing.expert_bytes_per_token / GB, 3)} for s in plan.workers],
+                         "expert_gb_per_token": round(s.sizing.expert_bytes_per_token / GB, 3),
+                         "compute": compute(s.compute)} for s in plan.workers],
             "links": {"measured": plan.links.measured, "assumed": link(plan.links.assumed),
                       "coordinator": {names.get(k, k): link(v) for k, v in plan.links.to_workers.items()},
                       "between": {f"{names.get(a, a)} -> {names.get(b, b)}": link(v)

@@ -16,7 +16,8 @@ import time
 import ifaddr
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
 
-from deltafin.transport.codec import PROTOCOL_VERSION, WorkerDescription
+from deltafin.transport.codec import PROTOCOL_VERSION
+from deltafin.transport.worker_info import WorkerDescription
 
 log = logging.getLogger(__name__)
 

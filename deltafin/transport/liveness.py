@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -57,12 +57,23 @@ def sending(parts: Iterable[T], watch: Watch) -> Iterator[T]:
     watch.alive()  # the last one sent
 
 
-async def receiving(responses: AsyncIterable[T], watch: Watch) -> list[T]:
-    """A server-streamed call's responses, collected, each one received a sign of life."""
+async def sending_async(parts: AsyncIterable[T], watch: Watch) -> AsyncIterator[T]:
+    """`sending` for parts that come while the call runs (relayed from another call)."""
+    async for part in parts:
+        watch.alive()
+        yield part
+    watch.alive()
+
+
+async def receiving(responses: AsyncIterable[T], watch: Watch,
+                    each: Callable[[T], None] | None = None) -> list[T]:
+    """A server-streamed call's responses, collected, each one received a sign of life (and given to `each`)."""
     out = []
     async for part in responses:
         watch.alive()
         out.append(part)
+        if each is not None:
+            each(part)
     return out
 
 

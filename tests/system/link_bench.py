@@ -7,14 +7,16 @@ plan's mode and its prediction, a prompt's prefill seconds, the seconds per deco
 bytes each link carried each way. Prints one JSON object.
 
     python -m tests.system.link_bench --model K3SLICE --workers 2 --profiles loopback,wifi,1gbe --scale-to 250M \\
-        --disk-rate 250M --memlimit-gb 6 --memory-gb 5.5 --prompt-tokens 819 --tokens 4 -- --spine int8
+        --disk-rate 250M --memlimit-gb 6 --memory-gb 5.5 --prompt-tokens 819 --tokens 4 --pin -- --spine int8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import sys
 import time
 
@@ -43,6 +45,13 @@ def profile_link(name: str, scale: float) -> tuple[float, float]:
     return link.rtt_s * 1e3, link.up_bps * 8 / 1e6 * scale
 
 
+def _pinned(i: int, pin: bool) -> tuple[str, ...]:
+    """Worker `i` on a core of its own (`--pin`): a simulated Mac computes on its own chip, so what its compute
+    probe measured at start is what it has while the others compute too (the coordinator shares the cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ("taskset", "-c", str(cores[i % len(cores)])) if pin and shutil.which("taskset") else ()
+
+
 def _rate(text: str) -> float:
     unit = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1].upper(), 1.0)
     return float(text.rstrip("KkMmGg")) * unit
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
     prefix = _caps(args.disk_rate, args.memlimit_gb)
     gbps = str(_rate(args.disk_rate) / 1e9)
     procs = [WorkerProcess(args.model, f"w{i}", "--disk-gbps", gbps, *args.worker_args, memory_gb=args.memory_gb,
-                           prefix=prefix) for i in range(args.workers)]
+                           prefix=prefix + _pinned(i, args.pin)) for i in range(args.workers)]
     ids = (torch.arange(args.prompt_tokens) * 7919 % (cfg.vocab_size - 1000) + 500).tolist()
     try:
         addresses = [p.wait_ready(timeout=900) for p in procs]
@@ -79,10 +88,11 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
             "prefill_s": round(out.timing.prefill_s, 2), "s_per_token": round(out.timing.decode_s /
                                                                               max(1, out.timing.decode_steps), 3),
             "wall_s": round(wall, 1), "ids": list(out.token_ids), "text": out.text,
-            "link_bytes": carried, "stages": [_stage_seconds(s) for s in stats],  # each link's, both ways; "probes": what measuring the links moved over it
+            # each link's bytes, both ways; "probes": what measuring the links moved over it
+            "link_bytes": carried, "stages": [_stage_seconds(s) for s in stats],
             "request_bytes": sum(c["to"] + c["back"] - c["probes"] for c in carried.values()),
             "predicted": {"prefill_s": round(predicted.total, 2), "prefill_disk_s": round(predicted.disk, 2),
-                          "prefill_link_s": round(predicted.link, 2),
+                          "prefill_link_s": round(predicted.link, 2), "prefill_compute_s": round(predicted.compute, 2),
                           "s_per_token": round(plan.token.total, 3) if plan.token else None}}
 
 
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=819)
     p.add_argument("--tokens", type=int, default=4, help="tokens to generate (default 4)")
     p.add_argument("--experts", default="auto", help="the coordinator's --experts (default auto)")
+    p.add_argument("--pin", action="store_true",
+                   help="each worker on a core of its own (taskset), as each Mac computes on its own chip")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="an argument for every worker (repeatable)")
     args = p.parse_args(argv)
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: runs[-1][k] for k in ("profile", "experts", "prefill_s", "s_per_token",
                                                      "request_bytes", "predicted")}), file=sys.stderr, flush=True)
     print(json.dumps({"model": str(args.model), "workers": args.workers, "disk_rate": args.disk_rate,
-                      "scale_to": args.scale_to or None, "runs": runs}, indent=1))
+                      "pinned": args.pin, "scale_to": args.scale_to or None, "runs": runs}, indent=1))
     return 0
 
 

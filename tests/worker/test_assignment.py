@@ -11,8 +11,8 @@ from deltafin.errors import NotAssigned
 from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
-from deltafin.transport.codec import WorkerDescription
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.worker_info import WorkerDescription
 from deltafin.worker.assignment import check_assignment
 
 

@@ -21,9 +21,9 @@ from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport import codec
-from deltafin.transport.codec import WorkerDescription, layer_ranges
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
+from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 from deltafin.weights.resident import ResidentExperts
 from deltafin.worker.assignment import AssignmentSlot
 from deltafin.worker.service import WorkerService, create_server

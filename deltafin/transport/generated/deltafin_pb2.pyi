@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged", "spine", "converted", "spine_room_bytes", "addresses")
+    __slots__ = ("protocol_version", "name", "device", "memory_bytes", "disk_gbps", "model_fingerprint", "layers", "has_top", "assigned", "state", "version", "host_memory_bytes", "worker_id", "expert_layers", "expert_gbps", "expert_disks", "forward_layers_done", "forward_layers", "damaged", "spine", "converted", "spine_room_bytes", "addresses", "compute")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class WorkerInfo(_message.Message):
     CONVERTED_FIELD_NUMBER: _ClassVar[int]
     SPINE_ROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     device: str
@@ -76,7 +77,34 @@ class WorkerInfo(_message.Message):
     converted: _containers.RepeatedCompositeFieldContainer[ConvertedSpine]
     spine_room_bytes: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    compute: ComputeSpeed
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., compute: _Optional[_Union[ComputeSpeed, _Mapping]] = ...) -> None: ...
+
+class ComputeSpeed(_message.Message):
+    __slots__ = ("expert_one_s", "expert_token_s", "spine_one", "spine_many")
+    class SpineOneEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class SpineManyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    EXPERT_ONE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    SPINE_ONE_FIELD_NUMBER: _ClassVar[int]
+    SPINE_MANY_FIELD_NUMBER: _ClassVar[int]
+    expert_one_s: float
+    expert_token_s: float
+    spine_one: _containers.ScalarMap[str, float]
+    spine_many: _containers.ScalarMap[str, float]
+    def __init__(self, expert_one_s: _Optional[float] = ..., expert_token_s: _Optional[float] = ..., spine_one: _Optional[_Mapping[str, float]] = ..., spine_many: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ConvertedSpine(_message.Message):
     __slots__ = ("format", "units")

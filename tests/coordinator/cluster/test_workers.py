@@ -211,7 +211,7 @@ def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
 
 def test_parallel_stages_count_cpu_workers_on_one_host_once():
     from deltafin.coordinator.cluster.workers import parallel_stages
-    from deltafin.transport.codec import WorkerDescription
+    from deltafin.transport.worker_info import WorkerDescription
 
     def worker(address: str, device: str, wid: str) -> WorkerDescription:
         return WorkerDescription("mac", address, device, 1 << 36, 5.0, "fp", ((0, 8),), True, worker_id=wid)

@@ -151,8 +151,8 @@ def test_counters_and_the_per_holder_log(small_dir):
     has a line a forward with every holder's experts and time."""
     with workers(small_dir, 2, "-v") as procs:
         r = subprocess.run([*COORDINATOR, "--model", str(small_dir), "--no-discover",
-                            *(a for p in procs for a in ("--worker", p.address)), "generate", "counted",
-                            "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
+                            *(a for p in procs for a in ("--worker", p.address)), "--experts", "wide", "generate",
+                            "counted", "--max-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     logs = [p.log() for p in procs]
     rows = json.loads(r.stdout)["workers"]

@@ -42,7 +42,8 @@ def test_a_wide_token_pays_a_round_trip_and_a_row_each_way_per_moe_layer(k3):
         other = 1 - owner
         s = (b[other + 1] - b[other]) / 896
         calls += 0.004 + 2 * (1 - (1 - s) ** 16) * row / 50e6  # the other holder gets it with prob. 1 - (1-s)^16
-    hops = 2 * 0.004 + (4 + 2 * state + 163840 * 4) / 50e6  # a call a stage: ids in, the state out and in, logits
+    # a call a stage: ids in, the state out and relayed in as it comes (one crossing's time), the logits back
+    hops = 2 * 0.004 + (4 + state + 163840 * 4) / 50e6
     assert t.link == pytest.approx(calls + hops, rel=1e-6)
     assert t.total == pytest.approx(t.disk + t.link, rel=1e-6)  # a token waits on its calls
 

@@ -154,7 +154,8 @@ def test_mutual_tls(tiny_dir: Path, tmp_path: Path) -> None:
         base = [*COORDINATOR, "--model", str(tiny_dir), "--worker", w.address, "--no-discover", "-q",
                 "--cluster-key", KEY]
         client = ["--tls-ca", str(c["ca"]), "--tls-cert", str(c["client_cert"]), "--tls-key", str(c["client_key"])]
-        ok = subprocess.run([*base, "--worker", w2.address, *client, "generate", "hi", "--max-tokens", "2", "--json"],
+        ok = subprocess.run([*base, "--worker", w2.address, *client, "--experts", "wide", "generate", "hi",
+                             "--max-tokens", "2", "--json"],
                             capture_output=True, text=True, timeout=120)
         assert ok.returncode == 0, ok.stderr
         assert all(row["calls_served"] > 0 for row in json.loads(ok.stdout)["workers"])  # worker to worker

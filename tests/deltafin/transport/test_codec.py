@@ -14,9 +14,9 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.plan.sizing import SizingOptions
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.transport import codec
-from deltafin.transport.codec import WorkerDescription, layer_ranges
+from deltafin.transport import codec, worker_info
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 
 
 @pytest.mark.parametrize("blocks", [0, 1, 2, 3, 8])
@@ -174,8 +174,9 @@ def test_a_worker_says_its_own_spine_and_the_converted_copies_on_its_disk():
 
     disk = SpineDisk({"q4": frozenset({"layer-000", "layer-001", "embed"}), "int8": frozenset()}, room=12 * 10**9)
     d = WorkerDescription("w", "", "cpu", 1, 1.0, "fp", ((0, 2),), True, spine="q4", spine_disk=disk)
-    back = codec.decode_info(pb.WorkerInfo.FromString(codec.encode_info(d).SerializeToString()), "h:1")
+    back = worker_info.decode_info(pb.WorkerInfo.FromString(worker_info.encode_info(d).SerializeToString()), "h:1")
     assert back.spine == "q4" and back.spine_disk == disk
     unknown = dataclasses.replace(d, spine="auto", spine_disk=SpineDisk({}, None))  # room not known: unset
-    back = codec.decode_info(pb.WorkerInfo.FromString(codec.encode_info(unknown).SerializeToString()), "h:1")
+    wire = worker_info.encode_info(unknown).SerializeToString()
+    back = worker_info.decode_info(pb.WorkerInfo.FromString(wire), "h:1")
     assert back.spine == "auto" and back.spine_disk.room is None and back.spine_disk.ready(None, "q4", 0, 2)

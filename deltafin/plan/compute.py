@@ -1,0 +1,84 @@
+"""A worker's compute, as the plan prices it (pure): what a forward's matmuls take on a worker whose speed was
+measured (runtime/compute_probe.py, announced with its description), beside what its disks and links take.
+
+- The spine: every token goes through each of a stage's layers' matrices once, 2 FLOP a weight (the router's
+  too); the embedding is a lookup, the head runs on the last position of a forward only. At the measured rate of
+  the matmuls in the stage's spine format. (Attention's own arithmetic, quadratic only in MLA's 24 layers, and
+  the KDA recurrence are left out: under 5 % of a 4K prompt's FLOP at K3's width.)
+- The routed experts: each expert a forward touches costs a fixed time (its weights go through the matmuls once:
+  a decoded token's whole cost) and each token routed to it a little more (a prompt's tokens share the weights).
+  Wide experts: each holder computes its share of every MoE layer's, at once.
+Where a worker's speed is not known (an older worker), its compute is left out, and the plan says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deltafin.checkpoint.config import ModelConfig
+
+SPINE_FORMATS = ("bf16", "int8", "q4")
+
+
+@dataclass(frozen=True)
+class ComputeSpeed:
+    """A worker's measured compute. A routed expert: its time for one token (`expert_one_s`: its weights through
+    the matmuls once) and a token's share of a batch's (`expert_token_s`). The spine's matmuls in each format:
+    FLOP/s for one token (`spine_one`: bound by reading the weights) and for a prompt's many (`spine_many`)."""
+
+    expert_one_s: float
+    expert_token_s: float
+    spine_one: Mapping[str, float]
+    spine_many: Mapping[str, float]
+
+    def expert_seconds(self, experts: float, pairs: float) -> float:
+        """`experts` distinct experts computing `pairs` (token, expert) pairs in all: each expert at least its
+        one-token time, the batch at least its tokens' share."""
+        return max(experts * self.expert_one_s, pairs * self.expert_token_s)
+
+    def spine_seconds(self, flop_per_token: float, tokens: int, spine: str) -> float:
+        """`tokens` through matrices of `flop_per_token` in format `spine`: at least one pass over the weights,
+        at least the tokens' FLOP at the batched rate."""
+        one, many = self.spine_one.get(spine, 0.0), self.spine_many.get(spine, 0.0)
+        return max(flop_per_token / one if one > 0 else 0.0, tokens * flop_per_token / many if many > 0 else 0.0)
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{fmt} {self.spine_one.get(fmt, 0) / 1e9:.0f}/{self.spine_many.get(fmt, 0) / 1e9:.0f}"
+                          for fmt in SPINE_FORMATS if fmt in self.spine_many)
+        return (f"an expert {self.expert_one_s * 1e3:.2f} ms for a token, {self.expert_token_s * 1e3:.3f} ms a "
+                f"token in a batch; spine GFLOP/s one token/batched: {rates}")
+
+
+def layer_flop(cfg: ModelConfig, layer: int) -> float:
+    """FLOP a token takes through a layer's spine matrices (2 a weight; vectors and norms left out)."""
+    return 2.0 * sum(s.numel for s in cfg.layer_tensor_specs(layer) if len(s.shape) == 2 and min(s.shape) > 1)
+
+
+def head_flop(cfg: ModelConfig) -> float:
+    return 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
+def spine_seconds(cfg: ModelConfig, speed: ComputeSpeed, start: int, end: int, tokens: int, spine: str) -> float:
+    """A forward of `tokens` through the spine of layers [start, end) in format `spine`: every token through every
+    layer, and the head on the last position where the stage ends the model."""
+    layers = sum(layer_flop(cfg, i) for i in range(start, end))
+    head = speed.spine_seconds(head_flop(cfg), 1, spine) if end == cfg.num_layers else 0.0
+    return speed.spine_seconds(layers, tokens, spine) + head
+
+
+# bytes a weight takes in each spine format as the matmuls read it (int8: a row's scale aside; q4: 4 bits and a
+# bf16 scale per 32) and in the experts' MXFP4 (4 bits and an E8M0 scale per 32)
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "q4": 0.5625}
+MXFP4_BYTES = 0.53125
+
+
+def assumed_gpu(cfg: ModelConfig, memory_gbps: float, tflops: float) -> ComputeSpeed:
+    """A GPU's compute where none was measured (the README's Mac projections; PERF.md: an M1 Max reads ~400 GB/s
+    of unified memory and computes ~10 TFLOP/s): one token's matmuls read each weight once at memory speed, a
+    batch's run at the FLOP rate."""
+    bw, flops = memory_gbps * 1e9, tflops * 1e12
+    return ComputeSpeed(expert_one_s=cfg.bytes_per_expert / bw,
+                        expert_token_s=2 * cfg.bytes_per_expert / MXFP4_BYTES / flops,
+                        spine_one={f: 2 * bw / b for f, b in WEIGHT_BYTES.items()},
+                        spine_many=dict.fromkeys(WEIGHT_BYTES, flops))

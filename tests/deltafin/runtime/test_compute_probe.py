@@ -1,0 +1,81 @@
+"""The compute probe: it times the stages' own kernels on the model's shapes, and its arithmetic turns those times
+into the speeds the plan prices (kernels replaced by ones of known cost); a worker announces what it measured."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from deltafin.checkpoint.config import load_config
+from deltafin.kernels.quant import Int8Weight, MXFP4Weight, Q4Weight
+from deltafin.runtime import compute_probe
+from deltafin.runtime.compute_probe import PROMPT_ROWS, SPINE_OUT, SPINE_ROWS, measure_compute
+from deltafin.transport import worker_info
+
+
+def test_the_probe_turns_known_kernel_times_into_speeds(small_dir, monkeypatch):
+    cfg = load_config(small_dir)
+    seen: list[tuple[int, ...]] = []
+
+    def expert_ffn(c, e, z):  # 2 ms for one token, 0.5 ms a token batched
+        assert c is cfg and isinstance(e.w1, MXFP4Weight) and e.w1.shape == (cfg.moe_intermediate_size,
+                                                                                cfg.expert_dim)
+        seen.append(tuple(z.shape))
+        time.sleep(2e-3 if z.shape[0] == 1 else 0.5e-3 * z.shape[0])
+        return z
+
+    cost = {torch.Tensor: 1.0, Int8Weight: 2.0, Q4Weight: 4.0}  # relative seconds a FLOP
+
+    def linear(x, w):
+        assert w.shape == (SPINE_OUT, cfg.hidden_size)
+        time.sleep(next(v for k, v in cost.items() if isinstance(w, k)) * 2 * x.shape[0] * SPINE_OUT
+                   * cfg.hidden_size / 1e12 + 1e-3)
+        return x
+
+    monkeypatch.setattr(compute_probe, "expert_ffn", expert_ffn)
+    monkeypatch.setattr(compute_probe, "linear", linear)
+    s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    assert (1, cfg.expert_dim) in seen and (PROMPT_ROWS, cfg.expert_dim) in seen
+    # sleeps overshoot a little, never undershoot: the measured times are at least the slept ones
+    assert 2e-3 <= s.expert_one_s < 4e-3
+    assert 0.5e-3 <= s.expert_token_s < 0.6e-3
+    flop_many = 2 * SPINE_ROWS * SPINE_OUT * cfg.hidden_size
+    for fmt, rel in (("bf16", 1.0), ("int8", 2.0), ("q4", 4.0)):
+        want = flop_many / (rel * flop_many / 1e12 + 1e-3)
+        assert want * 0.7 < s.spine_many[fmt] <= want * 1.01
+        assert s.spine_one[fmt] < s.spine_many[fmt]  # one token: the 1 ms pass dominates
+
+
+def test_the_real_kernels_are_faster_batched_and_the_description_travels(small_dir):
+    cfg = load_config(small_dir)
+    s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    assert s.expert_token_s * PROMPT_ROWS > 0 and s.expert_one_s > 0
+    assert all(s.spine_one[f] > 0 and s.spine_many[f] > 0 for f in ("bf16", "int8", "q4"))
+    d = worker_info.WorkerDescription("w", "h:1", "cpu", 1, 1.0, "f", ((0, 2),), True, compute=s)
+    back = worker_info.decode_info(worker_info.encode_info(d), "h:1")
+    assert back.compute == s
+    bare = worker_info.WorkerDescription("w", "h:1", "cpu", 1, 1.0, "f", ((0, 2),), True)
+    assert worker_info.decode_info(worker_info.encode_info(bare), "h:1").compute is None
+
+
+@pytest.mark.parametrize("rows", [1, SPINE_ROWS])
+def test_the_probe_times_what_a_stage_runs(small_dir, rows):
+    """Its spine rate is the rate of `linear` on a matrix of the model's width, as the stages call it."""
+    from deltafin.kernels.linear import linear
+    from deltafin.kernels.quant import quantize_int8_rows
+    cfg = load_config(small_dir)
+    s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    w = quantize_int8_rows(torch.randn(SPINE_OUT, cfg.hidden_size).to(torch.bfloat16))
+    x = torch.randn(rows, cfg.hidden_size)
+    best = min(_timed(lambda: linear(x, w)) for _ in range(5))
+    rate = 2 * rows * SPINE_OUT * cfg.hidden_size / best
+    measured = s.spine_one["int8"] if rows == 1 else s.spine_many["int8"]
+    assert rate / 4 < measured < rate * 4  # the same kernel, timed twice on a shared CPU: within a factor of 4
+
+
+def _timed(run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
