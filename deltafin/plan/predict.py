@@ -8,8 +8,8 @@ decoded token and a prompt's first token, each split into what the disks, the li
   values a token, relayed to the next stage part by part as it comes, so the two links carry it at once; the first
   stage's token ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
   the stage that owns it to the other holders, at once: a round trip and the rows of the tokens routed to each
-  (out, and their sums back). A token waits for its calls after its reads; a prompt's calls move while the
-  holders read (the larger of the two counts).
+  (out, and their sums back). A token waits for its calls after its reads; in a prompt the holders read while the
+  rows cross, compute once they have come, and send their sums back (`_wide_layers`).
 - Compute (plan/compute.py, where the workers measured theirs; else none): each stage's spine, one layer after
   another, and each MoE layer's routed experts, which overlap their reads (the store hands each expert to the
   matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once).
@@ -95,10 +95,9 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
             reads, compute, busy = reads + r, compute + c, busy + max(r, c)
         return Seconds(reads + spine, hops, busy + spine + spine_compute + hops, compute + spine_compute)
     reads_sum = calls_sum = compute_sum = total = 0.0
-    for reads, compute, calls in _wide_layers(cfg, plan, links, tokens):
+    for reads, compute, calls, prompt in _wide_layers(cfg, plan, links, tokens):
         reads_sum, calls_sum, compute_sum = reads_sum + reads, calls_sum + calls, compute_sum + compute
-        holders = max(reads, compute)
-        total += max(holders, calls) if overlap else holders + calls
+        total += prompt if overlap else max(reads, compute) + calls
     return Seconds(reads_sum + spine, calls_sum + hops, total + spine + spine_compute + hops,
                    compute_sum + spine_compute)
 
@@ -122,9 +121,12 @@ def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
     return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 
-def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float, float]]:
+def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float, float, float]]:
     """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
-    holders, all at once)."""
+    holders, all at once; the layer's time in a prompt). In a prompt every holder reads from the start (the owner's
+    guesses reach it as the layer begins) but computes once its rows have come, and its sums then go back: the
+    owner's share takes the longer of its reads and compute, another holder's the longer of its reads and its rows'
+    crossing and compute, then its sums' crossing."""
     members, p = plan.workers, plan.experts
     assert p is not None
     slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
@@ -133,17 +135,19 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> lis
     owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
     out = []
     for layer in p.layers:
-        bounds = p.bounds_of(layer)
+        bounds, o = p.bounds_of(layer), owner[layer]
         share = [(bounds[i + 1] - bounds[i]) / e for i in range(len(members))]
-        reads = max(touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / (_speed(m, True) * GB)
-                    for i, m in enumerate(members))
-        compute = max((m.compute.expert_seconds(touched * share[i], tokens * k * share[i])
-                       for i, m in enumerate(members) if m.compute is not None and share[i] > 0), default=0.0)
-        o = owner[layer]
+        reads = [touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / (_speed(m, True) * GB)
+                 for i, m in enumerate(members)]
+        compute = [m.compute.expert_seconds(touched * share[i], tokens * k * share[i])
+                   if m.compute is not None and share[i] > 0 else 0.0 for i, m in enumerate(members)]
         rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * 4 for i in range(len(members))]
-        calls = max((links.between(members[o].key, m.key).seconds(rows[i], rows[i])
-                     for i, m in enumerate(members) if i != o and share[i] > 0), default=0.0)
-        out.append((reads, compute, calls))
+        called = [i for i in range(len(members)) if i != o and share[i] > 0]
+        link = {i: links.between(members[o].key, members[i].key) for i in called}
+        calls = max((link[i].seconds(rows[i], rows[i]) for i in called), default=0.0)
+        prompt = max([max(reads[o], compute[o])] + [max(reads[i], link[i].seconds(rows[i], 0) + compute[i])
+                                                    + link[i].seconds(0, rows[i], 0) for i in called])
+        out.append((max(reads), max(compute), calls, prompt))
     return out
 
 

@@ -48,6 +48,27 @@ def test_a_wide_token_pays_a_round_trip_and_a_row_each_way_per_moe_layer(k3):
     assert t.total == pytest.approx(t.disk + t.link, rel=1e-6)  # a token waits on its calls
 
 
+def test_in_a_prompt_the_rows_cross_while_the_holders_read_and_the_sums_back_add(k3):
+    """One 512-token forward, two Macs, Wi-Fi (4 ms, 50 MB/s), compute not known: a layer's rows reach the other
+    holder (~7 MB: 0.15 s) well within its reads (~1 s), so only its sums' crossing back adds (less where the
+    owner's own reads are the longer, its share being the larger), and the hops."""
+    n, row = 512, 3584 * 4
+    plan = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=profile(4.0, 400)))
+    fast = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=profile(0.0, 10**9)))
+    boundary = plan.stages[0].end
+    state = (1 + -(-boundary // 12)) * 7168 * 4
+    back = 0.0
+    for layer in k3.moe_layers:
+        b = plan.experts.bounds_of(layer)
+        other = 1 if layer < boundary else 0
+        s = (b[other + 1] - b[other]) / 896
+        back += 0.004 + n * (1 - (1 - s) ** 16) * row / 50e6
+    hops = 2 * 0.004 + (4 * n + state * n + 163840 * 4) / 50e6
+    p, q = prefill_seconds(k3, plan, n, forward_tokens=n), prefill_seconds(k3, fast, n, forward_tokens=n)
+    assert p.disk == pytest.approx(q.disk) and p.compute == q.compute == 0
+    assert hops + 0.9 * back < p.total - q.total <= hops + back + 1e-9  # rows out hidden, sums back not
+
+
 def test_a_prompt_s_rows_move_while_the_holders_read(k3):
     slow = Links(assumed=profile(4.0, 15))  # Wi-Fi scaled to 250 MB/s disks
     plan = plan_layers(k3, _macs(2), experts="wide", links=slow)
