@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,7 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
         raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
     caps = capacities(workers, spec.memory_cap)
     links = await spec.probe.links(workers, pairs=len(workers) > 1 and spec.experts != "local")
+    links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4)  # what crosses them
     plan = choose_mode(cfg, caps, spec.sizing, spec.act_bytes, spec.experts, links)
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
               plan.table())

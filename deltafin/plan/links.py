@@ -50,12 +50,14 @@ ASSUMED = PROFILES["thunderbolt"]  # where a link was not measured (the plan say
 @dataclass(frozen=True)
 class Links:
     """The measured links: the coordinator's to each worker (`to_workers`, by key) and between workers (`pairs`,
-    by the two keys sorted); anything unmeasured is `assumed`."""
+    by the two keys sorted); anything unmeasured is `assumed`. `value_bytes`: what a state's or a row's value takes
+    crossing them (4: the exact fp32 wire; 2: `--wire bf16`)."""
 
     to_workers: Mapping[str, Link] = field(default_factory=dict)
     pairs: Mapping[tuple[str, str], Link] = field(default_factory=dict)
     assumed: Link = ASSUMED
     names: Mapping[str, str] = field(default_factory=dict)  # the workers' names, by key (for the table)
+    value_bytes: int = 4
 
     def between(self, a: str, b: str) -> Link:
         """The link from `a` to `b` (COORDINATOR for the coordinator); a machine to itself is free."""

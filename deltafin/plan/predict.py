@@ -8,8 +8,9 @@ decoded token and a prompt's first token, each split into what the disks, the li
   values a token, relayed to the next stage part by part as it comes, so the two links carry it at once; the first
   stage's token ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
   the stage that owns it to the other holders, at once: a round trip and the rows of the tokens routed to each
-  (out, and their sums back). A token waits for its calls after its reads; in a prompt the holders read while the
-  rows cross, compute once they have come, and send their sums back (`_wide_layers`).
+  (out, and their sums back). States and rows cross at the wire's size (`Links.value_bytes`: fp32, or bf16 with
+  `--wire bf16`); the logits stay fp32. A token waits for its calls after its reads; in a prompt the holders read
+  while the rows cross, compute once they have come, and send their sums back (`_wide_layers`).
 - Compute (plan/compute.py, where the workers measured theirs; else none): each stage's spine, one layer after
   another, and each MoE layer's routed experts, which overlap their reads (the store hands each expert to the
   matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once).
@@ -75,11 +76,12 @@ def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> f
     the next part by part (coordinator/cluster/relay.py: both links carry it at once, the slower one sets the time),
     the last position's logits back; a round trip per stage."""
     stages, links = plan.stages, plan.links
-    first_in, _ = hop_bytes(cfg, stages[0].start, stages[0].end, tokens, act_bytes)
-    _, last_out = hop_bytes(cfg, stages[-1].start, stages[-1].end, tokens, act_bytes)
+    wire = min(act_bytes, links.value_bytes)
+    first_in, _ = hop_bytes(cfg, stages[0].start, stages[0].end, tokens, wire)
+    _, last_out = hop_bytes(cfg, stages[-1].start, stages[-1].end, tokens, wire)
     link = [links.between(COORDINATOR, s.key) for s in stages]
     relayed = sum(max(link[i].seconds(0, b, 0), link[i + 1].seconds(b, 0, 0))
-                  for i, b in enumerate(hop_bytes(cfg, s.start, s.end, tokens, act_bytes)[1] for s in stages[:-1]))
+                  for i, b in enumerate(hop_bytes(cfg, s.start, s.end, tokens, wire)[1] for s in stages[:-1]))
     return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + relayed + link[-1].seconds(0, last_out, 0)
 
 
@@ -141,7 +143,7 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> lis
                  for i, m in enumerate(members)]
         compute = [m.compute.expert_seconds(touched * share[i], tokens * k * share[i])
                    if m.compute is not None and share[i] > 0 else 0.0 for i, m in enumerate(members)]
-        rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * 4 for i in range(len(members))]
+        rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * links.value_bytes for i in range(len(members))]
         called = [i for i in range(len(members)) if i != o and share[i] > 0]
         link = {i: links.between(members[o].key, members[i].key) for i in called}
         calls = max((link[i].seconds(rows[i], rows[i]) for i in called), default=0.0)

@@ -26,15 +26,17 @@ def _macs(n: int) -> list[WorkerCapacity]:
                            worker_id=f"m{i}") for i in range(n)]
 
 
-def test_a_wide_token_pays_a_round_trip_and_a_row_each_way_per_moe_layer(k3):
+@pytest.mark.parametrize("wire", [4, 2], ids=["fp32", "bf16"])
+def test_a_wide_token_pays_a_round_trip_and_a_row_each_way_per_moe_layer(k3, wire):
+    """With `--wire bf16` (value_bytes 2) the states and rows cross at half the bytes; ids and logits do not change."""
     link = profile(4.0, 400)  # Wi-Fi: 4 ms, 50 MB/s each way
-    plan = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=link))
+    plan = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=link, value_bytes=wire))
     fast = plan_layers(k3, _macs(2), experts="wide", links=Links(assumed=profile(0.0, 10**9)))
     t = token_seconds(k3, plan)
     assert t.disk == pytest.approx(token_seconds(k3, fast).disk)  # the links move nothing the disks read
-    row = 3584 * 4  # a token's latent row (fp32), out and its sum back
+    row = 3584 * wire  # a token's latent row, out and its sum back
     boundary = plan.stages[0].end
-    state = (1 + -(-boundary // 12)) * 7168 * 4  # (1 + blocks) x D fp32 entering the second stage
+    state = (1 + -(-boundary // 12)) * 7168 * wire  # (1 + blocks) x D entering the second stage
     calls = 0.0
     for layer in k3.moe_layers:
         b = plan.experts.bounds_of(layer)
