@@ -78,12 +78,20 @@ class WorkerService(pb_grpc.WorkerServicer):
     # ---- helpers ---------------------------------------------------------------------------------
 
     @staticmethod
-    async def _fail(context: grpc.aio.ServicerContext, e: BaseException) -> None:
-        code = status_for(e)
-        if not isinstance(e, DeltafinError):
-            log.exception("unexpected error")
-            await context.abort(code, f"internal error: {type(e).__name__}: {e}")
-        await context.abort(code, str(e))
+    @contextlib.asynccontextmanager
+    async def _answering(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """What the body raises, as the call's status: a Deltafin error its own (transport/grpc_status.py),
+        anything else logged and INTERNAL; a cancelled call stays cancelled, an abort stays as it was."""
+        try:
+            yield
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            code = status_for(e)
+            if not isinstance(e, DeltafinError):
+                log.exception("unexpected error")
+                await context.abort(code, f"internal error: {type(e).__name__}: {e}")
+            await context.abort(code, str(e))
 
     def info(self) -> WorkerDescription:
         assigned = (self.assigned.start, self.assigned.end) if self.assigned is not None else (0, 0)
@@ -98,21 +106,15 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
-        try:
+        async with self._answering(context):
             options, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
             self.slot.check_fits(request.start, request.end, options)
             peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
-        except Exception as e:
-            await self._fail(context, e)
-            return
-        try:  # closed at once when the coordinator goes away, so the slot closes what it was loading
-            async with contextlib.aclosing(self.slot.replace(request.start, request.end, options, plan,
-                                                             peers)) as loading:
-                async for message, fraction in loading:
-                    yield pb.AssignProgress(message=message, fraction=fraction)
-        except Exception as e:  # the load failed
-            await self._fail(context, e)
-            return
+        # the load: closed at once when the coordinator goes away, so the slot closes what it was loading
+        loading = self.slot.replace(request.start, request.end, options, plan, peers)
+        async with self._answering(context), contextlib.aclosing(loading):
+            async for message, fraction in loading:
+                yield pb.AssignProgress(message=message, fraction=fraction)
         what = f"layers {request.start}-{request.end - 1}" if request.end > request.start else "expert holder"
         stage = self.stage
         if stage is not None:  # it may have converted its spine: the next plan knows
@@ -123,29 +125,20 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 state_identity=stage.identity if stage is not None else "")
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
-        try:
+        async with self._answering(context):
             batch = codec.decode_inputs(list(request.sequences))
             outputs = await self._forward(batch, request.all_logits, request.request_id)
             return pb.ForwardResponse(sequences=codec.encode_outputs(outputs))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await self._fail(context, e)
-        return pb.ForwardResponse()  # not reached: _fail aborts
+        return pb.ForwardResponse()  # not reached: a failure aborts
 
     async def ForwardParts(self, requests: AsyncIterator[pb.ForwardRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ForwardResponse]:
-        try:
+        async with self._answering(context):
             msgs = await self._parts(requests)
             batch, all_logits, rid = codec.decode_request_parts(msgs)
             outputs = await self._forward(batch, all_logits, rid)
             cap = self.max_message_bytes - self.max_message_bytes // 8
             parts = codec.encode_output_parts(outputs, min(cap, msgs[0].part_bytes or cap))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await self._fail(context, e)
-            return
         for part in parts:
             yield part
 
@@ -192,7 +185,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.progress = (done, layers)
 
     async def RunExperts(self, request: pb.ExpertRequest, context: grpc.aio.ServicerContext) -> pb.ExpertResponse:
-        try:
+        async with self._answering(context):
             holder = self.assigned.holder if self.assigned is not None else None
             if holder is None:
                 raise NotAssigned(f"this worker serves no experts (state: {self.state}); the coordinator must plan "
@@ -203,15 +196,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 return pb.ExpertResponse()
             out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)
             return pb.ExpertResponse(outputs=codec.encode_tensor(out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await self._fail(context, e)
-        return pb.ExpertResponse()  # not reached: _fail aborts
+        return pb.ExpertResponse()  # not reached: a failure aborts
 
     async def FindPrefix(self, request: pb.FindPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.FindPrefixResponse:
-        try:
+        async with self._answering(context):
             stage = self.stage
             if stage is None or not stage.first:
                 raise NotAssigned("only the first stage knows its kept prefixes' tokens")
@@ -223,13 +212,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise CodecError(f"FindPrefix: token ids must be in [0, {vocab})")
             found = await self.slot.on_stage_thread(stage.prefixes.find, tokens.tolist())
             return pb.FindPrefixResponse(prefix_id=found[0], length=found[1]) if found else pb.FindPrefixResponse()
-        except Exception as e:
-            await self._fail(context, e)
-        return pb.FindPrefixResponse()  # not reached: _fail aborts
+        return pb.FindPrefixResponse()  # not reached: a failure aborts
 
     async def HeldPrefixes(self, request: pb.HeldPrefixesRequest,
                            context: grpc.aio.ServicerContext) -> pb.HeldPrefixesResponse:
-        try:
+        async with self._answering(context):
             stage = self.stage
             if stage is None:
                 raise NotAssigned("this worker has no stage: it holds no prefixes")
@@ -238,9 +225,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise CodecError(f"HeldPrefixes takes at most {MAX_HELD_IDS} ids of at most 128 characters")
             held = await self.slot.on_stage_thread(stage.held_prefixes, ids, request.logits_for or None)
             return codec.encode_held(held)
-        except Exception as e:
-            await self._fail(context, e)
-        return pb.HeldPrefixesResponse()  # not reached: _fail aborts
+        return pb.HeldPrefixesResponse()  # not reached: a failure aborts
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         stage = self.stage
@@ -279,10 +264,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def MeasureLink(self, request: pb.MeasureLinkRequest, context: grpc.aio.ServicerContext
                           ) -> pb.LinkMeasure:
-        try:
+        async with self._answering(context):
             link = await self.peers.measure(request.address)
-        except Exception as e:
-            await self._fail(context, e)
         return pb.LinkMeasure(rtt_s=link.rtt_s, up_bps=link.up_bps, down_bps=link.down_bps,
                               probe_bytes=link.probe_bytes)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,6 +115,41 @@ async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: st
                     context=context)
     runner, port = await start(engine, "127.0.0.1", 0, max_body_bytes=max_body, api_key=api_key)
     return engine, runner, f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class ServedApi:
+    """A served engine's HTTP API, with the official clients pointed at it."""
+
+    engine: Any
+    url: str  # http://127.0.0.1:PORT
+
+    def openai(self, api_key: str = "unused"):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def anthropic(self, api_key: str = "unused"):
+        import anthropic
+
+        return anthropic.AsyncAnthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+
+    def spy(self) -> list[list[int]]:
+        """The prompt ids of every request from now on."""
+        prompts, run = [], self.engine.run
+
+        def spied(ids, *args, **kwargs):
+            prompts.append(ids)
+            return run(ids, *args, **kwargs)
+
+        self.engine.run = spied
+        return prompts
+
+
+async def serve_api(backend, tok: K3Tokenizer, cfg, **options) -> tuple:
+    """`serve` with the URL as a ServedApi: (engine, runner, api)."""
+    engine, runner, url = await serve(backend, tok, cfg, **options)
+    return engine, runner, ServedApi(engine, url)
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -23,7 +22,6 @@ import pytest
 
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
-from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.http import anthropic_api as am
 from deltafin.coordinator.http.openai_api import ApiError
 from deltafin.runtime.pipeline import LocalPipeline
@@ -31,11 +29,11 @@ from deltafin.text.chat import ChatOptions, encode, render_text
 from deltafin.text.tokenizer import K3Tokenizer
 from tests.support.serving import (
     ScriptedBackend,
+    ServedApi,
     SlowPrefill,
     argmax_loop,
     script_ids,
-    serve,
-    served_pipeline,
+    serve_api,
     stop_ids,
 )
 
@@ -51,44 +49,9 @@ ARGS = {"city": "Zürich", "days": 2}
 GREEDY = {"extra_body": {"temperature": 0}}  # the client no longer has sampling arguments; the API still takes them
 
 
-@dataclass
-class Server:
-    engine: Engine
-    url: str  # http://127.0.0.1:PORT
-
-    def client(self, api_key: str = "unused") -> anthropic.AsyncAnthropic:
-        return anthropic.AsyncAnthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
-
-    def openai(self, api_key: str = "unused") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-    def spy(self) -> list[list[int]]:
-        """The prompt ids of every request from now on."""
-        prompts, run = [], self.engine.run
-
-        def spied(ids, *args, **kwargs):
-            prompts.append(ids)
-            return run(ids, *args, **kwargs)
-
-        self.engine.run = spied  # type: ignore[method-assign]
-        return prompts
-
-
-async def _serve(backend, tok: K3Tokenizer, cfg, **kw):
-    engine, runner, url = await serve(backend, tok, cfg, MODEL, **kw)
-    return engine, runner, Server(engine, url)
-
-
-@pytest.fixture
-async def server(pipeline: LocalPipeline, tok: K3Tokenizer, tiny_dir: Path):
-    async with served_pipeline(pipeline, tok, load_config(tiny_dir), model=MODEL, max_active=2, queue_depth=1,
-                               max_context=512) as (engine, url):
-        yield Server(engine, url)
-
-
 async def _scripted(tok: K3Tokenizer, tiny_dir: Path, text: str, **kw):
     backend = ScriptedBackend(tok.vocab_size, script_ids(tok, text))
-    return (backend, *await _serve(backend, tok, load_config(tiny_dir), **kw))
+    return (backend, *await serve_api(backend, tok, load_config(tiny_dir), **kw))
 
 
 async def _raw_events(url: str, body: dict, headers: dict | None = None) -> list[tuple[str, dict | str]]:
@@ -116,7 +79,7 @@ def _types(kinds: list[str]) -> str:
 # ---- greedy text: the OpenAI route and an argmax loop ------------------------------------------------------
 
 
-async def test_greedy_text_equals_the_openai_route_and_an_argmax_loop_stream_and_not(server: Server, pipeline,
+async def test_greedy_text_equals_the_openai_route_and_an_argmax_loop_stream_and_not(server: ServedApi, pipeline,
                                                                                      tok) -> None:
     chat = [{"role": "system", "content": SYSTEM}, *TURNS]
     prompt = encode(tok, chat, ChatOptions(thinking=False, effort=None))  # no `thinking`: none, as Anthropic's
@@ -124,7 +87,7 @@ async def test_greedy_text_equals_the_openai_route_and_an_argmax_loop_stream_and
     text = tok.decode([i for i in ids if i not in tok.special_ids])
     assert text  # the comparison below is about some text
     ask = {"model": "claude-sonnet-4-5", "system": SYSTEM, "messages": TURNS, "max_tokens": 12}
-    r = await server.client().messages.create(**ask, **GREEDY)
+    r = await server.anthropic().messages.create(**ask, **GREEDY)
     assert (r.type, r.role, r.model) == ("message", "assistant", MODEL) and r.id.startswith("msg_")
     assert [(b.type, b.text) for b in r.content] == [("text", text)]
     assert r.stop_reason == ("end_turn" if ids[-1] in stop_ids(tok) else "max_tokens") and r.stop_sequence is None
@@ -143,15 +106,15 @@ async def test_greedy_text_equals_the_openai_route_and_an_argmax_loop_stream_and
     assert "".join(d["delta"]["text"] for k, d in raw if k == "content_block_delta") == text
     assert delta["delta"] == {"stop_reason": r.stop_reason, "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == len(ids)
-    stream = await server.client().messages.create(**ask, stream=True, **GREEDY)  # the client skips the ping
+    stream = await server.anthropic().messages.create(**ask, stream=True, **GREEDY)  # the client skips the ping
     events = [e async for e in stream]
     assert events[0].type == "message_start" and events[-1].type == "message_stop"
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text
 
 
-async def test_thinking_enabled_is_the_openai_routes_reasoning_at_the_mapped_effort(server: Server) -> None:
+async def test_thinking_enabled_is_the_openai_routes_reasoning_at_the_mapped_effort(server: ServedApi) -> None:
     ask = {"model": MODEL, "system": SYSTEM, "messages": TURNS, "max_tokens": 8, **GREEDY}
-    r = await server.client().messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 2048})
+    r = await server.anthropic().messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 2048})
     o = await server.openai().chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *TURNS], max_tokens=8, temperature=0,
         reasoning_effort="low")
@@ -161,9 +124,9 @@ async def test_thinking_enabled_is_the_openai_routes_reasoning_at_the_mapped_eff
     assert r.usage.input_tokens == o.usage.prompt_tokens
 
 
-async def test_thinking_budgets_map_to_k3_efforts_in_the_prompt(server: Server, tok) -> None:
+async def test_thinking_budgets_map_to_k3_efforts_in_the_prompt(server: ServedApi, tok) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    client = server.client()
+    client = server.anthropic()
     for thinking, options in [(None, ChatOptions(thinking=False, effort=None)),
                               ({"type": "disabled"}, ChatOptions(thinking=False, effort=None)),
                               ({"type": "enabled", "budget_tokens": 1024}, ChatOptions(effort="low")),
@@ -191,7 +154,7 @@ async def test_stop_sequences_cut_the_text_and_max_tokens_counts(tok, tiny_dir: 
     backend, engine, runner, srv = await _scripted(tok, tiny_dir, "The answer is 42, surely.<|end_of_msg|>")
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "?"}], **GREEDY}
     try:
-        client = srv.client()
+        client = srv.anthropic()
         r = await client.messages.create(**ask, max_tokens=50, stop_sequences=["42", "never"])
         assert [b.text for b in r.content] == ["The answer is "]
         assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", "42")
@@ -225,7 +188,7 @@ async def test_thinking_text_and_tool_use_blocks_stream_and_not(tok, tiny_dir: P
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
            "max_tokens": 200, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     try:
-        r = await srv.client().messages.create(**ask)
+        r = await srv.anthropic().messages.create(**ask)
         assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
         assert (r.content[0].thinking, r.content[1].text) == ("Need the weather.", "Let me check.")
         call = r.content[2]
@@ -239,7 +202,7 @@ async def test_thinking_text_and_tool_use_blocks_stream_and_not(tok, tiny_dir: P
         assert json.loads(raw[-4][1]["delta"]["partial_json"]) == ARGS
         starts = [d["content_block"] for k, d in raw if k == "content_block_start"]
         assert starts[2] == {"type": "tool_use", "id": starts[2]["id"], "name": "get_weather", "input": {}}
-        async with srv.client().messages.stream(**ask) as stream:  # the client's accumulator
+        async with srv.anthropic().messages.stream(**ask) as stream:  # the client's accumulator
             final = await stream.get_final_message()
         assert [b.model_dump(exclude={"id"}) for b in final.content] == [
             b.model_dump(exclude={"id"}) for b in r.content]
@@ -278,11 +241,11 @@ async def test_a_tool_result_turn_renders_as_the_equivalent_openai_messages(tok,
     try:
         ask = {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 20,
                "thinking": {"type": "enabled", "budget_tokens": 4096}}
-        r = await srv.client().messages.create(**ask)
+        r = await srv.anthropic().messages.create(**ask)
         assert prompts == [expected]
         assert (r.usage.input_tokens, r.stop_reason) == (len(expected), "end_turn")
         assert [b.thinking for b in r.content if b.type == "thinking"] == ["It is sunny."]  # still the think channel
-        n = await srv.client().messages.count_tokens(model=MODEL, messages=history, tools=TOOLS,
+        n = await srv.anthropic().messages.count_tokens(model=MODEL, messages=history, tools=TOOLS,
                                                      thinking={"type": "enabled", "budget_tokens": 4096})
         assert n.input_tokens == len(expected)
         o = await srv.openai().chat.completions.create(model=MODEL, messages=chat, tools=OPENAI_TOOLS,
@@ -293,7 +256,7 @@ async def test_a_tool_result_turn_renders_as_the_equivalent_openai_messages(tok,
         await engine.scheduler.close()
 
 
-async def test_tool_choice_any_and_a_named_tool_are_k3s_required(server: Server, tok) -> None:
+async def test_tool_choice_any_and_a_named_tool_are_k3s_required(server: ServedApi, tok) -> None:
     two = [*TOOLS, {"name": "get_time", "input_schema": {"type": "object"}}]
     openai_two = [*OPENAI_TOOLS, {"type": "function", "function": {"name": "get_time",
                                                                    "parameters": {"type": "object"}}}]
@@ -305,7 +268,8 @@ async def test_tool_choice_any_and_a_named_tool_are_k3s_required(server: Server,
              ({"type": "tool", "name": "get_time"},
               ChatOptions(thinking=False, effort=None, tools=openai_two[1:], tool_choice="required"))]
     for choice, options in cases:
-        n = await server.client().messages.count_tokens(model=MODEL, messages=messages, tools=two, tool_choice=choice)
+        n = await server.anthropic().messages.count_tokens(model=MODEL, messages=messages, tools=two,
+                                                           tool_choice=choice)
         assert n.input_tokens == len(encode(tok, messages, options)) != len(encode(tok, messages, off)), choice
 
 
@@ -315,8 +279,8 @@ async def test_tool_choice_any_and_a_named_tool_are_k3s_required(server: Server,
 async def test_a_second_turn_reads_the_first_turns_prefix_from_the_cache(tok, tiny_dir: Path) -> None:
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")  # its own stages: no prefix kept by another test
     backend = LocalBackend(pipe)
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), prefix_cache=True, max_context=512)
-    client = srv.client()
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir), prefix_cache=True, max_context=512)
+    client = srv.anthropic()
     try:
         first = {"model": MODEL, "system": SYSTEM, "messages": TURNS[:1], "max_tokens": 6, **GREEDY}
         r = await client.messages.create(**first)
@@ -364,18 +328,18 @@ async def test_a_second_turn_reads_the_first_turns_prefix_from_the_cache(tok, ti
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
     ({"stop_sequences": [""]}, "stop_sequences"),
 ])
-async def test_bad_requests_are_400_invalid_request_error(server: Server, change: dict, says: str) -> None:
+async def test_bad_requests_are_400_invalid_request_error(server: ServedApi, change: dict, says: str) -> None:
     sampling = {k: change.pop(k) for k in ("temperature", "top_p") if k in change}
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **change}
     with pytest.raises(anthropic.BadRequestError) as e:
-        await server.client().messages.create(**ask, extra_body=sampling)
+        await server.anthropic().messages.create(**ask, extra_body=sampling)
     assert e.value.status_code == 400
     assert e.value.body["type"] == "error"  # type: ignore[index]
     error = e.value.body["error"]  # type: ignore[index]
     assert error["type"] == "invalid_request_error" and says in error["message"], error
 
 
-async def test_errors_on_messages_paths_are_anthropic_shaped_and_openais_stay_openai(server: Server) -> None:
+async def test_errors_on_messages_paths_are_anthropic_shaped_and_openais_stay_openai(server: ServedApi) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.post(server.url + "/v1/messages", data=b"{nope") as r:
             assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
@@ -393,19 +357,19 @@ async def test_errors_on_messages_paths_are_anthropic_shaped_and_openais_stay_op
 
 async def test_x_api_key_or_bearer_and_a_wrong_key_is_authentication_error(pipeline, tok, tiny_dir: Path) -> None:
     backend = LocalBackend(pipeline)
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), api_key="s3cret")
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir), api_key="s3cret")
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **GREEDY}
     try:
-        r = await srv.client("s3cret").messages.create(**ask)  # x-api-key
+        r = await srv.anthropic("s3cret").messages.create(**ask)  # x-api-key
         assert r.usage.output_tokens >= 1
         bearer = anthropic.AsyncAnthropic(base_url=srv.url, auth_token="s3cret", max_retries=0, timeout=60)
         assert (await bearer.messages.create(**ask)).content == r.content
         assert (await srv.openai("s3cret").models.list()).data[0].id == MODEL
         with pytest.raises(anthropic.AuthenticationError) as e:
-            await srv.client("wrong").messages.create(**ask)
+            await srv.anthropic("wrong").messages.create(**ask)
         assert e.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
         with pytest.raises(anthropic.AuthenticationError):
-            await srv.client("wrong").messages.count_tokens(model=MODEL, messages=ask["messages"])
+            await srv.anthropic("wrong").messages.count_tokens(model=MODEL, messages=ask["messages"])
         with pytest.raises(openai.AuthenticationError) as o:
             await srv.openai("wrong").models.list()
         assert o.value.body["code"] == "invalid_api_key"  # type: ignore[index]
@@ -417,18 +381,18 @@ async def test_x_api_key_or_bearer_and_a_wrong_key_is_authentication_error(pipel
         backend.executor.shutdown(wait=True)
 
 
-async def test_any_model_name_answers_with_the_served_one_unless_strict(server: Server) -> None:
+async def test_any_model_name_answers_with_the_served_one_unless_strict(server: ServedApi) -> None:
     ask = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **GREEDY}
-    assert (await server.client().messages.create(model="claude-opus-4-1", **ask)).model == MODEL
+    assert (await server.anthropic().messages.create(model="claude-opus-4-1", **ask)).model == MODEL
     server.engine.strict_model_name = True
     try:
         with pytest.raises(anthropic.NotFoundError) as e:
-            await server.client().messages.create(model="claude-opus-4-1", **ask)
+            await server.anthropic().messages.create(model="claude-opus-4-1", **ask)
         assert e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
         assert "claude-opus-4-1" in e.value.body["error"]["message"]  # type: ignore[index]
         with pytest.raises(anthropic.NotFoundError):
-            await server.client().messages.count_tokens(model="claude-opus-4-1", messages=ask["messages"])
-        assert (await server.client().messages.create(model=MODEL, **ask)).model == MODEL
+            await server.anthropic().messages.count_tokens(model="claude-opus-4-1", messages=ask["messages"])
+        assert (await server.anthropic().messages.create(model=MODEL, **ask)).model == MODEL
     finally:
         server.engine.strict_model_name = False
 
@@ -442,17 +406,17 @@ async def test_a_full_queue_is_529_overloaded_error(tok, tiny_dir: Path) -> None
             return await super().forward(batch, all_logits)
 
     backend = Held(tok.vocab_size, script_ids(tok, "Done.<|end_of_msg|>"))
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1, queue_depth=0)
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir), max_active=1, queue_depth=0)
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     try:
-        running = asyncio.ensure_future(srv.client().messages.create(**ask))
+        running = asyncio.ensure_future(srv.anthropic().messages.create(**ask))
         for _ in range(100):
             if engine.scheduler.stats.active == 1:
                 break
             await asyncio.sleep(0.02)
         for stream in (False, True):  # a stream that cannot start is a status too, not an event
             with pytest.raises(anthropic.OverloadedError) as e:
-                await srv.client().messages.create(**ask, stream=stream)
+                await srv.anthropic().messages.create(**ask, stream=stream)
             assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"  # type: ignore
         backend.gate.set()
         assert [b.text for b in (await running).content] == ["Done."]
@@ -472,7 +436,7 @@ async def test_a_stream_waiting_for_its_first_token_pings_and_fails_as_an_error_
     monkeypatch.setattr(server_module, "HEARTBEAT_S", 0.05)
 
     backend = SlowPrefill(tok.vocab_size, script_ids(tok, "Hello there.<|end_of_msg|>"))
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1)
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir), max_active=1)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 20,
             "stream": True}
     try:
@@ -489,7 +453,7 @@ async def test_a_stream_waiting_for_its_first_token_pings_and_fails_as_an_error_
         assert raw[-1] == ("error", {"type": "error", "error": {
             "type": "api_error", "message": "the workers that answer cannot run the model"}})
         with pytest.raises(anthropic.APIStatusError) as e:  # the client raises the error event
-            async for _ in await srv.client().messages.create(**{k: v for k, v in body.items() if k != "stream"},
+            async for _ in await srv.anthropic().messages.create(**{k: v for k, v in body.items() if k != "stream"},
                                                                stream=True):
                 pass
         assert e.value.body["error"]["type"] == "api_error"  # type: ignore[index]

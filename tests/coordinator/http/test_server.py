@@ -12,7 +12,6 @@ import asyncio
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -21,44 +20,21 @@ import pytest
 import torch
 
 from deltafin.checkpoint.config import load_config
-from deltafin.coordinator.engine.engine import Engine
-from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.chat import ChatOptions, encode, render_text
 from deltafin.text.tokenizer import K3Tokenizer
-from tests.support.serving import ScriptedBackend, SlowPrefill, argmax_loop, script_ids, serve, served_pipeline
+from tests.support.serving import ScriptedBackend, ServedApi, SlowPrefill, argmax_loop, script_ids, serve_api
 from tests.support.serving import stop_ids as _stop_ids
 
 MODEL = "tiny"
 
 
-@dataclass
-class Server:
-    engine: Engine
-    url: str  # http://127.0.0.1:PORT
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-async def _serve(backend, tok: K3Tokenizer, cfg, **kw):
-    engine, runner, url = await serve(backend, tok, cfg, MODEL, **kw)
-    return engine, runner, Server(engine, url)
-
-
-@pytest.fixture
-async def server(pipeline: LocalPipeline, tok: K3Tokenizer, tiny_dir: Path):
-    async with served_pipeline(pipeline, tok, load_config(tiny_dir), model=MODEL, max_active=2, queue_depth=1,
-                               max_context=512) as (engine, url):
-        yield Server(engine, url)
-
-
 # ---- completions ---------------------------------------------------------------------------------------
 
 
-async def test_completion_greedy_matches_argmax_loop_with_logprobs(server: Server, pipeline, tok) -> None:
+async def test_completion_greedy_matches_argmax_loop_with_logprobs(server: ServedApi, pipeline, tok) -> None:
     prompt = "The experts stream from the disk"
     ids, rows = await asyncio.to_thread(argmax_loop, pipeline, tok.encode(prompt), 10, _stop_ids(tok))
-    r = await server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+    r = await server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
                                                  logprobs=3)
     choice = r.choices[0]
     assert r.usage.prompt_tokens == len(tok.encode(prompt))
@@ -75,7 +51,7 @@ async def test_completion_greedy_matches_argmax_loop_with_logprobs(server: Serve
         got = sorted(lp.top_logprobs[i].values(), reverse=True)
         assert got == pytest.approx(top.values.tolist(), abs=1e-4)
     # streaming gives the same text, in pieces
-    stream = await server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+    stream = await server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
                                                       stream=True, stream_options={"include_usage": True})
     pieces, usage, reasons = [], None, []
     async for c in stream:
@@ -88,16 +64,16 @@ async def test_completion_greedy_matches_argmax_loop_with_logprobs(server: Serve
     assert reasons[-1] == choice.finish_reason and usage.completion_tokens == len(ids)
 
 
-async def test_completion_accepts_token_ids_and_echo(server: Server, pipeline, tok) -> None:
+async def test_completion_accepts_token_ids_and_echo(server: ServedApi, pipeline, tok) -> None:
     prompt_ids = tok.encode("ids in, text out")
     ids, _ = await asyncio.to_thread(argmax_loop, pipeline, prompt_ids, 5, _stop_ids(tok))
-    r = await server.client().completions.create(model=MODEL, prompt=prompt_ids, max_tokens=5, temperature=0,
+    r = await server.openai().completions.create(model=MODEL, prompt=prompt_ids, max_tokens=5, temperature=0,
                                                  echo=True)
     assert r.choices[0].text == "ids in, text out" + tok.decode([i for i in ids if i not in tok.special_ids])
 
 
-async def test_stop_strings_cut_the_text_exactly(server: Server) -> None:
-    client = server.client()
+async def test_stop_strings_cut_the_text_exactly(server: ServedApi) -> None:
+    client = server.openai()
     no_eos = {"ignore_eos": True}  # a random model may end its message anywhere: the stop string must end it
     full = (await client.completions.create(model=MODEL, prompt="Tokens are bytes", max_tokens=24,
                                             temperature=0, extra_body=no_eos)).choices[0].text
@@ -113,8 +89,8 @@ async def test_stop_strings_cut_the_text_exactly(server: Server) -> None:
     assert "".join(pieces) == expected
 
 
-async def test_max_tokens_and_stop_token(server: Server, tok: K3Tokenizer) -> None:
-    client = server.client()
+async def test_max_tokens_and_stop_token(server: ServedApi, tok: K3Tokenizer) -> None:
+    client = server.openai()
     r = await client.completions.create(model=MODEL, prompt="count", max_tokens=7, temperature=0,
                                         extra_body={"ignore_eos": True})
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (7, "length")
@@ -124,8 +100,8 @@ async def test_max_tokens_and_stop_token(server: Server, tok: K3Tokenizer) -> No
     assert (r.usage.completion_tokens, r.choices[0].finish_reason, r.choices[0].text) == (1, "stop", "")
 
 
-async def test_seeded_sampling_is_reproducible(server: Server) -> None:
-    client = server.client()
+async def test_seeded_sampling_is_reproducible(server: ServedApi) -> None:
+    client = server.openai()
 
     async def sample(seed: int) -> str:
         r = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
@@ -140,11 +116,11 @@ async def test_seeded_sampling_is_reproducible(server: Server) -> None:
 # ---- chat ----------------------------------------------------------------------------------------------------
 
 
-async def test_chat_greedy_matches_argmax_loop_stream_and_not(server: Server, pipeline, tok) -> None:
+async def test_chat_greedy_matches_argmax_loop_stream_and_not(server: ServedApi, pipeline, tok) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a token?"}]
     prompt = encode(tok, messages, ChatOptions(effort="low"))
     ids, rows = await asyncio.to_thread(argmax_loop, pipeline, prompt, 12, _stop_ids(tok))
-    client = server.client()
+    client = server.openai()
     r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                              reasoning_effort="low", logprobs=True, top_logprobs=2)
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
@@ -172,13 +148,13 @@ async def test_chat_greedy_matches_argmax_loop_stream_and_not(server: Server, pi
     assert reasons[-1] == r.choices[0].finish_reason and usage.total_tokens == r.usage.total_tokens
 
 
-async def test_chat_defaults_think_at_low_effort_for_the_serving_length(server: Server, tok) -> None:
+async def test_chat_defaults_think_at_low_effort_for_the_serving_length(server: ServedApi, tok) -> None:
     """No reasoning_effort: the prompt is the template's with thinking_effort=low (not the template's max); no
     max_tokens: --default-max-tokens (1024 unless given), here capped by the context left."""
     from deltafin.text.chat import SERVING_MAX_TOKENS
 
     messages = [{"role": "user", "content": "Hi"}]
-    client = server.client()
+    client = server.openai()
     prompts, run = [], server.engine.run
 
     def spy(ids, *args, **kwargs):
@@ -203,10 +179,10 @@ async def test_chat_tool_calls_and_reasoning(tok: K3Tokenizer, tiny_dir: Path) -
     body = written[len('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'):]
     script = script_ids(tok, body)
     backend = ScriptedBackend(tok.vocab_size, script)
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir))
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir))
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     try:
-        client = srv.client()
+        client = srv.openai()
         r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
                                                  tools=tools, max_tokens=200, temperature=0)
         msg = r.choices[0].message
@@ -251,38 +227,38 @@ async def test_chat_tool_calls_and_reasoning(tok: K3Tokenizer, tiny_dir: Path) -
     ({"logit_bias": {"99999999": 5}}, "logit_bias"),
     ({"max_tokens": 600}, "messages"),  # past the 512-token context
 ])
-async def test_chat_bad_requests_are_400_with_the_param(server: Server, kwargs: dict, param: str) -> None:
+async def test_chat_bad_requests_are_400_with_the_param(server: ServedApi, kwargs: dict, param: str) -> None:
     request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
-        await server.client().chat.completions.create(**request)
+        await server.openai().chat.completions.create(**request)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param  # type: ignore[index]
     assert e.value.body["message"]  # type: ignore[index]
 
 
-async def test_any_model_name_is_served_and_answered_with_the_served_one_unless_strict(server: Server) -> None:
+async def test_any_model_name_is_served_and_answered_with_the_served_one_unless_strict(server: ServedApi) -> None:
     """Clients configured with their own model names (editors, agents) work: the response carries the served
     name. With --strict-model-name another name is 404 model_not_found."""
     ask = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0}
-    theirs = await server.client().chat.completions.create(model="gpt-9", **ask)
-    ours = await server.client().chat.completions.create(model=MODEL, **ask)
+    theirs = await server.openai().chat.completions.create(model="gpt-9", **ask)
+    ours = await server.openai().chat.completions.create(model=MODEL, **ask)
     assert theirs.model == MODEL and theirs.choices[0].message.content == ours.choices[0].message.content
-    assert (await server.client().models.retrieve("claude-sonnet")).id == MODEL
+    assert (await server.openai().models.retrieve("claude-sonnet")).id == MODEL
     server.engine.strict_model_name = True
     try:
         with pytest.raises(openai.NotFoundError) as e:
-            await server.client().chat.completions.create(model="gpt-9", **ask)
+            await server.openai().chat.completions.create(model="gpt-9", **ask)
         assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError):
-            await server.client().completions.create(model="gpt-9", prompt="x", max_tokens=2)
+            await server.openai().completions.create(model="gpt-9", prompt="x", max_tokens=2)
         with pytest.raises(openai.NotFoundError):
-            await server.client().models.retrieve("gpt-9")
-        assert (await server.client().chat.completions.create(model=MODEL, **ask)).model == MODEL
+            await server.openai().models.retrieve("gpt-9")
+        assert (await server.openai().chat.completions.create(model=MODEL, **ask)).model == MODEL
     finally:
         server.engine.strict_model_name = False
 
 
-async def test_a_request_may_leave_the_model_out(server: Server) -> None:
+async def test_a_request_may_leave_the_model_out(server: ServedApi) -> None:
     """`model` left out: the served model answers (one server serves one model)."""
     async with aiohttp.ClientSession() as s:
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0}
@@ -296,8 +272,8 @@ async def test_a_request_may_leave_the_model_out(server: Server) -> None:
             assert card["context_length"] == server.engine.max_context == card["max_model_len"]
 
 
-async def test_unknown_path_and_bad_json(server: Server) -> None:
-    models = await server.client().models.list()
+async def test_unknown_path_and_bad_json(server: ServedApi) -> None:
+    models = await server.openai().models.list()
     assert [m.id for m in models.data] == [MODEL]
     async with aiohttp.ClientSession() as s:
         async with s.post(server.url + "/v1/chat/completions", data=b"{nope") as r:
@@ -321,7 +297,7 @@ async def _metric(url: str, name: str, labels: str = "") -> float:
     raise AssertionError(f"{name}{{{labels}}} not in /metrics")
 
 
-async def test_queue_full_is_429_and_disconnect_cancels(server: Server) -> None:
+async def test_queue_full_is_429_and_disconnect_cancels(server: ServedApi) -> None:
     body = {"model": MODEL, "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:
         streams = []
@@ -335,7 +311,7 @@ async def test_queue_full_is_429_and_disconnect_cancels(server: Server) -> None:
                 break
             await asyncio.sleep(0.02)
         with pytest.raises(openai.RateLimitError) as e:  # queue depth 1 is taken too
-            await server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+            await server.openai().completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert e.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
         for r in streams:  # the clients go away mid-stream
             r.close()
@@ -354,8 +330,8 @@ async def test_queue_full_is_429_and_disconnect_cancels(server: Server) -> None:
     assert await _metric(server.url, "deltafin_generations_total", 'outcome="cancelled"') == 2
 
 
-async def test_metrics_count_tokens(server: Server) -> None:
-    r = await server.client().completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0,
+async def test_metrics_count_tokens(server: ServedApi) -> None:
+    r = await server.openai().completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0,
                                                  extra_body={"ignore_eos": True})
     assert await _metric(server.url, "deltafin_generated_tokens_total") == r.usage.completion_tokens == 5
     assert await _metric(server.url, "deltafin_prompt_tokens_total") == r.usage.prompt_tokens
@@ -375,7 +351,7 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
 
     script = tok.encode("a b c")
     backend = SlowPrefill(tok.vocab_size, script)
-    engine, runner, srv = await _serve(backend, tok, load_config(tiny_dir), max_active=1)
+    engine, runner, srv = await serve_api(backend, tok, load_config(tiny_dir), max_active=1)
     prompt = list(range(100, 130))  # 30 tokens, in chunks of 7 (8 less the room kept for a decode step)
     try:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True, "ignore_eos": True}
@@ -388,7 +364,7 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
                                              r"left)?", c) for c in comments), lines
         done = [int(c.split()[2].split("/")[0]) for c in comments]
         assert done == sorted(done) and done[-1] > 0  # it moves
-        stream = await srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=3, stream=True,
+        stream = await srv.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, stream=True,
                                                        extra_body={"ignore_eos": True})
         raw = "".join(c["text"] for line in lines[first_data:] if line != "data: [DONE]"
                       for c in json.loads(line[len("data: "):])["choices"])
@@ -403,8 +379,8 @@ async def test_a_stream_waiting_for_its_first_token_says_how_far_its_prefill_is(
         await engine.scheduler.close()
 
 
-async def test_speculative_per_request_same_text_and_counted(server: Server) -> None:
-    client = server.client()
+async def test_speculative_per_request_same_text_and_counted(server: ServedApi) -> None:
+    client = server.openai()
     body = {"ignore_eos": True}
     plain = await client.completions.create(model=MODEL, prompt="a b a b a b a b", max_tokens=20, temperature=0,
                                             extra_body=body)
@@ -418,7 +394,7 @@ async def test_speculative_per_request_same_text_and_counted(server: Server) -> 
     assert e.value.body["param"] == "speculative"  # type: ignore[index]
 
 
-async def test_the_readmes_client_examples_run_as_written(server: Server) -> None:
+async def test_the_readmes_client_examples_run_as_written(server: ServedApi) -> None:
     """The README's `openai`, `anthropic` and `ollama`/Responses examples, pointed at this server (its address for
     127.0.0.1:8000), print what the async clients get for the same requests (greedy: the same text; sampled:
     what the numbers must be)."""
@@ -438,7 +414,7 @@ async def test_the_readmes_client_examples_run_as_written(server: Server) -> Non
         return out.getvalue()
 
     printed = [await asyncio.to_thread(run, b) for b in blocks]
-    o = await server.client().chat.completions.create(model="Kimi-K3", messages=[{"role": "user", "content": "Hi"}],
+    o = await server.openai().chat.completions.create(model="Kimi-K3", messages=[{"role": "user", "content": "Hi"}],
                                                        max_tokens=64, temperature=0)
     assert printed[0] == f"{o.choices[0].message.reasoning_content} {o.choices[0].message.content}\n"
     # Anthropic's default temperature is 1: a sample, so its numbers are checked, not its text
