@@ -1,7 +1,8 @@
 """Slow links in front of workers, for tests and benches: a `../shared/tools/linkproxy` process for each worker
-address, listening on a free port of 127.0.0.1 and forwarding there with a round-trip time and a bandwidth per
-direction and connection (see the tool's docstring). Callers dial `proxy.addresses` instead of the workers'; when
-stopped, the proxies say the bytes each link carried each way.
+address (or, in a checkout with no `../shared` beside it, tests/support/linksim.py, which behaves the same),
+listening on a free port of 127.0.0.1 and forwarding there with a round-trip time and a bandwidth per direction and
+connection (see the tool's docstring). Callers dial `proxy.addresses` instead of the workers'; when stopped, the
+proxies say the bytes each link carried each way.
 
 A process per link, because one linkproxy serving several pairs shares its rate among the connections that move
 at once (measured: two 10 MB flows through one process at 20 Mbit/s each took 7.2 and 7.7 s, 4.0 s each through
@@ -22,10 +23,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.support.cluster import TOOLS
 
-LINKPROXY = TOOLS / "linkproxy"
+LINKPROXY = TOOLS / "linkproxy" if (TOOLS / "linkproxy").is_file() else Path(__file__).with_name("linksim.py")
 LISTENING = re.compile(r"linkproxy: 127\.0\.0\.1:(\d+) -> ")
 CARRIED = re.compile(r"linkproxy: 127\.0\.0\.1:(\d+) carried ([\d,]+) bytes to, ([\d,]+) back")
 

@@ -70,7 +70,8 @@ def test_a_worker_without_layers_serves_its_share(small_dir, local_result, tmp_p
         extra = WorkerProcess(holder_dir, "holder", "-v")
         try:
             extra.wait_ready()
-            spec = ClusterSpec(small_dir, addresses=[p.address for p in procs] + [extra.address], discover=False)
+            spec = ClusterSpec(small_dir, addresses=[p.address for p in procs] + [extra.address], discover=False,
+                               experts="wide")
 
             async def run():
                 backend, plan = await connect_cluster(spec, show_progress=False)
