@@ -8,7 +8,7 @@ generated token. The drafter is also scored alone, at every position of the answ
 is replayed token by token through a stage whose experts stream through a cache of `cache_share` of them,
 recording which experts each MoE layer asks for at each decode step: that routing trace gives each cache
 policy's hit rate at several cache sizes (weights.cache.simulate), the stage's own prefetch recall, and how
-many of a token's experts the token before it used in the same layer (README, "k3-mini").
+many of a token's experts the token before it used in the same layer (docs/k3-mini.md).
 """
 
 from __future__ import annotations

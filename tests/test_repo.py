@@ -12,17 +12,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = " ".join((ROOT / "README.md").read_text().split())  # one line: a figure may wrap anywhere
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the README and the docs it links
 
 
-@pytest.mark.parametrize("doc", ["README.md", "deploy/README.md"])
+def _docs() -> str:
+    return "\n".join(p.read_text() for p in DOCS)
+
+
+README = " ".join(_docs().split())  # one line: a figure may wrap anywhere
+
+
+@pytest.mark.parametrize("doc", ["deploy/README.md", *(str(p.relative_to(ROOT)) for p in DOCS)])
 def test_the_readmes_name_no_file_a_clone_lacks(doc: str) -> None:
-    """Every path a README names relative to itself is in the repository (it once named ../shared/, the
+    """Every path a document names relative to itself is in the repository (the README once named ../shared/, the
     workspace around the clone), and every link it makes leads to a file."""
-    text = (ROOT / doc).read_text()
-    assert re.findall(r"\.\./[\w./-]+", text) == []
+    text, here = (ROOT / doc).read_text(), (ROOT / doc).parent
+    outside = [t for t in re.findall(r"\.\./[\w./-]+", text) if not (here / t).resolve().is_relative_to(ROOT)]
+    assert outside == []
     links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
-    assert [t for t in links if not ((ROOT / doc).parent / t).exists()] == []
+    assert [t for t in links if not (here / t.split("#")[0]).exists()] == []
 
 
 def test_ci_runs_the_readme_test_command():
@@ -156,7 +164,7 @@ def test_the_readmes_k3_figures_are_the_codes(tmp_path: Path) -> None:
     assert not missing, "README does not say:\n" + "\n".join(missing)
 
 
-# the projection for Macs: the planner's MPS plans at a Mac's budget, SSD and compute (PERF.md's M1 Max: 400 GB/s
+# the projection for Macs: the planner's MPS plans at a Mac's budget, SSD and compute (docs/PERF.md's M1 Max: 400 GB/s
 # of unified memory, 10 TFLOP/s), at an assumed streaming efficiency
 MAC_SSD_GBPS, MAC_MEMORY_GBPS, MAC_TFLOPS, EFFICIENCY = 6.6, 400.0, 10.0, 0.85
 MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 GB", 4, 56),
@@ -204,7 +212,7 @@ def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     rows = _mac_projection(load_config(tmp_path))
-    missing = [r for r in rows if r not in (ROOT / "README.md").read_text().splitlines()]
+    missing = [r for r in rows if r not in _docs().splitlines()]
     assert not missing, "README's projection table lacks these rows:\n" + "\n".join(missing)
 
 
@@ -238,7 +246,7 @@ def test_the_readmes_first_token_projection_is_the_planners(tmp_path: Path) -> N
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     rows = _first_token_projection(load_config(tmp_path))
-    missing = [r for r in rows if r not in (ROOT / "README.md").read_text().splitlines()]
+    missing = [r for r in rows if r not in _docs().splitlines()]
     assert not missing, "README's time-to-first-token projection lacks these rows:\n" + "\n".join(missing)
 
 
@@ -286,7 +294,7 @@ def test_the_readmes_speculative_projection_is_the_cost_model(tmp_path: Path) ->
     from deltafin.checkpoint.config import load_config
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = _docs().splitlines()
     header, *rows = _speculative_projection(load_config(tmp_path), lines)
     missing = [r for r in rows if r not in lines] + ([header] if header not in README else [])
     assert not missing, "README's drafting projection lacks these rows:\n" + "\n".join(missing)
@@ -303,7 +311,7 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
-    text = (ROOT / "README.md").read_text()
+    text = _docs()
     blocks = re.findall(r"^# (\d+) x (\d+) GB .*?\n(.*?)\ntotal +([^\n]*)", text, re.M | re.S)
     assert len(blocks) == 4, "README's four plan tables"
     for n, budget_gb, rows, total in blocks:

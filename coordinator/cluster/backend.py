@@ -1,7 +1,7 @@
 """Where the coordinator's forwards run: in-process stages (single-machine mode) or a cluster of workers.
 
 Both present one async interface, so the generation loop and the HTTP API never know which they drive.
-The cluster routes through the coordinator (the hub, DESIGN.md): ids to stage 0, its residual state to
+The cluster routes through the coordinator (the hub, docs/DESIGN.md): ids to stage 0, its residual state to
 stage 1, and so on; every call carries a deadline.
 """
 

@@ -237,7 +237,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
 def parallel_stages(workers: list[WorkerDescription]) -> int:
     """Stages that can compute at once: one per worker, but CPU workers on one host share its cores, so they
     count once (two CPU workers on 2 cores with a batch each ran 2-4x slower than with one batch between them;
-    workers sharing one GPU did gain, README, Serving at K3 scale)."""
+    workers sharing one GPU did gain, docs/serving.md, Serving at K3 scale)."""
     return len({(d.address.rsplit(":", 1)[0], "cpu") if d.device.split(":")[0] == "cpu" else d.key
                 for d in workers})
 

@@ -7,7 +7,7 @@ are merged into batches (a stage reads each routed expert once for all the seque
 while stage 1 works on another. A batch is the waiting decode steps plus at most one prompt chunk
 (`--prefill-chunk` tokens): a running stream rides with the next chunk of another request's prompt instead
 of waiting for the whole prompt, and at K3's sizes that costs it no reads (a chunk reads nearly every expert
-anyway; README, Serving). With depth > 1 the decode steps are split into that many batches, so that they
+anyway; docs/serving.md). With depth > 1 the decode steps are split into that many batches, so that they
 spread over the stages instead of moving in lockstep. A batch whose requests have all gone away is
 cancelled on the workers. A session is released only after every batch carrying it has come back: a
 request that goes away mid-step must not free its state under a batch that still uses it (the stage would

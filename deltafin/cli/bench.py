@@ -1,5 +1,5 @@
 """Model benchmarks that print JSON (`deltafin bench --model`): decode with experts streamed from the disk,
-prefill, speculative verification and a chat's second turn, against the physical limit (PERF.md). The kernel
+prefill, speculative verification and a chat's second turn, against the physical limit (docs/PERF.md). The kernel
 and disk micro-benchmarks are bench_kernels.py's.
 
 Decode is measured honestly: the disk is measured first with the same reader (same read size, same
@@ -159,7 +159,7 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     peak memory during that prompt against the plan. When anything streams, the disk is measured first with
     the same reader, and each length gets its disk-limited time (bytes read / disk speed) and `vs_disk`, that
     time over the measured one; `t_compute_s` is the time the stage did not wait for reads, and `efficiency`
-    the larger of the two limits over the measured time (PERF.md). The ids are i % 700 + 5, the prompt
+    the larger of the two limits over the measured time (docs/PERF.md). The ids are i % 700 + 5, the prompt
     tests/reference/peer/prefill_llamacpp.py gives llama.cpp."""
     options = options or StageOptions()
     pipe, loaded = _load(model, device, dtype, options)

@@ -1,7 +1,7 @@
 """Kernel and disk micro-benchmarks that print JSON (`deltafin bench --kernel`, `deltafin bench --disk`): one
 real-size K3 expert's MXFP4 dequant+matmul (or MLX's experts at K3's width), K3's big spine matrices in each
 spine format (bf16 as stored, row-int8, q4) at decode and prefill through `linear` (whatever fast path the device
-has), and random whole-block reads from a checkpoint's files, against the physical limit (PERF.md). The model
+has), and random whole-block reads from a checkpoint's files, against the physical limit (docs/PERF.md). The model
 benchmarks are bench.py's.
 """
 
@@ -42,7 +42,7 @@ from deltafin.weights.diskspeed import measure_reads
 from deltafin.weights.reader import Extent, ReadPlan
 
 K3_EXPERT = {"w1": (3072, 3584), "w2": (3584, 3072), "w3": (3072, 3584)}  # logical [rows, cols]
-# Three of K3's big spine matrices, [rows, cols] (K3_SPEC.md, "Tensors"): what a decode step mostly reads.
+# Three of K3's big spine matrices, [rows, cols] (docs/K3_SPEC.md, "Tensors"): what a decode step mostly reads.
 K3_SPINE = {
     "kda q/k/v/g_proj": (12288, 7168),  # hidden -> 96 heads x 128 (MLA's g_proj too)
     "attention o_proj": (7168, 12288),  # KDA's and MLA's output projection

@@ -153,7 +153,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--spine", default="q4", choices=CONVERTED_SPINES,
                    help="q4 (default): 4-bit groups of 64, the sensitive matrices row-int8; int8: row-int8 "
-                   "(quality of each in the README)")
+                   "(quality of each in docs/k3-mini.md)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
                    "that load it)")

@@ -53,9 +53,9 @@ def _add_memory_options(g: Any, sequences: int | None) -> None:
                    "memory if they fit, else streamed with a cache of the memory left)")
     g.add_argument("--spine", default="auto", choices=SPINES,
                    help="non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 "
-                   "with the sensitive matrices row-int8: a third; quality in the README); int8 and q4 are converted "
-                   "once and kept on the disk (see --no-convert); default auto: bf16 if it fits, else int8 if it "
-                   "fits, else q4; layers that still do not fit stream from the disk")
+                   "with the sensitive matrices row-int8: a third; quality in docs/k3-mini.md); int8 and q4 are "
+                   "converted once and kept on the disk (see --no-convert); default auto: bf16 if it fits, else int8 "
+                   "if it fits, else q4; layers that still do not fit stream from the disk")
     g.add_argument("--no-convert", dest="convert", action="store_false",
                    help="refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet "
                    "(default: convert it first, once, into the cache directory, as `deltafin convert` does)")
@@ -158,8 +158,8 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
                    "wide with more than one worker")
     p.add_argument("--wire", default="fp32", choices=WIRES,
                    help="what crosses the links between the machines: fp32 (default: exact), or bf16 (half the "
-                   "bytes of the stage hops' states and the wide experts' rows and sums; lossy: its cost in the "
-                   "README, measured like the spine formats)")
+                   "bytes of the stage hops' states and the wide experts' rows and sums; lossy: its cost in "
+                   "docs/cluster.md, measured like the spine formats)")
     add_stage_options(p)
     sec = p.add_argument_group("security",
                                "how this coordinator proves itself to workers (see deploy/README.md, Security)")

@@ -2,7 +2,7 @@
 built at first use with the system compiler and called through ctypes, which releases the GIL, on row
 blocks in parallel threads.
 
-Plain torch decodes MXFP4 at ~0.07 GB/s of packed bytes on two cores (PERF.md) and multiplies fp32
+Plain torch decodes MXFP4 at ~0.07 GB/s of packed bytes on two cores (docs/PERF.md) and multiplies fp32
 activations by bf16 weights only after converting the whole matrix; these kernels run at memory speed.
 Up to `_KERNEL_MAX_TOKENS` tokens go through the kernels; larger batches decode row blocks and use BLAS.
 If no compiler is found, the build fails or the self-check fails, the torch reference path is used.

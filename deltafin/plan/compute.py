@@ -74,9 +74,9 @@ MXFP4_BYTES = 0.53125
 
 
 def assumed_gpu(cfg: ModelConfig, memory_gbps: float, tflops: float) -> ComputeSpeed:
-    """A GPU's compute where none was measured (the README's Mac projections; PERF.md: an M1 Max reads ~400 GB/s
-    of unified memory and computes ~10 TFLOP/s): one token's matmuls read each weight once at memory speed, a
-    batch's run at the FLOP rate."""
+    """A GPU's compute where none was measured (docs/full-scale.md's Mac projections; docs/PERF.md: an M1 Max reads
+    ~400 GB/s of unified memory and computes ~10 TFLOP/s): one token's matmuls read each weight once at memory speed,
+    a batch's run at the FLOP rate."""
     bw, flops = memory_gbps * 1e9, tflops * 1e12
     return ComputeSpeed(expert_one_s=cfg.bytes_per_expert / bw,
                         expert_token_s=2 * cfg.bytes_per_expert / MXFP4_BYTES / flops,

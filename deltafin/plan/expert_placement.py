@@ -1,4 +1,4 @@
-"""Which holder computes which routed experts (pure): the placement of wide experts (DESIGN.md).
+"""Which holder computes which routed experts (pure): the placement of wide experts (docs/DESIGN.md).
 
 Every MoE layer's experts are divided among the holders of their bytes (workers of a cluster, or the disks of
 one worker) in contiguous ranges of expert ids, each range's size in proportion to its holder's weight. The

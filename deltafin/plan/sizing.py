@@ -106,7 +106,7 @@ def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:
     """What one KDA layer keeps after a speculative forward of `tokens` tokens, until the next forward picks
     the position to continue from: each token's k, v, decay, beta and conv inputs, and the window before.
     A plan for speculative decoding (`SizingOptions.speculative_tokens`) reserves it for every sequence beside
-    the sequence's caches (0.21 GB per sequence at K3's width: README, Speculative decoding)."""
+    the sequence's caches (0.21 GB per sequence at K3's width: docs/speculative-decoding.md)."""
     h, d = cfg.kda_heads, cfg.kda_head_dim
     return (tokens * (3 * h * d + h + 3 * cfg.kda_dim) + 3 * (cfg.conv_kernel - 1) * cfg.kda_dim) * 4
 

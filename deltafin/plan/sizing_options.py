@@ -33,7 +33,7 @@ NO_COPY_SPINES = ("bf16", "int8")
 RESIDENT_EXPERT_SPINES = ("bf16", "int8")  # auto, every expert resident: never q4's rounding for no reads at all
 # what the compact formats cost, measured through the runtime (the plan says it where it chooses one)
 SPINE_QUALITY = {"int8": "-0.01 % perplexity, mean KL 0.005", "q4": "+0.78 % perplexity, mean KL 0.089"}
-QUALITY_SOURCE = "on k3-mini's held-out split: README, 'what a spine format costs'"
+QUALITY_SOURCE = "on k3-mini's held-out split: docs/k3-mini.md, 'what a spine format costs'"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A Stage runs layers [start, end) of the model for a batch of sequences (DESIGN.md, the stage contract).
+"""A Stage runs layers [start, end) of the model for a batch of sequences (docs/DESIGN.md, the stage contract).
 
 Stage 0 also embeds token ids; the last stage also applies the final mix, norm and head. Between stages
 only the residual state travels. Per-session caches live in the stage's session table (runtime/sessions.py),

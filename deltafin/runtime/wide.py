@@ -1,4 +1,4 @@
-"""Wide experts (DESIGN.md): a layer's routed experts computed by every holder of their bytes at once.
+"""Wide experts (docs/DESIGN.md): a layer's routed experts computed by every holder of their bytes at once.
 
 The stage side, `WideExperts`, is the model's RoutedExperts (models/moe.py): once a layer's router has chosen, it
 sends each holder only the latent rows of the tokens routed to that holder's experts, with the (row, expert) pairs

@@ -74,7 +74,7 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 def default_cost(experts: int, active: int) -> PassCost:
     """Half of a one-token pass fixed, half its experts: about one 64 GB Mac's split at K3's size (its MPS plan
-    streams 36.8 GB of spine and 25.8 GB of experts per token; README, Speculative decoding)."""
+    streams 36.8 GB of spine and 25.8 GB of experts per token; docs/speculative-decoding.md)."""
     return PassCost(fixed=1.0, per_expert=1.0 / active, experts=experts, active=active)
 
 

@@ -31,7 +31,7 @@ from tests.support.cluster import WorkerProcess, split_at_dashes
 from tests.support.links import slow_links
 from tests.system.cluster_bench import _caps
 
-MAC_SSD = 6.6e9  # bytes a second a Mac's SSD reads (PERF.md): what --scale-to scales the links by
+MAC_SSD = 6.6e9  # bytes a second a Mac's SSD reads (docs/PERF.md): what --scale-to scales the links by
 
 
 def profile_link(name: str, scale: float) -> tuple[float, float]:

@@ -58,7 +58,7 @@ def test_real_k3_tensor_family_totals_match_the_published_checkpoint(k3_config_r
 
 
 def test_real_k3_spine_is_about_113_gb_bf16(k3_config_raw):
-    """DESIGN.md: ~57B spine parameters, 113 GB bf16, ~53 GB as row-int8 (not counting embedding/head)."""
+    """docs/DESIGN.md: ~57B spine parameters, 113 GB bf16, ~53 GB as row-int8 (not counting embedding/head)."""
     from deltafin.plan.layer_table import layer_table
     from deltafin.plan.sizing import Placement
 

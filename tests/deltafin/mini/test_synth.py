@@ -83,7 +83,7 @@ def test_k3_slice_has_real_widths():
     assert cfg.num_experts == 896 and cfg.latent_dim == 3584 and cfg.moe_intermediate_size == 3072
     assert cfg.bytes_per_expert == 17_547_264
     assert [k.value for k in cfg.layer_kinds] == ["kda", "kda", "mla"]
-    assert cfg.expert_bytes_per_token() == 2 * 16 * 17_547_264  # 561.5 MB, as PERF.md's slice
+    assert cfg.expert_bytes_per_token() == 2 * 16 * 17_547_264  # 561.5 MB, as docs/PERF.md's slice
     two = parse_config(preset_config("k3-slice", layers=2))
     assert [k.value for k in two.layer_kinds] == ["kda", "mla"] and two.moe_layers == (1,)
 

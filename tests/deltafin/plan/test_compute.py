@@ -56,7 +56,7 @@ def test_the_speeds_arithmetic():
 
 
 def test_an_assumed_gpu_reads_each_weight_once_for_a_token_and_computes_a_batch_at_its_flop_rate():
-    """PERF.md's M1 Max (400 GB/s, 10 TFLOP/s) at K3's shapes: a decoded token's 25.8 GB of experts at memory speed
+    """docs/PERF.md's M1 Max (400 GB/s, 10 TFLOP/s) at K3's shapes: a decoded token's 25.8 GB of experts at memory speed
     (~65 ms), a layer's int8 spine read once, a 4K prompt's spine at 10 TFLOP/s."""
     k3 = parse_config(preset_config("k3"))
     mac = assumed_gpu(k3, 400, 10)

@@ -37,10 +37,10 @@ def test_k3_spine_as_placed_matches_its_stored_size(k3):
     the 1-D bf16 norms as fp32 (+0.001%); int8 about half."""
     t = layer_table(k3, Placement("cpu"))
     stored = sum(t.stored)
-    assert 108.7 * GB < stored < 108.9 * GB  # PERF.md: 108.8 GB of non-expert layers
+    assert 108.7 * GB < stored < 108.9 * GB  # docs/PERF.md: 108.8 GB of non-expert layers
     kv_b = 24 * 96 * 256 * 512 * 2
     assert 0 <= t.bf16[-1] - stored - kv_b < 1e-4 * stored
-    # PERF.md's ~54.5 GB row-int8 counts every matrix at a byte; the routers stay bf16 (+1.2 GB) and kv_b fp32
+    # docs/PERF.md's ~54.5 GB row-int8 counts every matrix at a byte; the routers stay bf16 (+1.2 GB) and kv_b fp32
     # (on a Mac, which copies every tensor off the converted file it read) ...
     routers = 92 * 896 * 7168
     mac = layer_table(k3, Placement("mps"))
@@ -164,7 +164,7 @@ def test_refusal_names_the_numbers(k3):
 
 def test_sessions_are_sequences_at_context(k3):
     one = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=1, context=4096)).sessions
-    # 69 KDA layers x (conv window + 96x128x128 state) fp32, 24 MLA layers x 4096 x 576 fp32 (PERF.md)
+    # 69 KDA layers x (conv window + 96x128x128 state) fp32, 24 MLA layers x 4096 x 576 fp32 (docs/PERF.md)
     assert one == 69 * (3 * 3 * 12288 + 96 * 128 * 128) * 4 + 24 * 4096 * 576 * 4
     four = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=4, context=4096)).sessions
     assert four == 4 * one

@@ -53,7 +53,7 @@ def test_a_64gb_mac_holds_the_whole_spine_in_q4_and_a_12gb_expert_cache(k3):
     assert s.sequences == 1 and s.sessions == s.prefixes == one_sequence(k3)
     assert 1024 <= s.forward_tokens < 4096  # two attention pieces at least
     assert s.spine_why.startswith("int8 would stream ") and "+0.78 % perplexity" in s.spine_why
-    assert "README" in s.spine_why and s.spine_why in s.describe()
+    assert "docs/k3-mini.md" in s.spine_why and s.spine_why in s.describe()
     # the longest such forward: one token more leaves the cache under its share
     longer = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions(prefill_chunk=s.forward_tokens + 1))
     assert longer.expert_cache < ONE_WORKER_CACHE_SHARE * 56 * GB
