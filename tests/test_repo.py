@@ -45,7 +45,8 @@ def test_ci_runs_the_readme_test_command():
 
 def _defaults() -> list[str]:
     from deltafin.cli.flags import add_cluster_options, add_stage_options
-    from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS, MAX_STOP_STRINGS
+    from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS
+    from deltafin.coordinator.http.request import MAX_STOP_STRINGS
     from deltafin.coordinator.http.server import HEARTBEAT_S
     from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
     from deltafin.models.cache import MLA_BLOCK_TOKENS

@@ -218,6 +218,20 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(cycles)
 
 
+HTTP_ADAPTERS = "deltafin.coordinator.http."  # each API's adapter: <api>_api.py
+
+
+def test_no_http_adapter_imports_another() -> None:
+    """Each API's adapter (its requests in, its responses and errors out) reads the one generation request
+    (coordinator/http/request.py) and depends on no other adapter, so that an API is added or changed alone."""
+    adapters = {name: path for name, path in MODULES.items()
+                if name.startswith(HTTP_ADAPTERS) and name.endswith("_api")}
+    assert len(adapters) >= 4, sorted(adapters)  # OpenAI's, Anthropic's, Ollama's, the Responses API
+    crossing = [f"{name} imports {target}" for name, path in adapters.items()
+                for target, _, _ in _imports(name, path) if target in adapters and target != name]
+    assert not crossing, "\n".join(crossing)
+
+
 def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None:
     import grpc
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage
-from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.text.sampling import SamplingParams
@@ -53,7 +53,7 @@ def is_messages_path(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
-def error_body(err: oa.ApiError) -> tuple[int, dict[str, Any]]:
+def error_body(err: rq.ApiError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and Anthropic's error body for an API error."""
     status = STATUS.get(err.status, err.status)
     kind = ERROR_TYPES.get(status, "api_error")
@@ -69,10 +69,10 @@ def _get(obj: dict[str, Any], name: str, kind: type, where: str | None = None, d
     if value is None:
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return oa.as_float(value, path)
+        return rq.as_float(value, path)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         got = _TYPE_NAMES.get(float if type(value) is int else type(value), type(value).__name__)
-        raise oa.bad(path, f"'{path}' must be {_TYPE_NAMES[kind]}, got {got}")
+        raise rq.bad(path, f"'{path}' must be {_TYPE_NAMES[kind]}, got {got}")
     return value
 
 
@@ -80,50 +80,44 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
                list: "an array"}
 
 
-@dataclass(frozen=True)
-class MessagesRequest:
-    params: oa.Params  # the served model name, max_tokens, sampling, stop_sequences, stream
-    messages: list[dict[str, Any]]  # OpenAI-style chat messages, as deltafin.text.chat renders them
-    options: ChatOptions
-
-
-def parse_messages(body: Any, served: str, strict: bool = False, counting: bool = False) -> MessagesRequest:
-    """A Messages request (`counting`: a count_tokens request, which has no max_tokens)."""
+def parse_messages(body: Any, served: str, strict: bool = False, counting: bool = False) -> rq.GenerationRequest:
+    """A Messages request (`counting`: a count_tokens request, which has no max_tokens): the system prompt and the
+    turns as OpenAI-style chat messages, stop_sequences as stops, thinking as the effort."""
     if not isinstance(body, dict):
-        raise oa.bad(None, "the request body must be a JSON object")
-    model = oa.served_model(_get(body, "model", str, default=served), served, strict)  # (left out: the served one)
+        raise rq.bad(None, "the request body must be a JSON object")
+    model = rq.served_model(_get(body, "model", str, default=served), served, strict)  # (left out: the served one)
     max_tokens = _get(body, "max_tokens", int)
     if max_tokens is None and not counting:
-        raise oa.bad("max_tokens", "'max_tokens' is required")
+        raise rq.bad("max_tokens", "'max_tokens' is required")
     if max_tokens is not None and max_tokens < 1:
-        raise oa.bad("max_tokens", f"'max_tokens' must be at least 1, got {max_tokens}")
+        raise rq.bad("max_tokens", f"'max_tokens' must be at least 1, got {max_tokens}")
     _get(body, "metadata", dict)  # {"user_id": ...}: accepted, not used
     effort = _thinking(body)
     tools, tool_choice = _tools(body)
     messages = _system(body) + _turns(body)
-    params = oa.Params(model, max_tokens, _sampling(body), _stops(body), _get(body, "stream", bool, default=False))
+    params = rq.Params(model, max_tokens, _sampling(body), _stops(body), _get(body, "stream", bool, default=False))
     options = ChatOptions(thinking=effort is not None, effort=effort, tools=tools, tool_choice=tool_choice,
                           response_format=_response_format(body))
-    return MessagesRequest(params, messages, options)
+    return rq.GenerationRequest(params, messages, options)
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
     temperature = _get(body, "temperature", float, default=1.0)
     if not 0.0 <= temperature <= 1.0:
-        raise oa.bad("temperature", f"'temperature' must be between 0 and 1, got {temperature}")
+        raise rq.bad("temperature", f"'temperature' must be between 0 and 1, got {temperature}")
     try:
         return SamplingParams(temperature=temperature, top_p=_get(body, "top_p", float, default=1.0),
                               top_k=_get(body, "top_k", int, default=0))
     except SamplingError as e:
-        raise oa.bad(e.param, str(e)) from None
+        raise rq.bad(e.param, str(e)) from None
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
     stops = _get(body, "stop_sequences", list, default=[])
-    if not all(isinstance(s, str) and 0 < len(s) <= oa.MAX_STOP_CHARS for s in stops) \
-            or len(stops) > oa.MAX_STOP_STRINGS:
-        raise oa.bad("stop_sequences", f"'stop_sequences' takes up to {oa.MAX_STOP_STRINGS} non-empty strings of up "
-                     f"to {oa.MAX_STOP_CHARS} characters")
+    if not all(isinstance(s, str) and 0 < len(s) <= rq.MAX_STOP_CHARS for s in stops) \
+            or len(stops) > rq.MAX_STOP_STRINGS:
+        raise rq.bad("stop_sequences", f"'stop_sequences' takes up to {rq.MAX_STOP_STRINGS} non-empty strings of up "
+                     f"to {rq.MAX_STOP_CHARS} characters")
     return list(stops)
 
 
@@ -134,17 +128,17 @@ def _thinking(body: dict[str, Any]) -> str | None:
     if kind == "disabled":
         return None
     if kind not in ("enabled", "adaptive"):
-        raise oa.bad("thinking", "'thinking.type' must be enabled, adaptive or disabled")
+        raise rq.bad("thinking", "'thinking.type' must be enabled, adaptive or disabled")
     effort = _get(_get(body, "output_config", dict, default={}), "effort", str, "output_config")
     if effort is not None and effort not in OUTPUT_EFFORTS:
-        raise oa.bad("output_config", f"'output_config.effort' must be one of {', '.join(OUTPUT_EFFORTS)}")
+        raise rq.bad("output_config", f"'output_config.effort' must be one of {', '.join(OUTPUT_EFFORTS)}")
     if effort is not None:
         return OUTPUT_EFFORTS[effort]
     if kind == "adaptive":
         return SERVING_EFFORT
     budget = _get(thinking, "budget_tokens", int, "thinking")
     if budget is None or budget < 1:
-        raise oa.bad("thinking", "'thinking.budget_tokens' must be a positive integer when thinking is enabled")
+        raise rq.bad("thinking", "'thinking.budget_tokens' must be a positive integer when thinking is enabled")
     return next((level for limit, level in BUDGET_EFFORTS if budget <= limit), "max")
 
 
@@ -154,7 +148,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if fmt is None:
         return None
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise oa.bad("output_config", "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}")
+        raise rq.bad("output_config", "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}")
     return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
 
 
@@ -164,31 +158,31 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | Non
     choice = _get(body, "tool_choice", dict, default={"type": "auto"})
     kind = choice.get("type")
     if choice.get("disable_parallel_tool_use"):
-        raise oa.bad("tool_choice", "'disable_parallel_tool_use' is not supported: Kimi K3's format cannot limit "
+        raise rq.bad("tool_choice", "'disable_parallel_tool_use' is not supported: Kimi K3's format cannot limit "
                      "a message to one tool call")
     if kind in ("auto", "none"):
         return declared or None, None if kind == "auto" else "none"
     if kind not in ("any", "tool"):
-        raise oa.bad("tool_choice", "'tool_choice.type' must be auto, any, tool or none")
+        raise rq.bad("tool_choice", "'tool_choice.type' must be auto, any, tool or none")
     if not declared:
-        raise oa.bad("tool_choice", f"tool_choice {kind} needs 'tools'")
+        raise rq.bad("tool_choice", f"tool_choice {kind} needs 'tools'")
     if kind == "any":
         return declared, "required"
     chosen = [t for t in declared if t["function"]["name"] == choice.get("name")]
     if not chosen:
-        raise oa.bad("tool_choice", f"tool_choice names {choice.get('name')!r}, which is not among 'tools'")
+        raise rq.bad("tool_choice", f"tool_choice names {choice.get('name')!r}, which is not among 'tools'")
     return chosen, "required"  # K3 can require a call, not a particular one: it is told of that one only
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict):
-        raise oa.bad(where, f"{where} must be an object")
+        raise rq.bad(where, f"{where} must be an object")
     if tool.get("type") not in (None, "custom"):
-        raise oa.bad(where, f"{where}: server tool {tool['type']!r} is not supported: Kimi K3 calls the tools "
+        raise rq.bad(where, f"{where}: server tool {tool['type']!r} is not supported: Kimi K3 calls the tools "
                      "the client runs (name, description, input_schema)")
     name, schema = _get(tool, "name", str, where), _get(tool, "input_schema", dict, where)
     if not name or schema is None:
-        raise oa.bad(where, f"{where} needs a 'name' and an 'input_schema'")
+        raise rq.bad(where, f"{where} needs a 'name' and an 'input_schema'")
     description = _get(tool, "description", str, where)
     function = {"name": name, **({"description": description} if description is not None else {}),
                 "parameters": schema}
@@ -203,13 +197,13 @@ def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"role": "system", "content": system}]
     if isinstance(system, list):
         return [{"role": "system", "content": [_text(b, f"system[{i}]") for i, b in enumerate(system)]}]
-    raise oa.bad("system", "'system' must be a string or an array of text blocks")
+    raise rq.bad("system", "'system' must be a string or an array of text blocks")
 
 
 def _text(block: Any, where: str) -> dict[str, Any]:
     """A text block as a content part; its `cache_control`, a breakpoint the prefix cache keeps state at."""
     if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-        raise oa.bad(where, f"{where} must be a text block {{\"type\": \"text\", \"text\": ...}}")
+        raise rq.bad(where, f"{where} must be a text block {{\"type\": \"text\", \"text\": ...}}")
     return {"type": "text", "text": block["text"], **({"cache_control": True} if block.get("cache_control") else {})}
 
 
@@ -218,20 +212,20 @@ def _blocks(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise oa.bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
+        raise rq.bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
     return content
 
 
 def _turns(body: dict[str, Any]) -> list[dict[str, Any]]:
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise oa.bad("messages", "'messages' must be a non-empty array")
+        raise rq.bad("messages", "'messages' must be a non-empty array")
     out: list[dict[str, Any]] = []
     calls: set[str] = set()  # the tool_use ids of the assistant turn before
     for i, m in enumerate(turns):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise oa.bad(where, f"{where} must be an object with role user or assistant")
+            raise rq.bad(where, f"{where} must be an object with role user or assistant")
         if m["role"] == "assistant":
             out.append(_assistant(_blocks(m, where), where))
             calls = {c["id"] for c in out[-1].get("tool_calls", [])}
@@ -239,7 +233,7 @@ def _turns(body: dict[str, Any]) -> list[dict[str, Any]]:
             out += _user(_blocks(m, where), where, calls)
             calls = set()
     if turns[-1]["role"] == "assistant":
-        raise oa.bad("messages", "a final assistant message (a prefill of the reply) is not supported: the last "
+        raise rq.bad("messages", "a final assistant message (a prefill of the reply) is not supported: the last "
                      "message must be the user's")
     return out
 
@@ -256,10 +250,10 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
         elif kind == "tool_use":
             call_id, name, args = _get(b, "id", str, at), _get(b, "name", str, at), _get(b, "input", dict, at, {})
             if not call_id or not name:
-                raise oa.bad(at, f"{at}: a tool_use block needs an 'id' and a 'name'")
+                raise rq.bad(at, f"{at}: a tool_use block needs an 'id' and a 'name'")
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
         elif kind != "redacted_thinking":  # only Anthropic can read it
-            raise oa.bad(at, f"{at}: unsupported block type {kind!r} in an assistant message (text, thinking, "
+            raise rq.bad(at, f"{at}: unsupported block type {kind!r} in an assistant message (text, thinking, "
                          "redacted_thinking, tool_use)")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
     if reasoning:
@@ -282,23 +276,23 @@ def _user(blocks: list[dict[str, Any]], where: str, calls: set[str]) -> list[dic
         elif kind == "tool_result":
             out.append(_tool_result(b, at, calls))
         elif kind in ("image", "document"):
-            raise oa.bad(at, f"{at}: {kind} blocks are not supported: Deltafin serves Kimi K3's text model")
+            raise rq.bad(at, f"{at}: {kind} blocks are not supported: Deltafin serves Kimi K3's text model")
         else:
-            raise oa.bad(at, f"{at}: unsupported block type {kind!r} in a user message (text, tool_result)")
+            raise rq.bad(at, f"{at}: unsupported block type {kind!r} in a user message (text, tool_result)")
     return out
 
 
 def _tool_result(block: dict[str, Any], at: str, calls: set[str]) -> dict[str, Any]:
     call_id = _get(block, "tool_use_id", str, at)
     if call_id not in calls:
-        raise oa.bad(at, f"{at}: tool_use_id {call_id!r} answers no tool_use of the assistant message before it")
+        raise rq.bad(at, f"{at}: tool_use_id {call_id!r} answers no tool_use of the assistant message before it")
     content = block.get("content")
     if content is None or isinstance(content, str):
         text = content or ""
     elif isinstance(content, list):
         text = "".join(_text(b, f"{at}.content[{k}]")["text"] for k, b in enumerate(content))
     else:
-        raise oa.bad(at, f"{at}.content must be a string or an array of text blocks")
+        raise rq.bad(at, f"{at}.content must be a string or an array of text blocks")
     if _get(block, "is_error", bool, at, default=False):
         text = "Error: " + text
     return {"role": "tool", "tool_call_id": call_id, "content": text}

@@ -1,6 +1,6 @@
 """What every route of the HTTP transport shares: the app's keys, reading a JSON body, the first event of a
-generation (admission and prompt errors as statuses), and an error in the shape of the API its path belongs to
-(OpenAI's, Anthropic's under /v1/messages, Ollama's under /api/)."""
+generation (admission and prompt errors as statuses), and any error as the API's refusal (`as_api_error`; each
+adapter gives it its API's shape)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from aiohttp import web
 
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished, TokenEvent
-from deltafin.coordinator.http import anthropic_api as am
-from deltafin.coordinator.http import ollama_api as ol
-from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
 from deltafin.text.chat import ChatOptions, encode_with_boundaries
 from deltafin.text.tokenizer import K3Tokenizer
@@ -32,27 +30,17 @@ MAX_BODY = web.AppKey("max_body", int)
 Events = AsyncIterator[TokenEvent | Finished]
 
 
-def error_response(err: oa.ApiError, path: str) -> web.Response:
-    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, Ollama's under
-    /api/, else OpenAI's."""
-    if am.is_messages_path(path):
-        status, body = am.error_body(err)
-    else:
-        status, body = err.status, ol.error_body(err) if ol.is_ollama_path(path) else err.body()
-    return web.json_response(body, status=status)
-
-
-def as_api_error(e: BaseException) -> oa.ApiError:
+def as_api_error(e: BaseException) -> rq.ApiError:
     """The API's answer to an error: its own, or the one deltafin/errors.py's HTTP_STATUS gives it."""
-    if isinstance(e, oa.ApiError):
+    if isinstance(e, rq.ApiError):
         return e
     found = lookup(HTTP_STATUS, e)
     if found is None:
         log.exception("unexpected error serving a request")
-        return oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+        return rq.ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
     status, kind, code = found
     message = f"a worker failed: {e}" if code == "worker_unavailable" else str(e)
-    return oa.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
+    return rq.ApiError(status, message, type=kind, param=getattr(e, "param", None), code=code)
 
 
 MAX_DEPTH = 64  # objects and arrays nested in a body (a tool's schema needs a handful)
@@ -68,14 +56,14 @@ async def read_json(request: web.Request) -> Any:
     try:
         codecs.lookup(charset)
     except LookupError:
-        raise oa.ApiError(415, f"unsupported charset {charset!r}: send JSON in UTF-8",
+        raise rq.ApiError(415, f"unsupported charset {charset!r}: send JSON in UTF-8",
                           code="unsupported_media_type") from None
     try:
         body = json.loads(raw.decode(charset))
     except RecursionError:
-        raise oa.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+        raise rq.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer of over 4,300 digits
-        raise oa.bad(None, f"the request body is not valid JSON: {e}") from None
+        raise rq.bad(None, f"the request body is not valid JSON: {e}") from None
     _check_value(body)
     return body
 
@@ -92,7 +80,7 @@ def _decoded(raw: bytes, content_encoding: str, limit: int) -> bytes:
         if coding == "identity":
             continue
         if coding not in WBITS:
-            raise oa.ApiError(415, f"unsupported Content-Encoding {coding!r}: send the body as is, gzip or deflate",
+            raise rq.ApiError(415, f"unsupported Content-Encoding {coding!r}: send the body as is, gzip or deflate",
                               code="unsupported_media_type")
         wbits = WBITS[coding]
         if coding == "deflate" and not _zlib_header(raw):
@@ -101,11 +89,11 @@ def _decoded(raw: bytes, content_encoding: str, limit: int) -> bytes:
         try:
             out = inflater.decompress(raw, limit + 1)
         except zlib.error as e:
-            raise oa.bad(None, f"the request body is not {coding} data: {e}") from None
+            raise rq.bad(None, f"the request body is not {coding} data: {e}") from None
         if len(out) > limit:
-            raise oa.ApiError(413, f"the request body is larger than {limit} bytes once decoded ({coding})")
+            raise rq.ApiError(413, f"the request body is larger than {limit} bytes once decoded ({coding})")
         if not inflater.eof or inflater.unused_data:
-            raise oa.bad(None, f"the request body is not one complete {coding} stream")
+            raise rq.bad(None, f"the request body is not one complete {coding} stream")
         raw = out
     return raw
 
@@ -121,7 +109,7 @@ def _check_value(body: Any) -> None:
         value, depth = stack.pop()
         if isinstance(value, dict | list):
             if depth > MAX_DEPTH:
-                raise oa.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels")
+                raise rq.bad(None, f"the request body is nested deeper than {MAX_DEPTH} levels")
             items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
             for key, item in items:
                 if isinstance(key, str):
@@ -135,7 +123,7 @@ def _encodable(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise oa.bad(None, "the request body has a string that is not valid Unicode (a lone surrogate escape, "
+        raise rq.bad(None, "the request body has a string that is not valid Unicode (a lone surrogate escape, "
                      "such as \\ud800)") from None
 
 
@@ -146,9 +134,9 @@ async def chat_prompt(tokenizer: K3Tokenizer, messages: list[dict[str, Any]], op
     try:
         return await asyncio.to_thread(encode_with_boundaries, tokenizer, messages, options)
     except ChatFormatError as e:
-        raise oa.bad("messages", str(e)) from None
+        raise rq.bad("messages", str(e)) from None
     except (TypeError, AttributeError, KeyError, ValueError) as e:
-        raise oa.bad("messages", f"'messages': a message has a field of the wrong shape "
+        raise rq.bad("messages", f"'messages': a message has a field of the wrong shape "
                      f"({type(e).__name__}: {e})") from None
 
 
@@ -158,7 +146,7 @@ async def first_event(events: Events, prompt_param: str) -> TokenEvent | Finishe
         return await anext(events)
     except PromptTooLong as e:
         await events.aclose()
-        raise oa.ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+        raise rq.ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except BaseException:
         await events.aclose()
         raise

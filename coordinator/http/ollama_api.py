@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathered
-from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta
 from deltafin.text.sampling import SamplingParams
@@ -38,50 +38,42 @@ def is_ollama_path(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def error_body(err: oa.ApiError) -> dict[str, Any]:
-    return {"error": err.message}
+def error_body(err: rq.ApiError) -> tuple[int, dict[str, Any]]:
+    """A refusal's HTTP status and Ollama's error body."""
+    return err.status, {"error": err.message}
 
 
-@dataclass(frozen=True)
-class OllamaRequest:
-    params: oa.Params
-    messages: list[dict[str, Any]] | None  # a chat (None: a raw /api/generate prompt)
-    options: ChatOptions
-    prompt: str = ""  # /api/generate's raw prompt
-    context: int | None = None  # options.num_ctx, when given
-
-
-def parse_chat(body: Any, served: str, strict: bool) -> OllamaRequest:
+def parse_chat(body: Any, served: str, strict: bool) -> rq.GenerationRequest:
     """An /api/chat request."""
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise oa.bad("messages", "'messages' must be a non-empty array")
+        raise rq.bad("messages", "'messages' must be a non-empty array")
     out = [_message(m, i) for i, m in enumerate(messages)]
-    return OllamaRequest(_params(body, served, strict), out, _chat_options(body), context=_num_ctx(body))
+    return rq.GenerationRequest(_params(body, served, strict), out, _chat_options(body), context=_num_ctx(body))
 
 
-def parse_generate(body: Any, served: str, strict: bool) -> OllamaRequest:
+def parse_generate(body: Any, served: str, strict: bool) -> rq.GenerationRequest:
     """An /api/generate request: the prompt as a user message (after `system`, if any), or with `raw` as is."""
     body = _object(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
-        raise oa.bad("prompt", "'prompt' must be a non-empty string")
+        raise rq.bad("prompt", "'prompt' must be a non-empty string")
     if body.get("images"):
-        raise oa.bad("images", "images are not supported: Deltafin serves Kimi K3's text model")
+        raise rq.bad("images", "images are not supported: Deltafin serves Kimi K3's text model")
     if body.get("suffix"):
-        raise oa.bad("suffix", "'suffix' (fill-in-the-middle) is not supported by Kimi K3")
+        raise rq.bad("suffix", "'suffix' (fill-in-the-middle) is not supported by Kimi K3")
     params = _params(body, served, strict)
-    if oa.json_field(body, "raw", bool, False):
-        return OllamaRequest(params, None, ChatOptions(thinking=False, effort=None), prompt, _num_ctx(body))
-    system = oa.json_field(body, "system", str, None)
+    if rq.json_field(body, "raw", bool, False):
+        return rq.GenerationRequest(params, None, prompt=prompt, context=_num_ctx(body))
+    system = rq.json_field(body, "system", str, None)
     messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
-    return OllamaRequest(params, messages, _chat_options(body), context=_num_ctx(body))
+    return rq.GenerationRequest(params, messages, _chat_options(body), context=_num_ctx(body))
 
 
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise oa.bad(None, "the request body must be a JSON object")
+        raise rq.bad(None, "the request body must be a JSON object")
     return body
 
 
@@ -93,12 +85,12 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     """An Ollama message as the chat format takes it (OpenAI's shape)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-        raise oa.bad(where, f"{where} must be an object with role system, user, assistant or tool")
+        raise rq.bad(where, f"{where} must be an object with role system, user, assistant or tool")
     if m.get("images"):
-        raise oa.bad(f"{where}.images", "images are not supported: Deltafin serves Kimi K3's text model")
+        raise rq.bad(f"{where}.images", "images are not supported: Deltafin serves Kimi K3's text model")
     content = m.get("content", "")
     if not isinstance(content, str):
-        raise oa.bad(f"{where}.content", f"{where}.content must be a string")
+        raise rq.bad(f"{where}.content", f"{where}.content must be a string")
     out: dict[str, Any] = {"role": m["role"], "content": content}
     if m["role"] == "assistant":
         if isinstance(m.get("thinking"), str) and m["thinking"]:
@@ -106,7 +98,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         calls = m.get("tool_calls") or []
         if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                                   for c in calls):
-            raise oa.bad(f"{where}.tool_calls", f"{where}.tool_calls must be an array of {{\"function\": ...}}")
+            raise rq.bad(f"{where}.tool_calls", f"{where}.tool_calls must be an array of {{\"function\": ...}}")
         if calls:
             out["tool_calls"] = [{"type": "function", "function": {
                 "name": c["function"].get("name"), "arguments": c["function"].get("arguments") or {}}} for c in calls]
@@ -116,30 +108,30 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _options(body: dict[str, Any]) -> dict[str, Any]:
-    return oa.json_field(body, "options", dict, {})
+    return rq.json_field(body, "options", dict, {})
 
 
 def _num_ctx(body: dict[str, Any]) -> int | None:
     n = _options(body).get("num_ctx")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise oa.bad("options.num_ctx", "'options.num_ctx' must be a positive integer")
+        raise rq.bad("options.num_ctx", "'options.num_ctx' must be a positive integer")
     return n
 
 
-def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
+def _params(body: dict[str, Any], served: str, strict: bool) -> rq.Params:
     """The sampling and limits of `options`, checked as the OpenAI route checks its own."""
-    model = oa.served_model(oa.json_field(body, "model", str, served), served, strict)
+    model = rq.served_model(rq.json_field(body, "model", str, served), served, strict)
     o = _options(body)
     num_predict = o.get("num_predict")
     if num_predict is not None and (not isinstance(num_predict, int) or isinstance(num_predict, bool)
                                     or num_predict == 0 or num_predict < -2):
-        raise oa.bad("options.num_predict", "'options.num_predict' must be a positive integer, -1 or -2")
+        raise rq.bad("options.num_predict", "'options.num_predict' must be a positive integer, -1 or -2")
     stop = o.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    if not all(isinstance(s, str) and 0 < len(s) <= oa.MAX_STOP_CHARS for s in stops) \
-            or len(stops) > oa.MAX_STOP_STRINGS:
-        raise oa.bad("options.stop", f"'options.stop' takes up to {oa.MAX_STOP_STRINGS} non-empty strings of up to "
-                     f"{oa.MAX_STOP_CHARS} characters")
+    if not all(isinstance(s, str) and 0 < len(s) <= rq.MAX_STOP_CHARS for s in stops) \
+            or len(stops) > rq.MAX_STOP_STRINGS:
+        raise rq.bad("options.stop", f"'options.stop' takes up to {rq.MAX_STOP_STRINGS} non-empty strings of up to "
+                     f"{rq.MAX_STOP_CHARS} characters")
     try:
         sampling = SamplingParams(
             temperature=_number(o, "temperature", 0.8), top_p=_number(o, "top_p", 0.9),
@@ -149,16 +141,16 @@ def _params(body: dict[str, Any], served: str, strict: bool) -> oa.Params:
             frequency_penalty=_number(o, "frequency_penalty", 0.0),
             seed=o["seed"] if isinstance(o.get("seed"), int) and not isinstance(o.get("seed"), bool) else None)
     except SamplingError as e:
-        raise oa.bad(f"options.{e.param}" if e.param else "options", str(e)) from None
-    stream = oa.json_field(body, "stream", bool, True)
-    return oa.Params(model, num_predict if num_predict and num_predict > 0 else None, sampling, stops, stream)
+        raise rq.bad(f"options.{e.param}" if e.param else "options", str(e)) from None
+    stream = rq.json_field(body, "stream", bool, True)
+    return rq.Params(model, num_predict if num_predict and num_predict > 0 else None, sampling, stops, stream)
 
 
 def _number(o: dict[str, Any], name: str, default: float) -> float:
     value = o.get(name, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise oa.bad(f"options.{name}", f"'options.{name}' must be a number")
-    return oa.as_float(value, f"options.{name}")
+        raise rq.bad(f"options.{name}", f"'options.{name}' must be a number")
+    return rq.as_float(value, f"options.{name}")
 
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:
@@ -166,10 +158,10 @@ def _chat_options(body: dict[str, Any]) -> ChatOptions:
     if think is None:
         think = True
     if think is not False and not (isinstance(think, bool | str) and think in THINK):
-        raise oa.bad("think", "'think' must be true, false, \"low\", \"medium\" or \"high\"")
+        raise rq.bad("think", "'think' must be true, false, \"low\", \"medium\" or \"high\"")
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(_is_tool(t) for t in tools)):
-        raise oa.bad("tools", "'tools' must be an array of {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise rq.bad("tools", "'tools' must be an array of {\"type\": \"function\", \"function\": {\"name\": ...}}")
     fmt = body.get("format")
     if fmt in (None, ""):
         response_format = None
@@ -178,7 +170,7 @@ def _chat_options(body: dict[str, Any]) -> ChatOptions:
     elif isinstance(fmt, dict):
         response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt}}
     else:
-        raise oa.bad("format", "'format' must be \"json\" or a JSON schema object")
+        raise rq.bad("format", "'format' must be \"json\" or a JSON schema object")
     on = think is not False
     return ChatOptions(thinking=on, effort=THINK[think] if on else None, tools=tools or None,
                        response_format=response_format)

@@ -24,7 +24,7 @@ from deltafin.checkpoint.shards import fingerprint
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import PlainText
 from deltafin.coordinator.http import ollama_api as ol
-from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.coordinator.http.handling import (
     ENGINE,
     Events,
@@ -58,7 +58,7 @@ async def show(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await read_json(request)
     name = body.get("model") or body.get("name") if isinstance(body, dict) else None
-    oa.served_model(name or engine.model_name, engine.model_name, engine.strict_model_name)
+    rq.served_model(name or engine.model_name, engine.model_name, engine.strict_model_name)
     return web.json_response(ol.show(facts(engine)))
 
 
@@ -78,9 +78,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _reply(request, engine, req, chat=False)
 
 
-async def _reply(request: web.Request, engine: Engine, req: ol.OllamaRequest, chat: bool) -> web.StreamResponse:
+async def _reply(request: web.Request, engine: Engine, req: rq.GenerationRequest, chat: bool) -> web.StreamResponse:
     if req.context is not None and req.context > engine.max_context:
-        raise oa.bad("options.num_ctx", f"options.num_ctx {req.context} is more than this server's context of "
+        raise rq.bad("options.num_ctx", f"options.num_ctx {req.context} is more than this server's context of "
                      f"{engine.max_context} tokens (a server started with --max-context N plans for more)")
     p = req.params
     if req.messages is None:
@@ -108,7 +108,7 @@ async def _stream(request: web.Request, fmt: ol.OllamaFormat, events: Events) ->
     except ConnectionResetError:
         raise
     except Exception as e:  # the status went out: the failure is the last line
-        await response.write(json.dumps(ol.error_body(as_api_error(e))).encode() + b"\n")
+        await response.write(json.dumps(ol.error_body(as_api_error(e))[1]).encode() + b"\n")
     await response.write_eof()
     return response
 

@@ -1,9 +1,9 @@
-"""OpenAI's adapter: JSON bodies in, typed requests out (`parse_completion`, `parse_chat`); the engine's
-events in, OpenAI's responses out (`CompletionFormat`, `ChatFormat`: the whole response, or its stream's
-chunks, usage, logprobs and tool calls).
+"""OpenAI's adapter: JSON bodies in, the one generation request out (`parse_completion`, `parse_chat`:
+request.py's GenerationRequest); the engine's events in, OpenAI's responses out (`CompletionFormat`, `ChatFormat`:
+the whole response, or its stream's chunks, usage, logprobs and tool calls); a refusal in OpenAI's error shape
+(`error_body`: `{"error": {"message", "type", "param", "code"}}`, naming the parameter).
 
-No HTTP here (that is `server.py`). Every problem with a request is an `ApiError` carrying the HTTP status
-and OpenAI's error body (`{"error": {"message", "type", "param", "code"}}`), naming the parameter.
+No HTTP here (that is `server.py`).
 
 Supported beyond OpenAI's core fields, as vLLM and llama.cpp's server spell them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and for chat `chat_template_kwargs` {"thinking": bool,
@@ -22,152 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage, gathered
-from deltafin.errors import SamplingError
+from deltafin.coordinator.http.request import ApiError, GenerationRequest, Params, bad, common_params, json_field
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
-from deltafin.text.drafting import MODES
-from deltafin.text.sampling import Choice, SamplingParams
+from deltafin.text.sampling import Choice
 from deltafin.text.tokenizer import K3Tokenizer
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it; no client needs more)
 MAX_TOP_LOGPROBS = 20
 Events = AsyncIterator[TokenEvent | Finished]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-# ---- reading fields ------------------------------------------------------------------------------------
-
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", dict: "an object",
-               list: "an array"}
-
-
-def as_float(value: int | float, name: str) -> float:
-    """A JSON number as a float; one too large (hundreds of digits) is a 400 naming `name`."""
-    try:
-        return float(value)
-    except OverflowError:
-        raise bad(name, f"'{name}' is out of range") from None
-
-
-def _json_type(value: Any) -> str:
-    for kind, name in [(bool, "a boolean"), *_TYPE_NAMES.items()]:
-        if isinstance(value, kind):
-            return name
-    return "null" if value is None else type(value).__name__
-
-
-def json_field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    """body[name] checked against a JSON type; absent or null gives the default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return as_float(value, name)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise bad(name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {_json_type(value)}")
-    return value
-
-
-@dataclass(frozen=True)
-class Params:
-    """What chat and text completions share."""
-
-    model: str
-    max_tokens: int | None
-    sampling: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    ignore_eos: bool = False
-    speculative: str | None = None  # none | ngram for this request; None: the server's --speculative
-
-
-def served_model(requested: str, served: str, strict: bool) -> str:
-    """The name a response carries: the served one, whatever name the request used (clients configured with
-    their own model names work), unless `strict` (`--strict-model-name`): then another name is a 404."""
-    if strict and requested != served:
-        raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
-    return served
-
-
-def request_params(body: dict[str, Any], served: str, strict: bool) -> Params:
-    """A body's model, limits, sampling and streaming in OpenAI's names (what the Responses API shares)."""
-    return _params(body, served, None, strict)
-
-
-def _params(body: dict[str, Any], served: str, logprobs: int | None, strict: bool) -> Params:
-    model = served_model(json_field(body, "model", str, served), served, strict)  # (left out: the served one)
-    n = json_field(body, "n", int, 1)
-    if n != 1:
-        raise bad("n", "only n=1 is supported: Deltafin generates one choice per request")
-    if json_field(body, "best_of", int, 1) != 1:
-        raise bad("best_of", "only best_of=1 is supported")
-    max_tokens = json_field(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = json_field(body, "max_tokens", int, None)
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
-    stream = json_field(body, "stream", bool, False)
-    options = json_field(body, "stream_options", dict, None)
-    if options is not None and not stream:
-        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    include_usage = bool(options and json_field(options, "include_usage", bool, False))
-    speculative = json_field(body, "speculative", str, None)
-    if speculative is not None and speculative not in MODES:
-        raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
-    return Params(model, max_tokens, _sampling(body, logprobs), _stops(body), stream, include_usage,
-                  json_field(body, "ignore_eos", bool, False), speculative)
-
-
-def _stops(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise bad("stop", "'stop' must be a string or an array of strings")
-    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad("stop", f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_CHARS} "
-                  "characters")
-    return stops
-
-
-def _sampling(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    bias_in = json_field(body, "logit_bias", dict, {})
-    try:
-        bias = tuple((int(k), float(v)) for k, v in bias_in.items())
-    except (TypeError, ValueError, OverflowError):
-        raise bad("logit_bias", "'logit_bias' maps token ids (strings of integers) to numbers") from None
-    try:
-        return SamplingParams(
-            temperature=json_field(body, "temperature", float, 1.0), top_p=json_field(body, "top_p", float, 1.0),
-            top_k=max(0, json_field(body, "top_k", int, 0)),  # vLLM spells "off" as -1
-            min_p=json_field(body, "min_p", float, 0.0),
-            repetition_penalty=json_field(body, "repetition_penalty", float, 1.0),
-            presence_penalty=json_field(body, "presence_penalty", float, 0.0),
-            frequency_penalty=json_field(body, "frequency_penalty", float, 0.0),
-            seed=json_field(body, "seed", int, None), logprobs=logprobs, logit_bias=bias)
-    except SamplingError as e:
-        raise bad(e.param, str(e)) from None
+def error_body(err: ApiError) -> tuple[int, dict[str, Any]]:
+    """A refusal's HTTP status and OpenAI's error body (also what a path of no other API answers)."""
+    return err.status, {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
 def _check_bias(params: Params, vocab_size: int) -> None:
@@ -179,21 +46,14 @@ def _check_bias(params: Params, vocab_size: int) -> None:
 # ---- text completions ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CompletionRequest:
-    params: Params
-    prompt_ids: list[int]
-    prompt_text: str
-    echo: bool = False
-
-
-def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> CompletionRequest:
+def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> GenerationRequest:
+    """A text completion: a raw prompt (`prompt_ids`, `prompt`), echoed before the text with `echo`."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     logprobs = json_field(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad("logprobs", f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
-    params = _params(body, served, logprobs, strict)
+    params = common_params(body, served, strict, logprobs)
     if params.max_tokens is None:  # OpenAI's default for text completions; chat's is the server's (engine.py)
         params = dataclasses.replace(params, max_tokens=COMPLETION_MAX_TOKENS)
     _check_bias(params, tokenizer.vocab_size)
@@ -218,24 +78,16 @@ def parse_completion(body: Any, served: str, tokenizer: K3Tokenizer, strict: boo
         raise bad("prompt", "'prompt' must be a non-empty string or a non-empty array of token ids")
     if not ids:
         raise bad("prompt", "the prompt is empty")
-    return CompletionRequest(params, ids, text, echo)
+    return GenerationRequest(params, None, prompt=text, prompt_ids=ids, echo=echo)
 
 
 # ---- chat completions ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    params: Params
-    messages: list[dict[str, Any]]
-    options: ChatOptions
-    top_logprobs: int | None  # None: no logprobs
-
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> ChatRequest:
+def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = False) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     want_logprobs = json_field(body, "logprobs", bool, False)
@@ -245,7 +97,7 @@ def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = Fa
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
     n_top = (top or 0) if want_logprobs else None
-    params = _params(body, served, n_top, strict)
+    params = common_params(body, served, strict, n_top)
     _check_bias(params, tokenizer.vocab_size)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -261,7 +113,7 @@ def parse_chat(body: Any, served: str, tokenizer: K3Tokenizer, strict: bool = Fa
         if m["role"] == "developer":
             m["role"] = "system"
         out.append(m)
-    return ChatRequest(params, out, _chat_options(body), n_top)
+    return GenerationRequest(params, out, _chat_options(body), top_logprobs=n_top)
 
 
 def _is_tool(t: Any) -> bool:
@@ -391,11 +243,11 @@ def now() -> int:
 class CompletionFormat:
     """/v1/completions' response: text (after the prompt with `echo`), logprobs at text offsets, usage."""
 
-    def __init__(self, tokenizer: K3Tokenizer, req: CompletionRequest):
+    def __init__(self, tokenizer: K3Tokenizer, req: GenerationRequest):
         self.tokenizer, self.p = tokenizer, req.params
         self.id, self.created = new_id("cmpl"), now()
         self.logprobs = self.p.sampling.logprobs is not None
-        self.prefix = req.prompt_text if req.echo else ""
+        self.prefix = req.prompt if req.echo else ""
         self.offset = len(self.prefix)
 
     def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -441,7 +293,7 @@ class ChatFormat:
     """/v1/chat/completions' response: reasoning_content, content, tool calls (finish_reason tool_calls),
     logprobs per token, usage."""
 
-    def __init__(self, tokenizer: K3Tokenizer, req: ChatRequest):
+    def __init__(self, tokenizer: K3Tokenizer, req: GenerationRequest):
         self.tokenizer, self.p, self.thinking = tokenizer, req.params, req.options.thinking
         self.id, self.created = new_id("chatcmpl"), now()
         self.logprobs = req.top_logprobs is not None

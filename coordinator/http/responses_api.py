@@ -20,11 +20,10 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathered
-from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall
 
 PATH = "/v1/responses"
@@ -32,34 +31,27 @@ EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "max", "xhi
 Events = AsyncIterator[TokenEvent | Finished]
 
 
-@dataclass(frozen=True)
-class ResponsesRequest:
-    params: oa.Params
-    messages: list[dict[str, Any]]
-    options: ChatOptions
-    echo: dict[str, Any]  # the request's settings, as the Response object repeats them
-
-
-def parse_responses(body: Any, served: str, strict: bool = False) -> ResponsesRequest:
+def parse_responses(body: Any, served: str, strict: bool = False) -> tuple[rq.GenerationRequest, dict[str, Any]]:
+    """The request, and its settings as the Response object repeats them."""
     if not isinstance(body, dict):
-        raise oa.bad(None, "the request body must be a JSON object")
+        raise rq.bad(None, "the request body must be a JSON object")
     if body.get("previous_response_id"):
-        raise oa.bad("previous_response_id", "'previous_response_id' is not supported: responses are not stored "
+        raise rq.bad("previous_response_id", "'previous_response_id' is not supported: responses are not stored "
                      "(store is false); send the whole conversation in 'input'")
-    max_tokens = oa.json_field(body, "max_output_tokens", int, None)
+    max_tokens = rq.json_field(body, "max_output_tokens", int, None)
     if max_tokens is not None and max_tokens < 1:
-        raise oa.bad("max_output_tokens", "'max_output_tokens' must be at least 1")
+        raise rq.bad("max_output_tokens", "'max_output_tokens' must be at least 1")
     chat_like = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "top_k", "min_p", "seed")
                  if k in body}
-    params = oa.request_params({**chat_like, "max_tokens": max_tokens}, served, strict)
+    params = rq.common_params({**chat_like, "max_tokens": max_tokens}, served, strict)
     messages = _messages(body)
     options = _options(body)
-    echo = {"instructions": body.get("instructions"), "max_output_tokens": max_tokens,
+    settings = {"instructions": body.get("instructions"), "max_output_tokens": max_tokens,
             "temperature": params.sampling.temperature, "top_p": params.sampling.top_p,
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "reasoning": {"effort": options.effort if options.thinking else "none", "summary": None},
             "text": body.get("text") or {"format": {"type": "text"}}}
-    return ResponsesRequest(params, messages, options, echo)
+    return rq.GenerationRequest(params, messages, options), settings
 
 
 def _text(content: Any, where: str) -> str:
@@ -68,7 +60,7 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text",
                                                                                   "text") for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise oa.bad(where, f"{where} must be a string or an array of input_text/output_text parts (images and files "
+    raise rq.bad(where, f"{where} must be a string or an array of input_text/output_text parts (images and files "
                  "are not supported: Deltafin serves Kimi K3's text model)")
 
 
@@ -81,7 +73,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(items, str) and items:
         return [*out, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise oa.bad("input", "'input' must be a non-empty string or array of items")
+        raise rq.bad("input", "'input' must be a non-empty string or array of items")
     reasoning = ""  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -106,22 +98,22 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": _text(item.get("output", ""), f"{where}.output")})
         else:
-            raise oa.bad(where, f"{where}: unsupported item (messages, reasoning, function_call and "
+            raise rq.bad(where, f"{where}: unsupported item (messages, reasoning, function_call and "
                          "function_call_output are)")
     return out
 
 
 def _options(body: dict[str, Any]) -> ChatOptions:
-    reasoning = oa.json_field(body, "reasoning", dict, {})
+    reasoning = rq.json_field(body, "reasoning", dict, {})
     effort = reasoning.get("effort")
     if effort is not None and effort != "none" and effort not in EFFORTS:
-        raise oa.bad("reasoning.effort", f"unsupported reasoning effort {effort!r}: none, minimal, low, medium, "
+        raise rq.bad("reasoning.effort", f"unsupported reasoning effort {effort!r}: none, minimal, low, medium, "
                      "high or xhigh")
     thinking = effort != "none"
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) for t in tools)):
-        raise oa.bad("tools", "'tools' must be function tools: {\"type\": \"function\", \"name\": ..., "
+        raise rq.bad("tools", "'tools' must be function tools: {\"type\": \"function\", \"name\": ..., "
                      "\"parameters\": ...} (built-in tools are OpenAI's own)")
     declared = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                 for t in tools or []]
@@ -129,13 +121,13 @@ def _options(body: dict[str, Any]) -> ChatOptions:
     if isinstance(choice, dict) and choice.get("type") == "function":
         declared = [t for t in declared if t["function"]["name"] == choice.get("name")]
         if not declared:
-            raise oa.bad("tool_choice", f"tool_choice names {choice.get('name')!r}, which is not among 'tools'")
+            raise rq.bad("tool_choice", f"tool_choice names {choice.get('name')!r}, which is not among 'tools'")
         tool_choice = "required"
     elif choice in ("none", "required"):
         tool_choice = choice
     elif choice not in (None, "auto"):
-        raise oa.bad("tool_choice", "'tool_choice' must be auto, none, required or {\"type\": \"function\", ...}")
-    fmt = (oa.json_field(body, "text", dict, {}) or {}).get("format") or {"type": "text"}
+        raise rq.bad("tool_choice", "'tool_choice' must be auto, none, required or {\"type\": \"function\", ...}")
+    fmt = (rq.json_field(body, "text", dict, {}) or {}).get("format") or {"type": "text"}
     if fmt.get("type") == "json_schema":
         response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
                                                                   "schema": fmt.get("schema", {})}}
@@ -144,7 +136,7 @@ def _options(body: dict[str, Any]) -> ChatOptions:
     elif fmt.get("type") == "text":
         response_format = None
     else:
-        raise oa.bad("text.format", "'text.format.type' must be text, json_object or json_schema")
+        raise rq.bad("text.format", "'text.format.type' must be text, json_object or json_schema")
     return ChatOptions(thinking=thinking, effort=EFFORTS.get(effort, SERVING_EFFORT) if thinking else None,
                        tools=declared or None, tool_choice=tool_choice, response_format=response_format)
 
@@ -161,8 +153,8 @@ class ResponsesFormat:
     thinks, a message item with its output text, a function_call item per tool call, then response.completed
     (or response.incomplete at max_output_tokens)."""
 
-    def __init__(self, req: ResponsesRequest):
-        self.req, self.id, self.created = req, _id("resp"), int(time.time())
+    def __init__(self, req: rq.GenerationRequest, settings: dict[str, Any]):
+        self.req, self.settings, self.id, self.created = req, settings, _id("resp"), int(time.time())
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # the output so far; the last may be open (streaming)
         self.open: str | None = None  # the open item's kind: reasoning | message
@@ -174,7 +166,7 @@ class ResponsesFormat:
             "id": self.id, "object": "response", "created_at": self.created, "model": self.req.params.model,
             "status": "incomplete" if incomplete else status, "output": self.items, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "parallel_tool_calls": True, "store": False, "usage": None, **self.req.echo}
+            "parallel_tool_calls": True, "store": False, "usage": None, **self.settings}
         if end is not None:
             u = end.usage
             out["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},

@@ -1,8 +1,9 @@
 """The HTTP transport on aiohttp (asyncio, like grpc.aio: one event loop serves both): the app and its routes,
 body parsing, SSE framing and heartbeats, error mapping, API keys, the web chat's files, /v1/status and
-/metrics. Each API's wire format is its adapter's: openai_api.py (OpenAI's chat and text completions) and
-anthropic_api.py (Anthropic's Messages) turn a JSON body into a typed request and the engine's events into
-the API's response or stream events; this module starts the generation and sends what the adapter shapes.
+/metrics. Each API's wire format is its adapter's: openai_api.py (OpenAI's chat and text completions),
+anthropic_api.py (Anthropic's Messages), ollama_api.py and responses_api.py turn a JSON body into the one
+GenerationRequest (request.py) and the engine's events into the API's response or stream events, and shape its
+refusals (ERROR_SHAPES); this module starts the generation and sends what the adapter shapes.
 
     POST /v1/chat/completions   OpenAI's chat, with reasoning_content, tool calls, SSE streaming, logprobs
     POST /v1/completions        OpenAI's text completion of a prompt (text or token ids)
@@ -43,8 +44,10 @@ from aiohttp import web
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillProgress, TextView, TokenEvent
 from deltafin.coordinator.http import anthropic_api as am
+from deltafin.coordinator.http import ollama_api as ol
 from deltafin.coordinator.http import ollama_routes
 from deltafin.coordinator.http import openai_api as oa
+from deltafin.coordinator.http import request as rq
 from deltafin.coordinator.http import responses_api as rs
 from deltafin.coordinator.http.handling import (
     ENGINE,
@@ -53,7 +56,6 @@ from deltafin.coordinator.http.handling import (
     Events,
     as_api_error,
     chat_prompt,
-    error_response,
     first_event,
     read_json,
     rest_of,
@@ -68,6 +70,17 @@ HEARTBEAT_S = 10.0
 
 
 
+# Each API's refusals in its own shape, by the paths it owns; any other path OpenAI's.
+ERROR_SHAPES = ((am.is_messages_path, am.error_body), (ol.is_ollama_path, ol.error_body))
+
+
+def error_response(err: rq.ApiError, path: str) -> web.Response:
+    """The refusal in the shape of the API the path belongs to (ERROR_SHAPES, else OpenAI's)."""
+    shape = next((body for owns, body in ERROR_SHAPES if owns(path)), oa.error_body)
+    status, body = shape(err)
+    return web.json_response(body, status=status)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                   ) -> web.StreamResponse:
@@ -78,7 +91,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return response
     except web.HTTPException as e:
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        response = error_response(oa.ApiError(e.status, e.reason if e.status != 413 else
+        response = error_response(rq.ApiError(e.status, e.reason if e.status != 413 else
                                                f"the request body is larger than {request.app[MAX_BODY]} bytes",
                                                type=kind), request.path)
         status = response.status
@@ -114,8 +127,8 @@ class _Sse:
     async def send(self, obj: dict[str, Any]) -> None:
         await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-    async def error(self, err: oa.ApiError) -> None:
-        await self.send(err.body())
+    async def error(self, err: rq.ApiError) -> None:
+        await self.send(oa.error_body(err)[1])
 
     async def finish(self) -> web.StreamResponse:
         await self.response.write(b"data: [DONE]\n\n")
@@ -177,7 +190,7 @@ async def _first_streamed(sse: _Sse, events: Events, prompt_param: str, prefill:
         return None
 
 
-async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: oa.Params,
+async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: rq.Params,
                prompt_param: str, sse: _Sse | None = None, boundaries: list[int] | None = None
                ) -> tuple[Events | None, _Sse]:
     """Start one request's generation. Errors before its first event are HTTP statuses; a stream may open
@@ -271,7 +284,7 @@ class _MessagesSse(_Sse):
     async def send(self, obj: dict[str, Any]) -> None:
         await self.response.write(am.sse_event(obj))
 
-    async def error(self, err: oa.ApiError) -> None:
+    async def error(self, err: rq.ApiError) -> None:
         await self.send(am.error_body(err)[1])
 
     async def finish(self) -> web.StreamResponse:
@@ -295,7 +308,7 @@ class _ResponsesSse(_Sse):
     async def send(self, obj: dict[str, Any]) -> None:
         await self.response.write(rs.sse_event(obj))
 
-    async def error(self, err: oa.ApiError) -> None:
+    async def error(self, err: rq.ApiError) -> None:
         await self.send({"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param,
                          "sequence_number": 0})
 
@@ -306,11 +319,11 @@ class _ResponsesSse(_Sse):
 
 async def responses(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    req = rs.parse_responses(await read_json(request), engine.model_name, engine.strict_model_name)
+    req, settings = rs.parse_responses(await read_json(request), engine.model_name, engine.strict_model_name)
     ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
     view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
     events, sse = await _run(request, ids, view, req.params, "input", _ResponsesSse(request), ends)
-    return await _respond(sse, events, rs.ResponsesFormat(req), req.params.stream)
+    return await _respond(sse, events, rs.ResponsesFormat(req, settings), req.params.stream)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -331,7 +344,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    name = oa.served_model(request.match_info["name"], engine.model_name, engine.strict_model_name)
+    name = rq.served_model(request.match_info["name"], engine.model_name, engine.strict_model_name)
     return web.json_response(oa.model_card(name, engine.started, engine.max_context))
 
 
@@ -407,7 +420,7 @@ def _auth(api_key: str) -> Any:
             by_bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer)
             by_header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key)
             if not (by_bearer or by_header):
-                raise oa.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or "
+                raise rq.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or "
                                   "`x-api-key: <key>`", code="invalid_api_key")
         return await handler(request)
 

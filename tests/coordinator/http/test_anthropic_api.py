@@ -23,7 +23,7 @@ import pytest
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.http import anthropic_api as am
-from deltafin.coordinator.http.openai_api import ApiError
+from deltafin.coordinator.http.request import ApiError
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.chat import ChatOptions, encode, render_text
 from deltafin.text.tokenizer import K3Tokenizer
