@@ -66,11 +66,12 @@ def worker_rows(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """worker_rows of `after` less those of `before` (by name): what each worker did in between."""
-    old = {r["name"]: r for r in worker_rows(before)}
+    """worker_rows of `after` less those of `before`: what each worker did in between. A worker is its name, its
+    layers and its place among those of the same name and layers (workers on one host share a name)."""
+    old = dict(zip(_keys(before), worker_rows(before), strict=True))
     out = []
-    for row in worker_rows(after):
-        prior = old.get(row["name"], {})
+    for key, row in zip(_keys(after), worker_rows(after), strict=True):
+        prior = old.get(key, {})
         delta = {k: (round(v - prior.get(k, 0), 4) if k in WORKER_COUNTERS else v) for k, v in row.items()}
         if "disks" in row:
             was = {d["dir"]: d for d in prior.get("disks", [])}
@@ -78,6 +79,16 @@ def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
                               for d in row["disks"]]
         out.append(delta)
     return out
+
+
+def _keys(stats: list[dict[str, Any]]) -> list[tuple[str, tuple[int, ...], int]]:
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    keys = []
+    for s in stats:
+        base = (s.get("name", "?"), tuple(s.get("layers", [])))
+        seen[base] = seen.get(base, 0) + 1
+        keys.append((*base, seen[base]))
+    return keys
 
 
 def run_summary(finished: Any, stats: list[dict[str, Any]], at_first: list[dict[str, Any]] | None = None

@@ -28,3 +28,17 @@ def test_the_prefill_line_counts_bytes_of_what_is_left_and_closes(caplog) -> Non
     quiet = PrefillReporter(stream=io.StringIO())
     quiet(PrefillProgress(10, 10, 0, 0))  # nothing to prefill (all resumed): no line at all
     assert quiet.bar is None
+
+
+def test_decode_counters_are_each_worker_s_own_when_workers_share_a_host_name() -> None:
+    """Two workers on one host (the same name): each one's counters less its own earlier ones, never another's
+    (seen on the H200: one worker's decode counters came out negative)."""
+    from deltafin.coordinator.engine.report import worker_deltas
+
+    def stats(a: int, b: int) -> list[dict]:
+        return [{"name": "vm", "layers": [0, 45], "experts": {"bytes_read": a, "lookups": a // 10}},
+                {"name": "vm", "layers": [45, 93], "experts": {"bytes_read": b, "lookups": b // 10}}]
+
+    rows = worker_deltas(stats(1000, 5000), stats(1300, 5200))
+    assert [(r["layers"], r["bytes_read"], r["expert_lookups"]) for r in rows] == [([0, 45], 300, 30),
+                                                                                  ([45, 93], 200, 20)]
