@@ -47,10 +47,10 @@ def parse_responses(body: Any, served: str, strict: bool = False) -> tuple[rq.Ge
     messages = _messages(body)
     options = _options(body)
     settings = {"instructions": body.get("instructions"), "max_output_tokens": max_tokens,
-            "temperature": params.sampling.temperature, "top_p": params.sampling.top_p,
-            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
-            "reasoning": {"effort": options.effort if options.thinking else "none", "summary": None},
-            "text": body.get("text") or {"format": {"type": "text"}}}
+                "temperature": params.sampling.temperature, "top_p": params.sampling.top_p,
+                "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+                "reasoning": {"effort": options.effort if options.thinking else "none", "summary": None},
+                "text": body.get("text") or {"format": {"type": "text"}}}
     return rq.GenerationRequest(params, messages, options), settings
 
 
