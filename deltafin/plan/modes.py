@@ -7,7 +7,9 @@ and the one a chat turn takes less time in is used: a TURN_PROMPT-token prompt a
 (Where every expert is in memory nothing is read and wide spreads their compute: wide, where the workers' compute is
 not known to price it.) On a fast link (a Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide
 prompt moves more over the air than the disks read, and the pipelined plan wins. The plan says which and why
-(`Plan.mode_why`); `--experts wide|local` forces one.
+(`Plan.mode_why`); `--experts wide|local` forces one. Where the exact wire holds a TURN_PROMPT-token prompt back by
+at least WIRE_HINT_GAIN of its time, the reason also says what `--wire bf16` would make it (a lossy wire is the
+user's choice, never the plan's).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from deltafin.plan.sizing import SizingOptions
 
 TURN_PROMPT = 4096  # a chat turn, as the choice weighs it: its prompt ...
 TURN_REPLY = 512  # ... and its reply
+WIRE_HINT_GAIN = 0.1  # the share of a prompt's time a bf16 wire must save to be mentioned
 
 
 def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions, act_bytes: int,
@@ -32,7 +35,7 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     docstring), its `mode_why` set."""
     if asked != "auto":
         plan = plan_layers(cfg, workers, options, act_bytes, asked, links)
-        return replace(plan, mode_why=f"as asked (--experts {asked})")
+        return replace(plan, mode_why=f"as asked (--experts {asked})" + wire_hint(cfg, plan, act_bytes))
     if len(workers) < 2 or not cfg.moe_layers:
         plan = plan_layers(cfg, workers, options, act_bytes, "local", links)
         return replace(plan, mode_why="one worker reads its own experts" if len(workers) < 2 else "no routed experts")
@@ -49,7 +52,22 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
         return replace(plans["wide"], mode_why="every expert is in memory: wide spreads their compute")
     turns = {mode: turn_seconds(cfg, p, act_bytes) for mode, p in plans.items()}
     mode = "wide" if plans["wide"].wide and turns["wide"] <= turns["local"] else "local"
-    return replace(plans[mode], mode_why=_why(cfg, plans, turns, mode, act_bytes))
+    why = _why(cfg, plans, turns, mode, act_bytes) + wire_hint(cfg, plans[mode], act_bytes)
+    return replace(plans[mode], mode_why=why)
+
+
+def wire_hint(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> str:
+    """What `--wire bf16` would make a TURN_PROMPT-token prompt take, where that saves WIRE_HINT_GAIN of it ("" where
+    it would not, or the wire is bf16 already)."""
+    if plan.links.value_bytes < 4 or len(plan.workers) < 2:
+        return ""
+    exact = prefill_seconds(cfg, plan, TURN_PROMPT, act_bytes=act_bytes).total
+    half = prefill_seconds(cfg, replace(plan, links=replace(plan.links, value_bytes=2)), TURN_PROMPT,
+                           act_bytes=act_bytes).total
+    if exact - half < WIRE_HINT_GAIN * exact:
+        return ""
+    return (f"; over these links the exact wire holds a {TURN_PROMPT:,}-token prompt back: {exact:.0f} s, "
+            f"{half:.0f} s with --wire bf16 (lossy; its cost is measured in docs/cluster.md)")
 
 
 def turn_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> float:

@@ -41,9 +41,29 @@ def test_a_fast_link_is_wide_and_a_slow_one_the_pipelined_plan(k3):
 def test_asked_is_kept_and_resident_experts_stay_wide(k3):
     slow_link = Links(assumed=profile(40.0, 20))
     asked = choose_mode(k3, _macs(2), SizingOptions(), 4, "wide", slow_link)
-    assert asked.wide and asked.mode_why == "as asked (--experts wide)"
+    assert asked.wide and asked.mode_why.startswith("as asked (--experts wide); over these links the exact wire")
     mini = load_config(bundled_model())
     small = choose_mode(mini, _macs(2, 8, 8), SizingOptions(), 4, "auto", slow_link)
     assert small.wide and small.mode_why == "every expert is in memory: wide spreads their compute"
     one = choose_mode(k3, _macs(1), SizingOptions(), 4, "auto", slow_link)
     assert not one.wide and one.mode_why == "one worker reads its own experts"
+
+
+def test_the_reason_says_what_a_bf16_wire_would_make_a_prompt_where_the_wire_holds_it_back(k3):
+    """Wi-Fi at K3's width: the exact wire's 4K prompt and the bf16 one's, as the predictions give them; nothing on a
+    Thunderbolt bridge (the links are not what a prompt waits for) or where the wire is bf16 already."""
+    from dataclasses import replace
+
+    from deltafin.plan.predict import prefill_seconds
+
+    wifi = Links(assumed=PROFILES["wifi"])
+    plan = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", wifi)
+    exact = prefill_seconds(k3, plan, 4096).total
+    half = prefill_seconds(k3, replace(plan, links=replace(wifi, value_bytes=2)), 4096).total
+    assert half < 0.9 * exact
+    assert plan.mode_why.endswith(f"the exact wire holds a 4,096-token prompt back: {exact:.0f} s, {half:.0f} s with "
+                                  "--wire bf16 (lossy; its cost is measured in docs/cluster.md)")
+    fast = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
+    assert "--wire bf16" not in fast.mode_why
+    already = choose_mode(k3, _macs(2), SizingOptions(), 4, "wide", replace(wifi, value_bytes=2))
+    assert already.mode_why == "as asked (--experts wide)"
