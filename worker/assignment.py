@@ -2,7 +2,8 @@
 deltafin/runtime/assigned.py), the one thread that owns it, and the transaction that replaces it.
 
 An Assign is checked first (`check_assignment`: the same checkpoint, options the command line would take, layers
-and experts on this worker's disks; `check_fits`: a plan its budget holds), so that a refused one leaves the old
+and experts on this worker's disks; `check_fits`: the coordinator's plan of the stage, placed here as counted and
+within this worker's budget, or where none was sent the plan this worker makes), so that a refused one leaves the old
 assignment serving, then loaded on the stage's thread while its progress streams back (`AssignmentSlot.replace`). One
 assignment loads at a time, handed what was held before; one whose caller goes away (cancelled, deadline) is
 closed once its load ends, before the next one loads, so that two are never in memory.
@@ -23,6 +24,8 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.devices import exact_fp32
 from deltafin.errors import CodecError, FingerprintMismatch, NotAssigned
 from deltafin.plan.expert_placement import ExpertPlan
+from deltafin.plan.sizing import Budget, Placement, StageSizing
+from deltafin.plan.stage_check import check_plan
 from deltafin.runtime.assigned import Assigned, assign
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
@@ -36,15 +39,20 @@ log = logging.getLogger(__name__)
 
 
 def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg: ModelConfig,
-                     defaults: StageOptions) -> tuple[StageOptions, ExpertPlan | None]:
-    """The options and expert plan of an assignment this worker can take (same checkpoint, layers and experts
-    on its disks)."""
+                     defaults: StageOptions) -> tuple[StageOptions, StageSizing | None, ExpertPlan | None]:
+    """The options, the stage's plan (None: this worker plans it) and the expert plan of an assignment this worker
+    can take (same checkpoint, layers and experts on its disks)."""
     if request.model_fingerprint != description.model_fingerprint:
         raise FingerprintMismatch(
             f"this worker holds checkpoint {description.model_fingerprint}, the coordinator "
             f"{request.model_fingerprint}: both must use the same model files")
     options = codec.decode_stage_options(request.options, defaults)
-    own, asked = defaults.sizing.spine, options.sizing.spine
+    sizing = codec.decode_stage_plan(request.plan, cfg.num_layers) if request.HasField("plan") else None
+    if sizing is not None and (sizing.start, sizing.end) != (request.start, request.end):
+        raise CodecError(f"the plan is for layers [{sizing.start}, {sizing.end}), the assignment for "
+                         f"[{request.start}, {request.end})")
+    own = defaults.sizing.spine
+    asked = sizing.spine if sizing is not None else own
     if request.end > request.start and own != "auto" and asked != own:
         raise NotAssigned(f"this worker was started with --spine {own}, and the plan holds the spine as {asked}: "
                           f"start the coordinator with --spine {own} (or this worker with --spine auto)")
@@ -66,7 +74,7 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
         if missing:
             raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
                               f"disks (it has {description.expert_ranges})")
-    return options, plan
+    return options, sizing, plan
 
 
 class AssignmentSlot:
@@ -88,17 +96,24 @@ class AssignmentSlot:
     async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def check_fits(self, start: int, end: int, options: StageOptions) -> None:
-        """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold: the
-        same pure plan the stage makes when it loads."""
+    def check_fits(self, start: int, end: int, options: StageOptions,
+                   sizing: StageSizing | None) -> StageSizing | None:
+        """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold; the
+        plan to load: the one sent, as placed here (plan/stage_check.py), or None where the stage plans itself
+        (checked now with the same pure plan it makes when it loads)."""
+        cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
+        backend = expert_backend_for(cfg, self.device)
+        if sizing is not None:
+            place = Placement(self.device.type, options.dtype.itemsize, backend)
+            budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
+                else Budget(sizing.device_total)  # no budget of its own: the plan's
+            return check_plan(cfg, sizing, place, budget, options.sizing_for(spans))
         if end > start:
-            if options.sizing.session_bytes == 0:
-                raise CodecError("session_bytes 0 leaves a stage no room for any sequence")
-            plan_stage(self.ckpt.config, start, end, self.device, options, layer_spans(self.ckpt),
-                       expert_backend_for(self.ckpt.config, self.device))
+            plan_stage(cfg, start, end, self.device, options, spans, backend)
+        return None
 
-    async def replace(self, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
-                      peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
+    async def replace(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
+                      plan: ExpertPlan | None, peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
         """Load layers [start, end) (and the experts `plan` gives this worker) in place of what is held, yielding
         the load's progress (message, fraction); raises what the load raised, in state "failed"."""
         async with self._lock:
@@ -111,8 +126,8 @@ class AssignmentSlot:
             if self._orphan is not None:  # a cancelled load is closed before another one starts
                 await self._orphan
             old, self.assigned, self.state = self.assigned, None, "loading"
-            task = asyncio.ensure_future(self.on_stage_thread(self.load, old, start, end, options, plan, peers,
-                                                              progress))
+            task = asyncio.ensure_future(self.on_stage_thread(self.load, old, start, end, options, sizing, plan,
+                                                              peers, progress))
             try:
                 while not task.done():
                     try:
@@ -141,14 +156,15 @@ class AssignmentSlot:
         log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
                  loaded.end)
 
-    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, plan: ExpertPlan | None,
-             peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
+    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
+             plan: ExpertPlan | None, peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
         """On the stage's thread: the new assignment, reusing what `old` holds."""
         if options.dtype == torch.float32:
             exact_fp32()
         log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
                  f", wide experts over {len(plan.holders)} holders" if plan is not None else "")
-        return assign(self.ckpt, start, end, self.device, options, plan, self.worker_key(), peers, old, progress)
+        return assign(self.ckpt, start, end, self.device, options, sizing, plan, self.worker_key(), peers, old,
+                      progress)
 
     def close(self) -> None:
         """Close what is held, on the stage's thread, and end that thread."""

@@ -107,11 +107,11 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
             pb.AssignProgress]:
         async with self._answering(context):
-            options, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
-            self.slot.check_fits(request.start, request.end, options)
+            options, sizing, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
+            sizing = self.slot.check_fits(request.start, request.end, options, sizing)
             peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
         # the load: closed at once when the coordinator goes away, so the slot closes what it was loading
-        loading = self.slot.replace(request.start, request.end, options, plan, peers)
+        loading = self.slot.replace(request.start, request.end, options, sizing, plan, peers)
         async with self._answering(context), contextlib.aclosing(loading):
             async for message, fraction in loading:
                 yield pb.AssignProgress(message=message, fraction=fraction)

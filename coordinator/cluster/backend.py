@@ -24,6 +24,7 @@ from deltafin.coordinator.cluster.relay import Relay
 from deltafin.errors import RemoteError, WorkerLost
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.links import Link
+from deltafin.plan.sizing import StageSizing
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
@@ -243,10 +244,15 @@ class WorkerClient:
         return Link(m.rtt_s, m.up_bps, m.down_bps, address, m.probe_bytes)
 
     async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
-                     progress: Any = None, experts: ExpertPlan | None = None) -> None:
-        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only)."""
+                     sizing: StageSizing | None = None, progress: Any = None,
+                     experts: ExpertPlan | None = None) -> None:
+        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only) as `sizing`
+        plans them (None: as the worker plans them within its own budget), computing and reading as `options`
+        say."""
         request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
                                 options=codec.encode_stage_options(options))
+        if sizing is not None:
+            request.plan.CopyFrom(codec.encode_stage_plan(sizing))
         if experts is not None:
             request.experts.CopyFrom(codec.encode_expert_plan(experts))
         try:

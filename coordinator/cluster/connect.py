@@ -25,9 +25,8 @@ from deltafin.devices import resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.options import DEVICES, EXPERT_MODES, check_choice, from_values
-from deltafin.runtime.pipeline import LocalPipeline, check_budget, shared_context
+from deltafin.runtime.pipeline import LocalPipeline, plan_stages
 from deltafin.runtime.stage import split_layers
-from deltafin.runtime.stage_build import disk_plan, expert_backend_for
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
 from deltafin.transport.ports import check_address
@@ -116,15 +115,12 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
     device = resolve_device(cluster.device)
     options = dataclasses.replace(with_memory_found(stage, device), dtype=resolve_dtype(stage.dtype_name))
     ckpt = open_checkpoint(cluster.model, cfg)
-    ranges = split_layers(cfg, cluster.local_stages)
-    check_budget(ckpt, ranges, device, options)  # as open_backend would refuse it: with the least it needs
-    options = shared_context(ckpt, ranges, device, options)
     lines = []
-    for a, b in ranges:
-        z = disk_plan(ckpt, a, b, device, options, expert_backend_for(cfg, device))
-        lines.append(f"layers {a}-{b - 1} on {device.type} (this process): {len(z.resident_layers)} resident, "
-                     f"{len(z.streamed_layers)} streamed; {z.forward_tokens:,}-token forwards, {z.sequences} "
-                     f"sequence(s) of {z.context:,} tokens; {z.describe()}")
+    for z in plan_stages(ckpt, split_layers(cfg, cluster.local_stages), device, options):  # as open_backend does
+        lines.append(f"layers {z.start}-{z.end - 1} on {device.type} (this process): "
+                     f"{len(z.resident_layers)} resident, {len(z.streamed_layers)} streamed; "
+                     f"{z.forward_tokens:,}-token forwards, {z.sequences} sequence(s) of {z.context:,} tokens; "
+                     f"{z.describe()}")
     return "\n".join(lines)
 
 

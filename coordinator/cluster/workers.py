@@ -168,22 +168,6 @@ def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
     return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward)
 
 
-def stage_options(stage: StagePlan, spec: ClusterSpec, wide: bool = False) -> dict[str, Any]:
-    """The assignment of one stage: the user's options and the plan's budgets, which the worker's stage sizes
-    itself by again (the same function, so the same result) and enforces."""
-    z = stage.sizing
-    options = {**spec.options, "memory_bytes": stage.memory_bytes, "host_memory_bytes": stage.host_memory_bytes,
-               "expert_cache_bytes": None if z.experts_resident else z.expert_cache,
-               "session_bytes": z.sessions, "prefix_cache_bytes": z.prefixes, "sequences": spec.sizing.sequences,
-               "context": z.context, "prefill_chunk": z.forward_tokens,
-               "max_resident_layers": spec.sizing.max_resident_layers}
-    if not z.holder_only:
-        options.update(spine=z.spine, converted=z.converted)
-    if wide:
-        options.update(expert_layers=z.expert_layers, expert_share=z.expert_share)
-    return options
-
-
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
                       ) -> tuple[ClusterBackend, Plan]:
     """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
@@ -214,7 +198,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
         if bar is not None:
             bar.update(max(0.0, fraction - bar.done))
 
-    todo = [c.assign(s.start, s.end, mine, stage_options(s, spec, wide is not None), progress, wide)
+    todo = [c.assign(s.start, s.end, mine, spec.options, s.sizing, progress, wide)
             for s, (c, _) in zip(plan.workers, used, strict=True)]
     try:
         await asyncio.gather(*todo)

@@ -38,7 +38,7 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.prefill_chunk),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, spine_bytes_per_token=0,
         expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
-        expert_share=options.expert_share, context=options.context)
+        expert_share=options.expert_share, context=options.context, wide=True)
 
 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:

@@ -1,8 +1,8 @@
 """One model of memory: what a stage of the model holds, from the config alone (pure: no I/O, no torch).
 
-The planner, the worker, the stage, `bench`, `inspect` and the plan table all take their numbers from here,
-and the stage places its tensors by the same rules (`matrix_format`; the per-layer table and the tensor placement
-rules are layer_table.py's), so what is planned is what is allocated. A stage of layers [a, b) on a device holds:
+The planner (once per stage: the stage loads that plan, a worker only checks it, stage_check.py), `bench`,
+`inspect` and the plan table take their numbers from here, and the stage places its tensors by the same rules
+(`matrix_format`; layer_table.py's), so what is planned is what is allocated. A stage of layers [a, b) holds:
 
     resident layers   the first k layers' spine as placed: vectors fp32, matrices bf16 as stored (every
                       device: fp32 activations multiply bf16 weights without an fp32 copy), row-int8
@@ -14,11 +14,10 @@ rules are layer_table.py's), so what is planned is what is allocated. A stage of
     top               the embedding (first stage, as stored) and final norms + head (last stage)
     experts           every routed expert resident, when that fits; else a cache of expert slots plus the
                       reader's working slots (three layers' worth of prefetch + one read per thread); on a
-                      discrete GPU the slots read into host staging and the cache lives on the device.
-                      Wide experts (`expert_layers` set): the worker's store serves its share of every MoE layer
-                      it holds, for its own stage and others', always as a cache (capped at those layers'
-                      experts), with a second layer of demand slots for the calls it serves, and the buffers of
-                      expert calls (rows out, outputs back) for `forward_tokens` tokens each way
+                      discrete GPU the slots read into host staging and the cache lives on the device. Wide
+                      experts (`expert_layers` set): the store serves its share of every MoE layer it holds, for
+                      its stage and others', as a cache (capped at those layers' experts), with a second layer of
+                      demand slots and the buffers of expert calls (rows out, outputs back) for `forward_tokens`
     sessions          per-sequence caches for `sequences` sequences of `context` tokens: KDA conv window +
                       recurrent state (fp32, fixed size), MLA latents (576 values per token per layer)
     workspace         the forward's temporaries for `forward_tokens` tokens (activations, attention scores
@@ -30,9 +29,9 @@ else row-int8: no disk reads at all is worth the int8 rounding); else experts st
 fits whole, row-int8 if that does, else q4 (the compact one), whatever q4 does not fit streams, and the expert
 cache takes what is left; the plan says why (`spine_why`). A forward carries the planned context if its workspace
 fits FORWARD_SHARE of the budget, else as many tokens as do, and more where a small expert cache gives way
-(`_grow_forward`). One worker (sizing_options.py) plans one sequence, and its forward is the longest that leaves
-the cache ONE_WORKER_CACHE_SHARE of the budget (12 GB on a 64 GB Mac; as above where even PIECE_TOKENS leaves
-less). If not even the working set fits, SizingError says so with the numbers.
+(`_grow_forward`). One worker (sizing_options.py) plans one sequence, its forward the longest that leaves the
+cache ONE_WORKER_CACHE_SHARE of the budget (12 GB of a 64 GB Mac's; as above where even PIECE_TOKENS leaves less).
+If not even the working set fits, SizingError says so with the numbers.
 """
 
 from __future__ import annotations
@@ -171,6 +170,7 @@ class StageSizing:
     converted: bool = True  # an int8/q4 spine is read from its converted copy (else quantized as it loads, its
     # streamed layers read as stored: SizingOptions.converted)
     context: int = 0  # tokens a sequence may hold: what the sessions and the attention room are planned for
+    wide: bool = False  # a wide plan's: its store serves `expert_share` of `expert_layers` MoE layers' experts
 
     @property
     def holder_only(self) -> bool:
@@ -242,8 +242,7 @@ def expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_m
 
 
 def stream_format(spine: str, options: SizingOptions) -> str:
-    """What a streamed layer of a `spine` stage is read as: its converted copy's files, or (no copy: bf16, and int8
-    or q4 quantized as the resident layers load) the checkpoint's tensors as stored."""
+    """What a streamed layer of a `spine` stage is read as: its converted copy's, or (none) the tensors as stored."""
     return spine if options.converted else "bf16"
 
 
@@ -280,7 +279,8 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
-        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES, context=options.context)
+        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES, context=options.context,
+        wide=options.wide)
 
 
 def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place: Placement,

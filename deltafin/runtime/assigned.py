@@ -1,7 +1,7 @@
 """What a worker computes with once assigned: its stage (when it has layers), and with wide experts its expert
 store, the holder that serves other stages' calls from it, and its stage's router over every holder.
 
-A new assignment of the same layers with the same options (a re-plan that left this worker alone, or only the
+A new assignment of the same layers with the same options and plan (a re-plan that left this worker alone, or only the
 placement of the experts changed: a holder was lost or joined) keeps the stage, its sessions and its store, and
 only re-points them; anything else loads afresh. Pure of transport: the other holders come in as `peers`
 (worker/peers.py over gRPC, or wide.LocalPeer in one process).
@@ -9,6 +9,7 @@ only re-points them; anything else loads afresh. Pure of transport: the other ho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -72,27 +73,39 @@ class Assigned:
             self.store.close()
 
 
-def _same_load(a: StageOptions, b: StageOptions) -> bool:
-    """Two assignments' options load the same stage (the planned share of experts only changes expectations)."""
-    return a.replace(expert_share=0.0) == b.replace(expert_share=0.0)
+def _same_load(old: Assigned, options: StageOptions, sizing: StageSizing | None) -> bool:
+    """`old` loaded what this assignment asks for: the same options, and the same plan (where one is given; the
+    planned share of experts only changes expectations)."""
+    if sizing is None:
+        return _unshared(old.options) == _unshared(options)
+    return old.options == options and old.sizing is not None and _unshared(old.sizing) == _unshared(sizing)
+
+
+def _unshared(value: Any) -> Any:
+    if isinstance(value, StageSizing):
+        return dataclasses.replace(value, expert_share=0.0, expert_bytes_per_token=0, spine_why="")
+    return value.replace(expert_share=0.0)
 
 
 def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           plan: ExpertPlan | None, me: str, peers: Mapping[str, Peer], old: Assigned | None,
-           progress: Callable[[str, float], None] | None = None) -> Assigned:
-    """Load (or keep from `old`) what the assignment asks for; `old` is closed unless kept."""
+           sizing: StageSizing | None, plan: ExpertPlan | None, me: str, peers: Mapping[str, Peer],
+           old: Assigned | None, progress: Callable[[str, float], None] | None = None) -> Assigned:
+    """Load (or keep from `old`) what the assignment asks for: the stage `sizing` plans (checked already:
+    plan/stage_check.py), or with None the one this worker plans within its own budget; `old` is closed unless
+    kept."""
     cfg = ckpt.config
     if plan is None:
-        return _local(ckpt, start, end, device, options, old, progress)
+        return _local(ckpt, start, end, device, options, sizing, old, progress)
     index = plan.placement.index(me)
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
     serves = plan.placement.layers_of(index)
     check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
-    keep = (old is not None and old.plan is not None and (old.start, old.end) == (start, end)
-            and _same_load(old.options, options))
-    if keep:
-        assert old is not None and old.store is not None
+    if sizing is None and not options.sizing.wide:  # planned here: for the experts the plan gives this worker
+        options = options.replace(expert_layers=len(serves), expert_share=plan.placement.fraction(index))
+    if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
+            _same_load(old, options, sizing):
+        assert old.store is not None
         stage, store, sizing = old.stage, old.store, old.sizing
         store.set_layers(serves)  # type: ignore[attr-defined]
         log.info("kept layers %s and the expert store; the experts' placement changed", _span(start, end))
@@ -100,10 +113,11 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         if old is not None:
             old.close()
         if end > start:
-            stage = Stage(ckpt, start, end, device=device, options=options, progress=progress, serves=serves)
+            stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress,
+                          serves=serves)
             store, sizing = stage.experts, stage.sizing
         else:
-            stage, sizing = None, holder_sizing(ckpt, device, options)
+            stage, sizing = None, sizing or holder_sizing(ckpt, device, options)
             log.info("expert holder on %s: %s", device, sizing.describe())
             store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
     holder = ExpertHolder(cfg, store, device, options.dtype)  # type: ignore[arg-type]
@@ -116,14 +130,16 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
 
 
 def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           old: Assigned | None, progress: Callable[[str, float], None] | None) -> Assigned:
+           sizing: StageSizing | None, old: Assigned | None,
+           progress: Callable[[str, float], None] | None) -> Assigned:
     """A stage computing its own layers' experts: `old` kept if it is the same assignment, else closed."""
-    if old is not None and old.plan is None and (old.start, old.end) == (start, end) and old.options == options:
+    if old is not None and old.plan is None and (old.start, old.end) == (start, end) and \
+            _same_load(old, options, sizing):
         log.info("kept layers %s with their caches: the same assignment", _span(start, end))
         return old
     if old is not None:
         old.close()
-    stage = Stage(ckpt, start, end, device=device, options=options, progress=progress)
+    stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress)
     return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
 
 

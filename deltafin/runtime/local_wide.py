@@ -50,7 +50,7 @@ class LocalWide:
         """(Re-)assign every worker as the coordinator would: same layers and options keep what they hold."""
         self.plan = plan
         for key, (a, b) in zip(self.keys, ranges or self.ranges, strict=True):
-            self.assigned[key] = assign(self.ckpt, a, b, self.device, self.options, plan, key, self.peers(),
+            self.assigned[key] = assign(self.ckpt, a, b, self.device, self.options, None, plan, key, self.peers(),
                                         self.assigned.get(key))
 
     @property

@@ -16,10 +16,10 @@ import torch
 from deltafin.checkpoint.config import ModelConfig, load_config, with_eps_convention
 from deltafin.checkpoint.shards import Checkpoint, open_checkpoint
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
-from deltafin.errors import DeltafinError
+from deltafin.errors import DeltafinError, OutOfMemory
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.plan.least import check_fits
-from deltafin.plan.sizing import Budget, Placement
+from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.progress import Progress
 from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
 from deltafin.runtime.stage_build import disk_plan, expert_backend_for
@@ -61,13 +61,11 @@ class LocalPipeline:
             exact_fp32()
         dev = resolve_device(device)
         opts = dataclasses.replace(options or StageOptions(), dtype=torch_dtype)
-        ranges = split_layers(cfg, n_stages)
-        check_budget(ckpt, ranges, dev, opts)  # every stage, before the first loads
-        opts = shared_context(ckpt, ranges, dev, opts)
+        plans = plan_stages(ckpt, split_layers(cfg, n_stages), dev, opts)  # every stage, before the first loads
         stages = []
-        for a, b in ranges:
-            with Progress(1.0, f"load layers {a}-{b - 1}", unit="", enabled=show_progress) as bar:
-                stages.append(Stage(ckpt, a, b, device=dev, options=opts,
+        for z in plans:
+            with Progress(1.0, f"load layers {z.start}-{z.end - 1}", unit="", enabled=show_progress) as bar:
+                stages.append(Stage(ckpt, z.start, z.end, device=dev, options=opts, plan=z,
                                     progress=lambda _msg, fraction, bar=bar: bar.update(max(0.0, fraction - bar.done))))
         return cls(stages)
 
@@ -103,29 +101,31 @@ class LocalPipeline:
             stage.close()
 
 
-def check_budget(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device, options: StageOptions) -> None:
-    """Each stage of `ranges` plans within the budget, or SizingError with the least it needs (plan/least.py), before
-    any weights load; a stage sizes itself again when it loads (the same function, so the same plan)."""
-    if options.memory_bytes is None:
-        return
-    cfg, spans = ckpt.config, layer_spans(ckpt)
-    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, expert_backend_for(cfg, device))
-    budget = Budget(options.memory_bytes, options.host_memory_bytes)
-    for a, b in ranges:
-        check_fits(cfg, a, b, place, budget, options.sizing_for(spans))
+def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device,
+                options: StageOptions) -> list[StageSizing]:
+    """The plan of each in-process stage of `ranges`, made once, before any weights load (each stage loads its own
+    as it is): within the budget, or SizingError with the least a stage needs (plan/least.py); following what the
+    disk holds (stage_build.disk_plan). Several stages share one context where none was given (a request goes
+    through all): the least of the longest each one's memory holds (plan/context.py), at the shortest forward
+    their plans chose, so that none plans a longer one in its room."""
+    cfg, backend = ckpt.config, expert_backend_for(ckpt.config, device)
 
+    def plan(a: int, b: int, opts: StageOptions) -> StageSizing:
+        try:
+            return disk_plan(ckpt, a, b, device, opts, backend)
+        except OutOfMemory:
+            if opts.memory_bytes is not None:  # say the least it needs, where that is more than the budget
+                place = Placement(device.type, opts.dtype.itemsize, backend)
+                check_fits(cfg, a, b, place, Budget(opts.memory_bytes, opts.host_memory_bytes),
+                           opts.sizing_for(layer_spans(ckpt)))
+            raise
 
-def shared_context(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device,
-                   options: StageOptions) -> StageOptions:
-    """`options` with the one context several in-process stages share where none was given (a request goes through
-    all): the least of the longest each stage's memory holds (plan/context.py), at the shortest forward their plans
-    chose (so that none plans a longer one in its room)."""
+    plans = [plan(a, b, options) for a, b in ranges]
     if options.sizing.context is not None or options.memory_bytes is None or len(ranges) < 2:
-        return options
-    backend = expert_backend_for(ckpt.config, device)
-    plans = [disk_plan(ckpt, a, b, device, options, backend) for a, b in ranges]
+        return plans
     forward = options.sizing.prefill_chunk or min(z.forward_tokens for z in plans)
-    return options.replace(context=min(z.context for z in plans), prefill_chunk=forward)
+    shared = options.replace(context=min(z.context for z in plans), prefill_chunk=forward)
+    return [plan(a, b, shared) for a, b in ranges]
 
 
 def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",

@@ -37,7 +37,7 @@ from deltafin.models.decoder import (
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, route, routed_sum
-from deltafin.plan.sizing import SPECULATIVE_TOKENS
+from deltafin.plan.sizing import SPECULATIVE_TOKENS, StageSizing
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions
 from deltafin.runtime.stage_build import (
@@ -97,9 +97,11 @@ class Stage:
     """Layers [start, end) over their spine, routed experts and sessions (see the module docstring)."""
 
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
-                 options: StageOptions | None = None, experts: ExpertProvider | None = None,
-                 progress: Callable[[str, float], None] | None = None, serves: Iterable[int] | None = None):
-        """`serves`: with wide experts, the MoE layers (its own and others') whose share this worker's store
+                 options: StageOptions | None = None, plan: StageSizing | None = None,
+                 experts: ExpertProvider | None = None, progress: Callable[[str, float], None] | None = None,
+                 serves: Iterable[int] | None = None):
+        """`plan`: what the stage holds, as the planner made it (None: planned here, within `options`' budget);
+        `serves`: with wide experts, the MoE layers (its own and others') whose share this worker's store
         holds; the stage then computes its layers' experts through `wide` (set_wide), never alone."""
         cfg = ckpt.config
         opts = options or StageOptions()
@@ -111,7 +113,8 @@ class Stage:
         check_stage_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
-        self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend)
+        self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
+        self.budgeted = plan is not None or opts.memory_bytes is not None  # its plan's caches and forwards bind
         self._log_plan()
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
@@ -147,7 +150,7 @@ class Stage:
 
     def set_wide(self, wide: WideExperts | None) -> None:
         """Compute this stage's routed experts through every holder (wide) or, with None, alone."""
-        if wide is None and self.options.sizing.expert_layers is not None:
+        if wide is None and self.sizing.wide:
             raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
         self.wide = wide
 
@@ -162,12 +165,12 @@ class Stage:
     @property
     def cache_budget(self) -> int | None:
         """Bytes for session caches: the plan's (with a memory budget), else what the options say."""
-        return self.sizing.sessions if self.options.memory_bytes is not None else self.options.sizing.session_bytes
+        return self.sizing.sessions if self.budgeted else self.options.sizing.session_bytes
 
     @property
     def max_forward_tokens(self) -> int | None:
         """Tokens one forward may carry (None: no limit, without a memory budget)."""
-        return self.sizing.forward_tokens if self.options.memory_bytes is not None else None
+        return self.sizing.forward_tokens if self.budgeted else None
 
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes

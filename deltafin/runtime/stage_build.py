@@ -115,16 +115,25 @@ def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, opti
 
 
 def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                    experts: str) -> tuple[StageSizing, SpineFiles | None]:
-    """A stage's plan (`disk_plan`) and the converted spine it reads, converted first where it is missing."""
-    sizing = disk_plan(ckpt, start, end, device, options, experts)
+                    experts: str, plan: StageSizing | None = None) -> tuple[StageSizing, SpineFiles | None]:
+    """A stage's plan (`plan`, as the planner made it, else `disk_plan`) and the converted spine it reads, converted
+    first where it is missing (where the room for it went since it was planned: the plan without a copy)."""
+    sizing = plan if plan is not None else disk_plan(ckpt, start, end, device, options, experts)
     files = converted_spine(ckpt, start, end, sizing, options, device) if sizing.converted else None
     if files is None and sizing.spine in CONVERTED and sizing.converted:  # the room went while this one looked
         on = "mlx" if experts == "mlx" else "torch"
-        sizing = plan_stage(ckpt.config, start, end, device, options.replace(spine=sizing.spine, converted=False),
-                            layer_spans(ckpt), on)
+        sizing = plan_stage(ckpt.config, start, end, device, without_copy(options, sizing), layer_spans(ckpt), on)
         log.warning("no converted %s spine: %s", sizing.spine, sizing.spine_why)
     return sizing, files
+
+
+def without_copy(options: StageOptions, planned: StageSizing) -> StageOptions:
+    """The options that plan `planned`'s stage again in its format without a converted copy, within the budget it
+    was planned in where the options name none (a plan made elsewhere), for the same sequences and context."""
+    budget = options.memory_bytes if options.memory_bytes is not None else planned.device_total
+    return options.replace(memory_bytes=budget, spine=planned.spine, converted=False, sequences=planned.sequences,
+                           context=planned.context, expert_layers=planned.expert_layers if planned.wide else None,
+                           expert_share=planned.expert_share if planned.wide else 1.0)
 
 
 def without_room(plan: Callable[[StageOptions], StageSizing], options: StageOptions, chosen: StageSizing,
@@ -209,7 +218,7 @@ def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, d
             speeds = tuple(measure_disk(c, options.sizing.read_threads, options.io) for c in (ckpt, *copies))
             log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
                                                     for c, g in zip((ckpt, *copies), speeds, strict=True)))
-        demand_layers = 2 if options.sizing.expert_layers is not None and not sizing.holder_only else 1
+        demand_layers = 2 if sizing.wide and not sizing.holder_only else 1
         heat = ExpertHeat.for_checkpoint(options.expert_heat_dir, ckpt) if options.expert_heat_dir else None
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
                            threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
@@ -240,7 +249,7 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
     dtype = str(options.dtype).removeprefix("torch.")
     numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if sizing.spine in CONVERTED else None,
                "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
-               "wide": options.sizing.wide}
+               "wide": sizing.wide}
     digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
     return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
 

@@ -16,18 +16,20 @@ import torch
 
 from deltafin.errors import CodecError, DeltafinError
 from deltafin.models.attn_res import ResidualState
+from deltafin.options import SPINES
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import StageSizing
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 8  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
+PROTOCOL_VERSION = 9  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
 # session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
 # states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
-# addresses), summed expert answers, the bf16 wire, workers' measured compute
+# addresses), summed expert answers, the bf16 wire, workers' measured compute; 9: the stage's plan in the Assignment,
+# options without budgets
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -327,24 +329,16 @@ def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
 
 # ---- stage options and counters ------------------------------------------------------------------------------
 
-_OPTIONS = {f.name for f in pb.StageOptions.DESCRIPTOR.fields} - {"none"}
-# options whose default is None (chosen from the memory, or off): the only ones `none` may name
-NULLABLE_OPTIONS = frozenset(f.name for cls in (StageOptions, SizingOptions) for f in dataclasses.fields(cls)
-                             if f.default is None)
-_NONE_ALIASES = {"prefix_cache_bytes": "prefix_bytes", "prefill_chunk": "max_forward_tokens"}  # `none`'s spelling
-_NONE_NAMES = {v: k for k, v in _NONE_ALIASES.items()}
+_OPTIONS = frozenset(f.name for f in pb.StageOptions.DESCRIPTOR.fields)
 
 
 def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
-    """A coordinator's stage options (StageOptions' and SizingOptions' field names; dtype as "fp32"/"bf16";
-    None allowed)."""
+    """How a coordinator asks a stage to compute and read (StageOptions' field names; dtype as "fp32"/"bf16").
+    What the stage holds is its plan (`encode_stage_plan`), never an option."""
     msg = pb.StageOptions()
     for key, value in options.items():
         if key not in _OPTIONS:
             raise CodecError(f"unknown stage option {key!r}")
-        if value is None:
-            msg.none.append(_NONE_ALIASES.get(key, key))
-            continue
         try:
             setattr(msg, key, value)
         except (TypeError, ValueError) as e:
@@ -355,15 +349,7 @@ def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
 def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageOptions:
     """The options a coordinator sent, over this worker's `defaults`, checked as the command line's are (the same
     typed values): what the flags refuse, the wire cannot say either (CodecError: INVALID_ARGUMENT)."""
-    nones = [_NONE_NAMES.get(name, name) for name in msg.none]
-    unknown = set(nones) - _OPTIONS
-    if unknown:
-        raise CodecError(f"unknown stage options {sorted(unknown)}")
-    required = sorted(n for n in nones if n not in NULLABLE_OPTIONS)
-    if required:
-        raise CodecError(f"stage options {required} cannot be none")
-    changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields() if f.name != "none"}
-    changes.update(dict.fromkeys(nones))
+    changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields()}
     if "dtype" in changes:
         if changes["dtype"] not in ("fp32", "bf16"):
             raise CodecError(f"stage option dtype={changes['dtype']!r}: fp32 or bf16")
@@ -372,6 +358,45 @@ def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageO
         return defaults.replace(**changes)
     except (DeltafinError, TypeError, ValueError) as e:
         raise CodecError(f"stage options: {e}") from None
+
+
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StageSizing))
+_PLAN_TEXT = ("device", "spine", "spine_why")
+_PLAN_FLAGS = ("experts_resident", "discrete", "converted", "wide")
+_PLAN_SPINES = (*SPINES[1:], "none")  # a stage's formats, and an expert holder's (no spine)
+_PLAN_DEVICES = ("cpu", "cuda", "mps", "meta")
+
+
+def encode_stage_plan(plan: StageSizing) -> pb.StageSizing:
+    """A stage's plan as the Assignment carries it (every field; its totals are left out: the worker sums them)."""
+    msg = pb.StageSizing()
+    _fill(msg, {name: getattr(plan, name) for name in _PLAN_FIELDS}, "plan")
+    return msg
+
+
+def decode_stage_plan(msg: pb.StageSizing, num_layers: int) -> StageSizing:
+    """The plan a coordinator sent, with every field present and in range for a `num_layers`-layer model (what it
+    costs and whether it fits is the worker's check: plan/stage_check.py)."""
+    got = {f.name: v for f, v in msg.ListFields()}
+    missing = [n for n in _PLAN_FIELDS if n not in got and n not in ("resident_layers", "streamed_layers")
+               and n not in _PLAN_FLAGS and n != "spine_why"]
+    if missing:
+        raise CodecError(f"plan: missing {', '.join(missing)}")
+    values: dict[str, Any] = {n: got.get(n, "" if n in _PLAN_TEXT else False if n in _PLAN_FLAGS else ())
+                              for n in _PLAN_FIELDS}
+    values["resident_layers"], values["streamed_layers"] = (tuple(values["resident_layers"]),
+                                                            tuple(values["streamed_layers"]))
+    start, end = values["start"], values["end"]
+    if not 0 <= start <= end <= num_layers:
+        raise CodecError(f"plan: invalid layer range [{start}, {end}) for a {num_layers}-layer model")
+    if values["resident_layers"] + values["streamed_layers"] != tuple(range(start, end)):
+        raise CodecError(f"plan: resident and streamed layers must be layers {start}-{end - 1}, in order")
+    if values["spine"] not in _PLAN_SPINES or values["device"] not in _PLAN_DEVICES:
+        raise CodecError(f"plan: unknown spine {values['spine']!r} or device {values['device']!r}")
+    negative = [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0]
+    if negative or not 0.0 <= values["expert_share"] <= 1.0:
+        raise CodecError(f"plan: {', '.join(negative) or 'expert_share'} out of range")
+    return StageSizing(**values)
 
 
 def encode_stats(stats: dict[str, Any]) -> pb.StageStats:

@@ -112,15 +112,15 @@ def fuzz_http(url: str, examples: int, counts: Counter | None = None, seed: int 
 # ---- gRPC ----------------------------------------------------------------------------------------------------
 
 
-def _options() -> st.SearchStrategy[pb.StageOptions]:
-    names = [f.name for f in pb.StageOptions.DESCRIPTOR.fields if f.name != "none"]
-    values = st.integers(-2**40, 2**40) | st.sampled_from(["fp4", "mmap", "q4", "", "auto", "lru"]) | st.booleans()
+def _fields(message: type, values: st.SearchStrategy) -> st.SearchStrategy:
+    """A `message` with up to four of its fields set to odd values (ints, format and device names, flags)."""
+    names = [f.name for f in message.DESCRIPTOR.fields if f.message_type is None]
 
     @st.composite
-    def build(draw: Any) -> pb.StageOptions:
-        msg = pb.StageOptions()
-        for name in draw(st.lists(st.sampled_from(names), max_size=3, unique=True)):
-            field = pb.StageOptions.DESCRIPTOR.fields_by_name[name]
+    def build(draw: Any) -> Any:
+        msg = message()
+        for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+            field = message.DESCRIPTOR.fields_by_name[name]
             value = draw(values)
             try:
                 if field.is_repeated:
@@ -129,11 +129,13 @@ def _options() -> st.SearchStrategy[pb.StageOptions]:
                     setattr(msg, name, value)
             except (TypeError, ValueError):
                 pass  # a value this field's type cannot carry: leave it out
-        if draw(st.booleans()):
-            msg.none.extend(draw(st.lists(st.sampled_from([*names, "bogus", "prefix_bytes"]), max_size=2)))
         return msg
 
     return build()
+
+
+ODD_VALUES = (st.integers(-2**40, 2**40) | st.sampled_from(["fp4", "mmap", "q4", "", "auto", "lru", "cpu", "none"])
+              | st.booleans() | st.floats(-2, 3))
 
 
 @st.composite
@@ -145,8 +147,12 @@ def grpc_calls(draw: Any, fingerprint: str, layers: int, hidden: int, blocks: in
     ids = st.lists(st.sampled_from(["a", "b", "", "x" * 300, "p" * 32]), max_size=3)
     if rpc == "Assign":
         start = draw(st.integers(-1, layers + 1))
-        return rpc, pb.Assignment(start=start, end=draw(st.integers(-1, layers + 1)), options=draw(_options()),
-                                  model_fingerprint=draw(st.sampled_from([fingerprint, fingerprint, "other", ""])))
+        request = pb.Assignment(start=start, end=draw(st.integers(-1, layers + 1)),
+                                options=draw(_fields(pb.StageOptions, ODD_VALUES)),
+                                model_fingerprint=draw(st.sampled_from([fingerprint, fingerprint, "other", ""])))
+        if draw(st.booleans()):  # a plan, most often malformed
+            request.plan.CopyFrom(draw(_fields(pb.StageSizing, ODD_VALUES)))
+        return rpc, request
     if rpc == "Forward":
         seqs = draw(st.lists(sequences(hidden=hidden, blocks=blocks, vocab=vocab), min_size=0, max_size=3))
         for s in seqs:

@@ -17,6 +17,8 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkpoint
 from deltafin.models.moe import expert_outputs
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.holder_sizing import size_holder
+from deltafin.plan.sizing import Placement, SizingOptions
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
@@ -24,6 +26,7 @@ from deltafin.transport import codec
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
+from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.worker.assignment import AssignmentSlot
 from deltafin.worker.service import WorkerService, create_server
@@ -123,8 +126,8 @@ def test_assignment_is_checked(served, tiny_dir):
                                options=pb.StageOptions(dtype="fp64")), grpc.StatusCode.INVALID_ARGUMENT,
                  "fp32 or bf16"),
                 (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
-                               options=pb.StageOptions(none=["warp_drive"])), grpc.StatusCode.INVALID_ARGUMENT,
-                 "unknown stage options"),
+                               plan=pb.StageSizing(start=0, end=6)), grpc.StatusCode.INVALID_ARGUMENT,
+                 "plan: missing device, spine"),
                 (pb.Assignment(start=4, end=9, model_fingerprint=fingerprint(tiny_dir)),
                  grpc.StatusCode.FAILED_PRECONDITION, "not all on this worker's disk"),
             ]:
@@ -146,10 +149,10 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
     events: list[str] = []
     load = AssignmentSlot.load
 
-    def slow_load(self, old, a, b, options, plan, peers, progress):
+    def slow_load(self, old, a, b, options, sizing, plan, peers, progress):
         events.append(f"load {a}-{b}")
         time.sleep(1.5)
-        loaded = load(self, old, a, b, options, plan, peers, progress)
+        loaded = load(self, old, a, b, options, sizing, plan, peers, progress)
         events.append(f"loaded {a}-{b}")
         return loaded
 
@@ -188,8 +191,11 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     serving, cfg = served
 
     async def run():
-        options = codec.encode_stage_options({"dtype": "fp32", "expert_layers": len(cfg.moe_layers),
-                                              "expert_cache_bytes": 10**6})
+        options = codec.encode_stage_options({"dtype": "fp32"})
+        # the holder's plan, as a coordinator makes it: half of every MoE layer's experts, a cache of 1 MB
+        sizing = SizingOptions(expert_layers=len(cfg.moe_layers), expert_share=0.5,
+                               spans=layer_spans(scan_checkpoint(tiny_dir, cfg)))
+        holder_plan = codec.encode_stage_plan(size_holder(cfg, Placement("cpu"), 10**6, sizing))
         g = torch.Generator().manual_seed(1)
         call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 1, 2, 2]),
                           torch.tensor([4, 1, 4, 6]), torch.tensor([0.5, 2.0, 0.25, 1.0]))  # all in this worker's half
@@ -205,7 +211,8 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.RunExperts(codec.encode_expert_call(call), timeout=10)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "serves no experts" in e.value.details()
-            holder_only = {"start": 0, "end": 0, "model_fingerprint": fingerprint(tiny_dir), "options": options}
+            holder_only = {"start": 0, "end": 0, "model_fingerprint": fingerprint(tiny_dir), "options": options,
+                           "plan": holder_plan}
             for bad, code, words in [
                 (pb.Assignment(start=0, end=0, model_fingerprint=fingerprint(tiny_dir)),
                  grpc.StatusCode.FAILED_PRECONDITION, "only an expert holder of a wide plan"),

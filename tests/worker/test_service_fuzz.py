@@ -25,6 +25,7 @@ from deltafin.transport import codec
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from tests.support.cluster import workers
+from tests.support.plans import assignment, stage_plan
 from tests.support.strategies import sequences
 
 SPECIFIC = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OUT_OF_RANGE"}
@@ -56,9 +57,10 @@ class Worker:
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.model = model
 
-    def assign(self, start: int, end: int, **options) -> None:
-        for _ in self.stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(self.model),
-                                                options=codec.encode_stage_options(options)), timeout=120):
+    def assign(self, start: int, end: int, **values) -> None:
+        """Layers [start, end), as `values` say: its options, and the sizing knobs a coordinator's plan fixes."""
+        for _ in self.stub.Assign(assignment(self.model, fingerprint(self.model), start, end, **values),
+                                  timeout=120):
             pass
 
     def forward(self, *seqs: pb.SequenceInput, timeout: float = 60) -> str:
@@ -189,26 +191,41 @@ def _status(call) -> tuple[str, str]:
         return e.code().name, e.details()
 
 
-BAD_OPTIONS = [pb.StageOptions(expert_layers=-1), pb.StageOptions(none=["spine"]),
-               pb.StageOptions(none=["read_threads"]), pb.StageOptions(spine="fp4"), pb.StageOptions(io="mmap"),
-               pb.StageOptions(sequences=0), pb.StageOptions(sequences=-1), pb.StageOptions(context=0),
-               pb.StageOptions(context=-1), pb.StageOptions(prefill_chunk=0), pb.StageOptions(session_bytes=-1),
-               pb.StageOptions(session_bytes=0), pb.StageOptions(memory_bytes=1000)]
+BAD_OPTIONS = [pb.StageOptions(io="mmap"), pb.StageOptions(read_threads=0), pb.StageOptions(read_threads=-1),
+               pb.StageOptions(dtype="fp16"), pb.StageOptions(cache_policy="fifo"), pb.StageOptions(prefetch_layers=0),
+               pb.StageOptions(wire="fp8")]
+# a plan's fields changed: (field, value, status, words the refusal says)
+BAD_PLANS = [("spine", "fp4", "INVALID_ARGUMENT", "unknown spine"), ("device", "tpu", "INVALID_ARGUMENT", "device"),
+             ("start", 2, "INVALID_ARGUMENT", "must be layers 2-5"),
+             ("expert_share", 2.0, "INVALID_ARGUMENT", "expert_share"),
+             ("workspace", -1, "INVALID_ARGUMENT", "workspace out of range"),
+             ("sessions", 0, "RESOURCE_EXHAUSTED", "no room for any sequence"),
+             ("sessions", 10**13, "RESOURCE_EXHAUSTED", "budget"),
+             ("device", "cuda", "RESOURCE_EXHAUSTED", "this worker computes on cpu")]
 
 
 def test_a_refused_assignment_leaves_the_old_one_serving(worker, tiny_dir: Path) -> None:
-    """Each option the command line refuses is refused off the wire too (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
-    for a budget that cannot hold the stage) before the assigned stage goes: a forward still works after each,
-    and a valid assignment is taken at once (the report's wedged worker took none after expert_layers=-1)."""
+    """Each option the command line refuses is refused off the wire too, and so is a plan that is malformed, is for
+    other layers or another device, leaves no sequence or does not fit the worker's budget (INVALID_ARGUMENT, or
+    RESOURCE_EXHAUSTED for what its memory cannot hold), before the assigned stage goes: a forward still works
+    after each, and a valid assignment is taken at once (the report's wedged worker took none after a bad one)."""
     client, proc = worker
     cfg = load_config(tiny_dir)
     client.assign(0, cfg.num_layers)
-    for i, options in enumerate(BAD_OPTIONS):
-        request = pb.Assignment(start=0, end=cfg.num_layers, model_fingerprint=fingerprint(client.model),
-                                options=options)
+    good = stage_plan(tiny_dir, 0, cfg.num_layers)
+    bad_plans = []
+    for name, value, code, words in BAD_PLANS:
+        plan = pb.StageSizing()
+        plan.CopyFrom(good)
+        setattr(plan, name, value)
+        bad_plans.append((pb.Assignment(plan=plan), code, words))
+    bad_options = [(pb.Assignment(options=o), "INVALID_ARGUMENT", "") for o in BAD_OPTIONS]
+    for i, (bad, want, words) in enumerate(bad_options + bad_plans):
+        request = pb.Assignment(start=0, end=cfg.num_layers, model_fingerprint=fingerprint(client.model))
+        request.MergeFrom(bad)
         code, detail = _status(lambda request=request: client.stub.Assign(request, timeout=60))
-        assert code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED") and detail, (options, code, detail)
-        assert client.forward(ids_seq(f"still{i}", [1, 2, 3])) == "OK", options
+        assert code == want and detail and words in detail, (bad, code, detail)
+        assert client.forward(ids_seq(f"still{i}", [1, 2, 3])) == "OK", bad
     holder = pb.Holder(worker_id=client.stub.Info(pb.InfoRequest(), timeout=10).worker_id, address="x", name="me")
     alone = pb.ExpertPlan(holders=[holder], layers=[pb.LayerExperts(layer=i, bounds=[0, cfg.num_experts])
                                                     for i in cfg.moe_layers])

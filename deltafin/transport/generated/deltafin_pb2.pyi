@@ -115,18 +115,20 @@ class ConvertedSpine(_message.Message):
     def __init__(self, format: _Optional[str] = ..., units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("start", "end", "model_fingerprint", "options", "experts")
+    __slots__ = ("start", "end", "model_fingerprint", "options", "experts", "plan")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     model_fingerprint: str
     options: StageOptions
     experts: ExpertPlan
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlan, _Mapping]] = ...) -> None: ...
+    plan: StageSizing
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlan, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ...) -> None: ...
 
 class ExpertPlan(_message.Message):
     __slots__ = ("holders", "layers", "probe_interval", "lost_after", "call_timeout")
@@ -161,50 +163,22 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "memory_bytes", "host_memory_bytes", "spine", "expert_cache_bytes", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "session_bytes", "prefix_cache_bytes", "sequences", "context", "prefill_chunk", "max_resident_layers", "none", "expert_layers", "expert_share", "converted", "wire")
+    __slots__ = ("dtype", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "wire")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SPINE_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IO_FIELD_NUMBER: _ClassVar[int]
     READ_THREADS_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
-    MAX_RESIDENT_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    NONE_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_SHARE_FIELD_NUMBER: _ClassVar[int]
-    CONVERTED_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
-    memory_bytes: int
-    host_memory_bytes: int
-    spine: str
-    expert_cache_bytes: int
     io: str
     read_threads: int
     cache_policy: str
     prefetch: bool
     prefetch_layers: int
-    session_bytes: int
-    prefix_cache_bytes: int
-    sequences: int
-    context: int
-    prefill_chunk: int
-    max_resident_layers: int
-    none: _containers.RepeatedScalarFieldContainer[str]
-    expert_layers: int
-    expert_share: float
-    converted: bool
     wire: str
-    def __init__(self, dtype: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., spine: _Optional[str] = ..., expert_cache_bytes: _Optional[int] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., session_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., context: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., max_resident_layers: _Optional[int] = ..., none: _Optional[_Iterable[str]] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., converted: _Optional[bool] = ..., wire: _Optional[str] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., wire: _Optional[str] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes", "state_identity")
@@ -527,7 +501,7 @@ class ExpertStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
 
 class StageSizing(_message.Message):
-    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted", "context")
+    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted", "context", "wide")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +534,7 @@ class StageSizing(_message.Message):
     SPINE_WHY_FIELD_NUMBER: _ClassVar[int]
     CONVERTED_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    WIDE_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     device: str
@@ -592,7 +567,8 @@ class StageSizing(_message.Message):
     spine_why: str
     converted: bool
     context: int
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ..., context: _Optional[int] = ...) -> None: ...
+    wide: bool
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ..., context: _Optional[int] = ..., wide: _Optional[bool] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")

@@ -63,15 +63,16 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
     from deltafin.runtime.pipeline import LocalPipeline
 
-    defaults = StageOptions(sizing=SizingOptions(expert_cache_bytes=5_000_000, read_threads=4, max_resident_layers=3))
-    sent = {"dtype": "bf16", "memory_bytes": 7 << 30, "expert_cache_bytes": None, "session_bytes": 123,
-            "prefetch": False, "max_resident_layers": None}
+    defaults = StageOptions(memory_bytes=7 << 30, cache_policy="lru",
+                            sizing=SizingOptions(expert_cache_bytes=5_000_000, read_threads=4))
+    sent = {"dtype": "bf16", "prefetch": False, "io": "buffered", "wire": "bf16"}
     got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
                                                                 .SerializeToString()), defaults)
-    assert (got.dtype, got.memory_bytes, got.sizing.expert_cache_bytes, got.sizing.session_bytes, got.prefetch) == (
-        torch.bfloat16, 7 << 30, None, 123, False)
-    assert got.sizing.max_resident_layers is None and got.sizing.read_threads == 4  # unset: the worker's own
-    for bad in ({"warp_drive": 1}, {"read_threads": "many"}):
+    assert (got.dtype, got.prefetch, got.io, got.wire) == (torch.bfloat16, False, "buffered", "bf16")
+    # unset: the worker's own; what a stage holds is never an option on the wire
+    assert (got.memory_bytes, got.cache_policy, got.sizing.read_threads, got.sizing.expert_cache_bytes) == (
+        7 << 30, "lru", 4, 5_000_000)
+    for bad in ({"warp_drive": 1}, {"read_threads": "many"}, {"memory_bytes": 1}, {"spine": "q4"}):
         with pytest.raises(CodecError):
             codec.encode_stage_options(bad)
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32",
@@ -157,16 +158,40 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
         codec.decode_request_parts(mixed)
 
 
-def test_prefill_chunk_and_prefix_cache_bytes_keep_their_first_names_in_none() -> None:
-    """The wire's bytes are as before the fields were renamed: `none` spells them max_forward_tokens and
-    prefix_bytes, and both spellings decode to the same options."""
-    msg = codec.encode_stage_options({"prefill_chunk": None, "prefix_cache_bytes": None})
-    assert list(msg.none) == ["max_forward_tokens", "prefix_bytes"]
-    defaults = StageOptions(sizing=SizingOptions(prefill_chunk=64, prefix_cache_bytes=10))
-    got = codec.decode_stage_options(pb.StageOptions.FromString(msg.SerializeToString()), defaults)
-    assert got.sizing.prefill_chunk is None and got.sizing.prefix_cache_bytes is None
-    sent = codec.encode_stage_options({"prefill_chunk": 128})
-    assert codec.decode_stage_options(sent, defaults).sizing.prefill_chunk == 128
+def test_a_stage_plan_travels_whole_and_checked() -> None:
+    """Every field of a plan (a wide stage's, with a streamed tail and a why) comes back equal; a plan missing a
+    field, for layers the model does not have, with its layers out of order, or with a negative part is refused
+    by name."""
+    from deltafin.checkpoint.config import parse_config
+    from deltafin.checkpoint.presets import preset_config
+    from deltafin.plan.sizing import Budget, Placement, choose
+
+    cfg = parse_config(preset_config("small"))
+    z = choose(cfg, 1, cfg.num_layers, Placement("cuda", 2), Budget(int(0.3 * GB_), int(2 * GB_)),
+               SizingOptions(spine="q4", expert_layers=len(cfg.moe_layers), expert_share=0.4, max_resident_layers=2))
+    assert z.wide and z.streamed_layers and z.spine_why and z.discrete
+    wire = pb.StageSizing.FromString(codec.encode_stage_plan(z).SerializeToString())
+    assert codec.decode_stage_plan(wire, cfg.num_layers) == z
+    for change, words in [({"end": cfg.num_layers + 1}, "invalid layer range"), ({"expert_calls": -5}, "expert_calls"),
+                          ({"resident_layers": [2, 1]}, "in order"), ({"spine": "fp4"}, "unknown spine")]:
+        bad = pb.StageSizing()
+        bad.CopyFrom(wire)
+        for name, value in change.items():
+            if isinstance(value, list):
+                del getattr(bad, name)[:]
+                getattr(bad, name).extend(value)
+            else:
+                setattr(bad, name, value)
+        with pytest.raises(CodecError, match=words):
+            codec.decode_stage_plan(bad, cfg.num_layers)
+    partial = pb.StageSizing()
+    partial.CopyFrom(wire)
+    partial.ClearField("workspace")
+    with pytest.raises(CodecError, match="missing workspace"):
+        codec.decode_stage_plan(partial, cfg.num_layers)
+
+
+GB_ = 10**9
 
 
 def test_a_worker_says_its_own_spine_and_the_converted_copies_on_its_disk():
