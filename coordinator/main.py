@@ -25,6 +25,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import (
     add_cluster_options,
+    add_fields,
     add_sampling_options,
     add_serving_options,
     add_speculative_option,
@@ -33,10 +34,12 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
-from deltafin.coordinator.cluster.connect import ClusterOptions, cluster_spec, local_plan
+from deltafin.coordinator.cluster.cluster_options import ClusterOptions
+from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
 from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
-from deltafin.coordinator.engine.engine import Engine, ServingOptions, open_engine, planned_stage
+from deltafin.coordinator.engine.engine import Engine, open_engine, planned_stage
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
+from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
 from deltafin.coordinator.serve_bench import bench_serving
@@ -45,7 +48,6 @@ from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
 from deltafin.plan.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.transport.ports import cannot_listen, check_free
 
 if TYPE_CHECKING:
@@ -124,14 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model id responses carry (default: the model directory's name); requests may "
-                   "name any model")
-    s.add_argument("--strict-model-name", action="store_true",
-                   help="answer 404 model_not_found to a request that names another model")
-    s.add_argument("--default-max-tokens", type=int, default=SERVING_MAX_TOKENS,
-                   help=f"max tokens for chat requests that do not say (default {SERVING_MAX_TOKENS}: at K3's "
-                   "fraction of a token per second, more is hours)")
+    add_fields(s, ServingOptions, ["served_model_name", "strict_model_name", "default_max_tokens"])
     s.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (default 8 MB)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every endpoint but /health "

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltafin.coordinator.cluster.connect import ClusterOptions
-from deltafin.coordinator.engine.engine import ServingOptions, open_engine
+from deltafin.coordinator.cluster.cluster_options import ClusterOptions
+from deltafin.coordinator.engine.engine import open_engine
+from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.errors import DeltafinError
 from deltafin.options import from_values, option_names
@@ -51,7 +52,7 @@ from deltafin.text.chat import (
     assistant_message,
     encode_with_boundaries,
 )
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,9 @@ SizingOptions, ClusterOptions, ServingOptions, SamplingParams). The command line
 flags, the Python API from keywords, both through `from_values`: a value is named as its flag is, with
 underscores, and a size given in GB as NAME_gb fills the field NAME_bytes (`--memory-gb 48` and
 `memory_gb=48` are `memory_bytes=48e9`). Errors name the flag.
+
+A field a user gives is declared with `opt`: its default and its help, once; the command line's flags are made
+from those fields (deltafin/cli/flags.py, `add_fields`), so a flag's name, type, default and help are the field's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from deltafin.errors import DeltafinError
@@ -30,6 +34,25 @@ KERNELS = ("auto", "reference", "native", "mlx")
 EXPERT_MODES = ("auto", "wide", "local")
 WIRES = ("fp32", "bf16")  # what the hidden states and expert rows cross the links as: exact, or lossy and half
 PREFILL_BATCHES = ("ride", "separate")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an option field is given on the command line, beside what its name, type and default say. `help` is
+    argparse's (`%(default)s` names the default, `%%` is a percent sign)."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings that still work, shown in --help (--threads)
+    hidden: tuple[str, ...] = ()  # older spellings that still work, not shown (--context)
+    name: str | None = None  # the flag's name where it is not the field's (--max-context for `context`)
+    off: str | None = None  # a switch that is on by default: the flag that turns it off (--no-prefetch)
+
+
+def opt(default: Any, help: str, **flag: Any) -> Any:
+    """A user's option field: its default and its command-line flag (`Flag`'s fields)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
 
 
 def flag(name: str) -> str:
@@ -57,7 +80,8 @@ def more_than_zero(**values: float | None) -> None:
             raise DeltafinError(f"{flag(name)} must be more than 0")
 
 
-def _gb_name(field: str) -> str | None:
+def gb_name(field: str) -> str | None:
+    """The name a size field is given by in GB (`memory_bytes` -> `memory_gb`); None for any other field."""
     return field[:-len("_bytes")] + "_gb" if field.endswith("_bytes") else None
 
 
@@ -67,7 +91,7 @@ def from_values(cls: type[T], values: Mapping[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        gb = _gb_name(f.name)
+        gb = gb_name(f.name)
         if dataclasses.is_dataclass(hints[f.name]):
             kwargs[f.name] = from_values(hints[f.name], values)
         elif f.name in values:
@@ -86,5 +110,5 @@ def option_names(*classes: type) -> set[str]:
             if dataclasses.is_dataclass(hints[f.name]):
                 names |= option_names(hints[f.name])
             else:
-                names.add(_gb_name(f.name) or f.name)
+                names.add(gb_name(f.name) or f.name)
     return names

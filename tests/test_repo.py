@@ -305,7 +305,7 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
     """The `plan` command's output in the README (real workers, CPU placement) is what the planner gives now, for
     the sequences `serve` plans for (its --max-active)."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.coordinator.engine.engine import ServingOptions
+    from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
     from deltafin.plan.sizing_options import SizingOptions

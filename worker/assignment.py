@@ -104,7 +104,7 @@ class AssignmentSlot:
         cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
         backend = expert_backend_for(cfg, self.device)
         if sizing is not None:
-            place = Placement(self.device.type, options.dtype.itemsize, backend)
+            place = Placement(self.device.type, options.act_bytes, backend)
             budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
                 else Budget(sizing.device_total)  # no budget of its own: the plan's
             return check_plan(cfg, sizing, place, budget, options.sizing_for(spans))
@@ -159,7 +159,7 @@ class AssignmentSlot:
     def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
              plan: ExpertPlan | None, peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
         """On the stage's thread: the new assignment, reusing what `old` holds."""
-        if options.dtype == torch.float32:
+        if options.dtype == "fp32":
             exact_fp32()
         log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
                  f", wide experts over {len(plan.holders)} holders" if plan is not None else "")

@@ -23,7 +23,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_checkpoint
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
 from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
-from deltafin.devices import resolve_device, resolve_dtype
+from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.least import least_options, shortfall, smallest_stages
@@ -158,7 +158,7 @@ def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, .
                              expert_gbps=expert_gbps, expert_disks=len(ckpts),
                              damaged=tuple(_short(p) for p in damaged(ckpt)), spine=options.sizing.spine,
                              spine_disk=spine_disk(ckpt, options.spine_dir),
-                             compute=measure_compute(ckpt.config, device, resolve_dtype(options.dtype_name)))
+                             compute=measure_compute(ckpt.config, device, options.torch_dtype))
 
 
 def _checkpoints(args: argparse.Namespace) -> list[Any]:
@@ -202,7 +202,7 @@ def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: 
     an expert holder, with one sequence: plan/least.py) is refused now, before the worker listens: no coordinator
     could use it, and more workers do not change what a stage needs."""
     ckpt, cfg = ckpts[0], ckpts[0].config
-    place = Placement(device.type, 2 if options.dtype_name == "bf16" else 4, "mlx" if device.type == "mps" else "torch")
+    place = Placement(device.type, options.act_bytes, "mlx" if device.type == "mps" else "torch")
     experts = sum(1 for i in cfg.moe_layers if any(i in c.layers_available() for c in ckpts))
     sizing = least_options(options.sizing_for(layer_spans(ckpt)))
     stages = smallest_stages(cfg, place, sizing, ckpt.layers_available(), ckpt.top_available, experts)

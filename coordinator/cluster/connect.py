@@ -1,5 +1,5 @@
-"""Where the model runs, as one typed value (ClusterOptions), and what it opens: in-process stages
-(single-machine mode) or the workers, planned and assigned, behind one Backend.
+"""What the model runs on, as ClusterOptions say (cluster_options.py): in-process stages (single-machine mode) or
+the workers, planned and assigned, behind one Backend.
 
 The command line builds ClusterOptions from its flags (deltafin/cli/flags.py), the Python API from keywords;
 both build the stages' StageOptions beside it, and `open_backend` takes the two.
@@ -8,84 +8,27 @@ both build the stages' StageOptions beside it, and `open_backend` takes the two.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import open_checkpoint, scan_checkpoint
 from deltafin.coordinator.cluster.backend import Backend, LocalBackend, Timeouts
+from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.recovery import RecoveryOptions, connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
-from deltafin.devices import resolve_device, resolve_dtype
+from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.options import DEVICES, EXPERT_MODES, check_choice, from_values
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
 from deltafin.runtime.stage import split_layers
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
-from deltafin.transport.auth import ClientTls, ClusterSecurity, load_key
-from deltafin.transport.ports import check_address
+from deltafin.transport.auth import ClusterSecurity, load_key
 from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """Where the stages run (workers found or named, or this process) and how the coordinator reaches them."""
-
-    model: str
-    worker: tuple[str, ...] = ()  # HOST:PORT, beside the discovered ones unless `discover` is off
-    discover: bool = True
-    discover_timeout: float = 3.0
-    expect: int | None = None  # stop browsing once this many workers answered
-    interface: tuple[str, ...] | None = None  # browse only on these interface addresses
-    local: bool = False  # single-machine mode: the stages run in this process
-    local_stages: int = 1
-    device: str = "auto"  # --local: the stages' device
-    experts: str = "auto"  # wide | local | auto: wide with more than one worker
-    cluster_key: str | None = None
-    cluster_key_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
-    worker_timeout: float = 10.0
-    forward_timeout: float = 600.0
-    recovery: bool = True
-    replay_journal_tokens: int = 1 << 22
-    rejoin_interval: float = 5.0
-
-    def __post_init__(self) -> None:
-        check_choice("device", self.device, DEVICES)
-        check_choice("experts", self.experts, EXPERT_MODES)
-        if self.worker_timeout <= 0 or self.forward_timeout <= 0:
-            raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
-        for address in self.worker:
-            check_address(address)
-
-    @classmethod
-    def of(cls, values: Mapping[str, Any]) -> ClusterOptions:
-        """From values named as the flags are (`worker`, `local`, `worker_timeout`, ...)."""
-        values = dict(values)
-        for name in ("worker", "interface"):
-            if values.get(name) is not None:
-                values[name] = tuple(values[name])
-        return from_values(cls, values)
-
-    @property
-    def tls(self) -> ClientTls | None:
-        if not (self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name):
-            return None
-        tls = ClientTls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
-        tls.credentials()  # unreadable files fail here, with their names
-        return tls
 
 
 async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig,
@@ -95,7 +38,7 @@ async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelC
         select_kernels(stage.kernels)  # this process's kernels, before its stages load
         options = with_memory_found(stage, resolve_device(cluster.device))
         pipe = await asyncio.to_thread(LocalPipeline.load, cluster.model, cluster.local_stages, cluster.device,
-                                       options.dtype_name, "hf", options, show_progress, cfg)
+                                       options.dtype, "hf", options, show_progress, cfg)
         return LocalBackend(pipe)
     backend, plan = await connect_cluster(cluster_spec(cluster, stage, cfg), show_progress=show_progress,
                                           recovery=RecoveryOptions(enabled=cluster.recovery,
@@ -113,7 +56,7 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
     """What `open_backend` loads in this process with `cluster.local`, planned the same way (nothing is loaded):
     each stage's memory by part, why its spine format, and what a forward carries."""
     device = resolve_device(cluster.device)
-    options = dataclasses.replace(with_memory_found(stage, device), dtype=resolve_dtype(stage.dtype_name))
+    options = with_memory_found(stage, device)
     ckpt = open_checkpoint(cluster.model, cfg)
     lines = []
     for z in plan_stages(ckpt, split_layers(cfg, cluster.local_stages), device, options):  # as open_backend does
@@ -133,12 +76,12 @@ def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig)
     timeouts = Timeouts(forward=cluster.forward_timeout, lost_after=cluster.worker_timeout,
                         probe_interval=min(2.0, cluster.worker_timeout / 3))
     sizing = stage.sizing_for(layer_spans(scan_checkpoint(cluster.model, cfg)))
-    sent = {"dtype": stage.dtype_name, "io": stage.io, "read_threads": stage.sizing.read_threads,
+    sent = {"dtype": stage.dtype, "io": stage.io, "read_threads": stage.sizing.read_threads,
             "cache_policy": stage.cache_policy, "prefetch": stage.prefetch, "wire": stage.wire}
     return ClusterSpec(Path(cluster.model), addresses=list(cluster.worker), discover=cluster.discover,
                        discover_timeout=cluster.discover_timeout, expect=cluster.expect,
                        interfaces=None if cluster.interface is None else list(cluster.interface),
-                       options=sent, sizing=sizing, act_bytes=2 if stage.dtype_name == "bf16" else 4,
+                       options=sent, sizing=sizing, act_bytes=stage.act_bytes,
                        memory_cap=stage.memory_bytes, timeouts=timeouts, security=security,
                        experts=cluster.experts)
 

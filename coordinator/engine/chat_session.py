@@ -11,7 +11,7 @@ from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.report import PrefillReporter
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.text.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode_with_boundaries
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 
 @dataclass

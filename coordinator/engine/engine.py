@@ -17,9 +17,11 @@ from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig, load_config
 from deltafin.coordinator.cluster.backend import Backend
-from deltafin.coordinator.cluster.connect import ClusterOptions, open_backend
+from deltafin.coordinator.cluster.cluster_options import ClusterOptions
+from deltafin.coordinator.cluster.connect import open_backend
 from deltafin.coordinator.engine.prefix_index import PrefixIndex, PrefixSession, stage_shares
 from deltafin.coordinator.engine.scheduler import Scheduler
+from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import (
     Finished,
     PrefillProgress,
@@ -30,14 +32,12 @@ from deltafin.coordinator.engine.token_loop import (
     generate,
 )
 from deltafin.errors import DeltafinError, PromptTooLong, ShuttingDown
-from deltafin.options import PREFILL_BATCHES, check_choice
 from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES, DraftLength, NgramDrafter, default_cost
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,35 +95,6 @@ class Counters:
         self.draft_tokens += end.drafting.draft_tokens
         self.accepted_tokens += end.drafting.accepted_tokens
         self.forwards += end.drafting.forwards
-
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """How the engine serves requests: how many at once, how many wait, the pipelining and drafting (their
-    context is the plan's: --max-context, a stage option). Checked when built, before anything loads."""
-
-    speculative: str = "none"  # none | ngram: how requests that do not say draft
-    max_active: int = 4  # requests generating at once (their steps are batched)
-    queue_depth: int = 16  # requests waiting for a slot; more are refused (QueueFull)
-    pipeline_depth: int = 0  # batches in flight through the stages (0: one per stage that computes beside others)
-    prefill_batches: str = "ride"  # ride: decode steps go with the next prompt chunk | separate: they take turns
-    default_max_tokens: int = SERVING_MAX_TOKENS  # for chat requests that do not say (capped by the context)
-    served_model_name: str | None = None  # the model id responses carry (None: the model directory's name)
-    strict_model_name: bool = False  # a request that names another model is model_not_found
-    max_drafts: int = 8  # drafted tokens one speculative forward verifies at most
-
-    def __post_init__(self) -> None:
-        if self.speculative not in MODES:
-            raise DeltafinError(f"unknown speculative mode {self.speculative!r}: {', '.join(MODES)}")
-        check_choice("prefill_batches", self.prefill_batches, PREFILL_BATCHES)
-        if (self.max_active < 1 or self.queue_depth < 0 or self.default_max_tokens < 1 or self.pipeline_depth < 0):
-            raise DeltafinError("--max-active and --default-max-tokens must be >= 1, --queue-depth and "
-                                "--pipeline-depth >= 0")
-
-    @property
-    def speculative_tokens(self) -> int:
-        """Tokens one speculative forward verifies, for the memory plan: the most when drafting, else 0."""
-        return SPECULATIVE_TOKENS if self.speculative != "none" else 0
 
 
 class Engine:

@@ -29,7 +29,8 @@ from deltafin.coordinator.engine.prefix_index import PrefixSession
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
 from deltafin.text.drafting import Drafter, DraftLength
-from deltafin.text.sampling import Choice, Sampler, SamplingParams, StopMatcher
+from deltafin.text.sampling import Choice, Sampler, StopMatcher
+from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer, StreamDecoder
 from deltafin.transport.grpc_status import is_prefix_missing
 

@@ -33,7 +33,7 @@ from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage
 from deltafin.coordinator.http import request as rq
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathere
 from deltafin.coordinator.http import request as rq
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 PREFIX = "/api/"  # errors under it take Ollama's shape
 VERSION = "0.12.0"  # the Ollama API version whose routes and fields this adapter follows

@@ -14,7 +14,7 @@ from typing import Any
 from deltafin.errors import SamplingError
 from deltafin.text.chat import ChatOptions
 from deltafin.text.drafting import MODES
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it; no client needs more)

@@ -13,7 +13,6 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,8 +22,8 @@ from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli
 from deltafin.cli.doctor import add_doctor_command
 from deltafin.cli.flags import (
     MODEL_HELP,
-    add_context_option,
     add_device_options,
+    add_fields,
     add_stage_options,
     model_arg,
     stage_from_args,
@@ -35,13 +34,12 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.options import CONVERTED_SPINES, DEVICES, SPINES, WIRES
+from deltafin.options import CONVERTED_SPINES, DEVICES, WIRES
 from deltafin.paths import models_dir, name_of
+from deltafin.plan.sizing_options import SizingOptions
+from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
-
-if TYPE_CHECKING:
-    from deltafin.runtime.stage_options import StageOptions
 
 log = logging.getLogger("deltafin")
 
@@ -98,15 +96,14 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                        "cannot fit.")
     p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="also show the memory plan of the whole model as one stage within this budget (more "
-                   "than 0; one that cannot fit says the least it needs, and inspect exits 1)")
+    add_fields(p, StageOptions, ["memory_bytes"], helps={
+        "memory_bytes": "also show the memory plan of the whole model as one stage within this budget (more than 0; "
+        "one that cannot fit says the least it needs, and inspect exits 1)"})
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="--memory-gb: where it runs")
-    p.add_argument("--spine", default="auto", choices=SPINES, help="--memory-gb: spine format")
-    p.add_argument("--sequences", type=int, default=None,
-                   help="--memory-gb: sequences planned for (default 1: one worker, one user)")
-    add_context_option(p, "--memory-gb: tokens a request may have (default: the model's own maximum, or the longest "
-                       "the memory holds beside the plan's expert cache, whichever is less)")
+    add_fields(p, SizingOptions, ["spine", "sequences", "context"], helps={
+        "spine": "--memory-gb: spine format", "sequences": "--memory-gb: sequences planned for (default 1: one "
+        "worker, one user)", "context": "--memory-gb: tokens a request may have (default: the model's own maximum, "
+        "or the longest the memory holds beside the plan's expert cache, whichever is less)"})
     p.set_defaults(func=_cmd_inspect)
 
 

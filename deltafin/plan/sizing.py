@@ -59,6 +59,7 @@ from deltafin.plan.sizing_options import (
     ONE_WORKER_CACHE_SHARE,
     QUALITY_SOURCE,
     RESIDENT_EXPERT_SPINES,
+    SPECULATIVE_TOKENS,
     SPINE_QUALITY,
     Placement,
     SizingOptions,
@@ -98,7 +99,6 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
     return (3 * (cfg.conv_kernel - 1) * cfg.kda_dim + cfg.kda_heads * cfg.kda_head_dim ** 2) * 4
 
 
-SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
 
 
 def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:

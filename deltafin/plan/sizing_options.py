@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.options import SPINES, at_least, check_choice
+from deltafin.options import SPINES, at_least, check_choice, opt
 
+SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
 SEQUENCES = 4  # sequences a stage of a cluster plans caches for, unless the user says
 # the context a plan is sized for first when the user gives none (--max-context), then grown into the memory it
 # leaves unused, up to the model's own maximum (plan/context.py)
@@ -34,6 +35,11 @@ RESIDENT_EXPERT_SPINES = ("bf16", "int8")  # auto, every expert resident: never 
 # what the compact formats cost, measured through the runtime (the plan says it where it chooses one)
 SPINE_QUALITY = {"int8": "-0.01 % perplexity, mean KL 0.005", "q4": "+0.78 % perplexity, mean KL 0.089"}
 QUALITY_SOURCE = "on k3-mini's held-out split: docs/k3-mini.md, 'what a spine format costs'"
+CONTEXT_HELP = ("tokens a request may have, prompt and reply, which the memory plan reserves caches and attention "
+                "room for; a longer request is refused before its prefill (default: the model's own maximum, or the "
+                "longest the memory holds beside the plan's expert cache, whichever is less: `plan` and `inspect` "
+                "say which, and what a longer one would cost; at K3's width each 1,024 tokens take 57 MB per "
+                "sequence)")
 
 
 @dataclass(frozen=True)
@@ -60,16 +66,33 @@ class SizingOptions:
     """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
     (the command line, the Python API and an assignment off the wire all build it), with the flags' names."""
 
-    spine: str = "auto"  # auto | bf16 | int8 | q4
-    expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
+    spine: str = opt(
+        "auto", "non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 with the "
+        "sensitive matrices row-int8: a third; quality in docs/k3-mini.md); int8 and q4 are converted once and kept "
+        "on the disk (see --no-convert); default auto: bf16 if it fits, else int8 if it fits, else q4; layers that "
+        "still do not fit stream from the disk", choices=SPINES)
+    expert_cache_bytes: int | None = opt(
+        None, "stream routed experts from the disk with a cache of this many GB (default: every expert in memory if "
+        "they fit, else streamed with a cache of the memory left)")
     session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
-    prefix_cache_bytes: int | None = None  # kept prefixes; None: as much as the sessions (a kept state each); 0: off
-    sequences: int | None = None  # None: ONE_USER_SEQUENCES on one worker (one_worker), else SEQUENCES
-    context: int | None = None  # tokens a sequence may hold; None: the longest the memory holds (plan/context.py)
-    prefill_chunk: int | None = None  # most tokens one forward takes (longer prompts go in several); None: the
-    # planned context, within FORWARD_SHARE of the budget or a small expert cache (choose)
-    read_threads: int = 8
-    max_resident_layers: int | None = None  # keep at most this many layers resident (the rest stream)
+    prefix_cache_bytes: int | None = opt(
+        None, "keep sequence state after a request within this many GB, so that a request that starts with the same "
+        "tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: as much as the "
+        "sequences' caches: --sequences states at --max-context tokens)")
+    sequences: int | None = opt(
+        None, "sequences the memory plan keeps caches for (default: 1 on one worker, serving one user, so that its "
+        "expert cache keeps more; 4 on each stage of a cluster; serve: its --max-active)")
+    context: int | None = opt(None, CONTEXT_HELP, name="--max-context", hidden=("--context",), metavar="N")
+    prefill_chunk: int | None = opt(
+        None, "most tokens one forward carries; longer prompts go in chunks, and each chunk reads the experts again "
+        "(default: the --max-context tokens, 4,096 where it is not given, in one forward if their workspace fits a "
+        "tenth of the memory, else as many as do, more where a small expert cache can give way; on one worker the "
+        "longest that leaves the expert cache 21.5%% of the memory; at least 512)")
+    read_threads: int = opt(8, "parallel readers of experts and streamed layers (default %(default)s)",
+                            aliases=("--threads",))
+    max_resident_layers: int | None = opt(
+        None, "keep at most this many layers' spine in memory; the rest streams from the disk every token (default: "
+        "as many as fit)")
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
     speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)

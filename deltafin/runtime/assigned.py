@@ -120,7 +120,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
             stage, sizing = None, sizing or holder_sizing(ckpt, device, options)
             log.info("expert holder on %s: %s", device, sizing.describe())
             store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
-    holder = ExpertHolder(cfg, store, device, options.dtype)  # type: ignore[arg-type]
+    holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
     if stage is not None:
         others = {h: p for h, p in peers.items() if h != me}
         names = {h.key: h.name or h.address for h in plan.holders}
@@ -145,7 +145,7 @@ def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
 
 def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions) -> StageSizing:
     """The memory plan of a worker that only serves experts: within its budget, or (none) the cache it is given."""
-    place = Placement(device.type, torch.finfo(options.dtype).bits // 8,
+    place = Placement(device.type, options.act_bytes,
                       "mlx" if expert_backend_for(ckpt.config, device) == "mlx" else "torch")
     sizing = options.sizing_for(layer_spans(ckpt))
     if options.memory_bytes is None:

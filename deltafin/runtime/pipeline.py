@@ -115,7 +115,7 @@ def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.d
             return disk_plan(ckpt, a, b, device, opts, backend)
         except OutOfMemory:
             if opts.memory_bytes is not None:  # say the least it needs, where that is more than the budget
-                place = Placement(device.type, opts.dtype.itemsize, backend)
+                place = Placement(device.type, opts.act_bytes, backend)
                 check_fits(cfg, a, b, place, Budget(opts.memory_bytes, opts.host_memory_bytes),
                            opts.sizing_for(layer_spans(ckpt)))
             raise

@@ -108,7 +108,7 @@ class Stage:
         if not 0 <= start < end <= cfg.num_layers:
             raise DeltafinError(f"invalid layer range [{start}, {end}) for a {cfg.num_layers}-layer model")
         self.cfg, self.ckpt, self.start, self.end = cfg, ckpt, start, end
-        self.device, self.dtype, self.options = device, opts.dtype, opts
+        self.device, self.dtype, self.options = device, opts.torch_dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         check_stage_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"

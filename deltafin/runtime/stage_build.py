@@ -64,7 +64,7 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
     """What the stage will hold (pure): within `memory_bytes` if set (its context, where none is given, the longest
     that memory holds: plan/context.py), else everything resident; `experts` is where the routed experts run
     (torch or mlx)."""
-    place = Placement(device.type, torch.finfo(options.dtype).bits // 8, experts)
+    place = Placement(device.type, options.act_bytes, experts)
     sizing = options.sizing_for(spans)
     if options.memory_bytes is None:
         spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
@@ -246,7 +246,7 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
     device, each layer's spine format (a converted one's recipe), where the routed experts run and the kernels
     that multiply (their rounding differs). A state is resumed only by a stage of the same identity: a kept
     prompt computed with a bf16 spine is never continued (nor its logits reused) by a q4 one."""
-    dtype = str(options.dtype).removeprefix("torch.")
+    dtype = str(options.torch_dtype).removeprefix("torch.")
     numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if sizing.spine in CONVERTED else None,
                "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
                "wide": sizing.wide}
@@ -271,7 +271,7 @@ def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOption
     `prefix_disk_bytes` (default: the model's, at the planned context: kept_prefixes.default_prefix_disk_bytes)."""
     budget = options.prefix_disk_bytes
     if budget is None:
-        budget = default_prefix_disk_bytes(ckpt.config, sizing.context, options.dtype.itemsize)
+        budget = default_prefix_disk_bytes(ckpt.config, sizing.context, options.act_bytes)
     if not options.prefix_dir or not budget or not sizing.prefixes:
         return None
     return PrefixDisk(options.prefix_dir, identity, budget, device)

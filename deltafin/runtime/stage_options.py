@@ -14,9 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deltafin.options import (
     CACHE_POLICIES,
@@ -29,13 +27,18 @@ from deltafin.options import (
     check_choice,
     from_values,
     more_than_zero,
+    opt,
     option_names,
 )
 from deltafin.paths import cache_dir
-from deltafin.plan.memory import find_memory
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing_options import SizingOptions
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}  # a torch dtype given for `dtype`, by name
 
 SIZING_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingOptions))
 # what the plan, the stage or the process sets, not the user
@@ -48,26 +51,50 @@ class StageOptions:
     """How a stage holds its weights. With no `memory_bytes`, everything is resident (small checkpoints,
     tests); with one, the stage sizes itself within it (sizing.choose) and refuses what cannot fit."""
 
-    dtype: torch.dtype = torch.float32  # activations
-    memory_bytes: int | None = None  # everything this stage may hold (the device's memory on a GPU)
+    dtype: str = opt("fp32", "activation dtype (default %(default)s)", choices=DTYPES)  # torch_dtype: as torch's
+    memory_bytes: int | None = opt(
+        None, "memory this process may use for the model: weights, caches, buffers, workspace (the GPU's, on "
+        "CUDA). Default: what it finds (RAM, a cgroup limit, the GPU's free memory, Metal's working set) less a "
+        "safety margin")
     host_memory_bytes: int | None = None  # host RAM beside a discrete GPU (staging buffers, the runtime)
     sizing: SizingOptions = field(default_factory=SizingOptions)  # the memory plan's knobs
-    io: str = "direct"  # expert and streamed-spine reads: "direct" (no page cache) or "buffered"
-    cache_policy: str = "lfu"  # measured best of lru/lfu/pinned on decode traces (README)
-    prefetch: bool = True
+    io: str = opt("direct", "read experts with O_DIRECT/F_NOCACHE (default) or through the page cache",
+                  choices=IO_MODES)
+    cache_policy: str = opt("lfu", "expert cache policy (default %(default)s: the best of the three on measured "
+                            "decode traces)", choices=CACHE_POLICIES, aliases=("--policy",))
+    prefetch: bool = opt(True, "read experts only when a layer asks for them", off="--no-prefetch")
     prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
-    expert_dir: tuple[str, ...] = ()  # more copies (or parts) of the checkpoint on other disks, read for experts
+    expert_dir: tuple[str, ...] = opt(
+        (), "another copy (or part) of the checkpoint on another disk (repeatable): the routed experts are read "
+        "from every disk that holds them, in proportion to each disk's measured speed (e.g. a Mac's internal SSD "
+        "and a Thunderbolt SSD); the rest of the model is read from --model", metavar="DIR")
     disk_gbps: tuple[float, ...] | None = None  # the model directory's disk and each expert dir's (None: measured)
-    prefix_dir: str | None = None  # kept prefixes also go to this disk folder (None: memory only)
-    prefix_disk_bytes: int | None = None  # what they may take there, least recently used out first (None: the
-    # model's default, room for 64 states at the planned context, at most 32 GB: default_prefix_disk_bytes)
+    prefix_dir: str | None = opt(
+        None, "also keep prefixes on this disk folder, so that a request sharing one resumes after a restart too "
+        "(default: the cache directory's prefixes/)")
+    prefix_disk_bytes: int | None = opt(
+        None, "what kept prefixes may take on the disk, least recently used out first (default: room for 64 of the "
+        "model's kept states at --max-context tokens, at most 32 GB: K3's 32 GB, k3-mini's 0.36 GB; 0: memory "
+        "only)")
     expert_heat_dir: str | None = None  # streamed experts' use is remembered here (weights/expert_heat.py; None: not)
-    kernels: str = "auto"  # the process's fast paths (kernels/linear.select_kernels): auto | reference | native | mlx
-    wire: str = "fp32"  # what a stage's output states and its expert calls' rows and sums cross the links as
-    convert: bool = True  # convert the spine first where the plan needs an int8/q4 one not on the disk yet
-    spine_dir: str | None = None  # where converted spines are (None: the cache directory's spines/<model>-<format>)
+    kernels: str = opt(
+        "auto", "auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on MLX on "
+        "Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX", choices=KERNELS)
+    wire: str = opt(
+        "fp32", "what crosses the links between the machines: fp32 (default: exact), or bf16 (half the bytes of the "
+        "stage hops' states and the wide experts' rows and sums; lossy: its cost in docs/cluster.md, measured like "
+        "the spine formats)", choices=WIRES)
+    convert: bool = opt(
+        True, "refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet (default: "
+        "convert it first, once, into the cache directory, as `deltafin convert` does)", off="--no-convert")
+    spine_dir: str | None = opt(
+        None, "where converted spines are (`deltafin convert --out DIR`; default: the cache directory's spines/)",
+        metavar="DIR")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str):  # a torch dtype (the Python API, tests): by its name
+            object.__setattr__(self, "dtype", TORCH_DTYPES.get(str(self.dtype), str(self.dtype)))
+        check_choice("dtype", self.dtype, DTYPES)
         check_choice("io", self.io, IO_MODES)
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("kernels", self.kernels, KERNELS)
@@ -88,8 +115,16 @@ class StageOptions:
         return dataclasses.replace(self.sizing, spans=spans, disks=1 + len(self.expert_dir))
 
     @property
-    def dtype_name(self) -> str:
-        return "bf16" if self.dtype == torch.bfloat16 else "fp32"
+    def torch_dtype(self) -> torch.dtype:
+        """The activations' torch dtype."""
+        import torch  # here: these options are built (and the flags made from them) without loading torch
+
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+    @property
+    def act_bytes(self) -> int:
+        """An activation's bytes: fp32 4, bf16 2."""
+        return 2 if self.dtype == "bf16" else 4
 
 
 def stage_options(values: Mapping[str, Any]) -> StageOptions:
@@ -98,7 +133,7 @@ def stage_options(values: Mapping[str, Any]) -> StageOptions:
     flags, the Python API its keywords. Kept prefixes go to the cache directory's prefixes/ unless
     `prefix_disk_gb` is 0 or `prefix_dir` says where; the streamed experts' heat to its heat/ unless
     `expert_heat` is False (`--no-expert-heat`)."""
-    values = {**values, "dtype": as_dtype(values.get("dtype", "fp32"))}
+    values = dict(values)
     if values.get("expert_heat", True):
         values["expert_heat_dir"] = values.get("expert_heat_dir") or str(cache_dir("heat"))
     else:
@@ -117,16 +152,11 @@ def stage_option_names() -> set[str]:
     return option_names(StageOptions) - PLANNED | {"expert_heat"}  # expert_heat: where stage_options says
 
 
-def as_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    check_choice("dtype", name, DTYPES)
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
 def with_memory_found(options: StageOptions, device: torch.device) -> StageOptions:
     """`options` with the memory budget this process may use on `device`: its own `memory_bytes` if given, else
     what the process finds (RAM, a cgroup limit, the GPU's free memory, Metal's working set) less a margin."""
+    from deltafin.plan.memory import find_memory  # here: it loads torch, which the options themselves do not
+
     found = find_memory(device.type, device.index)
     device_budget, host_budget = found.budget
     if options.memory_bytes is not None:

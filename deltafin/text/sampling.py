@@ -14,48 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.errors import SamplingError
-
-MIN_TEMPERATURE = 1e-5  # below this, sampling is the argmax (logits / 1e-300 are infinities, and NaN after)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None  # None: none; n >= 0: the chosen token's logprob and the top n
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be between 0 and 2^64 - 1"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise SamplingError(name, f"{name} {why} (got {getattr(self, name)!r})")
-        for token, bias in self.logit_bias:
-            if not -100.0 <= bias <= 100.0:
-                raise SamplingError("logit_bias", f"logit_bias values must be between -100 and 100 (got {bias})")
-            if token < 0:
-                raise SamplingError("logit_bias", f"logit_bias keys must be token ids >= 0 (got {token})")
-
-    @property
-    def greedy(self) -> bool:
-        """Argmax: temperature 0 (or below MIN_TEMPERATURE, where dividing by it overflows), or top_k 1."""
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+from deltafin.text.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

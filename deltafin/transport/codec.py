@@ -350,10 +350,6 @@ def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageO
     """The options a coordinator sent, over this worker's `defaults`, checked as the command line's are (the same
     typed values): what the flags refuse, the wire cannot say either (CodecError: INVALID_ARGUMENT)."""
     changes: dict[str, Any] = {f.name: value for f, value in msg.ListFields()}
-    if "dtype" in changes:
-        if changes["dtype"] not in ("fp32", "bf16"):
-            raise CodecError(f"stage option dtype={changes['dtype']!r}: fp32 or bf16")
-        changes["dtype"] = torch.float32 if changes["dtype"] == "fp32" else torch.bfloat16
     try:
         return defaults.replace(**changes)
     except (DeltafinError, TypeError, ValueError) as e:

@@ -107,7 +107,8 @@ class SlowPrefill(ScriptedBackend):
 async def serve(backend, tok: K3Tokenizer, cfg, model: str = "tiny", api_key: str | None = None,
                 max_body: int = 1 << 20, **engine_options) -> tuple:
     """An Engine named `model` over `backend`, served on 127.0.0.1 (a free port): (engine, runner, url)."""
-    from deltafin.coordinator.engine.engine import Engine, ServingOptions
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.coordinator.http.server import start
 
     prefix_cache, context = engine_options.pop("prefix_cache", False), engine_options.pop("max_context", None)

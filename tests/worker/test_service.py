@@ -124,7 +124,7 @@ def test_assignment_is_checked(served, tiny_dir):
                  "both must use the same model files"),
                 (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
                                options=pb.StageOptions(dtype="fp64")), grpc.StatusCode.INVALID_ARGUMENT,
-                 "fp32 or bf16"),
+                 "--dtype: invalid choice: 'fp64'"),
                 (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
                                plan=pb.StageSizing(start=0, end=6)), grpc.StatusCode.INVALID_ARGUMENT,
                  "plan: missing device, spine"),

@@ -126,7 +126,8 @@ def test_pipelined_batches_match_solo_runs(small_dir):
     """One batch per stage in flight (--pipeline-depth 2: CPU workers on one host would get 1 by default);
     every request still gets its own greedy tokens."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.coordinator.engine.engine import Engine, ServingOptions
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.text.tokenizer import K3Tokenizer
 
     prompts = ["alpha beta", "the experts stream", "tokens are bytes", "a Mac cluster"]

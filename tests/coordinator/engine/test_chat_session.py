@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltafin.coordinator.engine.chat_session import ChatSession
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.text.chat import ChatOptions, encode
-from deltafin.text.sampling import SamplingParams
+from deltafin.text.sampling_params import SamplingParams
 
 
 async def test_chat_session_keeps_the_conversation(local_engine: Engine) -> None:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
-from deltafin.coordinator.engine.engine import Engine, ServingOptions
+from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.http.server import start
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.tokenizer import K3Tokenizer

@@ -4,6 +4,10 @@ fails when the value is built, with its flag named, before anything loads."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +36,8 @@ def _from_flags(model: Path, *extra: str):
 def test_the_flags_and_the_python_keywords_build_the_same_options(tmp_path: Path) -> None:
     cluster, stage, serving = _from_flags(tmp_path)
     assert (cluster, stage, serving) == model_options(tmp_path, KEYWORDS, local=True, device="auto")
-    assert stage.memory_bytes == 3 * 10**9 and stage.dtype == torch.bfloat16 and stage.expert_dir == ("/disk2",)
+    assert stage.memory_bytes == 3 * 10**9 and stage.expert_dir == ("/disk2",)
+    assert stage.dtype == "bf16" and stage.torch_dtype == torch.bfloat16
     assert (stage.sizing.spine, stage.sizing.prefill_chunk, stage.sizing.read_threads) == ("int8", 600, 3)
     assert (stage.cache_policy, stage.prefetch, stage.prefix_dir) == ("lru", False, None)
     assert (cluster.local, cluster.local_stages, cluster.worker_timeout) == (True, 2, 4.0)
@@ -125,3 +130,62 @@ def test_the_experts_heat_is_remembered_in_the_cache_directory_unless_switched_o
     off = model_options(tmp_path, {"no_expert_heat": True}, local=True)
     assert off == model_options(tmp_path, {"expert_heat": False}, local=True) and off[1].expert_heat_dir is None
     assert StageOptions().expert_heat_dir is None  # a bare value remembers nothing (as it keeps no prefix on disk)
+
+
+def _parsers():
+    """Every parser of the three programs: (program and command, parser)."""
+    from deltafin.cli.commands import build_parser as deltafin_parser
+
+    todo = [("deltafin", deltafin_parser()), ("deltafin-coordinator", coordinator_parser()),
+            ("deltafin-worker", worker_parser())]
+    while todo:
+        name, p = todo.pop()
+        yield name, p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {command}", sub) for command, sub in action.choices.items()]
+
+
+def test_every_option_flag_is_made_from_its_field():
+    """A flag of an option field has the field's default (or its size in GB), its choices and its help, written
+    once in the field: across every command of the three programs, the only defaults that differ are the ones a
+    command sets for itself, listed here."""
+    from deltafin.coordinator.cluster.cluster_options import ClusterOptions
+    from deltafin.coordinator.engine.serving_options import ServingOptions
+    from deltafin.options import GB, gb_name
+    from deltafin.plan.sizing_options import SizingOptions
+    from deltafin.runtime.stage_options import StageOptions
+    from deltafin.text.sampling_params import SamplingParams
+
+    fields = {}
+    for cls in (StageOptions, SizingOptions, ClusterOptions, ServingOptions, SamplingParams):
+        for f in dataclasses.fields(cls):
+            if "flag" in f.metadata:
+                gb = gb_name(f.name)
+                default = f.default / GB if gb and f.default is not None else f.default
+                fields[gb or f.name] = (list(default) if isinstance(default, tuple) else default, f.metadata["flag"])
+    seen, differ = set(), set()
+    for program, parser in _parsers():
+        for action in parser._actions:
+            if not hasattr(action, "option_field"):  # not an option field's (convert --spine: the format to write)
+                continue
+            default, flag = fields[action.dest]
+            seen.add(action.dest)
+            if action.help != argparse.SUPPRESS and action.choices is not None:
+                assert tuple(action.choices) == flag.choices, (program, action.dest)
+            if action.default not in (default, argparse.SUPPRESS):
+                differ.add((program.split()[-1], action.dest, action.default))
+    assert seen == set(fields)  # every field declared for the command line has its flag somewhere
+    # one user's commands plan one sequence; a chat samples, generating a benchmark's tokens is greedy
+    assert differ == {("bench", "sequences", 1), ("logits", "sequences", 1), ("chat", "temperature", 0.6),
+                      ("generate", "temperature", 0.0)}, differ
+
+
+def test_the_help_is_made_without_torch_or_grpc():
+    """Every command's --help is made from the option types without loading torch or gRPC (they take seconds)."""
+    code = ("import sys\nfrom deltafin.cli.commands import build_parser\np = build_parser()\n"
+            "for command in ('chat', 'serve', 'bench', 'inspect', 'demo'):\n"
+            "    p._subparsers._group_actions[0].choices[command].format_help()\n"
+            "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

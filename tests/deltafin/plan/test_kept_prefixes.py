@@ -39,5 +39,5 @@ def test_the_flags_help_says_the_default_the_code_computes(k3_config_raw) -> Non
     (flag,) = [a for a in p._actions if "--prefix-disk-gb" in a.option_strings]
     mini = default_prefix_disk_bytes(load_config(bundled_model()), 4096, 4)
     k3 = default_prefix_disk_bytes(parse_config(k3_config_raw), 4096, 4)
-    assert flag.default is None and f"room for {KEPT_ON_DISK} of the model's kept states at --context tokens, at " \
+    assert flag.default is None and f"room for {KEPT_ON_DISK} of the model's kept states at --max-context tokens, at " \
         f"most {PREFIX_DISK_BYTES / 1e9:g} GB: K3's {k3 / 1e9:g} GB, k3-mini's {mini / 1e9:.2f} GB" in flag.help

@@ -129,7 +129,8 @@ def test_draft_length_follows_acceptance_and_the_cost_of_a_pass() -> None:
 def test_verification_samples_exactly_the_target_distribution() -> None:
     """Speculative sampling with a certain draft: the token is distributed as the sampler's own p, whatever
     the draft (chi-square over 20,000 draws, seeded; the bound is the 0.999 quantile for 5 degrees of freedom)."""
-    from deltafin.text.sampling import Sampler, SamplingParams
+    from deltafin.text.sampling import Sampler
+    from deltafin.text.sampling_params import SamplingParams
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
     params = SamplingParams(temperature=0.8, seed=1234)
@@ -169,7 +170,8 @@ async def _tokens(engine, prompt: list[int], n: int, **kw) -> tuple[list[int], o
 def _engine(tiny_dir: Path, stages: int = 2, **kw):
     from deltafin.checkpoint.config import load_config
     from deltafin.coordinator.cluster.backend import LocalBackend
-    from deltafin.coordinator.engine.engine import Engine, ServingOptions
+    from deltafin.coordinator.engine.engine import Engine
+    from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.text.tokenizer import K3Tokenizer
 
     pipe = LocalPipeline.load(tiny_dir, stages, "cpu", "fp32")
@@ -235,7 +237,7 @@ async def test_sampling_with_drafts_keeps_the_distribution(tiny_dir: Path) -> No
     stages' logits; 600 seeded runs with a draft for the second token (the likeliest, so both acceptance and
     rejection happen) match them (chi-square below the 0.999 quantile for 8 degrees of freedom, 26.1)."""
     from deltafin.coordinator.engine.token_loop import Speculation
-    from deltafin.text.sampling import SamplingParams
+    from deltafin.text.sampling_params import SamplingParams
 
     engine, pipe = _engine(tiny_dir, stages=1)
 

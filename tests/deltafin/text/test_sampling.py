@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltafin.errors import SamplingError
-from deltafin.text.sampling import Sampler, SamplingParams, StopMatcher
+from deltafin.text.sampling import Sampler, StopMatcher
+from deltafin.text.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -68,7 +68,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
     sent = {"dtype": "bf16", "prefetch": False, "io": "buffered", "wire": "bf16"}
     got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
                                                                 .SerializeToString()), defaults)
-    assert (got.dtype, got.prefetch, got.io, got.wire) == (torch.bfloat16, False, "buffered", "bf16")
+    assert (got.torch_dtype, got.prefetch, got.io, got.wire) == (torch.bfloat16, False, "buffered", "bf16")
     # unset: the worker's own; what a stage holds is never an option on the wire
     assert (got.memory_bytes, got.cache_policy, got.sizing.read_threads, got.sizing.expert_cache_bytes) == (
         7 << 30, "lru", 4, 5_000_000)
