@@ -114,7 +114,8 @@ class Stage:
         self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
         # refuses what cannot fit, before anything loads
         self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
-        self.budgeted = plan is not None or opts.memory_bytes is not None  # its plan's caches and forwards bind
+        self.budgeted = opts.memory_bytes is not None  # its plan's caches and forwards bind (without a budget the
+        # plan is nominal: everything resident, no limit of its own)
         self._log_plan()
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)

@@ -179,8 +179,10 @@ def test_kernels_mlx_runs_the_q4_spine_on_mlx_and_native_does_not(kernels, monke
     calls.clear()
     assert float((linear_mod.linear(x, w).double() - want).norm() / want.norm()) < 1e-5
     assert calls == [1]
-    q8 = Int8Weight(torch.randint(-127, 128, (96, 512), dtype=torch.int8), torch.full((96, 1), 0.01).half())
-    assert torch.allclose(linear_mod.linear(x, q8), linear_mod.int8_linear_reference(x, q8), rtol=1e-5, atol=1e-5)
+    q8 = Int8Weight(torch.randint(-127, 128, (96, 512), dtype=torch.int8, generator=torch.Generator().manual_seed(9)),
+                    torch.full((96, 1), 0.01).half())
+    # the native kernel sums 512 fp32 products in another order than torch: outputs of ~20 differ by ~1e-5 of them
+    assert torch.allclose(linear_mod.linear(x, q8), linear_mod.int8_linear_reference(x, q8), rtol=1e-4, atol=1e-4)
     for choice in ("native", "auto"):
         kernels(choice)
         assert not isinstance(linear_mod.fast_path("cpu"), mlx_q4.MLXQ4Kernels)
