@@ -101,14 +101,15 @@ def from_values(cls: type[T], values: Mapping[str, Any]) -> T:
     return cls(**kwargs)
 
 
-def option_names(*classes: type) -> set[str]:
-    """The names `from_values` takes for `classes` (nested options dataclasses included)."""
+def option_names(*classes: type, declared: bool = False) -> set[str]:
+    """The names `from_values` takes for `classes` (nested options dataclasses included); with `declared`, only
+    those of the fields a user gives (declared with `opt`: the others are the process's or the plan's)."""
     names: set[str] = set()
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
-                names |= option_names(hints[f.name])
-            else:
+                names |= option_names(hints[f.name], declared=declared)
+            elif not declared or "flag" in f.metadata:
                 names.add(gb_name(f.name) or f.name)
     return names

@@ -185,7 +185,7 @@ def _mac_projection(cfg) -> list[str]:
     from deltafin.plan.links import PROFILES, Links
     from deltafin.plan.modes import choose_mode
     from deltafin.plan.predict import prefill_seconds
-    from deltafin.plan.sizing import SizingOptions
+    from deltafin.plan.sizing import SizingInput
 
     rows = []
     for label, n, budget_gb in MACS:
@@ -193,7 +193,7 @@ def _mac_projection(cfg) -> list[str]:
                                   device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
         for kind in PROFILES if n > 1 else ("—",):
             links = Links(assumed=PROFILES[kind]) if n > 1 else Links()
-            plan = choose_mode(cfg, workers, SizingOptions(), 4, "auto", links)
+            plan = choose_mode(cfg, workers, SizingInput(), 4, "auto", links)
             stages = [s.sizing for s in plan.workers]
             resident = sum(len(z.resident_layers) for z in stages)
             read = sum(z.expert_bytes_per_token for z in stages) / 1e9
@@ -225,14 +225,14 @@ def _first_token_projection(cfg) -> list[str]:
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
     from deltafin.plan.predict import PROMPT_LENGTHS
-    from deltafin.plan.sizing import SizingOptions
+    from deltafin.plan.sizing import SizingInput
 
     rows = []
     for label, n, budget_gb in MACS[:3]:
         workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
                                   device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
         for forward in (512, None):
-            plan = plan_layers(cfg, workers, SizingOptions(context=65536, sequences=1, prefill_chunk=forward),
+            plan = plan_layers(cfg, workers, SizingInput(context=65536, sequences=1, prefill_chunk=forward),
                                experts="wide" if n > 1 else "local")
             tokens = min(s.sizing.forward_tokens for s in plan.stages)
             assert [k for k, _ in plan.first_token] == list(PROMPT_LENGTHS)
@@ -257,11 +257,11 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     README's row) and under a uniform router, the best k."""
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
-    from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingOptions
+    from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingInput
     from deltafin.text.drafting import distinct_experts, expected_tokens
 
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")
-    (stage,) = plan_layers(cfg, [mac], SizingOptions(speculative_tokens=SPECULATIVE_TOKENS)).stages
+    (stage,) = plan_layers(cfg, [mac], SizingInput(speculative_tokens=SPECULATIVE_TOKENS)).stages
     (plain,) = plan_layers(cfg, [mac]).stages
     spine, experts = stage.sizing.spine_bytes_per_token / 1e9, stage.sizing.expert_bytes_per_token / 1e9
     one_pass = (spine + experts) / MAC_SSD_GBPS / EFFICIENCY
@@ -308,7 +308,7 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
     from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
-    from deltafin.plan.sizing_options import SizingOptions
+    from deltafin.plan.sizing import SizingInput
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
@@ -319,7 +319,7 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
         workers = [WorkerCapacity(f"mac{i + 1}", int(budget_gb) * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),),
                                   True, worker_id=str(i)) for i in range(int(n))]
         experts = "wide" if int(n) > 1 else "local"  # the command's default (--experts auto)
-        options = SizingOptions(sequences=ServingOptions().max_active)
+        options = SizingInput(sequences=ServingOptions().max_active)
         table = plan_layers(cfg, workers, options, experts=experts).table().splitlines()
         shown = [[t for t in row.split() if not t.startswith("127.0.0.1:")] for row in rows.splitlines()[1:]]
         body = [row.split() for row in table[1:] if row.startswith(("mac", "total"))]

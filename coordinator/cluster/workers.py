@@ -26,7 +26,7 @@ from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder
 from deltafin.plan.modes import choose_mode
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.transport.auth import ClusterSecurity
@@ -48,7 +48,7 @@ class ClusterSpec:
     expect: int | None = None  # stop browsing once this many answered
     interfaces: list[str] | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stage options sent with every assignment
-    sizing: SizingOptions = field(default_factory=SizingOptions)  # how the planner sizes each stage
+    sizing: SizingInput = field(default_factory=SizingInput)  # how the planner sizes each stage
     act_bytes: int = 4  # activation element size (fp32)
     memory_cap: int | None = None  # --memory-gb: no worker's stage plans for more than this
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.mini import corpus
 from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

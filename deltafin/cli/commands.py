@@ -57,7 +57,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         format_report,
         inspect_model,
     )
-    from deltafin.plan.sizing import SizingOptions  # torch: loaded when the command runs
 
     memory = None if args.memory_gb is None else int(args.memory_gb * 1e9)
     report = inspect_model(args.model, memory, args.device, SizingOptions(spine=args.spine,

@@ -15,8 +15,8 @@ from deltafin.plan.context import context_why, cost_per_1k, grown
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.layer_table import layer_table
 from deltafin.plan.least import check_fits
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, choose
-from deltafin.plan.sizing_options import SEQUENCES, base_context, one_worker
+from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.sizing_options import SEQUENCES, SizingOptions, base_context, one_worker
 from deltafin.weights.reader import layer_spans
 
 
@@ -97,7 +97,7 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
                 spans: tuple[int, ...] | None = None) -> dict:
     """The memory plan of one stage of every layer within `memory_bytes` on `device` (pure; `spans`: the
     checkpoint's layers' read buffers), with what its one-worker defaults trade (`trade`), or {"error": why}."""
-    opts = replace(options or SizingOptions(), spans=spans)
+    opts = SizingInput.of(options or SizingOptions(), spans=spans)
     place = Placement(device, experts="mlx" if device == "mps" else "torch")  # a Mac runs its experts on MLX
     try:
         z = grown(cfg, check_fits(cfg, 0, cfg.num_layers, place, Budget(memory_bytes), opts), place,
@@ -111,7 +111,7 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
             "kept_prefixes": kept}
 
 
-def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingOptions, plan: dict) -> list[dict]:
+def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingInput, plan: dict) -> list[dict]:
     """What the one-worker defaults trade (sizing.py: one sequence, and the expert cache before a long forward):
     the plan with each of them given back, as the flag that does it would make it."""
     if plan["experts_resident"] or not one_worker(cfg, 0, cfg.num_layers, opts):

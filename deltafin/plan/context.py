@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, StageSizing, size_stage
+from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, size_stage
 from deltafin.plan.sizing_options import base_context
 
 STEP = 1024  # contexts are found to a multiple of this (and `cost_per_1k` is per this many tokens)
 
 
-def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingOptions,
+def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput,
                context: int) -> StageSizing:
     """`s` sized again for sequences of `context` tokens: its format, resident layers, expert cache and forward as
     they are (`options`: the ones `s` was sized with)."""
@@ -32,7 +32,7 @@ def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: Sizi
 
 
 def longest_context(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                    options: SizingOptions) -> int:
+                    options: SizingInput) -> int:
     """The most tokens (a multiple of STEP, at most the model's own maximum) a sequence of `s` can hold within
     `budget` with nothing else of the plan changed; `s.context` where not even that grows."""
     top = cfg.max_context or base_context(cfg)
@@ -49,7 +49,7 @@ def longest_context(cfg: ModelConfig, s: StageSizing, place: Placement, budget: 
     return max(s.context, lo_steps * STEP)
 
 
-def grown(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
+def grown(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
     """`s` at the longest context its budget holds, where the user gave none (`options.context` None)."""
     if options.context is not None:
         return s
@@ -57,13 +57,13 @@ def grown(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, op
     return s if longest == s.context else at_context(cfg, s, place, options, longest)
 
 
-def cost_per_1k(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingOptions) -> int:
+def cost_per_1k(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput) -> int:
     """What STEP tokens more of context would take of `s`'s memory (its sequences' caches, kept prefixes and
     attention workspace): the expert cache's loss where the memory is full."""
     return at_context(cfg, s, place, options, s.context + STEP).total - s.total
 
 
-def context_why(cfg: ModelConfig, options: SizingOptions, context: int, more: int) -> str:
+def context_why(cfg: ModelConfig, options: SizingInput, context: int, more: int) -> str:
     """Where a plan's context comes from, as `plan` and `inspect` say it; `more`: what STEP tokens more would take
     of a stage's memory (cost_per_1k)."""
     if options.context is not None:

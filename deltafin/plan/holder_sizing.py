@@ -14,7 +14,7 @@ from deltafin.plan.sizing import (
     RUNTIME_OVERHEAD,
     Budget,
     Placement,
-    SizingOptions,
+    SizingInput,
     StageSizing,
     expert_call_bytes,
     expert_parts,
@@ -23,7 +23,7 @@ from deltafin.plan.sizing import (
 from deltafin.plan.sizing_options import resolved
 
 
-def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingOptions) -> StageSizing:
+def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingInput) -> StageSizing:
     """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
     assert options.wide, "a worker without layers only serves wide experts"
     options = resolved(cfg, options)
@@ -41,7 +41,7 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         expert_share=options.expert_share, context=options.context, wide=True)
 
 
-def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingOptions) -> StageSizing:
+def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
     base, options = _holder_base(cfg, place, budget, resolved(cfg, options))
@@ -55,7 +55,7 @@ def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: S
 
 
 def _holder_base(cfg: ModelConfig, place: Placement, budget: Budget,
-                 options: SizingOptions) -> tuple[StageSizing, SizingOptions]:
+                 options: SizingInput) -> tuple[StageSizing, SizingInput]:
     """A holder's working set (its cache only as the user fixed it), and the options with its forward: with none
     fixed, the calls of forwards up to the context within FORWARD_SHARE of the budget, or, where those leave no
     room, of PIECE_TOKENS (the shortest it gives): a holder plans in every budget from its least (plan/least.py)."""

@@ -19,7 +19,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.plan.holder_sizing import choose_holder
-from deltafin.plan.sizing import GB, RUNTIME_OVERHEAD, Budget, Placement, SizingOptions, StageSizing, choose
+from deltafin.plan.sizing import GB, RUNTIME_OVERHEAD, Budget, Placement, SizingInput, StageSizing, choose
 
 MOST = 1 << 50  # a budget no stage of any model needs: a search that passes it has nothing to find
 
@@ -67,14 +67,14 @@ def _plan_in(plans: Plans, budget: int) -> StageSizing | None:
         return None
 
 
-def least_stage(cfg: ModelConfig, start: int, end: int, place: Placement, options: SizingOptions) -> Least:
+def least_stage(cfg: ModelConfig, start: int, end: int, place: Placement, options: SizingInput) -> Least:
     """The least budget in which choose plans layers [start, end) on `place` with `options`."""
     budget, s = least_budget(lambda b: choose(cfg, start, end, place, b, options))
     return Least(budget, f"layers {start}-{end - 1}", s)
 
 
 def check_fits(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-               options: SizingOptions) -> StageSizing:
+               options: SizingInput) -> StageSizing:
     """The stage choose plans in `budget`; where none fits, SizingError in one line with the least it needs (the
     host memory beside a GPU being what is short: choose's own)."""
     try:
@@ -89,7 +89,7 @@ def check_fits(cfg: ModelConfig, start: int, end: int, place: Placement, budget:
                           ) from None
 
 
-def least_options(options: SizingOptions) -> SizingOptions:
+def least_options(options: SizingInput) -> SizingInput:
     """The least a coordinator may ask of a worker's stage: one sequence of one forward's tokens (PIECE_TOKENS), no
     kept prefixes, no speculative trail, the forward, the expert cache and the resident layers chosen by memory."""
     return replace(options, sequences=1, session_bytes=None, prefix_cache_bytes=0, context=PIECE_TOKENS,
@@ -97,7 +97,7 @@ def least_options(options: SizingOptions) -> SizingOptions:
                    expert_layers=None, expert_share=1.0)
 
 
-def smallest_stages(cfg: ModelConfig, place: Placement, options: SizingOptions, layers: Iterable[int], top: bool,
+def smallest_stages(cfg: ModelConfig, place: Placement, options: SizingInput, layers: Iterable[int], top: bool,
                     expert_layers: int) -> list[tuple[str, Plans]]:
     """The smallest stages a worker holding `layers` (and the embedding/head: `top`) could be given, each no larger
     than any stage that contains it: one of those layers alone (the first and the last only with the top), and,
@@ -135,7 +135,7 @@ def shortfall(stages: Sequence[tuple[str, Plans]], budget: int) -> Least | None:
 
 
 def too_small(cfg: ModelConfig, workers: Sequence[tuple[str, int, Placement, Iterable[int], bool, int]],
-              options: SizingOptions) -> str | None:
+              options: SizingInput) -> str | None:
     """Which workers (name, budget, placement, layers held, top held, MoE layers whose experts it holds) cannot plan
     even the smallest stage they could take, with their budgets and that stage's least; None where none."""
     short = []

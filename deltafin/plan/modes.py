@@ -22,14 +22,14 @@ from deltafin.plan.cluster_plan import Plan, WorkerCapacity
 from deltafin.plan.links import Links
 from deltafin.plan.planner import plan_layers
 from deltafin.plan.predict import prefill_seconds
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 
 TURN_PROMPT = 4096  # a chat turn, as the choice weighs it: its prompt ...
 TURN_REPLY = 512  # ... and its reply
 WIRE_HINT_GAIN = 0.1  # the share of a prompt's time a bf16 wire must save to be mentioned
 
 
-def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions, act_bytes: int,
+def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingInput, act_bytes: int,
                 asked: str, links: Links) -> Plan:
     """The plan in the experts' mode `asked` (wide | local), or with "auto" the faster for a turn (see the module
     docstring), its `mode_why` set."""

@@ -38,12 +38,12 @@ from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.least import too_small
 from deltafin.plan.links import Links
 from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds
-from deltafin.plan.sizing import SizingOptions, StageSizing, choose, expert_slot_bytes
+from deltafin.plan.sizing import SizingInput, StageSizing, choose, expert_slot_bytes
 from deltafin.plan.spine_choice import asked_spine, choose_spine
 
 log = logging.getLogger(__name__)
 
-def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingOptions | None = None,
+def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingInput | None = None,
                 act_bytes: int = 4, experts: str = "local", links: Links | None = None) -> Plan:
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
     usefully take layers are left out, or with wide experts serve experts only). Raises PlanError with the reason
@@ -57,7 +57,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
         raise PlanError("no workers to plan over")
     if experts not in ("wide", "local"):
         raise PlanError(f"unknown expert placement {experts!r}: wide or local")
-    opts = options or SizingOptions()
+    opts = options or SizingInput()
     wide = experts == "wide"
     if wide and not cfg.moe_layers:
         wide = False  # nothing to spread
@@ -66,7 +66,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     if plan is not None and plan.wide and len(plan.workers) < 2:  # workers refuse a plan of one holder
         log.warning("wide experts need two workers or more to spread over; %s computes its own layers' experts",
                     plan.workers[0].worker)
-        plan, why, opts = _in_cluster_spine(cfg, workers, options or SizingOptions(), act_bytes, False)
+        plan, why, opts = _in_cluster_spine(cfg, workers, options or SizingInput(), act_bytes, False)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
     streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]
@@ -83,7 +83,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
                    first_token=tuple((n, prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in PROMPT_LENGTHS))
 
 
-def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], opts: SizingOptions,
+def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], opts: SizingInput,
                   act_bytes: int) -> Plan:
     """The plan at the one context its stages share: as asked (--max-context), else the least of the longest
     each stage's memory holds with nothing else of its plan changed (plan/context.py)."""
@@ -100,8 +100,8 @@ def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], o
     return replace(plan, stages=stages, context=context, context_why=context_why(cfg, opts, context, more))
 
 
-def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
-                      wide: bool) -> tuple[Plan | None, str, SizingOptions]:
+def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int,
+                      wide: bool) -> tuple[Plan | None, str, SizingInput]:
     """The cheapest plan in the cluster's spine format, why that format, and the options with it
     (plan/spine_choice.py: as asked, by the coordinator or the workers; else by memory and what the disks hold)."""
     spine, asked = asked_spine(opts.spine, [(w.name, w.spine) for w in workers])
@@ -121,14 +121,14 @@ def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:
     return sum(1 for layer in cfg.moe_layers if w.holds_experts(layer))
 
 
-def _wide_options(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions) -> list[SizingOptions]:
+def _wide_options(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput) -> list[SizingInput]:
     """Each worker's sizing options with wide experts, its share first guessed from its disk speed alone."""
     speed = sum(w.expert_speed for w in workers if _expert_layers(cfg, w)) or 1.0
     return [replace(opts, expert_layers=_expert_layers(cfg, w), disks=w.disks,
                     expert_share=w.expert_speed / speed if _expert_layers(cfg, w) else 0.0) for w in workers]
 
 
-def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int,
+def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int,
           resident_only: bool, wide: bool) -> Plan | None:
     """The cheapest plan in one spine format (with `resident_only`, stages that stream spine are left out)."""
     n = cfg.num_layers
@@ -180,7 +180,7 @@ def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: boo
 
 
 def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[StagePlan, ...],
-                   per_worker: list[SizingOptions], act_bytes: int) -> Plan:
+                   per_worker: list[SizingInput], act_bytes: int) -> Plan:
     """Wide experts over the plan's stages and the workers left without layers that can hold the working set of
     an expert holder: shares by disk speed and cache, the stages sized again with them, the prediction."""
     index = {w.key: i for i, w in enumerate(workers)}
@@ -218,7 +218,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
     return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement)
 
 
-def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingOptions, act_bytes: int) -> str:
+def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int) -> str:
     have = set()
     for w in workers:
         for a, b in w.layers:

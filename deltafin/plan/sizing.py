@@ -62,7 +62,7 @@ from deltafin.plan.sizing_options import (
     SPECULATIVE_TOKENS,
     SPINE_QUALITY,
     Placement,
-    SizingOptions,
+    SizingInput,
     one_worker,
     planned_sequences,
     resolved,
@@ -104,7 +104,7 @@ def kda_state_bytes(cfg: ModelConfig) -> int:
 def kda_trail_bytes(cfg: ModelConfig, tokens: int = SPECULATIVE_TOKENS) -> int:
     """What one KDA layer keeps after a speculative forward of `tokens` tokens, until the next forward picks
     the position to continue from: each token's k, v, decay, beta and conv inputs, and the window before.
-    A plan for speculative decoding (`SizingOptions.speculative_tokens`) reserves it for every sequence beside
+    A plan for speculative decoding (`SizingInput.speculative_tokens`) reserves it for every sequence beside
     the sequence's caches (0.21 GB per sequence at K3's width: docs/speculative-decoding.md)."""
     h, d = cfg.kda_heads, cfg.kda_head_dim
     return (tokens * (3 * h * d + h + 3 * cfg.kda_dim) + 3 * (cfg.conv_kernel - 1) * cfg.kda_dim) * 4
@@ -168,7 +168,7 @@ class StageSizing:
     sequences: int = 0  # sequences the sessions are planned for (their bytes as fixed, where session_bytes is)
     spine_why: str = ""  # why this spine format (auto: what the others would have cost; else as asked)
     converted: bool = True  # an int8/q4 spine is read from its converted copy (else quantized as it loads, its
-    # streamed layers read as stored: SizingOptions.converted)
+    # streamed layers read as stored: SizingInput.converted)
     context: int = 0  # tokens a sequence may hold: what the sessions and the attention room are planned for
     wide: bool = False  # a wide plan's: its store serves `expert_share` of `expert_layers` MoE layers' experts
 
@@ -225,7 +225,7 @@ class Budget:
         return s.device_total <= self.device and (self.host is None or s.host <= self.host)
 
 
-def expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_moe: int, expert_cache: int | None,
+def expert_parts(cfg: ModelConfig, place: Placement, options: SizingInput, n_moe: int, expert_cache: int | None,
                   demand: int) -> tuple[int, int, int, int]:
     """(cache, host staging, device landing, expected bytes read per token) of an expert store over `n_moe` MoE
     layers: every expert resident (`expert_cache` None), or a cache of whole slots beside the working slots of
@@ -241,13 +241,13 @@ def expert_parts(cfg: ModelConfig, place: Placement, options: SizingOptions, n_m
     return cache_slots * slot, working, working if place.copies and place.experts != "mlx" else 0, per_token
 
 
-def stream_format(spine: str, options: SizingOptions) -> str:
+def stream_format(spine: str, options: SizingInput) -> str:
     """What a streamed layer of a `spine` stage is read as: its converted copy's, or (none) the tensors as stored."""
     return spine if options.converted else "bf16"
 
 
 def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
-               resident_count: int, options: SizingOptions) -> StageSizing:
+               resident_count: int, options: SizingInput) -> StageSizing:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
     options = resolved(cfg, options)
@@ -284,7 +284,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
 
 
 def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place: Placement,
-                   options: SizingOptions) -> tuple[int, int, int]:
+                   options: SizingInput) -> tuple[int, int, int]:
     """(sessions, kept prefixes, sequences planned): the planned sequences' caches at the planned context (and
     a speculative forward's trail each), a kept state each for the prefixes; the bytes as fixed where the user
     (or the coordinator's assignment) fixed them."""
@@ -299,7 +299,7 @@ def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place:
 
 
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-           options: SizingOptions) -> StageSizing:
+           options: SizingInput) -> StageSizing:
     """The best stage that fits `budget` (see the module docstring), saying why its spine format
     (`spine_why`); SizingError when none does. With no context given, the plan is for BASE_CONTEXT (at most the
     model's own): plan/context.py grows it into the room the plan leaves."""
@@ -318,7 +318,7 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
 
 
 def _auto_forward_choice(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-                         options: SizingOptions) -> tuple[StageSizing, SizingOptions]:
+                         options: SizingInput) -> tuple[StageSizing, SizingInput]:
     """The stage at the forward auto_forward_tokens gives `budget`, and the options with it; where that forward
     leaves no plan, at the shortest it gives (the one for a budget of nothing): a longer forward never makes a
     budget that holds the working set refuse, so a stage plans in every budget from the least it needs
@@ -335,7 +335,7 @@ def _auto_forward_choice(cfg: ModelConfig, start: int, end: int, place: Placemen
 
 
 def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-            options: SizingOptions) -> StageSizing:
+            options: SizingInput) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
     spines = (AUTO_SPINES if options.converted else NO_COPY_SPINES) if options.spine == "auto" else (options.spine,)
@@ -367,7 +367,7 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
 
 
 def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                  options: SizingOptions) -> StageSizing:
+                  options: SizingInput) -> StageSizing:
     """With no forward size fixed: a small expert cache gives way to a longer forward. A cache that holds under
     FORWARD_SHARE of the experts it serves saves decode under a tenth of its reads, while a prompt longer than
     the forward reads every expert once more per forward; so such a cache shrinks, down to nothing, for the
@@ -392,7 +392,7 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
 
 
 def _cache_first(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-                 options: SizingOptions) -> StageSizing | None:
+                 options: SizingInput) -> StageSizing | None:
     """One worker, no forward size or cache fixed: the longest forward up to the planned context whose plan
     leaves the expert cache ONE_WORKER_CACHE_SHARE of the budget (or holds every expert); None where not even
     PIECE_TOKENS does (a long context's sessions, more sequences, a smaller machine: there the forward is sized
@@ -425,7 +425,7 @@ def _cache_first(cfg: ModelConfig, start: int, end: int, place: Placement, budge
 
 
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                options: SizingOptions) -> StageSizing:
+                options: SizingInput) -> StageSizing:
     """The expert cache takes what the rest leaves (unless the user fixed it)."""
     if options.expert_cache_bytes is not None or not (cfg.moe_layers and (s.end > cfg.first_k_dense
                                                                             or options.wide)):
@@ -438,7 +438,7 @@ def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
 
 
 def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, cache: int,
-                   options: SizingOptions, budget: Budget, limit: int) -> int | None:
+                   options: SizingInput, budget: Budget, limit: int) -> int | None:
     """The most leading layers that can stay resident, or None if even none can. Not a binary search: a
     layer that turns resident no longer needs a stream buffer, so memory is not monotonic in the count."""
     t = layer_table(cfg, place, options.spans)
@@ -466,7 +466,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
 # ---- why this spine format -------------------------------------------------------------------------------
 
 
-def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions) -> str:
+def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> str:
     """Why `s` holds its spine in its format: as asked, or (auto) what the format before it would have cost
     and what this one costs in quality (SPINE_QUALITY, from QUALITY_SOURCE)."""
     no_copy = "" if s.converted else "; no converted copy to read: quantized as the resident layers load"
@@ -486,7 +486,7 @@ def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budge
     return f"{lost}; {s.spine} costs {SPINE_QUALITY[s.spine]} {QUALITY_SOURCE}{tail}"
 
 
-def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingOptions,
+def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput,
                   spine: str) -> str:
     """What `spine` would have streamed in `s`'s place: the most layers it keeps resident at the same forward."""
     n = s.end - s.start

@@ -1,6 +1,7 @@
-"""What the user may fix of a stage's memory plan (`SizingOptions`), where a stage holds its tensors (`Placement`),
-the defaults that depend on the stage, and what `auto` chooses a spine format from, with the quality each format
-costs (SPINE_QUALITY, which the plan quotes where it chooses one). Pure: sizing.py sizes stages with these.
+"""What the user may fix of a stage's memory plan (`SizingOptions`), what a plan is made from (`SizingInput`: those
+options and what the planner knows besides, never a flag), where a stage holds its tensors (`Placement`), the
+defaults that depend on the stage, and what `auto` chooses a spine format from, with the quality each format costs
+(SPINE_QUALITY, which the plan quotes where it chooses one). Pure: sizing.py sizes stages with these.
 
 One worker, one user (`one_worker`: a stage of every layer with local experts) plans one sequence and one kept
 prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), and puts the expert cache before a long
@@ -11,7 +12,8 @@ sized as a cluster's stage's is, for the long prompts such a plan is for. A clus
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
@@ -64,7 +66,7 @@ class Placement:
 @dataclass(frozen=True)
 class SizingOptions:
     """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
-    (the command line, the Python API and an assignment off the wire all build it), with the flags' names."""
+    (the command line and the Python API build it), with the flags' names."""
 
     spine: str = opt(
         "auto", "non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 with the "
@@ -74,7 +76,6 @@ class SizingOptions:
     expert_cache_bytes: int | None = opt(
         None, "stream routed experts from the disk with a cache of this many GB (default: every expert in memory if "
         "they fit, else streamed with a cache of the memory left)")
-    session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
     prefix_cache_bytes: int | None = opt(
         None, "keep sequence state after a request within this many GB, so that a request that starts with the same "
         "tokens (a chat's next turn) resumes instead of prefilling again; 0: off (default: as much as the "
@@ -93,6 +94,22 @@ class SizingOptions:
     max_resident_layers: int | None = opt(
         None, "keep at most this many layers' spine in memory; the rest streams from the disk every token (default: "
         "as many as fit)")
+
+    def __post_init__(self) -> None:
+        check_choice("spine", self.spine, SPINES)
+        at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
+                 read_threads=self.read_threads)
+        at_least(0, expert_cache_gb=self.expert_cache_bytes, prefix_cache_gb=self.prefix_cache_bytes,
+                 max_resident_layers=self.max_resident_layers)
+
+
+@dataclass(frozen=True)
+class SizingInput(SizingOptions):
+    """What a stage's plan is made from: the user's options, and what the planner knows of the stage besides (never
+    a flag): its read buffers and disks, its part of a wide plan, the room a speculative forward needs, whether a
+    converted spine can be read, and (to size a plan again with its choices: stage_check.py) its sessions' bytes."""
+
+    session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
     spans: tuple[int, ...] | None = None  # each layer's read buffer, from the checkpoint's offsets when known
     speculative_tokens: int = 0  # tokens a speculative forward may verify; its KDA trail is planned (0: none)
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
@@ -102,21 +119,24 @@ class SizingOptions:
     # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
 
     def __post_init__(self) -> None:
-        check_choice("spine", self.spine, SPINES)
-        at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
-                 read_threads=self.read_threads, disks=self.disks)
-        at_least(0, expert_cache_gb=self.expert_cache_bytes, session_bytes=self.session_bytes,
-                 prefix_cache_gb=self.prefix_cache_bytes, max_resident_layers=self.max_resident_layers,
-                 speculative_tokens=self.speculative_tokens, expert_layers=self.expert_layers)
+        super().__post_init__()
+        at_least(1, disks=self.disks)
+        at_least(0, session_bytes=self.session_bytes, speculative_tokens=self.speculative_tokens,
+                 expert_layers=self.expert_layers)
         if not 0.0 <= self.expert_share <= 1.0:
             raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")
+
+    @classmethod
+    def of(cls, options: SizingOptions, **known: Any) -> SizingInput:
+        """The plan's input: the user's `options` with what the planner `known`s (SizingInput's own fields)."""
+        return cls(**{f.name: getattr(options, f.name) for f in fields(SizingOptions)}, **known)
 
     @property
     def wide(self) -> bool:
         return self.expert_layers is not None
 
 
-def resolved(cfg: ModelConfig, options: SizingOptions) -> SizingOptions:
+def resolved(cfg: ModelConfig, options: SizingInput) -> SizingInput:
     """`options` with a context to size for: as given, else BASE_CONTEXT (at most the model's own); the plan then
     grows it into the room it leaves (plan/context.py)."""
     return options if options.context is not None else replace(options, context=base_context(cfg))
@@ -127,13 +147,13 @@ def base_context(cfg: ModelConfig) -> int:
     return min(BASE_CONTEXT, cfg.max_context or BASE_CONTEXT)
 
 
-def one_worker(cfg: ModelConfig, start: int, end: int, options: SizingOptions) -> bool:
+def one_worker(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> bool:
     """A stage of every layer with local experts: one worker serving one user, whose defaults differ (the module
     docstring)."""
     return start == 0 and end == cfg.num_layers and not options.wide
 
 
-def planned_sequences(cfg: ModelConfig, start: int, end: int, options: SizingOptions) -> int:
+def planned_sequences(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> int:
     """The sequences a stage plans caches for: as the user says, else one on one worker, else SEQUENCES."""
     if options.sequences is not None:
         return options.sequences

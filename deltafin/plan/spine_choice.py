@@ -23,10 +23,10 @@ from typing import TypeVar
 
 from deltafin.errors import PlanError
 from deltafin.options import CONVERTED_SPINES
-from deltafin.plan.sizing_options import QUALITY_SOURCE, SPINE_QUALITY, SizingOptions
+from deltafin.plan.sizing_options import QUALITY_SOURCE, SPINE_QUALITY, SizingInput
 
 P = TypeVar("P")
-PlanIn = Callable[[SizingOptions, bool], "P | None"]  # (options, resident only) -> the cheapest plan, or None
+PlanIn = Callable[[SizingInput, bool], "P | None"]  # (options, resident only) -> the cheapest plan, or None
 Unready = Callable[[P, str], list[str]]  # (plan, format) -> workers with no copy of their stage and no room for one
 
 
@@ -51,8 +51,8 @@ def asked_spine(coordinator: str, workers: Sequence[tuple[str, str]]) -> tuple[s
     return "auto", ""
 
 
-def choose_spine(opts: SizingOptions, plan_in: PlanIn, unready: Unready, asked_why: str = "as asked (--spine)"
-                 ) -> tuple[P | None, str, SizingOptions]:
+def choose_spine(opts: SizingInput, plan_in: PlanIn, unready: Unready, asked_why: str = "as asked (--spine)"
+                 ) -> tuple[P | None, str, SizingInput]:
     """The plan in the cluster's spine format, why that format, and the options it was planned with (see the module
     docstring). None where no format has a plan."""
     if opts.spine != "auto":
@@ -77,7 +77,7 @@ def choose_spine(opts: SizingOptions, plan_in: PlanIn, unready: Unready, asked_w
 class _Whole(dict):
     """The plan holding the whole spine in each format, planned when first asked for."""
 
-    def __init__(self, opts: SizingOptions, plan_in: PlanIn):
+    def __init__(self, opts: SizingInput, plan_in: PlanIn):
         super().__init__()
         self.opts, self.plan_in = opts, plan_in
 
@@ -86,8 +86,8 @@ class _Whole(dict):
         return plan
 
 
-def _as_asked(opts: SizingOptions, plan_in: PlanIn, unready: Unready, why: str) -> tuple[P | None, str,
-                                                                                        SizingOptions]:
+def _as_asked(opts: SizingInput, plan_in: PlanIn, unready: Unready, why: str) -> tuple[P | None, str,
+                                                                                        SizingInput]:
     """The format asked for: from its copies where every stage can read or write one, else (layers stream, which
     needs a copy) the same format with none."""
     plan = plan_in(opts, False)
@@ -110,7 +110,7 @@ def _instead_of_int8(int8: P | None, unready: Unready, cannot: str) -> str:
             "int8 copy and no room to write one), and the converted q4 copy is read instead")
 
 
-def _streaming(opts: SizingOptions, plan_in: PlanIn, unready: Unready) -> tuple[P | None, str, SizingOptions]:
+def _streaming(opts: SizingInput, plan_in: PlanIn, unready: Unready) -> tuple[P | None, str, SizingInput]:
     """No format held whole: q4 with its tail streamed from the converted copies; where a disk can neither hold nor
     write one, the fastest plan that needs none: int8 quantized as it loads, the tail streamed as stored."""
     q4 = replace(opts, spine="q4")

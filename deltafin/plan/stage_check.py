@@ -16,12 +16,12 @@ from dataclasses import replace
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.plan.holder_sizing import size_holder
-from deltafin.plan.sizing import GB, Budget, Placement, SizingOptions, StageSizing, size_stage
+from deltafin.plan.sizing import GB, Budget, Placement, SizingInput, StageSizing, size_stage
 
 log = logging.getLogger(__name__)
 
 
-def pinned(options: SizingOptions, plan: StageSizing) -> SizingOptions:
+def pinned(options: SizingInput, plan: StageSizing) -> SizingInput:
     """`options` (the process's facts: read buffers, disks, read threads) with every choice `plan` made."""
     return replace(options, spine=options.spine if plan.holder_only else plan.spine,
                    expert_cache_bytes=None if plan.experts_resident else plan.expert_cache,
@@ -32,7 +32,7 @@ def pinned(options: SizingOptions, plan: StageSizing) -> SizingOptions:
                    expert_share=plan.expert_share if plan.wide else 1.0, converted=plan.converted)
 
 
-def remade(cfg: ModelConfig, plan: StageSizing, place: Placement, options: SizingOptions) -> StageSizing:
+def remade(cfg: ModelConfig, plan: StageSizing, place: Placement, options: SizingInput) -> StageSizing:
     """`plan` as this process would hold it: its choices sized with the process's `place` and `options`."""
     opts = pinned(options, plan)
     if plan.holder_only:
@@ -43,7 +43,7 @@ def remade(cfg: ModelConfig, plan: StageSizing, place: Placement, options: Sizin
 
 
 def check_plan(cfg: ModelConfig, plan: StageSizing, place: Placement, budget: Budget,
-               options: SizingOptions) -> StageSizing:
+               options: SizingInput) -> StageSizing:
     """The plan this process loads for `plan`: `plan` itself where its parts are placed here as counted, else
     (another planner's arithmetic, or one that assumed other facts: say MLX, where its self-check failed here) the
     same choices as this process places them, with a warning; SizingError where that leaves no sequence or

@@ -24,7 +24,7 @@ from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.holder_sizing import choose_holder, size_holder
 from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.runtime.stage import Stage
-from deltafin.runtime.stage_build import ExpertProvider, expert_backend_for, open_experts
+from deltafin.runtime.stage_build import ExpertProvider, disk_plan, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertHolder, Peer, WideExperts, wide_stats
 from deltafin.weights.reader import layer_spans
@@ -74,17 +74,15 @@ class Assigned:
 
 
 def _same_load(old: Assigned, options: StageOptions, sizing: StageSizing | None) -> bool:
-    """`old` loaded what this assignment asks for: the same options, and the same plan (where one is given; the
-    planned share of experts only changes expectations)."""
-    if sizing is None:
-        return _unshared(old.options) == _unshared(options)
-    return old.options == options and old.sizing is not None and _unshared(old.sizing) == _unshared(sizing)
+    """`old` loaded what this assignment asks for: the same options, and the same plan where one is given (the
+    planned share of experts only changes expectations; none given: the stage plans itself as `old` did)."""
+    if old.options != options:
+        return False
+    return sizing is None or (old.sizing is not None and _unshared(old.sizing) == _unshared(sizing))
 
 
-def _unshared(value: Any) -> Any:
-    if isinstance(value, StageSizing):
-        return dataclasses.replace(value, expert_share=0.0, expert_bytes_per_token=0, spine_why="")
-    return value.replace(expert_share=0.0)
+def _unshared(plan: StageSizing) -> StageSizing:
+    return dataclasses.replace(plan, expert_share=0.0, expert_bytes_per_token=0, spine_why="")
 
 
 def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
@@ -101,8 +99,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
     serves = plan.placement.layers_of(index)
     check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
-    if sizing is None and not options.sizing.wide:  # planned here: for the experts the plan gives this worker
-        options = options.replace(expert_layers=len(serves), expert_share=plan.placement.fraction(index))
+    known = {"expert_layers": len(serves), "expert_share": plan.placement.fraction(index)}  # to plan it here
     if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
             _same_load(old, options, sizing):
         assert old.store is not None
@@ -113,11 +110,12 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         if old is not None:
             old.close()
         if end > start:
+            sizing = sizing or disk_plan(ckpt, start, end, device, options, expert_backend_for(cfg, device), known)
             stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress,
                           serves=serves)
             store, sizing = stage.experts, stage.sizing
         else:
-            stage, sizing = None, sizing or holder_sizing(ckpt, device, options)
+            stage, sizing = None, sizing or holder_sizing(ckpt, device, options, known)
             log.info("expert holder on %s: %s", device, sizing.describe())
             store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
     holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
@@ -143,11 +141,13 @@ def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
 
 
-def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions) -> StageSizing:
-    """The memory plan of a worker that only serves experts: within its budget, or (none) the cache it is given."""
+def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions,
+                  known: Mapping[str, Any]) -> StageSizing:
+    """The memory plan of a worker that only serves experts (`known`: its part of the wide plan, plan_stage's):
+    within its budget, or (none) the cache it is given."""
     place = Placement(device.type, options.act_bytes,
                       "mlx" if expert_backend_for(ckpt.config, device) == "mlx" else "torch")
-    sizing = options.sizing_for(layer_spans(ckpt))
+    sizing = options.sizing_for(layer_spans(ckpt), **known)
     if options.memory_bytes is None:
         return size_holder(ckpt.config, place, options.sizing.expert_cache_bytes or 0, sizing)
     try:

@@ -37,8 +37,7 @@ class LocalWide:
         w = weights or [1.0] * len(self.keys)
         self.placement = ExpertPlacement.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
         self.plan = ExpertPlan(self.placement, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
-        self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, expert_layers=len(cfg.moe_layers),
-                                              read_threads=2, **options)
+        self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, read_threads=2, **options)
         self.executors = {k: ThreadPoolExecutor(1, thread_name_prefix=f"holder-{k}") for k in self.keys}
         self.assigned: dict[str, Assigned] = {}
         self.assign(self.plan)

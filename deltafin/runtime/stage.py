@@ -166,7 +166,7 @@ class Stage:
     @property
     def cache_budget(self) -> int | None:
         """Bytes for session caches: the plan's (with a memory budget), else what the options say."""
-        return self.sizing.sessions if self.budgeted else self.options.sizing.session_bytes
+        return self.sizing.sessions if self.budgeted else None
 
     @property
     def max_forward_tokens(self) -> int | None:

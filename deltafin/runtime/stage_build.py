@@ -10,9 +10,9 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -60,12 +60,14 @@ class ExpertProvider(Protocol):
 
 
 def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
-               spans: tuple[int, ...] | None = None, experts: str = "torch") -> StageSizing:
+               spans: tuple[int, ...] | None = None, experts: str = "torch",
+               known: Mapping[str, Any] | None = None) -> StageSizing:
     """What the stage will hold (pure): within `memory_bytes` if set (its context, where none is given, the longest
     that memory holds: plan/context.py), else everything resident; `experts` is where the routed experts run
-    (torch or mlx)."""
+    (torch or mlx); `known`: what the plan knows beside the options (SizingInput's own fields: a wide stage's
+    `expert_layers` and `expert_share`, `converted`)."""
     place = Placement(device.type, options.act_bytes, experts)
-    sizing = options.sizing_for(spans)
+    sizing = options.sizing_for(spans, **(known or {}))
     if options.memory_bytes is None:
         spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
         return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
@@ -97,14 +99,14 @@ def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
 
 
 def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-              experts: str) -> StageSizing:
+              experts: str, known: Mapping[str, Any] | None = None) -> StageSizing:
     """A stage's plan, following what the disk holds (nothing is written): a converted copy there is read, one
     missing is planned for where there is room to convert it, and without room the plan that needs none
-    (`without_room`). `experts`: where the routed experts run (expert_backend_for)."""
+    (`without_room`). `experts`: where the routed experts run (expert_backend_for); `known`: as plan_stage's."""
     on = "mlx" if experts == "mlx" else "torch"
 
-    def plan(opts: StageOptions) -> StageSizing:
-        return plan_stage(ckpt.config, start, end, device, opts, layer_spans(ckpt), on)
+    def plan(opts: StageOptions, **more: Any) -> StageSizing:
+        return plan_stage(ckpt.config, start, end, device, opts, layer_spans(ckpt), on, {**(known or {}), **more})
 
     sizing = plan(options)
     if sizing.spine in CONVERTED and sizing.converted:
@@ -122,21 +124,23 @@ def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device
     files = converted_spine(ckpt, start, end, sizing, options, device) if sizing.converted else None
     if files is None and sizing.spine in CONVERTED and sizing.converted:  # the room went while this one looked
         on = "mlx" if experts == "mlx" else "torch"
-        sizing = plan_stage(ckpt.config, start, end, device, without_copy(options, sizing), layer_spans(ckpt), on)
+        bare, known = without_copy(options, sizing)
+        sizing = plan_stage(ckpt.config, start, end, device, bare, layer_spans(ckpt), on, known)
         log.warning("no converted %s spine: %s", sizing.spine, sizing.spine_why)
     return sizing, files
 
 
-def without_copy(options: StageOptions, planned: StageSizing) -> StageOptions:
-    """The options that plan `planned`'s stage again in its format without a converted copy, within the budget it
-    was planned in where the options name none (a plan made elsewhere), for the same sequences and context."""
+def without_copy(options: StageOptions, planned: StageSizing) -> tuple[StageOptions, Mapping[str, Any]]:
+    """The options, and what the plan knows (plan_stage's `known`), that plan `planned`'s stage again in its format
+    without a converted copy: within the budget it was planned in where the options name none (a plan made
+    elsewhere), for the same sequences and context."""
     budget = options.memory_bytes if options.memory_bytes is not None else planned.device_total
-    return options.replace(memory_bytes=budget, spine=planned.spine, converted=False, sequences=planned.sequences,
-                           context=planned.context, expert_layers=planned.expert_layers if planned.wide else None,
-                           expert_share=planned.expert_share if planned.wide else 1.0)
+    wide = {"expert_layers": planned.expert_layers, "expert_share": planned.expert_share} if planned.wide else {}
+    return (options.replace(memory_bytes=budget, spine=planned.spine, sequences=planned.sequences,
+                            context=planned.context), {"converted": False, **wide})
 
 
-def without_room(plan: Callable[[StageOptions], StageSizing], options: StageOptions, chosen: StageSizing,
+def without_room(plan: Callable[..., StageSizing], options: StageOptions, chosen: StageSizing,
                  disk: SpineDisk, cfg: ModelConfig) -> StageSizing:
     """The plan when `chosen`'s format has no converted copy on the disk and no room to write one: with `--spine
     auto`, another format's copy that is there and fits (read at the disk's speed, never quantized at every start);
@@ -155,7 +159,7 @@ def without_room(plan: Callable[[StageOptions], StageSizing], options: StageOpti
                   f"{QUALITY_SOURCE})"
             log.warning("spine %s: %s", other, why)
             return dataclasses.replace(s, spine_why=why)
-    s = plan(options.replace(converted=False))
+    s = plan(options, converted=False)
     why = f"{lack}: {s.spine} quantized as the resident layers load, at every start" + (
         f"; {len(s.streamed_layers)} layers stream as stored" if s.streamed_layers else "")
     log.warning("spine %s: %s", s.spine, why)

@@ -1,11 +1,13 @@
 """How a stage holds the model: one typed value, checked when it is built.
 
-`StageOptions` is what every computing process hands its stages: the command line builds it from its flags
-(deltafin/cli/flags.py), the Python API from keywords, a worker from an assignment off the wire over its own
-defaults (transport/codec.py). The memory plan's knobs are its `sizing` field, the planner's own
-`SizingOptions`, so the stage, the worker and the planner read the same value. A knob has one name: the flag's
-(`--prefill-chunk` is `prefill_chunk`), a size in GB on the command line being the same name in bytes here
-(`--memory-gb` is `memory_bytes`).
+`StageOptions` is what the user asks of every computing process's stages: the command line builds it from its flags
+(deltafin/cli/flags.py, made from the fields declared with `opt`), the Python API from keywords, a worker from an
+assignment's options off the wire over its own defaults (transport/codec.py). The user's memory-plan knobs are its
+`sizing` field (SizingOptions); what the plan is made from adds what the process and the planner know
+(`sizing_for`: SizingInput), and what the plan decides is its own value (plan/sizing.py's StageSizing), never an
+option. A knob has one name: the flag's (`--prefill-chunk` is `prefill_chunk`), a size in GB on the command line
+being the same name in bytes here (`--memory-gb` is `memory_bytes`). The fields without a flag are the process's
+(its host memory beside a GPU, its disks' speeds, its heat folder, the room its serving's drafts need).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from deltafin.options import (
     option_names,
 )
 from deltafin.paths import cache_dir
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.sizing_options import SizingInput, SizingOptions
 
 if TYPE_CHECKING:
     import torch
@@ -41,9 +43,6 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}  # a torch dtype given for `dtype`, by name
 
 SIZING_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingOptions))
-# what the plan, the stage or the process sets, not the user
-PLANNED = frozenset({"spans", "disks", "expert_layers", "expert_share", "speculative_tokens", "host_memory_gb",
-                     "session_gb", "prefetch_layers", "disk_gbps", "expert_heat_dir", "converted"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,7 @@ class StageOptions:
         "model's kept states at --max-context tokens, at most 32 GB: K3's 32 GB, k3-mini's 0.36 GB; 0: memory "
         "only)")
     expert_heat_dir: str | None = None  # streamed experts' use is remembered here (weights/expert_heat.py; None: not)
+    speculative_tokens: int = 0  # tokens a speculative forward verifies, its room planned (the serving's --speculative)
     kernels: str = opt(
         "auto", "auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on MLX on "
         "Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX", choices=KERNELS)
@@ -102,6 +102,7 @@ class StageOptions:
         more_than_zero(memory_gb=self.memory_bytes)
         at_least(0, host_memory_bytes=self.host_memory_bytes, prefix_disk_gb=self.prefix_disk_bytes)
         at_least(1, prefetch_layers=self.prefetch_layers)
+        at_least(0, speculative_tokens=self.speculative_tokens)
 
     def replace(self, **changes: Any) -> StageOptions:
         """These options with `changes`, the memory plan's knobs (SizingOptions' names) going to `sizing`."""
@@ -110,9 +111,12 @@ class StageOptions:
         sizing = dataclasses.replace(self.sizing, **plan) if plan else self.sizing
         return dataclasses.replace(self, sizing=sizing, **rest)
 
-    def sizing_for(self, spans: tuple[int, ...] | None = None) -> SizingOptions:
-        """The memory plan's options for a stage whose layers' read buffers are `spans`, on every expert disk."""
-        return dataclasses.replace(self.sizing, spans=spans, disks=1 + len(self.expert_dir))
+    def sizing_for(self, spans: tuple[int, ...] | None = None, **known: Any) -> SizingInput:
+        """What a stage's plan is made from: the user's sizing options, for a stage whose layers' read buffers are
+        `spans`, on every expert disk, with room for this process's speculative forwards and what else the
+        planner `known`s (SizingInput's own fields)."""
+        return SizingInput.of(self.sizing, spans=spans, disks=1 + len(self.expert_dir),
+                              speculative_tokens=self.speculative_tokens, **known)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -149,7 +153,7 @@ def stage_options(values: Mapping[str, Any]) -> StageOptions:
 
 def stage_option_names() -> set[str]:
     """The names a user gives stage options by."""
-    return option_names(StageOptions) - PLANNED | {"expert_heat"}  # expert_heat: where stage_options says
+    return option_names(StageOptions, declared=True) | {"expert_heat"}  # expert_heat: where stage_options says
 
 
 def with_memory_found(options: StageOptions, device: torch.device) -> StageOptions:

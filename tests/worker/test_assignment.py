@@ -13,7 +13,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint
 from deltafin.errors import NotAssigned
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.worker_info import WorkerDescription

@@ -18,7 +18,7 @@ from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkp
 from deltafin.models.moe import expert_outputs
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.holder_sizing import size_holder
-from deltafin.plan.sizing import Placement, SizingOptions
+from deltafin.plan.sizing import Placement, SizingInput
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
@@ -193,7 +193,7 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     async def run():
         options = codec.encode_stage_options({"dtype": "fp32"})
         # the holder's plan, as a coordinator makes it: half of every MoE layer's experts, a cache of 1 MB
-        sizing = SizingOptions(expert_layers=len(cfg.moe_layers), expert_share=0.5,
+        sizing = SizingInput(expert_layers=len(cfg.moe_layers), expert_share=0.5,
                                spans=layer_spans(scan_checkpoint(tiny_dir, cfg)))
         holder_plan = codec.encode_stage_plan(size_holder(cfg, Placement("cpu"), 10**6, sizing))
         g = torch.Generator().manual_seed(1)

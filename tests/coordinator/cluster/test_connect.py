@@ -40,7 +40,7 @@ async def test_local_stages_get_the_speculative_reservation(tiny_dir: Path) -> N
                                    show_progress=False)
         try:
             (stage,) = engine.backend.pipeline.stages
-            assert stage.options.sizing.speculative_tokens == (SPECULATIVE_TOKENS if mode == "ngram" else 0)
+            assert stage.options.speculative_tokens == (SPECULATIVE_TOKENS if mode == "ngram" else 0)
             sessions[mode] = stage.sizing.sessions
         finally:
             await engine.close()

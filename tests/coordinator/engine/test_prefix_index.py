@@ -22,7 +22,7 @@ from deltafin.coordinator.engine.prefix_index import (
 )
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingOptions, kda_state_bytes, mla_row_bytes
+from deltafin.plan.sizing import SizingInput, kda_state_bytes, mla_row_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer
@@ -124,7 +124,7 @@ def test_with_room_for_one_state_the_next_turn_still_resumes(tiny_dir):
 
     async def run():
         pipe = LocalPipeline.load(tiny_dir, 1, device="cpu",
-                                  options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=one)))
+                                  options=StageOptions(sizing=SizingInput(prefix_cache_bytes=one)))
         engine = Engine(LocalBackend(pipe), tok, cfg, "t", prefix_cache=True)
         try:
             prompt, cached, lengths = list(PROMPT), [], []
@@ -195,7 +195,7 @@ def test_a_long_prompt_keeps_state_on_the_grid_inside_its_forwards(tiny_dir, mon
     other = PROMPT[:200] + list(range(800, 850))
 
     async def run(cache: bool):
-        options = StageOptions(memory_bytes=4 * 10**9, sizing=SizingOptions(prefill_chunk=64))
+        options = StageOptions(memory_bytes=4 * 10**9, sizing=SizingInput(prefill_chunk=64))
         engine = Engine(LocalBackend(LocalPipeline.load(tiny_dir, 2, device="cpu", options=options)), tok, cfg, "t",
                         prefix_cache=cache)
         try:

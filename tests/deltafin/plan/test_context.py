@@ -12,7 +12,7 @@ from deltafin.paths import bundled_model
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.context import STEP, at_context, cost_per_1k, grown, longest_context
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose
+from deltafin.plan.sizing import Budget, Placement, SizingInput, choose
 from deltafin.plan.sizing_options import BASE_CONTEXT
 
 GB = 10**9
@@ -31,25 +31,25 @@ def mini():
 
 def test_k3_on_a_64gb_mac_keeps_the_base_context_and_says_what_more_costs(k3):
     budget = Budget(56 * GB)
-    base = choose(k3, 0, 93, MAC, budget, SizingOptions())
-    s = grown(k3, base, MAC, budget, SizingOptions())
+    base = choose(k3, 0, 93, MAC, budget, SizingInput())
+    s = grown(k3, base, MAC, budget, SizingInput())
     assert s.context == BASE_CONTEXT == base.context and s.expert_cache == base.expert_cache  # the cache keeps it all
     # a sequence's MLA latents and the kept prefix beside it: 24 layers x 576 values x fp32, per token, twice
     latents = 2 * 24 * 576 * 4 * STEP
-    assert latents <= cost_per_1k(k3, s, MAC, SizingOptions()) < latents + 0.02 * GB  # + attention workspace
+    assert latents <= cost_per_1k(k3, s, MAC, SizingInput()) < latents + 0.02 * GB  # + attention workspace
     plan = plan_layers(k3, [WorkerCapacity("mac", 56 * GB, 6.6, ((0, 93),), True, device="mps")])
     assert plan.context == BASE_CONTEXT
     assert "each 1,024 tokens more would take 0.11 GB of a stage's memory from its expert cache" in plan.table()
 
 
 def test_a_small_model_gets_its_own_maximum_where_memory_holds_it(mini):
-    s = grown(mini, choose(mini, 0, 8, Placement(), Budget(20 * GB), SizingOptions()), Placement(), Budget(20 * GB),
-              SizingOptions())
+    s = grown(mini, choose(mini, 0, 8, Placement(), Budget(20 * GB), SizingInput()), Placement(), Budget(20 * GB),
+              SizingInput())
     assert s.context == mini.max_context == 1 << 20 and s.device_total <= 20 * GB
 
 
 def test_where_memory_is_short_the_context_is_the_longest_it_holds_and_the_cache_keeps_its_room(mini):
-    budget, opts = Budget(3 * GB), SizingOptions(sequences=4)
+    budget, opts = Budget(3 * GB), SizingInput(sequences=4)
     base = choose(mini, 0, 8, Placement(), budget, opts)
     longest = longest_context(mini, base, Placement(), budget, opts)
     assert BASE_CONTEXT < longest < mini.max_context and longest % STEP == 0
@@ -60,7 +60,7 @@ def test_where_memory_is_short_the_context_is_the_longest_it_holds_and_the_cache
 
 
 def test_a_context_asked_for_is_the_plan_s(mini):
-    opts = SizingOptions(context=2048)
+    opts = SizingInput(context=2048)
     s = choose(mini, 0, 8, Placement(), Budget(20 * GB), opts)
     assert grown(mini, s, Placement(), Budget(20 * GB), opts).context == 2048
     plan = plan_layers(mini, [WorkerCapacity("w", 20 * GB, 2.0, ((0, 8),), True)], opts)
@@ -76,5 +76,5 @@ def test_a_cluster_s_stages_share_the_least_of_their_contexts(mini):
     assert len(plan.stages) == 2 and {s.sizing.context for s in plan.stages} == {plan.context}
     assert 13_520 + 512 < plan.context < mini.max_context
     small = next(s for s in plan.stages if s.worker == "small")
-    assert not Budget(small.memory_bytes).fits(at_context(mini, small.sizing, Placement(), SizingOptions(disks=1),
+    assert not Budget(small.memory_bytes).fits(at_context(mini, small.sizing, Placement(), SizingInput(disks=1),
                                                           plan.context + STEP))

@@ -9,11 +9,11 @@ from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.errors import SizingError
 from deltafin.paths import bundled_model
 from deltafin.plan.least import check_fits, least_any, least_options, least_stage, shortfall, smallest_stages, too_small
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose
+from deltafin.plan.sizing import Budget, Placement, SizingInput, choose
 
 GB = 10**9
 PLACES = (Placement("cpu"), Placement("cuda"), Placement("mps", experts="mlx"))
-ASKED = (SizingOptions(), SizingOptions(spine="int8", sequences=4, context=16384))
+ASKED = (SizingInput(), SizingInput(spine="int8", sequences=4, context=16384))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_a_stage_plans_in_every_budget_from_its_least_on(k3, mini, place, option
 def test_an_expert_holder_plans_in_every_budget_from_its_least_on(k3, place) -> None:
     """As a stage does: with the coordinator's context, its calls' forward falls back to PIECE_TOKENS where the one
     a budget gives leaves no room (budgets just below a plan's once planned while that plan's refused)."""
-    ((what, plans),) = smallest_stages(k3, place, SizingOptions(), (), True, len(k3.moe_layers))
+    ((what, plans),) = smallest_stages(k3, place, SizingInput(), (), True, len(k3.moe_layers))
     least = least_any([(what, plans)])
     assert what == "an expert holder" and least.sizing.forward_tokens == 512
     assert not _plans(plans, least.budget - 1)
@@ -62,7 +62,7 @@ def test_an_expert_holder_plans_in_every_budget_from_its_least_on(k3, place) -> 
 def test_the_refusal_says_the_least_and_that_much_plans(k3) -> None:
     """The "at least" of choose's refusal (at any budget below) is the least; giving it, rounded up as printed,
     plans. It was the need at the forward the small budget gave, and a budget that large then chose a longer one."""
-    place, options = Placement("cpu"), SizingOptions()
+    place, options = Placement("cpu"), SizingInput()
     least = least_stage(k3, 0, k3.num_layers, place, options)
     for budget in (GB, least.budget - 1):
         with pytest.raises(SizingError, match=f"at least {least.budget / GB:.2f} GB"):
@@ -79,7 +79,7 @@ def test_the_refusal_says_the_least_and_that_much_plans(k3) -> None:
 def test_a_workers_least_is_its_smallest_stage(k3, mini, place) -> None:
     """Of one layer alone and an expert holder, the least: a byte below it no candidate plans, at it one does."""
     for cfg in (k3, mini):
-        stages = smallest_stages(cfg, place, least_options(SizingOptions()), range(cfg.num_layers), True,
+        stages = smallest_stages(cfg, place, least_options(SizingInput()), range(cfg.num_layers), True,
                                  len(cfg.moe_layers))
         assert len(stages) == cfg.num_layers + 1  # every layer alone, and the holder
         least = least_any(stages)
@@ -90,7 +90,7 @@ def test_a_workers_least_is_its_smallest_stage(k3, mini, place) -> None:
 
 def test_the_candidates_are_what_the_worker_could_take(k3) -> None:
     """Without the embedding/head the first and last layers are no stage of its own; without experts, no holder."""
-    opts = least_options(SizingOptions())
+    opts = least_options(SizingInput())
     names = [what for what, _ in smallest_stages(k3, Placement(), opts, (0, 1, 92), False, 0)]
     assert names == ["layers 1-1"]
     with pytest.raises(SizingError, match="holds no layer a stage can take"):
@@ -100,15 +100,15 @@ def test_the_candidates_are_what_the_worker_could_take(k3) -> None:
 def test_the_least_beats_the_runtime_alone_and_the_options_asked_raise_it(mini) -> None:
     """k3-mini's least is its runtime and little more (the issue's 0.3 GB worker cannot work); a coordinator that
     asks more of every stage (sequences, context) raises a layer's (a holder keeps no sequences)."""
-    least = least_any(smallest_stages(mini, Placement(), least_options(SizingOptions()), range(8), True, 7))
+    least = least_any(smallest_stages(mini, Placement(), least_options(SizingInput()), range(8), True, 7))
     assert 1 << 30 < least.budget < 1.2 * GB
-    layer = least_any(smallest_stages(mini, Placement(), least_options(SizingOptions()), range(8), True, 0))
-    asked = least_any(smallest_stages(mini, Placement(), SizingOptions(sequences=8, context=65536), range(8), True, 0))
+    layer = least_any(smallest_stages(mini, Placement(), least_options(SizingInput()), range(8), True, 0))
+    asked = least_any(smallest_stages(mini, Placement(), SizingInput(sequences=8, context=65536), range(8), True, 0))
     assert asked.budget > layer.budget >= least.budget
 
 
 def test_too_small_names_each_worker_its_budget_and_the_least(mini) -> None:
-    opts = least_options(SizingOptions())
+    opts = least_options(SizingInput())
     worker = lambda name, gb: (name, int(gb * GB), Placement(), range(8), True, 7)
     assert too_small(mini, [worker("big", 4)], opts) is None
     said = too_small(mini, [worker("big", 4), worker("small", 0.3)], opts)

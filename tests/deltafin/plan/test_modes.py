@@ -13,7 +13,7 @@ from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.links import PROFILES, Links, profile
 from deltafin.plan.modes import choose_mode, turn_seconds
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
 
@@ -29,10 +29,10 @@ def _macs(n: int, gb: int = 56, layers: int = 93) -> list[WorkerCapacity]:
 
 
 def test_a_fast_link_is_wide_and_a_slow_one_the_pipelined_plan(k3):
-    fast = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
+    fast = choose_mode(k3, _macs(2), SizingInput(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
     assert fast.wide and fast.mode_why.startswith("a turn of a 4,096-token prompt and 512 tokens takes")
     slow_link = Links(assumed=profile(40.0, 20))  # a congested link: 40 ms, 20 Mbit/s
-    slow = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", slow_link)
+    slow = choose_mode(k3, _macs(2), SizingInput(), 4, "auto", slow_link)
     wide = plan_layers(k3, _macs(2), experts="wide", links=slow_link)
     assert not slow.wide and turn_seconds(k3, slow) < turn_seconds(k3, wide)
     assert "local: a token" in slow.mode_why and "wide: a token" in slow.mode_why
@@ -40,12 +40,12 @@ def test_a_fast_link_is_wide_and_a_slow_one_the_pipelined_plan(k3):
 
 def test_asked_is_kept_and_resident_experts_stay_wide(k3):
     slow_link = Links(assumed=profile(40.0, 20))
-    asked = choose_mode(k3, _macs(2), SizingOptions(), 4, "wide", slow_link)
+    asked = choose_mode(k3, _macs(2), SizingInput(), 4, "wide", slow_link)
     assert asked.wide and asked.mode_why.startswith("as asked (--experts wide); over these links the exact wire")
     mini = load_config(bundled_model())
-    small = choose_mode(mini, _macs(2, 8, 8), SizingOptions(), 4, "auto", slow_link)
+    small = choose_mode(mini, _macs(2, 8, 8), SizingInput(), 4, "auto", slow_link)
     assert small.wide and small.mode_why == "every expert is in memory: wide spreads their compute"
-    one = choose_mode(k3, _macs(1), SizingOptions(), 4, "auto", slow_link)
+    one = choose_mode(k3, _macs(1), SizingInput(), 4, "auto", slow_link)
     assert not one.wide and one.mode_why == "one worker reads its own experts"
 
 
@@ -57,13 +57,13 @@ def test_the_reason_says_what_a_bf16_wire_would_make_a_prompt_where_the_wire_hol
     from deltafin.plan.predict import prefill_seconds
 
     wifi = Links(assumed=PROFILES["wifi"])
-    plan = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", wifi)
+    plan = choose_mode(k3, _macs(2), SizingInput(), 4, "auto", wifi)
     exact = prefill_seconds(k3, plan, 4096).total
     half = prefill_seconds(k3, replace(plan, links=replace(wifi, value_bytes=2)), 4096).total
     assert half < 0.9 * exact
     assert plan.mode_why.endswith(f"the exact wire holds a 4,096-token prompt back: {exact:.0f} s, {half:.0f} s with "
                                   "--wire bf16 (lossy; its cost is measured in docs/cluster.md)")
-    fast = choose_mode(k3, _macs(2), SizingOptions(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
+    fast = choose_mode(k3, _macs(2), SizingInput(), 4, "auto", Links(assumed=PROFILES["thunderbolt"]))
     assert "--wire bf16" not in fast.mode_why
-    already = choose_mode(k3, _macs(2), SizingOptions(), 4, "wide", replace(wifi, value_bytes=2))
+    already = choose_mode(k3, _macs(2), SizingInput(), 4, "wide", replace(wifi, value_bytes=2))
     assert already.mode_why == "as asked (--experts wide)"

@@ -8,10 +8,10 @@ from deltafin.checkpoint.config import parse_config
 from deltafin.errors import PlanError
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
-INT8 = SizingOptions(spine="int8")
+INT8 = SizingInput(spine="int8")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_refusals_are_specific(k3):
 def test_a_worker_below_the_least_stage_is_named_without_advising_more_workers(k3):
     """A worker whose budget holds not even its smallest stage (one layer, or an expert holder) is named with its
     budget and that least, and told that more workers do not help; the advice to add workers was wrong for it."""
-    opts = SizingOptions(spine="int8", sequences=1)
+    opts = SizingInput(spine="int8", sequences=1)
     with pytest.raises(PlanError) as refused:
         plan_layers(k3, [_w("big", 8), _w("small", 1.5)], options=opts)
     message = str(refused.value)

@@ -13,7 +13,8 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.layer_table import layer_table
-from deltafin.plan.sizing import Budget, Placement, SizingOptions, choose, expert_slot_bytes, size_stage
+from deltafin.plan.sizing import Budget, Placement, SizingInput, choose, expert_slot_bytes, size_stage
+from deltafin.plan.sizing_options import SizingOptions
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
@@ -59,7 +60,7 @@ def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):
     from deltafin.plan.spine_copies import converted_unit_bytes, layer_unit
 
     mac = Placement("mps", experts="mlx")
-    s = choose(k3, 0, 93, mac, Budget(56 * GB), SizingOptions(spine="int8"))
+    s = choose(k3, 0, 93, mac, Budget(56 * GB), SizingInput(spine="int8"))
     assert s.spine == "int8" and 40 < len(s.resident_layers) < 93 and s.streamed_layers[-1] == 92
     assert s.streaming and s.device_total <= 56 * GB and s.spine_why.startswith("as given (--spine")
     files = [converted_unit_bytes(k3, layer_unit(i), "int8") for i in s.streamed_layers]
@@ -69,34 +70,34 @@ def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):
 
 
 def test_an_h200_holds_the_bf16_spine_and_caches_experts(k3):
-    s = choose(k3, 0, 93, Placement("cuda"), Budget(int(132 * GB), int(110 * GB)), SizingOptions())
+    s = choose(k3, 0, 93, Placement("cuda"), Budget(int(132 * GB), int(110 * GB)), SizingInput())
     assert s.spine == "bf16" and not s.streamed_layers and s.streaming and s.expert_cache > 2 * GB
     assert s.host < 5 * GB and s.device_total <= 132 * GB  # staging and the runtime live in host RAM
 
 
 def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
     cfg = load_config(tiny_dir)
-    s = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(8 * GB), SizingOptions())
+    s = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(8 * GB), SizingInput())
     assert s.experts_resident and s.spine == "bf16"
     # one byte less: an int8 spine keeps every expert in memory (no disk reads at all beats exact bf16) ...
-    tight = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingOptions())
+    tight = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingInput())
     assert tight.experts_resident and tight.spine == "int8" and tight.total < s.total
     # ... and below that, one worker keeps them with a shorter forward (the cache before a long forward) ...
-    tighter = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), SizingOptions())
+    tighter = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), SizingInput())
     assert tighter.experts_resident and tighter.forward_tokens < tight.forward_tokens
     assert tighter.total <= tight.total - 1
     # ... while at the forward it had, the experts stream
-    fixed = SizingOptions(prefill_chunk=tight.forward_tokens)
+    fixed = SizingInput(prefill_chunk=tight.forward_tokens)
     streams = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), fixed)
     assert streams.streaming and streams.total <= tight.total - 1
     bf16 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1),
-                  SizingOptions(spine="bf16", prefill_chunk=s.forward_tokens))
+                  SizingInput(spine="bf16", prefill_chunk=s.forward_tokens))
     assert bf16.streaming and bf16.spine == "bf16"
 
 
 def test_most_resident_is_the_best_count(k3):
     """The scan agrees with a brute-force search over every resident count (memory is not monotonic in it)."""
-    opts = SizingOptions(spine="int8", prefill_chunk=512)  # a fixed forward: the residency is what is tested
+    opts = SizingInput(spine="int8", prefill_chunk=512)  # a fixed forward: the residency is what is tested
     for budget in (20 * GB, 33 * GB, 47 * GB, 56 * GB):
         s = choose(k3, 0, 93, Placement("cpu"), Budget(budget), opts)
         fits = [k for k in range(94) if size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, k, opts).total <= budget]
@@ -112,13 +113,13 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 
     t = layer_table(k3, Placement("cpu"))
-    big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8"))
+    big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8"))
     assert big.forward_tokens == 4096 and big.workspace <= FORWARD_SHARE * 64 * GB
     share = auto_forward_tokens(k3, t, 70, 93, 4096, 24 * GB)
     assert PIECE_TOKENS < share < 4096
     assert workspace_bytes(k3, t, 70, 93, share, 4096, True) <= FORWARD_SHARE * 24 * GB < workspace_bytes(
         k3, t, 70, 93, share + 1, 4096, True)
-    fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingOptions(spine="int8", prefill_chunk=512))
+    fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8", prefill_chunk=512))
     assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache
     per_token = (workspace_bytes(k3, t, 70, 93, 2048, 4096, True) - workspace_bytes(k3, t, 70, 93, 1024, 4096, True))
     assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
@@ -135,38 +136,38 @@ def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
     served = 23 * k3.num_experts * expert_slot_bytes(k3)
     for gb in (16, 24):
         share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
-        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8", prefill_chunk=share))
+        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingInput(spine="int8", prefill_chunk=share))
         assert 0 < planned.expert_cache < FORWARD_SHARE * served
-        s = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingOptions(spine="int8"))
+        s = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingInput(spine="int8"))
         assert s.forward_tokens > share and s.expert_cache < planned.expert_cache
         assert (s.spine, s.resident_layers) == (planned.spine, planned.resident_layers)
         if s.forward_tokens < 4096:  # the longest that fits: one token more does not, even with no cache
             longer = size_stage(k3, 70, 93, cpu, "int8", 0, len(s.resident_layers),
-                                SizingOptions(spine="int8", prefill_chunk=s.forward_tokens + 1))
+                                SizingInput(spine="int8", prefill_chunk=s.forward_tokens + 1))
             assert not Budget(gb * GB).fits(longer) and s.expert_cache == 0
-    assert choose(k3, 70, 93, cpu, Budget(24 * GB), SizingOptions(spine="int8")).forward_tokens == 4096
-    long_context = SizingOptions(spine="int8", context=16384)  # 64 GB: a cache over a tenth keeps its room
+    assert choose(k3, 70, 93, cpu, Budget(24 * GB), SizingInput(spine="int8")).forward_tokens == 4096
+    long_context = SizingInput(spine="int8", context=16384)  # 64 GB: a cache over a tenth keeps its room
     share = auto_forward_tokens(k3, t, 70, 93, 16384, 64 * GB)
     s = choose(k3, 70, 93, cpu, Budget(64 * GB), long_context)
     assert s.expert_cache > FORWARD_SHARE * served and s.forward_tokens == share < 16384
 
 
 def test_more_memory_never_holds_less(k3):
-    counts = [len(choose(k3, 0, 93, Placement("cpu"), Budget(g * GB), SizingOptions(spine="int8")).resident_layers)
+    counts = [len(choose(k3, 0, 93, Placement("cpu"), Budget(g * GB), SizingInput(spine="int8")).resident_layers)
               for g in range(20, 80, 4)]
     assert counts == sorted(counts)
 
 
 def test_refusal_names_the_numbers(k3):
     with pytest.raises(SizingError, match=r"layers 0-92 cannot fit on cpu: .* at least [\d.]+ GB .* is 8\.00 GB"):
-        choose(k3, 0, 93, Placement("cpu"), Budget(8 * GB), SizingOptions())
+        choose(k3, 0, 93, Placement("cpu"), Budget(8 * GB), SizingInput())
 
 
 def test_sessions_are_sequences_at_context(k3):
-    one = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=1, context=4096)).sessions
+    one = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingInput(sequences=1, context=4096)).sessions
     # 69 KDA layers x (conv window + 96x128x128 state) fp32, 24 MLA layers x 4096 x 576 fp32 (docs/PERF.md)
     assert one == 69 * (3 * 3 * 12288 + 96 * 128 * 128) * 4 + 24 * 4096 * 576 * 4
-    four = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingOptions(sequences=4, context=4096)).sessions
+    four = size_stage(k3, 0, 93, Placement("cpu"), "int8", 0, 0, SizingInput(sequences=4, context=4096)).sessions
     assert four == 4 * one
 
 
@@ -182,7 +183,7 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)
     context = 40
-    opts = StageOptions(sizing=SizingOptions(spine=spine, sequences=2, context=context, read_threads=2,
+    opts = StageOptions(sizing=SizingInput(spine=spine, sequences=2, context=context, read_threads=2,
                                              expert_cache_bytes=None if layout == "resident" else 3 * 10**5))
     if layout == "streamed":  # a budget under the whole stage's: the tail streams
         sizing = opts.sizing_for(layer_spans(ckpt))
@@ -217,7 +218,7 @@ def test_expert_views_share_one_slot(tiny_dir):
 
 
 def test_max_resident_layers_streams_the_rest(k3):
-    s = choose(k3, 0, 93, Placement("cpu"), Budget(200 * GB), SizingOptions(spine="bf16", max_resident_layers=10))
+    s = choose(k3, 0, 93, Placement("cpu"), Budget(200 * GB), SizingInput(spine="bf16", max_resident_layers=10))
     assert s.resident_layers == tuple(range(10)) and s.streamed_layers == tuple(range(10, 93)) and s.spine == "bf16"
     assert s.expert_cache > 50 * GB  # the memory the spine does not take caches experts
 
@@ -238,7 +239,7 @@ def test_a_resident_first_layer_can_be_what_makes_it_fit(k3):
     device copies; holding it resident takes one. So a budget can fit one resident layer and not zero: the search
     must not stop at zero."""
     mac = Placement("mps", experts="mlx")
-    opts = SizingOptions(spine="int8", sequences=1, prefill_chunk=512)
+    opts = SizingInput(spine="int8", sequences=1, prefill_chunk=512)
     sizes = [size_stage(k3, 0, 93, mac, "int8", 0, k, opts).total for k in (0, 1)]
     assert sizes[1] < sizes[0]
     s = choose(k3, 0, 93, mac, Budget((sizes[0] + sizes[1]) // 2), opts)
@@ -267,7 +268,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     import shutil
 
     from deltafin.runtime.assigned import holder_sizing
-    from deltafin.runtime.stage_build import open_experts
+    from deltafin.runtime.stage_build import disk_plan, open_experts
 
     cfg = load_config(tiny_dir)
     ckpt = open_checkpoint(tiny_dir, cfg)
@@ -275,9 +276,10 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
     opts = StageOptions(expert_dir=(str(copy),), disk_gbps=(1.0, 2.0),
-                        sizing=SizingOptions(read_threads=2, expert_cache_bytes=10 * slot,
-                                             expert_layers=len(cfg.moe_layers), expert_share=0.5))
-    stage = Stage(ckpt, 0, 2, device=CPU, options=opts, serves=cfg.moe_layers)
+                        sizing=SizingOptions(read_threads=2, expert_cache_bytes=10 * slot))
+    wide = {"expert_layers": len(cfg.moe_layers), "expert_share": 0.5}  # what the wide plan gives this worker
+    stage = Stage(ckpt, 0, 2, device=CPU, options=opts, plan=disk_plan(ckpt, 0, 2, CPU, opts, "torch", wide),
+                  serves=cfg.moe_layers)
     try:
         z = stage.sizing
         assert z.expert_layers == len(cfg.moe_layers) and z.expert_calls > 0 and not z.experts_resident
@@ -286,9 +288,8 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
         assert stage.experts.layers == set(cfg.moe_layers)  # others' layers too
     finally:
         stage.close()
-    budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2, expert_layers=len(cfg.moe_layers),
-                                                                    expert_share=0.5))
-    sizing = holder_sizing(ckpt, CPU, budget)
+    budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2))
+    sizing = holder_sizing(ckpt, CPU, budget, wide)
     assert sizing.holder_only and sizing.device_total <= 2 * GB and sizing.sessions == sizing.layers == 0
     # the cache never outgrows every expert it could be asked for
     assert sizing.expert_cache == len(cfg.moe_layers) * cfg.num_experts * slot
@@ -301,7 +302,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
 
 
 def test_wide_sizing_counts_the_calls_and_never_keeps_every_expert(k3):
-    wide = SizingOptions(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25, prefill_chunk=512)
+    wide = SizingInput(spine="int8", expert_layers=len(k3.moe_layers), expert_share=0.25, prefill_chunk=512)
     z = choose(k3, 0, 23, Placement("mps"), Budget(56 * GB), wide)
     assert not z.experts_resident and z.expert_layers == 92 and z.device_total <= 56 * GB
     # both ways at 512 tokens: rows out and 16 outputs back per token, as messages and as tensors

@@ -18,7 +18,7 @@ from deltafin.plan.sizing import (
     ONE_WORKER_CACHE_SHARE,
     Budget,
     Placement,
-    SizingOptions,
+    SizingInput,
     choose,
     matrix_format,
     size_stage,
@@ -46,7 +46,7 @@ def one_sequence(cfg) -> int:
 def test_a_64gb_mac_holds_the_whole_spine_in_q4_and_a_12gb_expert_cache(k3):
     """No flags: int8 would stream, so auto takes q4; every layer resident, nothing streamed, one sequence and
     one kept prefix, and a forward as long as leaves the cache its share: at least 12 GB."""
-    s = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions())
+    s = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
     assert s.spine == "q4" and s.resident_layers == tuple(range(93)) and not s.streamed_layers
     assert s.spine_bytes_per_token == 0 and s.device_total <= 56 * GB
     assert s.expert_cache >= 12 * GB and s.expert_cache >= ONE_WORKER_CACHE_SHARE * 56 * GB
@@ -55,7 +55,7 @@ def test_a_64gb_mac_holds_the_whole_spine_in_q4_and_a_12gb_expert_cache(k3):
     assert s.spine_why.startswith("int8 would stream ") and "+0.78 % perplexity" in s.spine_why
     assert "docs/k3-mini.md" in s.spine_why and s.spine_why in s.describe()
     # the longest such forward: one token more leaves the cache under its share
-    longer = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions(prefill_chunk=s.forward_tokens + 1))
+    longer = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(prefill_chunk=s.forward_tokens + 1))
     assert longer.expert_cache < ONE_WORKER_CACHE_SHARE * 56 * GB
 
 
@@ -64,7 +64,7 @@ def test_the_planner_gives_one_mac_the_same_plan_and_says_why(k3, caplog):
     with caplog.at_level(logging.INFO, logger="deltafin.plan.planner"):
         plan = plan_layers(k3, [mac])
     (stage,) = plan.stages
-    alone = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions())
+    alone = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
     assert (stage.sizing.spine, stage.sizing.expert_cache, stage.sizing.forward_tokens) == (
         "q4", alone.expert_cache, alone.forward_tokens)
     assert "int8 spine" in stage.sizing.spine_why and "+0.78 %" in stage.sizing.spine_why
@@ -74,9 +74,9 @@ def test_the_planner_gives_one_mac_the_same_plan_and_says_why(k3, caplog):
 
 
 def test_auto_keeps_bf16_or_int8_where_the_whole_spine_fits(k3):
-    gpu = choose(k3, 0, 93, Placement("cuda"), Budget(132 * GB, 110 * GB), SizingOptions())
+    gpu = choose(k3, 0, 93, Placement("cuda"), Budget(132 * GB, 110 * GB), SizingInput())
     assert gpu.spine == "bf16" and not gpu.streamed_layers and gpu.spine_why == "the whole spine fits as stored"
-    big_mac = choose(k3, 0, 93, MAC, Budget(72 * GB), SizingOptions())
+    big_mac = choose(k3, 0, 93, MAC, Budget(72 * GB), SizingInput())
     assert big_mac.spine == "int8" and not big_mac.streamed_layers
     assert big_mac.spine_why.startswith("bf16 would stream ") and "-0.01 % perplexity" in big_mac.spine_why
     # clusters: one format for all, the first the workers hold whole
@@ -92,7 +92,7 @@ def test_streamed_layers_of_a_converted_spine_cost_their_converted_files(k3):
     """Where even q4 does not fit whole, the tail streams as the converter writes it: each layer's file (its
     arrays at 64 bytes, padded to 4 KiB blocks), read whole into buffers of the largest; a Mac copies each
     layer's tensors as placed in q4. A bf16 spine still streams its tensors as stored."""
-    s = choose(k3, 0, 93, MAC, Budget(40 * GB), SizingOptions())
+    s = choose(k3, 0, 93, MAC, Budget(40 * GB), SizingInput())
     assert s.spine == "q4" and s.streamed_layers and "layers still stream, read as converted" in s.spine_why
     files = [converted_unit_bytes(k3, layer_unit(i), "q4") for i in s.streamed_layers]
     assert s.spine_bytes_per_token == sum(files) and s.stream_buffers == 2 * max(files)
@@ -101,7 +101,7 @@ def test_streamed_layers_of_a_converted_spine_cost_their_converted_files(k3):
     assert s.stream_copies == 2 * max(placed)
     stored = sum(t.nbytes for i in s.streamed_layers for t in k3.layer_tensor_specs(i))
     assert 0.3 * stored < s.spine_bytes_per_token < 0.4 * stored  # about a third of the layers as stored
-    bf16 = size_stage(k3, 0, 93, MAC, "bf16", 0, 80, SizingOptions(prefill_chunk=512))
+    bf16 = size_stage(k3, 0, 93, MAC, "bf16", 0, 80, SizingInput(prefill_chunk=512))
     assert bf16.spine_bytes_per_token == sum(t.nbytes for i in range(80, 93) for t in k3.layer_tensor_specs(i))
     assert layer_table(k3, MAC).streamed("bf16").stored == layer_table(k3, MAC).stored
 
@@ -112,18 +112,18 @@ def test_streamed_and_resident_matrices_share_the_spines_format():
 
 
 def test_the_one_worker_defaults_give_way_to_the_flags(k3):
-    base = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions())
-    four = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions(sequences=4))
+    base = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
+    four = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(sequences=4))
     assert four.sequences == 4 and four.sessions == four.prefixes == 4 * one_sequence(k3)
     assert four.expert_cache < base.expert_cache
-    long = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions(prefill_chunk=4096))
+    long = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(prefill_chunk=4096))
     assert long.forward_tokens == 4096 and long.spine == "q4" and long.expert_cache < base.expert_cache
     assert long.expert_cache == pytest.approx(base.expert_cache - (long.workspace - base.workspace), abs=2e7)
-    off = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingOptions(prefix_cache_bytes=0))  # the cache has its share:
+    off = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(prefix_cache_bytes=0))  # the cache has its share:
     assert off.prefixes == 0 and off.forward_tokens > base.forward_tokens  # what the prefixes free lengthens
     assert off.expert_cache >= ONE_WORKER_CACHE_SHARE * 56 * GB  # the forward
     # a stage of part of the layers (a cluster's) plans SEQUENCES and the forward by its share of the memory
-    part = choose(k3, 0, 46, MAC, MAC_BUDGET, SizingOptions())
+    part = choose(k3, 0, 46, MAC, MAC_BUDGET, SizingInput())
     assert part.sequences == SEQUENCES and part.forward_tokens == 4096
 
 
@@ -139,5 +139,5 @@ def test_inspect_shows_the_trade(k3):
     assert "q4 spine, 93 of 93 layers resident" in text and "spine q4: int8 would stream" in text
     assert "with --prefill-chunk 4096: q4 spine, 93 layers resident, expert cache" in text
     assert "sessions for 1 sequence(s) of up to 4,096 tokens" in text
-    fixed = memory_plan(k3, 56 * GB, "mps", SizingOptions(sequences=2, prefill_chunk=2048))
+    fixed = memory_plan(k3, 56 * GB, "mps", SizingInput(sequences=2, prefill_chunk=2048))
     assert fixed["trade"] == [] and fixed["sequences"] == 2 and fixed["forward_tokens"] == 2048

@@ -11,7 +11,7 @@ from deltafin.checkpoint.presets import preset_config
 from deltafin.errors import PlanError
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 from deltafin.plan.spine_choice import asked_spine
 from deltafin.plan.spine_copies import SpineDisk, converted_unit_bytes, stage_units
 
@@ -67,7 +67,7 @@ def test_one_mac_without_room_streams_int8_in_memory_not_a_bf16_spine(k3):
     plan = plan_layers(k3, [small], experts="local")
     z = plan.stages[0].sizing
     assert (z.spine, z.converted) == ("int8", False) and z.streamed_layers and len(z.resident_layers) >= 5
-    bf16 = plan_layers(k3, [small], SizingOptions(spine="bf16"), experts="local").stages[0].sizing
+    bf16 = plan_layers(k3, [small], SizingInput(spine="bf16"), experts="local").stages[0].sizing
     assert z.spine_bytes_per_token < bf16.spine_bytes_per_token and len(z.resident_layers) > len(bf16.resident_layers)
     assert "no converted q4 copy and no room to write one" in z.spine_why and "read as stored" in z.spine_why
     # with the q4 copy on its disk the same Mac streams it instead (a third of the bytes)
@@ -82,7 +82,7 @@ def test_a_worker_s_own_spine_is_honoured_or_refused(k3):
     assert _spines(plan) == {("q4", True)}
     assert "as the workers were started (--spine q4 on a)" in plan.stages[0].sizing.spine_why
     with pytest.raises(PlanError, match=r"coordinator asks for --spine int8, but a \(--spine q4\)"):
-        plan_layers(k3, [_mac("a", None, "q4"), _mac("b", None)], SizingOptions(spine="int8"), experts="wide")
+        plan_layers(k3, [_mac("a", None, "q4"), _mac("b", None)], SizingInput(spine="int8"), experts="wide")
     with pytest.raises(PlanError, match="different spine formats"):
         asked_spine("auto", [("a", "q4"), ("b", "int8")])
     assert asked_spine("auto", [("a", "auto")]) == ("auto", "")
@@ -91,6 +91,6 @@ def test_a_worker_s_own_spine_is_honoured_or_refused(k3):
 
 def test_asked_q4_that_streams_without_a_copy_runs_without_one(k3):
     small = WorkerCapacity("m", 16 * GB, 6.6, ((0, 93),), True, worker_id="m", spine_disk=SpineDisk({}, room=0))
-    z = plan_layers(k3, [small], SizingOptions(spine="q4"), experts="local").stages[0].sizing
+    z = plan_layers(k3, [small], SizingInput(spine="q4"), experts="local").stages[0].sizing
     assert (z.spine, z.converted) == ("q4", False) and z.streamed_layers
     assert "as asked (--spine)" in z.spine_why and "read as stored" in z.spine_why

@@ -10,7 +10,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import InvalidInput, PrefixNotFound
 from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingOptions, kda_state_bytes, mla_row_bytes
+from deltafin.plan.sizing import SizingInput, kda_state_bytes, mla_row_bytes
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 
@@ -82,7 +82,7 @@ def test_the_store_keeps_within_its_budget_least_recently_used_first(ckpt):
     n_kda = sum(k.name == "KDA" for k in cfg.layer_kinds)
     n_mla = cfg.num_layers - n_kda
     one = n_kda * kda_state_bytes(cfg) + n_mla * mla_capacity(40) * mla_row_bytes(cfg, 4)
-    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=3 * one)))
+    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingInput(prefix_cache_bytes=3 * one)))
     for i, sid in enumerate("abcd"):
         stage.forward([SeqInput(sid, 0, ids=_ids(PROMPT[i:i + 40]))])
         if sid == "d":
@@ -91,7 +91,7 @@ def test_the_store_keeps_within_its_budget_least_recently_used_first(ckpt):
         assert stage.prefixes.nbytes <= 3 * one
     assert list(stage.prefixes.entries) == ["kept-c", "kept-a", "kept-d"]
     assert stage.prefixes.nbytes == 3 * one and stage.prefixes.stats.evicted == 1
-    small = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingOptions(prefix_cache_bytes=one)))
+    small = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingInput(prefix_cache_bytes=one)))
     small.forward([SeqInput("long", 0, ids=_ids(PROMPT))])  # 300 tokens: two MLA blocks, the budget holds one
     small.release("long", keep_as="kept-long")
     assert not small.prefixes.entries and small.prefixes.stats.refused == 1 and "long" not in small.sessions

@@ -11,9 +11,11 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError, InvalidInput, OutOfMemory, SessionNotFound, SessionOutOfSync
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.sizing import SizingOptions, sequence_bytes
+from deltafin.plan.sizing import SizingInput, sequence_bytes
 from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage_build import plan_stage
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.weights.reader import layer_spans
 
 CPU = torch.device("cpu")
 
@@ -64,10 +66,18 @@ def test_sessions_sync_release_and_unknown(ckpt):
         stage.forward([SeqInput("s", 4, ids=torch.tensor([5]))])
 
 
+def _with_sessions(ckpt, session_bytes: int, context: int | None = None) -> Stage:
+    """A stage of every layer whose plan (within 4 GB: everything else resident) gives the sessions `session_bytes`,
+    as a coordinator's plan may."""
+    options = StageOptions(memory_bytes=4 * 10**9).replace(context=context)
+    plan = plan_stage(ckpt.config, 0, 6, CPU, options, layer_spans(ckpt), known={"session_bytes": session_bytes})
+    return Stage(ckpt, 0, 6, device=CPU, options=options, plan=plan)
+
+
 def test_eviction_names_the_evicted_session(ckpt):
     cfg = ckpt.config
     one = sequence_bytes(cfg, len(cfg.kda_layers), len(cfg.mla_layers), 2, 4)
-    stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(sizing=SizingOptions(session_bytes=int(2.5 * one))))
+    stage = _with_sessions(ckpt, int(2.5 * one))
     for sid in ("a", "b", "c"):
         stage.forward([SeqInput(sid, 0, ids=torch.tensor([1, 2]))])
     assert list(stage.sessions) == ["b", "c"]  # "a" was least recently used
@@ -84,8 +94,7 @@ def test_sessions_resumed_from_a_kept_prompt_fit_the_budget_planned_for_them(ckp
     cfg = ckpt.config
     context, n = 64, 3
     one = sequence_bytes(cfg, len(cfg.kda_layers), len(cfg.mla_layers), context, 4)
-    stage = Stage(ckpt, 0, 6, device=CPU,
-                  options=StageOptions(sizing=SizingOptions(session_bytes=n * one, context=context)))
+    stage = _with_sessions(ckpt, n * one, context)
     prompt = torch.arange(1, 61)
     stage.forward([SeqInput("first", 0, ids=prompt, save_at=((60, "p"),))])
     assert stage.prefixes.get("p", torch.float32).logits is not None  # the last stage kept the prompt's logits
@@ -139,7 +148,7 @@ def test_debug_log_says_the_plan_and_each_forwards_reads_and_waits(ckpt, caplog)
 
     caplog.set_level(logging.DEBUG, logger="deltafin.runtime.stage")
     stage = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(prefetch=False,
-                                                               sizing=SizingOptions(expert_cache_bytes=10**6)))
+                                                               sizing=SizingInput(expert_cache_bytes=10**6)))
     try:
         (plan,) = [r.getMessage() for r in caplog.records if "plan:" in r.getMessage()]
         assert f"forwards of up to {stage.sizing.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan

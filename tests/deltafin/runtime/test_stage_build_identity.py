@@ -15,7 +15,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.kernels import linear
 from deltafin.paths import bundled_model
-from deltafin.plan.sizing import Placement, SizingOptions, size_stage
+from deltafin.plan.sizing import Placement, SizingInput, size_stage
 from deltafin.runtime.stage_build import spine_layout, state_identity
 from deltafin.runtime.stage_options import StageOptions
 
@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 def _identity(ckpt, spine: str = "bf16", resident: int | None = None, dtype=torch.float32, backend="torch") -> str:
     cfg = ckpt.config
     sizing = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), spine, None,
-                        cfg.num_layers if resident is None else resident, SizingOptions())
+                        cfg.num_layers if resident is None else resident, SizingInput())
     return state_identity(ckpt, 0, cfg.num_layers, CPU, StageOptions(dtype=dtype), sizing, backend)
 
 
@@ -43,9 +43,9 @@ def test_every_thing_that_changes_a_number_changes_the_identity(tiny_dir, monkey
 
 def test_the_layout_names_each_layer_s_format(tiny_dir):
     cfg = load_config(tiny_dir)
-    whole = size_stage(cfg, 0, 6, Placement("cpu"), "q4", None, 6, SizingOptions())
+    whole = size_stage(cfg, 0, 6, Placement("cpu"), "q4", None, 6, SizingInput())
     assert spine_layout(whole) == "q4 0-5"
-    assert spine_layout(size_stage(cfg, 0, 6, Placement("cpu"), "bf16", None, 6, SizingOptions())) == "stored 0-5"
+    assert spine_layout(size_stage(cfg, 0, 6, Placement("cpu"), "bf16", None, 6, SizingInput())) == "stored 0-5"
     streamed = dataclasses.replace(whole, resident_layers=(0, 1), streamed_layers=(2, 3, 4, 5))
     assert spine_layout(streamed) == "q4 0-5"  # streamed layers are read from the converted q4 files
 

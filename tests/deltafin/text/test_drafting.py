@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, SessionOutOfSync
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from tests.support.cluster import COORDINATOR
@@ -366,6 +366,7 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     from deltafin.checkpoint.config import load_config
     from deltafin.checkpoint.shards import open_checkpoint
     from deltafin.plan.sizing import SPECULATIVE_TOKENS, kda_trail_bytes
+    from deltafin.plan.sizing_options import SizingOptions
     from deltafin.runtime.stage import Stage
     from deltafin.runtime.stage_build import plan_stage
     from deltafin.runtime.stage_options import StageOptions
@@ -373,8 +374,7 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     cfg = load_config(tiny_dir)
     context, sequences = 256, 2  # one MLA block: the caches are whole at the planned length
     plain = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context))
-    drafting = StageOptions(memory_bytes=4 << 30, sizing=SizingOptions(sequences=sequences, context=context,
-                                                                       speculative_tokens=SPECULATIVE_TOKENS))
+    drafting = plain.replace(speculative_tokens=SPECULATIVE_TOKENS)  # what serving with --speculative plans
     stage = Stage(open_checkpoint(tiny_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=drafting)
     try:
         n_kda = sum(kind.name == "KDA" for kind in cfg.layer_kinds)
@@ -396,7 +396,7 @@ def test_verify_bench_reports_a_pass_per_draft_count(small_dir: Path) -> None:
     from deltafin.runtime.stage_options import StageOptions
 
     result = bench.bench_verify(small_dir, [1, 8], device="cpu",
-                                options=StageOptions(sizing=SizingOptions(expert_cache_bytes=10 ** 7)))
+                                options=StageOptions(sizing=SizingInput(expert_cache_bytes=10 ** 7)))
     passes = result["passes"]
     assert list(passes) == ["0", "1", "8"] and [p["tokens"] for p in passes.values()] == [1, 2, 9]
     assert 0 < passes["0"]["expert_gb"] < passes["8"]["expert_gb"]  # more tokens route to more experts

@@ -11,7 +11,7 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.sizing import SizingOptions
+from deltafin.plan.sizing import SizingInput
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec, worker_info
@@ -64,7 +64,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
     from deltafin.runtime.pipeline import LocalPipeline
 
     defaults = StageOptions(memory_bytes=7 << 30, cache_policy="lru",
-                            sizing=SizingOptions(expert_cache_bytes=5_000_000, read_threads=4))
+                            sizing=SizingInput(expert_cache_bytes=5_000_000, read_threads=4))
     sent = {"dtype": "bf16", "prefetch": False, "io": "buffered", "wire": "bf16"}
     got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
                                                                 .SerializeToString()), defaults)
@@ -76,7 +76,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
         with pytest.raises(CodecError):
             codec.encode_stage_options(bad)
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32",
-                              options=StageOptions(sizing=SizingOptions(expert_cache_bytes=200_000)))
+                              options=StageOptions(sizing=SizingInput(expert_cache_bytes=200_000)))
     try:
         from deltafin.runtime.stage import SeqInput
 
@@ -168,7 +168,7 @@ def test_a_stage_plan_travels_whole_and_checked() -> None:
 
     cfg = parse_config(preset_config("small"))
     z = choose(cfg, 1, cfg.num_layers, Placement("cuda", 2), Budget(int(0.3 * GB_), int(2 * GB_)),
-               SizingOptions(spine="q4", expert_layers=len(cfg.moe_layers), expert_share=0.4, max_resident_layers=2))
+               SizingInput(spine="q4", expert_layers=len(cfg.moe_layers), expert_share=0.4, max_resident_layers=2))
     assert z.wide and z.streamed_layers and z.spine_why and z.discrete
     wire = pb.StageSizing.FromString(codec.encode_stage_plan(z).SerializeToString())
     assert codec.decode_stage_plan(wire, cfg.num_layers) == z

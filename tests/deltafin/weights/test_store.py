@@ -15,7 +15,7 @@ from safetensors import safe_open
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import ModelFormatError
-from deltafin.plan.sizing import Placement, SizingOptions, size_stage
+from deltafin.plan.sizing import Placement, SizingInput, size_stage
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
@@ -90,7 +90,7 @@ def test_streaming_logits_equal_resident(tiny_dir, small_dir, preset, stages, op
 def test_expert_store_counts_hits_with_a_big_cache(small_dir):
     cfg = load_config(small_dir)
     pipe = LocalPipeline.load(small_dir, 1, device="cpu",
-                              options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=10**9,
+                              options=StageOptions(prefetch=False, sizing=SizingInput(expert_cache_bytes=10**9,
                                                                                         read_threads=2)))
     try:
         _decode(pipe, "a", steps=1)
@@ -104,7 +104,7 @@ def test_expert_store_counts_hits_with_a_big_cache(small_dir):
 def _stage(model: Path) -> Stage:
     cfg = load_config(model)
     return Stage(open_checkpoint(model, cfg), 0, cfg.num_layers, device=CPU,
-                 options=StageOptions(prefetch=False, sizing=SizingOptions(expert_cache_bytes=0, read_threads=2)))
+                 options=StageOptions(prefetch=False, sizing=SizingInput(expert_cache_bytes=0, read_threads=2)))
 
 
 def test_truncated_shard_fails_the_request_and_the_stage_recovers(tiny_dir, tmp_path):
@@ -144,7 +144,7 @@ def test_vanished_and_replaced_shards_are_named(tiny_dir, tmp_path):
 
 def test_streamed_and_int8_spines(tiny_dir):
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    options = StageOptions(sizing=SizingOptions(spine="bf16", expert_cache_bytes=10**7))
+    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=10**7))
     cfg = resident.config
     # a budget below the all-resident stage's: the stage keeps what fits and streams the rest
     sizing = options.sizing_for(layer_spans(resident.stages[0].ckpt))
@@ -154,7 +154,7 @@ def test_streamed_and_int8_spines(tiny_dir):
     expect = max(k for k, t in enumerate(totals) if t <= budget)
     streamed = LocalPipeline.load(tiny_dir, 1, device="cpu", options=dataclasses.replace(options,
                                                                                         memory_bytes=budget))
-    int8 = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingOptions(spine="int8")))
+    int8 = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(sizing=SizingInput(spine="int8")))
     try:
         assert streamed.stages[0].spine.plan.resident == tuple(range(expect)) and expect < cfg.num_layers
         for a, b in zip(_decode(resident, "r"), _decode(streamed, "s"), strict=True):
@@ -192,7 +192,7 @@ def test_no_expert_buffer_leaks_over_many_steps(small_dir):
     import time as _time
 
     pipe = LocalPipeline.load(small_dir, 1, device="cpu",
-                              options=StageOptions(sizing=SizingOptions(expert_cache_bytes=0, read_threads=4)))
+                              options=StageOptions(sizing=SizingInput(expert_cache_bytes=0, read_threads=4)))
     store = pipe.stages[0].experts
     try:
         pipe.forward([SeqInput("s", 0, ids=IDS)])
@@ -221,7 +221,7 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     cfg = load_config(model)
     ckpt = open_checkpoint(model, cfg)
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    options = StageOptions(sizing=SizingOptions(spine="bf16", expert_cache_bytes=0, read_threads=2))
+    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=0, read_threads=2))
     # the budget of the stage with no layer resident: the smallest there is, so it is the one chosen
     budget = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 0, 0,
                         options.sizing_for(layer_spans(ckpt))).total
@@ -316,7 +316,7 @@ def test_one_machine_with_two_disks_reads_from_both(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir, copy)
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
     two = LocalPipeline.load(tiny_dir, 1, device="cpu", options=StageOptions(expert_dir=(str(copy),),
-                                                                             sizing=SizingOptions(expert_cache_bytes=0,
+                                                                             sizing=SizingInput(expert_cache_bytes=0,
                                                                                                   read_threads=2)))
     try:
         want = resident.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
