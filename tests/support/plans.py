@@ -3,6 +3,7 @@ worker directly, without a coordinator)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import scan_checkpoint
+from deltafin.plan.sizing_options import SizingInput, SizingOptions
 from deltafin.runtime.stage_build import plan_stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
@@ -17,6 +19,8 @@ from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.weights.reader import layer_spans
 
 OPTION_FIELDS = frozenset(f.name for f in pb.StageOptions.DESCRIPTOR.fields)  # how a stage computes, not holds
+PLANNER_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingInput)) - {
+    f.name for f in dataclasses.fields(SizingOptions)}  # session_bytes, ...: the planner's, never an option
 
 
 PLAN_BUDGET = 4 * 10**9  # the memory a test's plan is made in, as a coordinator plans in a worker's: a tiny model's
@@ -27,8 +31,10 @@ def stage_plan(model: Path, start: int, end: int, **knobs: Any) -> pb.StageSizin
     """The plan of layers [start, end) of `model` on a CPU within PLAN_BUDGET with the sizing `knobs` (StageOptions'
     and SizingOptions' names: session_bytes=..., max_resident_layers=...), as the Assignment carries it."""
     cfg = load_config(model)
-    z = plan_stage(cfg, start, end, torch.device("cpu"), StageOptions(memory_bytes=PLAN_BUDGET).replace(**knobs),
-                   layer_spans(scan_checkpoint(model, cfg)))
+    known = {k: v for k, v in knobs.items() if k in PLANNER_FIELDS}  # what a coordinator's planner fixes itself
+    options = StageOptions(memory_bytes=PLAN_BUDGET).replace(**{k: v for k, v in knobs.items() if k not in known})
+    z = plan_stage(cfg, start, end, torch.device("cpu"), options, layer_spans(scan_checkpoint(model, cfg)),
+                   known=known)
     return codec.encode_stage_plan(z)
 
 
