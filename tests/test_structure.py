@@ -18,11 +18,12 @@ ENTRY_FOLDERS = ("deltafin.cli",)
 ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api", "deltafin.worker.main"}
 BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options
 # folder -> the folders its modules may import (besides its own); the README's architecture section says the same
-LOW = {BASICS, "checkpoint"}
+LOW = {BASICS, "formats", "checkpoint"}
 LIBRARY = LOW | {"text", "kernels", "models", "plan", "weights", "runtime", "transport"}
 MAY_IMPORT = {
     BASICS: set(),
-    "checkpoint": {BASICS},
+    "formats": {BASICS},
+    "checkpoint": {BASICS, "formats"},
     "text": LOW,
     "kernels": LOW,
     "models": LOW | {"kernels"},
