@@ -25,7 +25,6 @@ from deltafin.formats.mxfp4 import MXFP4 as MXFP4_FORMAT
 NAMES_HINT = "--model also takes k3-mini or a model name that `deltafin models` lists"
 
 
-
 class LayerKind(str, enum.Enum):
     KDA = "kda"
     MLA = "mla"
