@@ -19,9 +19,8 @@ from deltafin.errors import DeltafinError
 GB = 1e9
 T = TypeVar("T")
 
-# the values of the knobs that take one of a few (the flags' choices, the typed options' checks)
-SPINES = ("auto", "bf16", "int8", "q4")
-CONVERTED_SPINES = ("q4", "int8")  # the spine formats written once to the disk (`deltafin convert`)
+# the values of the knobs that take one of a few (the flags' choices, the typed options' checks); the spine's
+# formats are the registry's (deltafin/formats: spine_choices, converted_spines)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("fp32", "bf16")
 IO_MODES = ("direct", "buffered")

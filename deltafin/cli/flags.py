@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from deltafin.formats import auto_spines, converted_spines, spine_choices, spine_formats
 from deltafin.options import (
     CACHE_POLICIES,
     DEVICES,
@@ -22,7 +23,6 @@ from deltafin.options import (
     IO_MODES,
     KERNELS,
     PREFILL_BATCHES,
-    SPINES,
     WIRES,
     from_values,
 )
@@ -51,11 +51,7 @@ def _add_memory_options(g: Any, sequences: int | None) -> None:
     g.add_argument("--expert-cache-gb", type=float, default=None,
                    help="stream routed experts from the disk with a cache of this many GB (default: every expert in "
                    "memory if they fit, else streamed with a cache of the memory left)")
-    g.add_argument("--spine", default="auto", choices=SPINES,
-                   help="non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 "
-                   "with the sensitive matrices row-int8: a third; quality in docs/k3-mini.md); int8 and q4 are "
-                   "converted once and kept on the disk (see --no-convert); default auto: bf16 if it fits, else int8 "
-                   "if it fits, else q4; layers that still do not fit stream from the disk")
+    g.add_argument("--spine", default="auto", choices=spine_choices(), help=spine_help())
     g.add_argument("--no-convert", dest="convert", action="store_false",
                    help="refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet "
                    "(default: convert it first, once, into the cache directory, as `deltafin convert` does)")
@@ -83,6 +79,15 @@ def _add_memory_options(g: Any, sequences: int | None) -> None:
     g.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="auto (default): the native fast paths (C on the CPU, Triton on CUDA), the routed experts on "
                    "MLX on Apple silicon; reference: plain torch everywhere; native; mlx: the routed experts on MLX")
+
+
+def spine_help() -> str:
+    """`--spine`'s help, from the registry of formats (deltafin/formats)."""
+    formats = ", ".join(f"{f.name} ({f.summary})" for f in spine_formats())
+    return (f"non-expert matrices {formats}; quality in docs/k3-mini.md; {' and '.join(reversed(converted_spines()))} "
+            "are converted once and kept on the disk (see --no-convert); default auto: "
+            + ", else ".join(f"{f} if it fits" for f in auto_spines()) + "; layers that still do not fit stream from "
+            "the disk")
 
 
 CONTEXT_HELP = ("tokens a request may have, prompt and reply, which the memory plan reserves caches and attention "

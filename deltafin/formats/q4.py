@@ -20,7 +20,8 @@ Q4 = register(WeightFormat(
     name="q4", role=SPINE, summary=f"4-bit groups of {GROUP} with the sensitive matrices row-int8 (a third)",
     bytes_per_weight=0.5 + 4 / GROUP, matrix_bytes=lambda rows, cols: sum(q4_parts(rows, cols)), parts=q4_parts,
     fits=lambda rows, cols: cols % GROUP == 0, converted=True, sensitive="int8",
-    quality="+0.78 % perplexity, mean KL 0.089", auto_for_room_only=True, recipe="q4-minmax-rtn-2",
+    quality="+0.78 % perplexity, mean KL 0.089", auto_for_room_only=True,
+    recipe="q4-minmax-rtn-2",  # 2: a group with no range has scale 2**-24, codes 0
     weight=Entry("deltafin.kernels.quant:Q4Weight"), quantize=Entry("deltafin.kernels.quant:quantize_q4"),
     dequantize=Entry("deltafin.kernels.quant:dequantize_q4"),
     reference=Entry("deltafin.kernels.linear:q4_linear_reference")))

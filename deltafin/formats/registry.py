@@ -20,7 +20,7 @@ SPINE, EXPERTS = "spine", "experts"  # a format's role: the non-expert matrices'
 SPINE_MATRIX_ROLES = ("matrix", "matrix8")  # plan/layer_table.tensor_role: the roles a spine format rounds
 
 _FORMATS: dict[str, WeightFormat] = {}
-_by_type: dict[type, WeightFormat] = {}  # weight_format's memo: a weight's type -> its format
+_by_type: dict[type, WeightFormat | None] = {}  # weight_format's memo: a weight's type -> its format
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,5 @@ def weight_format(w: object) -> WeightFormat | None:
     """The format whose weight type `w` is (None: a plain tensor, or no registered format's)."""
     kind = type(w)
     if kind not in _by_type:
-        for fmt in _FORMATS.values():
-            if fmt.weight is not None and fmt.weight.load() is kind:
-                _by_type[kind] = fmt
-    return _by_type.get(kind)
+        _by_type[kind] = next((f for f in _FORMATS.values() if f.weight is not None and f.weight.load() is kind), None)
+    return _by_type[kind]

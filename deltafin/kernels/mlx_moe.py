@@ -27,8 +27,8 @@ import torch
 
 from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig, parse_config
 from deltafin.checkpoint.presets import preset_config
-from deltafin.kernels.activations import GatedActivation
 from deltafin.formats.mxfp4 import MXFP4  # MLX names the format as formats/mxfp4.py does
+from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
 
 log = logging.getLogger(__name__)

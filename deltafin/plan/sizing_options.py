@@ -1,6 +1,7 @@
 """What the user may fix of a stage's memory plan (`SizingOptions`), where a stage holds its tensors (`Placement`),
-the defaults that depend on the stage, and what `auto` chooses a spine format from, with the quality each format
-costs (SPINE_QUALITY, which the plan quotes where it chooses one). Pure: sizing.py sizes stages with these.
+the defaults that depend on the stage, and where the quality each spine format costs was measured (QUALITY_SOURCE:
+the plan quotes a format's `quality`, deltafin/formats, where it chooses one). Pure: sizing.py sizes stages with
+these.
 
 One worker, one user (`one_worker`: a stage of every layer with local experts) plans one sequence and one kept
 prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), and puts the expert cache before a long
@@ -15,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.options import SPINES, at_least, check_choice
+from deltafin.formats import spine_choices
+from deltafin.options import at_least, check_choice
 
 SEQUENCES = 4  # sequences a stage of a cluster plans caches for, unless the user says
 # the context a plan is sized for first when the user gives none (--max-context), then grown into the memory it
@@ -26,13 +28,10 @@ ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user'
 # K3 hit rates are 29-41 % for 3-29 GB caches (skewed routing: every GB pays), while a forward longer than a
 # chat's turn (later turns resume from the kept prefix) only saves prompts that long: 12.0 GB of a 64 GB Mac's 56
 ONE_WORKER_CACHE_SHARE = 0.215
-AUTO_SPINES = ("bf16", "int8", "q4")  # auto: the first that holds the whole spine; q4 streams what does not fit
-# auto where no converted copy can be read or written: int8 quantized as the resident layers load, the rest streamed
-# as stored (a 4-bit spine quantized at every start only where it is asked for)
-NO_COPY_SPINES = ("bf16", "int8")
-RESIDENT_EXPERT_SPINES = ("bf16", "int8")  # auto, every expert resident: never q4's rounding for no reads at all
-# what the compact formats cost, measured through the runtime (the plan says it where it chooses one)
-SPINE_QUALITY = {"int8": "-0.01 % perplexity, mean KL 0.005", "q4": "+0.78 % perplexity, mean KL 0.089"}
+# what auto chooses from is the registry's (formats.auto_spines): the first that holds the whole spine, the last
+# streaming what does not fit; where no converted copy can be read or written, or every expert is resident, only
+# those it chooses for more than room (a 4-bit spine quantized at every start only where it is asked for, never its
+# rounding for no reads at all). What the compact formats cost, measured through the runtime (their `quality`):
 QUALITY_SOURCE = "on k3-mini's held-out split: docs/k3-mini.md, 'what a spine format costs'"
 
 
@@ -60,7 +59,7 @@ class SizingOptions:
     """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
     (the command line, the Python API and an assignment off the wire all build it), with the flags' names."""
 
-    spine: str = "auto"  # auto | bf16 | int8 | q4
+    spine: str = "auto"  # auto, or a spine format (formats.spine_choices)
     expert_cache_bytes: int | None = None  # None: resident if every expert fits, else stream with what is left
     session_bytes: int | None = None  # None: `sequences` sequences of `context` tokens
     prefix_cache_bytes: int | None = None  # kept prefixes; None: as much as the sessions (a kept state each); 0: off
@@ -75,11 +74,11 @@ class SizingOptions:
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
     expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
     disks: int = 1  # disks the experts are read from, each with `read_threads` readers
-    converted: bool = True  # an int8/q4 spine has a converted copy on the disk (or room to write one): streamed
+    converted: bool = True  # a converted spine format has a converted copy on the disk (or room to write one): streamed
     # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
 
     def __post_init__(self) -> None:
-        check_choice("spine", self.spine, SPINES)
+        check_choice("spine", self.spine, spine_choices())
         at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
                  read_threads=self.read_threads, disks=self.disks)
         at_least(0, expert_cache_gb=self.expert_cache_bytes, session_bytes=self.session_bytes,
