@@ -145,7 +145,7 @@ def _print_conversion(model: str, spine: str, out: str | None, quiet: bool, devi
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format "
-                       f"({' or '.join(converted_spines())})",
+                       f"({' or '.join(reversed(converted_spines()))})",
                        description="Quantize the non-expert weights (the spine) once and write them, checksummed, "
                        "into the cache directory (spines/<checkpoint>-<format>), never into the model directory; "
                        "worker, bench, logits and the coordinator's local stage then load them at the disk's speed. "
