@@ -24,6 +24,7 @@ from deltafin.formats.registry import (
     expert_format,
     held_format,
     register,
+    registered,
     spine_choices,
     spine_format,
     spine_formats,
@@ -33,8 +34,8 @@ from deltafin.formats.registry import (
 )
 
 __all__ = ["EXPERTS", "SPINE", "Entry", "WeightFormat", "auto_spines", "converted_spines", "expert_format",
-           "held_format", "register", "spine_choices", "spine_format", "spine_formats", "stored_spine", "unregister",
-           "weight_format"]
+           "held_format", "register", "registered", "spine_choices", "spine_format", "spine_formats", "stored_spine",
+           "unregister", "weight_format"]
 
 # every module of this package but the registry is a format, registered as it loads (a new one needs no line here)
 for _module in pkgutil.iter_modules(__path__):

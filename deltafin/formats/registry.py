@@ -104,6 +104,11 @@ def unregister(name: str) -> None:
     _by_type.clear()
 
 
+def registered() -> tuple[WeightFormat, ...]:
+    """Every registered format, the spine's and the experts'."""
+    return tuple(_FORMATS.values())
+
+
 def spine_formats() -> tuple[WeightFormat, ...]:
     """The spine's formats, the most bytes a weight first (the order the plan and the reports list them in)."""
     return tuple(sorted((f for f in _FORMATS.values() if f.role == SPINE), key=lambda f: -f.bytes_per_weight))
@@ -150,13 +155,14 @@ def auto_spines(for_room_too: bool = True) -> tuple[str, ...]:
 
 def held_format(spine: str, role: str, shape: tuple[int, ...]) -> WeightFormat | None:
     """The format a spine of format `spine` holds a tensor of `role` and `shape` in (None: as stored): its own for
-    a matrix it can hold, its `sensitive` format for one it keeps at 8 bits (role matrix8) or cannot hold."""
+    a matrix it can hold, its `sensitive` format for one it keeps at 8 bits (role matrix8) or cannot hold (a
+    format with none: those as stored)."""
     fmt = spine_format(spine)
     if not fmt.converted or role not in SPINE_MATRIX_ROLES or len(shape) != 2 or min(shape) <= 1:
         return None
     if fmt.sensitive is not None and (role != "matrix" or not fmt.fits(*shape)):
         return spine_format(fmt.sensitive)
-    return fmt
+    return fmt if fmt.fits(*shape) else None
 
 
 def weight_format(w: object) -> WeightFormat | None:
