@@ -299,7 +299,8 @@ TEST_FOLDERS = {
     "reference": "against independent implementations (transformers, llama.cpp)",
     "system": "real processes end to end: worker loss, soak, the full-width checkpoint under a memory cap",
     "platform": "the darwin branches (platform monkeypatched) and the CUDA path (on a GPU)",
-    "support": "helpers the tests share: processes, hypothesis strategies, planned-vs-held sizes, registry files",
+    "support": "helpers the tests share: processes, hypothesis strategies, planned-vs-held sizes, registry files, "
+               "a weight format of their own",
     "data": "fixture files",
 }
 MIRRORS = {"deltafin": ROOT / "deltafin", "coordinator": ROOT / "coordinator", "worker": ROOT / "worker"}
