@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,9 +23,8 @@ from deltafin.errors import DeltafinError
 GB = 1e9
 T = TypeVar("T")
 
-# the values of the knobs that take one of a few (the flags' choices, the typed options' checks)
-SPINES = ("auto", "bf16", "int8", "q4")
-CONVERTED_SPINES = ("q4", "int8")  # the spine formats written once to the disk (`deltafin convert`)
+# the values of the knobs that take one of a few (the flags' choices, the typed options' checks); the spine's
+# formats are the registry's (deltafin/formats: spine_choices, converted_spines)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("fp32", "bf16")
 IO_MODES = ("direct", "buffered")
@@ -39,10 +38,11 @@ PREFILL_BATCHES = ("ride", "separate")
 @dataclass(frozen=True)
 class Flag:
     """How an option field is given on the command line, beside what its name, type and default say. `help` is
-    argparse's (`%(default)s` names the default, `%%` is a percent sign)."""
+    argparse's (`%(default)s` names the default, `%%` is a percent sign); it and `choices` may be functions, asked
+    when the flag is made (a registry's entries: the spine formats)."""
 
-    help: str
-    choices: tuple[str, ...] | None = None
+    help: str | Callable[[], str]
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
     metavar: str | None = None
     aliases: tuple[str, ...] = ()  # other spellings that still work, shown in --help (--threads)
     hidden: tuple[str, ...] = ()  # older spellings that still work, not shown (--context)
@@ -50,7 +50,7 @@ class Flag:
     off: str | None = None  # a switch that is on by default: the flag that turns it off (--no-prefetch)
 
 
-def opt(default: Any, help: str, **flag: Any) -> Any:
+def opt(default: Any, help: str | Callable[[], str], **flag: Any) -> Any:
     """A user's option field: its default and its command-line flag (`Flag`'s fields)."""
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
 

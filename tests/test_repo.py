@@ -145,7 +145,7 @@ def _k3_figures(tmp: Path) -> list[str]:
         f"{k} of {cfg.num_experts} experts in each of {moe} MoE layers: {k} × {cfg.bytes_per_expert / 1e6:.1f} MB × "
         f"{moe} = **{cfg.expert_bytes_per_token() / 1e9:.1f} GB of expert bytes per token**",
         f"~{spine_params / 1e9:.0f}B dense parameters ({spine_bytes / 1e9:.0f} GB bf16, "
-        f"~{table.int8[-1] / 1e9:.0f} GB as row-int8)",
+        f"~{table.resident('int8')[-1] / 1e9:.0f} GB as row-int8)",
         f"(KDA {kda_state_bytes(cfg) * n_kda / 1e9:.2f} GB per sequence at K3 width, "
         f"MLA {mla_row_bytes(cfg, 1)} values per token per layer",
         f"2 × {active / 1e9:.0f}B active parameters = {2 * active / 1e12:.2f} TFLOP per token",

@@ -18,11 +18,12 @@ ENTRY_FOLDERS = ("deltafin.cli",)
 ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api", "deltafin.worker.main"}
 BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options
 # folder -> the folders its modules may import (besides its own); the README's architecture section says the same
-LOW = {BASICS, "checkpoint"}
+LOW = {BASICS, "formats", "checkpoint"}
 LIBRARY = LOW | {"text", "kernels", "models", "plan", "weights", "runtime", "transport"}
 MAY_IMPORT = {
     BASICS: set(),
-    "checkpoint": {BASICS},
+    "formats": {BASICS},
+    "checkpoint": {BASICS, "formats"},
     "text": LOW,
     "kernels": LOW,
     "models": LOW | {"kernels"},
@@ -298,7 +299,8 @@ TEST_FOLDERS = {
     "reference": "against independent implementations (transformers, llama.cpp)",
     "system": "real processes end to end: worker loss, soak, the full-width checkpoint under a memory cap",
     "platform": "the darwin branches (platform monkeypatched) and the CUDA path (on a GPU)",
-    "support": "helpers the tests share: processes, hypothesis strategies, planned-vs-held sizes, registry files",
+    "support": "helpers the tests share: processes, hypothesis strategies, planned-vs-held sizes, registry files, "
+               "a weight format of their own",
     "data": "fixture files",
 }
 MIRRORS = {"deltafin": ROOT / "deltafin", "coordinator": ROOT / "coordinator", "worker": ROOT / "worker"}
@@ -325,3 +327,63 @@ def test_tests_mirror_the_package() -> None:
         if not any("_".join(words[:n]) in modules for n in range(len(words), 0, -1)):
             bad.append(f"{path.relative_to(ROOT)} names no module of {package.relative_to(ROOT)}/")
     assert not bad, "\n".join(bad)
+
+
+FORMAT_HOME = "deltafin.formats"  # the registry of weight formats: one module a format
+HEADER_SKIP = ("body", "orelse", "finalbody", "handlers")  # a compound statement's nested statements
+
+
+def _header_nodes(stmt: ast.stmt) -> list[ast.AST]:
+    """The expressions of a statement itself, its nested statements left out (an if's test, not its body)."""
+    out = []
+    for field in stmt._fields:
+        if field in HEADER_SKIP:
+            continue
+        value = getattr(stmt, field)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, ast.AST) and not isinstance(v, ast.stmt):
+                out += list(ast.walk(v))
+    return out
+
+
+def _about_a_dtype_or_wire(nodes: list[ast.AST]) -> bool:
+    """A statement about an activation dtype or the wire: it names the other dtype/wire ("fp32"), or an
+    identifier, keyword or string of it contains dtype, wire or bfloat16."""
+    words = [n.id for n in nodes if isinstance(n, ast.Name)] + [n.attr for n in nodes if isinstance(n, ast.Attribute)]
+    words += [n.arg or "" for n in nodes if isinstance(n, ast.keyword)]
+    words += [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return "fp32" in words or any(k in w.lower() for w in words for k in ("dtype", "wire", "bfloat16"))
+
+
+def test_format_names_appear_only_in_the_registry() -> None:
+    """A weight format is named as a string only in its own module under deltafin/formats (and in tests): the
+    planner, the converter, the kernels and the command line ask the registry (deltafin.formats), or import a
+    format's object where the code is that format's own (MLX's MXFP4 mode, the q4 matmuls on MLX).
+
+    The rule, by the syntax tree: outside deltafin/formats, no string constant equals a registered format's name
+    (prose that mentions one, a docstring or a help text, is a longer string and passes). One exception: a name
+    that is also an activation dtype or a wire name (options.DTYPES, options.WIRES: "bf16") may stand in a
+    statement about a dtype or the wire, one whose own expressions (an if's test, an assignment, a return, a call's
+    arguments; not the statements nested in it) name "fp32" too, or an identifier, keyword or string containing
+    dtype, wire or bfloat16: `options.wire == "bf16"`, `DTYPES = ("fp32", "bf16")`."""
+    from deltafin.formats import registered
+    from deltafin.options import DTYPES, WIRES
+
+    names = {f.name for f in registered()}
+    also_dtypes = names & (set(DTYPES) | set(WIRES))
+    assert {"bf16", "int8", "q4", "mxfp4"} <= names and also_dtypes == {"bf16"}
+    bad = []
+    for name, path in MODULES.items():
+        if name == FORMAT_HOME or name.startswith(FORMAT_HOME + "."):
+            continue
+        for stmt in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(stmt, ast.stmt):
+                continue
+            nodes = _header_nodes(stmt)
+            for node in nodes:
+                if not (isinstance(node, ast.Constant) and node.value in names):
+                    continue
+                if node.value in also_dtypes and _about_a_dtype_or_wire(nodes):
+                    continue
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} names the format {node.value!r}")
+    assert not bad, "format names outside deltafin/formats (ask the registry):\n" + "\n".join(bad)

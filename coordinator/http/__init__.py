@@ -3,5 +3,5 @@ routes), the one generation request every API maps to (request.py), one adapter 
 anthropic_api.py, ollama_api.py, responses_api.py: its bodies in, its responses and error shape out; none imports
 another), /metrics and /v1/status.
 
-May import: basics, checkpoint, text, kernels, models, plan, weights, runtime, transport, coordinator.engine.
+May import: basics, formats, checkpoint, text, kernels, models, plan, weights, runtime, transport, coordinator.engine.
 """

@@ -2,5 +2,5 @@
 headers as tensor locations (shards.py), the presets of the synthetic checkpoints (presets.py), and what a partial
 download holds (manifest.py). Nothing here reads tensor data.
 
-May import: basics.
+May import: basics, formats.
 """

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from deltafin.errors import ConfigError
+from deltafin.formats.mxfp4 import GROUP as MXFP4_GROUP  # values per E8M0 scale (checked against the config)
+from deltafin.formats.mxfp4 import MXFP4 as MXFP4_FORMAT
 
 NAMES_HINT = "--model also takes k3-mini or a model name that `deltafin models` lists"
-
-MXFP4_GROUP = 32  # values per E8M0 scale
 
 
 class LayerKind(str, enum.Enum):
@@ -31,7 +31,7 @@ class LayerKind(str, enum.Enum):
 
 
 class ExpertFormat(str, enum.Enum):
-    MXFP4 = "mxfp4"  # compressed-tensors mxfp4-pack-quantized: uint8 packed nibbles + uint8 E8M0 scales
+    MXFP4 = MXFP4_FORMAT.name  # compressed-tensors mxfp4-pack-quantized: uint8 packed nibbles + uint8 E8M0 scales
     DENSE = "dense"  # plain float weights (Kimi Linear, or a dequantized "exact twin")
 
 

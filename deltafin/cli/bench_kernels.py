@@ -1,8 +1,8 @@
 """Kernel and disk micro-benchmarks that print JSON (`deltafin bench --kernel`, `deltafin bench --disk`): one
 real-size K3 expert's MXFP4 dequant+matmul (or MLX's experts at K3's width), K3's big spine matrices in each
-spine format (bf16 as stored, row-int8, q4) at decode and prefill through `linear` (whatever fast path the device
-has), and random whole-block reads from a checkpoint's files, against the physical limit (docs/PERF.md). The model
-benchmarks are bench.py's.
+spine format (deltafin/formats: bf16 as stored, row-int8, q4) at decode and prefill through `linear` (whatever
+fast path the device has), and random whole-block reads from a checkpoint's files, against the physical limit
+(docs/PERF.md). The model benchmarks are bench.py's.
 """
 
 from __future__ import annotations
@@ -23,17 +23,11 @@ from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
 from deltafin.errors import DeltafinError
+from deltafin.formats import WeightFormat, converted_spines, spine_format, spine_formats, stored_spine, weight_format
+from deltafin.formats.mxfp4 import MXFP4
 from deltafin.kernels.linear import Weight, expert_backend, fast_path, linear, mxfp4_linear
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
-from deltafin.kernels.quant import (
-    Int8Weight,
-    MXFP4Weight,
-    Q4Weight,
-    dequantize_int8_rows,
-    dequantize_q4,
-    quantize_int8_rows,
-    quantize_q4,
-)
+from deltafin.kernels.quant import MXFP4Weight
 from deltafin.models.common import activation
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights
@@ -48,7 +42,6 @@ K3_SPINE = {
     "attention o_proj": (7168, 12288),  # KDA's and MLA's output projection
     "shared experts gate/up_proj": (6144, 7168),
 }
-SPINE_FORMATS = ("bf16", "int8", "q4")
 ROTATION_BYTES = 512 * 10**6  # a format's copies, taken in turn, exceed any last-level cache: weights come from memory
 CHECK_ROWS = 64  # output columns checked against float64, per matrix and format
 GB = 1e9
@@ -121,7 +114,7 @@ def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repe
     t_expert = _sustained_seconds(lambda: expert_ffn(cfg, expert, x), dev, repeats)
     fast = fast_path(dev.type)
     return {
-        "bench": "mxfp4", "device": str(dev), "dtype": dtype, "tokens": tokens,
+        "bench": MXFP4.name, "device": str(dev), "dtype": dtype, "tokens": tokens,
         "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",
         "threads": torch.get_num_threads(),
         "matrix_ms": round(t_matrix * 1e3, 3),
@@ -155,7 +148,7 @@ def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
     t_expert, t_layer = _sustained_seconds(one, cpu, repeats), _sustained_seconds(layer, cpu, repeats)
     expert_bytes = cfg.bytes_per_expert
     slots.release_memory()
-    return {"bench": "mxfp4", "path": f"mlx {mx.__version__} ({mx.default_device()})", "tokens": tokens,
+    return {"bench": MXFP4.name, "path": f"mlx {mx.__version__} ({mx.default_device()})", "tokens": tokens,
             "expert_ms": round(t_expert * 1e3, 3), "expert_packed_GBps": round(expert_bytes / t_expert / GB, 2),
             "layer_experts": k, "layer_ms": round(t_layer * 1e3, 3),
             "layer_packed_GBps": round(k * expert_bytes / t_layer / GB, 2), "expert_bytes": expert_bytes}
@@ -165,7 +158,7 @@ def bench_mlx_experts(tokens: int = 1, repeats: int = 20) -> dict[str, Any]:
 
 
 def _spine_weight(dense: torch.Tensor, fmt: str) -> Weight:
-    return dense if fmt == "bf16" else quantize_int8_rows(dense) if fmt == "int8" else quantize_q4(dense)
+    return spine_format(fmt).quantize(dense)
 
 
 def _weight_bytes(w: Weight) -> int:
@@ -175,20 +168,16 @@ def _weight_bytes(w: Weight) -> int:
 def _copy(w: Weight) -> Weight:
     if isinstance(w, torch.Tensor):
         return w.clone()
-    if isinstance(w, Int8Weight):
-        return Int8Weight(w.q.clone(), w.scale.clone())
-    assert isinstance(w, Q4Weight)
-    return Q4Weight(w.packed.clone(), w.scales.clone(), w.biases.clone())
+    return type(w)(*(a.clone() for a in WeightFormat.arrays(w)))
 
 
 def _reference_rows(w: Weight, k: int) -> torch.Tensor:
-    """The first k rows of W as the format defines them, float64 on the host (the kernels' reference)."""
+    """The first k rows of W as the format defines them, float64 on the host (the kernels' reference): each of
+    a quantized weight's arrays holds a row's values, scales or biases in its row."""
     if isinstance(w, torch.Tensor):
         return w[:k].cpu().double()
-    if isinstance(w, Int8Weight):
-        return dequantize_int8_rows(Int8Weight(w.q[:k].cpu(), w.scale[:k].cpu()), torch.float64)
-    assert isinstance(w, Q4Weight)
-    return dequantize_q4(Q4Weight(w.packed[:k].cpu(), w.scales[:k].cpu(), w.biases[:k].cpu()), torch.float64)
+    fmt = weight_format(w)
+    return fmt.dequantize(type(w)(*(a[:k].cpu() for a in fmt.arrays(w))), torch.float64)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -223,7 +212,7 @@ def _bench_matrix(dense: torch.Tensor, dev: torch.device, inputs: dict[str, torc
                   rotation_bytes: int) -> dict[str, dict[str, Any]]:
     """Each format's ms and weight GB/s of y = x @ W.T for each input (copies of W taken in turn, so W comes from
     memory, not a cache), its worst relative error against float64 of its own weights, and against bf16's."""
-    weights = {fmt: _spine_weight(dense, fmt).to(dev) for fmt in SPINE_FORMATS}
+    weights = {fmt.name: _spine_weight(dense, fmt.name).to(dev) for fmt in spine_formats()}
     results: dict[str, dict[str, Any]] = {}
     copies = {}
     for fmt, w in weights.items():
@@ -243,7 +232,7 @@ def _bench_matrix(dense: torch.Tensor, dev: torch.device, inputs: dict[str, torc
         for x in inputs.values():
             y = linear(x, w)[:, :CHECK_ROWS].cpu()
             errors.append(_rel(y, torch.nn.functional.linear(x.cpu().double(), want_rows)))
-            vs_bf16.append(_rel(y, linear(x, weights["bf16"])[:, :CHECK_ROWS].cpu().double()))
+            vs_bf16.append(_rel(y, linear(x, weights[stored_spine()])[:, :CHECK_ROWS].cpu().double()))
         results[fmt]["rel_err"], results[fmt]["err_vs_bf16"] = max(errors), max(vs_bf16)
     return results
 
@@ -255,8 +244,8 @@ def bench_spine(device: str = "auto", dtype: str = "fp32", prefill_tokens: int |
     prefill chunk (`prefill_tokens`, default 512 on an accelerator, 64 on the CPU) through `linear`, the formats
     timed in interleaved rounds: ms, weight GB/s (each format's copies taken in turn add up to `rotation_bytes`,
     default ROTATION_BYTES), `rel_err` (the product against float64 of the format's own weights: the kernel's
-    error), `err_vs_bf16` (against the bf16 matrix's product: what the format costs), and q4's speed-up over int8
-    at decode (int8 ms / q4 ms)."""
+    error), `err_vs_bf16` (against the bf16 matrix's product: what the format costs), and the speed-up at decode of
+    the converted format of the fewest bytes over the next (q4's over int8: int8 ms / q4 ms)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     if dt == torch.float32:
         exact_fp32()
@@ -269,9 +258,10 @@ def bench_spine(device: str = "auto", dtype: str = "fp32", prefill_tokens: int |
                   "prefill": torch.randn(chunk, cols, generator=g).to(dev, dt)}
         formats = _bench_matrix(dense, dev, inputs, repeats, ROTATION_BYTES if rotation_bytes is None else
                                 rotation_bytes)
-        speedup = formats["int8"]["decode_ms"] / formats["q4"]["decode_ms"]
+        small, next_up = converted_spines()[:2]
+        speedup = formats[next_up]["decode_ms"] / formats[small]["decode_ms"]
         matrices.append({"matrix": name, "rows": rows, "cols": cols, "formats": formats,
-                         "q4_speedup_over_int8_decode": round(speedup, 3)})
+                         f"{small}_speedup_over_{next_up}_decode": round(speedup, 3)})
     fast = fast_path(dev.type)
     return {"device": str(dev), "dtype": dtype, "tokens": {"decode": 1, "prefill": chunk},
             "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",

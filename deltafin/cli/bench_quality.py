@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
+from deltafin.formats import stored_spine
 from deltafin.mini import corpus
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.plan.sizing_options import SizingOptions
@@ -30,7 +31,7 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer
 
 SEQUENCE_TOKENS = 2048  # a sequence of --text; a conversation of the held-out split is one sequence
-STORED = "bf16"
+STORED = stored_spine()
 
 
 def trained_on_the_corpus(model: str | Path) -> bool:

@@ -33,8 +33,9 @@ from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
+from deltafin.formats import converted_spines, spine_format
 from deltafin.mini.synth import synthesize
-from deltafin.options import CONVERTED_SPINES, DEVICES, WIRES
+from deltafin.options import DEVICES, WIRES
 from deltafin.paths import models_dir, name_of
 from deltafin.plan.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
@@ -139,7 +140,8 @@ def _print_conversion(model: str, spine: str, out: str | None, quiet: bool, devi
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format (int8 or q4)",
+    p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format "
+                       f"({' or '.join(reversed(converted_spines()))})",
                        description="Quantize the non-expert weights (the spine) once and write them, checksummed, "
                        "into the cache directory (spines/<checkpoint>-<format>), never into the model directory; "
                        "worker, bench, logits and the coordinator's local stage then load them at the disk's speed. "
@@ -147,9 +149,9 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                        "stale. A process whose plan needs a converted spine converts it by itself unless "
                        "--no-convert; this command does it ahead of time. Prints a JSON summary.")
     p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
-    p.add_argument("--spine", default="q4", choices=CONVERTED_SPINES,
-                   help="q4 (default): 4-bit groups of 64, the sensitive matrices row-int8; int8: row-int8 "
-                   "(quality of each in docs/k3-mini.md)")
+    p.add_argument("--spine", default=converted_spines()[0], choices=converted_spines(),
+                   help="; ".join(f"{f}{' (default)' if i == 0 else ''}: {spine_format(f).summary}"
+                                  for i, f in enumerate(converted_spines())) + " (quality of each in docs/k3-mini.md)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
                    "that load it)")
@@ -178,9 +180,9 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", default=None, metavar="K/N",
                    help="only share K of N equal contiguous shares of every MoE layer's routed experts (0 <= K < N), "
                    "or A-B: expert ids A to B inclusive (default: all)")
-    p.add_argument("--convert", default=None, choices=CONVERTED_SPINES, metavar="FORMAT",
+    p.add_argument("--convert", default=None, choices=converted_spines(), metavar="FORMAT",
                    help="then convert the downloaded spine into the cache directory, as `deltafin convert --spine "
-                   "FORMAT` does (int8 or q4)")
+                   f"FORMAT` does ({' or '.join(reversed(converted_spines()))})")
     p.set_defaults(func=_cmd_download)
 
 
@@ -290,7 +292,7 @@ def _bench_quality(args: argparse.Namespace) -> dict:
     sequences = bench_quality.sequences_for(args.model, args.text)
     if args.wire != "fp32":
         return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
-    spine = "int8" if args.spine == "auto" else args.spine
+    spine = converted_spines()[-1] if args.spine == "auto" else args.spine  # auto: the most bytes converted (int8)
     return bench_quality.spine_quality(args.model, spine, sequences, device=args.device, tokens=args.tokens)
 
 

@@ -22,6 +22,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import recorded_sha256
 from deltafin.checkpoint.shards import id_ranges, scan_checkpoint
 from deltafin.errors import DeltafinError
+from deltafin.formats import converted_spines
 from deltafin.paths import BUNDLED, bundled_model, cache_dir
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -191,8 +192,9 @@ def _cache_room(model: str | None) -> list[Check]:
     if model is not None:
         from deltafin.plan.layer_table import layer_table  # (lazily: torch)
 
-        q4 = layer_table(cfg, Placement("cpu")).resident("q4")[-1]
-        need, what = need + q4, f"a q4 spine ({q4 / 1e9:.1f} GB) and {what}"
+        smallest = converted_spines()[0]  # --model: the spine in the fewest bytes (q4)
+        spine = layer_table(cfg, Placement("cpu")).resident(smallest)[-1]
+        need, what = need + spine, f"a {smallest} spine ({spine / 1e9:.1f} GB) and {what}"
     ok = free >= need
     return [Check("cache disk", OK if ok else WARN, f"{free / 1e9:.1f} GB free in {root} for {what}",
                   "" if ok else "free space there, or point $DELTAFIN_CACHE at a larger disk (or --prefix-disk-gb "

@@ -41,7 +41,7 @@ def add_fields(g: Any, cls: type, names: Sequence[str], defaults: Mapping[str, A
     for name in names:
         meta: Flag = fields[name].metadata["flag"]
         default = (defaults or {}).get(name, fields[name].default)
-        text = (helps or {}).get(name, meta.help)
+        text = (helps or {}).get(name, meta.help() if callable(meta.help) else meta.help)
         kind, gb = _base(hints[name]), gb_name(name)
         shown = default / GB if gb and default is not None else default
         text = text.replace("%(default)s", f"{shown:g}" if isinstance(shown, float) else str(shown))  # written
@@ -56,7 +56,8 @@ def add_fields(g: Any, cls: type, names: Sequence[str], defaults: Mapping[str, A
         if kind is tuple:
             kw.update(action="append", default=None if default is None else list(default))
         else:
-            kw.update(type=float if gb else kind, choices=meta.choices, default=shown)
+            kw.update(type=float if gb else kind, choices=meta.choices() if callable(meta.choices) else meta.choices,
+                      default=shown)
         g.add_argument(meta.name or flag(dest), *meta.aliases, **kw).option_field = name
         for old in meta.hidden:
             g.add_argument(old, **{**kw, "help": argparse.SUPPRESS})

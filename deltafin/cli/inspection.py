@@ -10,6 +10,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.manifest import DownloadRecord, read_record
 from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
+from deltafin.formats import spine_formats, stored_spine
 from deltafin.options import more_than_zero
 from deltafin.plan.context import context_why, cost_per_1k, grown
 from deltafin.plan.kept_prefixes import kept_prefixes_text
@@ -30,6 +31,7 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
     table = layer_table(cfg, Placement(device), layer_spans(ckpt))
     layers = []
     spine_total: dict[str, int] = {}
+    formats = [f.name for f in spine_formats()]
     for i in range(cfg.num_layers):
         spine = cfg.spine_bytes(i)
         for k, v in spine.items():
@@ -37,8 +39,8 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
         layers.append({"layer": i, "kind": cfg.layer_kinds[i].value, "ffn": "moe" if cfg.is_moe(i) else "dense",
                        "attn_res_blocks": cfg.blocks_entering(i), "spine_bytes": spine,
                        "resident_bytes": {f: table.resident(f)[i + 1] - table.resident(f)[i]
-                                          for f in ("bf16", "int8", "q4")},
-                       "streamed_bytes": {f: table.streamed(f).stored[i] for f in ("bf16", "int8", "q4")}})
+                                          for f in formats},
+                       "streamed_bytes": {f: table.streamed(f).stored[i] for f in formats}})
     top = cfg.top_spine_bytes()
     n_moe = len(cfg.moe_layers)
     contiguous, scattered, missing = _contiguity(ckpt)
@@ -199,7 +201,7 @@ def format_report(r: dict[str, Any]) -> str:
     for layer in r["layers"]:
         stored = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(layer["spine_bytes"].items()))
         lines.append(f"{layer['layer']:>5}  {layer['kind']:4}  {layer['ffn']:5}  {layer['attn_res_blocks']:>6}  "
-                     f"{stored:>28}  {_gb(layer['resident_bytes']['bf16']):>13}")
+                     f"{stored:>28}  {_gb(layer['resident_bytes'][stored_spine()]):>13}")
     sb = r["spine_bytes"]
     lines += [
         "",

@@ -11,6 +11,7 @@ from typing import Any
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import id_ranges, scan_checkpoint
 from deltafin.errors import DeltafinError
+from deltafin.formats import converted_spines
 from deltafin.paths import BUNDLED, known_models, models_dir
 
 
@@ -34,7 +35,7 @@ def _conversions(path: Path) -> list[str]:
     from deltafin.weights.spine_files import default_root, read_manifest  # torch: loaded when the command runs
 
     out = []
-    for fmt in ("int8", "q4"):
+    for fmt in reversed(converted_spines()):
         try:
             manifest = read_manifest(default_root(path, fmt))
         except DeltafinError:

@@ -2,7 +2,8 @@
 
 - dense W in x's dtype: torch.
 - dense W in another dtype (bf16 spine kept as stored under fp32 activations): exact mixed product.
-- MXFP4 (experts), row-int8 (`--spine int8`) and group-wise 4-bit (`--spine q4`): decoded on the device.
+- a weight of a registered format (deltafin/formats: the experts' MXFP4, the spine's row-int8 and 4-bit groups):
+  the device's fast path method named as its format, else the format's reference; decoded on the device.
 Each device type gets a fast path at first use (CPU: C kernels; CUDA: Triton, kernels/mxfp4_cuda.py and
 q4_cuda.py; MPS: torch ops, kernels/mps.py) if it exists and passes a self-check against the torch reference;
 otherwise the reference runs. Which backends run is chosen once per process (`select_kernels`, the `--kernels`
@@ -23,24 +24,24 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
+from deltafin.formats import spine_formats, stored_spine, weight_format
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_q4 import MLXQ4Kernels
 from deltafin.kernels.quant import (
-    Q4_GROUP,
     Int8Weight,
     MXFP4Weight,
     Q4Weight,
     dequantize_q4,
     mxfp4_linear_reference,
-    quantize_q4,
 )
 
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | MXFP4Weight | Int8Weight | Q4Weight
 # device type -> verified fast-path object, or None (the reference runs). The object is callable for MXFP4
-# and may have `gate_up` (fused MXFP4 gate/up + activation), `bf16` and `int8` methods.
+# and may have `gate_up` (fused MXFP4 gate/up + activation) and a method for each spine format it multiplies,
+# named as the format (`bf16`: the spine as stored under fp32 activations).
 MXFP4_FAST_PATHS: dict[str, Any] = {}
 KERNELS = ("auto", "reference", "native", "mlx")
 _selected = {"kernels": "auto"}
@@ -79,9 +80,11 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         return mixed_linear(x, w)
     if isinstance(w, MXFP4Weight):
         return mxfp4_linear(x, w)
-    if isinstance(w, Q4Weight):
-        return q4_linear(x, w)
-    return int8_linear(x, w)
+    fmt = weight_format(w)
+    kernel = getattr(fast_path(x.device.type), fmt.name, None)
+    if kernel is not None:
+        return kernel(x, w)
+    return fmt.reference(x, w)
 
 
 def gate_up(x: torch.Tensor, w_gate: Weight, w_up: Weight, act: GatedActivation) -> torch.Tensor:
@@ -105,7 +108,7 @@ def mxfp4_linear(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
 def mixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ W.T with W in another dtype than x (fp32 activations, bf16 weights as stored): exact, and without
     a resident fp32 copy of W (a fast kernel, or blocks of rows converted one at a time)."""
-    kernel = getattr(fast_path(x.device.type), "bf16", None)
+    kernel = getattr(fast_path(x.device.type), stored_spine(), None)
     if kernel is not None and w.dtype == torch.bfloat16 and x.dtype == torch.float32:
         return kernel(x, w)
     return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w[r0:r1].to(x.dtype)))
@@ -124,24 +127,10 @@ def _by_row_blocks(x: torch.Tensor, shape: tuple[int, ...], block: Callable[[int
     return out
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    kernel = getattr(fast_path(x.device.type), "int8", None)
-    if kernel is not None:
-        return kernel(x, w)
-    return int8_linear_reference(x, w)
-
-
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     # scale after the product: (x @ q.T) * s == x @ (q * s).T; converted a block of rows at a time
     scale = w.scale.to(x.dtype).view(-1)
     return _by_row_blocks(x, w.shape, lambda r0, r1: F.linear(x, w.q[r0:r1].to(x.dtype)) * scale[r0:r1])
-
-
-def q4_linear(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
-    kernel = getattr(fast_path(x.device.type), "q4", None)
-    if kernel is not None:
-        return kernel(x, w)
-    return q4_linear_reference(x, w)
 
 
 def q4_linear_reference(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
@@ -235,17 +224,24 @@ def self_check(fn: Callable[..., torch.Tensor], device: torch.device) -> bool:
             if got is not None and not _close(got, want):
                 return False
         dense = torch.randn(rows, cols, generator=g).to(device)
-        if hasattr(fn, "bf16"):
-            wb = dense.to(torch.bfloat16)
-            if not _close(fn.bf16(x, wb), F.linear(x, wb.float())):
-                return False
-        if hasattr(fn, "int8"):
-            q = Int8Weight(torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g).to(device),
-                           (torch.rand(rows, 1, generator=g) * 0.01).half().to(device))
-            if not _close(fn.int8(x, q), int8_linear_reference(x, q)):
-                return False
-        if hasattr(fn, "q4") and cols % Q4_GROUP == 0:
-            w4 = quantize_q4(dense)
-            if not _close(fn.q4(x, w4.to(device)), q4_linear_reference(x, w4.to(device))):
-                return False
+        if not _spine_methods_agree(fn, x, dense):
+            return False
+    return True
+
+
+def _spine_methods_agree(fn: Any, x: torch.Tensor, dense: torch.Tensor) -> bool:
+    """Each spine format's method of `fn` agrees with the format's reference on `dense` in that format (the
+    spine as stored, bf16: with the exact product)."""
+    for fmt in spine_formats():
+        kernel = getattr(fn, fmt.name, None)
+        if kernel is None or not fmt.fits(*dense.shape):
+            continue
+        if fmt.converted:
+            w = fmt.quantize(dense)
+            want = fmt.reference(x, w)
+        else:
+            w = dense.to(torch.bfloat16)
+            want = F.linear(x, w.float())
+        if not _close(kernel(x, w), want):
+            return False
     return True

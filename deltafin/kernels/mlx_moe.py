@@ -27,6 +27,7 @@ import torch
 
 from deltafin.checkpoint.config import MXFP4_GROUP, ModelConfig, parse_config
 from deltafin.checkpoint.presets import preset_config
+from deltafin.formats.mxfp4 import MXFP4  # MLX names the format as formats/mxfp4.py does
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.quant import MXFP4Weight, mxfp4_linear_reference
 
@@ -97,7 +98,7 @@ def _situ(mx, a, u, act: GatedActivation):
 def _experts_mx(mx, slots: MLXSlots, act: GatedActivation, x, rhs):
     """Expert rhs[m] on x[m] for every sorted pair m: x [M, 1, D] -> [M, 1, D]."""
     i = slots.cfg.moe_intermediate_size
-    q = {"transpose": True, "group_size": MXFP4_GROUP, "bits": 4, "mode": "mxfp4", "sorted_indices": True}
+    q = {"transpose": True, "group_size": MXFP4_GROUP, "bits": 4, "mode": MXFP4.name, "sorted_indices": True}
     h = mx.gather_qmm(x, slots.w13, slots.s13, rhs_indices=rhs, **q)  # [M, 1, 2I]: gate and up at once
     return mx.gather_qmm(_situ(mx, h[..., :i], h[..., i:], act), slots.w2, slots.s2, rhs_indices=rhs, **q)
 

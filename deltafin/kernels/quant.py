@@ -13,6 +13,7 @@ import torch
 
 from deltafin.checkpoint.config import MXFP4_GROUP
 from deltafin.errors import ModelFormatError
+from deltafin.formats import q4
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_NAN = 255
@@ -104,6 +105,11 @@ class Int8Weight:
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.q.to(device), self.scale.to(device))
 
+    @classmethod
+    def from_arrays(cls, parts: list[torch.Tensor], rows: int, cols: int) -> Int8Weight:
+        """Views of its arrays as written (uint8: the values, the fp16 scales; formats/int8.py)."""
+        return cls(parts[0].view(torch.int8).view(rows, cols), parts[1].view(torch.float16).view(rows, 1))
+
 
 def quantize_int8_rows(w: torch.Tensor, block_rows: int = 1024) -> Int8Weight:
     """Per-row absmax/127 int8 with fp16 scales, a block of rows at a time (a 33792x7168 matrix must not
@@ -123,7 +129,7 @@ def dequantize_int8_rows(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.q.to(dtype) * w.scale.to(dtype)
 
 
-Q4_GROUP = 64  # values of a row sharing one scale and bias (along the input dimension)
+Q4_GROUP = q4.GROUP  # values of a row sharing one scale and bias (along the input dimension)
 
 
 @dataclass(frozen=True)
@@ -147,10 +153,17 @@ class Q4Weight:
     def to(self, device: torch.device) -> Q4Weight:
         return Q4Weight(self.packed.to(device), self.scales.to(device), self.biases.to(device))
 
+    @classmethod
+    def from_arrays(cls, parts: list[torch.Tensor], rows: int, cols: int) -> Q4Weight:
+        """Views of its arrays as written (uint8: the codes, the fp16 scales, the fp16 biases; formats/q4.py)."""
+        groups = cols // Q4_GROUP
+        return cls(parts[0].view(rows, cols // 2), parts[1].view(torch.float16).view(rows, groups),
+                   parts[2].view(torch.float16).view(rows, groups))
+
 
 def q4_bytes(rows: int, cols: int) -> int:
     """A [rows, cols] matrix as Q4Weight: half a byte a value, an fp16 scale and bias a group."""
-    return rows * cols // 2 + 4 * rows * (cols // Q4_GROUP)
+    return q4.Q4.matrix_bytes(rows, cols)
 
 
 # A clipping search's candidates (quantize_q4's `clips`): each shrinks a group's [min, max] toward its midpoint, at

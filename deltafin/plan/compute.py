@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deltafin.checkpoint.config import ModelConfig
-
-SPINE_FORMATS = ("bf16", "int8", "q4")
+from deltafin.formats import spine_formats
+from deltafin.formats.mxfp4 import MXFP4
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ComputeSpeed:
 
     def describe(self) -> str:
         rates = ", ".join(f"{fmt} {self.spine_one.get(fmt, 0) / 1e9:.0f}/{self.spine_many.get(fmt, 0) / 1e9:.0f}"
-                          for fmt in SPINE_FORMATS if fmt in self.spine_many)
+                          for fmt in (f.name for f in spine_formats()) if fmt in self.spine_many)
         return (f"an expert {self.expert_one_s * 1e3:.2f} ms for a token, {self.expert_token_s * 1e3:.3f} ms a "
                 f"token in a batch; spine GFLOP/s one token/batched: {rates}")
 
@@ -67,10 +67,9 @@ def spine_seconds(cfg: ModelConfig, speed: ComputeSpeed, start: int, end: int, t
     return speed.spine_seconds(layers, tokens, spine) + head
 
 
-# bytes a weight takes in each spine format as the matmuls read it (int8: a row's scale aside; q4: 4 bits and a
-# bf16 scale per 32) and in the experts' MXFP4 (4 bits and an E8M0 scale per 32)
-WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "q4": 0.5625}
-MXFP4_BYTES = 0.53125
+def weight_bytes() -> dict[str, float]:
+    """Bytes a weight takes in each spine format as the matmuls read it (formats' `bytes_per_weight`)."""
+    return {f.name: f.bytes_per_weight for f in spine_formats()}
 
 
 def assumed_gpu(cfg: ModelConfig, memory_gbps: float, tflops: float) -> ComputeSpeed:
@@ -79,6 +78,6 @@ def assumed_gpu(cfg: ModelConfig, memory_gbps: float, tflops: float) -> ComputeS
     a batch's run at the FLOP rate."""
     bw, flops = memory_gbps * 1e9, tflops * 1e12
     return ComputeSpeed(expert_one_s=cfg.bytes_per_expert / bw,
-                        expert_token_s=2 * cfg.bytes_per_expert / MXFP4_BYTES / flops,
-                        spine_one={f: 2 * bw / b for f, b in WEIGHT_BYTES.items()},
-                        spine_many=dict.fromkeys(WEIGHT_BYTES, flops))
+                        expert_token_s=2 * cfg.bytes_per_expert / MXFP4.bytes_per_weight / flops,
+                        spine_one={f: 2 * bw / b for f, b in weight_bytes().items()},
+                        spine_many=dict.fromkeys(weight_bytes(), flops))

@@ -24,6 +24,7 @@ from functools import cache
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import PlanError, SizingError
+from deltafin.formats import spine_format
 from deltafin.plan.cluster_plan import (
     GB,
     Plan,
@@ -72,7 +73,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]
     if streamed:
         why += (f"; {sum(len(z.streamed_layers) for z in streamed)} layers still stream, read as "
-                f"{'converted' if opts.converted and opts.spine != 'bf16' else 'stored'} "
+                f"{'converted' if opts.converted and spine_format(opts.spine).converted else 'stored'} "
                 f"({sum(z.spine_bytes_per_token for z in streamed) / GB:.1f} GB a token)")
     log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
     stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)

@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
+from deltafin.formats import auto_spines, spine_format, stored_spine
 from deltafin.models.cache import mla_capacity
 from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.options import CONVERTED_SPINES
 from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 from deltafin.plan.layer_table import (
     ALIGN,
@@ -54,13 +54,9 @@ from deltafin.plan.layer_table import (
     tensor_role,
 )
 from deltafin.plan.sizing_options import (
-    AUTO_SPINES,
-    NO_COPY_SPINES,
     ONE_WORKER_CACHE_SHARE,
     QUALITY_SOURCE,
-    RESIDENT_EXPERT_SPINES,
     SPECULATIVE_TOKENS,
-    SPINE_QUALITY,
     Placement,
     SizingInput,
     one_worker,
@@ -242,8 +238,9 @@ def expert_parts(cfg: ModelConfig, place: Placement, options: SizingInput, n_moe
 
 
 def stream_format(spine: str, options: SizingInput) -> str:
-    """What a streamed layer of a `spine` stage is read as: its converted copy's, or (none) the tensors as stored."""
-    return spine if options.converted else "bf16"
+    """What a streamed layer of a `spine` stage is read as: its converted copy's files, or (no copy: the spine as
+    stored, and a converted format quantized as the resident layers load) the checkpoint's tensors as stored."""
+    return spine if options.converted else stored_spine()
 
 
 def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
@@ -279,7 +276,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
-        sequences=sequences, converted=options.converted or spine not in CONVERTED_SPINES, context=options.context,
+        sequences=sequences, converted=options.converted or not spine_format(spine).converted, context=options.context,
         wide=options.wide)
 
 
@@ -338,12 +335,12 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
             options: SizingInput) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
-    spines = (AUTO_SPINES if options.converted else NO_COPY_SPINES) if options.spine == "auto" else (options.spine,)
+    spines = auto_spines(for_room_too=options.converted) if options.spine == "auto" else (options.spine,)
     cache = options.expert_cache_bytes or 0
     if limit == n:
         if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
             # a whole spine
-            for spine in RESIDENT_EXPERT_SPINES if options.spine == "auto" else spines:
+            for spine in auto_spines(for_room_too=False) if options.spine == "auto" else spines:
                 s = size_stage(cfg, start, end, place, spine, None, n, options)
                 if budget.fits(s):
                     return s
@@ -468,13 +465,14 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
 
 def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> str:
     """Why `s` holds its spine in its format: as asked, or (auto) what the format before it would have cost
-    and what this one costs in quality (SPINE_QUALITY, from QUALITY_SOURCE)."""
+    and what this one costs in quality (its format's `quality`, from QUALITY_SOURCE)."""
     no_copy = "" if s.converted else "; no converted copy to read: quantized as the resident layers load"
     if options.spine != "auto":
         return "as given (--spine, or the plan of the cluster this stage is part of)" + no_copy
-    if s.spine == "bf16":
+    if s.spine == stored_spine():
         return "the whole spine fits as stored"
-    before = AUTO_SPINES[AUTO_SPINES.index(s.spine) - 1]
+    order = auto_spines()
+    before = order[order.index(s.spine) - 1]
     if s.experts_resident:
         lost = f"every expert fits beside an {s.spine} spine, not beside a {before} one"
     else:
@@ -483,7 +481,7 @@ def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budge
             f"{'converted' if s.converted else 'stored'} ({s.spine_bytes_per_token / GB:.1f} GB a token)"
             ) if s.streamed_layers else ""
     tail += no_copy
-    return f"{lost}; {s.spine} costs {SPINE_QUALITY[s.spine]} {QUALITY_SOURCE}{tail}"
+    return f"{lost}; {s.spine} costs {spine_format(s.spine).quality} {QUALITY_SOURCE}{tail}"
 
 
 def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput,

@@ -1,7 +1,7 @@
 """What the user may fix of a stage's memory plan (`SizingOptions`), what a plan is made from (`SizingInput`: those
 options and what the planner knows besides, never a flag), where a stage holds its tensors (`Placement`), the
-defaults that depend on the stage, and what `auto` chooses a spine format from, with the quality each format costs
-(SPINE_QUALITY, which the plan quotes where it chooses one). Pure: sizing.py sizes stages with these.
+defaults that depend on the stage, and where the quality each spine format costs was measured (QUALITY_SOURCE: the
+plan quotes a format's `quality`, deltafin/formats, where it chooses one). Pure: sizing.py sizes stages with these.
 
 One worker, one user (`one_worker`: a stage of every layer with local experts) plans one sequence and one kept
 prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), and puts the expert cache before a long
@@ -17,7 +17,8 @@ from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.options import SPINES, at_least, check_choice, opt
+from deltafin.formats import auto_spines, converted_spines, spine_choices, spine_formats
+from deltafin.options import at_least, check_choice, opt
 
 SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
 SEQUENCES = 4  # sequences a stage of a cluster plans caches for, unless the user says
@@ -29,13 +30,10 @@ ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user'
 # K3 hit rates are 29-41 % for 3-29 GB caches (skewed routing: every GB pays), while a forward longer than a
 # chat's turn (later turns resume from the kept prefix) only saves prompts that long: 12.0 GB of a 64 GB Mac's 56
 ONE_WORKER_CACHE_SHARE = 0.215
-AUTO_SPINES = ("bf16", "int8", "q4")  # auto: the first that holds the whole spine; q4 streams what does not fit
-# auto where no converted copy can be read or written: int8 quantized as the resident layers load, the rest streamed
-# as stored (a 4-bit spine quantized at every start only where it is asked for)
-NO_COPY_SPINES = ("bf16", "int8")
-RESIDENT_EXPERT_SPINES = ("bf16", "int8")  # auto, every expert resident: never q4's rounding for no reads at all
-# what the compact formats cost, measured through the runtime (the plan says it where it chooses one)
-SPINE_QUALITY = {"int8": "-0.01 % perplexity, mean KL 0.005", "q4": "+0.78 % perplexity, mean KL 0.089"}
+# what auto chooses from is the registry's (formats.auto_spines): the first that holds the whole spine, the last
+# streaming what does not fit; where no converted copy can be read or written, or every expert is resident, only
+# those it chooses for more than room (a 4-bit spine quantized at every start only where it is asked for, never its
+# rounding for no reads at all). What the compact formats cost, measured through the runtime (their `quality`):
 QUALITY_SOURCE = "on k3-mini's held-out split: docs/k3-mini.md, 'what a spine format costs'"
 CONTEXT_HELP = ("tokens a request may have, prompt and reply, which the memory plan reserves caches and attention "
                 "room for; a longer request is refused before its prefill (default: the model's own maximum, or the "
@@ -63,16 +61,21 @@ class Placement:
         return self.device != "cpu"
 
 
+def spine_help() -> str:
+    """`--spine`'s help, from the registry of formats (deltafin/formats)."""
+    formats = ", ".join(f"{f.name} ({f.summary})" for f in spine_formats())
+    return (f"non-expert matrices {formats}; quality in docs/k3-mini.md; {' and '.join(reversed(converted_spines()))} "
+            "are converted once and kept on the disk (see --no-convert); default auto: "
+            + ", else ".join(f"{f} if it fits" for f in auto_spines()) + "; layers that still do not fit stream from "
+            "the disk")
+
+
 @dataclass(frozen=True)
 class SizingOptions:
     """What the user may fix of a stage's memory plan; None means: choose from the memory. Checked when built
     (the command line and the Python API build it), with the flags' names."""
 
-    spine: str = opt(
-        "auto", "non-expert matrices as stored (bf16), row-int8 (half the memory) or q4 (4-bit groups of 64 with the "
-        "sensitive matrices row-int8: a third; quality in docs/k3-mini.md); int8 and q4 are converted once and kept "
-        "on the disk (see --no-convert); default auto: bf16 if it fits, else int8 if it fits, else q4; layers that "
-        "still do not fit stream from the disk", choices=SPINES)
+    spine: str = opt("auto", spine_help, choices=spine_choices)
     expert_cache_bytes: int | None = opt(
         None, "stream routed experts from the disk with a cache of this many GB (default: every expert in memory if "
         "they fit, else streamed with a cache of the memory left)")
@@ -96,7 +99,7 @@ class SizingOptions:
         "as many as fit)")
 
     def __post_init__(self) -> None:
-        check_choice("spine", self.spine, SPINES)
+        check_choice("spine", self.spine, spine_choices())
         at_least(1, sequences=self.sequences, context=self.context, prefill_chunk=self.prefill_chunk,
                  read_threads=self.read_threads)
         at_least(0, expert_cache_gb=self.expert_cache_bytes, prefix_cache_gb=self.prefix_cache_bytes,
@@ -115,7 +118,7 @@ class SizingInput(SizingOptions):
     expert_layers: int | None = None  # wide experts: MoE layers this worker's store serves (None: local experts)
     expert_share: float = 1.0  # wide experts: the fraction of those layers' experts it computes (planned)
     disks: int = 1  # disks the experts are read from, each with `read_threads` readers
-    converted: bool = True  # an int8/q4 spine has a converted copy on the disk (or room to write one): streamed
+    converted: bool = True  # a converted spine format has a converted copy on the disk (or room to write one): streamed
     # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
 
     def __post_init__(self) -> None:

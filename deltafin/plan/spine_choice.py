@@ -1,7 +1,8 @@
 """The cluster's spine format (pure): one for every stage, as asked (the coordinator's `--spine`, else the workers'
-own, which must agree), or with `auto` the first of bf16 and int8 that the workers hold whole, else q4 — and, with
-what their disks hold (plan/spine_copies.py), never a format that would be quantized at every start where a
-converted copy of another that fits is on the disks, nor one that streams from a copy no disk can hold:
+own, which must agree), or with `auto` the first of the registry's (formats.auto_spines) that the workers hold
+whole, else the last streaming — and, with what their disks hold (plan/spine_copies.py), never a format that would
+be quantized at every start where a converted copy of another that fits is on the disks, nor one that streams from
+a copy no disk can hold. With the formats as registered (bf16, int8, q4):
 
     bf16 held whole                                       (needs no copy)
     int8 held whole, every stage's copy there or writable (converted once)
@@ -22,8 +23,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from deltafin.errors import PlanError
-from deltafin.options import CONVERTED_SPINES
-from deltafin.plan.sizing_options import QUALITY_SOURCE, SPINE_QUALITY, SizingInput
+from deltafin.formats import auto_spines, spine_format
+from deltafin.plan.sizing_options import QUALITY_SOURCE, SizingInput
 
 P = TypeVar("P")
 PlanIn = Callable[[SizingInput, bool], "P | None"]  # (options, resident only) -> the cheapest plan, or None
@@ -58,20 +59,27 @@ def choose_spine(opts: SizingInput, plan_in: PlanIn, unready: Unready, asked_why
     if opts.spine != "auto":
         return _as_asked(opts, plan_in, unready, asked_why)
     whole = _Whole(opts, plan_in)
-    if whole["bf16"] is not None:
-        return whole["bf16"], "the workers hold the whole spine as stored", replace(opts, spine="bf16")
-    cannot = _cannot("bf16")
-    for spine in ("int8", "q4"):
+    stored = [f for f in auto_spines() if not spine_format(f).converted]
+    converted = [f for f in auto_spines() if spine_format(f).converted]
+    for spine in stored:
+        if whole[spine] is not None:
+            return whole[spine], "the workers hold the whole spine as stored", replace(opts, spine=spine)
+    cannot = _cannot(stored[-1])
+    for i, spine in enumerate(converted):
         plan = whole[spine]
         if plan is not None and not unready(plan, spine):
-            why = cannot if spine == "int8" else _instead_of_int8(whole["int8"], unready, cannot)
-            return plan, f"{why}; {spine} costs {SPINE_QUALITY[spine]} {QUALITY_SOURCE}", replace(opts, spine=spine)
-    for spine in ("int8", "q4"):  # held whole, quantized as it loads where a disk can neither read nor write a copy
+            why = cannot if i == 0 else _instead_of(converted[i - 1], spine, whole[converted[i - 1]], unready, cannot)
+            return plan, f"{why}; {spine} costs {_quality(spine)}", replace(opts, spine=spine)
+    for spine in converted:  # held whole, quantized as it loads where a disk can neither read nor write a copy
         plan = whole[spine]
         if plan is not None:
-            return plan, (f"{cannot}; {spine} costs {SPINE_QUALITY[spine]} {QUALITY_SOURCE}; "
+            return plan, (f"{cannot}; {spine} costs {_quality(spine)}; "
                           f"{_quantized(unready(plan, spine), spine)}"), replace(opts, spine=spine)
     return _streaming(opts, plan_in, unready)
+
+
+def _quality(spine: str) -> str:
+    return f"{spine_format(spine).quality} {QUALITY_SOURCE}"
 
 
 class _Whole(dict):
@@ -91,7 +99,7 @@ def _as_asked(opts: SizingInput, plan_in: PlanIn, unready: Unready, why: str) ->
     """The format asked for: from its copies where every stage can read or write one, else (layers stream, which
     needs a copy) the same format with none."""
     plan = plan_in(opts, False)
-    if plan is None or opts.spine not in CONVERTED_SPINES:
+    if plan is None or not spine_format(opts.spine).converted:
         return plan, why, opts
     lacking = unready(plan, opts.spine)
     if not lacking:
@@ -103,29 +111,33 @@ def _as_asked(opts: SizingInput, plan_in: PlanIn, unready: Unready, why: str) ->
     return without, f"{why}; {_quantized(lacking, opts.spine)}, the layers that stream read as stored", bare
 
 
-def _instead_of_int8(int8: P | None, unready: Unready, cannot: str) -> str:
-    if int8 is None:
-        return _cannot("int8")
-    return (f"{cannot}; int8 would be quantized at every start ({', '.join(unready(int8, 'int8'))}: no converted "
-            "int8 copy and no room to write one), and the converted q4 copy is read instead")
+def _instead_of(before: str, spine: str, plan: P | None, unready: Unready, cannot: str) -> str:
+    """Why `spine` and not `before`, the format auto tries first, which the workers hold whole (`plan`) but would
+    quantize at every start."""
+    if plan is None:
+        return _cannot(before)
+    return (f"{cannot}; {before} would be quantized at every start ({', '.join(unready(plan, before))}: no "
+            f"converted {before} copy and no room to write one), and the converted {spine} copy is read instead")
 
 
 def _streaming(opts: SizingInput, plan_in: PlanIn, unready: Unready) -> tuple[P | None, str, SizingInput]:
-    """No format held whole: q4 with its tail streamed from the converted copies; where a disk can neither hold nor
-    write one, the fastest plan that needs none: int8 quantized as it loads, the tail streamed as stored."""
-    q4 = replace(opts, spine="q4")
-    plan = plan_in(q4, False)
-    why = _cannot("int8")
-    if plan is not None and not unready(plan, "q4"):
-        return plan, f"{why}; q4 costs {SPINE_QUALITY['q4']} {QUALITY_SOURCE}", q4
-    bare = replace(opts, spine="int8", converted=False)
+    """No format held whole: the last of auto's (the fewest bytes) with its tail streamed from the converted copies;
+    where a disk can neither hold nor write one, the fastest plan that needs none: the last auto chooses for more
+    than room (int8) quantized as it loads, the tail streamed as stored."""
+    last, no_copy = auto_spines()[-1], auto_spines(for_room_too=False)[-1]
+    streaming = replace(opts, spine=last)
+    plan = plan_in(streaming, False)
+    why = _cannot(no_copy)
+    if plan is not None and not unready(plan, last):
+        return plan, f"{why}; {last} costs {_quality(last)}", streaming
+    bare = replace(opts, spine=no_copy, converted=False)
     without = plan_in(bare, False)
     if without is None:
-        return plan, why, q4
-    lacking = unready(plan, "q4") if plan is not None else []
-    return without, (f"{why}; {', '.join(lacking) or 'a worker'} has no converted q4 copy and no room to write one: "
-                     f"int8 quantized as it loads, the layers that stream read as stored (int8 costs "
-                     f"{SPINE_QUALITY['int8']} {QUALITY_SOURCE})"), bare
+        return plan, why, streaming
+    lacking = unready(plan, last) if plan is not None else []
+    return without, (f"{why}; {', '.join(lacking) or 'a worker'} has no converted {last} copy and no room to write "
+                     f"one: {no_copy} quantized as it loads, the layers that stream read as stored ({no_copy} costs "
+                     f"{_quality(no_copy)})"), bare
 
 
 def _cannot(spine: str) -> str:

@@ -1,9 +1,10 @@
 """Measuring a worker's compute (plan/compute.py's ComputeSpeed) once at start, on its device, with the kernels its
 stages run: a routed expert of the model's shapes and format (made of seeded random bytes: the time does not
 depend on the values) through `expert_ffn` for one token and for PROMPT_ROWS, and a spine-shaped matrix through
-`linear` as stored (bf16), as row-int8 and as q4, for one token and for SPINE_ROWS. The fastest of REPEATS runs
-each, after one to warm up (a fast path's first use builds and checks it). One to three seconds on a 2-core CPU at
-K3's width; the worker announces the result and the plan prices every forward's compute with it.
+`linear` in each spine format (deltafin/formats: as stored, row-int8, q4), for one token and for SPINE_ROWS. The
+fastest of REPEATS runs each, after one to warm up (a fast path's first use builds and checks it). One to three
+seconds on a 2-core CPU at K3's width; the worker announces the result and the plan prices every forward's compute
+with it.
 
 The MLX expert path (Apple silicon) batches a layer's experts through `gather_qmm`; this probe times the torch
 path, which on a Mac is the slower one: there the prediction errs long.
@@ -19,8 +20,9 @@ import torch
 
 from deltafin.checkpoint.config import ExpertFormat, ModelConfig
 from deltafin.devices import synchronize
+from deltafin.formats import spine_formats
 from deltafin.kernels.linear import linear
-from deltafin.kernels.quant import MXFP4Weight, quantize_int8_rows, quantize_q4
+from deltafin.kernels.quant import MXFP4Weight
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.compute import ComputeSpeed
@@ -43,8 +45,7 @@ def measure_compute(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) 
     tn = _fastest(lambda: expert_ffn(cfg, expert, many), device)
     d = cfg.hidden_size
     dense = (torch.randn(SPINE_OUT, d, generator=gen) / d ** 0.5).to(torch.bfloat16)
-    weights = {"bf16": dense.to(device), "int8": quantize_int8_rows(dense).to(device),
-               "q4": quantize_q4(dense).to(device)}
+    weights = {f.name: f.quantize(dense).to(device) for f in spine_formats()}
     rates = []
     for rows in (1, SPINE_ROWS):
         x = torch.randn(rows, d, generator=gen).to(device, dtype)

@@ -20,16 +20,17 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, id_ranges, open_copy
 from deltafin.errors import OutOfMemory, SizingError
+from deltafin.formats import auto_spines, held_format, spine_format, stored_spine, weight_format
+from deltafin.formats.q4 import Q4
 from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on_mlx
-from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight, quantize_int8_rows, quantize_q4
+from deltafin.kernels.quant import Q4Weight
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.context import grown
 from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
+from deltafin.plan.layer_table import STORED
 from deltafin.plan.sizing import (
-    AUTO_SPINES,
     QUALITY_SOURCE,
-    SPINE_QUALITY,
     Budget,
     Placement,
     StageSizing,
@@ -45,7 +46,7 @@ from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.weights.spine_convert import prepare_spine, spine_disk
-from deltafin.weights.spine_files import CONVERTED, RECIPE, SpineFiles
+from deltafin.weights.spine_files import RECIPE, SpineFiles
 from deltafin.weights.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
     place = Placement(device.type, options.act_bytes, experts)
     sizing = options.sizing_for(spans, **(known or {}))
     if options.memory_bytes is None:
-        spine = "bf16" if options.sizing.spine == "auto" else options.sizing.spine
+        spine = stored_spine() if options.sizing.spine == "auto" else options.sizing.spine
         return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
     budget = Budget(options.memory_bytes, options.host_memory_bytes)
     try:
@@ -88,9 +89,9 @@ def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: 
 
 def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing, options: StageOptions,
                     device: torch.device) -> SpineFiles | None:
-    """The converted spine a stage in an int8 or q4 plan reads (converted first where it is missing, stale or
-    partial; None where there is no room for it: the placer then quantizes as the layers load)."""
-    if sizing.spine not in CONVERTED:
+    """The converted spine a stage in a converted format's plan reads (converted first where it is missing, stale
+    or partial; None where there is no room for it: the placer then quantizes as the layers load)."""
+    if not spine_format(sizing.spine).converted:
         return None
     why = (f"layers [{start}, {end}): {len(sizing.resident_layers)} resident in {sizing.spine}, "
            f"{len(sizing.streamed_layers)} streamed")
@@ -109,7 +110,7 @@ def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, opti
         return plan_stage(ckpt.config, start, end, device, opts, layer_spans(ckpt), on, {**(known or {}), **more})
 
     sizing = plan(options)
-    if sizing.spine in CONVERTED and sizing.converted:
+    if spine_format(sizing.spine).converted and sizing.converted:
         disk = spine_disk(ckpt, options.spine_dir)
         if not disk.ready(ckpt.config, sizing.spine, start, end):
             sizing = without_room(plan, options, sizing, disk, ckpt.config)
@@ -122,7 +123,8 @@ def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device
     first where it is missing (where the room for it went since it was planned: the plan without a copy)."""
     sizing = plan if plan is not None else disk_plan(ckpt, start, end, device, options, experts)
     files = converted_spine(ckpt, start, end, sizing, options, device) if sizing.converted else None
-    if files is None and sizing.spine in CONVERTED and sizing.converted:  # the room went while this one looked
+    # the room went while this one looked
+    if files is None and spine_format(sizing.spine).converted and sizing.converted:
         on = "mlx" if experts == "mlx" else "torch"
         bare, known = without_copy(options, sizing)
         sizing = plan_stage(ckpt.config, start, end, device, bare, layer_spans(ckpt), on, known)
@@ -144,19 +146,19 @@ def without_room(plan: Callable[..., StageSizing], options: StageOptions, chosen
                  disk: SpineDisk, cfg: ModelConfig) -> StageSizing:
     """The plan when `chosen`'s format has no converted copy on the disk and no room to write one: with `--spine
     auto`, another format's copy that is there and fits (read at the disk's speed, never quantized at every start);
-    else the plan that needs no copy (the format asked, or auto's without a copy: int8 quantized as the resident
-    layers load, the streamed ones read as stored)."""
+    else the plan that needs no copy (the format asked, or auto's without a copy: a format auto chooses for more
+    than room, int8, quantized as the resident layers load, the streamed ones read as stored)."""
     a, b, fmt = chosen.start, chosen.end, chosen.spine
     lack = (f"no converted {fmt} copy of layers {a}-{b - 1} and no room to write one "
             f"({disk.missing_bytes(cfg, fmt, a, b) / 1e9:.1f} GB to write, {(disk.room or 0) / 1e9:.1f} GB free)")
     if options.sizing.spine == "auto":
-        for other in (f for f in AUTO_SPINES if f in CONVERTED and f != fmt and disk.has(cfg, f, a, b)):
+        for other in (f for f in auto_spines() if spine_format(f).converted and f != fmt and disk.has(cfg, f, a, b)):
             try:
                 s = plan(options.replace(spine=other))
             except OutOfMemory:
                 continue
-            why = f"{lack}: the converted {other} copy on the disk is read ({other} costs {SPINE_QUALITY[other]} " \
-                  f"{QUALITY_SOURCE})"
+            why = (f"{lack}: the converted {other} copy on the disk is read ({other} costs "
+                   f"{spine_format(other).quality} {QUALITY_SOURCE})")
             log.warning("spine %s: %s", other, why)
             return dataclasses.replace(s, spine_why=why)
     s = plan(options, converted=False)
@@ -180,26 +182,27 @@ class WeightPlacer:
     @classmethod
     def of(cls, sizing: StageSizing, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
         """The placer of a stage's plan: its format, on MLX where q4 matmuls run there, its streamed layers'."""
-        return cls(device, dtype, sizing.spine, sizing.spine == "q4" and q4_on_mlx(device.type), sizing.converted)
+        mlx_q4 = spine_format(sizing.spine).holds(Q4) and q4_on_mlx(device.type)
+        return cls(device, dtype, sizing.spine, mlx_q4, sizing.converted)
 
-    def place(self, t: torch.Tensor | Q4Weight | Int8Weight, role: str, resident: bool = True) -> Weight:
-        if isinstance(t, (Q4Weight, Int8Weight)):  # read from a converted spine: only moved
-            return self._q4(t) if isinstance(t, Q4Weight) else t.to(self.device)
+    def place(self, t: Weight, role: str, resident: bool = True) -> Weight:
+        if weight_format(t) is not None:  # read from a converted spine: only moved
+            return self._moved(t)
         if role == "vector":
             return t.to(self.device, torch.float32)
         if role == "dense":
             return t.to(self.device, self.dtype)
-        fmt = matrix_format(self.spine) if resident or self.converted else "stored"
-        if role in ("matrix", "matrix8") and fmt != "stored" and t.dim() == 2 and min(t.shape) > 1:
-            if fmt == "q4" and role == "matrix" and t.shape[1] % Q4_GROUP == 0:
-                return self._q4(quantize_q4(t))
-            return quantize_int8_rows(t).to(self.device)  # an int8 spine, and the matrices a q4 spine keeps at 8 bits
+        fmt = matrix_format(self.spine) if resident or self.converted else STORED
+        held = None if fmt == STORED else held_format(fmt, role, tuple(t.shape))
+        if held is not None:  # the spine's format, or the one it keeps this matrix in (formats.held_format)
+            return self._moved(held.quantize(t))
         if t.dtype in (torch.bfloat16, torch.float16):  # as stored: fp32 activations multiply it directly
             return t if t.device == self.device else t.to(self.device)
         return t.to(self.device, self.dtype)
 
-    def _q4(self, w: Q4Weight) -> Q4Weight:
-        if self.mlx_q4:
+    def _moved(self, w: Weight) -> Weight:
+        """A quantized weight on the device (a q4 one in MLX's memory where q4 matmuls run there)."""
+        if self.mlx_q4 and isinstance(w, Q4Weight):
             from deltafin.kernels.mlx_q4 import mlx_resident  # lazily: the MLX path loads only where it runs
 
             return mlx_resident(w)
@@ -251,7 +254,7 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
     that multiply (their rounding differs). A state is resumed only by a stage of the same identity: a kept
     prompt computed with a bf16 spine is never continued (nor its logits reused) by a q4 one."""
     dtype = str(options.torch_dtype).removeprefix("torch.")
-    numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if sizing.spine in CONVERTED else None,
+    numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if spine_format(sizing.spine).converted else None,
                "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
                "wide": sizing.wide}
     digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
@@ -261,7 +264,7 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
 def spine_layout(sizing: StageSizing) -> str:
     """Each of the stage's layers' matrix format, as ranges: "q4 0-7", "int8 0-4, stored 5-92"."""
     formats = [(i, matrix_format(sizing.spine)) for i in sizing.resident_layers]
-    streamed = matrix_format(sizing.spine) if sizing.converted else "stored"
+    streamed = matrix_format(sizing.spine) if sizing.converted else STORED
     formats += [(i, streamed) for i in sizing.streamed_layers]
     by_format: dict[str, list[int]] = {}
     for i, fmt in sorted(formats):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from deltafin.errors import CodecError, DeltafinError
+from deltafin.formats import spine_formats
 from deltafin.models.attn_res import ResidualState
-from deltafin.options import SPINES
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.sizing import StageSizing
 from deltafin.runtime.prefix_store import HeldPrefixes
@@ -359,7 +359,7 @@ def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageO
 _PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StageSizing))
 _PLAN_TEXT = ("device", "spine", "spine_why")
 _PLAN_FLAGS = ("experts_resident", "discrete", "converted", "wide")
-_PLAN_SPINES = (*SPINES[1:], "none")  # a stage's formats, and an expert holder's (no spine)
+HOLDER_SPINE = "none"  # an expert holder's plan: no spine
 _PLAN_DEVICES = ("cpu", "cuda", "mps", "meta")
 
 
@@ -387,7 +387,8 @@ def decode_stage_plan(msg: pb.StageSizing, num_layers: int) -> StageSizing:
         raise CodecError(f"plan: invalid layer range [{start}, {end}) for a {num_layers}-layer model")
     if values["resident_layers"] + values["streamed_layers"] != tuple(range(start, end)):
         raise CodecError(f"plan: resident and streamed layers must be layers {start}-{end - 1}, in order")
-    if values["spine"] not in _PLAN_SPINES or values["device"] not in _PLAN_DEVICES:
+    spines = {f.name for f in spine_formats()} | {HOLDER_SPINE}  # the registered formats (deltafin/formats)
+    if values["spine"] not in spines or values["device"] not in _PLAN_DEVICES:
         raise CodecError(f"plan: unknown spine {values['spine']!r} or device {values['device']!r}")
     negative = [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0]
     if negative or not 0.0 <= values["expert_share"] <= 1.0:

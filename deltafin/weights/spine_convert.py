@@ -22,9 +22,8 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint, scan_checkpoint
 from deltafin.errors import DeltafinError, ModelFormatError, SpineNotConverted
-from deltafin.kernels.quant import quantize_int8_rows, quantize_q4
-from deltafin.options import CONVERTED_SPINES
-from deltafin.plan.layer_table import converted_kind
+from deltafin.formats import converted_spines, spine_format
+from deltafin.plan.layer_table import STORED, converted_kind
 from deltafin.plan.spine_copies import SpineDisk, converted_unit_bytes, layer_unit, unit_tensors
 from deltafin.progress import Progress, fmt_bytes
 from deltafin.weights.spine_files import (
@@ -121,7 +120,7 @@ def spine_disk(ckpt: Checkpoint, spine_dir: str | Path | None = None) -> SpineDi
     """What this machine's disk holds of `ckpt`'s converted spines: each format's units converted and current (a
     stale, damaged or foreign folder holds none), and the bytes a conversion may still write there."""
     copies = {}
-    for fmt in CONVERTED_SPINES:
+    for fmt in converted_spines():
         folder = Path(spine_dir) if spine_dir is not None else default_root(ckpt.model_dir, fmt)
         try:
             files = SpineFiles.open(folder, fmt)
@@ -129,7 +128,7 @@ def spine_disk(ckpt: Checkpoint, spine_dir: str | Path | None = None) -> SpineDi
             continue
         if files.manifest and files.stale_reason(ckpt) is None:
             copies[fmt] = frozenset(u for u in files.manifest.get("units", {}) if files.has(u))
-    folder = Path(spine_dir) if spine_dir is not None else default_root(ckpt.model_dir, CONVERTED_SPINES[0])
+    folder = Path(spine_dir) if spine_dir is not None else default_root(ckpt.model_dir, converted_spines()[0])
     return SpineDisk(copies, max(0, free_bytes(folder) - ROOM_MARGIN))
 
 
@@ -199,16 +198,13 @@ def _convert_unit(ckpt: Checkpoint, fmt: str, folder: Path, unit: str, done: Cal
 
 
 def _arrays(loc: TensorLocation, kind: str, device: torch.device | None) -> list[Iterator[memoryview]]:
-    """The tensor's arrays as converted (quantized on `device`), each as pieces of bytes."""
-    if kind == "stored":
+    """The tensor's arrays as converted (quantized on `device` into its format `kind`), each as pieces of bytes."""
+    if kind == STORED:
         return [_copied(loc)]
     w = read_tensor(loc)
     w = w if device is None or device.type == "cpu" else w.to(device)
-    if kind == "q4":
-        q = quantize_q4(w)
-        return [iter([_bytes(a)]) for a in (q.packed, q.scales, q.biases)]
-    q8 = quantize_int8_rows(w)
-    return [iter([_bytes(q8.q)]), iter([_bytes(q8.scale)])]
+    fmt = spine_format(kind)
+    return [iter([_bytes(a)]) for a in fmt.arrays(fmt.quantize(w))]
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

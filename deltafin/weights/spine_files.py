@@ -1,5 +1,5 @@
-"""A converted spine on the disk: a checkpoint's non-expert tensors written once in a compact format (int8 or q4),
-so that a stage loads them at the disk's speed instead of quantizing at every start.
+"""A converted spine on the disk: a checkpoint's non-expert tensors written once in a compact format (a converted
+spine format of deltafin/formats), so that a stage loads them at the disk's speed instead of quantizing at every start.
 
 One folder per (checkpoint, format), by default `cache_dir("spines", "<fingerprint>-<format>")` (never the model
 directory). One file per unit: `layer-007.bin` for a decoder layer's spine, `embed.bin` (the embedding), `head.bin`
@@ -26,10 +26,17 @@ import torch
 from deltafin.checkpoint.config import ModelConfig, TensorSpec
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint
 from deltafin.errors import CorruptSpine, ModelFormatError
-from deltafin.kernels.quant import Q4_GROUP, Int8Weight, Q4Weight
-from deltafin.options import CONVERTED_SPINES
+from deltafin.formats import converted_spines, spine_format
+from deltafin.kernels.quant import Q4_GROUP
 from deltafin.paths import cache_dir
-from deltafin.plan.layer_table import EIGHT_BIT, EIGHT_BIT_MLA, TENSOR_ALIGN, converted_kind, converted_parts
+from deltafin.plan.layer_table import (
+    EIGHT_BIT,
+    EIGHT_BIT_MLA,
+    STORED,
+    TENSOR_ALIGN,
+    converted_kind,
+    converted_parts,
+)
 from deltafin.plan.spine_copies import unit_tensors
 from deltafin.weights.directio import align_up
 from deltafin.weights.tensors import bytes_to_tensor
@@ -38,11 +45,10 @@ MANIFEST = "manifest.json"
 FORMAT = "deltafin-spine"
 VERSION = 1
 CRC_CHUNK = 16 << 20
-# what decides the converted bytes besides the source: a change here (or in quantize_q4 / quantize_int8_rows,
-# which must then bump QUANTIZER) makes every converted spine stale
-QUANTIZER = "q4-minmax-rtn-2,int8-rows-absmax-1"  # 2: a group with no range has scale 2**-24, codes 0
+# what decides the converted bytes besides the source: a change here (or in a format's quantizer, which must then
+# bump its `recipe`) makes every converted spine stale. The formats' recipes, the fewest bytes a weight first
+QUANTIZER = ",".join(spine_format(f).recipe for f in converted_spines())
 RECIPE = f"{QUANTIZER};group={Q4_GROUP};8bit={','.join(EIGHT_BIT)};8bit-mla={','.join(EIGHT_BIT_MLA)}"
-CONVERTED = CONVERTED_SPINES  # the spine formats that have converted files
 
 
 def corrupt(root: Path, unit: str) -> CorruptSpine:
@@ -123,7 +129,7 @@ class SpineFiles:
             raise corrupt(self.root, unit)
 
     def tensors(self, cfg: ModelConfig, unit: str, data: memoryview, prefix: str) -> dict[str, object]:
-        """The unit's tensors as views of `data`, named without `prefix`: Q4Weight, Int8Weight or as stored."""
+        """The unit's tensors as views of `data`, named without `prefix`: each its format's weight, or as stored."""
         specs = unit_tensors(cfg, unit)
         offsets, _ = array_offsets(specs, self.fmt)
         raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
@@ -136,14 +142,9 @@ class SpineFiles:
 
 
 def _assemble(spec: TensorSpec, kind: str, parts: list[torch.Tensor]) -> object:
-    if kind == "stored":
+    if kind == STORED:
         return bytes_to_tensor(memoryview(parts[0].numpy()), spec.dtype, spec.shape)
-    rows, cols = spec.shape
-    if kind == "q4":
-        groups = cols // Q4_GROUP
-        return Q4Weight(parts[0].view(rows, cols // 2), parts[1].view(torch.float16).view(rows, groups),
-                        parts[2].view(torch.float16).view(rows, groups))
-    return Int8Weight(parts[0].view(torch.int8).view(rows, cols), parts[1].view(torch.float16).view(rows, 1))
+    return spine_format(kind).from_arrays(parts, *spec.shape)
 
 
 def read_manifest(root: Path) -> dict | None:

@@ -64,7 +64,7 @@ def test_real_k3_spine_is_about_113_gb_bf16(k3_config_raw):
 
     cfg = parse_config(k3_config_raw)
     table = layer_table(cfg, Placement("cpu"))
-    bf16, int8 = table.bf16[-1], table.int8[-1]
+    bf16, int8 = table.resident("bf16")[-1], table.resident("int8")[-1]
     assert 105e9 < bf16 < 120e9
     assert 50e9 < int8 < 60e9
     stored = [cfg.spine_bytes(l) for l in range(93)]

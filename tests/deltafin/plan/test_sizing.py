@@ -40,18 +40,18 @@ def test_k3_spine_as_placed_matches_its_stored_size(k3):
     stored = sum(t.stored)
     assert 108.7 * GB < stored < 108.9 * GB  # docs/PERF.md: 108.8 GB of non-expert layers
     kv_b = 24 * 96 * 256 * 512 * 2
-    assert 0 <= t.bf16[-1] - stored - kv_b < 1e-4 * stored
+    assert 0 <= t.resident("bf16")[-1] - stored - kv_b < 1e-4 * stored
     # docs/PERF.md's ~54.5 GB row-int8 counts every matrix at a byte; the routers stay bf16 (+1.2 GB) and kv_b fp32
     # (on a Mac, which copies every tensor off the converted file it read) ...
     routers = 92 * 896 * 7168
     mac = layer_table(k3, Placement("mps"))
-    assert 54.0 * GB < mac.int8[-1] - routers - 3 * kv_b // 2 < 55.0 * GB
+    assert 54.0 * GB < mac.resident("int8")[-1] - routers - 3 * kv_b // 2 < 55.0 * GB
     # ... while the CPU keeps each converted layer's file, whose matrices it uses in place: kv_b's bf16 bytes stay
     # there beside its fp32 copy, as do the vectors' stored bytes (KDA's fp32 convolutions: 41 MB), and every
     # layer's file is padded to whole 4 KiB blocks
-    assert 54.0 * GB < t.int8[-1] - routers - 5 * kv_b // 2 < 55.0 * GB
+    assert 54.0 * GB < t.resident("int8")[-1] - routers - 5 * kv_b // 2 < 55.0 * GB
     convolutions = 69 * 3 * 12288 * 4 * 4
-    assert convolutions < t.int8[-1] - mac.int8[-1] - kv_b < 2 * convolutions
+    assert convolutions < t.resident("int8")[-1] - mac.resident("int8")[-1] - kv_b < 2 * convolutions
 
 
 def test_one_64gb_mac_streams_the_int8_tail_and_every_expert(k3):

@@ -15,6 +15,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.cli import commands as cli
 from deltafin.errors import CorruptSpine, SpineNotConverted
+from deltafin.kernels import quant
 from deltafin.kernels.quant import Int8Weight, Q4Weight, dequantize_q4
 from deltafin.runtime import stage_build
 from deltafin.runtime.pipeline import LocalPipeline
@@ -82,8 +83,8 @@ def test_a_converted_spine_loads_without_quantizing(model, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a converted spine was quantized again")
 
-    monkeypatch.setattr(stage_build, "quantize_q4", refuse)
-    monkeypatch.setattr(stage_build, "quantize_int8_rows", refuse)
+    monkeypatch.setattr(quant, "quantize_q4", refuse)  # the formats' quantizers, wherever they are called from
+    monkeypatch.setattr(quant, "quantize_int8_rows", refuse)
     pipe = LocalPipeline.load(model, 1, device="cpu", options=StageOptions().replace(spine="q4"))
     try:
         stage = pipe.stages[0]
