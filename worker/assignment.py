@@ -26,7 +26,7 @@ from deltafin.errors import CodecError, FingerprintMismatch, NotAssigned
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.plan.stage_check import check_plan
-from deltafin.runtime.assigned import Assigned, assign
+from deltafin.runtime.assigned import Assigned, assign, wide_known
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
 from deltafin.runtime.stage_options import StageOptions
@@ -96,11 +96,11 @@ class AssignmentSlot:
     async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def check_fits(self, start: int, end: int, options: StageOptions,
-                   sizing: StageSizing | None) -> StageSizing | None:
+    def check_fits(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
+                   plan: ExpertPlan | None = None) -> StageSizing | None:
         """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold; the
         plan to load: the one sent, as placed here (plan/stage_check.py), or None where the stage plans itself
-        (checked now with the same pure plan it makes when it loads)."""
+        (checked now with the same pure plan it makes when it loads, for its part of `plan` if wide)."""
         cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
         backend = expert_backend_for(cfg, self.device)
         if sizing is not None:
@@ -108,8 +108,10 @@ class AssignmentSlot:
             budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
                 else Budget(sizing.device_total)  # no budget of its own: the plan's
             return check_plan(cfg, sizing, place, budget, options.sizing_for(spans))
+        index = plan.placement.index(self.worker_key()) if plan is not None else None
         if end > start:
-            plan_stage(cfg, start, end, self.device, options, spans, backend)
+            plan_stage(cfg, start, end, self.device, options, spans, backend,
+                       wide_known(plan, index) if plan is not None and index is not None else None)
         return None
 
     async def replace(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,

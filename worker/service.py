@@ -108,7 +108,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             pb.AssignProgress]:
         async with self._answering(context):
             options, sizing, plan = check_assignment(request, self.description, self.ckpt.config, self.defaults)
-            sizing = self.slot.check_fits(request.start, request.end, options, sizing)
+            sizing = self.slot.check_fits(request.start, request.end, options, sizing, plan)
             peers = await self.peers.update(plan, self.description.key, self.ckpt.config.expert_dim) if plan else {}
         # the load: closed at once when the coordinator goes away, so the slot closes what it was loading
         loading = self.slot.replace(request.start, request.end, options, sizing, plan, peers)

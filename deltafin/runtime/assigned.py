@@ -99,7 +99,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
     serves = plan.placement.layers_of(index)
     check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
-    known = {"expert_layers": len(serves), "expert_share": plan.placement.fraction(index)}  # to plan it here
+    known = wide_known(plan, index)  # to plan it here
     if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
             _same_load(old, options, sizing):
         assert old.store is not None
@@ -125,6 +125,12 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names,  # type: ignore[arg-type]
                                    lossy=options.wire == "bf16"))
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
+
+
+def wide_known(plan: ExpertPlan, index: int) -> dict[str, Any]:
+    """What a stage's plan knows of holder `index`'s part of a wide plan (plan_stage's `known`), where the worker
+    plans the stage itself: the MoE layers its store serves and its share of their experts."""
+    return {"expert_layers": len(plan.placement.layers_of(index)), "expert_share": plan.placement.fraction(index)}
 
 
 def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
