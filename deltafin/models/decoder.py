@@ -45,12 +45,23 @@ def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residual
     return feed_forward(cfg, layer, w, after, x, experts, fused, routed)
 
 
+def layer_input(w: LayerWeights, state: ResidualState) -> torch.Tensor:
+    """The hidden state entering layer `w` [N, D], before its norm: the AttnRes mix of the state (P without
+    AttnRes). A draft head's features are these at a few layers (models/eagle.py)."""
+    return attn_res_mix(state.B, state.P, w.attn_res.score) if w.attn_res is not None else state.P
+
+
+def final_hidden(top: TopWeights, state: ResidualState) -> torch.Tensor:
+    """The hidden state entering the final norm [N, D] (the head's mix of the state)."""
+    return attn_res_mix(state.B, state.P, top.out_res.score) if top.out_res is not None else state.P
+
+
 def attention(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState,
               spans: Sequence[Span]) -> tuple[ResidualState, torch.Tensor]:
     """The layer's first half: the state after its attention, and the feed-forward's input (the normed mix).
     Attention is the only part that reads and updates the sequences' caches; the rest is row by row."""
     P, B = state.P, state.B
-    h = attn_res_mix(B, P, w.attn_res.score) if w.attn_res is not None else P
+    h = layer_input(w, state)
     banked = cfg.attn_res_block_size > 0 and layer % cfg.attn_res_block_size == 0
     if banked:
         B = torch.cat([B, P.unsqueeze(1)], dim=1)
@@ -149,5 +160,5 @@ def embed(top: TopWeights, ids: torch.Tensor, dtype: torch.dtype) -> ResidualSta
 def head(cfg: ModelConfig, top: TopWeights, state: ResidualState) -> torch.Tensor:
     """Final AttnRes mix, norm and lm_head -> fp32 logits [N, vocab]."""
     assert top.head is not None and top.norm is not None, "head() needs the last stage's weights"
-    h = attn_res_mix(state.B, state.P, top.out_res.score) if top.out_res is not None else state.P
+    h = final_hidden(top, state)
     return linear(rms_norm(h, top.norm, cfg.rms_norm_eps), top.head).float()
