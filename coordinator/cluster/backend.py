@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import uuid
@@ -25,6 +26,7 @@ from deltafin.errors import RemoteError, WorkerLost
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.links import Link
 from deltafin.plan.sizing import StageSizing
+from deltafin.runtime.features import Features, gather
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
@@ -382,6 +384,7 @@ class ClusterBackend:
             calls[i] = asyncio.ensure_future(self._stage(worker, inputs, all_logits, request_id, hop, relayed, relay))
 
         start(first, None)
+        features: list[Features] = [{} for _ in inputs]  # every stage's answers to the draft features asked
         try:
             for i in range(first, last + 1):
                 try:
@@ -389,11 +392,12 @@ class ClusterBackend:
                 except (RemoteError, WorkerLost) as e:
                     e.resume_at = (i, inputs)  # type: ignore[attr-defined]
                     raise
+                gather([o.features for o in outputs], features)
                 if i < last:
                     inputs = [b.carrying(o.state) for b, o in zip(inputs, outputs, strict=True)]  # type: ignore[arg-type]
                     if i + 1 not in calls:  # an answer of no parts (nothing relayed): the next call starts whole
                         start(i + 1, None)
-            return outputs
+            return [dataclasses.replace(o, features=f) for o, f in zip(outputs, features, strict=True)]
         except asyncio.CancelledError:
             await asyncio.shield(asyncio.gather(*(self._cancel(self.stages[i], request_id)
                                                   for i, c in calls.items() if not c.done())))

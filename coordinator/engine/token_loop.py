@@ -26,9 +26,10 @@ from typing import Protocol
 import torch
 
 from deltafin.coordinator.engine.prefix_index import PrefixSession
+from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
-from deltafin.text.drafting import Drafter, DraftLength
+from deltafin.text.drafting import DRAFT_CONTEXT, Drafter, DraftLength
 from deltafin.text.sampling import Choice, Sampler, StopMatcher
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer, StreamDecoder
@@ -263,6 +264,7 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
     fed: list[int] = []  # generated tokens fed back
     try:
         out = await _prefill(forward, release, req)
+        fed_end = len(req.prompt_ids)  # the position after the last token the latest forward fed
         consistent = True
         t_prefill = time.monotonic() - t0
         drafts: list[int] = []  # what the last forward verified after its first token
@@ -276,10 +278,13 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
                 length += taken
             if ended:
                 break
+            _observe(req.speculation, out, fed_end, req.prompt_ids + text.tokens)
             token = text.tokens[-1]
             drafts = _drafts(req.speculation, req.prompt_ids + text.tokens, req.max_tokens - len(text.tokens))
             consistent = False
-            item = SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]), speculative=bool(drafts))
+            item = SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]), speculative=bool(drafts),
+                            features=_features_from(req.speculation, length))
+            fed_end = length + 1 + len(drafts)
             out = await (_first_step(forward, release, req, item) if not fed else forward(item))
             drafting.forwards += 1
             consistent = True
@@ -292,6 +297,25 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             req.prefix.resumed_done()  # a request cancelled before its first forward pinned its entry too
         keep = await req.prefix.finish(req.prompt_ids + fed) if req.prefix is not None and consistent else None
         await release(req.session_id, keep, length)
+
+
+def _features_from(spec: Speculation | None, position: int) -> FeatureAsk | None:
+    """What a forward asks for a drafter that reads the target's hidden states: its layers, from `position`."""
+    layers = spec.drafter.feature_layers if spec is not None else ()
+    return FeatureAsk(tuple(sorted(layers)), position) if layers else None
+
+
+def _observe(spec: Speculation | None, out: SeqOutput, fed_end: int, text: list[int]) -> None:
+    """Hand the drafter the features of the rows the text kept (the rows of rejected drafts are dropped), each
+    with the token that followed it. `fed_end`: the position after the forward's last row."""
+    if spec is None or not out.features:
+        return
+    rows = next(iter(out.features.values())).shape[0]
+    first = fed_end - rows
+    keep = min(rows, len(text) - 1 - first)
+    if keep > 0:
+        spec.drafter.observe(first, {layer: f[:keep] for layer, f in out.features.items()},
+                             text[first + 1:first + 1 + keep])
 
 
 def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:
@@ -314,6 +338,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     step = req.prefill_chunk or length
     start = prefix.cached_tokens if prefix is not None else 0
     pos, out = start, None
+    features: list[SeqOutput] = []  # each chunk's answer to the drafter's features
     progress = _PrefillReport(req, start, step)
     while pos < length:
         end = min(pos + step, length)
@@ -321,7 +346,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
         resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
             else None
         item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
-                        save_at=save)
+                        save_at=save, features=_features_from(req.speculation, max(0, length - DRAFT_CONTEXT)))
         try:
             out = await (forward(item, progress=progress.within(pos, end)) if req.progress else forward(item))
         except Exception as e:
@@ -332,14 +357,22 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
             await release(req.session_id, None, 0)  # stages that did resume hold a partial session
             start = pos = 0
             progress = _PrefillReport(req, 0, step)
+            features.clear()
             continue
         finally:
             if resume is not None:
                 prefix.resumed_done()  # type: ignore[union-attr]
         pos = end
         progress.at(pos)
+        features.append(out)
     assert out is not None
-    return out
+    return dataclasses.replace(out, features=_joined(features))
+
+
+def _joined(outputs: list[SeqOutput]) -> Features:
+    """The features of a prompt's chunks, rows in order."""
+    layers = {layer for o in outputs for layer in o.features}
+    return {layer: torch.cat([o.features[layer] for o in outputs if layer in o.features]) for layer in layers}
 
 
 async def _first_step(forward: Forward, release: Release, req: Request, item: SeqInput) -> SeqOutput:

@@ -21,6 +21,7 @@ from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.plan.least import check_fits
 from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.progress import Progress
+from deltafin.runtime.features import Features, gather
 from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
 from deltafin.runtime.stage_build import disk_plan, expert_backend_for
 from deltafin.runtime.stage_options import StageOptions
@@ -36,11 +37,13 @@ def route(n_stages: int, batch: list[SeqInput], start: int = 0) -> Route:
     stages (LocalPipeline.forward) and workers (coordinator/cluster/backend.py, ClusterBackend.forward) drive it.
     `start`: the forward resumes at that stage, `batch` being its inputs (a hop that failed, retried)."""
     outputs: list[SeqOutput] = []
+    features: list[Features] = [{} for _ in batch]  # every stage's answers to the draft features asked
     for i in range(start, n_stages):
         if i > start:
             batch = [b.carrying(o.state) for b, o in zip(batch, outputs, strict=True)]  # type: ignore[arg-type]
         outputs = yield i, batch
-    return outputs
+        gather([o.features for o in outputs], features)
+    return [dataclasses.replace(o, features=f) for o, f in zip(outputs, features, strict=True)]
 
 
 class LocalPipeline:

@@ -32,12 +32,15 @@ from deltafin.models.decoder import (
     decoder_layer,
     embed,
     ffn_input,
+    final_hidden,
     head,
     layer_in_pieces,
+    layer_input,
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, route, routed_sum
 from deltafin.plan.sizing import SPECULATIVE_TOKENS, StageSizing
+from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions
 from deltafin.runtime.stage_build import (
@@ -76,6 +79,9 @@ class SeqInput:
     # drafted tokens to verify: logits for every token come back, and the next forward may continue from any
     # of its positions (cache_len below the session's length drops the drafts after it)
     speculative: bool = False
+    # a draft head's features: the hidden states entering these layers at the rows from a position on
+    # (runtime/features.py); each stage answers the layers it runs
+    features: FeatureAsk | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +97,7 @@ class SeqOutput:
     session_id: str
     state: ResidualState | None = None  # when this is not the last stage
     logits: torch.Tensor | None = None  # fp32 [T or 1, vocab] from the last stage
+    features: Features = dataclasses.field(default_factory=dict)  # asked layers this stage runs -> [rows, D] fp32
 
 
 class Stage:
@@ -223,8 +230,11 @@ class Stage:
                 c.mark(inside)
         try:
             state, spans = self._input(batch, caches)
-            state = self._layers(state, spans, should_stop, progress)
-            outputs = _outputs(self, batch, spans, state, all_logits)
+            capture = FeatureCapture([b.features for b in batch], [(s.start, s.length, b.cache_len) for s, b in
+                                                                   zip(spans, batch, strict=True)],
+                                     self.start, self.end, self.last) if any(b.features for b in batch) else None
+            state = self._layers(state, spans, should_stop, progress, capture)
+            outputs = _outputs(self, batch, spans, state, all_logits, capture)
         except BaseException:
             for c in caches:
                 c.restore()
@@ -262,15 +272,19 @@ class Stage:
                   f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
 
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
-                progress: Callable[[int, int], None] | None = None) -> ResidualState:
+                progress: Callable[[int, int], None] | None = None,
+                capture: FeatureCapture | None = None) -> ResidualState:
         """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
         forward longer than one attention pass (PIECE_TOKENS rows) runs each layer's attention in pieces
-        and its experts once over all of them (models/decoder.py, layer_in_pieces)."""
+        and its experts once over all of them (models/decoder.py, layer_in_pieces). `capture` takes the hidden
+        states entering the layers it asks for (and the final one, on the last stage)."""
         pieces = pieces_of(spans, PIECE_TOKENS) if sum(s.length for s in spans) > PIECE_TOKENS else None
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")
             weights = self.spine.layer(layer)
+            if capture is not None and capture.wants(layer):
+                capture.take(layer, state, lambda rows, w=weights: layer_input(w, rows))
             self.spine.prefetch_after(layer)
             self._prefetch_experts(layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
@@ -282,6 +296,8 @@ class Stage:
                 state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts)
             if progress is not None:
                 progress(layer + 1 - self.start, self.end - self.start)
+        if capture is not None and self.last and capture.wants(self.end):
+            capture.take(self.end, state, lambda rows: final_hidden(self.top, rows))  # type: ignore[arg-type]
         return state
 
     def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Callable[[], Any]:
@@ -351,20 +367,21 @@ def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: S
 
 
 def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: ResidualState,
-             all_logits: bool) -> list[SeqOutput]:
+             all_logits: bool, capture: FeatureCapture | None = None) -> list[SeqOutput]:
     """A forward's outputs: each sequence's residual state for the next stage (as bfloat16 with --wire bf16: what
     crosses the link), or from the last stage its logits (its last row's; every row's with `all_logits` or a
-    speculative forward)."""
+    speculative forward); with the features it asked for."""
+    features = capture.taken if capture is not None else [{} for _ in batch]
     if not stage.last:
         if stage.options.wire == "bf16":
             state = ResidualState(state.P.to(torch.bfloat16), state.B.to(torch.bfloat16))
-        return [SeqOutput(b.session_id, state=s) for b, s in zip(batch, state.split([s.length for s in spans]),
-                                                                    strict=True)]
+        return [SeqOutput(b.session_id, state=s, features=f) for b, s, f in
+                zip(batch, state.split([s.length for s in spans]), features, strict=True)]
     if not all_logits:
         state, spans = _logit_rows(batch, spans, state)
     logits = head(stage.cfg, stage.top, state)  # type: ignore[arg-type]
-    return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length]) for b, s in zip(batch, spans,
-                                                                                                 strict=True)]
+    return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length], features=f)
+            for b, s, f in zip(batch, spans, features, strict=True)]
 
 
 def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:
@@ -416,6 +433,8 @@ def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None
     if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
         raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
                            f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
+    if item.features is not None:
+        item.features.check(cfg.num_layers, f"session {item.session_id!r}")
     if item.speculative and item.save_at:
         raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
                            "drafts are not decided yet)")

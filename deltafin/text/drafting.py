@@ -6,7 +6,8 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
 
 - `Drafter` is what proposes tokens; `NgramDrafter` is prompt lookup: the continuation of the latest earlier
   occurrence of the last n tokens (n from `max_ngram` down to `min_ngram`) in the prompt and the output so
-  far. A small draft model can implement the same protocol later.
+  far. A learned draft head (text/draft_head.py, `HeadDrafter`) reads the target's own hidden states at a few
+  layers as well: it names them (`feature_layers`) and hears them after every forward (`observe`).
 - `DraftLength` picks k for the next pass: the k that maximises expected tokens per second, from the
   acceptance measured so far and a cost model of one pass (`PassCost`). At K3's size a pass costs the
   spine's reads once, whatever k, plus the distinct experts its k+1 tokens route to: with a uniform router
@@ -15,15 +16,24 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-MODES = ("none", "ngram")
+MODES = ("none", "ngram", "draft")
+DRAFT_CONTEXT = 256  # a prompt's last positions whose hidden states a draft head is given (its attention's reach)
 
 
 class Drafter(Protocol):
+    feature_layers: tuple[int, ...]  # the target's layers whose entering hidden states it reads; () for none
+
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the prompt and the output so far); [] for none."""
+        ...
+
+    def observe(self, start: int, features: Mapping[int, Any], following: Sequence[int]) -> None:
+        """The target's hidden states (layer -> [n, D]) at the text's positions [start, start + n), and the token
+        that followed each: what the last forward verified."""
         ...
 
 
@@ -32,6 +42,10 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     window: int = 4096  # look this far back (a long prompt stays cheap to search)
+    feature_layers: tuple[int, ...] = ()
+
+    def observe(self, start: int, features: Mapping[int, Any], following: Sequence[int]) -> None:
+        pass  # the text is all it reads
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k < 1 or len(tokens) < 2:

@@ -19,17 +19,18 @@ from deltafin.formats import spine_formats
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.sizing import StageSizing
+from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 9  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
+PROTOCOL_VERSION = 10  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
 # session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
 # states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
 # addresses), summed expert answers, the bf16 wire, workers' measured compute; 9: the stage's plan in the Assignment,
-# options without budgets
+# options without budgets; 10: a draft head's features (SequenceInput.feature_layers, SequenceOutput.features)
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -74,6 +75,9 @@ def encode_inputs(batch: list[SeqInput]) -> list[pb.SequenceInput]:
         msg = pb.SequenceInput(session_id=item.session_id, cache_len=item.cache_len,
                                resume_from=item.resume_from or "", speculative=item.speculative,
                                save_at=[pb.KeepPoint(tokens=n, prefix_id=pid) for n, pid in item.save_at])
+        if item.features is not None:
+            msg.feature_layers.extend(item.features.layers)
+            msg.features_from = item.features.start
         if item.ids is not None:
             msg.ids.CopyFrom(encode_tensor(item.ids))
         if item.state is not None:
@@ -95,7 +99,9 @@ def decode_inputs(msgs: list[pb.SequenceInput]) -> list[SeqInput]:
         if has_ids == has_state:
             raise CodecError(f"{what}: exactly one of ids or (p, b) is required")
         extra = {"resume_from": msg.resume_from or None, "speculative": msg.speculative,
-                 "save_at": tuple((k.tokens, k.prefix_id) for k in msg.save_at)}
+                 "save_at": tuple((k.tokens, k.prefix_id) for k in msg.save_at),
+                 "features": FeatureAsk(tuple(msg.feature_layers), msg.features_from) if msg.feature_layers
+                 else None}
         if msg.resume_from and msg.cache_len == 0:
             raise CodecError(f"{what}: resume_from needs the prefix's length as cache_len")
         if has_ids:
@@ -137,6 +143,8 @@ def encode_outputs(outputs: list[SeqOutput]) -> list[pb.SequenceOutput]:
             msg.b.CopyFrom(encode_tensor(o.state.B))
         if o.logits is not None:
             msg.logits.CopyFrom(encode_tensor(o.logits))
+        msg.features.extend(pb.LayerFeatures(layer=layer, rows=encode_tensor(rows)) for layer, rows in
+                            o.features.items())
         out.append(msg)
     return out
 
@@ -145,12 +153,24 @@ def decode_outputs(msgs: list[pb.SequenceOutput]) -> list[SeqOutput]:
     out = []
     for msg in msgs:
         what = f"output {msg.session_id!r}"
+        features = _decode_features(msg, what)
         if msg.HasField("logits"):
-            out.append(SeqOutput(msg.session_id, logits=decode_tensor(msg.logits, f"{what} logits")))
+            out.append(SeqOutput(msg.session_id, logits=decode_tensor(msg.logits, f"{what} logits"),
+                                 features=features))
         else:
             state = ResidualState(decode_tensor(msg.p, f"{what} p"), decode_tensor(msg.b, f"{what} b"))
-            out.append(SeqOutput(msg.session_id, state=state))
+            out.append(SeqOutput(msg.session_id, state=state, features=features))
     return out
+
+
+def _decode_features(msg: pb.SequenceOutput, what: str) -> Features:
+    features: Features = {}
+    for f in msg.features:
+        rows = decode_tensor(f.rows, f"{what} layer {f.layer} features")
+        if rows.dim() != 2 or rows.dtype != torch.float32 or f.layer in features:
+            raise CodecError(f"{what}: layer {f.layer}'s features must be one float32 [rows, D] tensor")
+        features[f.layer] = rows
+    return features
 
 
 # ---- forwards in several messages ------------------------------------------------------------------------------
@@ -244,8 +264,10 @@ def encode_output_parts(outputs: list[SeqOutput], max_bytes: int) -> list[pb.For
         pieces = []
         for i, a, z in part:
             o = outputs[i]
-            pieces.append(SeqOutput(o.session_id, logits=o.logits[a:z]) if o.logits is not None else
-                          SeqOutput(o.session_id, state=ResidualState(o.state.P[a:z], o.state.B[a:z])))  # type: ignore[union-attr]
+            features = o.features if a == 0 else {}  # whole, with the sequence's first slice
+            pieces.append(SeqOutput(o.session_id, logits=o.logits[a:z], features=features) if o.logits is not None
+                          else SeqOutput(o.session_id, state=ResidualState(o.state.P[a:z], o.state.B[a:z]),  # type: ignore[union-attr]
+                                         features=features))
         out.append(pb.ForwardResponse(sequences=encode_outputs(pieces)))
     return out
 
@@ -257,12 +279,14 @@ def decode_output_parts(msgs: list[pb.ForwardResponse]) -> list[SeqOutput]:
             pieces.setdefault(o.session_id, []).append(o)
     out = []
     for sid, parts in pieces.items():
+        features = {k: v for p in parts for k, v in p.features.items()}
         try:
             if parts[0].logits is not None:
-                out.append(SeqOutput(sid, logits=torch.cat([p.logits for p in parts])))  # type: ignore[misc]
+                out.append(SeqOutput(sid, logits=torch.cat([p.logits for p in parts]), features=features))  # type: ignore[misc]
             else:
                 out.append(SeqOutput(sid, state=ResidualState(torch.cat([p.state.P for p in parts]),  # type: ignore[union-attr]
-                                                              torch.cat([p.state.B for p in parts]))))  # type: ignore[union-attr]
+                                                              torch.cat([p.state.B for p in parts])),  # type: ignore[union-attr]
+                                     features=features))
         except (RuntimeError, TypeError) as e:
             raise CodecError(f"output {sid!r}: its parts do not join: {e}") from None
     return out

@@ -195,7 +195,7 @@ class AssignProgress(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fraction: _Optional[float] = ..., ready: _Optional[bool] = ..., prefix_disk_bytes: _Optional[int] = ..., state_identity: _Optional[str] = ...) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "speculative", "save_at")
+    __slots__ = ("session_id", "cache_len", "ids", "p", "b", "resume_from", "speculative", "save_at", "feature_layers", "features_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class SequenceInput(_message.Message):
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     SAVE_AT_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_len: int
     ids: Tensor
@@ -212,7 +214,9 @@ class SequenceInput(_message.Message):
     resume_from: str
     speculative: bool
     save_at: _containers.RepeatedCompositeFieldContainer[KeepPoint]
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., speculative: _Optional[bool] = ..., save_at: _Optional[_Iterable[_Union[KeepPoint, _Mapping]]] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    features_from: int
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., resume_from: _Optional[str] = ..., speculative: _Optional[bool] = ..., save_at: _Optional[_Iterable[_Union[KeepPoint, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class KeepPoint(_message.Message):
     __slots__ = ("tokens", "prefix_id")
@@ -235,16 +239,26 @@ class ForwardRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., all_logits: _Optional[bool] = ..., part_bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("session_id", "p", "b", "logits")
+    __slots__ = ("session_id", "p", "b", "logits", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     P_FIELD_NUMBER: _ClassVar[int]
     B_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     p: Tensor
     b: Tensor
     logits: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[LayerFeatures]
+    def __init__(self, session_id: _Optional[str] = ..., p: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., features: _Optional[_Iterable[_Union[LayerFeatures, _Mapping]]] = ...) -> None: ...
+
+class LayerFeatures(_message.Message):
+    __slots__ = ("layer", "rows")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rows: Tensor
+    def __init__(self, layer: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("sequences",)
