@@ -1,10 +1,13 @@
 """`deltafin bench --model DIR --workload chat,code`: what a trained model's own text does to the expert
-cache, the prefetcher and the n-gram drafter.
+cache, the prefetcher and the drafters.
 
 For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's source)
-is answered greedily twice through the serving engine (deltafin.load): plainly, and with `speculative="ngram"`;
-the second must give the same tokens, and its counters give the drafter's acceptance and the forwards per
-generated token. The drafter is also scored alone, at every position of the answers. Then every plain answer
+is answered greedily through the serving engine (deltafin.load) in each drafting mode: plainly, with
+`speculative="ngram"` and, where the model has a draft head, `speculative="draft"`; each with an expert cache of
+`cache_share` of all experts, so that the bytes a mode's forwards read are what a plan that streams its experts
+reads. The drafting modes must give the plain tokens; their counters give the acceptance, the forwards per
+generated token and the expert bytes per token beside plain's. The n-gram drafter is also scored alone, at every
+position of the answers. Then every plain answer
 is replayed token by token through a stage whose experts stream through a cache of `cache_share` of them,
 recording which experts each MoE layer asks for at each decode step: that routing trace gives each cache
 policy's hit rate at several cache sizes (weights.cache.simulate), the stage's own prefetch recall, and how
@@ -21,10 +24,12 @@ import torch
 import deltafin
 from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
-from deltafin.options import CACHE_POLICIES
+from deltafin.options import CACHE_POLICIES, GB
+from deltafin.paths import model_path as resolve_model_path
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.text.draft_head import DRAFT_DIR
 from deltafin.text.drafting import NgramDrafter
 from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder
@@ -41,6 +46,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 }
 CACHE_SHARES = (0.125, 0.25, 0.5)  # cache sizes the policies are compared at, as a share of all experts
 DRAFTS = 4  # drafts per position when the drafter is measured on its own
+DRAFT_MODES = ("plain", "ngram", "draft")  # each workload answered with each; "draft" where the model has a head
 
 
 def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
@@ -52,37 +58,75 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
         raise DeltafinError(f"unknown workload {unknown[0]!r}: use {', '.join(WORKLOADS)}")
     out: dict[str, Any] = {"bench": "workload", "model": str(Path(model).resolve()), "device": device,
                            "max_tokens": tokens, "workloads": {}}
-    with deltafin.load(model, device, progress=False) as plain, \
-            deltafin.load(model, device, progress=False, speculative="ngram") as drafted:
-        for name in workloads:
-            replies = [_ask(plain, p, tokens) for p in WORKLOADS[name]]
-            result = {"prompts": len(replies), "generated_tokens": sum(len(r.token_ids) for r in replies),
-                      "drafting": _drafting(drafted, WORKLOADS[name], tokens, replies),
-                      "drafter_alone": drafter_alone([(r.prompt_ids, r.token_ids) for r in replies])}
-            result.update(_replay(model, device, [(r.prompt_ids, r.token_ids) for r in replies], cache_share,
-                                  options))
-            out["workloads"][name] = result
+    cfg = load_config(model)
+    cache = (options.sizing.expert_cache_bytes if options is not None and options.sizing.expert_cache_bytes
+             is not None else int(cache_share * len(cfg.moe_layers) * cfg.num_experts) * cfg.bytes_per_expert)
+    modes = {mode: None for mode in DRAFT_MODES}
+    if not has_draft_head(model):
+        modes["draft"] = f"{model} has no draft head ({DRAFT_DIR}/)"
+    for name in workloads:
+        drafting: dict[str, Any] = {}
+        for mode, missing in modes.items():
+            if missing is not None:
+                drafting[mode] = {"skipped": missing}
+                continue
+            with deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
+                               expert_cache_gb=cache / GB) as m:
+                drafting[mode] = _drafting(m, WORKLOADS[name], tokens)
+        plain = drafting["plain"].pop("replies")
+        for mode in DRAFT_MODES[1:]:
+            if "replies" in drafting[mode]:
+                replies = drafting[mode].pop("replies")
+                drafting[mode]["same_tokens_as_plain"] = all(a == b for a, b in zip(replies, plain, strict=True))
+                drafting[mode]["expert_bytes_vs_plain"] = _ratio(drafting[mode]["expert_bytes_per_token"],
+                                                                 drafting["plain"]["expert_bytes_per_token"])
+        drafting["plain"]["same_tokens_as_plain"] = True
+        result = {"prompts": len(plain), "generated_tokens": sum(len(t) for _, t in plain),
+                  "expert_cache_bytes": cache, "drafting": drafting,
+                  "drafter_alone": drafter_alone(plain)}
+        result.update(_replay(model, device, plain, cache_share, options))
+        out["workloads"][name] = result
     return out
+
+
+def has_draft_head(model: str | Path) -> bool:
+    return (resolve_model_path(model) / DRAFT_DIR / "config.json").is_file()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
 
 
 def _ask(model: Any, prompt: str, tokens: int) -> Any:
     return model.chat([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0)
 
 
-def _drafting(model: Any, prompts: tuple[str, ...], tokens: int, plain: list[Any]) -> dict[str, Any]:
-    """The same prompts with n-gram drafts: counters, and whether every answer is token for token the plain one."""
+def _expert_bytes(model: Any) -> int:
+    return sum(s.get("experts", {}).get("bytes_read", 0) for s in model.stats())
+
+
+def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
+    """The prompts answered greedily in one drafting mode: each prompt first alone (its prefill, whose state the
+    prefix cache keeps), then whole, resumed from it, so that the counters and the expert bytes are the decode's.
+    The answers come back under "replies" ((prompt ids, answer ids) each) for the caller to compare."""
     c = model.engine.counters
-    before = (c.draft_tokens, c.accepted_tokens, c.forwards)
-    replies = [_ask(model, p, tokens) for p in prompts]
-    drafted, accepted, forwards = (now - was for now, was in zip((c.draft_tokens, c.accepted_tokens, c.forwards),
-                                                                  before, strict=True))
-    generated = sum(len(r.token_ids) for r in replies)
+    replies = []
+    drafted = accepted = forwards = read = 0
+    for p in prompts:
+        _ask(model, p, 1)
+        before = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
+        r = _ask(model, p, tokens)
+        after = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
+        d = [a - b for a, b in zip(after, before, strict=True)]
+        drafted, accepted, forwards, read = drafted + d[0], accepted + d[1], forwards + d[2], read + d[3]
+        replies.append((r.prompt_ids, r.token_ids))
+    generated = sum(len(t) for _, t in replies)
     # the first token of each answer comes from its prefill; the forwards counted are those after it
     decoded = generated - len(replies)
     return {"draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,
-            "same_tokens_as_plain": all(a.token_ids == b.token_ids for a, b in zip(replies, plain, strict=True))}
+            "expert_bytes_per_token": round(read / decoded) if decoded else None, "replies": replies}
 
 
 def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.text.draft_head import HeadDrafter, open_head
 from deltafin.text.drafting import MODES, DraftLength, NgramDrafter, default_cost
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer
@@ -109,6 +110,8 @@ class Engine:
         self._context = context
         self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
         self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
+        self.draft_model = serving.draft_model  # the draft head's folder (None: the model's own draft/)
+        self._draft_head: Any = None  # loaded at the first request that drafts with it
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
         self.counters = Counters()
@@ -272,7 +275,16 @@ class Engine:
         if max_k < 1:
             return None
         cost = default_cost(self.cfg.num_experts, self.cfg.experts_per_token)
-        return Speculation(NgramDrafter(), DraftLength(cost, max_k=max_k))
+        drafter = HeadDrafter(self.draft_head()) if mode == "draft" else NgramDrafter()
+        return Speculation(drafter, DraftLength(cost, max_k=max_k))
+
+    def draft_head(self) -> Any:
+        """The learned draft head (text/draft_head.py), loaded once; DeltafinError where there is none."""
+        if self._draft_head is None:
+            if self.model_dir is None:
+                raise DeltafinError("--speculative draft needs the model's directory (a served model)")
+            self._draft_head = open_head(self.draft_model, self.model_dir, self.cfg)
+        return self._draft_head
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         return await self.backend.stats()
@@ -297,6 +309,8 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     name = serving.served_model_name or Path(cluster.model).resolve().name
     engine = Engine(backend, tokenizer, cfg, name, serving, prefix_cache=True)
     engine.model_dir = Path(cluster.model)
+    if serving.speculative == "draft":  # a missing or foreign head is said before the first request
+        engine.draft_head()
     return engine
 
 

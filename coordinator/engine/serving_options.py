@@ -12,9 +12,11 @@ from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES
 
-SPECULATIVE_HELP = ("ngram: draft tokens from the prompt and the output so far and verify several in one forward (the "
-                    "same output; fewer passes over the weights when drafts land; the plan gives every sequence room "
-                    "for a verification's KDA trail, 0.21 GB at K3's width); none: one token per forward (default)")
+SPECULATIVE_HELP = (
+    "draft: a learned draft head (--draft-model) proposes tokens from the model's own hidden states; ngram: drafts "
+    "from the prompt and the output so far; either way several tokens are verified in one forward (the same output; "
+    "fewer passes over the weights when drafts land; the plan gives every sequence room for a verification's KDA "
+    "trail, 0.21 GB at K3's width); none: one token per forward (default)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class ServingOptions:
     served_model_name: str | None = opt(
         None, "the model id responses carry (default: the model directory's name); requests may name any model")
     strict_model_name: bool = opt(False, "answer 404 model_not_found to a request that names another model")
+    draft_model: str | None = opt(
+        None, "the draft head for --speculative draft: a directory with config.json and model.safetensors in the "
+        "EAGLE-3 layout (docs/speculative-decoding.md says which fields; default: the model's own draft/ folder, "
+        "which k3-mini ships)", metavar="DIR")
     max_drafts: int = 8  # drafted tokens one speculative forward verifies at most
 
     def __post_init__(self) -> None:

@@ -17,12 +17,19 @@ def test_workload_numbers_add_up(tiny_dir):
     assert list(result["workloads"]) == ["chat", "code"]
     for name, w in result["workloads"].items():
         assert w["prompts"] == len(WORKLOADS[name]) and 0 < w["generated_tokens"] <= 10 * w["prompts"]
-        d = w["drafting"]
+        decoded = w["generated_tokens"] - w["prompts"]  # each answer's first token comes from its prefill
+        plain, d = w["drafting"]["plain"], w["drafting"]["ngram"]
+        assert w["drafting"]["draft"] == {"skipped": f"{tiny_dir} has no draft head (draft/)"}
+        assert plain["draft_tokens"] == 0 and plain["forwards"] == decoded and plain["forwards_per_token"] == 1
         assert d["same_tokens_as_plain"] is True  # greedy drafting is exact
         assert 0 <= d["accepted_tokens"] <= d["draft_tokens"]
-        decoded = w["generated_tokens"] - w["prompts"]  # each answer's first token comes from its prefill
         # a forward yields its token plus what it accepted; an answer may end inside a pass's accepted drafts
         assert decoded - d["accepted_tokens"] <= d["forwards"] <= decoded
+        # the decode's reads through a cache of a quarter of the experts: some, never more than every lookup
+        assert 0 < plain["expert_bytes_per_token"] <= len(cfg.moe_layers) * cfg.experts_per_token \
+            * cfg.bytes_per_expert
+        assert d["expert_bytes_vs_plain"] == pytest.approx(d["expert_bytes_per_token"]
+                                                           / plain["expert_bytes_per_token"], abs=1e-3)
         r = w["routing"]
         assert r["decode_steps"] == decoded
         assert set(r["policy_hit_rates"]) == {f"{s:g}" for s in CACHE_SHARES}
