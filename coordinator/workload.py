@@ -126,7 +126,8 @@ def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, An
     return {"draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,
-            "expert_bytes_per_token": round(read / decoded) if decoded else None, "replies": replies}
+            "expert_bytes_per_token": round(read / decoded) if decoded else None, "replies": replies,
+            "pass_cost": model.engine.pass_cost().describe() if model.engine.speculative != "none" else None}
 
 
 def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS) -> dict[str, Any]:

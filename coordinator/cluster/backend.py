@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
@@ -23,9 +23,12 @@ import torch
 
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.errors import RemoteError, WorkerLost
+from deltafin.plan.cluster_plan import Plan, StagePlan
 from deltafin.plan.expert_placement import ExpertPlan
 from deltafin.plan.links import Link
+from deltafin.plan.predict import verify_table
 from deltafin.plan.sizing import StageSizing
+from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.features import Features, gather
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
@@ -37,6 +40,7 @@ from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, Watch, await_watched, receiving, sending, sending_async
+from deltafin.weights.diskspeed import measure_disk
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,7 @@ class LocalBackend:
     def __init__(self, pipeline: LocalPipeline):
         self.pipeline = pipeline
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-local")
+        self._priced: Plan | None = None
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -120,6 +125,26 @@ class LocalBackend:
     @property
     def parallel_stages(self) -> int:
         return 1  # the stages run one after another on this process's one stage thread
+
+    def priced_plan(self) -> Plan:
+        """The in-process stages as a one-worker plan, for what the predictions price (drafting's pass cost): their
+        sizing, this machine's compute measured on the stages' device (runtime/compute_probe.py) and, where
+        anything streams, its disk (the --disk-gbps given, else measured). Measured once, at the first call."""
+        if self._priced is None:
+            self._priced = self._price()
+        return self._priced
+
+    def _price(self) -> Plan:
+        stages = self.pipeline.stages
+        first = stages[0]
+        streams = any(s.sizing.streaming or s.sizing.streamed_layers for s in stages)
+        given = first.options.disk_gbps
+        gbps = (given[0] if given else measure_disk(first.ckpt, first.options.sizing.read_threads, first.options.io)) \
+            if streams else 0.0
+        compute = measure_compute(first.cfg, first.device, first.dtype)
+        plan = Plan(tuple(StagePlan("local", "", s.start, s.end, s.sizing, 0.0, disk_gbps=gbps, compute=compute)
+                          for s in stages))
+        return replace(plan, verify=verify_table(first.cfg, plan, first.dtype.itemsize))
 
     async def forward(self, batch: list[SeqInput], all_logits: bool = False,
                       progress: Callable[[float], None] | None = None) -> list[SeqOutput]:

@@ -94,6 +94,10 @@ class ResilientCluster:
     def plan(self) -> Plan:
         return self.current.plan
 
+    def priced_plan(self) -> Plan:
+        """The plan in force, whose predictions price drafting's verification passes."""
+        return self.current.plan
+
     @property
     def max_forward_tokens(self) -> int | None:
         return self.backend.max_forward_tokens

@@ -37,7 +37,7 @@ from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.draft_head import HeadDrafter, open_head
-from deltafin.text.drafting import MODES, DraftLength, NgramDrafter, default_cost
+from deltafin.text.drafting import MODES, Cost, DraftLength, FittedCost, NgramDrafter, PlannedCost, default_cost
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -112,6 +112,7 @@ class Engine:
         self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
         self.draft_model = serving.draft_model  # the draft head's folder (None: the model's own draft/)
         self._draft_head: Any = None  # loaded at the first request that drafts with it
+        self._cost: FittedCost | None = None  # what a verification pass costs (pass_cost)
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
         self.counters = Counters()
@@ -274,9 +275,21 @@ class Engine:
         max_k = min(self.max_drafts, SPECULATIVE_TOKENS - 1, *(() if limit is None else (limit - 1,)))
         if max_k < 1:
             return None
-        cost = default_cost(self.cfg.num_experts, self.cfg.experts_per_token)
         drafter = HeadDrafter(self.draft_head()) if mode == "draft" else NgramDrafter()
-        return Speculation(drafter, DraftLength(cost, max_k=max_k))
+        return Speculation(drafter, DraftLength(self.pass_cost(), max_k=max_k))
+
+    def pass_cost(self) -> FittedCost:
+        """What a verification pass costs, shared by every request: the plan's prediction (in-process stages: priced
+        once, their compute measured; one 64 GB Mac's split where nothing prices it: a scripted backend), then
+        fitted to the passes as they are timed (drafting.FittedCost)."""
+        if self._cost is None:
+            priced = getattr(self.backend, "priced_plan", None)
+            plan = priced() if priced is not None else None
+            prior: Cost = PlannedCost(plan.verify) if plan is not None and plan.verify and plan.verify[0] > 0 \
+                else default_cost(self.cfg.num_experts, self.cfg.experts_per_token)
+            self._cost = FittedCost(prior, self.cfg.num_experts, self.cfg.experts_per_token, SPECULATIVE_TOKENS)
+            log.info("drafting prices a decode step verifying k drafts at %s", self._cost.describe())
+        return self._cost
 
     def draft_head(self) -> Any:
         """The learned draft head (text/draft_head.py), loaded once; DeltafinError where there is none."""
@@ -311,6 +324,8 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     engine.model_dir = Path(cluster.model)
     if serving.speculative == "draft":  # a missing or foreign head is said before the first request
         engine.draft_head()
+    if serving.speculative != "none":  # priced before the first request (in-process: its compute measured)
+        await asyncio.to_thread(engine.pass_cost)
     return engine
 
 

@@ -285,7 +285,10 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             item = SeqInput(req.session_id, length, ids=torch.tensor([token, *drafts]), speculative=bool(drafts),
                             features=_features_from(req.speculation, length))
             fed_end = length + 1 + len(drafts)
+            started = time.monotonic()
             out = await (_first_step(forward, release, req, item) if not fed else forward(item))
+            if fed:  # the first step may prefill again (a kept prefix gone): not a pass to price
+                _timed(req.speculation, item.num_tokens, time.monotonic() - started)
             drafting.forwards += 1
             consistent = True
             fed.append(token)
@@ -303,6 +306,13 @@ def _features_from(spec: Speculation | None, position: int) -> FeatureAsk | None
     """What a forward asks for a drafter that reads the target's hidden states: its layers, from `position`."""
     layers = spec.drafter.feature_layers if spec is not None else ()
     return FeatureAsk(tuple(sorted(layers)), position) if layers else None
+
+
+def _timed(spec: Speculation | None, tokens: int, seconds: float) -> None:
+    """A decode step of `tokens` tokens took `seconds`: the pass cost learns it (drafting.FittedCost)."""
+    observe = getattr(spec.lengths.cost, "observe", None) if spec is not None else None
+    if observe is not None:
+        observe(tokens, seconds)
 
 
 def _observe(spec: Speculation | None, out: SeqOutput, fed_end: int, text: list[int]) -> None:

@@ -14,6 +14,7 @@ from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.plan.spine_copies import SpineDisk
 
 GB = 1e9
+VERIFY_SHOWN = (0, 1, 2, 4, 8)  # drafts per step the plan's table prices
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Plan:
     links: Links = field(default_factory=Links)  # what the links were measured (or assumed) to be
     token: Seconds | None = None  # a decoded token, predicted (plan/predict.py)
     first_token: tuple[tuple[int, Seconds], ...] = ()  # (prompt tokens, its time to the first token), predicted
+    verify: tuple[float, ...] = ()  # a decode step's seconds verifying 0, 1, ... drafts, predicted (drafting's cost)
     mode_why: str = ""  # why wide or local experts (as asked, or what the links and disks make each cost)
     kept_prefixes: str = ""  # what a kept prefix costs, where states are kept (sizing.kept_prefixes_text)
     context: int = 0  # tokens a request may have (prompt and reply): what the sessions were planned for
@@ -159,6 +161,10 @@ class Plan:
             step = min(s.sizing.forward_tokens for s in self.stages)
             lines.append(f"time to first token (in forwards of {step} tokens): "
                          + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token))
+        if self.verify:
+            lines.append("a decode step verifying k drafts (one forward, the union of their experts; drafting weighs "
+                         "its expected tokens against it): " + ", ".join(
+                             f"k={k} {self.verify[k]:.3g} s" for k in VERIFY_SHOWN if k < len(self.verify)))
         return "\n" + "\n".join(lines)
 
     def _parts(self) -> str:

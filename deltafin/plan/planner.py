@@ -38,7 +38,7 @@ from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
 from deltafin.plan.least import too_small
 from deltafin.plan.links import Links
-from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds
+from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
 from deltafin.plan.sizing import SizingInput, StageSizing, choose, expert_slot_bytes
 from deltafin.plan.spine_choice import asked_spine, choose_spine
 
@@ -80,7 +80,8 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     plan = _with_context(cfg, replace(plan, stages=stages, links=links), workers, opts, act_bytes)
     kept = kept_prefixes_text(cfg, [(s.start, s.end, s.sizing.prefixes) for s in plan.stages], act_bytes,
                               plan.context)
-    return replace(plan, token=token_seconds(cfg, plan, act_bytes), kept_prefixes=kept,
+    return replace(plan, token=token_seconds(cfg, plan, act_bytes), verify=verify_table(cfg, plan, act_bytes),
+                   kept_prefixes=kept,
                    first_token=tuple((n, prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in PROMPT_LENGTHS))
 
 

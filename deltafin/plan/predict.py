@@ -24,7 +24,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
-from deltafin.plan.sizing import boundary_bytes_per_token, expert_slot_bytes
+from deltafin.plan.sizing import SPECULATIVE_TOKENS, boundary_bytes_per_token, expert_slot_bytes
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
 
@@ -54,6 +54,18 @@ def token_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> Seconds:
     """One decoded token's time (the disks' and the links', which do not overlap: a token's calls wait on its
     router, and its next layer on its calls)."""
     return _forward(cfg, plan, 1, act_bytes, overlap=False)
+
+
+def pass_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int = 4) -> float:
+    """A decode step that verifies `tokens - 1` drafts: one forward of `tokens` tokens, reading the union of their
+    experts (less what the caches keep), the spine streamed once, the hops and the compute (what drafting weighs
+    its expected accepted tokens against: text/drafting.py)."""
+    return _forward(cfg, plan, tokens, act_bytes, overlap=False).total
+
+
+def verify_table(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> tuple[float, ...]:
+    """`pass_seconds` for 1 .. SPECULATIVE_TOKENS tokens (a step without drafts, then with 1 .. 8)."""
+    return tuple(pass_seconds(cfg, plan, n, act_bytes) for n in range(1, SPECULATIVE_TOKENS + 1))
 
 
 def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None,
@@ -183,4 +195,5 @@ def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: in
                                   for (a, b), v in plan.links.pairs.items()}},
             "token": seconds(plan.token) if plan.token is not None else None,
             "first_token": {str(n): seconds(s) for n, s in plan.first_token},
+            "verify_pass_s": {str(k): round(s, 4) for k, s in enumerate(plan.verify)},
             "prompts": {str(n): seconds(prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in prompts}}

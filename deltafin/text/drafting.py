@@ -9,9 +9,13 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
   far. A learned draft head (text/draft_head.py, `HeadDrafter`) reads the target's own hidden states at a few
   layers as well: it names them (`feature_layers`) and hears them after every forward (`observe`).
 - `DraftLength` picks k for the next pass: the k that maximises expected tokens per second, from the
-  acceptance measured so far and a cost model of one pass (`PassCost`). At K3's size a pass costs the
+  acceptance measured so far and a cost model of one pass (a `Cost`). At K3's size a pass costs the
   spine's reads once, whatever k, plus the distinct experts its k+1 tokens route to: with a uniform router
   E·(1−(1−K/E)^(k+1)) per layer, so drafting is cheap where the spine streams and dear where it does not.
+  The engine prices a pass with the plan it runs (`PlannedCost`: plan/predict.py's pass_seconds, the experts
+  the caches do not hold read at the disks' speed, the compute as measured) and then with what its passes take
+  (`FittedCost`: the plan's two ends as a prior, corrected by every pass timed); `PassCost` is the same shape with
+  the split of one 64 GB Mac's plan, where no plan prices it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,77 @@ def distinct_experts(tokens: int, experts: int, active: int) -> float:
     return experts * (1.0 - (1.0 - active / experts) ** tokens)
 
 
+class Cost(Protocol):
+    def seconds(self, tokens: int) -> float:
+        """One verification pass of `tokens` tokens (the token fed and its drafts)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PlannedCost:
+    """A pass's seconds for 1, 2, ... tokens as the plan predicts them (Plan.verify); longer passes cost as the
+    longest priced."""
+
+    table: tuple[float, ...]
+
+    def seconds(self, tokens: int) -> float:
+        return self.table[min(max(tokens, 1), len(self.table)) - 1]
+
+    def describe(self) -> str:
+        return ", ".join(f"k={k} {s:.3g} s" for k, s in enumerate(self.table))
+
+
+@dataclass
+class FittedCost:
+    """A pass's seconds as `PassCost`'s shape, fixed + per_expert x distinct experts of its tokens, fitted by least
+    squares to the passes timed (`observe`), older ones decaying, from the plan's prediction at 1 and `longest`
+    tokens counted as `prior_weight` passes each: what the plan says until passes say otherwise (a plan's compute
+    model misses a small model's per-forward overheads; a busy machine makes every pass slower). Shared by every
+    request of an engine."""
+
+    prior: Cost
+    experts: int
+    active: int
+    longest: int = 9
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    passes: int = field(init=False, default=0)
+    _sums: list[float] = field(init=False)  # weight, x, y, xx, xy
+
+    def __post_init__(self) -> None:
+        self._sums = [0.0] * 5
+        for n in (1, self.longest):
+            self._add(n, self.prior.seconds(n), self.prior_weight)
+
+    def _add(self, tokens: int, seconds: float, weight: float) -> None:
+        x = distinct_experts(tokens, self.experts, self.active)
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            self._sums[i] += weight * v
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A pass of `tokens` tokens took `seconds`."""
+        self._sums = [self.decay * v for v in self._sums]
+        self._add(tokens, seconds, 1.0)
+        self.passes += 1
+
+    @property
+    def terms(self) -> tuple[float, float]:
+        """(fixed, per_expert) as fitted; the slope never negative (more experts never cost less)."""
+        w, x, y, xx, xy = self._sums
+        spread = w * xx - x * x
+        slope = max(0.0, (w * xy - x * y) / spread) if spread > 1e-12 else 0.0
+        return (y - slope * x) / w, slope
+
+    def seconds(self, tokens: int) -> float:
+        fixed, slope = self.terms
+        return max(fixed + slope * distinct_experts(tokens, self.experts, self.active), 1e-6)
+
+    def describe(self) -> str:
+        fixed, slope = self.terms
+        return (f"{fixed * 1e3:.3g} ms + {slope * 1e3:.3g} ms an expert of a layer the pass reads ({self.passes} "
+                f"passes timed): " + ", ".join(f"k={k} {self.seconds(k + 1) * 1e3:.3g} ms" for k in (0, 1, 2, 4, 8)))
+
+
 @dataclass(frozen=True)
 class PassCost:
     """Seconds of one verification pass of n tokens: `fixed` (the spine's streamed part, the hops, the
@@ -98,7 +173,7 @@ class DraftLength:
     [0, max_k] with the most expected tokens per second. Acceptance is the share of drafts taken, each pass's
     tokens up to its first rejection counting (later ones were never judged), older passes decaying."""
 
-    cost: PassCost
+    cost: Cost
     max_k: int = 8
     prior: float = 0.5  # the acceptance assumed before any pass, worth `prior_weight` drafts
     prior_weight: float = 4.0

@@ -184,8 +184,13 @@ class Scripted:
     """A drafter that proposes `truth` (the continuation plain decoding gives), spoiling every third pass's
     third draft: a random-weight model's text does not repeat, so n-gram drafts would rarely land."""
 
+    feature_layers = ()  # it reads the text only
+
     def __init__(self, prompt: list[int], truth: list[int]):
         self.prompt, self.truth, self.passes = prompt, truth, 0
+
+    def observe(self, start, features, following):
+        pass
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         at = len(tokens) - len(self.prompt)
@@ -256,7 +261,10 @@ async def test_sampling_with_drafts_keeps_the_distribution(tiny_dir: Path) -> No
         for t2, q2 in zip(second, p2.tolist(), strict=True):
             exact[(t1, t2)] = q1 * q2
 
-    class Likeliest:
+    class Likeliest(Scripted):
+        def __init__(self):
+            pass
+
         def propose(self, tokens: list[int], k: int) -> list[int]:
             return [likeliest[tokens[len(PROMPT)]]][:k]
 
@@ -402,3 +410,30 @@ def test_verify_bench_reports_a_pass_per_draft_count(small_dir: Path) -> None:
     assert 0 < passes["0"]["expert_gb"] < passes["8"]["expert_gb"]  # more tokens route to more experts
     assert passes["8"]["uniform_router_experts_per_layer"] > passes["1"]["uniform_router_experts_per_layer"]
     assert all(p["spine_gb"] == 0 and p["seconds"] > 0 for p in passes.values())  # the spine is resident
+
+
+# ---- the pass cost fitted to timed passes -----------------------------------------------------------------------
+
+
+def test_the_fitted_cost_starts_as_the_plan_and_learns_the_passes():
+    from deltafin.text.drafting import FittedCost, PassCost, distinct_experts
+
+    plan = PassCost(fixed=1.0, per_expert=0.5, experts=64, active=4)  # what a plan would predict
+    cost = FittedCost(plan, experts=64, active=4, longest=9)
+    for n in (1, 3, 9):  # two points of a line in distinct experts: the prior is reproduced exactly
+        assert cost.seconds(n) == pytest.approx(plan.seconds(n), rel=1e-9)
+    # the machine is a quarter as fast per expert and pays 2 s a pass: after many passes that is what it says
+    truth = PassCost(fixed=2.0, per_expert=0.125, experts=64, active=4)
+    for _ in range(300):
+        for n in (1, 2, 5):
+            cost.observe(n, truth.seconds(n))
+    fixed, slope = cost.terms
+    assert fixed == pytest.approx(2.0, rel=0.02) and slope == pytest.approx(0.125, rel=0.05)
+    assert cost.seconds(9) == pytest.approx(truth.seconds(9), rel=0.02)
+    assert cost.passes == 900 and "900 passes timed" in cost.describe()
+    flat = FittedCost(plan, experts=64, active=4)
+    for _ in range(200):  # passes that cost less with more tokens (noise): the slope stays at 0, not below
+        flat.observe(1, 2.0)
+        flat.observe(9, 1.0)
+    assert flat.terms[1] == 0 and flat.seconds(9) == pytest.approx(flat.seconds(1))
+    assert distinct_experts(1, 64, 4) == pytest.approx(4)
