@@ -162,6 +162,13 @@ class SamplingError(DeltafinError):
         super().__init__(message)
 
 
+class DraftUnavailable(DeltafinError):
+    """Drafts asked for that this model cannot make: no draft head, or one for another model (the HTTP API answers
+    400, naming `speculative`)."""
+
+    param = "speculative"
+
+
 class ChatFormatError(DeltafinError):
     """A conversation the K3 format cannot express (the HTTP API answers 400, naming `messages`)."""
 
@@ -208,6 +215,7 @@ HTTP_STATUS: list[tuple[type[DeltafinError], tuple[int, str, str | None]]] = [
     (PromptTooLong, (400, "invalid_request_error", "context_length_exceeded")),
     (SamplingError, (400, "invalid_request_error", None)),
     (ChatFormatError, (400, "invalid_request_error", None)),
+    (DraftUnavailable, (400, "invalid_request_error", None)),
     (ClusterUnavailable, (503, "server_error", "cluster_unavailable")),
     (RemoteError, (503, "server_error", "worker_unavailable")),
     (WorkerLost, (503, "server_error", "worker_unavailable")),

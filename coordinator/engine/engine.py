@@ -31,7 +31,7 @@ from deltafin.coordinator.engine.token_loop import (
     TokenEvent,
     generate,
 )
-from deltafin.errors import DeltafinError, PromptTooLong, ShuttingDown
+from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -295,7 +295,7 @@ class Engine:
         """The learned draft head (text/draft_head.py), loaded once; DeltafinError where there is none."""
         if self._draft_head is None:
             if self.model_dir is None:
-                raise DeltafinError("--speculative draft needs the model's directory (a served model)")
+                raise DraftUnavailable("--speculative draft needs the model's directory (a served model)")
             self._draft_head = open_head(self.draft_model, self.model_dir, self.cfg)
         return self._draft_head
 

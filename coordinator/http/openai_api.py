@@ -7,7 +7,7 @@ No HTTP here (that is `server.py`).
 
 Supported beyond OpenAI's core fields, as vLLM and llama.cpp's server spell them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and for chat `chat_template_kwargs` {"thinking": bool,
-"thinking_effort": "low"|"high"|"max"}; Deltafin's own `speculative` ("ngram" | "none", the server's
+"thinking_effort": "low"|"high"|"max"}; Deltafin's own `speculative` ("draft" | "ngram" | "none", the server's
 `--speculative` when absent); `reasoning_effort` is OpenAI's name for the effort ("none" turns
 thinking off); a request that names neither thinks at `SERVING_EFFORT` (low).
 """

@@ -78,7 +78,7 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
-    speculative: str | None = None  # none | ngram for this request; None: the server's --speculative
+    speculative: str | None = None  # none | ngram | draft for this request; None: the server's --speculative
 
 
 def served_model(requested: str, served: str, strict: bool) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.devices import resolve_device
-from deltafin.errors import DeltafinError
+from deltafin.errors import DraftUnavailable, ModelFormatError
 from deltafin.models.eagle import EagleHead
 from deltafin.weights.draft_head import load_eagle
 
@@ -50,18 +50,22 @@ class HeadDrafter:
 
 def open_head(path: str | Path | None, model_dir: str | Path, cfg: ModelConfig, device: str = "auto") -> EagleHead:
     """The draft head at `path` (None: the model's own `draft/` folder) for the model `cfg` of `model_dir` (whose
-    embedding it reads if it brings none), on `device`; DeltafinError where there is none or it is another model's."""
+    embedding it reads if it brings none), on `device`; DraftUnavailable where there is none, it cannot be read or it
+    is another model's."""
     where = Path(path) if path is not None else Path(model_dir) / DRAFT_DIR
     if not (where / "config.json").is_file():
-        raise DeltafinError(f"--speculative draft needs a draft head: {where} has no config.json (give "
+        raise DraftUnavailable(f"--speculative draft needs a draft head: {where} has no config.json (give "
                             "--draft-model DIR, an EAGLE-3 head for this model)" if path is not None else
                             f"--speculative draft needs a draft head: this model has no {DRAFT_DIR}/ folder; give "
                             "--draft-model DIR (an EAGLE-3 head for this model)")
-    head = load_eagle(where, Path(model_dir), resolve_device(device))
+    try:
+        head = load_eagle(where, Path(model_dir), resolve_device(device))
+    except ModelFormatError as e:
+        raise DraftUnavailable(f"the draft head at {where} cannot be used: {e}") from None
     c = head.config
     if c.target_hidden_size != cfg.hidden_size or c.vocab_size != cfg.vocab_size \
             or max(c.aux_layers) > cfg.num_layers:
-        raise DeltafinError(f"the draft head at {where} is for another model: hidden {c.target_hidden_size}, vocab "
+        raise DraftUnavailable(f"the draft head at {where} is for another model: hidden {c.target_hidden_size}, vocab "
                             f"{c.vocab_size}, layers {list(c.aux_layers)}; this model has hidden {cfg.hidden_size}, "
                             f"vocab {cfg.vocab_size}, {cfg.num_layers} layers")
     log.info("draft head %s: layers %s, draft vocabulary %d", where, list(c.aux_layers), c.draft_vocab_size)

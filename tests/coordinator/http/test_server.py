@@ -22,6 +22,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.text.chat import ChatOptions, encode, render_text
 from deltafin.text.tokenizer import K3Tokenizer
+from tests.support.draft_heads import write_random_head
 from tests.support.serving import ScriptedBackend, ServedApi, SlowPrefill, argmax_loop, script_ids, serve_api
 from tests.support.serving import stop_ids as _stop_ids
 
@@ -392,6 +393,27 @@ async def test_speculative_per_request_same_text_and_counted(server: ServedApi) 
     with pytest.raises(openai.BadRequestError) as e:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"speculative": "eagle"})
     assert e.value.body["param"] == "speculative"  # type: ignore[index]
+
+
+async def test_a_request_drafts_with_the_servers_head(server: ServedApi, tiny_dir, tmp_path) -> None:
+    client, engine = server.openai(), server.engine
+    body = {"ignore_eos": True}
+    plain = await client.completions.create(model=MODEL, prompt="a b c d", max_tokens=16, temperature=0,
+                                            extra_body=body)
+    engine.model_dir, engine.draft_model = tiny_dir, None  # no head: the request is refused, saying why
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.completions.create(model=MODEL, prompt="a b c d", max_tokens=2,
+                                        extra_body={**body, "speculative": "draft"})
+    assert e.value.status_code == 400 and "needs a draft head" in str(e.value.body)
+    engine.draft_model = str(write_random_head(tmp_path / "draft", tiny_dir))
+    before = engine.counters.draft_tokens
+    try:
+        drafted = await client.completions.create(model=MODEL, prompt="a b c d", max_tokens=16, temperature=0,
+                                                  extra_body={**body, "speculative": "draft"})
+    finally:
+        engine.model_dir, engine.draft_model, engine._draft_head = None, None, None
+    assert drafted.choices[0].text == plain.choices[0].text
+    assert engine.counters.draft_tokens > before
 
 
 async def test_the_readmes_client_examples_run_as_written(server: ServedApi) -> None:
