@@ -58,7 +58,7 @@ def _defaults() -> list[str]:
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES
     from deltafin.text.chat import SERVING_MAX_TOKENS
-    from deltafin.text.drafting import DraftLength, NgramDrafter, default_cost
+    from deltafin.text.drafting import DraftLength, FittedCost, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
     from deltafin.worker.main import build_parser as worker_parser
@@ -99,8 +99,9 @@ def _defaults() -> list[str]:
         f"every {DraftLength.probe_every}th step probes with one draft",
         f"(a decaying count, starting at {DraftLength.prior})",
         f"the last {', '.join(map(str, ngrams[:-1]))} or {ngrams[-1]} tokens",
-        "The default cost model splits a one-token pass half and half"
+        "the prior splits a one-token pass half and half"
         if (cost := default_cost(896, 16)).fixed == cost.per_expert * 16 else "(the cost model's split changed)",
+        f"the plan's two ends counting as {FittedCost.prior_weight:g} passes each",
         f"bf16 converted in {WEIGHT_BLOCK_VALUES * 4 >> 20} MiB row blocks",
         f"a forward verifies at most {SPECULATIVE_TOKENS} tokens",
     ]
