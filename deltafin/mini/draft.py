@@ -44,7 +44,7 @@ TRAINED = ("fc", "input_norm", "hidden_norm", "q", "k", "v", "o", "post_norm", "
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
-    prompts: int = 2048  # training prompts answered by the target
+    prompts: int = 768  # training prompts answered by the target
     max_tokens: int = 96  # each answer's length at most
     aux_layers: tuple[int, ...] = (2, 4, 5)
     draft_vocab: int = 4096
