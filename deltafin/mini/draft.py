@@ -49,7 +49,7 @@ class DraftTrainConfig:
     aux_layers: tuple[int, ...] = (2, 4, 5)
     draft_vocab: int = 4096
     intermediate_size: int = 512
-    steps: int = 1500
+    steps: int = 600
     batch: int = 16  # sequences a step
     unroll: int = 3  # training-time-test steps after the first
     lr: float = 3e-3

@@ -34,6 +34,7 @@ from deltafin.mini.draft import DraftTrainConfig
 from deltafin.mini.export import export
 from deltafin.mini.synth import synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
+from deltafin.models.eagle import EagleHead
 from deltafin.text import vocab
 from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.draft_head import load_eagle
@@ -124,13 +125,7 @@ def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, ex
     tmp_out = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     eagle_export.write_head(tmp_out, hcfg, w, {})
-    head = load_eagle(tmp_out, None, "cpu")  # measured as shipped (bf16)
-    table = {}
-    for name, prompts in measure.items():
-        ans = _cached_answers(cache / f"measure-{name}-{tc.max_tokens}.answers.jsonl", model_dir, tc.max_tokens,
-                              lambda prompts=prompts: list(prompts))
-        table[name] = draft.acceptance_table(head, _cached_features(
-            cache / f"measure-{name}-{tc.max_tokens}-aux{aux}.features.pt", model_dir, ans, tc.aux_layers))
+    table = _measure(load_eagle(tmp_out, None, "cpu"), cache, model_dir, tc, measure)  # as shipped (bf16)
     trained = {"recipe": "python tools/k3_mini.py draft --data DATA (deltafin/mini/draft.py)",
                "target": "deltafin/assets/k3-mini", "train": {**asdict(tc), "aux_layers": list(tc.aux_layers)},
                "data": {"prompts": len(answered), "answer_tokens": sum(len(a.ids) - a.start for a in answered),
@@ -142,6 +137,18 @@ def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, ex
     shutil.rmtree(out, ignore_errors=True)
     tmp_out.rename(out)
     return trained
+
+
+def _measure(head: EagleHead, cache: Path, model_dir: Path, tc: DraftTrainConfig,
+             measure: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """The head's acceptance table on each named prompt set's greedy answers (cached like the training data)."""
+    aux, table = "-".join(map(str, tc.aux_layers)), {}
+    for name, prompts in measure.items():
+        ans = _cached_answers(cache / f"measure-{name}-{tc.max_tokens}.answers.jsonl", model_dir, tc.max_tokens,
+                              lambda prompts=prompts: list(prompts))
+        table[name] = draft.acceptance_table(head, _cached_features(
+            cache / f"measure-{name}-{tc.max_tokens}-aux{aux}.features.pt", model_dir, ans, tc.aux_layers))
+    return table
 
 
 def _cached_answers(path: Path, model_dir: Path, max_tokens: int, prompts: Callable[[], list[str]]
