@@ -95,8 +95,8 @@ def init_weights(cfg: EagleConfig, embed: torch.Tensor, lm_head: torch.Tensor, n
                         q=lin(cfg.num_attention_heads * d, 2 * h), k=lin(cfg.num_key_value_heads * d, 2 * h),
                         v=lin(cfg.num_key_value_heads * d, 2 * h), o=lin(h, cfg.num_attention_heads * d, 0.5),
                         post_norm=ones(), gate=lin(cfg.intermediate_size, h), up=lin(cfg.intermediate_size, h),
-                        down=lin(h, cfg.intermediate_size, 0.5), norm=norm.float().clone(),
-                        lm_head=lm_head.float()[to_target].clone(), embed=embed.float(),
+                        down=lin(h, cfg.intermediate_size, 0.5), norm=norm.detach().float().clone(),
+                        lm_head=lm_head.detach().float()[to_target].clone(), embed=embed.detach().float(),
                         d2t=to_target - torch.arange(len(to_target)))
 
 
@@ -175,7 +175,7 @@ def train_head(cfg: EagleConfig, w: EagleWeights, data: Features, to_draft: torc
                tc: DraftTrainConfig) -> tuple[EagleWeights, list[dict[str, Any]]]:
     """Train `w`'s TRAINED tensors (AdamW, warm-up then cosine) on `data`'s sequences in seeded order."""
     torch.manual_seed(tc.seed)
-    params = {n: getattr(w, n).clone().requires_grad_(True) for n in TRAINED}
+    params = {n: getattr(w, n).detach().clone().requires_grad_(True) for n in TRAINED}
     opt = torch.optim.AdamW(params.values(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     order = torch.randperm(len(data.starts), generator=torch.Generator().manual_seed(tc.seed))
     history, t0, at = [], time.perf_counter(), 0

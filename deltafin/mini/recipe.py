@@ -114,7 +114,7 @@ def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, ex
     feats = _cached_features(cache / f"{train_name}-aux{aux}.features.pt", model_dir, answered, tc.aux_layers)
     cfg_target = load_config(model_dir)
     target = load_parameters(cfg_target, model_dir, torch.device("cpu"))
-    hcfg = draft.head_config(tc, cfg_target.hidden_size, cfg_target.num_attention_heads, cfg_target.vocab_size,
+    hcfg = draft.head_config(tc, cfg_target.hidden_size, cfg_target.num_heads, cfg_target.vocab_size,
                              cfg_target.rms_norm_eps)
     to_target = draft.draft_vocabulary(feats, tc.draft_vocab, cfg_target.vocab_size)
     to_draft = torch.full((cfg_target.vocab_size,), -1, dtype=torch.long)
