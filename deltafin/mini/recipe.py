@@ -5,6 +5,8 @@
             source piece as plain text, shuffled, each ended by [EOS], as uint16 token ids (`train.npy`)
   train     `synth --preset mini` (seeded) as the starting point, trained (train.py) and exported in the
             K3 layout with MXFP4 experts (export.py), the vocabulary copied in
+  draft     the EAGLE-3 draft head: the trained model's own answers to training prompts, its features on them
+            (draft_data.py), the head trained on them (draft.py), written beside the model (eagle_export.py)
 Everything is seeded: the same Python and seed give the same data and the same starting weights; the
 trained weights then depend only on the device's arithmetic.
 """
@@ -17,20 +19,25 @@ import platform
 import random
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from deltafin.checkpoint.config import parse_config
+from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.checkpoint.presets import preset_config
-from deltafin.mini import bpe, corpus
+from deltafin.mini import bpe, corpus, draft, draft_data, eagle_export
+from deltafin.mini.draft import DraftTrainConfig
 from deltafin.mini.export import export
 from deltafin.mini.synth import synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
+from deltafin.models.eagle import EagleHead
 from deltafin.text import vocab
 from deltafin.text.tokenizer import K3Tokenizer
+from deltafin.weights.draft_head import load_eagle
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +97,69 @@ def train_model(data: Path, out: Path, tc: TrainConfig, device: str = "cuda") ->
 
 def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
+def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, exclude: set[str],
+                measure: dict[str, tuple[str, ...]]) -> dict:
+    """Train k3-mini's draft head from `data` (prepare's output; the target's answers and features are cached
+    in `data`/draft) and write it to `out`; `exclude`: prompts never trained on; `measure`: named prompt sets
+    whose greedy answers the head is measured on (speculative decoding, k = 1..6). Returns the provenance."""
+    t0 = time.perf_counter()
+    cache = data / "draft"
+    cache.mkdir(parents=True, exist_ok=True)
+    aux = "-".join(map(str, tc.aux_layers))
+    train_name = f"train-{tc.prompts}-{tc.max_tokens}-s{tc.seed}"
+    answered = _cached_answers(cache / f"{train_name}.answers.jsonl", model_dir, tc.max_tokens,
+                               lambda: draft_data.training_prompts(data, tc.prompts, tc.seed, exclude))
+    feats = _cached_features(cache / f"{train_name}-aux{aux}.features.pt", model_dir, answered, tc.aux_layers)
+    cfg_target = load_config(model_dir)
+    target = load_parameters(cfg_target, model_dir, torch.device("cpu"))
+    hcfg = draft.head_config(tc, cfg_target.hidden_size, cfg_target.num_heads, cfg_target.vocab_size,
+                             cfg_target.rms_norm_eps)
+    to_target = draft.draft_vocabulary(feats, tc.draft_vocab, cfg_target.vocab_size)
+    to_draft = torch.full((cfg_target.vocab_size,), -1, dtype=torch.long)
+    to_draft[to_target] = torch.arange(len(to_target))
+    w = draft.init_weights(hcfg, target["model.embed_tokens.weight"], target["lm_head.weight"],
+                           target["model.norm.weight"], to_target, tc.seed)
+    w, history = draft.train_head(hcfg, w, feats, to_draft, tc)
+    tmp_out = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    eagle_export.write_head(tmp_out, hcfg, w, {})
+    table = _measure(load_eagle(tmp_out, None, "cpu"), cache, model_dir, tc, measure)  # as shipped (bf16)
+    trained = {"recipe": "python tools/k3_mini.py draft --data DATA (deltafin/mini/draft.py)",
+               "target": "deltafin/assets/k3-mini", "train": {**asdict(tc), "aux_layers": list(tc.aux_layers)},
+               "data": {"prompts": len(answered), "answer_tokens": sum(len(a.ids) - a.start for a in answered),
+                        "positions": int(feats.ids.numel()), "excluded_prompts": len(exclude)},
+               "final_loss": history[-1]["loss"], "final_accuracy": history[-1]["accuracy"],
+               "seconds": round(time.perf_counter() - t0), "device": "cpu",
+               "offline_acceptance": table}
+    eagle_export.write_head(tmp_out, hcfg, w, trained)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp_out.rename(out)
+    return trained
+
+
+def _measure(head: EagleHead, cache: Path, model_dir: Path, tc: DraftTrainConfig,
+             measure: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """The head's acceptance table on each named prompt set's greedy answers (cached like the training data)."""
+    aux, table = "-".join(map(str, tc.aux_layers)), {}
+    for name, prompts in measure.items():
+        ans = _cached_answers(cache / f"measure-{name}-{tc.max_tokens}.answers.jsonl", model_dir, tc.max_tokens,
+                              lambda prompts=prompts: list(prompts))
+        table[name] = draft.acceptance_table(head, _cached_features(
+            cache / f"measure-{name}-{tc.max_tokens}-aux{aux}.features.pt", model_dir, ans, tc.aux_layers))
+    return table
+
+
+def _cached_answers(path: Path, model_dir: Path, max_tokens: int, prompts: Callable[[], list[str]]
+                    ) -> list[draft_data.Answered]:
+    if not path.is_file():
+        draft_data.save_answers(path, draft_data.answer(model_dir, prompts(), max_tokens))
+    return draft_data.load_answers(path)
+
+
+def _cached_features(path: Path, model_dir: Path, answered: list[draft_data.Answered],
+                     aux: tuple[int, ...]) -> draft_data.Features:
+    if not path.is_file():
+        draft_data.save_features(path, draft_data.target_features(model_dir, answered, aux))
+    return draft_data.load_features(path)

@@ -86,11 +86,11 @@ def load_parameters(cfg: ModelConfig, model_dir: Path, device: torch.device) -> 
     return out
 
 
-def _place(t: torch.Tensor, role: str) -> torch.Tensor:
+def as_is(t: torch.Tensor, role: str) -> torch.Tensor:
     return t  # every parameter is fp32 on the device already: each role takes it as it is
 
 
-def _layer(params: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+def layer_tensors(params: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{layer}."
     return {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
 
@@ -100,24 +100,24 @@ def forward(cfg: ModelConfig, params: dict[str, torch.Tensor], ids: torch.Tensor
     """Logits [B*T, vocab] for ids [B, T], B sequences from empty caches, through the runtime's layer code.
     `loads`, if given, receives each MoE layer's count of tokens per expert."""
     b, t = ids.shape
-    top = top_weights(cfg, params, _place, first=True, last=True)
+    top = top_weights(cfg, params, as_is, first=True, last=True)
     state = embed(top, ids.reshape(-1), torch.float32)
     caches = [new_sequence_cache(cfg, range(cfg.num_layers), ids.device, torch.float32, tokens=t)
               for _ in range(b)]
     spans = [Span(i * t, t, c) for i, c in enumerate(caches)]
     for layer in range(cfg.num_layers):
-        w = layer_weights(cfg, layer, _layer(params, layer), _place)
+        w = layer_weights(cfg, layer, layer_tensors(params, layer), as_is)
         after, x = attention(cfg, layer, w, state, spans)
         routing = None
         if isinstance(w.ffn, MoEWeights):
             routing = route(cfg, w.ffn, x)
             if loads is not None:
                 loads.append(torch.bincount(routing[0].reshape(-1), minlength=cfg.num_experts))
-        state = feed_forward(cfg, layer, w, after, x, _expert_source(params), routing=routing)
+        state = feed_forward(cfg, layer, w, after, x, expert_source(params), routing=routing)
     return head(cfg, top, state)
 
 
-def _expert_source(params: dict[str, torch.Tensor]) -> ExpertSource:
+def expert_source(params: dict[str, torch.Tensor]) -> ExpertSource:
     def experts(layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
         w1, w2, w3 = (params[experts_name(layer, m)] for m in EXPERT_MATRICES)
         for e in ids:
