@@ -26,10 +26,10 @@ from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
 from deltafin.options import CACHE_POLICIES, GB
 from deltafin.paths import model_path as resolve_model_path
+from deltafin.runtime.head_drafter import DRAFT_DIR
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.draft_head import DRAFT_DIR
 from deltafin.text.drafting import NgramDrafter
 from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder

@@ -264,6 +264,10 @@ def test_every_error_lives_in_errors_and_reaches_clients_by_its_tables() -> None
 
 # the functions over 40 lines, and why each reads best whole
 LONG_FUNCTIONS = {
+    ("deltafin.coordinator.engine.token_loop", "generate"): "a request's decode loop: the state its steps share "
+    "(what the stages hold, what was fed, the drafts in flight) and its one release, in the order they happen",
+    ("deltafin.coordinator.cluster.backend", "forward"): "the stages' calls, their relays, the features they answer "
+    "and a failure's resume point share one loop",
     ("deltafin.text.chat", "render"): "the chat template's parts in the template's order, to read beside Kimi-K3.jinja",
     ("deltafin.checkpoint.config", "parse_config"): "one ModelConfig field per line, as config.json names it",
     ("deltafin.transport.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",

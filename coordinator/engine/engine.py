@@ -34,9 +34,9 @@ from deltafin.coordinator.engine.token_loop import (
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
+from deltafin.runtime.head_drafter import HeadDrafter, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.draft_head import HeadDrafter, open_head
 from deltafin.text.drafting import MODES, Cost, DraftLength, FittedCost, NgramDrafter, PlannedCost, default_cost
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer
@@ -292,7 +292,7 @@ class Engine:
         return self._cost
 
     def draft_head(self) -> Any:
-        """The learned draft head (text/draft_head.py), loaded once; DeltafinError where there is none."""
+        """The learned draft head (runtime/head_drafter.py), loaded once; DeltafinError where there is none."""
         if self._draft_head is None:
             if self.model_dir is None:
                 raise DraftUnavailable("--speculative draft needs the model's directory (a served model)")

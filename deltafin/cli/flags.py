@@ -124,7 +124,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterOptions:
 
 
 def add_speculative_option(p: argparse.ArgumentParser) -> None:
-    add_fields(p, ServingOptions, ["speculative"])
+    add_fields(p, ServingOptions, ["speculative", "draft_model"])
 
 
 MODEL_HELP = "a model: its directory, k3-mini (the bundled one) or a name `deltafin models` lists"
@@ -137,7 +137,8 @@ def model_arg(text: str) -> str:
 
 
 def add_serving_options(p: argparse.ArgumentParser) -> None:
-    add_fields(p, ServingOptions, ["speculative", "max_active", "queue_depth", "pipeline_depth", "prefill_batches"])
+    add_fields(p, ServingOptions, ["speculative", "draft_model", "max_active", "queue_depth", "pipeline_depth",
+                                   "prefill_batches"])
 
 
 def serving_from_args(args: argparse.Namespace) -> ServingOptions:

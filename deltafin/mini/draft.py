@@ -129,10 +129,13 @@ def make_batch(data: Features, seqs: list[int], to_draft: torch.Tensor, extra: i
     return Batch(ids, feats, labels)
 
 
-def unrolled(cfg: EagleConfig, w: EagleWeights, batch: Batch, steps: int, greedy: bool) -> list[torch.Tensor]:
+def unrolled(cfg: EagleConfig, w: EagleWeights, batch: Batch, steps: int, greedy: bool,
+             rows: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Draft logits [B, T, V] of each of `steps` chain steps: step j at row t predicts the token at t+j+2,
     seeing the verified rows <= t (step 0's keys) and its chain's earlier steps. `greedy`: each step is fed the
-    head's own previous draft (propose's chains) instead of the true token (training)."""
+    head's own previous draft (propose's chains) instead of the true token (training). `rows`: step j's logits
+    only where rows[j] [B, T] is true ([n, V]: training scores the answer's rows alone, and the vocabulary
+    projection is most of a step's work)."""
     b, t = batch.features.shape[:2]
     inv = inverse_frequencies(cfg)
     pos = torch.arange(t)
@@ -148,7 +151,7 @@ def unrolled(cfg: EagleConfig, w: EagleWeights, batch: Batch, steps: int, greedy
         masks.append(causal if j == 0 else diagonal)
         attn = attend(cfg, q, torch.cat(keys, 1), torch.cat(values, 1), torch.cat(masks, 1))
         hidden = complete(cfg, w, attn, hidden)
-        logits = logits_of(cfg, w, hidden)
+        logits = logits_of(cfg, w, hidden if rows is None else hidden[rows[j]])
         out.append(logits)
         if greedy:
             draft = logits.argmax(-1)
@@ -162,12 +165,13 @@ def loss_of(cfg: EagleConfig, w: EagleWeights, batch: Batch, unroll: int) -> tup
     """Weighted cross entropy over the chain's steps, and each step's accuracy (of its scored rows)."""
     t = batch.features.shape[1]
     total, weights, accuracy = batch.features.new_zeros(()), 0.0, []
-    for j, logits in enumerate(unrolled(cfg, w, batch, unroll + 1, greedy=False)):
-        labels = batch.labels[:, j + 1:t + j + 1]
-        keep = labels >= 0
-        total = total + 0.8 ** j * F.cross_entropy(logits[keep], labels[keep])
+    labels = [batch.labels[:, j + 1:t + j + 1] for j in range(unroll + 1)]
+    keeps = [lab >= 0 for lab in labels]
+    for j, logits in enumerate(unrolled(cfg, w, batch, unroll + 1, greedy=False, rows=keeps)):
+        scored = labels[j][keeps[j]]
+        total = total + 0.8 ** j * F.cross_entropy(logits, scored)
         weights += 0.8 ** j
-        accuracy.append(float((logits[keep].argmax(-1) == labels[keep]).float().mean()))
+        accuracy.append(float((logits.argmax(-1) == scored).float().mean()))
     return total / weights, accuracy
 
 

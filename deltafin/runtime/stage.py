@@ -230,9 +230,7 @@ class Stage:
                 c.mark(inside)
         try:
             state, spans = self._input(batch, caches)
-            capture = FeatureCapture([b.features for b in batch], [(s.start, s.length, b.cache_len) for s, b in
-                                                                   zip(spans, batch, strict=True)],
-                                     self.start, self.end, self.last) if any(b.features for b in batch) else None
+            capture = _capture(self, batch, spans)
             state = self._layers(state, spans, should_stop, progress, capture)
             outputs = _outputs(self, batch, spans, state, all_logits, capture)
         except BaseException:
@@ -364,6 +362,15 @@ def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: S
             kept.logits = out.logits[-1].float().clone()
         prefixes.keep(prefix_id, kept, tokens[:n] if tokens is not None else None)
     c.clear_marks()
+
+
+def _capture(stage: Stage, batch: list[SeqInput], spans: list[Span]) -> FeatureCapture | None:
+    """What a forward takes for the draft features its sequences ask (None: none asks)."""
+    if not any(b.features for b in batch):
+        return None
+    return FeatureCapture([b.features for b in batch], [(s.start, s.length, b.cache_len) for s, b in
+                                                         zip(spans, batch, strict=True)], stage.start, stage.end,
+                          stage.last)
 
 
 def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: ResidualState,

@@ -6,7 +6,7 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
 
 - `Drafter` is what proposes tokens; `NgramDrafter` is prompt lookup: the continuation of the latest earlier
   occurrence of the last n tokens (n from `max_ngram` down to `min_ngram`) in the prompt and the output so
-  far. A learned draft head (text/draft_head.py, `HeadDrafter`) reads the target's own hidden states at a few
+  far. A learned draft head (runtime/head_drafter.py, `HeadDrafter`) reads the target's own hidden states at a few
   layers as well: it names them (`feature_layers`) and hears them after every forward (`observe`).
 - `DraftLength` picks k for the next pass: the k that maximises expected tokens per second, from the
   acceptance measured so far and a cost model of one pass (a `Cost`). At K3's size a pass costs the
