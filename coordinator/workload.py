@@ -16,6 +16,7 @@ many of a token's experts the token before it used in the same layer (docs/k3-mi
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,9 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
             if missing is not None:
                 drafting[mode] = {"skipped": missing}
                 continue
-            with deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
-                               expert_cache_gb=cache / GB) as m:
+            with tempfile.TemporaryDirectory() as kept, \
+                    deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
+                                  expert_cache_gb=cache / GB, prefix_dir=kept) as m:  # no earlier run's states
                 drafting[mode] = _drafting(m, WORKLOADS[name], tokens)
         plain = drafting["plain"].pop("replies")
         for mode in DRAFT_MODES[1:]:
@@ -107,11 +109,12 @@ def _expert_bytes(model: Any) -> int:
 
 def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
     """The prompts answered greedily in one drafting mode: each prompt first alone (its prefill, whose state the
-    prefix cache keeps), then whole, resumed from it, so that the counters and the expert bytes are the decode's.
-    The answers come back under "replies" ((prompt ids, answer ids) each) for the caller to compare."""
+    prefix cache keeps, as the draft head's cache is kept for the text it covers), then whole, resumed from it, so
+    that the counters and the expert bytes are the decode's. The answers come back under "replies" ((prompt ids,
+    answer ids) each) for the caller to compare."""
     c = model.engine.counters
     replies = []
-    drafted = accepted = forwards = read = 0
+    drafted = accepted = forwards = read = decoded = 0
     for p in prompts:
         _ask(model, p, 1)
         before = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
@@ -119,10 +122,9 @@ def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, An
         after = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
         d = [a - b for a, b in zip(after, before, strict=True)]
         drafted, accepted, forwards, read = drafted + d[0], accepted + d[1], forwards + d[2], read + d[3]
+        # the first token of an answer comes from its prompt's forward; the stop token, if any, counts
+        decoded += r.usage.completion_tokens - 1
         replies.append((r.prompt_ids, r.token_ids))
-    generated = sum(len(t) for _, t in replies)
-    # the first token of each answer comes from its prefill; the forwards counted are those after it
-    decoded = generated - len(replies)
     return {"draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,

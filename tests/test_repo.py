@@ -285,7 +285,7 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
                    enumerate((spine + experts * g) / MAC_SSD_GBPS / EFFICIENCY for g in growth))
 
     rows = [header]
-    for a in (0.3, 0.5, 0.7, 0.8, 0.9):
+    for a in (0.3, 0.5, 0.51, 0.7, 0.74, 0.77, 0.8, 0.9):  # 0.51, 0.74, 0.77: the published heads (the doc says)
         m, u = best(a, measured), best(a, uniform)
         rows.append(f"| {a} | {m[1]} ({u[1]}) | {m[2]:.1f} ({u[2]:.1f}) | {m[3]:.1f} ({u[3]:.1f}) | "
                     f"{m[0]:.3f} ({u[0]:.3f}) |")

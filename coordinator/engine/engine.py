@@ -34,7 +34,7 @@ from deltafin.coordinator.engine.token_loop import (
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
-from deltafin.runtime.head_drafter import HeadDrafter, open_head
+from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import MODES, Cost, DraftLength, FittedCost, NgramDrafter, PlannedCost, default_cost
@@ -112,6 +112,7 @@ class Engine:
         self.speculative, self.max_drafts = serving.speculative, serving.max_drafts  # requests that do not say
         self.draft_model = serving.draft_model  # the draft head's folder (None: the model's own draft/)
         self._draft_head: Any = None  # loaded at the first request that drafts with it
+        self.draft_memory = DraftMemory()  # finished requests' draft caches, for those that resume their text
         self._cost: FittedCost | None = None  # what a verification pass costs (pass_cost)
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
@@ -275,7 +276,7 @@ class Engine:
         max_k = min(self.max_drafts, SPECULATIVE_TOKENS - 1, *(() if limit is None else (limit - 1,)))
         if max_k < 1:
             return None
-        drafter = HeadDrafter(self.draft_head()) if mode == "draft" else NgramDrafter()
+        drafter = HeadDrafter(self.draft_head(), self.draft_memory) if mode == "draft" else NgramDrafter()
         return Speculation(drafter, DraftLength(self.pass_cost(), max_k=max_k))
 
     def pass_cost(self) -> FittedCost:

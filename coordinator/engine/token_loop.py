@@ -276,9 +276,9 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
                 taken = drafting.note(len(drafts), len(events) - 1, req.speculation)
                 fed += drafts[:taken]
                 length += taken
+            _observe(req.speculation, out, fed_end, req.prompt_ids + text.tokens)
             if ended:
                 break
-            _observe(req.speculation, out, fed_end, req.prompt_ids + text.tokens)
             token = text.tokens[-1]
             drafts = _drafts(req.speculation, req.prompt_ids + text.tokens, req.max_tokens - len(text.tokens))
             consistent = False
@@ -293,6 +293,8 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             consistent = True
             fed.append(token)
             length += 1
+        if req.speculation is not None:
+            req.speculation.drafter.done(req.prompt_ids + text.tokens)
         yield text.finished(Timing(t_prefill, time.monotonic() - t0 - t_prefill, max(0, len(text.tokens) - 1)),
                             drafting)
     finally:
@@ -317,15 +319,14 @@ def _timed(spec: Speculation | None, tokens: int, seconds: float) -> None:
 
 def _observe(spec: Speculation | None, out: SeqOutput, fed_end: int, text: list[int]) -> None:
     """Hand the drafter the features of the rows the text kept (the rows of rejected drafts are dropped), each
-    with the token that followed it. `fed_end`: the position after the forward's last row."""
+    followed in `text` by its next token. `fed_end`: the position after the forward's last row."""
     if spec is None or not out.features:
         return
     rows = next(iter(out.features.values())).shape[0]
     first = fed_end - rows
     keep = min(rows, len(text) - 1 - first)
     if keep > 0:
-        spec.drafter.observe(first, {layer: f[:keep] for layer, f in out.features.items()},
-                             text[first + 1:first + 1 + keep])
+        spec.drafter.observe(text, first, {layer: f[:keep] for layer, f in out.features.items()})
 
 
 def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:

@@ -23,6 +23,7 @@ def write_head(out: Path, cfg: EagleConfig, w: EagleWeights, trained: dict[str, 
     t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"]] = True
     tensors["t2d"] = t2d
     save_file(tensors, str(out / "model.safetensors"))
+    (out / "model.safetensors").chmod(0o644)  # package data, readable by all as the model's own files are
     config = to_config_json(cfg)
     if trained:
         config["deltafin_trained"] = trained

@@ -35,9 +35,13 @@ class Drafter(Protocol):
         """Up to k tokens that may follow `tokens` (the prompt and the output so far); [] for none."""
         ...
 
-    def observe(self, start: int, features: Mapping[int, Any], following: Sequence[int]) -> None:
-        """The target's hidden states (layer -> [n, D]) at the text's positions [start, start + n), and the token
-        that followed each: what the last forward verified."""
+    def observe(self, text: Sequence[int], start: int, features: Mapping[int, Any]) -> None:
+        """The target's hidden states (layer -> [n, D]) at the text's positions [start, start + n), each followed
+        in `text` (the prompt and the output so far) by its next token: what the last forward verified."""
+        ...
+
+    def done(self, text: Sequence[int]) -> None:
+        """The request ended with `text`."""
         ...
 
 
@@ -48,8 +52,11 @@ class NgramDrafter:
     window: int = 4096  # look this far back (a long prompt stays cheap to search)
     feature_layers: tuple[int, ...] = ()
 
-    def observe(self, start: int, features: Mapping[int, Any], following: Sequence[int]) -> None:
+    def observe(self, text: Sequence[int], start: int, features: Mapping[int, Any]) -> None:
         pass  # the text is all it reads
+
+    def done(self, text: Sequence[int]) -> None:
+        pass
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k < 1 or len(tokens) < 2:

@@ -20,7 +20,7 @@ def test_workload_numbers_add_up(tiny_dir):
         decoded = w["generated_tokens"] - w["prompts"]  # each answer's first token comes from its prefill
         plain, d = w["drafting"]["plain"], w["drafting"]["ngram"]
         assert w["drafting"]["draft"] == {"skipped": f"{tiny_dir} has no draft head (draft/)"}
-        assert plain["draft_tokens"] == 0 and plain["forwards"] == decoded and plain["forwards_per_token"] == 1
+        assert plain["draft_tokens"] == 0 and plain["forwards_per_token"] == 1  # a forward a token after the first
         assert d["same_tokens_as_plain"] is True  # greedy drafting is exact
         assert 0 <= d["accepted_tokens"] <= d["draft_tokens"]
         # a forward yields its token plus what it accepted; an answer may end inside a pass's accepted drafts

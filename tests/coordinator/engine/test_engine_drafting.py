@@ -36,6 +36,7 @@ def test_drafted_answers_are_the_plain_ones(tiny_dir, head, plain, stages):
         assert got == plain
         assert c.draft_tokens > 0  # the head did propose (the cost model then drafts less as they miss)
         assert c.forwards >= sum(len(t) for t in got) - len(got) - c.accepted_tokens
+        assert len(m.engine.draft_memory.entries) == 2  # each answer's draft cache, kept for its next turn
 
 
 def test_concurrent_requests_keep_their_own_draft_state(tiny_dir, head, plain):

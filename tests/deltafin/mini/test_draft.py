@@ -76,8 +76,8 @@ def test_chains_count_what_propose_would_have_drafted():
 
 def test_the_shipped_head_drafts_k3_minis_answers_to_prompts_it_never_saw():
     """Two bench prompts (excluded from the head's training), answered greedily by the runtime: the shipped
-    head's chains of 4 give more than 2 tokens a verify pass (measured 3.4 and above on the bench's prompts; a
-    head that knows nothing drafts nothing right: 1 token a pass)."""
+    head's chains of 4 give more than 2.5 tokens a verify pass (3.36 measured on the 2-core VM; the margin is for
+    another CPU's rounding moving a greedy answer; a head that knows nothing drafts nothing right: 1 a pass)."""
     head = load_eagle(bundled_model() / "draft", bundled_model(), "cpu")
     with deltafin.load("k3-mini", "cpu", progress=False) as model:
         replies = [model.chat([{"role": "user", "content": q}], max_tokens=48, temperature=0.0)
@@ -85,4 +85,4 @@ def test_the_shipped_head_drafts_k3_minis_answers_to_prompts_it_never_saw():
     answered = [Answered(tuple(r.prompt_ids + r.token_ids), len(r.prompt_ids)) for r in replies]
     data = target_features(bundled_model(), answered, head.config.aux_layers)
     result = draft.speculate(draft.chains(head, data, 4), 4)
-    assert result["tokens_per_pass"] > 2.0, result
+    assert result["tokens_per_pass"] > 2.5, result

@@ -189,7 +189,10 @@ class Scripted:
     def __init__(self, prompt: list[int], truth: list[int]):
         self.prompt, self.truth, self.passes = prompt, truth, 0
 
-    def observe(self, start, features, following):
+    def observe(self, text, start, features):
+        pass
+
+    def done(self, text):
         pass
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
