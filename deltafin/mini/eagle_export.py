@@ -1,5 +1,6 @@
 """A trained draft head written as published EAGLE-3 heads are (models/eagle.py's layout): config.json with a
-`deltafin_trained` provenance block, and one model.safetensors (bf16 matrices and norms, int64 d2t, bool t2d)."""
+`deltafin_trained` provenance block, and one model.safetensors (bf16 matrices and norms, int64 d2t, bool t2d). The
+embedding is the target's (frozen in training), so it is left out: the loader reads the target's."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from deltafin.models.eagle import NAMES, EagleConfig, EagleWeights, to_config_json
+from deltafin.models.eagle import EMBED, NAMES, EagleConfig, EagleWeights, to_config_json
 
 
 def write_head(out: Path, cfg: EagleConfig, w: EagleWeights, trained: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, attr in NAMES.items():
+        if name == EMBED:
+            continue
         t = getattr(w, attr).detach().cpu()
         tensors[name] = t.long() if name == "d2t" else t.to(torch.bfloat16).contiguous()
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)

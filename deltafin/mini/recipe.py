@@ -125,7 +125,7 @@ def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, ex
     tmp_out = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     eagle_export.write_head(tmp_out, hcfg, w, {})
-    table = _measure(load_eagle(tmp_out, None, "cpu"), cache, model_dir, tc, measure)  # as shipped (bf16)
+    table = _measure(load_eagle(tmp_out, model_dir, "cpu"), cache, model_dir, tc, measure)  # as shipped (bf16)
     trained = {"recipe": "python tools/k3_mini.py draft --data DATA (deltafin/mini/draft.py)",
                "target": "deltafin/assets/k3-mini", "train": {**asdict(tc), "aux_layers": list(tc.aux_layers)},
                "data": {"prompts": len(answered), "answer_tokens": sum(len(a.ids) - a.start for a in answered),
