@@ -24,7 +24,7 @@ from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
-from deltafin.plan.expert_placement import ExpertPlan, Holder
+from deltafin.plan.expert_placement import ExpertPlan, Holder, HolderLink
 from deltafin.plan.modes import choose_mode
 from deltafin.plan.sizing import SizingInput
 from deltafin.progress import Progress
@@ -163,9 +163,14 @@ def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
     """The wide part of a plan as every worker receives it (None: local experts)."""
     if plan.experts is None:
         return None
-    holders = tuple(Holder(s.key, s.address, s.worker) for s in plan.workers)
+    members = plan.workers
+    holders = tuple(Holder(s.key, s.address, s.worker, s.expert_gbps or s.disk_gbps,
+                           s.compute.expert_one_s if s.compute else 0.0, s.compute.expert_token_s if s.compute else 0.0)
+                    for s in members)
+    links = tuple(HolderLink(a.key, b.key, plan.links.between(a.key, b.key))
+                  for i, a in enumerate(members) for b in members[i + 1:])
     t = spec.timeouts
-    return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward)
+    return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward, links)
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,

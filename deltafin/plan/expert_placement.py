@@ -14,6 +14,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from deltafin.plan.links import Link
+from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
+
 
 def split(lo: int, hi: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Bounds that cut [lo, hi) into len(weights) contiguous ranges, each as near its share of the weight as
@@ -124,6 +127,18 @@ class Holder:
     key: str  # the worker's id
     address: str  # host:port
     name: str = ""  # for display
+    expert_gbps: float = 0.0  # its expert disks' speed as planned (0: not known)
+    expert_one_s: float = 0.0  # its measured compute of a routed expert: one token's, a batch's share of a token's
+    expert_token_s: float = 0.0  # (plan/compute.py ComputeSpeed; 0: not known)
+
+
+@dataclass(frozen=True)
+class HolderLink:
+    """The link between two holders as the cluster measured it (from `a`'s side)."""
+
+    a: str
+    b: str
+    link: Link
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class ExpertPlan:
     probe_interval: float = 2.0  # seconds between liveness probes of a holder while a call waits
     lost_after: float = 10.0  # a holder silent this long during a call is lost
     call_timeout: float = 600.0  # deadline of one call of up to 512 tokens (longer ones in proportion)
+    links: tuple[HolderLink, ...] = ()  # between the holders, as measured (none: a prompt's calls keep the placement)
 
     def __post_init__(self) -> None:
         if tuple(h.key for h in self.holders) != self.placement.holders:
@@ -143,5 +159,26 @@ class ExpertPlan:
 
     def holder(self, key: str) -> Holder:
         return self.holders[self.placement.holders.index(key)]
+
+    def link(self, a: str, b: str) -> Link | None:
+        """The link from holder `a` to holder `b` (None: not in the plan)."""
+        for x in self.links:
+            if (x.a, x.b) == (a, b):
+                return x.link
+            if (x.b, x.a) == (a, b):
+                return x.link.reversed()
+        return None
+
+    def prompt_split(self, me: str, experts_per_token: int, bytes_per_expert: int, row_bytes: int
+                     ) -> PromptSplit | None:
+        """How the stage on holder `me` divides a prompt's calls (plan/prompt_split.py); None where the plan lacks
+        a holder's speed or a link from `me`, or `me` holds no experts: such calls keep the placement."""
+        if me not in self.placement.holders or any(h.expert_gbps <= 0 for h in self.holders):
+            return None
+        links = tuple(None if h.key == me else self.link(me, h.key) for h in self.holders)
+        if any(link is None for h, link in zip(self.holders, links, strict=True) if h.key != me):
+            return None
+        speeds = tuple(HolderSpeed(h.expert_gbps * 1e9, h.expert_one_s, h.expert_token_s) for h in self.holders)
+        return PromptSplit(speeds, links, experts_per_token, bytes_per_expert, row_bytes)
 
 

@@ -28,6 +28,10 @@ class Link:
         """What moving `up` bytes out and `down` back takes, with `round_trips` waits for an answer."""
         return round_trips * self.rtt_s + up / max(self.up_bps, 1.0) + down / max(self.down_bps, 1.0)
 
+    def reversed(self) -> Link:
+        """The same link seen from its far end."""
+        return Link(self.rtt_s, self.down_bps, self.up_bps, self.address)
+
     def describe(self) -> str:
         return f"{self.rtt_s * 1e3:.2f} ms, {_rate(self.up_bps)} up / {_rate(self.down_bps)} down"
 
@@ -65,11 +69,11 @@ class Links:
             return Link(0.0, math.inf, math.inf)
         if COORDINATOR in (a, b):
             link = self.to_workers.get(b if a == COORDINATOR else a)
-            return self.assumed if link is None else (link if a == COORDINATOR else _reversed(link))
+            return self.assumed if link is None else (link if a == COORDINATOR else link.reversed())
         link = self.pairs.get((a, b)) or self.pairs.get((b, a))
         if link is None:
             return self.assumed
-        return link if (a, b) in self.pairs else _reversed(link)
+        return link if (a, b) in self.pairs else link.reversed()
 
     @property
     def measured(self) -> bool:
@@ -83,10 +87,6 @@ class Links:
         lines += [f"  {name(a)} -> {name(b)}: {v.describe()}" + (f" ({v.address})" if v.address else "")
                   for (a, b), v in sorted(self.pairs.items(), key=lambda kv: (name(kv[0][0]), name(kv[0][1])))]
         return lines
-
-
-def _reversed(link: Link) -> Link:
-    return Link(link.rtt_s, link.down_bps, link.up_bps, link.address)
 
 
 def _rate(bps: float) -> str:

@@ -9,8 +9,8 @@ decoded token and a prompt's first token, each split into what the disks, the li
   stage's token ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
   the stage that owns it to the other holders, at once: a round trip and the rows of the tokens routed to each
   (out, and their sums back). States and rows cross at the wire's size (`Links.value_bytes`: fp32, or bf16 with
-  `--wire bf16`); the logits stay fp32. A token waits for its calls after its reads; in a prompt the holders read
-  while the rows cross, compute once they have come, and send their sums back (`_wide_layers`).
+  `--wire bf16`); the logits stay fp32. A token waits for its calls after its reads; a prompt's calls divide the
+  experts so that the holders whose rows and sums cross a link finish with the owner (`_wide_layers`).
 - Compute (plan/compute.py, where the workers measured theirs; else none): each stage's spine, one layer after
   another, and each MoE layer's routed experts, which overlap their reads (the store hands each expert to the
   matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once).
@@ -24,6 +24,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
+from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
 from deltafin.plan.sizing import SPECULATIVE_TOKENS, boundary_bytes_per_token, expert_slot_bytes
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
@@ -137,30 +138,37 @@ def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
 
 def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float, float, float]]:
     """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
-    holders, all at once; the layer's time in a prompt). In a prompt every holder reads from the start (the owner's
-    guesses reach it as the layer begins) but computes once its rows have come, and its sums then go back: the
-    owner's share takes the longer of its reads and compute, another holder's the longer of its reads and its rows'
-    crossing and compute, then its sums' crossing."""
+    holders, all at once; the layer's time in a prompt). A prompt's calls divide the experts so that every holder
+    finishes together (plan/prompt_split.py): the owner's share takes the longer of its reads and compute, another
+    holder's its rows' crossing, then the longer of its reads and compute, then its sums' crossing."""
     members, p = plan.workers, plan.experts
     assert p is not None
     slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
     touched = distinct_experts(cfg, tokens) if tokens > 1 else k  # a token reads its k experts
     held = [min(1.0, m.sizing.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
     owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
+    speeds = tuple(_speed(m, True) * GB for m in members)
+    holders = tuple(HolderSpeed(speeds[i], m.compute.expert_one_s if m.compute else 0.0,
+                                m.compute.expert_token_s if m.compute else 0.0) for i, m in enumerate(members))
     out = []
     for layer in p.layers:
         bounds, o = p.bounds_of(layer), owner[layer]
         share = [(bounds[i + 1] - bounds[i]) / e for i in range(len(members))]
-        reads = [touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / (_speed(m, True) * GB)
-                 for i, m in enumerate(members)]
+        if tokens * k > e:  # a prompt's calls divide the experts they touch as the stage does (plan/prompt_split.py)
+            split = PromptSplit(holders, tuple(None if i == o else links.between(members[o].key, m.key)
+                                               for i, m in enumerate(members)),
+                                k, cfg.bytes_per_expert, cfg.expert_dim * links.value_bytes)
+            counts = split.counts(round(touched), tokens, [x > 0 for x in share])
+            share = [c / max(1.0, touched) for c in counts]
+        reads = [touched * cfg.bytes_per_expert * share[i] * (1 - held[i]) / speeds[i] for i in range(len(members))]
         compute = [m.compute.expert_seconds(touched * share[i], tokens * k * share[i])
                    if m.compute is not None and share[i] > 0 else 0.0 for i, m in enumerate(members)]
         rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * links.value_bytes for i in range(len(members))]
         called = [i for i in range(len(members)) if i != o and share[i] > 0]
         link = {i: links.between(members[o].key, members[i].key) for i in called}
         calls = max((link[i].seconds(rows[i], rows[i]) for i in called), default=0.0)
-        prompt = max([max(reads[o], compute[o])] + [max(reads[i], link[i].seconds(rows[i], 0) + compute[i])
-                                                    + link[i].seconds(0, rows[i], 0) for i in called])
+        prompt = max([max(reads[o], compute[o])] + [link[i].seconds(rows[i], rows[i]) + max(reads[i], compute[i])
+                                                    for i in called])
         out.append((max(reads), max(compute), calls, prompt))
     return out
 

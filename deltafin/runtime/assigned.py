@@ -122,8 +122,11 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     if stage is not None:
         others = {h: p for h, p in peers.items() if h != me}
         names = {h.key: h.name or h.address for h in plan.holders}
+        lossy = options.wire == "bf16"
+        prompts = plan.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert,
+                                    cfg.expert_dim * (2 if lossy else 4))
         stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names,  # type: ignore[arg-type]
-                                   lossy=options.wire == "bf16"))
+                                   lossy=lossy, prompts=prompts))
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
 
 

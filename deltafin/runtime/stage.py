@@ -322,7 +322,7 @@ class Stage:
                 order = weights.flatten().argsort(descending=True)  # the most confident guesses first
                 guesses.append((target, list(dict.fromkeys(idx.flatten()[order].tolist()))))
         if self.wide is not None:
-            self.wide.prefetch(guesses)
+            self.wide.prefetch(guesses, state.num_tokens)
         else:
             for target, ids in guesses:
                 prefetch(target, ids)

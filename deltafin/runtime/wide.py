@@ -4,7 +4,9 @@ The stage side, `WideExperts`, is the model's RoutedExperts (models/moe.py): onc
 sends each holder only the latent rows of the tokens routed to that holder's experts, with the (row, expert) pairs
 and their routing weights, computes its own share meanwhile, and adds the holders' answers: each holder sends back
 one row per token, its pairs' weighted outputs summed (models.moe.weighted_row_sums), not one row per pair, so the
-bytes back are the bytes out. Each expert sees the same rows in the same order wherever it runs, so every pair's
+bytes back are the bytes out. A prompt's call divides the experts it touches so that every holder finishes
+together, its rows' and sums' crossings counted (plan/prompt_split.py); every other call follows the placement.
+Each expert sees the same rows in the same order wherever it runs, so every pair's
 output is the one-process path's, bit for bit; the sum of a token's 16 weighted outputs is grouped by holder
 (each holder's share, then the holders in placement order), so a wide stage's result equals one process's to
 fp32 rounding (the order of that sum), not bit for bit. The holder side, `ExpertHolder`, computes a call's pairs
@@ -32,6 +34,7 @@ from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
 from deltafin.models.moe import weighted_row_sums
 from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.prompt_split import PromptSplit
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +108,13 @@ class WideExperts:
     share); `local`: its expert store; `peers`: every other holder by key."""
 
     def __init__(self, cfg: ModelConfig, placement: ExpertPlacement, me: str | None, local: Provider | None,
-                 peers: Mapping[str, Peer], names: Mapping[str, str] | None = None, lossy: bool = False):
-        """`lossy`: the other holders' rows go, and their sums come back, as bfloat16 (--wire bf16)."""
+                 peers: Mapping[str, Peer], names: Mapping[str, str] | None = None, lossy: bool = False,
+                 prompts: PromptSplit | None = None):
+        """`lossy`: the other holders' rows go, and their sums come back, as bfloat16 (--wire bf16). `prompts`: how
+        a call whose pairs outnumber the layer's experts (a prompt's) divides them (plan/prompt_split.py; None: by
+        the placement, as every other call)."""
         self.cfg, self.placement, self.local, self.peers, self.lossy = cfg, placement, local, dict(peers), lossy
+        self.prompts = prompts
         self.me = placement.index(me) if me is not None else None
         if self.me is not None and local is None:
             raise ValueError("a holder of experts needs its store")
@@ -133,7 +140,10 @@ class WideExperts:
         n_tok, k = idx.shape
         ids, w = idx.reshape(-1).cpu(), weights.reshape(-1).float().cpu()
         rows = torch.arange(n_tok).repeat_interleave(k)
-        owner = self._owners[layer][ids]
+        if self.prompts is not None and n_tok * k > self.cfg.num_experts:
+            owner = self.prompts.owners(self.placement.bounds_of(layer), ids, n_tok)
+        else:
+            owner = self._owners[layer][ids]
         parts: list[tuple[int, ExpertCall, torch.Tensor]] = []  # (holder, its call, the tokens of its rows)
         for h in torch.unique(owner).tolist():
             sel = (owner == h).nonzero(as_tuple=True)[0]  # its pairs, in row-major order
@@ -175,18 +185,22 @@ class WideExperts:
 
     # ---- prefetch ------------------------------------------------------------------------------------------------
 
-    def prefetch(self, guesses: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """The stage's guesses as a layer starts ((layer, ids most likely first): its own and the next one's): this
-        worker's share to its own store, and to every other holder one message with its share of all of them,
-        without waiting, so that its disk reads ahead while this layer computes."""
+    def prefetch(self, guesses: Sequence[tuple[int, Sequence[int]]], tokens: int = 1) -> None:
+        """The stage's guesses as a layer starts ((layer, ids most likely first): its own and the next one's, for a
+        forward of `tokens` tokens): this worker's share to its own store, and to every other holder one message
+        with its share of all of them (a prompt's divided as its calls will be), without waiting, so that its disk
+        reads ahead while this layer computes."""
         remote: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         for layer, ids in guesses:
-            if layer not in self._owners:
+            if layer not in self._owners or not ids:
                 continue
-            owner = self._owners[layer]
+            guessed = torch.tensor(list(ids), dtype=torch.long)
+            owner = self.prompts.owners(self.placement.bounds_of(layer), guessed, tokens).tolist() \
+                if self.prompts is not None and tokens * self.cfg.experts_per_token > self.cfg.num_experts \
+                else self._owners[layer][guessed].tolist()
             by_holder: dict[int, list[int]] = {}
-            for e in ids:
-                by_holder.setdefault(int(owner[e]), []).append(int(e))
+            for e, h in zip(ids, owner, strict=True):
+                by_holder.setdefault(int(h), []).append(int(e))
             for h, guess in by_holder.items():
                 if h == self.me:
                     self.local.prefetch(layer, guess)  # type: ignore[union-attr]

@@ -17,7 +17,8 @@ import torch
 from deltafin.errors import CodecError, DeltafinError
 from deltafin.formats import spine_formats
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.links import Link
 from deltafin.plan.sizing import StageSizing
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
@@ -26,11 +27,12 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 10  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
+PROTOCOL_VERSION = 11  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
 # session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
 # states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
 # addresses), summed expert answers, the bf16 wire, workers' measured compute; 9: the stage's plan in the Assignment,
-# options without budgets; 10: a draft head's features (SequenceInput.feature_layers, SequenceOutput.features)
+# options without budgets; 10: a draft head's features (SequenceInput.feature_layers, SequenceOutput.features); 11:
+# holders' speeds and links in the expert plan (a prompt's calls divided by them)
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -331,22 +333,35 @@ def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]
 
 def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:
     p = plan.placement
-    return pb.ExpertPlan(holders=[pb.Holder(worker_id=h.key, address=h.address, name=h.name) for h in plan.holders],
+    return pb.ExpertPlan(holders=[pb.Holder(worker_id=h.key, address=h.address, name=h.name,
+                                            expert_gbps=h.expert_gbps, expert_one_s=h.expert_one_s,
+                                            expert_token_s=h.expert_token_s) for h in plan.holders],
                          layers=[pb.LayerExperts(layer=layer, bounds=list(b)) for layer, b in zip(p.layers, p.bounds,
                                                                                                   strict=True)],
                          probe_interval=plan.probe_interval, lost_after=plan.lost_after,
-                         call_timeout=plan.call_timeout)
+                         call_timeout=plan.call_timeout,
+                         links=[pb.HolderLink(a=x.a, b=x.b, rtt_s=x.link.rtt_s, up_bps=x.link.up_bps,
+                                              down_bps=x.link.down_bps) for x in plan.links])
 
 
 def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
-    holders = tuple(Holder(h.worker_id, h.address, h.name) for h in msg.holders)
+    holders = tuple(Holder(h.worker_id, h.address, h.name, h.expert_gbps, h.expert_one_s, h.expert_token_s)
+                    for h in msg.holders)
+    keys = {h.key for h in holders}
+    figures = [(v, "a holder's speed") for x in msg.holders for v in (x.expert_gbps, x.expert_one_s,
+                                                                      x.expert_token_s)] + \
+        [(v, "a link's figures") for x in msg.links for v in (x.rtt_s, x.up_bps, x.down_bps)]
+    bad = next((what for v, what in figures if not (math.isfinite(v) and v >= 0)), None)
+    if bad is not None or any(x.a not in keys or x.b not in keys or x.a == x.b for x in msg.links):
+        raise CodecError(f"malformed expert plan: {bad or 'a link between holders it does not have'}")
+    links = tuple(HolderLink(x.a, x.b, Link(x.rtt_s, x.up_bps, x.down_bps)) for x in msg.links)
     try:
         placement = ExpertPlacement(tuple(h.key for h in holders), tuple(x.layer for x in msg.layers),
                                     tuple(tuple(x.bounds) for x in msg.layers))
         if placement.layers and placement.num_experts != num_experts:
             raise ValueError(f"it places {placement.num_experts} experts a layer, the model has {num_experts}")
         return ExpertPlan(placement, holders, msg.probe_interval or 2.0, msg.lost_after or 10.0,
-                          msg.call_timeout or 600.0)
+                          msg.call_timeout or 600.0, links)
     except ValueError as e:
         raise CodecError(f"malformed expert plan: {e}") from None
 

@@ -131,28 +131,50 @@ class Assignment(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlan, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ...) -> None: ...
 
 class ExpertPlan(_message.Message):
-    __slots__ = ("holders", "layers", "probe_interval", "lost_after", "call_timeout")
+    __slots__ = ("holders", "layers", "probe_interval", "lost_after", "call_timeout", "links")
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROBE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LOST_AFTER_FIELD_NUMBER: _ClassVar[int]
     CALL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
     layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
     probe_interval: float
     lost_after: float
     call_timeout: float
-    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., probe_interval: _Optional[float] = ..., lost_after: _Optional[float] = ..., call_timeout: _Optional[float] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[HolderLink]
+    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., probe_interval: _Optional[float] = ..., lost_after: _Optional[float] = ..., call_timeout: _Optional[float] = ..., links: _Optional[_Iterable[_Union[HolderLink, _Mapping]]] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "address", "name")
+    __slots__ = ("worker_id", "address", "name", "expert_gbps", "expert_one_s", "expert_token_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_GBPS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_ONE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     name: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    expert_gbps: float
+    expert_one_s: float
+    expert_token_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ..., expert_gbps: _Optional[float] = ..., expert_one_s: _Optional[float] = ..., expert_token_s: _Optional[float] = ...) -> None: ...
+
+class HolderLink(_message.Message):
+    __slots__ = ("a", "b", "rtt_s", "up_bps", "down_bps")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    UP_BPS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    rtt_s: float
+    up_bps: float
+    down_bps: float
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., rtt_s: _Optional[float] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ...) -> None: ...
 
 class LayerExperts(_message.Message):
     __slots__ = ("layer", "bounds")
