@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,10 +25,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CodecError, DeltafinError, NotAssigned, OutOfMemory
+from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory import peak_rss
 from deltafin.plan.sizing import boundary_bytes_per_token
 from deltafin.runtime.assigned import Assigned
-from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage import SeqOutput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec, worker_info
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
@@ -133,14 +134,38 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def ForwardParts(self, requests: AsyncIterator[pb.ForwardRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ForwardResponse]:
+        """A forward in parts each way. Outputs the stage has done before its forward ends (Stage.forward's `early`)
+        go at once, each sequence's slices in order; the rest once it ends."""
         async with self._answering(context):
             msgs = await self._parts(requests)
             batch, all_logits, rid = codec.decode_request_parts(msgs)
-            outputs = await self._forward(batch, all_logits, rid)
             cap = self.max_message_bytes - self.max_message_bytes // 8
-            parts = codec.encode_output_parts(outputs, min(cap, msgs[0].part_bytes or cap))
-        for part in parts:
-            yield part
+            part_bytes = min(cap, msgs[0].part_bytes or cap)
+            loop = asyncio.get_running_loop()
+            early: asyncio.Queue[list] = asyncio.Queue()
+            forward = asyncio.ensure_future(self._forward(
+                batch, all_logits, rid, lambda outs: loop.call_soon_threadsafe(early.put_nowait, outs)))
+            sent: dict[str, int] = {}  # rows of each sequence already sent
+            try:
+                while not forward.done() or not early.empty():
+                    if early.empty():
+                        got = asyncio.ensure_future(early.get())
+                        await asyncio.wait({forward, got}, return_when=asyncio.FIRST_COMPLETED)
+                        if not got.done():
+                            got.cancel()
+                            continue  # the forward ended: what it emitted just before is queued, then the rest
+                        outs = got.result()
+                    else:
+                        outs = early.get_nowait()
+                    for o in outs:
+                        sent[o.session_id] = sent.get(o.session_id, 0) + o.state.P.shape[0]
+                    for part in codec.encode_output_parts(outs, part_bytes):
+                        yield part
+                rest = [_unsent(o, sent.get(o.session_id, 0)) for o in forward.result()]
+            finally:
+                forward.cancel()  # a caller gone mid-stream stops the stage (between layers)
+            for part in codec.encode_output_parts([o for o in rest if o is not None], part_bytes):
+                yield part
 
     async def _parts(self, requests: AsyncIterator[pb.ForwardRequest]) -> list[pb.ForwardRequest]:
         """A forward's parts, refused as soon as they outgrow what the stage's largest forward carries (its hidden
@@ -161,9 +186,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                               f"forward ({tokens} tokens, {cap / 1e6:.0f} MB) carries: send it in chunks")
         return msgs
 
-    async def _forward(self, batch: list, all_logits: bool, rid: str) -> list:
+    async def _forward(self, batch: list, all_logits: bool, rid: str,
+                       early: Callable[[list[SeqOutput]], None] | None = None) -> list:
         """Run a forward on the stage's thread; a caller that goes away (deadline, disconnect) stops it between
-        layers."""
+        layers. `early`: Stage.forward's (on the stage's thread)."""
         stop = threading.Event()
         try:
             if self.stage is None:
@@ -172,7 +198,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.running[rid] = stop
             stage = self.stage
             return await self.slot.on_stage_thread(
-                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set, progress=self._heard))
+                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set, progress=self._heard,
+                                      early=early))
         except asyncio.CancelledError:
             stop.set()
             raise
@@ -274,6 +301,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             flag.set()
         self.expert_executor.shutdown(wait=True)
         self.slot.close()
+
+
+def _unsent(o: SeqOutput, sent: int) -> SeqOutput | None:
+    """What of a stage's output `sent` rows of which went early (None: all of it)."""
+    if sent == 0:
+        return o
+    assert o.state is not None
+    if sent >= o.state.P.shape[0]:
+        return None
+    return SeqOutput(o.session_id, state=ResidualState(o.state.P[sent:], o.state.B[sent:]))
 
 
 async def expire_sessions(service: WorkerService, idle_seconds: float) -> None:

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +90,13 @@ def feed_forward(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualS
 
 def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState,
                     pieces: Sequence[Piece], experts: ExpertSource, fused: FusedExperts | None = None,
-                    routed: RoutedExperts | None = None) -> ResidualState:
+                    routed: RoutedExperts | None = None,
+                    done: Callable[[Piece, ResidualState], None] | None = None) -> ResidualState:
     """The layer over a forward too long for one attention pass: attention piece after piece (each sequence's
     pieces in order, so each sees its cache as the ones before it left it), then the routed experts once over
-    every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece.
-    The same as `decoder_layer` on the whole forward, up to rounding."""
+    every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece, and
+    `done` hears each piece's outputs as they are final (a dense layer's only). The same as `decoder_layer` on the
+    whole forward, up to rounding."""
     moe = isinstance(w.ffn, MoEWeights)
     P = B = x = None
     for piece in pieces:
@@ -102,6 +104,8 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
         after, x_piece = attention(cfg, layer, w, ResidualState(state.P[rows], state.B[rows]), piece.spans)
         if not moe:
             after = feed_forward(cfg, layer, w, after, x_piece, experts)
+            if done is not None:
+                done(piece, after)
         if P is None:  # the layer's outputs, every row (B may have banked a block)
             P, B = state.P.new_empty(state.P.shape), state.B.new_empty((state.num_tokens, *after.B.shape[1:]))
             x = x_piece.new_empty(state.num_tokens, x_piece.shape[1]) if moe else None

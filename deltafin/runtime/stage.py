@@ -28,6 +28,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
     PIECE_TOKENS,
+    Piece,
     Span,
     decoder_layer,
     embed,
@@ -61,6 +62,7 @@ from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.spine_convert import rebuild_unit
 
 log = logging.getLogger(__name__)
+STREAM_PIECE_TOKENS = 128  # rows of a piece of a stage's last layer whose outputs go on as they are done (`forward`)
 
 
 @dataclass(frozen=True)
@@ -209,11 +211,16 @@ class Stage:
     @torch.inference_mode()
     def forward(self, batch: list[SeqInput], all_logits: bool = False,
                 should_stop: Callable[[], bool] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> list[SeqOutput]:
+                progress: Callable[[int, int], None] | None = None,
+                early: Callable[[list[SeqOutput]], None] | None = None) -> list[SeqOutput]:
         """Run the stage on a batch of sequences. The last stage returns logits for the last token of
         each sequence (or every token with `all_logits`); the others return the residual state.
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes;
-        `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes)."""
+        `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes).
+        `early` hears outputs that are final before the forward ends (slices of sequences' states, each sequence's
+        in order; they are in the answer too): a stage that ends on a dense layer runs a long forward's last layer
+        in pieces of STREAM_PIECE_TOKENS rows and passes each on as it is done, so that the states cross the link
+        to the next stage while it computes the rest. If the forward then fails, no session changes, as always."""
         _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
         t0 = time.monotonic()
         io_before = io_counters(self.spine, self.experts)
@@ -231,7 +238,9 @@ class Stage:
         try:
             state, spans = self._input(batch, caches)
             capture = _capture(self, batch, spans)
-            state = self._layers(state, spans, should_stop, progress, capture)
+            done = None if early is None else (lambda piece, rows: early(_piece_outputs(self, batch, spans, piece,
+                                                                                      rows, capture)))
+            state = self._layers(state, spans, should_stop, progress, capture, done)
             outputs = _outputs(self, batch, spans, state, all_logits, capture)
         except BaseException:
             for c in caches:
@@ -271,12 +280,17 @@ class Stage:
 
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
                 progress: Callable[[int, int], None] | None = None,
-                capture: FeatureCapture | None = None) -> ResidualState:
+                capture: FeatureCapture | None = None,
+                done: Callable[[Piece, ResidualState], None] | None = None) -> ResidualState:
         """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
         forward longer than one attention pass (PIECE_TOKENS rows) runs each layer's attention in pieces
         and its experts once over all of them (models/decoder.py, layer_in_pieces). `capture` takes the hidden
-        states entering the layers it asks for (and the final one, on the last stage)."""
-        pieces = pieces_of(spans, PIECE_TOKENS) if sum(s.length for s in spans) > PIECE_TOKENS else None
+        states entering the layers it asks for (and the final one, on the last stage). `done` hears the pieces of
+        the last layer as they are final, where it is dense and not the model's last (see `forward`)."""
+        tokens = sum(s.length for s in spans)
+        pieces = pieces_of(spans, PIECE_TOKENS) if tokens > PIECE_TOKENS else None
+        streams = done is not None and not self.last and tokens > STREAM_PIECE_TOKENS and \
+            not self.cfg.is_moe(self.end - 1)
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")
@@ -288,7 +302,10 @@ class Stage:
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
             experts = {"fused": self._timed_fused(fused) if fused is not None else None,
                        "routed": None if fused is not None else self._timed_routed}
-            if pieces is None:
+            if streams and layer == self.end - 1:
+                state = layer_in_pieces(self.cfg, layer, weights, state, pieces_of(spans, STREAM_PIECE_TOKENS),
+                                        self.experts.experts, done=done)
+            elif pieces is None:
                 state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, **experts)
             else:
                 state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts)
@@ -389,6 +406,24 @@ def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: Resi
     logits = head(stage.cfg, stage.top, state)  # type: ignore[arg-type]
     return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length], features=f)
             for b, s, f in zip(batch, spans, features, strict=True)]
+
+
+def _piece_outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], piece: Piece, rows: ResidualState,
+                   capture: FeatureCapture | None) -> list[SeqOutput]:
+    """A piece of the last layer's outputs, final, as slices of its sequences' states (see `_outputs`; a slice
+    that starts a sequence carries its features)."""
+    which = {id(s.cache): i for i, s in enumerate(spans)}
+    if stage.options.wire == "bf16":
+        rows = ResidualState(rows.P.to(torch.bfloat16), rows.B.to(torch.bfloat16))
+    out = []
+    for part in piece.spans:
+        i = which[id(part.cache)]
+        first = int(piece.rows[part.start]) == spans[i].start
+        features = capture.taken[i] if capture is not None and first else {}
+        out.append(SeqOutput(batch[i].session_id, state=ResidualState(rows.P[part.start:part.start + part.length],
+                                                                      rows.B[part.start:part.start + part.length]),
+                             features=features))
+    return out
 
 
 def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:

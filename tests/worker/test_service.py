@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -19,7 +20,7 @@ from deltafin.models.moe import expert_outputs
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.holder_sizing import size_holder
 from deltafin.plan.sizing import Placement, SizingInput
-from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport import codec
@@ -277,3 +278,46 @@ def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "send it in chunks" in e.value.details()
 
     asyncio.run(run())
+
+
+def test_a_stage_ending_on_a_dense_layer_sends_a_prompt_s_states_while_it_computes(served, tiny_dir, monkeypatch):
+    """Stage [0, 1) (a dense layer) on a 300-token prompt: the caller has the first rows while the stage still
+    computes (the stage holds after its first piece until the caller has them: without early parts it would wait
+    in vain), the parts join in order to what the same stage computes in one process, and that is the unstreamed
+    forward's to rounding (the layer ran in other pieces)."""
+    serving, cfg = served
+    ids = (torch.arange(300) * 7 % cfg.vocab_size).long()
+    received, held = threading.Event(), []
+    forward = WorkerService._forward
+
+    async def holding(self, batch, all_logits, rid, early=None):
+        def first_then_wait(outs):
+            early(outs)
+            if not held:
+                held.append(received.wait(timeout=20))
+        return await forward(self, batch, all_logits, rid, first_then_wait if early is not None else None)
+
+    monkeypatch.setattr(WorkerService, "_forward", holding)
+
+    async def run():
+        async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            await _assign(stub, tiny_dir, 0, 1)
+            request = codec.encode_request_parts([SeqInput("p", 0, ids=ids)], False, "r", 1 << 20)
+            parts = []
+            async for part in stub.ForwardParts(iter(request), timeout=60):
+                parts.append(part)
+                received.set()
+            return parts
+
+    parts = asyncio.run(run())
+    assert held == [True] and len(parts) > 1
+    (out,) = codec.decode_output_parts(parts)
+    stage = Stage(open_checkpoint(tiny_dir, load_config(tiny_dir)), 0, 1, device=torch.device("cpu"))
+    try:
+        streamed = stage.forward([SeqInput("s", 0, ids=ids)], early=lambda _: None)[0].state
+        whole = stage.forward([SeqInput("w", 0, ids=ids)])[0].state
+    finally:
+        stage.close()
+    assert torch.equal(out.state.P, streamed.P) and torch.equal(out.state.B, streamed.B)
+    assert torch.allclose(out.state.P, whole.P, rtol=1e-5, atol=1e-6) and torch.equal(out.state.B, whole.B)

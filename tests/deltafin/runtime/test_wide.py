@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.links import profile
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.wide import ExpertCall, ExpertHolder, call_pieces
@@ -118,6 +119,27 @@ def test_a_new_placement_keeps_stages_sessions_and_stores(small_dir):
     finally:
         cluster.close()
         one.close()
+
+
+def test_a_prompt_s_calls_follow_the_links_and_a_token_s_the_placement(small_dir, local):
+    """The plan's holder speeds and links reach the stages: over a link where a 12-token prompt's rows would take
+    half a second each way against well under a millisecond of reads, a prompt's calls leave every expert with the
+    stage that owns the layer (no call crosses), while a decoded token's follow the placement; the logits stay one
+    process's (to the wide rounding)."""
+    cluster = WideCluster(small_dir, 2, 0)
+    try:
+        holders = tuple(dataclasses.replace(h, expert_gbps=1.0) for h in cluster.plan.holders)
+        slow = HolderLink("w0", "w1", profile(4.0, 0.2))  # 25 KB/s
+        cluster.assign(dataclasses.replace(cluster.plan, holders=holders, links=(slow,)))
+        pipe = cluster.pipeline
+        prompt = pipe.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
+        assert wide_close(prompt, local[0])
+        assert [a.holder.served.calls for a in cluster.assigned.values()] == [0, 0]
+        token = torch.tensor([int(prompt[-1].argmax())])
+        assert wide_close(pipe.forward([SeqInput("a", len(IDS), ids=token)])[0].logits, local[1])
+        assert all(a.holder.served.calls > 0 for a in cluster.assigned.values())
+    finally:
+        cluster.close()
 
 
 def test_guesses_reach_the_holders_disks(small_dir):

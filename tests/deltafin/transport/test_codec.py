@@ -4,6 +4,7 @@ layer ranges; stage options and counters travel as typed messages."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,8 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
 
 def test_expert_calls_and_plans_round_trip():
-    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+    from deltafin.plan.links import Link
     from deltafin.runtime.wide import ExpertCall
 
     g = torch.Generator().manual_seed(0)
@@ -118,6 +120,19 @@ def test_expert_calls_and_plans_round_trip():
     placement = ExpertPlacement.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
     plan = ExpertPlan(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
     assert codec.decode_expert_plan(codec.encode_expert_plan(plan), 16) == plan
+    linked = ExpertPlan(placement, (Holder("a", "h:1", "mac1", 6.6, 0.002, 0.0004), Holder("b", "h:2", "mac2", 3.3)),
+                        1.0, 5.0, 60.0, (HolderLink("a", "b", Link(0.004, 5e7, 2.5e7)),))
+    back_plan = codec.decode_expert_plan(codec.encode_expert_plan(linked), 16)
+    assert back_plan == linked and back_plan.link("b", "a") == Link(0.004, 2.5e7, 5e7)  # seen from b's side
+    assert back_plan.prompt_split("a", 4, 1000, 64) is not None and plan.prompt_split("a", 4, 1000, 64) is None
+    for field, value, match in (("links", "x", "a link between holders"), ("speed", math.nan, "a holder's speed")):
+        broken = codec.encode_expert_plan(linked)
+        if field == "links":
+            broken.links[0].b = value
+        else:
+            broken.holders[1].expert_gbps = value
+        with pytest.raises(CodecError, match=match):
+            codec.decode_expert_plan(broken, 16)
     with pytest.raises(CodecError, match="the model has 32"):
         codec.decode_expert_plan(codec.encode_expert_plan(plan), 32)
     bad = codec.encode_expert_plan(plan)
