@@ -25,6 +25,8 @@ from deltafin.models.moe import ExpertSource, FusedExperts, RoutedExperts, dense
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
 
 PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
+STREAM_PIECE_TOKENS = 256  # a stage that ends on a dense layer runs it in pieces of this many rows and sends each
+# piece's outputs on as it is done (runtime/stage.py)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ decoded token and a prompt's first token, each split into what the disks, the li
 from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
+from deltafin.models.decoder import STREAM_PIECE_TOKENS
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
@@ -86,16 +87,30 @@ def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: i
 
 def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
     """A forward's hops through the coordinator: the ids to the first stage, each stage's output state relayed to
-    the next part by part (coordinator/cluster/relay.py: both links carry it at once, the slower one sets the time),
-    the last position's logits back; a round trip per stage."""
+    the next part by part (coordinator/cluster/relay.py: both links carry it at once, the slower one sets the time;
+    a stage that ends on a dense layer sends it while it computes: `_streamed`), the last position's logits back; a
+    round trip per stage."""
     stages, links = plan.stages, plan.links
     wire = min(act_bytes, links.value_bytes)
     first_in, _ = hop_bytes(cfg, stages[0].start, stages[0].end, tokens, wire)
     _, last_out = hop_bytes(cfg, stages[-1].start, stages[-1].end, tokens, wire)
     link = [links.between(COORDINATOR, s.key) for s in stages]
-    relayed = sum(max(link[i].seconds(0, b, 0), link[i + 1].seconds(b, 0, 0))
-                  for i, b in enumerate(hop_bytes(cfg, s.start, s.end, tokens, wire)[1] for s in stages[:-1]))
+    relayed = 0.0
+    for i, s in enumerate(stages[:-1]):
+        b = hop_bytes(cfg, s.start, s.end, tokens, wire)[1]
+        relayed += _streamed(cfg, s, tokens, max(link[i].seconds(0, b, 0), link[i + 1].seconds(b, 0, 0)))
     return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + relayed + link[-1].seconds(0, last_out, 0)
+
+
+def _streamed(cfg: ModelConfig, s: StagePlan, tokens: int, hop: float) -> float:
+    """What a stage's hop of `hop` seconds adds after its compute: all of it, but where the stage ends on a dense
+    layer that runs in n pieces and sends each on as it is done (models/decoder.py STREAM_PIECE_TOKENS), the rows
+    cross during its compute C of that layer: the link is done max(hop / n, hop - C (n - 1) / n) after it."""
+    if tokens <= STREAM_PIECE_TOKENS or cfg.is_moe(s.end - 1) or s.compute is None:
+        return hop
+    n = -(-tokens // STREAM_PIECE_TOKENS)
+    last = spine_seconds(cfg, s.compute, s.end - 1, s.end, tokens, s.sizing.spine)
+    return max(hop / n, hop - last * (n - 1) / n)
 
 
 def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:

@@ -28,6 +28,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
     PIECE_TOKENS,
+    STREAM_PIECE_TOKENS,
     Piece,
     Span,
     decoder_layer,
@@ -62,7 +63,6 @@ from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.spine_convert import rebuild_unit
 
 log = logging.getLogger(__name__)
-STREAM_PIECE_TOKENS = 128  # rows of a piece of a stage's last layer whose outputs go on as they are done (`forward`)
 
 
 @dataclass(frozen=True)

@@ -79,3 +79,35 @@ def test_over_a_link_slower_than_the_disks_a_prompt_keeps_its_experts_at_the_own
     forwards = [min(step, 4096 - done) for done in range(0, 4096, step)]
     assert p.link == pytest.approx(sum(hops_seconds(k3, plan, f, 4) for f in forwards), rel=1e-9)
     assert p.total == pytest.approx(p.disk + p.link, rel=1e-9)  # one disk a layer, then the hops
+
+
+def test_a_stage_ending_on_its_dense_layer_sends_its_states_while_it_computes(k3):
+    """K3's first layer alone on one Mac (it holds no other), over Wi-Fi: its 4K prompt's states (235 MB, 4.7 s)
+    leave in 16 pieces as they are done, so only what the link still has to carry once the layer's compute ends adds
+    to the hop; a simulation of the pieces and the link says how much. A forward of one piece, or a stage that ends on
+    an MoE layer, sends its states after it is done."""
+    from dataclasses import replace
+
+    from deltafin.plan.compute import spine_seconds
+    from tests.deltafin.plan.test_compute import SPEED
+
+    macs = [WorkerCapacity("m0", 56 * GB, 6.6, ((0, 1),), True, address="m0:1", device="mps", worker_id="m0",
+                           compute=SPEED, expert_layers=((0, 93),)),
+            WorkerCapacity("m1", 56 * GB, 6.6, ((0, 93),), True, address="m1:1", device="mps", worker_id="m1",
+                           compute=SPEED)]
+    plan = plan_layers(k3, macs, experts="wide", links=Links(assumed=profile(4.0, 400)))
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 93)]
+    blind = replace(plan, stages=(replace(plan.stages[0], compute=None), plan.stages[1]))
+    n, pieces = 4096, 16
+    hop = n * 2 * 7168 * 4 / 50e6  # P and the embedding, fp32, at 50 MB/s
+    compute = spine_seconds(k3, SPEED, 0, 1, n, plan.stages[0].sizing.spine)
+    link_free = 0.0
+    for i in range(1, pieces + 1):  # piece i is done at i * compute / pieces, and waits for the link
+        link_free = max(i * compute / pieces, link_free) + hop / pieces
+    after = link_free - compute
+    assert hops_seconds(k3, plan, n, 4) - hops_seconds(k3, blind, n, 4) == pytest.approx(after - hop, rel=1e-6)
+    assert hops_seconds(k3, plan, 128, 4) == pytest.approx(hops_seconds(k3, blind, 128, 4), rel=1e-12)
+    moe = plan_layers(k3, [replace(m, compute=SPEED) for m in _macs(2)], experts="wide",
+                      links=Links(assumed=profile(4.0, 400)))
+    stripped = replace(moe, stages=tuple(replace(s, compute=None) for s in moe.stages))
+    assert hops_seconds(k3, moe, n, 4) == pytest.approx(hops_seconds(k3, stripped, n, 4), rel=1e-12)
