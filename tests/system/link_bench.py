@@ -47,18 +47,9 @@ def profile_link(name: str, scale: float) -> tuple[float, float]:
 
 def _pinned(i: int, pin: bool) -> tuple[str, ...]:
     """Worker `i` on a core of its own (`--pin`): a simulated Mac computes on its own chip, so what its compute
-    probe measured at start is what it has while the others compute too."""
+    probe measured at start is what it has while the others compute too (the coordinator shares the cores)."""
     cores = sorted(os.sched_getaffinity(0))
     return ("taskset", "-c", str(cores[i % len(cores)])) if pin and shutil.which("taskset") else ()
-
-
-def _pin_coordinator(workers: int) -> None:
-    """With `--pin`, this process (the coordinator) and the link simulators it starts on the last worker's core:
-    the coordinator runs beside the last stage, as on a Mac of the cluster, and relaying the first stage's states
-    while that stage computes (which it sends as it goes) does not take that stage's core, as it would not take a
-    Mac's GPU."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[(workers - 1) % len(cores)]})
 
 
 def _rate(text: str) -> float:
@@ -130,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4, help="tokens to generate (default 4)")
     p.add_argument("--experts", default="auto", help="the coordinator's --experts (default auto)")
     p.add_argument("--pin", action="store_true",
-                   help="each worker on a core of its own (taskset), as each Mac computes on its own chip; the "
-                        "coordinator and the link simulators on the last worker's")
+                   help="each worker on a core of its own (taskset), as each Mac computes on its own chip")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="an argument for every worker (repeatable)")
     args = p.parse_args(argv)
@@ -139,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         if name != "loopback" and name not in PROFILES and not re.fullmatch(r"\d+(\.\d+)?ms", name):
             p.error(f"unknown link profile {name!r}: loopback, {', '.join(PROFILES)}, or a round trip such as 10ms")
     options = {"experts": args.experts, **_keywords(extra)}
-    if args.pin:
-        _pin_coordinator(args.workers)
     runs = []
     for name in args.profiles.split(","):
         runs.append(run(args, name, options))
