@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,38 +134,16 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def ForwardParts(self, requests: AsyncIterator[pb.ForwardRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ForwardResponse]:
-        """A forward in parts each way. Outputs the stage has done before its forward ends (Stage.forward's `early`)
-        go at once, each sequence's slices in order; the rest once it ends."""
+        """A forward in parts each way: outputs the stage has done before its forward ends (Stage.forward's `early`)
+        go at once, the rest once it ends."""
         async with self._answering(context):
             msgs = await self._parts(requests)
             batch, all_logits, rid = codec.decode_request_parts(msgs)
             cap = self.max_message_bytes - self.max_message_bytes // 8
             part_bytes = min(cap, msgs[0].part_bytes or cap)
-            loop = asyncio.get_running_loop()
-            early: asyncio.Queue[list] = asyncio.Queue()
-            forward = asyncio.ensure_future(self._forward(
-                batch, all_logits, rid, lambda outs: loop.call_soon_threadsafe(early.put_nowait, outs)))
-            sent: dict[str, int] = {}  # rows of each sequence already sent
-            try:
-                while not forward.done() or not early.empty():
-                    if early.empty():
-                        got = asyncio.ensure_future(early.get())
-                        await asyncio.wait({forward, got}, return_when=asyncio.FIRST_COMPLETED)
-                        if not got.done():
-                            got.cancel()
-                            continue  # the forward ended: what it emitted just before is queued, then the rest
-                        outs = got.result()
-                    else:
-                        outs = early.get_nowait()
-                    for o in outs:
-                        sent[o.session_id] = sent.get(o.session_id, 0) + o.state.P.shape[0]
-                    for part in codec.encode_output_parts(outs, part_bytes):
-                        yield part
-                rest = [_unsent(o, sent.get(o.session_id, 0)) for o in forward.result()]
-            finally:
-                forward.cancel()  # a caller gone mid-stream stops the stage (between layers)
-            for part in codec.encode_output_parts([o for o in rest if o is not None], part_bytes):
-                yield part
+            async for outs in _as_done(lambda early: self._forward(batch, all_logits, rid, early)):
+                for part in codec.encode_output_parts(outs, part_bytes):
+                    yield part
 
     async def _parts(self, requests: AsyncIterator[pb.ForwardRequest]) -> list[pb.ForwardRequest]:
         """A forward's parts, refused as soon as they outgrow what the stage's largest forward carries (its hidden
@@ -301,6 +279,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             flag.set()
         self.expert_executor.shutdown(wait=True)
         self.slot.close()
+
+
+async def _as_done(run: Callable[[Callable[[list[SeqOutput]], None]], Awaitable[list[SeqOutput]]]
+                   ) -> AsyncIterator[list[SeqOutput]]:
+    """A forward's outputs as they are done: what it hands its `early` callback (from the stage's thread) at once,
+    each sequence's slices in order, then the rows of its answer not sent yet. A caller that stops reading cancels
+    the forward (the stage stops between layers)."""
+    loop = asyncio.get_running_loop()
+    early: asyncio.Queue[list[SeqOutput]] = asyncio.Queue()
+    forward = asyncio.ensure_future(run(lambda outs: loop.call_soon_threadsafe(early.put_nowait, outs)))
+    sent: dict[str, int] = {}  # rows of each sequence already sent
+    try:
+        while not forward.done() or not early.empty():
+            if early.empty():
+                got = asyncio.ensure_future(early.get())
+                await asyncio.wait({forward, got}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    continue  # the forward ended: what it handed on just before is queued, then the rest
+                outs = got.result()
+            else:
+                outs = early.get_nowait()
+            for o in outs:
+                sent[o.session_id] = sent.get(o.session_id, 0) + o.state.P.shape[0]  # type: ignore[union-attr]
+            yield outs
+        rest = [_unsent(o, sent.get(o.session_id, 0)) for o in forward.result()]
+    finally:
+        forward.cancel()
+    yield [o for o in rest if o is not None]
 
 
 def _unsent(o: SeqOutput, sent: int) -> SeqOutput | None:

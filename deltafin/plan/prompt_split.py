@@ -10,8 +10,8 @@ the experts touched. Every
 holder of a layer has all its experts' bytes, so any division computes the same pairs; only the grouping of a
 token's sum changes (fp32 rounding, as with any placement).
 
-The stage (runtime/wide.py) divides every call whose pairs outnumber the layer's experts this way; the plan's
-prediction of a prompt (plan/predict.py) divides the same way.
+The stage divides every call whose pairs outnumber the layer's experts this way (runtime/wide.py prompt_owners:
+which experts go where); the plan's prediction of a prompt (plan/predict.py) divides the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from deltafin.plan.links import Link
 
@@ -92,27 +90,3 @@ class PromptSplit:
         rows = tokens * self.row_bytes
         fixed = [0.0 if link is None else link.seconds(rows, rows) for link in self.links]
         return balanced_counts(experts, per, fixed)
-
-    def owners(self, bounds: Sequence[int], ids: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The holder of each of `ids` (a forward's pairs' experts) for a forward of `tokens` tokens: each holder
-        keeps the experts of its own range (`bounds`: the placement's) it has room for, lowest first, and the rest go
-        to the holders with room left, in placement order, so that `counts` holds."""
-        n = len(bounds) - 1
-        distinct = torch.unique(ids)
-        home = torch.bucketize(distinct, torch.tensor(bounds[1:], dtype=distinct.dtype), right=True)
-        want = self.counts(int(distinct.numel()), tokens, [bounds[i + 1] > bounds[i] for i in range(n)])
-        new = home.clone()
-        taken = [0] * n
-        spare: list[int] = []
-        for j, h in enumerate(home.tolist()):
-            if taken[h] < want[h]:
-                taken[h] += 1
-            else:
-                spare.append(j)
-        at = 0
-        for h in range(n):
-            while taken[h] < want[h] and at < len(spare):
-                new[spare[at]] = h
-                taken[h] += 1
-                at += 1
-        return new[torch.searchsorted(distinct, ids)]

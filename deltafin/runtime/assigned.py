@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
@@ -120,14 +121,18 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
             store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
     holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
     if stage is not None:
-        others = {h: p for h, p in peers.items() if h != me}
-        names = {h.key: h.name or h.address for h in plan.holders}
-        lossy = options.wire == "bf16"
-        prompts = plan.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert,
-                                    cfg.expert_dim * (2 if lossy else 4))
-        stage.set_wide(WideExperts(cfg, plan.placement, me, store, others, names,  # type: ignore[arg-type]
-                                   lossy=lossy, prompts=prompts))
+        stage.set_wide(_wide(cfg, plan, me, store, peers, options.wire == "bf16"))
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
+
+
+def _wide(cfg: ModelConfig, plan: ExpertPlan, me: str, store: Any, peers: Mapping[str, Peer],
+          lossy: bool) -> WideExperts:
+    """The stage side of `plan` on holder `me`: the other holders as its peers, a prompt's calls divided by the
+    plan's speeds and links."""
+    others = {h: p for h, p in peers.items() if h != me}
+    names = {h.key: h.name or h.address for h in plan.holders}
+    prompts = plan.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert, cfg.expert_dim * (2 if lossy else 4))
+    return WideExperts(cfg, plan.placement, me, store, others, names, lossy=lossy, prompts=prompts)
 
 
 def wide_known(plan: ExpertPlan, index: int) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,19 @@ log = logging.getLogger(__name__)
 
 EVICTED_KEPT = 4096  # evicted or expired ids remembered, with why, for a clear error later
 
+
+
+class Opening(Protocol):
+    """What opening a forward's session takes from its sequence (runtime/stage.py SeqInput)."""
+
+    session_id: str
+    cache_len: int
+    resume_from: str | None
+    speculative: bool
+    save_at: tuple[tuple[int, str], ...]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 class Sessions(Mapping[str, SequenceCache]):
     """The sessions of the layers `layers`, by id, least recently used first (read as a mapping to their
@@ -58,6 +72,20 @@ class Sessions(Mapping[str, SequenceCache]):
         """What the sessions hold against their budget: caches, and a speculative forward's trail until the next
         forward picks the position (planned room with `speculative_tokens`, else taken from the caches' room)."""
         return sum(c.nbytes + c.trail_bytes for c in self.caches.values())
+
+    def open_forward(self, batch: Sequence[Opening]) -> list[SequenceCache]:
+        """Each sequence's session as `open` gives it, snapshotted (a failed forward restores it), marked where
+        `save_at` asks inside the forward, with a trail to rewind where it is speculative."""
+        pinned = {b.session_id for b in batch}
+        caches = [self.open(b.session_id, b.cache_len, b.num_tokens, pinned, b.resume_from) for b in batch]
+        for c, item in zip(caches, batch, strict=True):
+            c.snapshot()
+            if item.speculative:
+                c.start_trail()
+            inside = [n - item.cache_len for n, _ in item.save_at if n < item.cache_len + item.num_tokens]
+            if inside:
+                c.mark(inside)
+        return caches
 
     def open(self, session_id: str, cache_len: int, num_tokens: int, pinned: set[str],
              resume_from: str | None = None) -> SequenceCache:

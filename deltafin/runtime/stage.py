@@ -217,24 +217,15 @@ class Stage:
         each sequence (or every token with `all_logits`); the others return the residual state.
         `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes;
         `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes).
-        `early` hears outputs that are final before the forward ends (slices of sequences' states, each sequence's
-        in order; they are in the answer too): a stage that ends on a dense layer runs a long forward's last layer
-        in pieces of STREAM_PIECE_TOKENS rows and passes each on as it is done, so that the states cross the link
-        to the next stage while it computes the rest. If the forward then fails, no session changes, as always."""
+        `early` hears outputs final before the forward ends (slices of sequences' states, in order; the answer has
+        them too): where the last layer is dense, a long forward's runs in pieces (models/decoder.py
+        STREAM_PIECE_TOKENS), each passed on as it is done, so the states cross to the next stage meanwhile."""
         _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
         t0 = time.monotonic()
         io_before = io_counters(self.spine, self.experts)
         if self.wide is not None:
             self.wide.begin_forward()
-        pinned = {b.session_id for b in batch}
-        caches = [self.sessions.open(b.session_id, b.cache_len, b.num_tokens, pinned, b.resume_from) for b in batch]
-        for c, item in zip(caches, batch, strict=True):
-            c.snapshot()
-            if item.speculative:
-                c.start_trail()
-            inside = [n - item.cache_len for n, _ in item.save_at if n < item.cache_len + item.num_tokens]
-            if inside:
-                c.mark(inside)
+        caches = self.sessions.open_forward(batch)
         try:
             state, spans = self._input(batch, caches)
             capture = _capture(self, batch, spans)
@@ -298,7 +289,7 @@ class Stage:
             if capture is not None and capture.wants(layer):
                 capture.take(layer, state, lambda rows, w=weights: layer_input(w, rows))
             self.spine.prefetch_after(layer)
-            self._prefetch_experts(layer, state)
+            _prefetch_experts(self, layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
             experts = {"fused": self._timed_fused(fused) if fused is not None else None,
                        "routed": None if fused is not None else self._timed_routed}
@@ -325,25 +316,6 @@ class Stage:
     def _timed_fused(self, fused: FusedExperts) -> FusedExperts:
         return lambda layer, z, idx, weights: self.timings.count_experts(lambda: fused(layer, z, idx, weights))
 
-    def _prefetch_experts(self, layer: int, state: ResidualState) -> None:
-        """Predict this layer's and the next one's experts from the current residual (their routers applied
-        to their mixes of it) and queue the reads behind every demand read (wide: on every holder's disk)."""
-        prefetch = getattr(self.experts, "prefetch", None)
-        if (prefetch is None and self.wide is None) or not self.options.prefetch:
-            return
-        guesses = []
-        for target in (layer, layer + 1)[:self.options.prefetch_layers]:
-            if target in self.layers_range and self.cfg.is_moe(target) and self.spine.is_ready(target):
-                w = self.spine.layer(target)
-                idx, weights = route(self.cfg, w.ffn, ffn_input(self.cfg, w, state))  # type: ignore[arg-type]
-                order = weights.flatten().argsort(descending=True)  # the most confident guesses first
-                guesses.append((target, list(dict.fromkeys(idx.flatten()[order].tolist()))))
-        if self.wide is not None:
-            self.wide.prefetch(guesses, state.num_tokens)
-        else:
-            for target, ids in guesses:
-                prefetch(target, ids)
-
     def _input(self, batch: list[SeqInput], caches: list[SequenceCache]) -> tuple[ResidualState, list[Span]]:
         spans, start = [], 0
         for item, cache in zip(batch, caches, strict=True):
@@ -367,6 +339,26 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
+
+
+def _prefetch_experts(stage: Stage, layer: int, state: ResidualState) -> None:
+    """Predict this layer's and the next one's experts from the current residual (their routers applied to their
+    mixes of it) and queue the reads behind every demand read (wide: on every holder's disk)."""
+    prefetch = getattr(stage.experts, "prefetch", None)
+    if (prefetch is None and stage.wide is None) or not stage.options.prefetch:
+        return
+    guesses = []
+    for target in (layer, layer + 1)[:stage.options.prefetch_layers]:
+        if target in stage.layers_range and stage.cfg.is_moe(target) and stage.spine.is_ready(target):
+            w = stage.spine.layer(target)
+            idx, weights = route(stage.cfg, w.ffn, ffn_input(stage.cfg, w, state))  # type: ignore[arg-type]
+            order = weights.flatten().argsort(descending=True)  # the most confident guesses first
+            guesses.append((target, list(dict.fromkeys(idx.flatten()[order].tolist()))))
+    if stage.wide is not None:
+        stage.wide.prefetch(guesses, state.num_tokens)
+    else:
+        for target, ids in guesses:
+            prefetch(target, ids)
 
 
 def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: SeqOutput,
@@ -410,19 +402,16 @@ def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: Resi
 
 def _piece_outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], piece: Piece, rows: ResidualState,
                    capture: FeatureCapture | None) -> list[SeqOutput]:
-    """A piece of the last layer's outputs, final, as slices of its sequences' states (see `_outputs`; a slice
-    that starts a sequence carries its features)."""
+    """A piece of the last layer's outputs, final, as slices of its sequences' states (as `_outputs` sends them)."""
     which = {id(s.cache): i for i, s in enumerate(spans)}
     if stage.options.wire == "bf16":
         rows = ResidualState(rows.P.to(torch.bfloat16), rows.B.to(torch.bfloat16))
     out = []
     for part in piece.spans:
-        i = which[id(part.cache)]
-        first = int(piece.rows[part.start]) == spans[i].start
-        features = capture.taken[i] if capture is not None and first else {}
-        out.append(SeqOutput(batch[i].session_id, state=ResidualState(rows.P[part.start:part.start + part.length],
-                                                                      rows.B[part.start:part.start + part.length]),
-                             features=features))
+        i, cut = which[id(part.cache)], slice(part.start, part.start + part.length)
+        first = int(piece.rows[part.start]) == spans[i].start  # the slice that starts a sequence carries its features
+        out.append(SeqOutput(batch[i].session_id, state=ResidualState(rows.P[cut], rows.B[cut]),
+                             features=capture.taken[i] if capture is not None and first else {}))
     return out
 
 

@@ -141,7 +141,7 @@ class WideExperts:
         ids, w = idx.reshape(-1).cpu(), weights.reshape(-1).float().cpu()
         rows = torch.arange(n_tok).repeat_interleave(k)
         if self.prompts is not None and n_tok * k > self.cfg.num_experts:
-            owner = self.prompts.owners(self.placement.bounds_of(layer), ids, n_tok)
+            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), ids, n_tok)
         else:
             owner = self._owners[layer][ids]
         parts: list[tuple[int, ExpertCall, torch.Tensor]] = []  # (holder, its call, the tokens of its rows)
@@ -195,7 +195,7 @@ class WideExperts:
             if layer not in self._owners or not ids:
                 continue
             guessed = torch.tensor(list(ids), dtype=torch.long)
-            owner = self.prompts.owners(self.placement.bounds_of(layer), guessed, tokens).tolist() \
+            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), guessed, tokens).tolist() \
                 if self.prompts is not None and tokens * self.cfg.experts_per_token > self.cfg.num_experts \
                 else self._owners[layer][guessed].tolist()
             by_holder: dict[int, list[int]] = {}
@@ -222,6 +222,31 @@ class WideExperts:
             who = self.names[self.placement.holders[h]] + (" (self)" if h == self.me else "")
             parts.append(f"{who} {int(experts)} experts {seconds * 1000:.1f} ms")
         return ", ".join(parts)
+
+
+def prompt_owners(split: PromptSplit, bounds: Sequence[int], ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The holder of each of `ids` (a prompt's pairs' experts, or guesses of them) for a forward of `tokens` tokens,
+    divided as `split` counts (plan/prompt_split.py): each holder keeps the experts of its own range (`bounds`: the
+    placement's) it has room for, lowest first, and the rest go to the holders with room left, in placement order."""
+    n = len(bounds) - 1
+    distinct = torch.unique(ids)
+    home = torch.bucketize(distinct, torch.tensor(bounds[1:], dtype=distinct.dtype), right=True)
+    want = split.counts(int(distinct.numel()), tokens, [bounds[i + 1] > bounds[i] for i in range(n)])
+    new = home.clone()
+    taken = [0] * n
+    spare: list[int] = []
+    for j, h in enumerate(home.tolist()):
+        if taken[h] < want[h]:
+            taken[h] += 1
+        else:
+            spare.append(j)
+    at = 0
+    for h in range(n):
+        while taken[h] < want[h] and at < len(spare):
+            new[spare[at]] = h
+            taken[h] += 1
+            at += 1
+    return new[torch.searchsorted(distinct, ids)]
 
 
 @dataclass

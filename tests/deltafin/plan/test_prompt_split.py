@@ -1,4 +1,5 @@
-"""A prompt's division of a layer's experts among the holders (pure): against a brute-force schedule (each expert to
+"""A prompt's division of a layer's experts among the holders (plan/prompt_split.py, pure; which experts go where:
+runtime/wide.py prompt_owners): against a brute-force schedule (each expert to
 the holder that would finish it first: optimal for equal items), whole experts summing to those touched, each
 holder's own range kept where it has room, and holders that do not hold the layer or cannot read left out."""
 
@@ -12,6 +13,7 @@ import torch
 
 from deltafin.plan.links import Link, profile
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit, balanced_counts
+from deltafin.runtime.wide import prompt_owners
 
 
 def _greedy(total: int, per: list[float], fixed: list[float]) -> float:
@@ -72,13 +74,14 @@ def test_owners_keep_each_holder_s_own_range_where_it_has_room_and_move_the_rest
     distinct = torch.unique(ids)
     # free links: the 13 touched split 7 / 6 (the earlier holder first on a tie); holder 1 had 10 of them and keeps
     # its 6 lowest
-    free = dict(zip(ids.tolist(), _split(profile(0.0, 10**9)).owners(bounds, ids, tokens=4).tolist(), strict=True))
+    free_owners = prompt_owners(_split(profile(0.0, 10**9)), bounds, ids, tokens=4)
+    free = dict(zip(ids.tolist(), free_owners.tolist(), strict=True))
     assert [e for e in sorted(free) if free[e] == 1] == [33, 34, 35, 36, 37, 38]
     # 100 rows each way at 1 KB over 1 MB/s: 0.2 s of crossings, 20 experts' reads: holder 1 keeps none of its 10
-    slow = _split(profile(0.0, 8)).owners(bounds, ids, tokens=100)
+    slow = prompt_owners(_split(profile(0.0, 8)), bounds, ids, tokens=100)
     assert slow.tolist() == [0] * len(ids)
     # 50 ms of crossings: holder 1 takes 5 fewer than holder 0, of the 13 touched: 4 (its lowest ids), holder 0 9
-    some = _split(profile(0.0, 32)).owners(bounds, ids, tokens=100)
+    some = prompt_owners(_split(profile(0.0, 32)), bounds, ids, tokens=100)
     by_expert = dict(zip(ids.tolist(), some.tolist(), strict=True))
     assert len(by_expert) == len(distinct)  # one holder an expert, however many pairs
     assert [e for e in sorted(by_expert) if by_expert[e] == 1] == [33, 34, 35, 36]
@@ -88,4 +91,4 @@ def test_owners_keep_each_holder_s_own_range_where_it_has_room_and_move_the_rest
 def test_a_holder_without_the_layer_takes_none():
     split = _split(profile(0.0, 10**9))
     assert split.counts(10, tokens=4, holds=[True, False]) == [10, 0]
-    assert split.owners((0, 64, 64), torch.tensor([1, 2, 60]), tokens=100).tolist() == [0, 0, 0]
+    assert prompt_owners(split, (0, 64, 64), torch.tensor([1, 2, 60]), tokens=100).tolist() == [0, 0, 0]
