@@ -5,11 +5,11 @@ sends each holder only the latent rows of the tokens routed to that holder's exp
 and their routing weights, computes its own share meanwhile, and adds the holders' answers: each holder sends back
 one row per token, its pairs' weighted outputs summed (models.moe.weighted_row_sums), not one row per pair, so the
 bytes back are the bytes out. A prompt's call divides the experts it touches so that every holder finishes
-together, its rows' and sums' crossings counted (plan/prompt_split.py); every other call follows the placement.
-Each expert sees the same rows in the same order wherever it runs, so every pair's
-output is the one-process path's, bit for bit; the sum of a token's 16 weighted outputs is grouped by holder
-(each holder's share, then the holders in placement order), so a wide stage's result equals one process's to
-fp32 rounding (the order of that sum), not bit for bit. The holder side, `ExpertHolder`, computes a call's pairs
+together, its rows' and sums' crossings counted (plan/prompt_split.py, `prompt_owners`); every other call follows
+the placement. Each expert sees the same rows in the same order wherever it runs, so every pair's output is the
+one-process path's, bit for bit; the sum of a token's 16 weighted outputs is grouped by holder (each holder's
+share, then the holders in placement order), so a wide stage's result equals one process's to fp32 rounding (the
+order of that sum), not bit for bit. The holder side, `ExpertHolder`, computes a call's pairs
 from the worker's expert store. How a call reaches a holder (`Peer`) is given: gRPC between workers
 (worker/peers.py), or direct calls on a thread of their own in one process (`LocalPeer`: tests).
 
