@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkpoint
+from deltafin.errors import SessionOutOfSync
 from deltafin.models.moe import expert_outputs
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.holder_sizing import size_holder
@@ -321,3 +322,30 @@ def test_a_stage_ending_on_a_dense_layer_sends_a_prompt_s_states_while_it_comput
         stage.close()
     assert torch.equal(out.state.P, streamed.P) and torch.equal(out.state.B, streamed.B)
     assert torch.allclose(out.state.P, whole.P, rtol=1e-5, atol=1e-6) and torch.equal(out.state.B, whole.B)
+
+
+def test_a_streamed_forward_that_fails_after_its_first_piece_changes_no_session(tiny_dir):
+    """A session holds 10 tokens; the first piece of stage [0, 1)'s next 300 has gone (`early` heard it), then the
+    forward fails: the session is as before it (its attention state too), so the retry gives what an undisturbed
+    session gives."""
+    ids = (torch.arange(310) * 7 % 1000).long()
+    stage = Stage(open_checkpoint(tiny_dir, load_config(tiny_dir)), 0, 1, device=torch.device("cpu"))
+    heard = []
+
+    def fail_after_first(outs):
+        heard.append(outs)
+        raise RuntimeError("the link went down")
+
+    try:
+        for sid in ("s", "c"):
+            stage.forward([SeqInput(sid, 0, ids=ids[:10])])
+        with pytest.raises(RuntimeError, match="the link went down"):
+            stage.forward([SeqInput("s", 10, ids=ids[10:])], early=fail_after_first)
+        assert len(heard) == 1 and heard[0][0].state.P.shape[0] == 256
+        with pytest.raises(SessionOutOfSync, match="holds 10 tokens"):
+            stage.forward([SeqInput("s", 310, ids=ids[:1])])
+        retry = stage.forward([SeqInput("s", 10, ids=ids[10:])], early=lambda _: None)[0].state
+        clean = stage.forward([SeqInput("c", 10, ids=ids[10:])], early=lambda _: None)[0].state
+        assert torch.equal(retry.P, clean.P) and torch.equal(retry.B, clean.B)
+    finally:
+        stage.close()
