@@ -37,7 +37,16 @@ from deltafin.plan.sizing import SPECULATIVE_TOKENS
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.drafting import MODES, Cost, DraftLength, FittedCost, NgramDrafter, PlannedCost, default_cost
+from deltafin.text.drafting import (
+    MODES,
+    Calibration,
+    Cost,
+    DraftLength,
+    FittedCost,
+    NgramDrafter,
+    PlannedCost,
+    default_cost,
+)
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -114,6 +123,7 @@ class Engine:
         self._draft_head: Any = None  # loaded at the first request that drafts with it
         self.draft_memory = DraftMemory()  # finished requests' draft caches, for those that resume their text
         self._cost: FittedCost | None = None  # what a verification pass costs (pass_cost)
+        self.calibration = Calibration()  # how often the draft head's drafts are taken, by its confidence
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
         self.counters = Counters()
@@ -276,8 +286,10 @@ class Engine:
         max_k = min(self.max_drafts, SPECULATIVE_TOKENS - 1, *(() if limit is None else (limit - 1,)))
         if max_k < 1:
             return None
-        drafter = HeadDrafter(self.draft_head(), self.draft_memory) if mode == "draft" else NgramDrafter()
-        return Speculation(drafter, DraftLength(self.pass_cost(), max_k=max_k))
+        if mode == "draft":
+            return Speculation(HeadDrafter(self.draft_head(), self.draft_memory),
+                               DraftLength(self.pass_cost(), max_k=max_k, calibration=self.calibration))
+        return Speculation(NgramDrafter(), DraftLength(self.pass_cost(), max_k=max_k))
 
     def pass_cost(self) -> FittedCost:
         """What a verification pass costs, shared by every request: the plan's prediction (in-process stages: priced

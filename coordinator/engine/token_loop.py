@@ -335,7 +335,7 @@ def _drafts(spec: Speculation | None, text: list[int], room: int) -> list[int]:
     if spec is None or room < 2:
         return []
     proposed = spec.drafter.propose(text, min(spec.lengths.max_k, room - 1))
-    return proposed[:spec.lengths.next(len(proposed))]
+    return proposed.tokens[:spec.lengths.next(proposed)]
 
 
 async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutput:

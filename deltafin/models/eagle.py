@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from deltafin.errors import ConfigError, ModelFormatError
 from deltafin.models.common import rms_norm
+from deltafin.text.drafting import Drafts
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 ROPE_TYPES = ("default", "llama3")
@@ -324,23 +325,27 @@ class EagleHead:
         cache.hiddens = torch.cat([cache.hiddens, out])
         cache.length += len(ids)
 
-    def propose(self, cache: DraftCache, k: int) -> list[int]:
-        """Greedy chain of k target token ids continuing after the last committed row; does not change
-        the committed cache (temporary positions are dropped)."""
+    def propose(self, cache: DraftCache, k: int) -> Drafts:
+        """Greedy chain of k target token ids continuing after the last committed row, each with the head's
+        probability for it (its softmax over the draft vocabulary); does not change the committed cache
+        (temporary positions are dropped)."""
         if cache.length == 0:
             raise ValueError("propose() needs at least one committed row")
         work = DraftCache(cache.keys, cache.values, cache.hiddens[-1:], cache.length)
         out: list[int] = []
+        confidence: list[float] = []
         hidden = cache.hiddens[-1:]
         for step in range(k):
-            draft = int(logits_of(self.config, self.weights, hidden[-1]).argmax())
+            probs = torch.softmax(logits_of(self.config, self.weights, hidden[-1]).float(), dim=-1)
+            draft = int(probs.argmax())
             out.append(draft + int(self.weights.d2t[draft]))
+            confidence.append(float(probs[draft]))
             if step == k - 1:
                 break
             ids = torch.tensor([out[-1]], device=self.device)
             hidden, work.keys, work.values = self._rows(work, ids, hidden)
             work.length += 1
-        return out
+        return Drafts(out, confidence)
 
     def rollback(self, cache: DraftCache, length: int) -> None:
         """Keep only the first `length` positions."""

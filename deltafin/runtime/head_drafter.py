@@ -25,6 +25,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.devices import resolve_device
 from deltafin.errors import DraftUnavailable, ModelFormatError
 from deltafin.models.eagle import DraftCache, EagleHead
+from deltafin.text.drafting import Drafts
 from deltafin.weights.draft_head import load_eagle
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,10 @@ class HeadDrafter:
                                                                 dtype=torch.long))
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int) -> Drafts:
         self._recall(tokens)
         if k < 1 or not self.cache.length:  # nothing seen yet: the next forward brings some
-            return []
+            return Drafts()
         return self.head.propose(self.cache, k)
 
     def done(self, text: Sequence[int]) -> None:

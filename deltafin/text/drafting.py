@@ -9,7 +9,8 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
   far. A learned draft head (runtime/head_drafter.py, `HeadDrafter`) reads the target's own hidden states at a few
   layers as well: it names them (`feature_layers`) and hears them after every forward (`observe`).
 - `DraftLength` picks k for the next pass: the k that maximises expected tokens per second, from the
-  acceptance measured so far and a cost model of one pass (a `Cost`). At K3's size a pass costs the
+  acceptance measured so far (per confidence, where the drafter gives one: `Calibration`) and a cost model of
+  one pass (a `Cost`). At K3's size a pass costs the
   spine's reads once, whatever k, plus the distinct experts its k+1 tokens route to: with a uniform router
   E·(1−(1−K/E)^(k+1)) per layer, so drafting is cheap where the spine streams and dear where it does not.
   The engine prices a pass with the plan it runs (`PlannedCost`: plan/predict.py's pass_seconds, the experts
@@ -20,6 +21,7 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,11 +30,20 @@ MODES = ("none", "ngram", "draft")
 DRAFT_CONTEXT = 256  # a prompt's last positions whose hidden states a draft head is given (its attention's reach)
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """What a drafter proposes: tokens, and where it can say, its probability for each given the ones before it
+    (a learned head's softmax at the token it chose; None for prompt lookup, which has no such number)."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidence: list[float] | None = None
+
+
 class Drafter(Protocol):
     feature_layers: tuple[int, ...]  # the target's layers whose entering hidden states it reads; () for none
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that may follow `tokens` (the prompt and the output so far); [] for none."""
+    def propose(self, tokens: list[int], k: int) -> Drafts:
+        """Up to k tokens that may follow `tokens` (the prompt and the output so far); none for no guess."""
         ...
 
     def observe(self, text: Sequence[int], start: int, features: Mapping[int, Any]) -> None:
@@ -58,16 +69,16 @@ class NgramDrafter:
     def done(self, text: Sequence[int]) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int) -> Drafts:
         if k < 1 or len(tokens) < 2:
-            return []
+            return Drafts()
         recent = tokens[-self.window:]
         for n in range(min(self.max_ngram, len(recent) - 1), self.min_ngram - 1, -1):
             tail = recent[-n:]
             for start in range(len(recent) - n - 1, -1, -1):  # the latest occurrence before the tail itself
                 if recent[start:start + n] == tail:
-                    return recent[start + n:start + n + k]
-        return []
+                    return Drafts(recent[start + n:start + n + k])
+        return Drafts()
 
 
 def distinct_experts(tokens: int, experts: int, active: int) -> float:
@@ -168,6 +179,16 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def chain_tokens(acceptances: Sequence[float]) -> float:
+    """Tokens one pass yields when draft i is accepted with probability acceptances[i] given the ones before
+    it (a chain stops at its first rejection): 1 + a0 + a0·a1 + ..."""
+    total, run = 1.0, 1.0
+    for a in acceptances:
+        run *= min(max(a, 0.0), 1.0)
+        total += run
+    return total
+
+
 def default_cost(experts: int, active: int) -> PassCost:
     """Half of a one-token pass fixed, half its experts: about one 64 GB Mac's split at K3's size (its MPS plan
     streams 36.8 GB of spine and 25.8 GB of experts per token; docs/speculative-decoding.md)."""
@@ -175,13 +196,60 @@ def default_cost(experts: int, active: int) -> PassCost:
 
 
 @dataclass
+class Calibration:
+    """How often a drafter's drafts are taken, by the confidence p it gave them, in slices of equal steps of
+    -log2(1 - p) (half a bit each: [0, 0.29), [0.29, 0.5), [0.5, 0.65), ... up to 1 - 2^-8, then the rest), since a
+    trained head puts most drafts near p = 1, where a slice of 0.9-1.0 would hide the difference between 0.9
+    and 0.999. Each slice starts from its middle worth `prior_weight` drafts (a head trained on the model's own
+    answers is about calibrated), then counts every judged draft (those up to a pass's first rejection). One per
+    engine and drafter: every request's passes teach it."""
+
+    bins: int = 17
+    prior_weight: float = 4.0
+    taken: list[float] = field(init=False)
+    judged: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.judged = [self.prior_weight] * self.bins
+        self.taken = [(self.edge(i) + self.edge(i + 1)) / 2 * self.prior_weight for i in range(self.bins)]
+
+    def edge(self, i: int) -> float:
+        """The lowest confidence of slice i (1.0 past the last)."""
+        return 1.0 if i >= self.bins else 1.0 - 2.0 ** (-i / 2)
+
+    def _bin(self, confidence: float) -> int:
+        surprise = -math.log2(max(1.0 - confidence, 1e-12))
+        return min(max(int(2 * surprise), 0), self.bins - 1)
+
+    def acceptance(self, confidence: float) -> float:
+        """The chance a draft given `confidence` is taken, as measured."""
+        i = self._bin(confidence)
+        return self.taken[i] / self.judged[i]
+
+    def update(self, confidence: Sequence[float], accepted: int) -> None:
+        """A pass verified drafts of these confidences and took the first `accepted`."""
+        for i, c in enumerate(confidence[:accepted + 1]):
+            b = self._bin(c)
+            self.judged[b] += 1.0
+            self.taken[b] += 1.0 if i < accepted else 0.0
+
+    def describe(self) -> list[dict[str, float]]:
+        """Per confidence slice (its lowest confidence): drafts judged and the share taken (the prior counted)."""
+        return [{"confidence": round(self.edge(i), 4), "judged": round(self.judged[i] - self.prior_weight, 1),
+                 "taken": round(self.taken[i] / self.judged[i], 3)} for i in range(self.bins)]
+
+
+@dataclass
 class DraftLength:
-    """The number of drafts for the next pass, from the acceptance so far and the cost model: the k in
-    [0, max_k] with the most expected tokens per second. Acceptance is the share of drafts taken, each pass's
-    tokens up to its first rejection counting (later ones were never judged), older passes decaying."""
+    """The number of drafts for the next pass: the k in [0, max_k] with the most expected tokens per second under
+    the cost model. A draft's acceptance is, where the drafter gives a confidence and a `calibration` is kept,
+    what drafts of that confidence got so far (so a head drafts long where it is sure and not at all where it is
+    not); else the share of drafts taken, each pass's tokens up to its first rejection counting (later ones were
+    never judged), older passes decaying."""
 
     cost: Cost
     max_k: int = 8
+    calibration: Calibration | None = None
     prior: float = 0.5  # the acceptance assumed before any pass, worth `prior_weight` drafts
     prior_weight: float = 4.0
     decay: float = 0.9  # per pass: recent passes count more (a conversation changes character)
@@ -189,6 +257,7 @@ class DraftLength:
     taken: float = field(init=False)
     judged: float = field(init=False)
     _idle: int = field(init=False, default=0)
+    _pending: list[float] = field(init=False, default_factory=list)  # the confidences of the drafts sent
 
     def __post_init__(self) -> None:
         self.taken, self.judged = self.prior * self.prior_weight, self.prior_weight
@@ -203,17 +272,28 @@ class DraftLength:
             return
         self.taken = self.decay * self.taken + accepted
         self.judged = self.decay * self.judged + accepted + (1 if accepted < drafted else 0)
+        if self.calibration is not None and self._pending:
+            self.calibration.update(self._pending[:drafted], accepted)
+        self._pending = []
 
-    def next(self, available: int) -> int:
-        """Drafts to verify when the drafter has `available` of them. When none pay, every `probe_every`-th
-        such step still verifies one, so that a text that turns repetitive is noticed."""
+    def _acceptances(self, drafts: Drafts) -> list[float]:
+        if drafts.confidence is not None and self.calibration is not None:
+            return [self.calibration.acceptance(c) for c in drafts.confidence]
+        return [self.acceptance] * len(drafts.tokens)
+
+    def next(self, drafts: Drafts) -> int:
+        """How many of `drafts` to verify. When none pay, every `probe_every`-th such step still verifies one, so
+        that a text that turns repetitive is noticed."""
+        available = min(self.max_k, len(drafts.tokens))
+        acceptances = self._acceptances(drafts)
         best, best_rate = 0, 1.0 / self.cost.seconds(1)
-        for k in range(1, min(self.max_k, available) + 1):
-            rate = expected_tokens(self.acceptance, k) / self.cost.seconds(k + 1)
+        for k in range(1, available + 1):
+            rate = chain_tokens(acceptances[:k]) / self.cost.seconds(k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0 and available:
             self._idle += 1
             if self._idle >= self.probe_every:
                 self._idle, best = 0, 1
+        self._pending = list(drafts.confidence[:best]) if drafts.confidence is not None else []
         return best

@@ -37,6 +37,10 @@ def test_drafted_answers_are_the_plain_ones(tiny_dir, head, plain, stages):
         assert c.draft_tokens > 0  # the head did propose (the cost model then drafts less as they miss)
         assert c.forwards >= sum(len(t) for t in got) - len(got) - c.accepted_tokens
         assert len(m.engine.draft_memory.entries) == 2  # each answer's draft cache, kept for its next turn
+        # the drafts' fates, by the head's confidence: one calibration for the engine, every judged draft counted
+        # (each pass judges its drafts up to the first rejection: the accepted ones and at most one more)
+        judged = sum(b["judged"] for b in m.engine.calibration.describe())
+        assert c.accepted_tokens < judged <= c.accepted_tokens + c.forwards
 
 
 def test_concurrent_requests_keep_their_own_draft_state(tiny_dir, head, plain):

@@ -63,7 +63,7 @@ def test_chains_count_what_propose_would_have_drafted():
             head.commit(cache, data.features[o:o + anchor + 1].float(), data.ids[o + 1:o + anchor + 2])
             truth = data.labels[o + anchor + 1:e - 1].tolist()
             right = 0
-            for d, t in zip(head.propose(cache, 3), truth, strict=False):
+            for d, t in zip(head.propose(cache, 3).tokens, truth, strict=False):
                 if d != t:
                     break
                 right += 1

@@ -92,25 +92,25 @@ def test_commit_in_pieces_equals_commit_at_once_and_rollback_is_exact():
     assert pieces.length == whole.length == 9
     for x, y in ((whole.keys, pieces.keys), (whole.values, pieces.values), (whole.hiddens, pieces.hiddens)):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-5)
-    assert head.propose(whole, 5) == head.propose(pieces, 5)
+    assert head.propose(whole, 5).tokens == head.propose(pieces, 5).tokens
 
     short = head.new_cache()
     head.commit(short, f[:6], ids[:6])
-    expected = head.propose(short, 4)
+    expected = head.propose(short, 4).tokens
     snapshot = [t.clone() for t in (short.keys, short.values, short.hiddens)]
     head.commit(short, f[6:], ids[6:])
     head.rollback(short, 6)
     assert short.length == 6
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (short.keys, short.values, short.hiddens), strict=True))
-    assert head.propose(short, 4) == expected
+    assert head.propose(short, 4).tokens == expected
     with pytest.raises(ValueError):
         head.rollback(short, 7)
 
 
 def test_propose_equals_recomputation_from_scratch():
     """Each drafted token, recomputed by running every row (verified and drafted so far) through the layer at
-    once with a causal mask, drafted rows fed the previous row's output hidden; propose() leaves the cache as it
-    was."""
+    once with a causal mask, drafted rows fed the previous row's output hidden, with its probability under the
+    head (softmax over the draft vocabulary, float32: rounding only); propose() leaves the cache as it was."""
     head = make_head()
     w = head.weights
     f, ids = rows(6)
@@ -121,17 +121,21 @@ def test_propose_equals_recomputation_from_scratch():
     assert all(torch.equal(a, b) for a, b in zip(before, (cache.keys, cache.values, cache.hiddens), strict=True))
     assert cache.length == 6
 
-    tokens, hiddens, drafted = ids.tolist(), f @ w.fc.T, []
+    tokens, hiddens, drafted, probability = ids.tolist(), f @ w.fc.T, [], []
     for _ in range(5):
         n = len(tokens)
         pos = torch.arange(n)
         q, k, v = eagle.project(CFG, w, w.embed[torch.tensor(tokens)], hiddens, pos, head.inv_freq)
         out = eagle.complete(CFG, w, eagle.attend(CFG, q, k, v, pos.unsqueeze(1) >= pos), hiddens)
-        d = int(eagle.logits_of(CFG, w, out[-1]).argmax())
+        logits = eagle.logits_of(CFG, w, out[-1]).double()
+        d = int(logits.argmax())
         drafted.append(d + int(w.d2t[d]))
+        probability.append(float(logits.exp()[d] / logits.exp().sum()))
         tokens.append(drafted[-1])
         hiddens = torch.cat([hiddens, out[-1:]])
-    assert proposed == drafted
+    assert proposed.tokens == drafted
+    assert proposed.confidence == pytest.approx(probability, rel=1e-5)
+    assert min(probability) < 0.5  # a random head: the numbers say something, not all near 1
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones():
@@ -181,7 +185,7 @@ def test_a_hub_layout_head_loads_with_the_targets_embedding_and_maps_draft_ids(t
     g = torch.Generator().manual_seed(4)
     head.commit(cache, torch.randn(5, TARGET_CFG.feature_size, generator=g), torch.tensor([1, 2, 3, 4, 5]))
     d = int(eagle.logits_of(head.config, head.weights, cache.hiddens[-1]).argmax())
-    first = head.propose(cache, 3)
+    first = head.propose(cache, 3).tokens
     assert first[0] == d + int(tensors["d2t"][d])
     allowed = set((torch.arange(TARGET_CFG.draft_vocab_size) + tensors["d2t"]).tolist())
     assert set(first) <= allowed and any(t >= TARGET_CFG.draft_vocab_size for t in allowed)

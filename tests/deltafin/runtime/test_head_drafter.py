@@ -38,13 +38,13 @@ def test_a_request_resuming_a_kept_text_drafts_as_if_it_had_seen_it(setup):
     memory = DraftMemory()
     first = HeadDrafter(head, memory)
     first.observe(TEXT, 0, _rows(feats, 0, 8))  # a prompt of 8 tokens, then its first token TEXT[8]
-    want = first.propose(TEXT[:9], 4)
+    want = first.propose(TEXT[:9], 4).tokens
     first.done(TEXT[:9])
     again = HeadDrafter(head, memory)  # the same prompt resumed whole: no forward, no features
-    assert again.propose(TEXT[:9], 4) == want
+    assert again.propose(TEXT[:9], 4).tokens == want
     assert again.first == 0 and again.next == 8
     fresh = HeadDrafter(head, DraftMemory())
-    assert fresh.propose(TEXT[:9], 4) == []  # nothing kept: it waits for a forward's rows
+    assert fresh.propose(TEXT[:9], 4).tokens == []  # nothing kept: it waits for a forward's rows
 
 
 def test_only_the_rows_both_texts_share_are_taken(setup):
@@ -63,7 +63,7 @@ def test_only_the_rows_both_texts_share_are_taken(setup):
     whole.observe(other, 0, _rows(feats, 0, 6))
     assert b.next == whole.next == 6
     assert torch.allclose(b.cache.hiddens, whole.cache.hiddens, atol=1e-6)
-    assert b.propose(other[:7], 3) == whole.propose(other[:7], 3)
+    assert b.propose(other[:7], 3).tokens == whole.propose(other[:7], 3).tokens
     # rows a forward brings that the kept cache holds already are skipped, not committed twice
     c = HeadDrafter(head, memory)
     c.observe(TEXT, 3, _rows(feats, 3, 10))

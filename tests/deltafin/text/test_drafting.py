@@ -12,6 +12,7 @@ from deltafin.errors import InvalidInput, SessionOutOfSync
 from deltafin.plan.sizing import SizingInput
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
+from deltafin.text.drafting import Drafts
 from tests.support.cluster import COORDINATOR
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 7, 64, 12]
@@ -94,15 +95,19 @@ def test_ngram_drafts_continue_the_latest_earlier_occurrence_of_the_longest_tail
     from deltafin.text.drafting import NgramDrafter
 
     d = NgramDrafter(max_ngram=3)
-    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest "1 2 3" was followed by 7 8
-    assert d.propose([5, 6, 1, 2, 4, 2], 3) == [4, 2]  # no 2- or 3-gram repeats: the 1-gram "2"
-    assert d.propose([1, 2, 3, 4], 4) == []  # nothing repeats
-    assert d.propose([7, 7, 7], 5) == [7]  # what follows the occurrence, up to the end of the text
-    assert d.propose([1, 2, 1, 2], 0) == []
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2).tokens == [7, 8]  # the latest "1 2 3": 7 8 followed
+    assert d.propose([5, 6, 1, 2, 4, 2], 3).tokens == [4, 2]  # no 2- or 3-gram repeats: the 1-gram "2"
+    assert d.propose([1, 2, 3, 4], 4).tokens == []  # nothing repeats
+    assert d.propose([7, 7, 7], 5).tokens == [7]  # what follows the occurrence, up to the end of the text
+    assert d.propose([1, 2, 1, 2], 0).tokens == []
+    assert d.propose([1, 2, 1, 2], 2).confidence is None  # prompt lookup has no probability to give
 
 
 def test_draft_length_follows_acceptance_and_the_cost_of_a_pass() -> None:
     from deltafin.text.drafting import DraftLength, PassCost, default_cost, expected_tokens
+
+    def next_of(lengths: DraftLength, n: int) -> int:
+        return lengths.next(Drafts(list(range(n))))
 
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -110,20 +115,51 @@ def test_draft_length_follows_acceptance_and_the_cost_of_a_pass() -> None:
     for _ in range(20):
         spine_bound.update(drafted=4, accepted=4)
     # every draft lands: as many as allowed (the spine is read once, the experts grow with k)
-    assert spine_bound.acceptance > 0.99 and spine_bound.next(8) == 8 and spine_bound.next(3) == 3
+    assert spine_bound.acceptance > 0.99 and next_of(spine_bound, 8) == 8 and next_of(spine_bound, 3) == 3
     for _ in range(10):
         spine_bound.update(drafted=8, accepted=4)  # about 0.8 per draft: k stops short of 8
-    assert 0.75 < spine_bound.acceptance < 0.9 and 2 <= spine_bound.next(8) < 8
+    assert 0.75 < spine_bound.acceptance < 0.9 and 2 <= next_of(spine_bound, 8) < 8
     for _ in range(40):
         spine_bound.update(drafted=4, accepted=0)
-    assert spine_bound.acceptance < 0.1 and spine_bound.next(8) == 0  # drafts that never land cost reads
+    assert spine_bound.acceptance < 0.1 and next_of(spine_bound, 8) == 0  # drafts that never land cost reads
     # where the experts are all the cost and a uniform router brings ~16 new ones per drafted token, a pass
     # costs nearly what its tokens would alone: drafting pays only when nearly every draft lands
     expert_bound = DraftLength(PassCost(fixed=0.0, per_expert=1.0, experts=896, active=16))
-    assert expert_bound.acceptance == 0.5 and expert_bound.next(8) == 0
+    assert expert_bound.acceptance == 0.5 and next_of(expert_bound, 8) == 0
     for _ in range(30):
         expert_bound.update(drafted=2, accepted=2)
-    assert expert_bound.acceptance > 0.99 and expert_bound.next(8) >= 1
+    assert expert_bound.acceptance > 0.99 and next_of(expert_bound, 8) >= 1
+
+
+def test_a_head_s_confidence_sets_the_draft_length_as_its_drafts_fared() -> None:
+    """With a drafter's confidences, each draft's acceptance is what drafts of that confidence got (Calibration):
+    a sure chain is drafted whole, a chain stops before an unsure draft, unsure drafts are not sent, and a head
+    whose sure drafts keep failing stops being believed. Priced by its experts alone (a 64 GB Mac's plan), with
+    k3-mini's router (4 of 64): a pass of n tokens reads 64·(1 − (15/16)^n) experts a layer."""
+    from deltafin.text.drafting import Calibration, DraftLength, PassCost, chain_tokens
+
+    assert chain_tokens([]) == 1.0 and chain_tokens([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    cost = PassCost(fixed=0.0, per_expert=1.0, experts=64, active=4)
+    calibration = Calibration()
+    assert calibration.acceptance(0.9995) > 0.99 and calibration.acceptance(0.1) < 0.2  # the prior: believed
+    lengths = DraftLength(cost, calibration=calibration)
+    assert lengths.next(Drafts([1, 2, 3, 4, 5], [0.9995] * 5)) == 5  # 5.98 tokens for 20.6 experts, not 1 for 4
+    # after an unsure second draft the chain is unlikely to go on: one draft (2.0 tokens for 7.75 experts)
+    assert lengths.next(Drafts([1, 2, 3], [0.9995, 0.2, 0.9995])) == 1
+    assert lengths.next(Drafts([1, 2], [0.3, 0.9995])) == 0
+    lengths.update(drafted=0, accepted=0)
+
+    calibration.update([0.9995, 0.9995, 0.9995], accepted=1)  # judged: the first (taken) and the second (not)
+    top = calibration.describe()[-1]
+    assert top["judged"] == 2.0 and top["confidence"] == 0.9961
+    assert calibration.acceptance(0.9995) == pytest.approx((4 * (0.99609375 + 1) / 2 + 1) / 6)
+    sent = []
+    for _ in range(40):  # a head sure of drafts that never land
+        k = lengths.next(Drafts([1, 2, 3, 4], [0.9995] * 4))
+        lengths.update(drafted=k, accepted=0)
+        sent.append(k)
+    assert calibration.acceptance(0.9995) < 0.5  # below what a pass of 2 tokens needs here (0.94), then only probes
+    assert sum(k > 0 for k in sent[-16:]) == 2  # only the probes, one in 8
 
 
 def test_verification_samples_exactly_the_target_distribution() -> None:
@@ -195,13 +231,13 @@ class Scripted:
     def done(self, text):
         pass
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int) -> Drafts:
         at = len(tokens) - len(self.prompt)
         out = list(self.truth[at:at + k])
         self.passes += 1
         if self.passes % 3 == 0 and len(out) >= 3:
             out[2] = (out[2] + 1) % 1000
-        return out
+        return Drafts(out)
 
 
 def _always(k: int):
@@ -268,8 +304,8 @@ async def test_sampling_with_drafts_keeps_the_distribution(tiny_dir: Path) -> No
         def __init__(self):
             pass
 
-        def propose(self, tokens: list[int], k: int) -> list[int]:
-            return [likeliest[tokens[len(PROMPT)]]][:k]
+        def propose(self, tokens: list[int], k: int) -> Drafts:
+            return Drafts([likeliest[tokens[len(PROMPT)]]][:k])
 
     engine._speculation = lambda mode: Speculation(Likeliest(), _always(1))
     counts = dict.fromkeys(exact, 0)
