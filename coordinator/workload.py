@@ -3,7 +3,8 @@ cache, the prefetcher and the drafters.
 
 For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's source)
 is answered greedily through the serving engine (deltafin.load) in each drafting mode: plainly, with
-`speculative="ngram"` and, where the model has a draft head, `speculative="draft"`; each with an expert cache of
+`speculative="ngram"` and, where the model has a draft head, `speculative="draft"` (each pass priced as the engine
+prices it, or by its expert reads alone: PASS_COSTS); each with an expert cache of
 `cache_share` of all experts, so that the bytes a mode's forwards read are what a plan that streams its experts
 reads. The drafting modes must give the plain tokens; their counters give the acceptance, the forwards per
 generated token and the expert bytes per token beside plain's. The n-gram drafter is also scored alone, at every
@@ -32,7 +33,7 @@ from deltafin.runtime.head_drafter import DRAFT_DIR
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.text.drafting import NgramDrafter
+from deltafin.text.drafting import NgramDrafter, reads_cost
 from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder
 
@@ -49,17 +50,23 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 CACHE_SHARES = (0.125, 0.25, 0.5)  # cache sizes the policies are compared at, as a share of all experts
 DRAFTS = 4  # drafts per position when the drafter is measured on its own
 DRAFT_MODES = ("plain", "ngram", "draft")  # each workload answered with each; "draft" where the model has a head
+# how the drafting modes price a pass: as the engine does (the plan, corrected by this machine's timed passes), or
+# by the experts it reads alone (drafting.reads_cost: one 64 GB Mac's plan at K3's size, where reads decide)
+PASS_COSTS = ("timed", "reads")
 
 
 def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
-                   cache_share: float = 0.25, options: Any = None) -> dict[str, Any]:
+                   cache_share: float = 0.25, options: Any = None, pass_cost: str = "timed") -> dict[str, Any]:
     """JSON-ready results per workload (see the module docstring). `options` (StageOptions) size the replay's
-    stage; its expert cache is `cache_share` of all experts unless the options set one."""
+    stage; its expert cache is `cache_share` of all experts unless the options set one. `pass_cost` (PASS_COSTS):
+    how the drafting modes price a pass when they choose their draft length."""
+    if pass_cost not in PASS_COSTS:
+        raise DeltafinError(f"unknown pass cost {pass_cost!r}: use {', '.join(PASS_COSTS)}")
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise DeltafinError(f"unknown workload {unknown[0]!r}: use {', '.join(WORKLOADS)}")
     out: dict[str, Any] = {"bench": "workload", "model": str(Path(model).resolve()), "device": device,
-                           "max_tokens": tokens, "workloads": {}}
+                           "max_tokens": tokens, "pass_cost": pass_cost, "workloads": {}}
     cfg = load_config(model)
     cache = (options.sizing.expert_cache_bytes if options is not None and options.sizing.expert_cache_bytes
              is not None else cache_bytes(cfg, cache_share))
@@ -75,6 +82,8 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
             with tempfile.TemporaryDirectory() as kept, \
                     deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
                                   expert_cache_gb=cache / GB, prefix_dir=kept) as m:  # no earlier run's states
+                if pass_cost == "reads":
+                    m.engine.price_passes(reads_cost(cfg.num_experts, cfg.experts_per_token))
                 drafting[mode] = _drafting(m, WORKLOADS[name], tokens)
         plain = drafting["plain"].pop("replies")
         for mode in DRAFT_MODES[1:]:

@@ -122,7 +122,7 @@ class Engine:
         self.draft_model = serving.draft_model  # the draft head's folder (None: the model's own draft/)
         self._draft_head: Any = None  # loaded at the first request that drafts with it
         self.draft_memory = DraftMemory()  # finished requests' draft caches, for those that resume their text
-        self._cost: FittedCost | None = None  # what a verification pass costs (pass_cost)
+        self._cost: Cost | None = None  # what a verification pass costs (pass_cost)
         self.calibration = Calibration()  # how often the draft head's drafts are taken, by its confidence
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
@@ -291,7 +291,12 @@ class Engine:
                                DraftLength(self.pass_cost(), max_k=max_k, calibration=self.calibration))
         return Speculation(NgramDrafter(), DraftLength(self.pass_cost(), max_k=max_k))
 
-    def pass_cost(self) -> FittedCost:
+    def price_passes(self, cost: Cost) -> None:
+        """Price every verification pass with `cost` from now on instead of the plan and the timed passes (the
+        workload bench asks what another machine's plan would draft: drafting.reads_cost)."""
+        self._cost = cost
+
+    def pass_cost(self) -> Cost:
         """What a verification pass costs, shared by every request: the plan's prediction (in-process stages: priced
         once, their compute measured; one 64 GB Mac's split where nothing prices it: a scripted backend), then
         fitted to the passes as they are timed (drafting.FittedCost)."""

@@ -266,7 +266,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
             raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
         return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens or 16,
                               device=args.device, cache_share=args.cache_share,
-                              options=options if args.expert_cache_gb is not None else None)
+                              options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
         from deltafin.plan.sizing import SPECULATIVE_TOKENS  # torch: loaded when the command runs
 
@@ -357,9 +357,9 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "first request, 4 generated tokens, NEW more tokens): its time to first token with the prefix "
                    "cache and without")
     p.add_argument("--workload", metavar="NAMES", help="--model: chat and/or code (comma-separated): answer a fixed "
-                   "set of such prompts greedily, with and without n-gram drafts (acceptance, forwards per token), "
-                   "and replay the answers through a streaming stage (each cache policy's hit rate on that routing "
-                   "trace, prefetch recall)")
+                   "set of such prompts greedily, plainly, with n-gram drafts and with the model's draft head "
+                   "(acceptance, forwards and expert bytes per token), and replay the answers through a streaming "
+                   "stage (each cache policy's hit rate on that routing trace, prefetch recall)")
     p.add_argument("--quality", action="store_true", help="--model: what --spine (default int8) costs against the "
                    "spine as stored (bf16): perplexity of both, mean KL divergence of the next-token distribution and "
                    "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE")
@@ -372,8 +372,13 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "experts' remembered heat (hit_rate_cold, hit_rate_warm): decode twice, each in a fresh pipeline, "
                    "the first with no heat (a folder of its own: yours is neither used nor changed), the second warmed "
                    "from the heat the first saved, on other seeded tokens")
-    p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the replay's expert cache, as a "
-                   "share of all experts (default 0.25; --expert-cache-gb sets it in GB instead)")
+    p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the expert cache of the answers "
+                   "and of the replay, as a share of all experts (default 0.25; --expert-cache-gb sets it in GB "
+                   "instead)")
+    p.add_argument("--pass-cost", choices=("timed", "reads"), default="timed", help="--workload: how the drafting "
+                   "modes price a verification pass when they choose how many drafts to send: timed (default: as "
+                   "the engine does, the plan corrected by this machine's timed passes) or reads (by the experts it "
+                   "reads alone, as on one 64 GB Mac streaming K3's experts with its spine resident)")
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from deltafin.errors import ConfigError, ModelFormatError
 from deltafin.models.common import rms_norm
-from deltafin.text.drafting import Drafts
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 ROPE_TYPES = ("default", "llama3")
@@ -292,6 +291,14 @@ class DraftCache:
     length: int = field(default=0)
 
 
+@dataclass(frozen=True)
+class Chain:
+    """A proposed chain: target token ids, and the head's probability of each given the ones before it."""
+
+    tokens: list[int]
+    confidence: list[float]
+
+
 class EagleHead:
     """A loaded head: `commit` verified rows, `propose` a greedy chain after them, `rollback` rejected ones."""
 
@@ -325,7 +332,7 @@ class EagleHead:
         cache.hiddens = torch.cat([cache.hiddens, out])
         cache.length += len(ids)
 
-    def propose(self, cache: DraftCache, k: int) -> Drafts:
+    def propose(self, cache: DraftCache, k: int) -> Chain:
         """Greedy chain of k target token ids continuing after the last committed row, each with the head's
         probability for it (its softmax over the draft vocabulary); does not change the committed cache
         (temporary positions are dropped)."""
@@ -345,7 +352,7 @@ class EagleHead:
             ids = torch.tensor([out[-1]], device=self.device)
             hidden, work.keys, work.values = self._rows(work, ids, hidden)
             work.length += 1
-        return Drafts(out, confidence)
+        return Chain(out, confidence)
 
     def rollback(self, cache: DraftCache, length: int) -> None:
         """Keep only the first `length` positions."""

@@ -129,7 +129,8 @@ class HeadDrafter:
         self._recall(tokens)
         if k < 1 or not self.cache.length:  # nothing seen yet: the next forward brings some
             return Drafts()
-        return self.head.propose(self.cache, k)
+        chain = self.head.propose(self.cache, k)
+        return Drafts(chain.tokens, chain.confidence)
 
     def done(self, text: Sequence[int]) -> None:
         """The request ended with `text`: its cache is kept for a request that resumes it."""

@@ -91,6 +91,10 @@ class Cost(Protocol):
         """One verification pass of `tokens` tokens (the token fed and its drafts)."""
         ...
 
+    def describe(self) -> str:
+        """The model in words, with what it says a pass of 0, 1, 2, 4 and 8 drafts costs."""
+        ...
+
 
 @dataclass(frozen=True)
 class PlannedCost:
@@ -170,6 +174,17 @@ class PassCost:
 
     def seconds(self, tokens: int) -> float:
         return self.fixed + self.per_expert * distinct_experts(tokens, self.experts, self.active)
+
+    def describe(self) -> str:
+        return (f"{self.fixed:.3g} + {self.per_expert:.3g} an expert of a layer the pass reads: "
+                + ", ".join(f"k={k} {self.seconds(k + 1):.3g}" for k in (0, 1, 2, 4, 8)))
+
+
+def reads_cost(experts: int, active: int) -> PassCost:
+    """A pass priced by the experts it reads alone, one token's reads being 1: one 64 GB Mac's plan at K3's size,
+    whose spine stays resident and whose token is 25.6 GB of expert reads (docs/speculative-decoding.md), where a
+    draft pays only if it saves reads."""
+    return PassCost(fixed=0.0, per_expert=1.0 / active, experts=experts, active=active)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
