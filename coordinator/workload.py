@@ -70,21 +70,10 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
     cfg = load_config(model)
     cache = (options.sizing.expert_cache_bytes if options is not None and options.sizing.expert_cache_bytes
              is not None else cache_bytes(cfg, cache_share))
-    modes = {mode: None for mode in DRAFT_MODES}
-    if not has_draft_head(model):
-        modes["draft"] = f"{model} has no draft head ({DRAFT_DIR}/)"
+    missing = None if has_draft_head(model) else f"{model} has no draft head ({DRAFT_DIR}/)"
     for name in workloads:
-        drafting: dict[str, Any] = {}
-        for mode, missing in modes.items():
-            if missing is not None:
-                drafting[mode] = {"skipped": missing}
-                continue
-            with tempfile.TemporaryDirectory() as kept, \
-                    deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
-                                  expert_cache_gb=cache / GB, prefix_dir=kept) as m:  # no earlier run's states
-                if pass_cost == "reads":
-                    m.engine.price_passes(reads_cost(cfg.num_experts, cfg.experts_per_token))
-                drafting[mode] = _drafting(m, WORKLOADS[name], tokens)
+        drafting = {mode: _mode(model, device, cache, mode, WORKLOADS[name], tokens, pass_cost)
+                    if mode != "draft" or missing is None else {"skipped": missing} for mode in DRAFT_MODES}
         plain = drafting["plain"].pop("replies")
         for mode in DRAFT_MODES[1:]:
             if "replies" in drafting[mode]:
@@ -100,6 +89,17 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
         result.update(_replay(model, device, plain, cache_share, options))
         out["workloads"][name] = result
     return out
+
+
+def _mode(model: str | Path, device: str, cache: int, mode: str, prompts: tuple[str, ...], tokens: int,
+          pass_cost: str) -> dict[str, Any]:
+    """The prompts answered in one drafting mode by a fresh engine with an expert cache of `cache` bytes."""
+    with tempfile.TemporaryDirectory() as kept, \
+            deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
+                          expert_cache_gb=cache / GB, prefix_dir=kept) as m:  # no earlier run's states
+        if pass_cost == "reads":
+            m.engine.price_passes(reads_cost(m.engine.cfg.num_experts, m.engine.cfg.experts_per_token))
+        return _drafting(m, prompts, tokens)
 
 
 def cache_bytes(cfg: Any, share: float) -> int:
@@ -182,6 +182,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
     pipe = LocalPipeline.load(model, 1, device=device, options=options)
     stage = pipe.stages[0]
     recorder = ExpertRecorder(stage.experts)
+    capacity = stage.experts.cache.budget // stage.experts.slots.slot_bytes  # the experts its cache really holds
     counted = dict.fromkeys(("lookups", "hits", "prefetch_hits", "misses"), 0)
     try:
         for i, (prompt, answer) in enumerate(sequences):
@@ -196,8 +197,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
     finally:
         pipe.close()
     return {"routing": _routing(cfg, recorder.trace, all_experts),
-            "stage_cache": _stage_cache(counted, options.sizing.expert_cache_bytes // expert_slot_bytes(cfg),
-                                        options.cache_policy)}
+            "stage_cache": _stage_cache(counted, capacity, options.cache_policy)}
 
 
 def _routing(cfg: Any, trace: list[tuple[int, list[int]]], all_experts: int) -> dict[str, Any]:

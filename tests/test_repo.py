@@ -58,7 +58,7 @@ def _defaults() -> list[str]:
     from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
     from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES
     from deltafin.text.chat import SERVING_MAX_TOKENS
-    from deltafin.text.drafting import DraftLength, FittedCost, NgramDrafter, default_cost
+    from deltafin.text.drafting import Calibration, DraftLength, FittedCost, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
     from deltafin.worker.main import build_parser as worker_parser
@@ -97,7 +97,8 @@ def _defaults() -> list[str]:
         f"never denser than every {GRID_MIN:,} tokens",
         f"`MLA_BLOCK_BYTES`, {MLA_BLOCK_BYTES >> 20} MiB",
         f"every {DraftLength.probe_every}th step probes with one draft",
-        f"(a decaying count, starting at {DraftLength.prior})",
+        f"a decaying count starting at {DraftLength.prior})",
+        "in slices of half a bit of −log2(1 − p)" if Calibration().edge(2) == 0.5 else "(the slices changed)",
         f"the last {', '.join(map(str, ngrams[:-1]))} or {ngrams[-1]} tokens",
         "the prior splits a one-token pass half and half"
         if (cost := default_cost(896, 16)).fixed == cost.per_expert * 16 else "(the cost model's split changed)",

@@ -10,11 +10,13 @@ from deltafin.coordinator.workload import CACHE_SHARES, WORKLOADS, bench_workloa
 from deltafin.errors import DeltafinError
 
 
-def test_workload_numbers_add_up(tiny_dir):
-    result = bench_workload(tiny_dir, ["chat", "code"], tokens=10, device="cpu", cache_share=0.25)
+@pytest.mark.parametrize("pass_cost", ["timed", "reads"])
+def test_workload_numbers_add_up(tiny_dir, pass_cost):
+    result = bench_workload(tiny_dir, ["chat", "code"], tokens=10, device="cpu", cache_share=0.25,
+                            pass_cost=pass_cost)
     cfg = load_config(tiny_dir)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
-    assert list(result["workloads"]) == ["chat", "code"]
+    assert list(result["workloads"]) == ["chat", "code"] and result["pass_cost"] == pass_cost
     for name, w in result["workloads"].items():
         assert w["prompts"] == len(WORKLOADS[name]) and 0 < w["generated_tokens"] <= 10 * w["prompts"]
         decoded = w["generated_tokens"] - w["prompts"]  # each answer's first token comes from its prefill
@@ -35,8 +37,11 @@ def test_workload_numbers_add_up(tiny_dir):
         lru = [r["policy_hit_rates"][f"{s:g}"]["lru"] for s in CACHE_SHARES]
         assert lru == sorted(lru)  # LRU is a stack algorithm: a larger cache never hits less
         assert r["shared_if_uniform"] == pytest.approx(cfg.experts_per_token / cfg.num_experts, abs=1e-4)
+        if pass_cost == "reads":  # every pass priced by its experts alone: 1 for one token's
+            assert d["pass_cost"].startswith("0 + ") and "reads: k=0 1, " in d["pass_cost"]
         c = w["stage_cache"]
-        assert c["capacity_experts"] == int(0.25 * all_experts)
+        # a quarter of the experts, as the stage's cache holds them (whole slots, not the experts' bytes)
+        assert c["capacity_experts"] == w["expert_cache_experts"] == int(0.25 * all_experts)
         assert c["lookups"] == decoded * len(cfg.moe_layers) * cfg.experts_per_token
         assert 0 <= c["hit_rate"] <= c["no_wait_rate"] <= 1
 
@@ -44,6 +49,8 @@ def test_workload_numbers_add_up(tiny_dir):
 def test_unknown_workload_is_refused(tiny_dir):
     with pytest.raises(DeltafinError, match="unknown workload 'poetry'"):
         bench_workload(tiny_dir, ["poetry"], tokens=4)
+    with pytest.raises(DeltafinError, match="unknown pass cost 'free'"):
+        bench_workload(tiny_dir, ["chat"], tokens=4, pass_cost="free")
 
 
 def test_the_drafter_alone_is_scored_against_the_greedy_continuation():
