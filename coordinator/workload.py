@@ -81,6 +81,9 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
                 drafting[mode]["same_tokens_as_plain"] = all(a == b for a, b in zip(replies, plain, strict=True))
                 drafting[mode]["expert_bytes_vs_plain"] = _ratio(drafting[mode]["expert_bytes_per_token"],
                                                                  drafting["plain"]["expert_bytes_per_token"])
+                drafting[mode]["drafted_passes_bytes_vs_plain"] = _ratio(
+                    drafting[mode]["passes"]["drafted"]["expert_bytes_per_token"],
+                    drafting["plain"]["expert_bytes_per_token"])
         drafting["plain"]["same_tokens_as_plain"] = True
         result = {"prompts": len(plain), "generated_tokens": sum(len(t) for _, t in plain),
                   "expert_cache_bytes": cache, "expert_cache_experts": cache // expert_slot_bytes(cfg),
@@ -130,24 +133,65 @@ def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, An
     that the counters and the expert bytes are the decode's. The answers come back under "replies" ((prompt ids,
     answer ids) each) for the caller to compare."""
     c = model.engine.counters
-    replies = []
+    replies, by_kind = [], {"drafted": [0, 0, 0], "undrafted": [0, 0, 0]}  # passes, tokens, bytes
     drafted = accepted = forwards = read = decoded = 0
     for p in prompts:
         _ask(model, p, 1)
         before = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
-        r = _ask(model, p, tokens)
+        with PassMeter(model.engine.backend.pipeline) as meter:
+            r = _ask(model, p, tokens)
         after = (c.draft_tokens, c.accepted_tokens, c.forwards, _expert_bytes(model))
         d = [a - b for a, b in zip(after, before, strict=True)]
         drafted, accepted, forwards, read = drafted + d[0], accepted + d[1], forwards + d[2], read + d[3]
         # the first token of an answer comes from its prompt's forward; the stop token, if any, counts
         decoded += r.usage.completion_tokens - 1
+        meter.add_to(by_kind, len(r.prompt_ids), r.usage.completion_tokens - 1)
         replies.append((r.prompt_ids, r.token_ids))
     return {"draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "forwards": forwards, "forwards_per_token": round(forwards / decoded, 4) if decoded else None,
             "expert_bytes_per_token": round(read / decoded) if decoded else None, "replies": replies,
+            "passes": {kind: {"passes": n, "tokens": t, "expert_bytes_per_token": round(b / t) if t else None}
+                       for kind, (n, t, b) in by_kind.items()},
             "pass_cost": model.engine.pass_cost().describe() if model.engine.speculative != "none" else None,
             "calibration": model.engine.calibration.describe() if model.engine.speculative == "draft" else None}
+
+
+class PassMeter:
+    """An in-process pipeline's forwards while it is on: each one's position, the tokens it fed (this bench runs
+    one sequence at a time) and the expert bytes its stages read meanwhile. Split by whether the pass verified
+    drafts (fed more than the one token), that says what drafting reads where the engine chose to draft."""
+
+    def __init__(self, pipeline: Any):
+        self.pipeline, self.forward, self.passes = pipeline, pipeline.forward, []
+
+    def _read(self) -> int:
+        return sum(s.stats().get("experts", {}).get("bytes_read", 0) for s in self.pipeline.stages)
+
+    def _metered(self, batch: list[SeqInput], *args: Any, **kwargs: Any) -> Any:
+        before = self._read()
+        out = self.forward(batch, *args, **kwargs)
+        self.passes.append((batch[0].cache_len, batch[0].num_tokens, self._read() - before))
+        return out
+
+    def __enter__(self) -> PassMeter:
+        self.pipeline.forward = self._metered
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.pipeline.forward  # the class's own again
+
+    def add_to(self, by_kind: dict[str, list[int]], prompt: int, decoded: int) -> None:
+        """Add this answer's decode passes (passes, tokens, bytes) to `by_kind` (a forward of the prompt, where the
+        kept one was lost, is none): a pass yields the tokens up to where the next one starts; the last, what the
+        answer has left."""
+        passes = [p for p in self.passes if p[0] >= prompt]
+        for i, (at, fed, read) in enumerate(passes):
+            tokens = passes[i + 1][0] - at if i + 1 < len(passes) else decoded
+            decoded -= tokens
+            counts = by_kind["drafted" if fed > 1 else "undrafted"]
+            for j, v in enumerate((1, tokens, read)):
+                counts[j] += v
 
 
 def drafter_alone(sequences: list[tuple[list[int], list[int]]], k: int = DRAFTS) -> dict[str, Any]:

@@ -31,6 +31,18 @@ def test_workload_numbers_add_up(tiny_dir, pass_cost):
         assert plain["expert_bytes_per_token"] > 0
         assert d["expert_bytes_vs_plain"] == pytest.approx(d["expert_bytes_per_token"]
                                                            / plain["expert_bytes_per_token"], abs=1e-3)
+        # every decode pass metered: a plain one feeds one token and yields one; with drafts, the passes that
+        # verified some and those that did not share the forwards and the tokens
+        assert plain["passes"]["drafted"]["passes"] == 0
+        assert plain["passes"]["undrafted"]["passes"] == plain["passes"]["undrafted"]["tokens"] == decoded
+        assert plain["passes"]["undrafted"]["expert_bytes_per_token"] == plain["expert_bytes_per_token"]
+        split = d["passes"]
+        assert split["drafted"]["passes"] + split["undrafted"]["passes"] == d["forwards"]
+        assert split["drafted"]["tokens"] + split["undrafted"]["tokens"] == decoded
+        assert split["undrafted"]["passes"] == split["undrafted"]["tokens"]
+        # a drafted pass yields 1 + its accepted drafts (the last of an answer maybe fewer: the answer ended)
+        assert split["drafted"]["tokens"] - split["drafted"]["passes"] == decoded - d["forwards"] \
+            <= d["accepted_tokens"]
         r = w["routing"]
         assert r["decode_steps"] == decoded
         assert set(r["policy_hit_rates"]) == {f"{s:g}" for s in CACHE_SHARES}
@@ -65,3 +77,21 @@ def test_the_drafter_alone_is_scored_against_the_greedy_continuation():
                    "taken_per_position": 0.9}
     none = drafter_alone([([2, 3], [10, 11, 12, 13])], k=3)  # nothing repeats: never a guess
     assert none["proposed_share"] == 0 and none["taken_per_position"] == 0
+
+
+def test_a_pass_yields_the_tokens_up_to_where_the_next_one_starts():
+    from deltafin.coordinator.workload import PassMeter
+
+    class Pipeline:
+        stages = ()
+
+        def forward(self, batch):
+            raise AssertionError("not run")
+
+    meter = PassMeter(Pipeline())
+    # a lost prompt fed again (position 0), then passes at 10 (1 token), 11 (the token and 3 drafts: 2 taken),
+    # 14 (1 token), 15 (the token and 2 drafts; the answer ends after 2 of them)
+    meter.passes = [(0, 10, 50), (10, 1, 7), (11, 4, 20), (14, 1, 6), (15, 3, 15)]
+    by_kind = {"drafted": [0, 0, 0], "undrafted": [0, 0, 0]}
+    meter.add_to(by_kind, prompt=10, decoded=7)
+    assert by_kind == {"drafted": [2, 3 + 2, 20 + 15], "undrafted": [2, 2, 7 + 6]}
