@@ -44,12 +44,12 @@ TRAINED = ("fc", "input_norm", "hidden_norm", "q", "k", "v", "o", "post_norm", "
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
-    prompts: int = 768  # training prompts answered by the target
+    prompts: int = 2304  # training prompts answered by the target
     max_tokens: int = 96  # each answer's length at most
     aux_layers: tuple[int, ...] = (2, 4, 5)
     draft_vocab: int = 4096
     intermediate_size: int = 512
-    steps: int = 600
+    steps: int = 1200
     batch: int = 16  # sequences a step
     unroll: int = 3  # training-time-test steps after the first
     lr: float = 3e-3

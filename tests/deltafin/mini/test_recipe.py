@@ -32,8 +32,8 @@ SHIPPED = {  # sha256 of every file: a changed model must change this table, and
     "tiktoken.model": "1b5b007dadd69e77988954752dc3b55dcfc57361db6fa952ec1fd811a5070111",
     "tokenizer_config.json": "0112c2a25453d664f608ff2a519a4e7529c8544d5dc3250956d58d3aa7a06beb",
     # its draft head (tools/k3_mini.py draft; trained on the CPU, so its bytes are the 2-core VM's arithmetic)
-    "draft/config.json": "87662724f0b4226959a98e3273793bf64a5b509ff7d5e773085f73066ed57875",
-    "draft/model.safetensors": "0eae7afd1e19706a276fb4896fa814b6ec6f1b809c934c7a7c945e40a2421d12",
+    "draft/config.json": "1dc0f20fe4d9a2bf7ac50e463ffa0bbedbbe463bb7ccd09c403a2f2f8e3ed3bd",
+    "draft/model.safetensors": "b8285387bd41ca85144007d0898c86bb194e40440e7fb7ddaf5b6169e219e486",
 }
 
 
