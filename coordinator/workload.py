@@ -159,8 +159,8 @@ def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, An
 
 class PassMeter:
     """An in-process pipeline's forwards while it is on: each one's position, the tokens it fed (this bench runs
-    one sequence at a time) and the expert bytes its stages read meanwhile. Split by whether the pass verified
-    drafts (fed more than the one token), that says what drafting reads where the engine chose to draft."""
+    one sequence at a time) and the expert bytes its stages read meanwhile; split by whether each pass verified
+    drafts (fed more than its one token), they say what drafting reads where the engine chose to draft."""
 
     def __init__(self, pipeline: Any):
         self.pipeline, self.forward, self.passes = pipeline, pipeline.forward, []

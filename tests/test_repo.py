@@ -260,7 +260,7 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
     from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingInput
-    from deltafin.text.drafting import distinct_experts, expected_tokens
+    from deltafin.text.drafting import chain_tokens, distinct_experts
 
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")
     (stage,) = plan_layers(cfg, [mac], SizingInput(speculative_tokens=SPECULATIVE_TOKENS)).stages
@@ -282,7 +282,7 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
                for k in range(len(measured))]
 
     def best(a: float, growth: list[float]) -> tuple[float, int, float, float]:
-        return max((expected_tokens(a, k) / s, k, expected_tokens(a, k), s) for k, s in
+        return max((chain_tokens([a] * k) / s, k, chain_tokens([a] * k), s) for k, s in
                    enumerate((spine + experts * g) / MAC_SSD_GBPS / EFFICIENCY for g in growth))
 
     rows = [header]

@@ -187,13 +187,6 @@ def reads_cost(experts: int, active: int) -> PassCost:
     return PassCost(fixed=0.0, per_expert=1.0 / active, experts=experts, active=active)
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one pass yields with k drafts, each accepted with probability `acceptance` given the ones
-    before it: 1 + a + a^2 + ... + a^k."""
-    a = min(max(acceptance, 0.0), 1.0)
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
 def chain_tokens(acceptances: Sequence[float]) -> float:
     """Tokens one pass yields when draft i is accepted with probability acceptances[i] given the ones before
     it (a chain stops at its first rejection): 1 + a0 + a0·a1 + ..."""

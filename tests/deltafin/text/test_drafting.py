@@ -104,13 +104,13 @@ def test_ngram_drafts_continue_the_latest_earlier_occurrence_of_the_longest_tail
 
 
 def test_draft_length_follows_acceptance_and_the_cost_of_a_pass() -> None:
-    from deltafin.text.drafting import DraftLength, PassCost, default_cost, expected_tokens
+    from deltafin.text.drafting import DraftLength, PassCost, chain_tokens, default_cost
 
     def next_of(lengths: DraftLength, n: int) -> int:
         return lengths.next(Drafts(list(range(n))))
 
-    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert chain_tokens([0.0] * 5) == 1.0 and chain_tokens([1.0] * 5) == 6.0
+    assert chain_tokens([0.5] * 2) == pytest.approx(1.75)
     spine_bound = DraftLength(default_cost(896, 16))  # half of a one-token pass is fixed (a 64 GB Mac)
     for _ in range(20):
         spine_bound.update(drafted=4, accepted=4)
