@@ -34,7 +34,7 @@ from deltafin.coordinator.engine.token_loop import (
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.plan.predict import forward_read_bytes
 from deltafin.plan.sizing import SPECULATIVE_TOKENS
-from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, open_head
+from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import (
@@ -123,7 +123,7 @@ class Engine:
         self._draft_head: Any = None  # loaded at the first request that drafts with it
         self.draft_memory = DraftMemory()  # finished requests' draft caches, for those that resume their text
         self._cost: Cost | None = None  # what a verification pass costs (pass_cost)
-        self.calibration = Calibration()  # how often the draft head's drafts are taken, by its confidence
+        self.calibration = Calibration()  # how often the draft head's drafts are taken (draft_head: the one it ships)
         self.scheduler = Scheduler(backend, serving.max_active, serving.queue_depth, serving.pipeline_depth,
                                    serving.prefill_batches == "ride")
         self.counters = Counters()
@@ -287,7 +287,8 @@ class Engine:
         if max_k < 1:
             return None
         if mode == "draft":
-            return Speculation(HeadDrafter(self.draft_head(), self.draft_memory),
+            head = self.draft_head()  # first: loading it sets the calibration it ships
+            return Speculation(HeadDrafter(head, self.draft_memory),
                                DraftLength(self.pass_cost(), max_k=max_k, calibration=self.calibration))
         return Speculation(NgramDrafter(), DraftLength(self.pass_cost(), max_k=max_k))
 
@@ -315,6 +316,7 @@ class Engine:
             if self.model_dir is None:
                 raise DraftUnavailable("--speculative draft needs the model's directory (a served model)")
             self._draft_head = open_head(self.draft_model, self.model_dir, self.cfg)
+            self.calibration = head_calibration(self.draft_model, self.model_dir)
         return self._draft_head
 
     async def worker_stats(self) -> list[dict[str, Any]]:

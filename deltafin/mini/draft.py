@@ -10,7 +10,8 @@ vocabulary (the `draft_vocab` tokens the target answers with most, d2t mapping t
 
 `chains` runs the same computation greedily (each step fed the head's own argmax) and says, for every position,
 how many drafts in a row the target would accept; `speculate` turns that into the forwards per generated token
-of greedy speculative decoding with k drafts a pass.
+of greedy speculative decoding with k drafts a pass, and `calibration` into how often drafts of each confidence
+are taken (what the engine starts from: text/drafting.py's `Calibration`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from deltafin.models.eagle import (
     logits_of,
     project,
 )
+from deltafin.text.drafting import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ TRAINED = ("fc", "input_norm", "hidden_norm", "q", "k", "v", "o", "post_norm", "
 @dataclass(frozen=True)
 class DraftTrainConfig:
     prompts: int = 2304  # training prompts answered by the target
+    calibration_prompts: int = 256  # other training prompts, the head's calibration measured on their answers
     max_tokens: int = 96  # each answer's length at most
     aux_layers: tuple[int, ...] = (2, 4, 5)
     draft_vocab: int = 4096
@@ -215,29 +219,49 @@ def _lr(tc: DraftTrainConfig, step: int) -> float:
 # ---- what the head is worth ---------------------------------------------------------------------------------
 
 
-def chains(head: EagleHead, data: Features, k: int) -> list[list[int]]:
-    """For every sequence, at each anchor row from the prompt's last on: how many of the head's k greedy
-    drafts after it the target accepts in a row (its argmax, teacher-forced)."""
+def drafted(head: EagleHead, data: Features, k: int) -> Iterator[tuple[list[int], list[list[float]]]]:
+    """For every sequence, at each anchor row from the prompt's last on: how many of the head's k greedy drafts
+    after it the target accepts in a row (its argmax, teacher-forced), and the head's probability for each of
+    those it can judge (the drafts before the answer's end)."""
     to_draft = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     draft_ids = torch.arange(head.config.draft_vocab_size)
-    to_draft[draft_ids + head.weights.d2t.cpu()] = draft_ids
-    out = []
+    d2t = head.weights.d2t.cpu()
+    to_draft[draft_ids + d2t] = draft_ids
     with torch.no_grad():
         for i in range(len(data.starts)):
             batch = make_batch(data, [i], to_draft, k + 2)
             t, s = batch.features.shape[1], data.starts[i]
-            targets = [data.labels[data.offsets[i]:data.offsets[i + 1]]]
+            targets = data.labels[data.offsets[i]:data.offsets[i + 1]]
             right = torch.zeros(t, dtype=torch.long)
             alive = torch.ones(t, dtype=torch.bool)
+            confidence = torch.zeros(t, k)
             for j, logits in enumerate(unrolled(head.config, head.weights, batch, k, greedy=True)):
-                draft = logits[0].argmax(-1)
+                probs = logits[0].float().softmax(-1)
+                confidence[:, j], draft = probs.max(-1)
                 target = torch.full((t,), -1, dtype=torch.long)
                 n = max(0, t - j - 2)  # rows whose step j predicts an answer token (position t+j+1 <= T-2)
-                target[:n] = targets[0][j + 1:j + 1 + n]
-                alive &= (draft + head.weights.d2t.cpu()[draft]) == target
+                target[:n] = targets[j + 1:j + 1 + n]
+                alive &= (draft + d2t[draft]) == target
                 right += alive.long()
-            out.append(right[s - 1:t - 1].tolist())
-    return out
+            yield (right[s - 1:t - 1].tolist(),
+                   [confidence[r, :max(0, min(k, t - 2 - r))].tolist() for r in range(s - 1, t - 1)])
+
+
+def chains(head: EagleHead, data: Features, k: int) -> list[list[int]]:
+    """For every sequence, at each anchor row from the prompt's last on: how many of the head's k greedy
+    drafts after it the target accepts in a row (its argmax, teacher-forced)."""
+    return [right for right, _ in drafted(head, data, k)]
+
+
+def calibration(head: EagleHead, data: Features, k: int) -> Calibration:
+    """How often the head's drafts are taken by the confidence it gives them (text/drafting.py's slices), its
+    greedy chain of k judged at every position as a verify pass judges it: up to the first rejection."""
+    measured = Calibration()
+    for right, confidence in drafted(head, data, k):
+        for taken, drafts in zip(right, confidence, strict=True):
+            if drafts:
+                measured.update(drafts, taken)
+    return measured
 
 
 def speculate(chain: list[list[int]], k: int) -> dict[str, float]:

@@ -6,7 +6,8 @@
   train     `synth --preset mini` (seeded) as the starting point, trained (train.py) and exported in the
             K3 layout with MXFP4 experts (export.py), the vocabulary copied in
   draft     the EAGLE-3 draft head: the trained model's own answers to training prompts, its features on them
-            (draft_data.py), the head trained on them (draft.py), written beside the model (eagle_export.py)
+            (draft_data.py), the head trained on them (draft.py), measured (its acceptance on the bench's
+            prompts, its calibration on other training prompts) and written beside the model (eagle_export.py)
 Everything is seeded: the same Python and seed give the same data and the same starting weights; the
 trained weights then depend only on the device's arithmetic.
 """
@@ -35,6 +36,7 @@ from deltafin.mini.export import export
 from deltafin.mini.synth import synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
 from deltafin.models.eagle import EagleHead
+from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.text import vocab
 from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.draft_head import load_eagle
@@ -125,14 +127,16 @@ def train_draft(data: Path, model_dir: Path, out: Path, tc: DraftTrainConfig, ex
     tmp_out = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     eagle_export.write_head(tmp_out, hcfg, w, {})
-    table = _measure(load_eagle(tmp_out, model_dir, "cpu"), cache, model_dir, tc, measure)  # as shipped (bf16)
+    shipped = load_eagle(tmp_out, model_dir, "cpu")  # as shipped (bf16)
+    table = _measure(shipped, cache, model_dir, tc, measure)
+    calibration = _calibration(shipped, data, model_dir, tc, exclude)
     trained = {"recipe": "python tools/k3_mini.py draft --data DATA (deltafin/mini/draft.py)",
                "target": "deltafin/assets/k3-mini", "train": {**asdict(tc), "aux_layers": list(tc.aux_layers)},
                "data": {"prompts": len(answered), "answer_tokens": sum(len(a.ids) - a.start for a in answered),
                         "positions": int(feats.ids.numel()), "excluded_prompts": len(exclude)},
                "final_loss": history[-1]["loss"], "final_accuracy": history[-1]["accuracy"],
                "seconds": round(time.perf_counter() - t0), "device": "cpu",
-               "offline_acceptance": table}
+               "offline_acceptance": table, "calibration": calibration}
     eagle_export.write_head(tmp_out, hcfg, w, trained)
     shutil.rmtree(out, ignore_errors=True)
     tmp_out.rename(out)
@@ -149,6 +153,21 @@ def _measure(head: EagleHead, cache: Path, model_dir: Path, tc: DraftTrainConfig
         table[name] = draft.acceptance_table(head, _cached_features(
             cache / f"measure-{name}-{tc.max_tokens}-aux{aux}.features.pt", model_dir, ans, tc.aux_layers))
     return table
+
+
+def _calibration(head: EagleHead, data: Path, model_dir: Path, tc: DraftTrainConfig, exclude: set[str]
+                 ) -> list[dict[str, float]]:
+    """How often the head's drafts are taken by their confidence (draft.calibration, chains of the most drafts a
+    pass verifies), on the target's answers to `tc.calibration_prompts` training questions the head was not
+    trained on, nor the bench: what an engine starts from (text/drafting.py's `Calibration.shipped`)."""
+    trained_on = set(draft_data.training_prompts(data, tc.prompts, tc.seed, exclude))
+    name = f"calibrate-{tc.calibration_prompts}-{tc.max_tokens}-s{tc.seed}-after{tc.prompts}"
+    answered = _cached_answers(data / "draft" / f"{name}.answers.jsonl", model_dir, tc.max_tokens,
+                               lambda: draft_data.training_prompts(data, tc.calibration_prompts, tc.seed + 1,
+                                                                   exclude | trained_on))
+    aux = "-".join(map(str, tc.aux_layers))
+    feats = _cached_features(data / "draft" / f"{name}-aux{aux}.features.pt", model_dir, answered, tc.aux_layers)
+    return draft.calibration(head, feats, SPECULATIVE_TOKENS - 1).describe()
 
 
 def _cached_answers(path: Path, model_dir: Path, max_tokens: int, prompts: Callable[[], list[str]]

@@ -13,6 +13,7 @@ it covers; a new request starts from the longest one its own text begins with, c
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.devices import resolve_device
 from deltafin.errors import DraftUnavailable, ModelFormatError
 from deltafin.models.eagle import DraftCache, EagleHead
-from deltafin.text.drafting import Drafts
+from deltafin.text.drafting import Calibration, Drafts
 from deltafin.weights.draft_head import load_eagle
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,29 @@ class HeadDrafter:
             self.memory.keep(Kept(tuple(text[:self.next + 1]), self.first, self.cache))
 
 
+def head_dir(path: str | Path | None, model_dir: str | Path) -> Path:
+    """Where a draft head is: `path`, else the model's own `draft/` folder."""
+    return Path(path) if path is not None else Path(model_dir) / DRAFT_DIR
+
+
+def head_calibration(path: str | Path | None, model_dir: str | Path) -> Calibration:
+    """How often the head's drafts are taken by their confidence, as its recipe measured it on answers it was not
+    trained on (config.json: `deltafin_trained.calibration`); where it ships none, or one of other slices (said in
+    the log), each slice's middle."""
+    config = head_dir(path, model_dir) / "config.json"
+    try:
+        slices = json.loads(config.read_text()).get("deltafin_trained", {}).get("calibration")
+        return Calibration() if slices is None else Calibration.shipped(slices)
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("the draft head's calibration in %s is not used: %s", config, e)
+        return Calibration()
+
+
 def open_head(path: str | Path | None, model_dir: str | Path, cfg: ModelConfig, device: str = "auto") -> EagleHead:
     """The draft head at `path` (None: the model's own `draft/` folder) for the model `cfg` of `model_dir` (whose
     embedding it reads if it brings none), on `device`; DraftUnavailable where there is none, it cannot be read or it
     is another model's."""
-    where = Path(path) if path is not None else Path(model_dir) / DRAFT_DIR
+    where = head_dir(path, model_dir)
     if not (where / "config.json").is_file():
         raise DraftUnavailable(f"--speculative draft needs a draft head: {where} has no config.json (give "
                             "--draft-model DIR, an EAGLE-3 head for this model)" if path is not None else

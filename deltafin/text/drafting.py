@@ -208,18 +208,37 @@ class Calibration:
     """How often a drafter's drafts are taken, by the confidence p it gave them, in slices of equal steps of
     -log2(1 - p) (half a bit each: [0, 0.29), [0.29, 0.5), [0.5, 0.65), ... up to 1 - 2^-8, then the rest), since a
     trained head puts most drafts near p = 1, where a slice of 0.9-1.0 would hide the difference between 0.9
-    and 0.999. Each slice starts from its middle worth `prior_weight` drafts (a head trained on the model's own
-    answers is about calibrated), then counts every judged draft (those up to a pass's first rejection). One per
-    engine and drafter: every request's passes teach it."""
+    and 0.999. Each slice starts from `prior` (what the head's recipe measured on answers it was not trained
+    on: `shipped`) or else its middle (a head trained on the model's own answers is about calibrated), worth
+    `prior_weight` drafts, then counts every judged draft (those up to a pass's first rejection). One per engine
+    and drafter: every request's passes teach it."""
 
     bins: int = 17
     prior_weight: float = 4.0
+    prior: Sequence[float] | None = None  # the share taken each slice starts from (None: its middle)
     taken: list[float] = field(init=False)
     judged: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.prior is not None and len(self.prior) != self.bins:
+            raise ValueError(f"a calibration prior has {self.bins} slices, not {len(self.prior)}")
+        prior = self.prior or [(self.edge(i) + self.edge(i + 1)) / 2 for i in range(self.bins)]
         self.judged = [self.prior_weight] * self.bins
-        self.taken = [(self.edge(i) + self.edge(i + 1)) / 2 * self.prior_weight for i in range(self.bins)]
+        self.taken = [min(max(p, 0.0), 1.0) * self.prior_weight for p in prior]
+
+    @classmethod
+    def shipped(cls, slices: Sequence[Mapping[str, float]]) -> Calibration:
+        """From a measured calibration as `describe` gives it (a head's config.json: `deltafin_trained.calibration`);
+        ValueError where its slices are not these."""
+        edges = [round(cls().edge(i), 4) for i in range(cls.bins)]
+        try:
+            got = [round(float(s["confidence"]), 4) for s in slices]
+            shares = [float(s["taken"]) for s in slices]
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"a calibration is a list of {{confidence, taken}} slices ({e})") from None
+        if got != edges:
+            raise ValueError(f"a calibration's slices start at {got}, not at {edges}")
+        return cls(prior=shares)
 
     def edge(self, i: int) -> float:
         """The lowest confidence of slice i (1.0 past the last)."""
@@ -262,6 +281,7 @@ class DraftLength:
     prior_weight: float = 4.0
     decay: float = 0.9  # per pass: recent passes count more (a conversation changes character)
     probe_every: int = 8
+    probe_sure: float = 0.99  # the least confidence of a calibrated drafter's probe
     taken: float = field(init=False)
     judged: float = field(init=False)
     _idle: int = field(init=False, default=0)
@@ -284,14 +304,19 @@ class DraftLength:
             self.calibration.update(self._pending[:drafted], accepted)
         self._pending = []
 
+    def _calibrated(self, drafts: Drafts) -> bool:
+        return drafts.confidence is not None and self.calibration is not None
+
     def _acceptances(self, drafts: Drafts) -> list[float]:
-        if drafts.confidence is not None and self.calibration is not None:
+        if self._calibrated(drafts):
             return [self.calibration.acceptance(c) for c in drafts.confidence]
         return [self.acceptance] * len(drafts.tokens)
 
     def next(self, drafts: Drafts) -> int:
         """How many of `drafts` to verify. When none pay, every `probe_every`-th such step still verifies one, so
-        that a text that turns repetitive is noticed."""
+        that a text that turns repetitive is noticed; a calibrated drafter's only when its first draft is one the
+        head is sure of (`probe_sure`): whether those land is what drafting long hangs on, and a few early
+        misses must not end it, while a draft the head doubts would read for little."""
         available = min(self.max_k, len(drafts.tokens))
         acceptances = self._acceptances(drafts)
         best, best_rate = 0, 1.0 / self.cost.seconds(1)
@@ -299,7 +324,7 @@ class DraftLength:
             rate = chain_tokens(acceptances[:k]) / self.cost.seconds(k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and available:
+        if best == 0 and available and (not self._calibrated(drafts) or drafts.confidence[0] >= self.probe_sure):
             self._idle += 1
             if self._idle >= self.probe_every:
                 self._idle, best = 0, 1

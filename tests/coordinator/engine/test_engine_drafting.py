@@ -4,12 +4,14 @@ the plain output, token for token, however the layers are split and however many
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 
 import deltafin
 from deltafin.errors import DeltafinError
+from deltafin.text.drafting import Calibration
 from tests.support.draft_heads import write_random_head
 
 MESSAGES = [[{"role": "user", "content": "What does `json.dumps` do?"}],
@@ -72,3 +74,17 @@ def test_no_head_or_another_models_head_is_said_at_load(tiny_dir, small_dir, tmp
     other = write_random_head(tmp_path / "other", small_dir, aux_layers=(1, 2, 3))  # layers tiny has too
     with pytest.raises(DeltafinError, match="another model"):
         deltafin.load(tiny_dir, "cpu", progress=False, speculative="draft", draft_model=str(other))
+
+
+def test_the_engine_starts_from_the_calibration_a_head_ships(tiny_dir, tmp_path):
+    """A head whose config.json carries its recipe's calibration (`deltafin_trained.calibration`): the engine's
+    drafting starts from it, not from the slices' middles."""
+    path = write_random_head(tmp_path / "draft", tiny_dir)
+    measured = Calibration()
+    for _ in range(100):
+        measured.update([0.4], accepted=1)  # drafts of 0.4 taken every time
+    config = json.loads((path / "config.json").read_text())
+    config["deltafin_trained"] = {"calibration": measured.describe()}
+    (path / "config.json").write_text(json.dumps(config))
+    with deltafin.load(tiny_dir, "cpu", progress=False, speculative="draft", draft_model=str(path)) as m:
+        assert m.engine.calibration.acceptance(0.4) > 0.95 > Calibration().acceptance(0.4)

@@ -3,6 +3,7 @@ acceptance count against a direct simulation, and the shipped head on answers it
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import deltafin
@@ -10,6 +11,7 @@ from deltafin.mini import draft
 from deltafin.mini.draft_data import Answered, Features, target_features
 from deltafin.models import eagle
 from deltafin.paths import bundled_model
+from deltafin.text.drafting import Calibration
 from deltafin.weights.draft_head import load_eagle
 
 TINY = draft.DraftTrainConfig(aux_layers=(0, 1), draft_vocab=24, intermediate_size=32, steps=30, batch=3,
@@ -51,23 +53,36 @@ def test_training_lowers_the_loss_and_is_deterministic_with_the_seed():
 
 def test_chains_count_what_propose_would_have_drafted():
     """chains() (every anchor at once) == propose() on a cache committed up to each anchor, compared with the
-    target's tokens; speculate() then counts passes as a decoding loop would."""
+    target's tokens, and so are the confidences calibration() counts; speculate() then counts passes as a
+    decoding loop would."""
     data = tiny_data(1)
     cfg, w, _ = tiny_head(1)
     head = eagle.EagleHead(cfg, w)
     counted = draft.chains(head, data, 3)
-    for i in range(2):
+    judged = list(draft.drafted(head, data, 3))
+    by_hand = Calibration()
+    for i in range(len(data.starts)):
         o, s, e = data.offsets[i], data.starts[i], data.offsets[i + 1]
         for anchor in range(s - 1, e - o - 1):
             cache = head.new_cache()
             head.commit(cache, data.features[o:o + anchor + 1].float(), data.ids[o + 1:o + anchor + 2])
             truth = data.labels[o + anchor + 1:e - 1].tolist()
+            chain = head.propose(cache, 3)
             right = 0
-            for d, t in zip(head.propose(cache, 3).tokens, truth, strict=False):
+            for d, t in zip(chain.tokens, truth, strict=False):
                 if d != t:
                     break
                 right += 1
-            assert counted[i][anchor - s + 1] == right
+            assert counted[i][anchor - s + 1] == right == judged[i][0][anchor - s + 1]
+            # the head's probability for each draft the answer can judge (those before its end), as propose gives it
+            sure = judged[i][1][anchor - s + 1]
+            assert sure == pytest.approx(chain.confidence[:len(truth)], abs=1e-5)
+            if truth:
+                by_hand.update(chain.confidence[:len(truth)], right)
+    measured = draft.calibration(head, data, 3).describe()
+    assert sum(s["judged"] for s in measured) > 0
+    for got, want in zip(measured, by_hand.describe(), strict=True):  # a confidence within 1e-5 of a slice's edge
+        assert got == pytest.approx(want, abs=1e-3)                   # would move a draft: none does here
     assert draft.speculate([[0, 0, 0, 0, 0]], 2) == {"passes": 4, "tokens": 4, "tokens_per_pass": 1.0,
                                                      "forwards_per_token": 1.0}
     run = draft.speculate([[3, 9, 9, 0, 0, 0, 0]], 2)  # 3 tokens (2 drafts capped by k), then 1 a pass

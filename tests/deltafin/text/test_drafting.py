@@ -159,7 +159,47 @@ def test_a_head_s_confidence_sets_the_draft_length_as_its_drafts_fared() -> None
         lengths.update(drafted=k, accepted=0)
         sent.append(k)
     assert calibration.acceptance(0.9995) < 0.5  # below what a pass of 2 tokens needs here (0.94), then only probes
-    assert sum(k > 0 for k in sent[-16:]) == 2  # only the probes, one in 8
+    assert sum(k > 0 for k in sent[-16:]) == 2  # only the probes, one in 8 ...
+    doubted = [lengths.next(Drafts([1, 2, 3, 4], [0.6, 0.9995, 0.9995, 0.9995])) for _ in range(16)]
+    assert doubted == [0] * 16  # ... and only of a draft the head is sure of (probe_sure)
+    blind = DraftLength(cost, calibration=calibration)  # prompt lookup gives no confidence: it probes, one in 8
+    for _ in range(40):
+        blind.update(drafted=4, accepted=0)
+    assert sum(blind.next(Drafts([1, 2, 3, 4])) > 0 for _ in range(16)) == 2
+
+
+def test_a_head_starts_from_the_calibration_its_recipe_measured(tmp_path: Path, caplog) -> None:
+    """`Calibration.shipped` takes `describe`'s slices back (a head's config.json), refuses other slices; the
+    engine reads it from the head's folder, and a head without one, or with a broken one, starts from the
+    slices' middles (said in the log)."""
+    import json
+
+    from deltafin.runtime.head_drafter import head_calibration
+    from deltafin.text.drafting import Calibration
+
+    measured = Calibration()
+    for _ in range(400):
+        measured.update([0.95, 0.6], accepted=1)  # 0.95 always taken, 0.6 never
+    slices = measured.describe()
+    shipped = Calibration.shipped(slices)
+    assert shipped.acceptance(0.95) == pytest.approx(slices[8]["taken"]) and shipped.acceptance(0.95) > 0.99
+    assert shipped.acceptance(0.6) == pytest.approx(slices[2]["taken"]) and shipped.acceptance(0.6) < 0.01
+    assert shipped.acceptance(0.1) == pytest.approx(Calibration().acceptance(0.1), abs=1e-3)  # unmeasured: the middle
+    with pytest.raises(ValueError, match="slices start at"):
+        Calibration.shipped(slices[:-1])
+    with pytest.raises(ValueError, match="confidence, taken"):
+        Calibration.shipped([{"confidence": 0.0}] * 17)
+
+    head = tmp_path / "draft"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"deltafin_trained": {"calibration": slices}}))
+    assert head_calibration(None, tmp_path).acceptance(0.6) < 0.01
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert head_calibration(head, tmp_path).acceptance(0.6) == Calibration().acceptance(0.6)
+    assert not caplog.records
+    (head / "config.json").write_text(json.dumps({"deltafin_trained": {"calibration": slices[:3]}}))
+    assert head_calibration(head, tmp_path).acceptance(0.6) == Calibration().acceptance(0.6)
+    assert "calibration" in caplog.text and "not used" in caplog.text
 
 
 def test_verification_samples_exactly_the_target_distribution() -> None:
