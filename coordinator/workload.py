@@ -3,10 +3,10 @@ cache, the prefetcher and the drafters.
 
 For each workload, a fixed set of chat prompts (questions about Python, or requests for a function's source)
 is answered greedily through the serving engine (deltafin.load) in each drafting mode: plainly, with
-`speculative="ngram"` and, where the model has a draft head, `speculative="draft"` (each pass priced as the engine
-prices it, or by its expert reads alone: PASS_COSTS); each with an expert cache of
+`speculative="ngram"` and, where the model has a draft head, `speculative="draft"`; each with an expert cache of
 `cache_share` of all experts, so that the bytes a mode's forwards read are what a plan that streams its experts
-reads. The drafting modes must give the plain tokens; their counters give the acceptance, the forwards per
+reads, and each pass priced as such a plan prices it, by its expert reads alone (or as the engine here prices
+it: PASS_COSTS). The drafting modes must give the plain tokens; their counters give the acceptance, the forwards per
 generated token and the expert bytes per token beside plain's. The n-gram drafter is also scored alone, at every
 position of the answers. Then every plain answer
 is replayed token by token through a stage whose experts stream through a cache of `cache_share` of them,
@@ -50,13 +50,14 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 CACHE_SHARES = (0.125, 0.25, 0.5)  # cache sizes the policies are compared at, as a share of all experts
 DRAFTS = 4  # drafts per position when the drafter is measured on its own
 DRAFT_MODES = ("plain", "ngram", "draft")  # each workload answered with each; "draft" where the model has a head
-# how the drafting modes price a pass: as the engine does (the plan, corrected by this machine's timed passes), or
-# by the experts it reads alone (drafting.reads_cost: one 64 GB Mac's plan at K3's size, where reads decide)
-PASS_COSTS = ("timed", "reads")
+# how the drafting modes price a pass: by the experts it reads alone (drafting.reads_cost: one 64 GB Mac's plan at
+# K3's size, where reads decide; the default, as the bench's cache stands for a plan that streams its experts), or
+# as the engine here does (the plan, corrected by this machine's timed passes)
+PASS_COSTS = ("reads", "timed")
 
 
 def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
-                   cache_share: float = 0.25, options: Any = None, pass_cost: str = "timed") -> dict[str, Any]:
+                   cache_share: float = 0.25, options: Any = None, pass_cost: str = "reads") -> dict[str, Any]:
     """JSON-ready results per workload (see the module docstring). `options` (StageOptions) size the replay's
     stage; its expert cache is `cache_share` of all experts unless the options set one. `pass_cost` (PASS_COSTS):
     how the drafting modes price a pass when they choose their draft length."""

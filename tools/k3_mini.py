@@ -2,7 +2,7 @@
 
     python tools/k3_mini.py prepare --out .mini-data              # corpus, vocabulary, train.npy (CPU, ~1 min)
     python tools/k3_mini.py train --data .mini-data --out deltafin/assets/k3-mini --device cuda
-    python tools/k3_mini.py draft --data .mini-data     # its EAGLE-3 draft head (CPU, ~24 min on 2 cores)
+    python tools/k3_mini.py draft --data .mini-data     # its EAGLE-3 draft head (CPU, ~45 min on 2 cores)
 
 The shipped model (deltafin/assets/k3-mini) was made by exactly these two commands with the defaults, and its
 draft head (deltafin/assets/k3-mini/draft) by the third: it answers training prompts (never the bench's,

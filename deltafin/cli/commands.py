@@ -375,10 +375,11 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the expert cache of the answers "
                    "and of the replay, as a share of all experts (default 0.25; --expert-cache-gb sets it in GB "
                    "instead)")
-    p.add_argument("--pass-cost", choices=("timed", "reads"), default="timed", help="--workload: how the drafting "
-                   "modes price a verification pass when they choose how many drafts to send: timed (default: as "
-                   "the engine does, the plan corrected by this machine's timed passes) or reads (by the experts it "
-                   "reads alone, as on one 64 GB Mac streaming K3's experts with its spine resident)")
+    p.add_argument("--pass-cost", choices=("reads", "timed"), default="reads", help="--workload: how the drafting "
+                   "modes price a verification pass when they choose how many drafts to send: reads (default: by the "
+                   "experts it reads alone, as on one 64 GB Mac streaming K3's experts with its spine resident, the "
+                   "plan the bench's cache stands for) or timed (as the engine here does: the plan corrected by this "
+                   "machine's timed passes)")
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:

@@ -47,13 +47,13 @@ TRAINED = ("fc", "input_norm", "hidden_norm", "q", "k", "v", "o", "post_norm", "
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
-    prompts: int = 2304  # training prompts answered by the target
+    prompts: int = 4608  # training prompts answered by the target
     calibration_prompts: int = 256  # other training prompts, the head's calibration measured on their answers
     max_tokens: int = 96  # each answer's length at most
     aux_layers: tuple[int, ...] = (2, 4, 5)
     draft_vocab: int = 4096
     intermediate_size: int = 512
-    steps: int = 1200
+    steps: int = 2000
     batch: int = 16  # sequences a step
     unroll: int = 3  # training-time-test steps after the first
     lr: float = 3e-3

@@ -12,9 +12,11 @@ import pytest
 
 from deltafin.checkpoint.config import ExpertFormat, LayerKind, load_config
 from deltafin.checkpoint.shards import scan_checkpoint
+from deltafin.mini.draft import DraftTrainConfig
 from deltafin.mini.train import TrainConfig
 from deltafin.paths import bundled_model
 from deltafin.text import vocab
+from deltafin.text.drafting import Calibration
 from deltafin.text.tokenizer import K3Tokenizer
 
 SHIPPED = {  # sha256 of every file: a changed model must change this table, and the README's measurements
@@ -32,8 +34,8 @@ SHIPPED = {  # sha256 of every file: a changed model must change this table, and
     "tiktoken.model": "1b5b007dadd69e77988954752dc3b55dcfc57361db6fa952ec1fd811a5070111",
     "tokenizer_config.json": "0112c2a25453d664f608ff2a519a4e7529c8544d5dc3250956d58d3aa7a06beb",
     # its draft head (tools/k3_mini.py draft; trained on the CPU, so its bytes are the 2-core VM's arithmetic)
-    "draft/config.json": "1dc0f20fe4d9a2bf7ac50e463ffa0bbedbbe463bb7ccd09c403a2f2f8e3ed3bd",
-    "draft/model.safetensors": "b8285387bd41ca85144007d0898c86bb194e40440e7fb7ddaf5b6169e219e486",
+    "draft/config.json": "021a5abe8d8f56f6576a40ab0bf8763bc5db2a220586768309d1be386c8f3373",
+    "draft/model.safetensors": "2d042185d1453194a862b2bc07491c5371c8e02db910f792c31de629efcdff75",
 }
 
 
@@ -58,6 +60,10 @@ def test_shipped_model_is_k3s_architecture_in_k3s_layout():
     assert raw["model_type"] == "kimi_k3" and "deltafin_synthetic" not in raw
     assert raw["deltafin_trained"]["start"] == "deltafin synth --preset mini --seed 0"
     assert raw["deltafin_trained"]["train"] == dataclasses.asdict(TrainConfig())  # made with the defaults
+    head = json.loads((model / "draft" / "config.json").read_text())["deltafin_trained"]
+    defaults = DraftTrainConfig()
+    assert head["train"] == {**dataclasses.asdict(defaults), "aux_layers": list(defaults.aux_layers)}
+    assert Calibration.shipped(head["calibration"]).acceptance(0.999) > 0.9  # the engine's prior (docs/draft-heads.md)
     tok = K3Tokenizer.load(model)
     n_base = cfg.vocab_size - vocab.N_SPECIAL
     for offset, text in vocab.NAMED_SPECIALS.items():  # K3's specials at K3's offsets from the base vocabulary
