@@ -97,6 +97,7 @@ def _defaults() -> list[str]:
         f"never denser than every {GRID_MIN:,} tokens",
         f"`MLA_BLOCK_BYTES`, {MLA_BLOCK_BYTES >> 20} MiB",
         f"every {DraftLength.probe_every}th step probes with one draft",
+        f"only a draft it is sure of: p ≥ {DraftLength.probe_sure:g})",
         f"a decaying count starting at {DraftLength.prior})",
         "in slices of half a bit of −log2(1 − p)" if Calibration().edge(2) == 0.5 else "(the slices changed)",
         f"the last {', '.join(map(str, ngrams[:-1]))} or {ngrams[-1]} tokens",
