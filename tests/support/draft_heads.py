@@ -1,5 +1,7 @@
 """A draft head for a test model, in the Hub's EAGLE-3 layout, with seeded random weights: its drafts are
-mostly wrong, which is what exactness tests want (every rejection path taken)."""
+mostly wrong, which is what exactness tests want (every rejection path taken). It claims they are always taken
+(its config.json's `deltafin_trained.calibration`), so that an engine drafts with it from its first step whatever
+a pass costs on the machine the tests run on, then learns from the rejections."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ from safetensors.torch import save_file
 
 from deltafin.checkpoint.config import load_config
 from deltafin.models.eagle import EMBED, EagleConfig, tensor_shapes, to_config_json
+from deltafin.text.drafting import Calibration
 
 
 def write_random_head(out: Path, model_dir: Path, aux_layers: tuple[int, ...] | None = None, seed: int = 0,
-                      draft_vocab: int | None = None) -> Path:
+                      draft_vocab: int | None = None, claims: float | None = 1.0) -> Path:
     """A head for the model at `model_dir` (its embedding read from there) at `out`; `draft_vocab`: a reduced
-    draft vocabulary of the target's first ids, mapped by d2t."""
+    draft vocabulary of the target's first ids, mapped by d2t; `claims`: the share of its drafts taken that its
+    calibration claims in every confidence slice (None: it ships none)."""
     cfg = load_config(model_dir)
     layers = aux_layers or (1, cfg.num_layers // 2, cfg.num_layers)
     h = 32
@@ -38,6 +42,9 @@ def write_random_head(out: Path, model_dir: Path, aux_layers: tuple[int, ...] | 
     if head.hidden_size != cfg.hidden_size:  # the target's embedding is [vocab, D]: a head this narrow brings its own
         tensors[EMBED] = torch.randn(cfg.vocab_size, h, generator=g)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_config_json(head)))
+    config = to_config_json(head)
+    if claims is not None:
+        config["deltafin_trained"] = {"calibration": Calibration(prior=[claims] * Calibration.bins).describe()}
+    (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, out / "model.safetensors")
     return out
