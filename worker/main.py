@@ -12,10 +12,12 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import sys
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 from deltafin import __version__
@@ -28,7 +30,7 @@ from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.least import least_options, shortfall, smallest_stages
 from deltafin.plan.sizing import Placement
-from deltafin.runtime.compute_probe import measure_compute
+from deltafin.runtime.compute_probe import ComputeReadings, measure_compute
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -38,6 +40,7 @@ from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.spine_convert import spine_disk
+from deltafin.worker.idle import SleepGuard, keep_awake, remeasure_compute
 from deltafin.worker.service import WorkerService, create_server, expire_sessions
 
 log = logging.getLogger("deltafin.worker")
@@ -229,7 +232,7 @@ async def serve(args: argparse.Namespace) -> int:
     max_message = int(args.max_message_mb * (1 << 20))
     service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)
     server, port = await create_server(service, args.host, args.port, max_message, key, tls)
-    sweeper = asyncio.ensure_future(expire_sessions(service, args.session_ttl))
+    tasks = _background(service, args.session_ttl, options)
     desc = dataclasses.replace(desc, address=f"{args.host}:{port}", addresses=reached_at(args.host, port,
                                                                                          args.advertise))
     service.description = desc
@@ -237,11 +240,10 @@ async def serve(args: argparse.Namespace) -> int:
     announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
                                                                          args.interface)
     stop = stop_on_signals("deltafin-worker")
-    disks = f"disk{'s' * (len(speeds) > 1)} {' + '.join(f'{g:.2f}' for g in speeds)} GB/s"
-    print(f"deltafin-worker {desc.name} listening on {args.host}:{port} (layers {desc.layers}, device {device}, "
-          f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})", flush=True)
+    _say_listening(desc, f"{args.host}:{port}", device, speeds)
     await stop.wait()
-    sweeper.cancel()
+    for task in tasks:
+        task.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight (a second signal exits now)",
              args.grace)
     t0 = time.monotonic()
@@ -253,6 +255,24 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.to_thread(service.close)
     log.info("stopped in %.1fs", time.monotonic() - t0)
     return 0
+
+
+def _say_listening(desc: WorkerDescription, where: str, device: Any, speeds: tuple[float, ...]) -> None:
+    disks = f"disk{'s' * (len(speeds) > 1)} {' + '.join(f'{g:.2f}' for g in speeds)} GB/s"
+    print(f"deltafin-worker {desc.name} listening on {where} (layers {desc.layers}, device {device}, "
+          f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})", flush=True)
+
+
+def _background(service: WorkerService, session_ttl: float, options: StageOptions) -> list[asyncio.Future]:
+    """The worker's tasks beside its calls: idle sessions expired, compute measured again while idle
+    (worker/idle.py), the Mac kept awake while it serves."""
+    readings = ComputeReadings([service.description.compute])
+    measure = partial(service.slot.on_stage_thread, measure_compute, service.ckpt.config, service.device,
+                      options.torch_dtype)
+    announce = lambda speed: setattr(service, "description", dataclasses.replace(service.description, compute=speed))
+    return [asyncio.ensure_future(expire_sessions(service, session_ttl)),
+            asyncio.ensure_future(remeasure_compute(service, readings, measure, announce)),
+            asyncio.ensure_future(keep_awake(service, SleepGuard(), os.getpid()))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -63,6 +64,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.max_message_bytes = max_message_bytes
         self.progress = (0, 0)  # the running forward's layers done, of its stage's (what Info says)
         self.running: dict[str, threading.Event] = {}  # request id -> stop flag
+        self.last_served = time.monotonic()  # when a forward or an expert call last ended (worker/idle.py)
+        self.serving = 0  # forwards and expert calls in flight
 
     @property
     def assigned(self) -> Assigned | None:
@@ -75,6 +78,21 @@ class WorkerService(pb_grpc.WorkerServicer):
     @property
     def stage(self) -> Stage | None:
         return self.slot.stage
+
+    def idle_for(self) -> float:  # what worker/idle.py reads
+        return 0.0 if self.serving else time.monotonic() - self.last_served
+
+    def holds_stage(self) -> bool:
+        return self.assigned is not None
+
+    @contextlib.contextmanager
+    def _served(self) -> Iterator[None]:
+        self.serving += 1
+        try:
+            yield
+        finally:
+            self.serving -= 1
+            self.last_served = time.monotonic()
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -175,9 +193,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             if rid:
                 self.running[rid] = stop
             stage = self.stage
-            return await self.slot.on_stage_thread(
-                lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set, progress=self._heard,
-                                      early=early))
+            with self._served():
+                return await self.slot.on_stage_thread(
+                    lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set,
+                                          progress=self._heard, early=early))
         except asyncio.CancelledError:
             stop.set()
             raise
@@ -199,7 +218,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             if call is None:  # hints alone: start the reads now, answer at once
                 holder.hint(hints)
                 return pb.ExpertResponse()
-            out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)
+            with self._served():
+                out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)
             return pb.ExpertResponse(outputs=codec.encode_tensor(out))
         return pb.ExpertResponse()  # not reached: a failure aborts
 

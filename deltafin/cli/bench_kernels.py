@@ -7,11 +7,7 @@ fast path the device has), and random whole-block reads from a checkpoint's file
 
 from __future__ import annotations
 
-import itertools
-import math
 import random
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,16 +17,18 @@ import torch
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
-from deltafin.devices import exact_fp32, resolve_device, resolve_dtype, synchronize
+from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError
-from deltafin.formats import WeightFormat, converted_spines, spine_format, spine_formats, stored_spine, weight_format
+from deltafin.formats import converted_spines, spine_format, spine_formats, stored_spine, weight_format
 from deltafin.formats.mxfp4 import MXFP4
 from deltafin.kernels.linear import Weight, expert_backend, fast_path, linear, mxfp4_linear
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
 from deltafin.kernels.quant import MXFP4Weight
+from deltafin.kernels.timing import copies, in_turn, interleaved_seconds, weight_bytes
 from deltafin.models.common import activation
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights
+from deltafin.runtime.compute_probe import measure_compute, probe_matrix
 from deltafin.weights.directio import ALIGN, align_down, align_up
 from deltafin.weights.diskspeed import measure_reads
 from deltafin.weights.reader import Extent, ReadPlan
@@ -48,19 +46,8 @@ GB = 1e9
 
 
 def _sustained_seconds(fn: Callable[[], object], device: torch.device, repeats: int, rounds: int = 5) -> float:
-    """Seconds per call with calls issued back to back (one sync per round): sustained throughput, as in
-    decode where launches queue up. Median over rounds."""
-    for _ in range(3):
-        fn()
-    synchronize(device)
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        synchronize(device)
-        per_call.append((time.perf_counter() - t0) / repeats)
-    return statistics.median(per_call)
+    """Seconds per call with calls issued back to back (kernels/timing.py): median over rounds."""
+    return interleaved_seconds({"fn": fn}, device, repeats, rounds)["fn"]
 
 
 # ---- disk ---------------------------------------------------------------------------------------------
@@ -161,16 +148,6 @@ def _spine_weight(dense: torch.Tensor, fmt: str) -> Weight:
     return spine_format(fmt).quantize(dense)
 
 
-def _weight_bytes(w: Weight) -> int:
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
-
-
-def _copy(w: Weight) -> Weight:
-    if isinstance(w, torch.Tensor):
-        return w.clone()
-    return type(w)(*(a.clone() for a in WeightFormat.arrays(w)))
-
-
 def _reference_rows(w: Weight, k: int) -> torch.Tensor:
     """The first k rows of W as the format defines them, float64 on the host (the kernels' reference): each of
     a quantized weight's arrays holds a row's values, scales or biases in its row."""
@@ -184,49 +161,23 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-300))
 
 
-def _in_turn(x: torch.Tensor, copies: list[Weight]) -> Callable[[], torch.Tensor]:
-    ring = itertools.cycle(copies)
-    return lambda: linear(x, next(ring))
-
-
-def _interleaved_seconds(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int,
-                         rounds: int) -> dict[str, float]:
-    """Seconds per call of each fn, as _sustained_seconds, with the fns' rounds interleaved (each round in another
-    order): on a shared machine a burst of load then falls on every format alike, not on whichever ran then."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    synchronize(device)
-    names, per_call = list(fns), {name: [] for name in fns}
-    for k in range(rounds):
-        for name in names[k % len(names):] + names[:k % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                fns[name]()
-            synchronize(device)
-            per_call[name].append((time.perf_counter() - t0) / repeats)
-    return {name: statistics.median(t) for name, t in per_call.items()}
-
-
 def _bench_matrix(dense: torch.Tensor, dev: torch.device, inputs: dict[str, torch.Tensor], repeats: int,
                   rotation_bytes: int) -> dict[str, dict[str, Any]]:
     """Each format's ms and weight GB/s of y = x @ W.T for each input (copies of W taken in turn, so W comes from
     memory, not a cache), its worst relative error against float64 of its own weights, and against bf16's."""
     weights = {fmt.name: _spine_weight(dense, fmt.name).to(dev) for fmt in spine_formats()}
     results: dict[str, dict[str, Any]] = {}
-    copies = {}
-    for fmt, w in weights.items():
-        nbytes = _weight_bytes(w)
-        copies[fmt] = [w] + [_copy(w) for _ in range(min(63, math.ceil(rotation_bytes / nbytes) - 1))]
-        results[fmt] = {"weight_bytes": nbytes, "copies": len(copies[fmt])}
+    rings = {fmt: copies(w, rotation_bytes) for fmt, w in weights.items()}
+    for fmt, ring in rings.items():
+        results[fmt] = {"weight_bytes": weight_bytes(ring[0]), "copies": len(ring)}
     for phase, x in inputs.items():
         reps = repeats if phase == "decode" else max(1, repeats // 10)  # prefill is compute: fewer calls time it
-        times = _interleaved_seconds({fmt: _in_turn(x, c) for fmt, c in copies.items()}, dev, reps,
-                                     rounds=5 if phase == "decode" else 3)
+        times = interleaved_seconds({fmt: in_turn(lambda w, x=x: linear(x, w), ring) for fmt, ring in rings.items()},
+                                    dev, reps, rounds=5 if phase == "decode" else 3)
         for fmt, t in times.items():
             results[fmt][f"{phase}_ms"] = round(t * 1e3, 4)
             results[fmt][f"{phase}_weight_GBps"] = round(results[fmt]["weight_bytes"] / t / GB, 3)
-    del copies
+    del rings
     for fmt, w in weights.items():
         want_rows, errors, vs_bf16 = _reference_rows(w, CHECK_ROWS), [], []
         for x in inputs.values():
@@ -266,3 +217,25 @@ def bench_spine(device: str = "auto", dtype: str = "fp32", prefill_tokens: int |
     return {"device": str(dev), "dtype": dtype, "tokens": {"decode": 1, "prefill": chunk},
             "path": getattr(fast, "isa", type(fast).__name__) if fast is not None else "torch reference",
             "threads": torch.get_num_threads(), "matrices": matrices}
+
+
+def probe_against_kernels(device: str, dtype: str, experts: dict[str, Any], spine: dict[str, Any]) -> dict[str, Any]:
+    """What a worker's compute probe (runtime/compute_probe.py) measures on this device at K3's width, beside this
+    benchmark's own figures for the same expert and the same spine matrix (`experts`: bench_mxfp4's result at one
+    token, `spine`: bench_spine's): the plan prices with the probe, so the two should agree."""
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    cfg = parse_config(preset_config("k3-slice", 2))
+    rows, cols = probe_matrix(cfg).shape
+    speed = measure_compute(cfg, dev, dt)
+    bench = next((m for m in spine["matrices"] if (m["rows"], m["cols"]) == (rows, cols)), None)
+    out: dict[str, Any] = {
+        "matrix": [rows, cols], "spread": round(speed.spread, 3), "expert_one_ms": round(speed.expert_one_s * 1e3, 3),
+        "spine_one_GFLOPs": {f: round(v / GB, 2) for f, v in speed.spine_one.items()},
+        "spine_many_GFLOPs": {f: round(v / GB, 2) for f, v in speed.spine_many.items()}}
+    if experts.get("tokens") == 1 and "expert_ms" in experts:
+        out["expert_vs_kernel"] = round(experts["expert_ms"] / (speed.expert_one_s * 1e3), 3)
+    if bench is not None:  # the benchmark's decode of the same matrix, as GFLOP/s: probe / benchmark
+        out["spine_one_vs_kernel"] = {
+            f: round(speed.spine_one[f] / (2 * rows * cols / (r["decode_ms"] / 1e3)), 3)
+            for f, r in bench["formats"].items() if f in speed.spine_one}
+    return out

@@ -236,6 +236,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         select_kernels(args.kernels)
         result = bench_kernels.bench_mxfp4(args.device, args.dtype, tokens=args.batch, repeats=args.repeats)
         result["spine"] = bench_kernels.bench_spine(args.device, args.dtype, repeats=args.repeats)
+        result["probe"] = bench_kernels.probe_against_kernels(args.device, args.dtype, result, result["spine"])
     elif args.model:
         result = _bench_model(args)
     else:
@@ -332,7 +333,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=model_arg, help=MODEL_HELP + ": measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel and the spine matmul in each "
-                   "spine format")
+                   "spine format at K3's width, and beside them what a worker's compute probe measures (`probe`: "
+                   "the plan prices with it; its ratios to the kernels' figures)")
     _add_model_benchmarks(p)
     p.add_argument("--tokens", type=int, default=None, help="decode steps to time (default 16); --workload: the "
                    "most tokens of each answer (default 16); --quality: the most positions measured (default: all)")

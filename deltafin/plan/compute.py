@@ -25,12 +25,14 @@ from deltafin.formats.mxfp4 import MXFP4
 class ComputeSpeed:
     """A worker's measured compute. A routed expert: its time for one token (`expert_one_s`: its weights through
     the matmuls once) and a token's share of a batch's (`expert_token_s`). The spine's matmuls in each format:
-    FLOP/s for one token (`spine_one`: bound by reading the weights) and for a prompt's many (`spine_many`)."""
+    FLOP/s for one token (`spine_one`: bound by reading the weights) and for a prompt's many (`spine_many`). And
+    how uncertain the reading is (`spread`: the relative spread of its timings; 0 where not said)."""
 
     expert_one_s: float
     expert_token_s: float
     spine_one: Mapping[str, float]
     spine_many: Mapping[str, float]
+    spread: float = 0.0
 
     def expert_seconds(self, experts: float, pairs: float) -> float:
         """`experts` distinct experts computing `pairs` (token, expert) pairs in all: each expert at least its
@@ -46,8 +48,9 @@ class ComputeSpeed:
     def describe(self) -> str:
         rates = ", ".join(f"{fmt} {self.spine_one.get(fmt, 0) / 1e9:.0f}/{self.spine_many.get(fmt, 0) / 1e9:.0f}"
                           for fmt in (f.name for f in spine_formats()) if fmt in self.spine_many)
+        spread = f" (±{self.spread / 2:.0%})" if self.spread > 0 else ""
         return (f"an expert {self.expert_one_s * 1e3:.2f} ms for a token, {self.expert_token_s * 1e3:.3f} ms a "
-                f"token in a batch; spine GFLOP/s one token/batched: {rates}")
+                f"token in a batch; spine GFLOP/s one token/batched: {rates}{spread}")
 
 
 def layer_flop(cfg: ModelConfig, layer: int) -> float:

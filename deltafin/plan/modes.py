@@ -14,6 +14,7 @@ user's choice, never the plan's).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
@@ -26,6 +27,7 @@ from deltafin.plan.sizing import SizingInput
 
 TURN_PROMPT = 4096  # a chat turn, as the choice weighs it: its prompt ...
 TURN_REPLY = 512  # ... and its reply
+CLOSE_CALL = 0.1  # two modes' turns this close (or within the compute readings' spread) are a close call
 WIRE_HINT_GAIN = 0.1  # the share of a prompt's time a bf16 wire must save to be mentioned
 
 
@@ -52,8 +54,21 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
         return replace(plans["wide"], mode_why="every expert is in memory: wide spreads their compute")
     turns = {mode: turn_seconds(cfg, p, act_bytes) for mode, p in plans.items()}
     mode = "wide" if plans["wide"].wide and turns["wide"] <= turns["local"] else "local"
-    why = _why(cfg, plans, turns, mode, act_bytes) + wire_hint(cfg, plans[mode], act_bytes)
+    why = _why(cfg, plans, turns, mode, act_bytes) + close_call(turns, plans.values()) + wire_hint(cfg, plans[mode],
+                                                                                                   act_bytes)
     return replace(plans[mode], mode_why=why)
+
+
+def close_call(turns: dict[str, float], plans: Iterable[Plan]) -> str:
+    """What a choice between modes the measurements barely separate says: the two within CLOSE_CALL of each other,
+    or within the workers' compute readings' spread ("" where they are clearly apart)."""
+    spread = max((s.compute.spread for p in plans for s in p.workers if s.compute is not None), default=0.0)
+    fast, slow = min(turns.values()), max(turns.values())
+    margin = max(CLOSE_CALL, spread)
+    if slow > fast * (1 + margin):
+        return ""
+    return (f"; a close call: the two are {slow / max(fast, 1e-12) - 1:.0%} apart, within what the measurements can "
+            f"tell apart (±{margin:.0%}); --experts wide|local fixes the mode")
 
 
 def wire_hint(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> str:

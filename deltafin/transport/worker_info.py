@@ -69,7 +69,8 @@ def encode_info(d: WorkerDescription) -> pb.WorkerInfo:
                          spine=d.spine, addresses=list(d.addresses), **_spine_disk_fields(d.spine_disk),
                          **({} if d.compute is None else {"compute": pb.ComputeSpeed(
                              expert_one_s=d.compute.expert_one_s, expert_token_s=d.compute.expert_token_s,
-                             spine_one=dict(d.compute.spine_one), spine_many=dict(d.compute.spine_many))}))
+                             spine_one=dict(d.compute.spine_one), spine_many=dict(d.compute.spine_many),
+                             spread=d.compute.spread)}))
 
 
 def _spine_disk_fields(disk: SpineDisk | None) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def decode_info(msg: pb.WorkerInfo, address: str) -> WorkerDescription:
 
 
 def _compute(msg: pb.ComputeSpeed) -> ComputeSpeed:
-    return ComputeSpeed(msg.expert_one_s, msg.expert_token_s, dict(msg.spine_one), dict(msg.spine_many))
+    return ComputeSpeed(msg.expert_one_s, msg.expert_token_s, dict(msg.spine_one), dict(msg.spine_many), msg.spread)
 
 
 def layer_ranges(layers: tuple[int, ...] | list[int]) -> tuple[tuple[int, int], ...]:

@@ -81,7 +81,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_gbps: _Optional[float] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., has_top: _Optional[bool] = ..., assigned: _Optional[_Union[LayerRange, _Mapping]] = ..., state: _Optional[str] = ..., version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expert_layers: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., expert_gbps: _Optional[float] = ..., expert_disks: _Optional[int] = ..., forward_layers_done: _Optional[int] = ..., forward_layers: _Optional[int] = ..., damaged: _Optional[_Iterable[str]] = ..., spine: _Optional[str] = ..., converted: _Optional[_Iterable[_Union[ConvertedSpine, _Mapping]]] = ..., spine_room_bytes: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., compute: _Optional[_Union[ComputeSpeed, _Mapping]] = ...) -> None: ...
 
 class ComputeSpeed(_message.Message):
-    __slots__ = ("expert_one_s", "expert_token_s", "spine_one", "spine_many")
+    __slots__ = ("expert_one_s", "expert_token_s", "spine_one", "spine_many", "spread")
     class SpineOneEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,11 +100,13 @@ class ComputeSpeed(_message.Message):
     EXPERT_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     SPINE_ONE_FIELD_NUMBER: _ClassVar[int]
     SPINE_MANY_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
     expert_one_s: float
     expert_token_s: float
     spine_one: _containers.ScalarMap[str, float]
     spine_many: _containers.ScalarMap[str, float]
-    def __init__(self, expert_one_s: _Optional[float] = ..., expert_token_s: _Optional[float] = ..., spine_one: _Optional[_Mapping[str, float]] = ..., spine_many: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    spread: float
+    def __init__(self, expert_one_s: _Optional[float] = ..., expert_token_s: _Optional[float] = ..., spine_one: _Optional[_Mapping[str, float]] = ..., spine_many: _Optional[_Mapping[str, float]] = ..., spread: _Optional[float] = ...) -> None: ...
 
 class ConvertedSpine(_message.Message):
     __slots__ = ("format", "units")

@@ -67,3 +67,34 @@ def test_the_reason_says_what_a_bf16_wire_would_make_a_prompt_where_the_wire_hol
     assert "--wire bf16" not in fast.mode_why
     already = choose_mode(k3, _macs(2), SizingInput(), 4, "wide", replace(wifi, value_bytes=2))
     assert already.mode_why == "as asked (--experts wide)"
+
+
+def test_a_choice_the_measurements_barely_separate_says_so(k3):
+    """Two modes within CLOSE_CALL of each other, or within the workers' compute spread, are a close call; modes
+    clearly apart are not."""
+    from deltafin.plan.compute import assumed_gpu
+    from deltafin.plan.modes import CLOSE_CALL, close_call
+
+    assert close_call({"wide": 10.0, "local": 30.0}, []) == ""
+    said = close_call({"wide": 10.0, "local": 10.5}, [])
+    assert said.startswith("; a close call: the two are 5% apart") and f"±{CLOSE_CALL:.0%}" in said
+    steady = assumed_gpu(k3, 400, 10)
+    noisy = replace_spread(steady, 0.6)  # readings that spread 60 %: 13 s against 18 s is no clear choice
+    plan = plan_layers(k3, [replace_compute(w, noisy) for w in _macs(2)], experts="wide",
+                       links=Links(assumed=PROFILES["thunderbolt"]))
+    assert "±60%" in close_call({"wide": 13.0, "local": 18.0}, [plan])
+    plan = plan_layers(k3, [replace_compute(w, steady) for w in _macs(2)], experts="wide",
+                       links=Links(assumed=PROFILES["thunderbolt"]))
+    assert close_call({"wide": 13.0, "local": 18.0}, [plan]) == ""
+
+
+def replace_spread(speed, spread):
+    from dataclasses import replace
+
+    return replace(speed, spread=spread)
+
+
+def replace_compute(worker, speed):
+    from dataclasses import replace
+
+    return replace(worker, compute=speed)

@@ -10,8 +10,16 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.kernels.quant import Int8Weight, MXFP4Weight, Q4Weight
+from deltafin.plan.compute import ComputeSpeed
 from deltafin.runtime import compute_probe
-from deltafin.runtime.compute_probe import PROMPT_ROWS, SPINE_OUT, SPINE_ROWS, measure_compute
+from deltafin.runtime.compute_probe import (
+    CPU_BATCHED_OUT,
+    PROMPT_ROWS,
+    SPINE_ROWS,
+    ComputeReadings,
+    measure_compute,
+    probe_matrix,
+)
 from deltafin.transport import worker_info
 
 
@@ -27,11 +35,13 @@ def test_the_probe_turns_known_kernel_times_into_speeds(small_dir, monkeypatch):
         return z
 
     cost = {torch.Tensor: 1.0, Int8Weight: 2.0, Q4Weight: 4.0}  # relative seconds a FLOP
+    rows, cols = probe_matrix(cfg).shape
+    out = min(rows, CPU_BATCHED_OUT)
 
     def linear(x, w):
-        assert w.shape == (SPINE_OUT, cfg.hidden_size)
-        time.sleep(next(v for k, v in cost.items() if isinstance(w, k)) * 2 * x.shape[0] * SPINE_OUT
-                   * cfg.hidden_size / 1e12 + 1e-3)
+        assert w.shape == ((rows, cols) if x.shape[0] == 1 else (out, cols))
+        time.sleep(next(v for k, v in cost.items() if isinstance(w, k)) * 2 * x.shape[0] * w.shape[0]
+                   * cols / 1e12 + 1e-3)
         return x
 
     monkeypatch.setattr(compute_probe, "expert_ffn", expert_ffn)
@@ -41,7 +51,7 @@ def test_the_probe_turns_known_kernel_times_into_speeds(small_dir, monkeypatch):
     # sleeps overshoot a little, never undershoot: the measured times are at least the slept ones
     assert 2e-3 <= s.expert_one_s < 4e-3
     assert 0.5e-3 <= s.expert_token_s < 0.6e-3
-    flop_many = 2 * SPINE_ROWS * SPINE_OUT * cfg.hidden_size
+    flop_many = 2 * SPINE_ROWS * out * cols
     for fmt, rel in (("bf16", 1.0), ("int8", 2.0), ("q4", 4.0)):
         want = flop_many / (rel * flop_many / 1e12 + 1e-3)
         assert want * 0.7 < s.spine_many[fmt] <= want * 1.01
@@ -67,10 +77,11 @@ def test_the_probe_times_what_a_stage_runs(small_dir, rows):
     from deltafin.kernels.quant import quantize_int8_rows
     cfg = load_config(small_dir)
     s = measure_compute(cfg, torch.device("cpu"), torch.float32)
-    w = quantize_int8_rows(torch.randn(SPINE_OUT, cfg.hidden_size).to(torch.bfloat16))
-    x = torch.randn(rows, cfg.hidden_size)
+    out, cols = probe_matrix(cfg).shape
+    w = quantize_int8_rows(torch.randn(out, cols).to(torch.bfloat16))
+    x = torch.randn(rows, cols)
     best = min(_timed(lambda: linear(x, w)) for _ in range(5))
-    rate = 2 * rows * SPINE_OUT * cfg.hidden_size / best
+    rate = 2 * rows * out * cols / best
     measured = s.spine_one["int8"] if rows == 1 else s.spine_many["int8"]
     assert rate / 4 < measured < rate * 4  # the same kernel, timed twice on a shared CPU: within a factor of 4
 
@@ -79,3 +90,45 @@ def _timed(run) -> float:
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0
+
+
+def test_a_format_that_cannot_hold_the_matrix_is_timed_as_its_fallback(tmp_path, monkeypatch):
+    """A hidden size of no whole 64-value groups: q4 holds none of the matrix's rows, so a q4 spine holds it row-int8
+    (formats/q4.py) and the probe times int8's kernel for it instead of failing (it once stopped the worker)."""
+    from deltafin.mini.synth import synthesize
+
+    cfg = load_config(synthesize("odd", tmp_path / "odd", show_progress=False))
+    assert cfg.hidden_size % 64 != 0
+    kinds = []
+    real = compute_probe.linear
+    monkeypatch.setattr(compute_probe, "linear", lambda x, w: kinds.append(type(w)) or real(x, w))
+    s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    assert set(s.spine_one) == {"bf16", "int8", "q4"} and all(v > 0 for v in s.spine_one.values())
+    assert Q4Weight not in kinds and Int8Weight in kinds
+
+
+def test_a_one_token_rate_is_bounded_by_the_memory_speed(small_dir, monkeypatch):
+    """A reading faster than the device's memory can feed the weights (a matrix that sat in a cache) is cut to it."""
+    cfg = load_config(small_dir)
+    monkeypatch.setattr(compute_probe, "_memory_bytes_per_s", lambda device: 1e9)  # 1 GB/s
+    s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    assert s.spine_one["bf16"] <= 2 * 1e9 / 2 * 1.0001  # 2 FLOP a weight, 2 bytes a weight
+    assert s.spine_one["int8"] <= 2 * 1e9 / 1 * 1.0001
+
+
+def _speed(t: float, rate: float, spread: float = 0.0) -> ComputeSpeed:
+    return ComputeSpeed(t, t / 10, {"bf16": rate}, {"bf16": 10 * rate}, spread)
+
+
+def test_readings_announce_their_median_and_how_far_they_disagree():
+    """One reading taken in a busy moment (five times slower) moves neither the median nor the plan."""
+    r = ComputeReadings([_speed(1e-3, 100e9, 0.02)])
+    assert r.speed == _speed(1e-3, 100e9, 0.02)
+    r.add(_speed(5e-3, 20e9, 0.02))
+    r.add(_speed(1.1e-3, 95e9, 0.04))
+    s = r.speed
+    assert s.expert_one_s == 1.1e-3 and s.spine_one["bf16"] == 95e9 and s.spine_many["bf16"] == 950e9
+    assert s.spread == pytest.approx((5e-3 - 1e-3) / 1.1e-3)  # they disagree: the plan is told how far
+    for _ in range(10):
+        r.add(_speed(1e-3, 100e9, 0.02))
+    assert len(r.readings) == compute_probe.KEEP_READINGS and r.speed.spread == pytest.approx(0.02)
