@@ -61,14 +61,14 @@ PRESETS = {
         "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
         "moe_intermediate_size": 96, "routed_expert_hidden_size": 128, "num_experts": 64,
         "num_experts_per_token": 4, "num_shared_experts": 1, "linear": {"head_dim": 64, "num_heads": 4}}),
-    # sizes no power of two: a hidden size of no whole 64-value groups (q4 holds none of its rows), odd head counts,
+    # sizes no power of two: no matrix with rows of whole 64-value groups (q4 can hold none of them), odd head counts,
     # an expert width of whole 32-value MXFP4 groups only (the format's own requirement)
     "odd": Preset("odd", 5, 1000, {
         "hidden_size": 96, "intermediate_size": 160, "attn_res_block_size": 2,
         "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": 40, "kv_lora_rank": 24,
         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "moe_intermediate_size": 96, "routed_expert_hidden_size": 32, "num_experts": 12,
-        "num_experts_per_token": 3, "linear": {"head_dim": 16, "num_heads": 3}}),
+        "num_experts_per_token": 3, "num_shared_experts": 1, "linear": {"head_dim": 16, "num_heads": 3}}),
     "k3-slice": Preset("k3-slice", 3, 8192, {}),
     "k3": Preset("k3", 93, 163840, {}, vision=True),
 }

@@ -19,6 +19,7 @@ import numpy as np
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging
+from deltafin.cli.convert import add_convert_command, print_conversion
 from deltafin.cli.doctor import add_doctor_command
 from deltafin.cli.flags import (
     MODEL_HELP,
@@ -33,9 +34,9 @@ from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
-from deltafin.formats import converted_spines, spine_format
+from deltafin.formats import converted_spines
 from deltafin.mini.synth import synthesize
-from deltafin.options import DEVICES, WIRES
+from deltafin.options import WIRES
 from deltafin.paths import models_dir, name_of
 from deltafin.plan.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
@@ -114,7 +115,7 @@ def _cmd_download(args: argparse.Namespace) -> int:
     if args.out is None:
         print(f"(--model {name_of(Path(out))} finds it)")
     if args.convert:
-        _print_conversion(out, args.convert, None, args.quiet, "auto")
+        print_conversion(out, args.convert, None, args.quiet, "auto")
     return 0
 
 
@@ -124,41 +125,6 @@ def _default_name(source: str) -> str:
     if not name or name in (".", ".."):
         raise DeltafinError(f"cannot name a model after {source!r}: give --out DIR")
     return name
-
-
-def _cmd_convert(args: argparse.Namespace) -> int:
-    _print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
-    return 0
-
-
-def _print_conversion(model: str, spine: str, out: str | None, quiet: bool, device: str) -> None:
-    from deltafin.devices import resolve_device  # torch: loaded when the command runs
-    from deltafin.weights.spine_convert import convert_checkpoint  # torch: loaded when the command runs
-
-    summary = convert_checkpoint(model, spine, out, progress=not quiet, device=resolve_device(device))
-    print(json.dumps(summary))
-
-
-def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format "
-                       f"({' or '.join(reversed(converted_spines()))})",
-                       description="Quantize the non-expert weights (the spine) once and write them, checksummed, "
-                       "into the cache directory (spines/<checkpoint>-<format>), never into the model directory; "
-                       "worker, bench, logits and the coordinator's local stage then load them at the disk's speed. "
-                       "An interrupted run resumes; files already there are checked and rebuilt if corrupt or "
-                       "stale. A process whose plan needs a converted spine converts it by itself unless "
-                       "--no-convert; this command does it ahead of time. Prints a JSON summary.")
-    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
-    p.add_argument("--spine", default=converted_spines()[0], choices=converted_spines(),
-                   help="; ".join(f"{f}{' (default)' if i == 0 else ''}: {spine_format(f).summary}"
-                                  for i, f in enumerate(converted_spines())) + " (quality of each in docs/k3-mini.md)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
-                   "that load it)")
-    p.add_argument("--device", default="auto", choices=DEVICES,
-                   help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
-                   "than the CPU)")
-    p.set_defaults(func=_cmd_convert)
 
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
@@ -465,8 +431,8 @@ def serve(argv: list[str]) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_synth, _add_inspect, _add_download, _add_convert, _add_logits, _add_bench, _add_tokenize, _add_chat, _add_demo,
-    _add_serve, add_models_command, lambda sub: add_doctor_command(sub, model_arg, MODEL_HELP)]
+    _add_synth, _add_inspect, _add_download, add_convert_command, _add_logits, _add_bench, _add_tokenize, _add_chat,
+    _add_demo, _add_serve, add_models_command, lambda sub: add_doctor_command(sub, model_arg, MODEL_HELP)]
 
 
 def build_parser() -> argparse.ArgumentParser:

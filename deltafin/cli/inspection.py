@@ -14,7 +14,7 @@ from deltafin.formats import spine_formats, stored_spine
 from deltafin.options import more_than_zero
 from deltafin.plan.context import context_why, cost_per_1k, grown
 from deltafin.plan.kept_prefixes import kept_prefixes_text
-from deltafin.plan.layer_table import layer_table
+from deltafin.plan.layer_table import layer_table, unfit_spines
 from deltafin.plan.least import check_fits
 from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, choose
 from deltafin.plan.sizing_options import SEQUENCES, SizingOptions, base_context, one_worker
@@ -71,6 +71,7 @@ def inspect_model(model_dir: str | Path, memory_bytes: int | None = None, device
         },
         "layers_available": list(ckpt.layers_available()),
         "unused_tensors": len(set(ckpt.tensors) - _text_tensors(cfg)),  # e.g. the vision tower: skipped
+        "unusable_spines": unfit_spines(cfg),  # formats that hold none of its matrices: auto and convert skip them
         "plan": None if memory_bytes is None else memory_plan(cfg, memory_bytes, device, options, layer_spans(ckpt)),
         "download": None if download is None else {"summary": download.describe(), "layers": list(download.layers),
                                                     "experts": download.experts and list(download.experts),
@@ -218,6 +219,7 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r["unused_tensors"]:
         lines.append(f"unused by the text model (skipped): {r['unused_tensors']:,} tensors")
+    lines += [f"spine format {name} left out: {why}" for name, why in r["unusable_spines"].items()]
     if r["plan"] is not None:
         lines += ["", *plan_lines(r["plan"], r["num_layers"])]
     if r.get("download"):

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig, TensorSpec
-from deltafin.formats import converted_spines, held_format, spine_format, spine_formats
+from deltafin.formats import auto_spines, converted_spines, held_format, spine_format, spine_formats
 
 ALIGN = 4096  # direct-I/O block (deltafin.weights.directio.ALIGN)
 
@@ -218,3 +218,28 @@ def _prefix(values: list[int]) -> list[int]:
     for v in values:
         out.append(out[-1] + v)
     return out
+
+
+# ---- which formats a model can use ----------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def unfit_spines(cfg: ModelConfig) -> dict[str, str]:
+    """The converted spine formats that hold none of `cfg`'s matrices in their own groups (every one would be held
+    in the format's fallback: q4's groups of 64 divide no row of a model whose hidden size is no multiple of 64),
+    each with why: `--spine auto` and `deltafin convert` leave them out and say so."""
+    shapes = sorted({s.shape for i in range(cfg.num_layers) for s in cfg.layer_tensor_specs(i)
+                     if tensor_role(s, cfg.layer_kinds[i]) == "matrix"})
+    out = {}
+    for fmt in spine_formats():
+        if fmt.converted and shapes and not any(fmt.fits(*shape) for shape in shapes):
+            fallback = fmt.sensitive or "as stored"
+            out[fmt.name] = (f"{fmt.name} can hold none of this model's spine matrices (its groups divide none of "
+                             f"their rows: e.g. {shapes[0][0]}x{shapes[0][1]}, hidden size {cfg.hidden_size}); a "
+                             f"{fmt.name} spine would be {fallback} throughout")
+    return out
+
+
+def model_spines(cfg: ModelConfig, for_room_too: bool = True) -> tuple[str, ...]:
+    """`--spine auto`'s formats (formats.auto_spines) that `cfg` can use (not in `unfit_spines`)."""
+    return tuple(f for f in auto_spines(for_room_too) if f not in unfit_spines(cfg))

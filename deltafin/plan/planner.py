@@ -36,6 +36,7 @@ from deltafin.plan.context import at_context, context_why, cost_per_1k, longest_
 from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
 from deltafin.plan.holder_sizing import choose_holder
 from deltafin.plan.kept_prefixes import kept_prefixes_text
+from deltafin.plan.layer_table import model_spines
 from deltafin.plan.least import too_small
 from deltafin.plan.links import Links
 from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
@@ -116,7 +117,7 @@ def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: Siz
 
     return choose_spine(replace(opts, spine=spine),
                         lambda o, whole: _plan(cfg, workers, o, act_bytes, whole, wide), unready,
-                        asked or "as asked (--spine)")
+                        asked or "as asked (--spine)", model_spines(cfg))
 
 
 def _expert_layers(cfg: ModelConfig, w: WorkerCapacity) -> int:

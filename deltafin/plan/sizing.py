@@ -51,6 +51,7 @@ from deltafin.plan.layer_table import (
     held_bytes,
     layer_table,
     matrix_format,
+    model_spines,
     tensor_role,
 )
 from deltafin.plan.sizing_options import (
@@ -335,12 +336,12 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
             options: SizingInput) -> StageSizing:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
-    spines = auto_spines(for_room_too=options.converted) if options.spine == "auto" else (options.spine,)
+    spines = model_spines(cfg, for_room_too=options.converted) if options.spine == "auto" else (options.spine,)
     cache = options.expert_cache_bytes or 0
     if limit == n:
         if options.expert_cache_bytes is None and not options.wide:  # every expert resident, if that fits beside
             # a whole spine
-            for spine in auto_spines(for_room_too=False) if options.spine == "auto" else spines:
+            for spine in model_spines(cfg, for_room_too=False) if options.spine == "auto" else spines:
                 s = size_stage(cfg, start, end, place, spine, None, n, options)
                 if budget.fits(s):
                     return s

@@ -52,15 +52,17 @@ def asked_spine(coordinator: str, workers: Sequence[tuple[str, str]]) -> tuple[s
     return "auto", ""
 
 
-def choose_spine(opts: SizingInput, plan_in: PlanIn, unready: Unready, asked_why: str = "as asked (--spine)"
-                 ) -> tuple[P | None, str, SizingInput]:
+def choose_spine(opts: SizingInput, plan_in: PlanIn, unready: Unready, asked_why: str = "as asked (--spine)",
+                 usable: Sequence[str] | None = None) -> tuple[P | None, str, SizingInput]:
     """The plan in the cluster's spine format, why that format, and the options it was planned with (see the module
-    docstring). None where no format has a plan."""
+    docstring). None where no format has a plan. `usable`: the formats the model can use (layer_table.model_spines;
+    None: all of auto's)."""
     if opts.spine != "auto":
         return _as_asked(opts, plan_in, unready, asked_why)
+    order = [f for f in auto_spines() if usable is None or f in usable]
     whole = _Whole(opts, plan_in)
-    stored = [f for f in auto_spines() if not spine_format(f).converted]
-    converted = [f for f in auto_spines() if spine_format(f).converted]
+    stored = [f for f in order if not spine_format(f).converted]
+    converted = [f for f in order if spine_format(f).converted]
     for spine in stored:
         if whole[spine] is not None:
             return whole[spine], "the workers hold the whole spine as stored", replace(opts, spine=spine)
@@ -75,7 +77,7 @@ def choose_spine(opts: SizingInput, plan_in: PlanIn, unready: Unready, asked_why
         if plan is not None:
             return plan, (f"{cannot}; {spine} costs {_quality(spine)}; "
                           f"{_quantized(unready(plan, spine), spine)}"), replace(opts, spine=spine)
-    return _streaming(opts, plan_in, unready)
+    return _streaming(opts, plan_in, unready, order)
 
 
 def _quality(spine: str) -> str:
@@ -120,11 +122,12 @@ def _instead_of(before: str, spine: str, plan: P | None, unready: Unready, canno
             f"converted {before} copy and no room to write one), and the converted {spine} copy is read instead")
 
 
-def _streaming(opts: SizingInput, plan_in: PlanIn, unready: Unready) -> tuple[P | None, str, SizingInput]:
+def _streaming(opts: SizingInput, plan_in: PlanIn, unready: Unready, order: list[str]
+               ) -> tuple[P | None, str, SizingInput]:
     """No format held whole: the last of auto's (the fewest bytes) with its tail streamed from the converted copies;
     where a disk can neither hold nor write one, the fastest plan that needs none: the last auto chooses for more
     than room (int8) quantized as it loads, the tail streamed as stored."""
-    last, no_copy = auto_spines()[-1], auto_spines(for_room_too=False)[-1]
+    last, no_copy = order[-1], [f for f in auto_spines(for_room_too=False) if f in order][-1]
     streaming = replace(opts, spine=last)
     plan = plan_in(streaming, False)
     why = _cannot(no_copy)

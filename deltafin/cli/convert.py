@@ -1,0 +1,69 @@
+"""`deltafin convert`: a checkpoint's spine written once in a compact format (weights/spine_convert.py), in the format
+asked for or the fewest bytes the model can use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from deltafin.checkpoint.config import load_config
+from deltafin.cli.flags import MODEL_HELP, model_arg
+from deltafin.errors import DeltafinError
+from deltafin.formats import converted_spines, spine_format
+from deltafin.options import DEVICES
+from deltafin.plan.layer_table import unfit_spines
+
+log = logging.getLogger("deltafin")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
+    return 0
+
+
+def print_conversion(model: str, spine: str | None, out: str | None, quiet: bool, device: str) -> None:
+    from deltafin.devices import resolve_device  # torch: loaded when the command runs
+    from deltafin.weights.spine_convert import convert_checkpoint  # torch: loaded when the command runs
+
+    summary = convert_checkpoint(model, conversion_format(model, spine), out, progress=not quiet,
+                                 device=resolve_device(device))
+    print(json.dumps(summary))
+
+
+def conversion_format(model: str, spine: str | None) -> str:
+    """The format asked for, refused with why where the model's matrices leave it nothing to hold (plan/layer_table's
+    unfit_spines); none asked: the fewest bytes the model can use, saying which were passed over and why."""
+    unusable = unfit_spines(load_config(model))
+    usable = [f for f in converted_spines() if f not in unusable]
+    if spine in unusable:
+        raise DeltafinError(f"{unusable[spine]}: convert it with --spine {usable[0]} (the same bytes)")
+    if spine is None:
+        spine = usable[0]
+        for passed in converted_spines()[:converted_spines().index(spine)]:
+            log.warning("%s: converting %s instead", unusable[passed], spine)
+    return spine
+
+
+def add_convert_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="write a checkpoint's spine once in a compact format "
+                       f"({' or '.join(reversed(converted_spines()))})",
+                       description="Quantize the non-expert weights (the spine) once and write them, checksummed, "
+                       "into the cache directory (spines/<checkpoint>-<format>), never into the model directory; "
+                       "worker, bench, logits and the coordinator's local stage then load them at the disk's speed. "
+                       "An interrupted run resumes; files already there are checked and rebuilt if corrupt or "
+                       "stale. A process whose plan needs a converted spine converts it by itself unless "
+                       "--no-convert; this command does it ahead of time. Prints a JSON summary.")
+    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP)
+    p.add_argument("--spine", default=None, choices=converted_spines(),
+                   help="; ".join(f"{f}{' (default)' if i == 0 else ''}: {spine_format(f).summary}"
+                                  for i, f in enumerate(converted_spines())) + " (quality of each in docs/k3-mini.md; "
+                   "a model whose matrices a format cannot hold, such as q4 on a hidden size of no whole 64-value "
+                   "groups, gets the next by default)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
+                   "that load it)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
+                   "than the CPU)")
+    p.set_defaults(func=_cmd_convert)
