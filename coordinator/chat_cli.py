@@ -13,8 +13,7 @@ import json
 import logging
 import signal
 import sys
-import threading
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from deltafin.cli.console import log_level
 from deltafin.cli.flags import (
@@ -25,6 +24,7 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
+from deltafin.coordinator.chat_input import open_lines, terminal_kept
 from deltafin.errors import DeltafinError, PromptTooLong
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
@@ -41,7 +41,8 @@ HELP = """commands:
   /system TEXT              set the system prompt (starts a new conversation)
   /reset                    start a new conversation
   /stats                    the workers' counters
-  /exit                     quit (also Ctrl-D); Ctrl-C stops a reply"""
+  /exit                     quit (also Ctrl-D); Ctrl-C stops a reply
+a message may be pasted whole, however long; a line that ends with \\ goes on on the next"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,25 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"thinking effort (default {SERVING_EFFORT})")
 
 
-class _Lines:
-    """stdin lines delivered to the event loop by a daemon thread (so quitting never waits on a read)."""
-
-    def __init__(self, stream: TextIO):
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def read() -> None:
-            for line in stream:
-                loop.call_soon_threadsafe(self.queue.put_nowait, line.rstrip("\n"))
-            loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-        threading.Thread(target=read, name="deltafin-chat-stdin", daemon=True).start()
-
-    async def next(self) -> str | None:
-        return await self.queue.get()
-
-
 async def run_chat(args: argparse.Namespace) -> int:
+    with terminal_kept():
+        return await _chat(args)
+
+
+async def _chat(args: argparse.Namespace) -> int:
     from deltafin.coordinator.engine.chat_session import (
         ChatSession,  # torch: loaded when the command runs
     )
@@ -84,7 +72,7 @@ async def run_chat(args: argparse.Namespace) -> int:
         logging.getLogger("deltafin").setLevel(logging.WARNING)
     printer = _Printer(sys.stdout.isatty())
     session = ChatSession(engine, sampling, args.max_tokens, args.system, args.thinking)
-    lines = _Lines(sys.stdin)
+    lines = open_lines(sys.stdin)
     loop = asyncio.get_running_loop()
     current: asyncio.Task[Reply] | None = None
 
@@ -92,13 +80,12 @@ async def run_chat(args: argparse.Namespace) -> int:
         if current is not None and not current.done():
             current.cancel()
         else:
-            lines.queue.put_nowait(None)
+            lines.stop()
 
     loop.add_signal_handler(signal.SIGINT, interrupt)
     print(f"chatting with {engine.model_name} (thinking {args.thinking}); /help for commands", file=sys.stderr)
     try:
         while True:
-            print("you> ", end="", flush=True)
             text = await lines.next()
             if text is None:
                 print()

@@ -138,6 +138,7 @@ async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    from deltafin.coordinator.cluster.connect import say_plan  # torch: loaded when the command runs
     from deltafin.coordinator.cluster.recovery import (
         connect_cluster,  # torch: loaded when the command runs
     )
@@ -145,7 +146,9 @@ async def run_demo(args: argparse.Namespace) -> int:
     from deltafin.coordinator.engine.engine import Engine  # torch: loaded when the command runs
     if args.max_tokens < 1:
         raise DeltafinError("--max-tokens must be at least 1")
-    trained = args.preset == TRAINED
+    trained, quiet = args.preset == TRAINED, args.quiet
+    if args.verbose < 1:  # the reply, not the coordinator's progress: its plan and its log are behind -v
+        logging.getLogger("deltafin").setLevel(logging.WARNING)
     model = paths.bundled_model() if trained else ensure_checkpoint(args.preset, args.seed, cache_dir(args.cache_dir))
     cfg = load_config(model)
     what = ("k3-mini, trained on Python's documentation (its answers read like Python's docs, often about the "
@@ -157,8 +160,9 @@ async def run_demo(args: argparse.Namespace) -> int:
     try:
         address = worker.wait_ready()
         print(f"worker: deltafin-worker on {address} (a one-worker cluster)", file=sys.stderr)
-        backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False))
-        print(plan.table(), file=sys.stderr)
+        backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False),
+                                              show_progress=not quiet)
+        say_plan(plan, not quiet)
         tokenizer = K3Tokenizer.load(model)
         engine = Engine(backend, tokenizer, cfg, model.name, prefix_cache=True)
         try:

@@ -21,6 +21,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
+from deltafin.plan.cluster_plan import Plan
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
 from deltafin.runtime.stage import split_layers
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
@@ -45,11 +46,15 @@ async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelC
                                                                    rejoin_interval=cluster.rejoin_interval,
                                                                    journal_tokens=cluster.replay_journal_tokens),
                                           cfg=cfg)
-    if show_progress:
-        print(plan.table(), file=sys.stderr)
-    else:
-        log.info("the plan:\n%s", plan.table())
+    say_plan(plan, show_progress)
     return backend
+
+
+def say_plan(plan: Plan, show: bool) -> None:
+    """A plan as a command shows it before its work: a line (unless -q), the whole of it in the debug log (-v)."""
+    if show:
+        print(plan.summary(), file=sys.stderr)
+    log.debug("the plan:\n%s", plan.table())
 
 
 def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> str:

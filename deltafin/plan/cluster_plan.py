@@ -136,6 +136,13 @@ class Plan:
             return self.token.total
         return sum(s.seconds_per_token for s in self.stages)
 
+    def summary(self) -> str:
+        """The plan in one line (`table` holds the whole of it)."""
+        stages = ", ".join(f"{s.worker} layers {s.start}-{s.end - 1}" for s in self.stages)
+        holders = f" + {len(self.holders)} expert holder(s)" if self.holders else ""
+        return (f"plan: {stages}{holders}; experts {'wide' if self.wide else 'local'}; a token "
+                f"{_time(self.seconds_per_token)} predicted (-v: the whole plan)")
+
     def table(self) -> str:
         text = self._wide_table() if self.wide else self._table()
         text += self._parts() + self._times()

@@ -202,12 +202,13 @@ class StageSizing:
         return d
 
     def parts(self) -> str:
-        """Each part that takes memory, in GB (what the plan trades between them)."""
-        return ", ".join(f"{p.replace('_', ' ')} {getattr(self, p) / GB:.2f}" for p in self.PARTS if getattr(self, p))
+        """Each part's memory in GB (what the plan trades); sessions and kept prefixes are budgets they grow into."""
+        return ", ".join(f"{p.replace('_', ' ')} {'up to ' * (p in ('sessions', 'prefixes'))}{getattr(self, p)/GB:.2f}"
+                         for p in self.PARTS if getattr(self, p))
 
     def describe(self) -> str:
         why = f"; spine {self.spine}: {self.spine_why}" if self.spine_why else ""
-        return f"{self.total / GB:.2f} GB: {self.parts()}{why}"
+        return f"{self.total / GB:.2f} GB at most: {self.parts()}{why}"
 
 
 @dataclass(frozen=True)

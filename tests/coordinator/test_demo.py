@@ -31,3 +31,20 @@ def test_demo_defaults_to_the_trained_k3_mini_and_writes_nothing(tmp_path: Path)
     assert run.stdout.startswith("user: What does `json.dumps` do?\nassistant (thinking): The question is about `")
     assert "\nassistant: `" in run.stdout  # the answer channel, as the training taught it
     assert list(tmp_path.iterdir()) == []  # the bundled model needs no synthesis
+
+
+def test_the_demo_shows_its_reply_and_keeps_the_plan_behind_v(tmp_path: Path) -> None:
+    """Before its reply the demo says what runs in a line each, the plan included; `-v` shows the whole plan and the
+    coordinator's log; `-q` leaves the reply and its stats line."""
+    cmd = [sys.executable, "-m", "deltafin", "demo", "--cache-dir", str(tmp_path), "--max-tokens", "4"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    before_reply = plain.stderr[:plain.stderr.index("[4 tokens")]
+    assert len(before_reply.splitlines()) == 3, before_reply  # the model, the worker, the plan
+    assert re.search(r"^plan: demo-worker layers 0-7; experts local; a token .* predicted \(-v: the whole plan\)$",
+                     before_reply, re.M)
+    verbose = subprocess.run([*cmd, "-v"], capture_output=True, text=True, timeout=300)
+    assert "GB/token" in verbose.stderr and "compute (measured by each worker)" in verbose.stderr
+    assert " D deltafin" in verbose.stderr
+    quiet = subprocess.run([*cmd, "-q"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "plan:" not in quiet.stderr and "[4 tokens" in quiet.stderr
