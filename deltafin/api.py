@@ -356,7 +356,7 @@ def connect(model_path: str | Path, workers: list[str] | None = None, *, discove
 
 
 class KimiK3Engine:
-    """The interface of the article this project answers: `KimiK3Engine(model_path=..., device="mps")`, then
+    """A two-call interface for scripts written against one: `KimiK3Engine(model_path=..., device="mps")`, then
     `engine.generate(prompt, max_length=100)` gives the generated text (up to `max_length` new tokens, greedy
     unless `temperature` is given). `engine.model` is the full `Model` API."""
 

@@ -33,6 +33,22 @@ def test_the_readmes_name_no_file_a_clone_lacks(doc: str) -> None:
     assert [t for t in links if not (here / t.split("#")[0]).exists()] == []
 
 
+def test_the_docs_name_only_files_the_repository_has() -> None:
+    """Every path into the project's own folders that a document names (a test file, a module) exists: a doc once
+    cited a test file that never did."""
+    named = re.findall(r"\b((?:deltafin|coordinator|worker|tests|tools|deploy|proto)/[\w/.-]*\.(?:py|md|proto|c|json))",
+                       _docs() + (ROOT / "deploy" / "README.md").read_text())
+    assert named and sorted({p for p in named if not (ROOT / p).exists()}) == []
+
+
+def test_the_readme_says_how_its_commands_are_found() -> None:
+    """After the set-up line the README's commands are bare (`deltafin serve`): it says to activate the environment
+    they were installed into, or to prefix them, before the first."""
+    readme = (ROOT / "README.md").read_text()
+    first_bare = readme.index("`deltafin serve`")
+    assert "source .venv/bin/activate" in readme[:first_bare] and ".venv/bin/" in readme[:first_bare]
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)

@@ -203,7 +203,8 @@ def test_the_readmes_example_runs_as_written(tmp_path) -> None:
         out = m.generate("def read_lines(path):", max_tokens=16)
         source = m.generate("# Lib/textwrap.py", max_tokens=16).text
         reply = m.chat([{"role": "user", "content": "What does `json.dumps` do?"}], max_tokens=64)
-        article = m.generate("Show me the source of `heapq.heappush`.", max_tokens=20).text
+        body = m.generate("def heappush(heap, item):\n", max_tokens=24).text
     want = (re.escape(f"{out.text!r} {out.finish_reason} {out.usage.completion_tokens} ") + r"\d+ tok/s\n"
-            + re.escape(f"{source}\n{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{article!r}\n"))
+            + re.escape(f"{source}\n{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{body}\n"))
     assert re.fullmatch(want, run.stdout), run.stdout
+    assert body.startswith("    ") and body.count("\n") >= 1  # what the comment promises: an indented body
