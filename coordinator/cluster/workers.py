@@ -31,7 +31,7 @@ from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION
-from deltafin.transport.discovery import browse
+from deltafin.transport.discovery import browse, nobody_answered
 from deltafin.transport.worker_info import WorkerDescription
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,7 @@ async def find_workers(spec: ClusterSpec) -> list[Worker]:
     """Connect to every named and discovered worker that runs this model; warn about the others."""
     addresses = await discover_addresses(spec)
     if not addresses:
-        raise ClusterError("no workers: none answered on Bonjour within "
-                           f"{spec.discover_timeout:.0f}s and none was named with --worker host:port. To run on this "
-                           "machine alone, add --local (or use `deltafin serve` / `deltafin chat --local`); to use "
-                           "other machines, start `deltafin-worker --model ...` on each")
+        raise ClusterError(nobody_answered(spec.discover_timeout))
     usable = await probe_workers(spec, addresses)
     if not usable:
         raise ClusterError("no usable workers: every one found was unreachable, runs another model or protocol, or "

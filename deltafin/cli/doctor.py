@@ -41,14 +41,15 @@ class Check:
     fix: str = ""
 
 
-def run_checks(model: str | None, full: bool, device: str, security: dict[str, str | None]) -> list[Check]:
+def run_checks(model: str | None, full: bool, device: str, security: dict[str, str | None],
+               interfaces: list[str] | None = None) -> list[Check]:
     """Every check, in order; one that breaks is a failed check with its error, never a traceback."""
     checks: list[Check] = []
     steps: list[tuple[str, Callable[[], list[Check]]]] = [
         ("python", _python), ("backend", lambda: _backend(device)), ("memory", lambda: _memory(model, device))]
     if model is not None:
         steps += [("model", lambda: _model(model, full)), ("disk", lambda: _disk(model))]
-    steps += [("cache disk", lambda: _cache_room(model)), ("network", _network),
+    steps += [("cache disk", lambda: _cache_room(model)), ("network", lambda: _network(interfaces)),
               ("security", lambda: _security(security))]
     for name, step in steps:
         try:
@@ -201,14 +202,18 @@ def _cache_room(model: str | None) -> list[Check]:
                   "less)")]
 
 
-def _network() -> list[Check]:
-    from zeroconf import Zeroconf  # lazily: loaded when the check runs
-
+def _network(interfaces: list[str] | None) -> list[Check]:
+    from deltafin.transport.discovery import LOCAL_NETWORK, hears_itself  # lazily: zeroconf
     from deltafin.transport.ports import check_free  # (lazily, with zeroconf)
 
-    zc = Zeroconf(interfaces=["127.0.0.1"])
-    zc.close()
-    out = [Check("bonjour", OK, "zeroconf starts (on 127.0.0.1; workers announce on every interface)")]
+    where = ", ".join(interfaces) if interfaces else "every interface"
+    if hears_itself(interfaces):
+        out = [Check("bonjour", OK, f"this machine hears its own announcement ({where})")]
+    else:
+        fix = (f"{LOCAL_NETWORK}; then run doctor again" if sys.platform == "darwin" else
+               "let multicast DNS (UDP 5353) through the firewall, or use a network that carries it")
+        out = [Check("bonjour", FAIL, f"this machine did not hear its own Bonjour announcement ({where}): workers "
+                     "and coordinators will not find each other", f"{fix}; or name workers with --worker HOST:PORT")]
     try:
         check_free("127.0.0.1", API_PORT, "the API")
         out.append(Check("port", OK, f"{API_PORT} is free for `deltafin serve`"))
@@ -247,7 +252,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.verbose < 1:  # the checks' own findings are the output; the libraries' info lines are not
         logging.getLogger("deltafin").setLevel(logging.WARNING)
     security = {k: getattr(args, k) for k in ("cluster_key_file", "tls_cert", "tls_key")}
-    checks = run_checks(args.model, args.full, args.device, security)
+    checks = run_checks(args.model, args.full, args.device, security, args.interface)
     print(json.dumps([asdict(c) for c in checks], indent=1) if args.json else report(checks))
     return 1 if any(c.status == FAIL for c in checks) else 0
 
@@ -262,6 +267,8 @@ def add_doctor_command(sub: argparse._SubParsersAction, model_arg: Callable[[str
     p.add_argument("--cluster-key-file", default=None, help="check this cluster key file")
     p.add_argument("--tls-cert", default=None, help="check this certificate (with --tls-key)")
     p.add_argument("--tls-key", default=None)
+    p.add_argument("--interface", action="append", default=None, help="check Bonjour on this interface address "
+                   "(repeatable; default: every one, as a worker announces)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_doctor)
 

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 import ifaddr
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
@@ -167,3 +168,56 @@ def _primary_address() -> str:
         return "127.0.0.1"
     finally:
         s.close()
+
+
+LOCAL_NETWORK = ("System Settings › Privacy & Security › Local Network, on for the app that runs it (Terminal, "
+                 "iTerm, your IDE: macOS blocks Bonjour for an app without it and says nothing)")
+CHECK_TYPE = "_deltafin-check._tcp.local."  # doctor's own announcement: no coordinator takes it for a worker
+
+
+def nobody_answered(timeout: float, platform: str | None = None) -> str:
+    """Why discovery may find no worker, and what to do: the causes that are silent, named for this platform."""
+    blocked = (f"on a Mac, Bonjour works only with {LOCAL_NETWORK}, on this Mac and on each worker's"
+               if (platform or sys.platform) == "darwin" else
+               "the workers' announcements may not reach this machine (a firewall, or a network such as guest "
+               "Wi-Fi that drops multicast; on a Mac the worker's app also needs " + LOCAL_NETWORK + ")")
+    return (f"no workers: none answered on Bonjour within {timeout:.0f}s and none was named with --worker "
+            f"HOST:PORT. If they run, {blocked}; `deltafin doctor` checks that this machine hears its own "
+            "announcement; or name them with --worker HOST:PORT. To run on this machine alone, add --local (or use "
+            "`deltafin serve` / `deltafin chat --local`); to use other machines, start `deltafin-worker --model "
+            "...` on each")
+
+
+def hears_itself(interfaces: list[str] | None = None, timeout: float = 3.0) -> bool:
+    """Whether this machine sees its own Bonjour announcement within `timeout` seconds (a check service, announced
+    and browsed for on `interfaces` as a worker and a coordinator would, then withdrawn)."""
+    zc = _zeroconf(interfaces)
+    name = f"check-{uuid.uuid4().hex[:12]}.{CHECK_TYPE}"
+    address = interfaces[0] if interfaces else _primary_address()
+    info = ServiceInfo(CHECK_TYPE, name, addresses=[socket.inet_aton(address)], port=9,
+                       server=f"{name.split('.')[0]}.local.")
+    heard = threading.Event()
+
+    class Listener(ServiceListener):
+        def add_service(self, zc: Zeroconf, type_: str, seen: str) -> None:
+            if seen == name:
+                heard.set()
+
+        def update_service(self, zc: Zeroconf, type_: str, seen: str) -> None:
+            self.add_service(zc, type_, seen)
+
+        def remove_service(self, zc: Zeroconf, type_: str, seen: str) -> None:
+            pass
+
+    try:
+        zc.register_service(info)
+        browser = ServiceBrowser(zc, CHECK_TYPE, Listener())
+        try:
+            return heard.wait(timeout)
+        finally:
+            browser.cancel()
+    finally:
+        try:
+            zc.unregister_service(info)
+        finally:
+            zc.close()

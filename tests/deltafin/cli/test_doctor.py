@@ -14,7 +14,7 @@ SHARD = "model-00003-of-00007.safetensors"
 
 
 def _checks(capsys, *args: str) -> tuple[int, dict[str, list[dict]]]:
-    rc = main(["doctor", "--device", "cpu", "--json", *args])
+    rc = main(["doctor", "--device", "cpu", "--json", "--interface", "127.0.0.1", *args])
     out: dict[str, list[dict]] = {}
     for c in json.loads(capsys.readouterr().out):
         out.setdefault(c["name"], []).append(c)
@@ -47,7 +47,7 @@ def test_damage_and_bad_files_fail_with_their_fix(tiny_dir: Path, tmp_path: Path
     (sha,) = checks["sha256"]
     assert sha["status"] == "fail" and "model-00004-of-00007.safetensors" in sha["detail"]
     assert [c["status"] for c in checks["security"]] == ["fail"]
-    assert main(["doctor", "--device", "cpu", "--model", str(model)]) == 1
+    assert main(["doctor", "--device", "cpu", "--interface", "127.0.0.1", "--model", str(model)]) == 1
     text = capsys.readouterr().out
     assert "✘ shards" in text and "fix: copy or download the file again" in text
 
@@ -70,3 +70,20 @@ def test_the_cache_room_is_asked_for_the_prefix_budget_the_model_gets(tmp_path: 
     (room,) = checks["cache disk"]
     assert room["status"] == "warn" and "and 32.00 GB of kept prefixes (--prefix-disk-gb's default for k3)" \
         in room["detail"]
+
+
+def test_bonjour_is_checked_by_hearing_this_machines_own_announcement(capsys, monkeypatch) -> None:
+    """On loopback the announcement is heard; where it is not (macOS's Local Network setting off for the app: no
+    error, no packets; simulated here), the check fails naming that setting on a Mac, multicast elsewhere, and
+    --worker HOST:PORT either way."""
+    from deltafin.transport import discovery
+
+    rc, checks = _checks(capsys)
+    assert checks["bonjour"][0]["status"] == "ok" and "hears its own announcement" in checks["bonjour"][0]["detail"]
+    monkeypatch.setattr(discovery, "hears_itself", lambda interfaces=None, timeout=3.0: False)
+    for platform, named in (("darwin", "Privacy & Security › Local Network"), ("linux", "UDP 5353")):
+        monkeypatch.setattr("sys.platform", platform)
+        rc, checks = _checks(capsys)
+        (bonjour,) = checks["bonjour"]
+        assert rc == 1 and bonjour["status"] == "fail"
+        assert named in bonjour["fix"] and "--worker HOST:PORT" in bonjour["fix"]

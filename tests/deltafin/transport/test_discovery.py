@@ -34,3 +34,22 @@ def test_discovery_finds_announced_workers_and_txt_round_trips(tiny_dir):
         time.sleep(0.5)
         names = {w.name for w in browse(timeout=2, interfaces=["127.0.0.1"])}
         assert "disc1" not in names and "disc0" in names
+
+
+def test_a_machine_hears_its_own_announcement_on_loopback():
+    from deltafin.transport.discovery import hears_itself
+
+    assert hears_itself(["127.0.0.1"], timeout=5.0)
+
+
+def test_finding_nobody_names_the_silent_causes_and_the_way_around_them():
+    """macOS's Local Network privacy setting stops Bonjour for an app without an error: the message names it (and
+    where it is set) on a Mac, multicast filtering elsewhere, and --worker HOST:PORT and --local on both."""
+    from deltafin.transport.discovery import nobody_answered
+
+    mac = nobody_answered(3.0, "darwin")
+    assert "System Settings › Privacy & Security › Local Network" in mac and "within 3s" in mac
+    linux = nobody_answered(3.0, "linux")
+    assert "firewall" in linux and "Local Network" in linux
+    for said in (mac, linux):
+        assert "--worker HOST:PORT" in said and "--local" in said and "deltafin doctor" in said
