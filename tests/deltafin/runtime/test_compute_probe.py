@@ -135,3 +135,22 @@ def test_readings_announce_their_median_and_how_far_they_disagree():
     for _ in range(10):
         r.add(_speed(1e-3, 100e9, 0.02))
     assert len(r.readings) == compute_probe.KEEP_READINGS and r.speed.spread == pytest.approx(0.02)
+
+
+def test_a_stage_on_mlx_has_its_experts_timed_on_mlx(small_dir, monkeypatch):
+    """Where the stage runs its routed experts on MLX (the Mac's path; MLX's CPU backend here), so does the probe:
+    its expert times are MLX's `gather_qmm` calls, not torch's."""
+    pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
+    from deltafin.kernels import linear as linear_mod
+
+    cfg = load_config(small_dir)
+    calls = []
+    real = compute_probe.run_experts
+    monkeypatch.setattr(compute_probe, "run_experts", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(compute_probe, "expert_ffn", lambda *a: pytest.fail("the torch expert path was timed"))
+    linear_mod.select_kernels("mlx")
+    try:
+        s = measure_compute(cfg, torch.device("cpu"), torch.float32)
+    finally:
+        linear_mod.select_kernels("auto")
+    assert {1, PROMPT_ROWS} <= set(calls) and s.expert_one_s > 0 and s.expert_token_s > 0
