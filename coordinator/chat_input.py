@@ -101,7 +101,7 @@ def terminal_kept(stream: TextIO = sys.stdin) -> Iterator[None]:
     """The terminal's settings as they were on entry, again on exit: quitting while readline holds the terminal
     in its own mode must not leave the shell without echo."""
     try:
-        import termios
+        import termios  # lazily: POSIX only (absent on Windows)
 
         saved = termios.tcgetattr(stream.fileno()) if stream.isatty() else None
     except (ImportError, OSError, ValueError):

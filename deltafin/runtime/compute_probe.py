@@ -10,8 +10,9 @@ each weight taken in turn so that it comes from memory):
 
 Rounds are added until the last ones agree within TOLERANCE or BUDGET_S runs out; what is left over is the
 reading's `spread`, which the plan weighs where two modes come close. A one-token rate is bounded by CEILING times
-the device's memory speed (measured here by a copy): a stage's spine does not fit in a cache. `ComputeReadings` keeps a worker's
-readings (at start, then while it is idle) and announces their median, so one busy moment does not set the plan.
+the device's memory speed (measured here by a copy): a stage's spine does not fit in a cache. `ComputeReadings`
+keeps a worker's readings (at start, then while it is idle) and announces their median, so one busy moment does not
+set the plan.
 """
 
 from __future__ import annotations
