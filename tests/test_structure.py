@@ -273,7 +273,7 @@ LONG_FUNCTIONS = {
     ("deltafin.transport.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",
     ("deltafin.cli.inspection", "inspect_model"): "the fields of `deltafin inspect`, each computed where it is named",
     ("deltafin.cli.inspection", "format_report"): "the report's lines in the order they are printed",
-    ("deltafin.coordinator.chat_cli", "run_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
+    ("deltafin.coordinator.chat_cli", "_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
     ("deltafin.coordinator.cluster.workers", "probe_workers"): "concurrent probes and every reason to leave a "
                                                                "worker out",
     ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients "
