@@ -43,7 +43,8 @@ PROMPT_ROWS = 32  # tokens through an expert in the batched timing (a 4K prompt 
 SPINE_ROWS = 512  # tokens through the spine matrix in the batched timing (a prompt's forward: hundreds)
 CPU_BATCHED_OUT = 1024  # the CPU's batched timing takes this many of the matrix's rows: it is bound by FLOP there,
 # not bytes, and the whole matrix would take seconds a call
-ROTATION_BYTES = 256 * 10**6  # each weight's copies taken in turn: past any last-level cache (an H200's is 50 MB)
+ROTATION_BYTES = 128 * 10**6  # each weight's copies taken in turn: past a last-level cache (an H200's 50 MB, an M1
+# Max's 48); at K3's width the probe holds ~0.5 GB while it runs, within the runtime's share of a plan (1.07 GB)
 TOLERANCE = 0.10  # the last rounds of every candidate within 10 % of their median: stable
 MIN_ROUNDS, MAX_ROUNDS = 5, 12  # as bench --kernel's 5 rounds, more where they disagree
 ONE_TOKEN_CALLS = 16  # back-to-back one-token calls a round (decode queues its launches)
@@ -83,17 +84,18 @@ def _time_spine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         if fmt is not None and fmt.name != name:
             log.info("probe: a %s spine holds a %dx%d matrix as %s (%s's groups do not divide its rows)", name, rows,
                      cols, fmt.name, name)
-    weights = {name: fmt.quantize(dense) if fmt is not None else dense for name, fmt in held.items()}
+    weights = {name: (fmt.quantize(dense) if fmt is not None else dense).to(device) for name, fmt in held.items()}
+    out = min(rows, CPU_BATCHED_OUT) if device.type == "cpu" else rows
+    sliced = weights if out == rows else {name: (fmt.quantize(dense[:out]) if fmt is not None else dense[:out]).to(
+        device) for name, fmt in held.items()}
+    del dense
     x1 = torch.randn(1, cols, generator=gen).to(device, dtype)
-    rings = {name: copies(w.to(device), ROTATION_BYTES) for name, w in weights.items()}
+    rings = {name: copies(w, ROTATION_BYTES) for name, w in weights.items()}
     one = stable_seconds({name: in_turn(lambda w: linear(x1, w), ring) for name, ring in rings.items()}, device,
                          repeats=ONE_TOKEN_CALLS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, budget_s=BUDGET_S,
                          tolerance=TOLERANCE)
-    del rings
-    out = min(rows, CPU_BATCHED_OUT) if device.type == "cpu" else rows
+    del rings, weights
     xn = torch.randn(SPINE_ROWS, cols, generator=gen).to(device, dtype)
-    sliced = {name: (fmt.quantize(dense[:out]) if fmt is not None else dense[:out]).to(device)
-              for name, fmt in held.items()}
     many = stable_seconds({name: (lambda w=w: linear(xn, w)) for name, w in sliced.items()}, device, repeats=1,
                           min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, budget_s=BUDGET_S, tolerance=TOLERANCE)
     ceiling = _memory_bytes_per_s(device)
