@@ -91,7 +91,7 @@ def bench_mxfp4(device: str = "auto", dtype: str = "fp32", tokens: int = 1, repe
         exact_fp32()
     g = torch.Generator().manual_seed(0)
     packed = sum(r * c // 2 + r * c // 32 for r, c in K3_EXPERT.values())
-    experts = [_random_expert(g, dev) for _ in range(min(32, math.ceil(ROTATION_BYTES / packed)))]
+    experts = [_random_expert(g, dev) for _ in range(max(1, min(32, math.ceil(ROTATION_BYTES / packed))))]
     x = torch.randn(tokens, 3584, generator=g).to(dev, dt)
     mxfp4_linear(x, experts[0].w1)  # builds and self-checks the fast path
     # experts taken in turn, as a decode step's come from memory, not from a cache that holds one (an H200's 50 MB)

@@ -69,5 +69,25 @@ def test_bench_kernel_prints_the_expert_and_the_spine(monkeypatch, capsys) -> No
     assert main(["bench", "--kernel", "--device", "cpu", "--repeats", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "mxfp4" and out["tokens"] == 1 and out["expert_bytes"] == 3 * 3072 * 3584 * 17 // 32
-    assert out["matrix_ms"] > 0 and out["expert_ms"] > 0
+    assert out["matrix_ms"] > 0 and out["expert_ms"] > 0 and out["experts_in_turn"] == 1  # no rotation asked
     _check_spine(out["spine"], SMALL_SPINE, 64, 0)
+    probe = out["probe"]  # the compute probe at K3's width beside the benchmark's expert (its spine shapes differ)
+    assert probe["matrix"] == [12288, 7168] and probe["expert_vs_kernel"] > 0
+    assert set(probe["spine_one_GFLOPs"]) == {"bf16", "int8", "q4"} and "spine_one_vs_kernel" not in probe
+
+
+def test_the_probe_is_set_beside_the_benchmarks_figures_for_the_same_matrix(monkeypatch) -> None:
+    """`probe_against_kernels`' ratios: the probe's one-token GFLOP/s over the benchmark's decode of the same matrix,
+    and the benchmark's expert time over the probe's (a known reading here, so the arithmetic is checked)."""
+    from deltafin.plan.compute import ComputeSpeed
+
+    rows, cols = 12288, 7168
+    flop = 2 * rows * cols
+    speed = ComputeSpeed(4e-3, 1e-4, {"bf16": flop / 5e-3, "int8": flop / 2.5e-3, "q4": flop / 2e-3},
+                         {"bf16": 1e11, "int8": 1e11, "q4": 1e11}, spread=0.05)
+    monkeypatch.setattr(bench_kernels, "measure_compute", lambda cfg, dev, dt: speed)
+    spine = {"matrices": [{"rows": rows, "cols": cols, "formats": {"bf16": {"decode_ms": 4.0}, "int8": {
+        "decode_ms": 2.5}, "q4": {"decode_ms": 2.5}}}]}
+    out = bench_kernels.probe_against_kernels("cpu", "fp32", {"tokens": 1, "expert_ms": 5.0}, spine)
+    assert out["spine_one_vs_kernel"] == {"bf16": 0.8, "int8": 1.0, "q4": 1.25}
+    assert out["expert_vs_kernel"] == 1.25 and out["spread"] == 0.05 and out["expert_one_ms"] == 4.0
