@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from deltafin.kernels.timing import Stopped
 from deltafin.plan.compute import ComputeSpeed
 from deltafin.runtime.compute_probe import ComputeReadings
 
@@ -47,6 +48,9 @@ async def remeasure_compute(service: Serving, readings: ComputeReadings, measure
             continue
         try:
             reading = await measure()
+        except Stopped:  # a call came in: it goes first, the reading is dropped
+            log.debug("a call came in while measuring this worker's compute: the reading is dropped")
+            continue
         except Exception as e:  # a failed reading keeps the ones announced; the worker serves on
             log.warning("measuring this worker's compute again failed (%s: %s); the plan keeps its last reading",
                         type(e).__name__, e)

@@ -268,7 +268,7 @@ def _background(service: WorkerService, session_ttl: float, options: StageOption
     (worker/idle.py), the Mac kept awake while it serves."""
     readings = ComputeReadings([service.description.compute])
     measure = partial(service.slot.on_stage_thread, measure_compute, service.ckpt.config, service.device,
-                      options.torch_dtype)
+                      options.torch_dtype, lambda: service.serving > 0)  # a call that comes in goes first
     announce = lambda speed: setattr(service, "description", dataclasses.replace(service.description, compute=speed))
     return [asyncio.ensure_future(expire_sessions(service, session_ttl)),
             asyncio.ensure_future(remeasure_compute(service, readings, measure, announce)),

@@ -23,6 +23,10 @@ from deltafin.formats import WeightFormat
 WARMUP_CALLS = 3  # a fast path's first use builds and self-checks it
 
 
+class Stopped(Exception):
+    """A timing given up between rounds because its caller has other work (a worker's request came in)."""
+
+
 @dataclass(frozen=True)
 class Timed:
     """Each candidate's seconds a call (the median of its rounds) and how far the last rounds spread around it:
@@ -40,9 +44,11 @@ def interleaved_seconds(fns: dict[str, Callable[[], object]], device: torch.devi
 
 
 def stable_seconds(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, *, min_rounds: int,
-                   max_rounds: int, budget_s: float = math.inf, tolerance: float = 0.0, window: int = 3) -> Timed:
+                   max_rounds: int, budget_s: float = math.inf, tolerance: float = 0.0, window: int = 3,
+                   should_stop: Callable[[], bool] | None = None) -> Timed:
     """As interleaved_seconds, with rounds added (from `min_rounds` up to `max_rounds`, while `budget_s` lasts)
-    until the last `window` rounds of every fn lie within `tolerance` of their median."""
+    until the last `window` rounds of every fn lie within `tolerance` of their median. `should_stop`, asked after
+    each round: true gives the timing up (Stopped)."""
     for fn in fns.values():
         for _ in range(WARMUP_CALLS):
             fn()
@@ -57,6 +63,8 @@ def stable_seconds(fns: dict[str, Callable[[], object]], device: torch.device, r
             synchronize(device)
             per_call[name].append((time.perf_counter() - t0) / repeats)
         k += 1
+        if should_stop is not None and should_stop():
+            raise Stopped(f"stopped after {k} rounds")
         spread = max(_spread(t[-window:]) for t in per_call.values())
         if k >= max_rounds or (k >= min_rounds and (spread <= tolerance or time.perf_counter() - start > budget_s)):
             return Timed({name: statistics.median(t) for name, t in per_call.items()}, spread, k)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,11 +55,16 @@ CEILING = 2.0  # a one-token rate is cut to this many times what the measured me
 # within a few % of a matvec's reads on the 2-core x86 server: the margin is for noise, not for a cache's speed-up)
 
 
-def measure_compute(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ComputeSpeed:
-    """This worker's ComputeSpeed for `cfg` on `device` with activations in `dtype` (see the module docstring)."""
+def measure_compute(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    should_stop: Callable[[], bool] | None = None) -> ComputeSpeed:
+    """This worker's ComputeSpeed for `cfg` on `device` with activations in `dtype` (see the module docstring).
+    `should_stop`, asked between rounds: true gives the reading up (kernels/timing.Stopped), so that a request that
+    comes in while an idle worker measures waits a round, not the whole probe."""
     gen = torch.Generator().manual_seed(0)
-    t1, tn, expert_spread = _time_expert(cfg, device, dtype, gen)
-    one, many, spine_spread = _time_spine(cfg, device, dtype, gen)
+    rounds = {"min_rounds": MIN_ROUNDS, "max_rounds": MAX_ROUNDS, "budget_s": BUDGET_S, "tolerance": TOLERANCE,
+              "should_stop": should_stop}
+    t1, tn, expert_spread = _time_expert(cfg, device, dtype, gen, rounds)
+    one, many, spine_spread = _time_spine(cfg, device, dtype, gen, rounds)
     speed = ComputeSpeed(t1, tn / PROMPT_ROWS, one, many, spread=max(expert_spread, spine_spread))
     log.info("compute on %s: %s", device, speed.describe())
     return speed
@@ -73,8 +79,8 @@ def probe_matrix(cfg: ModelConfig) -> TensorSpec:
     return max(rounded, key=lambda s: s.shape[0] * s.shape[1])
 
 
-def _time_spine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                gen: torch.Generator) -> tuple[dict[str, float], dict[str, float], float]:
+def _time_spine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator,
+                rounds: dict) -> tuple[dict[str, float], dict[str, float], float]:
     """FLOP/s of each spine format for one token and for SPINE_ROWS, and the spread of the two timings."""
     spec = probe_matrix(cfg)
     rows, cols = spec.shape
@@ -92,12 +98,11 @@ def _time_spine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     x1 = torch.randn(1, cols, generator=gen).to(device, dtype)
     rings = {name: copies(w, ROTATION_BYTES) for name, w in weights.items()}
     one = stable_seconds({name: in_turn(lambda w: linear(x1, w), ring) for name, ring in rings.items()}, device,
-                         repeats=ONE_TOKEN_CALLS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, budget_s=BUDGET_S,
-                         tolerance=TOLERANCE)
+                         repeats=ONE_TOKEN_CALLS, **rounds)
     del rings, weights
     xn = torch.randn(SPINE_ROWS, cols, generator=gen).to(device, dtype)
     many = stable_seconds({name: (lambda w=w: linear(xn, w)) for name, w in sliced.items()}, device, repeats=1,
-                          min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, budget_s=BUDGET_S, tolerance=TOLERANCE)
+                          **rounds)
     ceiling = _memory_bytes_per_s(device)
     bytes_per_weight = {name: (fmt or spine_format(stored_spine())).bytes_per_weight for name, fmt in held.items()}
     one_rate = {name: min(2.0 * rows * cols / max(t, 1e-12), CEILING * 2.0 * ceiling / bytes_per_weight[name])
@@ -106,8 +111,8 @@ def _time_spine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     return one_rate, many_rate, max(one.spread, many.spread)
 
 
-def _time_expert(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 gen: torch.Generator) -> tuple[float, float, float]:
+def _time_expert(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, gen: torch.Generator,
+                 rounds: dict) -> tuple[float, float, float]:
     """Seconds of one routed expert for one token and for PROMPT_ROWS tokens, on the stage's expert backend."""
     x = torch.randn(PROMPT_ROWS, cfg.expert_dim, generator=gen)
     if expert_backend(device.type) == "mlx" and cfg.expert_format is ExpertFormat.MXFP4:
@@ -119,8 +124,7 @@ def _time_expert(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         one, many = x[:1].to(device, dtype), x.to(device, dtype)
         calls = {"one": in_turn(lambda e: expert_ffn(cfg, e, one), experts),
                  "many": in_turn(lambda e: expert_ffn(cfg, e, many), experts)}
-    timed = stable_seconds(calls, device, repeats=4, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, budget_s=BUDGET_S,
-                           tolerance=TOLERANCE)
+    timed = stable_seconds(calls, device, repeats=4, **rounds)
     return timed.seconds["one"], timed.seconds["many"], timed.spread
 
 

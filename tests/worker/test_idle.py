@@ -126,3 +126,19 @@ def test_a_mac_without_caffeinate_is_warned_about(caplog):
     guard = idle.SleepGuard("darwin", spawn=missing)
     guard.hold(1)
     assert not guard.held and "Prevent automatic sleeping" in caplog.text
+
+
+async def test_a_reading_a_call_interrupts_is_dropped_quietly(caplog):
+    from deltafin.kernels.timing import Stopped
+
+    service = FakeService([])
+
+    async def interrupted() -> ComputeSpeed:
+        raise Stopped("a call came in")
+
+    task = asyncio.ensure_future(idle.remeasure_compute(service, ComputeReadings([_speed(2e-3)]), interrupted,
+                                                        service.announce_compute, every_s=0.01, idle_s=1.0))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    task.cancel()
+    assert service.announced == [] and "failed" not in caplog.text

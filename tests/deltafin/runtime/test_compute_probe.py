@@ -154,3 +154,14 @@ def test_a_stage_on_mlx_has_its_experts_timed_on_mlx(small_dir, monkeypatch):
     finally:
         linear_mod.select_kernels("auto")
     assert {1, PROMPT_ROWS} <= set(calls) and s.expert_one_s > 0 and s.expert_token_s > 0
+
+
+def test_a_reading_is_given_up_between_rounds_when_asked(small_dir):
+    """An idle worker's reading stops after a round once a call comes in (`should_stop`), not after the whole probe."""
+    from deltafin.kernels.timing import Stopped
+
+    cfg = load_config(small_dir)
+    asked = []
+    with pytest.raises(Stopped):
+        measure_compute(cfg, torch.device("cpu"), torch.float32, should_stop=lambda: asked.append(1) or True)
+    assert len(asked) == 1  # the first round's end
