@@ -188,7 +188,7 @@ def nobody_answered(timeout: float, platform: str | None = None) -> str:
             "...` on each")
 
 
-def hears_itself(interfaces: list[str] | None = None, timeout: float = 3.0) -> bool:
+def hears_itself(interfaces: list[str] | None = None, timeout: float = 5.0) -> bool:
     """Whether this machine sees its own Bonjour announcement within `timeout` seconds (a check service, announced
     and browsed for on `interfaces` as a worker and a coordinator would, then withdrawn)."""
     zc = _zeroconf(interfaces)

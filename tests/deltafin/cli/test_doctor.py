@@ -80,7 +80,7 @@ def test_bonjour_is_checked_by_hearing_this_machines_own_announcement(capsys, mo
 
     rc, checks = _checks(capsys)
     assert checks["bonjour"][0]["status"] == "ok" and "hears its own announcement" in checks["bonjour"][0]["detail"]
-    monkeypatch.setattr(discovery, "hears_itself", lambda interfaces=None, timeout=3.0: False)
+    monkeypatch.setattr(discovery, "hears_itself", lambda interfaces=None, timeout=5.0: False)
     for platform, named in (("darwin", "Privacy & Security › Local Network"), ("linux", "UDP 5353")):
         monkeypatch.setattr("sys.platform", platform)
         rc, checks = _checks(capsys)
