@@ -203,10 +203,15 @@ def _cache_room(model: str | None) -> list[Check]:
 
 
 def _network(interfaces: list[str] | None) -> list[Check]:
-    from deltafin.transport.discovery import LOCAL_NETWORK, hears_itself  # lazily: zeroconf
+    from deltafin.transport.discovery import LOCAL_NETWORK, hears_itself, interface_addresses  # lazily: zeroconf
     from deltafin.transport.ports import check_free  # (lazily, with zeroconf)
 
     where = ", ".join(interfaces) if interfaces else "every interface"
+    ours = ["127.0.0.1", *interface_addresses()]
+    strangers = [i for i in interfaces or () if i not in ours]
+    if strangers:
+        return [Check("bonjour", FAIL, f"--interface {', '.join(strangers)}: not an address of this machine",
+                      f"give one of {', '.join(ours)}, or no --interface (every one)")]
     if hears_itself(interfaces):
         out = [Check("bonjour", OK, f"this machine hears its own announcement ({where})")]
     else:

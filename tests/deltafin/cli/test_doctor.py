@@ -87,3 +87,10 @@ def test_bonjour_is_checked_by_hearing_this_machines_own_announcement(capsys, mo
         (bonjour,) = checks["bonjour"]
         assert rc == 1 and bonjour["status"] == "fail"
         assert named in bonjour["fix"] and "--worker HOST:PORT" in bonjour["fix"]
+
+
+def test_an_interface_this_machine_lacks_is_named_with_the_ones_it_has(capsys) -> None:
+    rc = main(["doctor", "--device", "cpu", "--json", "--interface", "not-an-ip"])
+    (bonjour,) = [c for c in json.loads(capsys.readouterr().out) if c["name"] == "bonjour"]
+    assert rc == 1 and bonjour["status"] == "fail"
+    assert "not-an-ip: not an address of this machine" in bonjour["detail"] and "127.0.0.1" in bonjour["fix"]
