@@ -28,7 +28,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
 from deltafin.options import CACHE_POLICIES, GB
 from deltafin.paths import model_path as resolve_model_path
-from deltafin.plan.sizing import expert_slot_bytes
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.head_drafter import DRAFT_DIR
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput

@@ -71,8 +71,8 @@ def _defaults() -> list[str]:
     from deltafin.plan.forward_workspace import FORWARD_SHARE
     from deltafin.plan.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
     from deltafin.plan.memory import MARGIN
-    from deltafin.plan.sizing import RUNTIME_OVERHEAD, SPECULATIVE_TOKENS
-    from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES
+    from deltafin.plan.sizing import RUNTIME_OVERHEAD
+    from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES, SPECULATIVE_TOKENS
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import Calibration, DraftLength, FittedCost, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -133,9 +133,8 @@ def test_the_readmes_defaults_are_the_codes(figure: str) -> None:
 def _k3_figures(tmp: Path) -> list[str]:
     from deltafin.checkpoint.config import LayerKind, load_config
     from deltafin.plan.layer_table import layer_table
-    from deltafin.plan.sizing import (
-        SPECULATIVE_TOKENS,
-        Placement,
+    from deltafin.plan.sizing_options import SPECULATIVE_TOKENS, Placement
+    from deltafin.plan.stage_parts import (
         boundary_bytes_per_token,
         kda_state_bytes,
         kda_trail_bytes,
@@ -276,7 +275,8 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     README's row) and under a uniform router, the best k."""
     from deltafin.plan.cluster_plan import WorkerCapacity
     from deltafin.plan.planner import plan_layers
-    from deltafin.plan.sizing import SPECULATIVE_TOKENS, SizingInput
+    from deltafin.plan.sizing import SizingInput
+    from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
     from deltafin.text.drafting import chain_tokens, distinct_experts
 
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")

@@ -28,7 +28,7 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CodecError, DeltafinError, NotAssigned, OutOfMemory
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory import peak_rss
-from deltafin.plan.sizing import boundary_bytes_per_token
+from deltafin.plan.stage_parts import boundary_bytes_per_token
 from deltafin.runtime.assigned import Assigned
 from deltafin.runtime.stage import SeqOutput, Stage
 from deltafin.runtime.stage_options import StageOptions

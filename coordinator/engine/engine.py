@@ -33,7 +33,7 @@ from deltafin.coordinator.engine.token_loop import (
 )
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.plan.predict import forward_read_bytes
-from deltafin.plan.sizing import SPECULATIVE_TOKENS
+from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions

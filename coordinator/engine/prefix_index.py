@@ -16,7 +16,7 @@ rows. A prompt kept whole resumes whole when the last stage still has its logits
 
 The index does the stages' byte accounting itself, from each stage's capacity for kept prefixes (its memory
 budget, or its disk budget where it keeps them on disk too) and the exact size of a kept state
-(sizing.sequence_bytes), and evicts before any stage would have to: prefixes that no request has resumed twice
+(stage_parts.sequence_bytes), and evicts before any stage would have to: prefixes that no request has resumed twice
 go first, least recently used first, then shared ones (a system prompt many conversations start with is kept
 longest). Evicted ids are dropped on the stages.
 """
@@ -33,7 +33,7 @@ import torch
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.plan.kept_prefixes import prefix_grid
-from deltafin.plan.sizing import sequence_bytes
+from deltafin.plan.stage_parts import sequence_bytes
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 
 SHARED_HITS = 2  # an entry resumed this often is shared: evicted only after every unshared one

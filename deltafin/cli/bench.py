@@ -30,7 +30,7 @@ from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.options import CACHE_POLICIES
 from deltafin.plan.memory import peak_rss
-from deltafin.plan.sizing import expert_slot_bytes
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

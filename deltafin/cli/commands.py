@@ -235,7 +235,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
                               device=args.device, cache_share=args.cache_share,
                               options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
-        from deltafin.plan.sizing import SPECULATIVE_TOKENS  # torch: loaded when the command runs
+        from deltafin.plan.sizing_options import SPECULATIVE_TOKENS  # loaded when the command runs
 
         common["options"] = options.replace(speculative_tokens=SPECULATIVE_TOKENS)
         return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)

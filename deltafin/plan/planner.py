@@ -40,8 +40,9 @@ from deltafin.plan.layer_table import model_spines
 from deltafin.plan.least import too_small
 from deltafin.plan.links import Links
 from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
-from deltafin.plan.sizing import SizingInput, StageSizing, choose, expert_slot_bytes
+from deltafin.plan.sizing import SizingInput, StageSizing, choose
 from deltafin.plan.spine_choice import asked_spine, choose_spine
+from deltafin.plan.stage_parts import expert_slot_bytes
 
 log = logging.getLogger(__name__)
 

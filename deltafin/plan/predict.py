@@ -26,7 +26,8 @@ from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
-from deltafin.plan.sizing import SPECULATIVE_TOKENS, boundary_bytes_per_token, expert_slot_bytes
+from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.stage_parts import boundary_bytes_per_token, expert_slot_bytes
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
 

@@ -41,7 +41,8 @@ from deltafin.models.decoder import (
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, route, routed_sum
-from deltafin.plan.sizing import SPECULATIVE_TOKENS, StageSizing
+from deltafin.plan.sizing import StageSizing
+from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions

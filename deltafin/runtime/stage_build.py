@@ -28,14 +28,13 @@ from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.context import grown
 from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
-from deltafin.plan.layer_table import STORED
+from deltafin.plan.layer_table import STORED, matrix_format
 from deltafin.plan.sizing import (
     QUALITY_SOURCE,
     Budget,
     Placement,
     StageSizing,
     choose,
-    matrix_format,
     size_stage,
 )
 from deltafin.plan.spine_copies import SpineDisk, stage_units

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.sizing import StageSizing, expert_slot_bytes
+from deltafin.plan.sizing import StageSizing
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.prefix_store import PrefixStore
 from deltafin.runtime.stage_build import ExpertProvider
 from deltafin.runtime.stage_options import StageOptions

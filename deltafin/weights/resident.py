@@ -10,7 +10,7 @@ import torch
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.sizing import expert_slot_bytes
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.reader import ShardFiles, plan_read
 from deltafin.weights.tensors import expert_views

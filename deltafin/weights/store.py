@@ -37,7 +37,7 @@ from deltafin.kernels.activations import GatedActivation
 from deltafin.models.moe import expert_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.expert_placement import ExpertPlacement
-from deltafin.plan.sizing import expert_slot_bytes, working_slots
+from deltafin.plan.stage_parts import expert_slot_bytes, working_slots
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
 from deltafin.weights.expert_disks import ExpertDisks
 from deltafin.weights.expert_heat import ExpertHeat
@@ -235,7 +235,7 @@ class ExpertStore:
 
     def run_experts(self, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The layer's experts on MLX (backend "mlx"), k at a time at most: with the cache full and two layers of
-        guesses staged, k slots are still free (sizing.working_slots), so holding k never waits on itself."""
+        guesses staged, k slots are still free (stage_parts.working_slots), so holding k never waits on itself."""
         assert self.backend == "mlx" and self.act is not None
         return run_in_groups(self.pool.slots, self.act, z, idx, weights,  # type: ignore[union-attr]
                              lambda ids: self.hold(layer, ids), self.cfg.experts_per_token)

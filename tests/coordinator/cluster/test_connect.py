@@ -13,7 +13,7 @@ from deltafin.coordinator.cluster.connect import cluster_spec
 from deltafin.coordinator.engine.engine import open_engine, planned_stage
 from deltafin.coordinator.main import build_parser
 from deltafin.errors import DeltafinError
-from deltafin.plan.sizing import SPECULATIVE_TOKENS
+from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 
 
 def _args(model: Path, *extra: str):

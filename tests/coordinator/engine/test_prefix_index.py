@@ -22,7 +22,8 @@ from deltafin.coordinator.engine.prefix_index import (
 )
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingInput, kda_state_bytes, mla_row_bytes
+from deltafin.plan.sizing import SizingInput
+from deltafin.plan.stage_parts import kda_state_bytes, mla_row_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer

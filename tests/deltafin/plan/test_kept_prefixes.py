@@ -11,7 +11,7 @@ from deltafin.plan.kept_prefixes import (
     default_prefix_disk_bytes,
     kept_prefixes_text,
 )
-from deltafin.plan.sizing import sequence_bytes
+from deltafin.plan.stage_parts import sequence_bytes
 
 
 def test_the_default_disk_budget_is_room_for_kept_states_of_the_model_at_most_32_gb(k3_config_raw) -> None:

@@ -13,8 +13,9 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.layer_table import layer_table
-from deltafin.plan.sizing import Budget, Placement, SizingInput, choose, expert_slot_bytes, size_stage
+from deltafin.plan.sizing import Budget, Placement, SizingInput, choose, size_stage
 from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
@@ -130,7 +131,8 @@ def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
     longer than the share allows, as long as the budget holds it, the spine kept as planned; a larger cache
     does not."""
     from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens
-    from deltafin.plan.sizing import expert_slot_bytes, size_stage
+    from deltafin.plan.sizing import size_stage
+    from deltafin.plan.stage_parts import expert_slot_bytes
 
     t, cpu = layer_table(k3, Placement("cpu")), Placement("cpu")
     served = 23 * k3.num_experts * expert_slot_bytes(k3)
@@ -250,7 +252,7 @@ def test_a_boundary_token_carries_its_banked_blocks(k3):
     """At K3's width a token entering layer 90 carries 8 banked AttnRes blocks and the partial one: 9 * 7168 * 4 B
     = 258,048 B in fp32, so a 16,384-token forward's state there is 4.2 GB, four 1 GiB messages: it goes in parts
     (tests/deltafin/transport/test_codec.py)."""
-    from deltafin.plan.sizing import boundary_bytes_per_token
+    from deltafin.plan.stage_parts import boundary_bytes_per_token
 
     assert k3.blocks_entering(90) == 8
     assert boundary_bytes_per_token(k3, 90, 4) == 9 * 7168 * 4

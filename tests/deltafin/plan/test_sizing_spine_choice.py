@@ -12,7 +12,7 @@ from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.cli.inspection import memory_plan, plan_lines
 from deltafin.plan.cluster_plan import WorkerCapacity
-from deltafin.plan.layer_table import layer_table, placed_bytes, tensor_role
+from deltafin.plan.layer_table import layer_table, matrix_format, placed_bytes, tensor_role
 from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import (
     ONE_WORKER_CACHE_SHARE,
@@ -20,7 +20,6 @@ from deltafin.plan.sizing import (
     Placement,
     SizingInput,
     choose,
-    matrix_format,
     size_stage,
 )
 from deltafin.plan.sizing_options import SEQUENCES

@@ -10,7 +10,8 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import InvalidInput, PrefixNotFound
 from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingInput, kda_state_bytes, mla_row_bytes
+from deltafin.plan.sizing import SizingInput
+from deltafin.plan.stage_parts import kda_state_bytes, mla_row_bytes
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 
