@@ -96,7 +96,7 @@ class StageSizing:
     prefixes: int  # sequence state kept after its request, for the next request that shares its prefix
     workspace: int
     overhead: int  # host: the runtime
-    forward_tokens: int
+    forward_tokens: int  # the most tokens a forward carries beside the expert cache (a decode step, a short prompt)
     spine_bytes_per_token: int  # spine read per token (streamed layers)
     expert_bytes_per_token: int  # expected expert reads per token (uniform router: hit rate = cache share)
     discrete: bool = False  # host parts live apart from the device's memory
@@ -108,6 +108,8 @@ class StageSizing:
     # streamed layers read as stored: SizingInput.converted)
     context: int = 0  # tokens a sequence may hold: what the sessions and the attention room are planned for
     wide: bool = False  # a wide plan's: its store serves `expert_share` of `expert_layers` MoE layers' experts
+    prompt_tokens: int = 0  # the most a prompt's forward carries: longer than `forward_tokens` where the expert cache
+    # is lent to it for that forward (its workspace takes the cache's memory; decode takes it back): `_lend_cache`
 
     @property
     def holder_only(self) -> bool:
@@ -216,6 +218,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         expert_calls=calls, sessions=sessions, prefixes=prefixes,
         workspace=workspace_bytes(cfg, t, start, end, options.prefill_chunk, options.context, last),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
+        prompt_tokens=max(options.prefill_chunk, min(options.prompt_tokens or 0, options.context)),
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
         sequences=sequences, converted=options.converted or not spine_format(spine).converted, context=options.context,
@@ -253,6 +256,7 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
         else:
             s, auto = _auto_forward_choice(cfg, start, end, place, budget, options)
             s = _grow_forward(cfg, s, place, budget, auto)
+        s = _lend_cache(cfg, s, place, budget, options)
     return replace(s, spine_why=_spine_why(cfg, s, place, budget, options))
 
 
@@ -311,8 +315,8 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
     FORWARD_SHARE of the experts it serves saves decode under a tenth of its reads, while a prompt longer than
     the forward reads every expert once more per forward; so such a cache shrinks, down to nothing, for the
     longest forward up to the planned context that the budget then holds (the spine stays as planned)."""
-    if s.forward_tokens >= options.context or s.experts_resident or not s.expert_cache:
-        return s
+    if s.forward_tokens >= options.context or s.experts_resident or not s.expert_cache or lends(cfg, s):
+        return s  # (a stage whose prompts borrow the cache keeps it for decode: `_lend_cache`)
     served = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg) * s.expert_share
     if s.expert_cache > FORWARD_SHARE * served:
         return s
@@ -361,6 +365,36 @@ def _cache_first(cfg: ModelConfig, start: int, end: int, place: Placement, budge
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if keeps(mid) else (lo, mid - 1)
     return sized(lo)
+
+
+def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput, tokens: int) -> StageSizing:
+    """`s` during a prompt's forward of `tokens` tokens with its expert cache lent: the same spine, resident layers,
+    sessions and working slots, no cache slots, the workspace of that forward."""
+    fixed = replace(resolved(cfg, options), context=s.context, sequences=s.sequences or None, prefill_chunk=tokens,
+                    prompt_tokens=None, session_bytes=s.sessions, prefix_cache_bytes=s.prefixes)
+    return size_stage(cfg, s.start, s.end, place, s.spine, 0, len(s.resident_layers), fixed)
+
+
+def lends(cfg: ModelConfig, s: StageSizing) -> bool:
+    """Whether a prompt may borrow `s`'s expert cache: it streams its own experts (a wide store serves others' calls
+    from its cache) through a cache that holds less than every expert (a prompt reads each once anyway)."""
+    every = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg)
+    return s.streaming and not s.wide and 0 < s.expert_cache < every
+
+
+def _lend_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
+                options: SizingInput) -> StageSizing:
+    """With no forward size fixed: a prompt longer than the forward borrows the expert cache for its forwards, so
+    that one forward carries it (each forward reads every expert it touches again, while the cache holds under a
+    hundredth of K3's); `prompt_tokens` is the longest forward, up to the context, whose workspace fits the
+    budget with the cache at none. Decode takes the cache back (runtime/stage.py)."""
+    if options.prefill_chunk is not None or not lends(cfg, s) or s.forward_tokens >= s.context:
+        return s
+    lo, hi = s.forward_tokens, s.context  # workspace grows with tokens: the longest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if budget.fits(lent(cfg, s, place, options, mid)) else (lo, mid - 1)
+    return replace(s, prompt_tokens=lo)
 
 
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,

@@ -120,12 +120,15 @@ class SizingInput(SizingOptions):
     disks: int = 1  # disks the experts are read from, each with `read_threads` readers
     converted: bool = True  # a converted spine format has a converted copy on the disk (or room to write one): streamed
     # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
+    prompt_tokens: int | None = None  # the longest forward a prompt takes with the expert cache lent to it, as a plan
+    # made elsewhere chose it (None: as long as the budget holds: sizing.py `_lend_cache`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         at_least(1, disks=self.disks)
         at_least(0, session_bytes=self.session_bytes, speculative_tokens=self.speculative_tokens,
                  expert_layers=self.expert_layers)
+        at_least(1, prompt_tokens=self.prompt_tokens)
         if not 0.0 <= self.expert_share <= 1.0:
             raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")
 

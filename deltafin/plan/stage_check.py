@@ -16,7 +16,7 @@ from dataclasses import replace
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.plan.holder_sizing import size_holder
-from deltafin.plan.sizing import GB, Budget, Placement, SizingInput, StageSizing, size_stage
+from deltafin.plan.sizing import GB, Budget, Placement, SizingInput, StageSizing, lent, size_stage
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def pinned(options: SizingInput, plan: StageSizing) -> SizingInput:
     return replace(options, spine=options.spine if plan.holder_only else plan.spine,
                    expert_cache_bytes=None if plan.experts_resident else plan.expert_cache,
                    session_bytes=plan.sessions, prefix_cache_bytes=plan.prefixes, sequences=plan.sequences or None,
-                   context=plan.context, prefill_chunk=plan.forward_tokens,
+                   context=plan.context, prefill_chunk=plan.forward_tokens, prompt_tokens=plan.prompt_tokens,
                    max_resident_layers=len(plan.resident_layers),
                    expert_layers=plan.expert_layers if plan.wide else None,
                    expert_share=plan.expert_share if plan.wide else 1.0, converted=plan.converted)
@@ -59,6 +59,10 @@ def check_plan(cfg: ModelConfig, plan: StageSizing, place: Placement, budget: Bu
                   for name in StageSizing.__dataclass_fields__ if getattr(plan, name) != getattr(here, name)]
         log.warning("the plan of %s counts what this worker places otherwise: %s; its choices are loaded as placed "
                     "here", what, "; ".join(differ[:4]))
+    if here.prompt_tokens > here.forward_tokens and not budget.fits(
+            lent(cfg, here, place, pinned(options, here), here.prompt_tokens)):
+        raise SizingError(f"the plan of {what} lends its expert cache to {here.prompt_tokens:,}-token prompt forwards, "
+                          f"and their workspace does not fit this worker's budget of {budget.device / GB:.2f} GB")
     if not budget.fits(here):
         host = f" and {here.host / GB:.2f} GB of host memory ({budget.host / GB:.2f} GB)" if (
             here.host and budget.host is not None) else ""

@@ -3,6 +3,8 @@ discrete-device placement on the meta device), bf16 and int8, resident and strea
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dataclasses
 
 import pytest
@@ -126,32 +128,57 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
 
 
-def test_a_small_expert_cache_gives_way_to_a_longer_forward(k3):
-    """A cache holding under FORWARD_SHARE of the experts it serves (it saves decode little) shrinks for a forward
-    longer than the share allows, as long as the budget holds it, the spine kept as planned; a larger cache
-    does not."""
+def test_a_small_wide_cache_gives_way_to_a_longer_forward(k3):
+    """A wide store's cache (it serves others' calls too, so it is never lent) holding under FORWARD_SHARE of the
+    experts it serves shrinks for a forward longer than the share allows, as long as the budget holds it, the
+    spine kept as planned; a larger cache does not."""
     from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens
     from deltafin.plan.sizing import size_stage
     from deltafin.plan.stage_parts import expert_slot_bytes
 
     t, cpu = layer_table(k3, Placement("cpu")), Placement("cpu")
-    served = 23 * k3.num_experts * expert_slot_bytes(k3)
+    wide = SizingInput(spine="int8", expert_layers=23, expert_share=0.5)
+    served = 23 * k3.num_experts * expert_slot_bytes(k3) * 0.5
     for gb in (16, 24):
         share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
-        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingInput(spine="int8", prefill_chunk=share))
+        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), replace(wide, prefill_chunk=share))
         assert 0 < planned.expert_cache < FORWARD_SHARE * served
-        s = choose(k3, 70, 93, cpu, Budget(gb * GB), SizingInput(spine="int8"))
+        s = choose(k3, 70, 93, cpu, Budget(gb * GB), wide)
         assert s.forward_tokens > share and s.expert_cache < planned.expert_cache
+        assert s.prompt_tokens == s.forward_tokens  # nothing lent
         assert (s.spine, s.resident_layers) == (planned.spine, planned.resident_layers)
         if s.forward_tokens < 4096:  # the longest that fits: one token more does not, even with no cache
             longer = size_stage(k3, 70, 93, cpu, "int8", 0, len(s.resident_layers),
-                                SizingInput(spine="int8", prefill_chunk=s.forward_tokens + 1))
+                                replace(wide, prefill_chunk=s.forward_tokens + 1))
             assert not Budget(gb * GB).fits(longer) and s.expert_cache == 0
-    assert choose(k3, 70, 93, cpu, Budget(24 * GB), SizingInput(spine="int8")).forward_tokens == 4096
-    long_context = SizingInput(spine="int8", context=16384)  # 64 GB: a cache over a tenth keeps its room
+    long_context = replace(wide, context=16384)  # 64 GB: a cache over a tenth keeps its room
     share = auto_forward_tokens(k3, t, 70, 93, 16384, 64 * GB)
     s = choose(k3, 70, 93, cpu, Budget(64 * GB), long_context)
     assert s.expert_cache > FORWARD_SHARE * served and s.forward_tokens == share < 16384
+
+
+def test_a_prompt_borrows_a_local_cache_for_longer_forwards(k3):
+    """A stage that streams its own experts keeps its cache for decode at the forward the share allows, and a
+    prompt's forward borrows it: `prompt_tokens` is the longest forward up to the context whose plan with no
+    cache fits the budget (one token more does not), the rest of the plan unchanged."""
+    from deltafin.plan.forward_workspace import auto_forward_tokens
+    from deltafin.plan.sizing import lent, lends
+
+    t, cpu, opts = layer_table(k3, Placement("cpu")), Placement("cpu"), SizingInput(spine="int8")
+    for gb in (16, 24):
+        share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
+        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), replace(opts, prefill_chunk=share))
+        s = choose(k3, 70, 93, cpu, Budget(gb * GB), opts)
+        assert lends(k3, s) and (s.forward_tokens, s.expert_cache) == (share, planned.expert_cache)
+        assert planned.prompt_tokens == share  # a forward size given: nothing lent
+        assert share < s.prompt_tokens <= 4096
+        borrowed = lent(k3, s, cpu, opts, s.prompt_tokens)
+        assert Budget(gb * GB).fits(borrowed) and borrowed.expert_cache == 0
+        assert (borrowed.sessions, borrowed.prefixes, borrowed.layers) == (s.sessions, s.prefixes, s.layers)
+        assert borrowed.expert_staging == s.expert_staging  # the working slots stay
+        if s.prompt_tokens < 4096:
+            assert not Budget(gb * GB).fits(lent(k3, s, cpu, opts, s.prompt_tokens + 1))
+    assert choose(k3, 70, 93, cpu, Budget(24 * GB), opts).prompt_tokens == 4096
 
 
 def test_more_memory_never_holds_less(k3):
