@@ -3,9 +3,8 @@ discrete-device placement on the meta device), bf16 and int8, resident and strea
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
@@ -162,7 +161,7 @@ def test_a_prompt_borrows_a_local_cache_for_longer_forwards(k3):
     prompt's forward borrows it: `prompt_tokens` is the longest forward up to the context whose plan with no
     cache fits the budget (one token more does not), the rest of the plan unchanged."""
     from deltafin.plan.forward_workspace import auto_forward_tokens
-    from deltafin.plan.sizing import lent, lends
+    from deltafin.plan.sizing import lends, lent
 
     t, cpu, opts = layer_table(k3, Placement("cpu")), Placement("cpu"), SizingInput(spine="int8")
     for gb in (16, 24):
