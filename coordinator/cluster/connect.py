@@ -22,8 +22,8 @@ from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.cluster_plan import Plan
+from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
-from deltafin.runtime.stage import split_layers
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClusterSecurity, load_key
 from deltafin.weights.reader import layer_spans

@@ -32,7 +32,7 @@ from deltafin.coordinator.engine.token_loop import (
     generate,
 )
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
-from deltafin.plan.predict import forward_read_bytes
+from deltafin.plan.predict import forward_lengths, forward_read_bytes
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -216,12 +216,11 @@ class Engine:
             return
         kept = req.prefix.cached_tokens if req.prefix is not None else 0
         left = len(req.prompt_ids) - kept
-        chunk = req.prefill_chunk or left
-        forwards = -(-left // chunk)
+        forwards = forward_lengths(left, req.prefill_chunk or left)
         log.debug("request %s: %d prompt tokens (%d from a kept prefix), %d forward%s of up to %d tokens, about "
                   "%.2f GB of expert reads; max_tokens %d, %s", req.session_id[:8], len(req.prompt_ids), kept,
-                  forwards, "" if forwards == 1 else "s", chunk,
-                  sum(forward_read_bytes(self.cfg, min(chunk, left - i * chunk)) for i in range(forwards)) / 1e9,
+                  len(forwards), "" if len(forwards) == 1 else "s", max(forwards, default=0),
+                  sum(forward_read_bytes(self.cfg, n) for n in forwards) / 1e9,
                   req.max_tokens, "greedy" if req.sampling.greedy else f"temperature {req.sampling.temperature:g}")
 
     def _room(self, prompt_ids: list[int], max_tokens: int | None) -> int:

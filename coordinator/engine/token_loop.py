@@ -17,6 +17,7 @@ cancelled request, a client that went away) releases the session on every stage,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ from typing import Protocol
 import torch
 
 from deltafin.coordinator.engine.prefix_index import PrefixSession
+from deltafin.plan.predict import forward_lengths
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
@@ -352,7 +354,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     features: list[SeqOutput] = []  # each chunk's answer to the drafter's features
     progress = _PrefillReport(req, start, step)
     while pos < length:
-        end = min(pos + step, length)
+        end = progress.end_after(pos)
         save = await prefix.save_points(pos, end) if prefix is not None else ()
         resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
             else None
@@ -408,15 +410,21 @@ async def _first_step(forward: Forward, release: Release, req: Request, item: Se
 
 
 class _PrefillReport:
-    """A request's prefill progress from `start`, in forwards of `step` tokens: tokens and expected bytes."""
+    """A request's prefill from `start` in the fewest forwards of at most `step` tokens, of equal length (the plan
+    prices them so: plan/predict.py forward_lengths), where each ends (`ends`), and its progress: tokens and expected
+    bytes."""
 
     def __init__(self, req: Request, start: int, step: int):
-        self.req, self.start, self.step, self.length = req, start, step, len(req.prompt_ids)
+        self.req, self.start, self.length = req, start, len(req.prompt_ids)
         cost = req.forward_bytes or float
-        self.ends = [min(p + step, self.length) for p in range(start, self.length, step)]
-        self.bytes = [cost(end - p) for p, end in zip(range(start, self.length, step), self.ends, strict=True)]
+        self.ends = list(itertools.accumulate(forward_lengths(self.length - start, step), initial=start))[1:]
+        self.bytes = [cost(end - p) for p, end in zip([start, *self.ends], self.ends, strict=False)]
         self.total = sum(self.bytes)
         self.at(start)
+
+    def end_after(self, pos: int) -> int:
+        """Where the forward from `pos` ends."""
+        return next(end for end in self.ends if end > pos)
 
     def at(self, pos: int, fraction: float = 0.0) -> None:
         """`pos` tokens in the caches, and `fraction` of the next forward's layers done."""
@@ -424,7 +432,7 @@ class _PrefillReport:
             return
         k = sum(end <= pos for end in self.ends)  # forwards done
         done = sum(self.bytes[:k]) + (fraction * self.bytes[k] if k < len(self.bytes) else 0.0)
-        tokens = pos + fraction * (min(pos + self.step, self.length) - pos)
+        tokens = pos + fraction * (self.end_after(pos) - pos) if pos < self.length else pos
         self.req.progress(PrefillProgress(tokens, self.length, done, self.total))
 
     def within(self, pos: int, end: int) -> Callable[[float], None]:

@@ -36,7 +36,8 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
         expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.prefill_chunk, False, n_moe > 0),
         sessions=0, prefixes=0, workspace=holder_workspace_bytes(cfg, options.prefill_chunk),
-        overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, spine_bytes_per_token=0,
+        overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, prompt_tokens=options.prefill_chunk,
+        spine_bytes_per_token=0,
         expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
         expert_share=options.expert_share, context=options.context, wide=True)
 

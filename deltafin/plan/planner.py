@@ -23,7 +23,7 @@ from functools import cache
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
-from deltafin.errors import PlanError, SizingError
+from deltafin.errors import DeltafinError, PlanError, SizingError
 from deltafin.formats import spine_format
 from deltafin.plan.cluster_plan import (
     GB,
@@ -249,3 +249,11 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput,
         return f"the cluster cannot hold the model's working set: on {biggest.name}, {e}"
     return (f"the workers' memory ({', '.join(f'{w.name} {w.memory_bytes / GB:.1f} GB' for w in workers)}) cannot "
             f"hold all {cfg.num_layers} layers with their working sets: add memory or workers")
+
+
+def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:
+    """Split the layers into n contiguous, near-equal ranges (the in-process `--stages N`)."""
+    if not 1 <= n <= cfg.num_layers:
+        raise DeltafinError(f"--stages must be between 1 and the number of layers ({cfg.num_layers})")
+    bounds = [round(i * cfg.num_layers / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]

@@ -73,17 +73,31 @@ def verify_table(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> tuple[floa
 
 def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None,
                     act_bytes: int = 4) -> Seconds:
-    """A prompt's time to its first token: in forwards of the plan's size (or `forward_tokens`), each reading every
-    MoE layer's experts its tokens touch (less what the caches keep) and streaming the spine that does not stay,
-    while its states cross the links."""
-    step = forward_tokens or min(s.sizing.forward_tokens for s in plan.stages)
+    """A prompt's time to its first token: in the fewest forwards of the plan's prompt size (or `forward_tokens`),
+    of equal length (coordinator/engine/token_loop.py cuts them so), each reading every MoE layer's experts its
+    tokens touch (less what the caches keep, none where the forward borrows them) and streaming the spine that
+    does not stay, while its states cross the links."""
+    step = forward_tokens or prompt_forward(plan)
     disk = link = total = compute = 0.0
-    done = 0
-    while done < tokens:
-        n = min(step, tokens - done)
+    for n in forward_lengths(tokens, step):
         s = _forward(cfg, plan, n, act_bytes, overlap=True)
-        disk, link, total, compute, done = disk + s.disk, link + s.link, total + s.total, compute + s.compute, done + n
+        disk, link, total, compute = disk + s.disk, link + s.link, total + s.total, compute + s.compute
     return Seconds(disk, link, total, compute)
+
+
+def prompt_forward(plan: Plan) -> int:
+    """The most tokens a prompt's forward carries through every stage (its expert cache lent where the plan lends
+    it: sizing.py `_lend_cache`)."""
+    return min(max(s.sizing.prompt_tokens, s.sizing.forward_tokens) for s in plan.stages)
+
+
+def forward_lengths(tokens: int, most: int) -> list[int]:
+    """A prompt of `tokens` tokens in the fewest forwards of at most `most`, of equal length (the first ones a token
+    longer where it does not divide): every forward reads the experts its tokens touch, so equal ones keep the
+    longest forward's compute down at the same reads."""
+    count = -(-tokens // max(1, most))
+    base, extra = divmod(tokens, max(1, count))
+    return [base + (i < extra) for i in range(count)]
 
 
 def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
@@ -148,7 +162,8 @@ def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) 
 def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
     z, slot = s.sizing, expert_slot_bytes(cfg)
     layers = z.expert_layers or 0
-    held = min(1.0, z.expert_cache // slot / (layers * cfg.num_experts)) if layers else 0.0
+    cache = 0 if tokens > z.forward_tokens else z.expert_cache  # a longer forward borrowed the cache
+    held = min(1.0, cache // slot / (layers * cfg.num_experts)) if layers else 0.0
     return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 

@@ -19,10 +19,11 @@ from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError, OutOfMemory
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.plan.least import check_fits
+from deltafin.plan.planner import split_layers
 from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.progress import Progress
 from deltafin.runtime.features import Features, gather
-from deltafin.runtime.stage import SeqInput, SeqOutput, Stage, split_layers
+from deltafin.runtime.stage import SeqInput, SeqOutput, Stage
 from deltafin.runtime.stage_build import disk_plan, expert_backend_for
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans

@@ -180,8 +180,9 @@ class Stage:
 
     @property
     def max_forward_tokens(self) -> int | None:
-        """Tokens one forward may carry (None: no limit, without a memory budget)."""
-        return self.sizing.forward_tokens if self.budgeted else None
+        """Tokens one forward may carry (None: no limit, without a memory budget): a prompt's, whose forward longer
+        than the plan's `forward_tokens` borrows the expert cache (`_expert_room`)."""
+        return max(self.sizing.prompt_tokens, self.sizing.forward_tokens) if self.budgeted else None
 
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes
@@ -222,6 +223,7 @@ class Stage:
         them too): where the last layer is dense, a long forward's runs in pieces (models/decoder.py
         STREAM_PIECE_TOKENS), each passed on as it is done, so the states cross to the next stage meanwhile."""
         _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
+        self._expert_room(sum(b.num_tokens for b in batch))
         t0 = time.monotonic()
         io_before = io_counters(self.spine, self.experts)
         if self.wide is not None:
@@ -246,6 +248,15 @@ class Stage:
         if log.isEnabledFor(logging.DEBUG):
             self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
+
+    def _expert_room(self, tokens: int) -> None:
+        """A forward longer than the plan's borrows the expert cache's memory for its workspace (plan/sizing.py
+        `_lend_cache`); a shorter one (decode) takes the cache back."""
+        if self.budgeted and self.sizing.prompt_tokens > self.sizing.forward_tokens:
+            if tokens > self.sizing.forward_tokens:
+                self.experts.lend_cache()  # type: ignore[attr-defined]  # a streaming stage's: an ExpertStore
+            else:
+                self.experts.take_back_cache()  # type: ignore[attr-defined]
 
     def _advance(self, batch: list[SeqInput], caches: list[SequenceCache], outputs: list[SeqOutput]) -> None:
         """After a forward that succeeded: each session holds its tokens (a speculative one, the trail to rewind
@@ -480,11 +491,3 @@ def _check_save_at(item: SeqInput) -> None:
             or len({prefix_id for _, prefix_id in item.save_at}) != len(item.save_at):
         raise InvalidInput(f"session {item.session_id!r}: save_at names token counts in ({item.cache_len}, {end}] "
                            "(past the cache, within this forward), each under an id of its own")
-
-
-def split_layers(cfg: ModelConfig, n: int) -> list[tuple[int, int]]:
-    """Split the layers into n contiguous, near-equal ranges (the in-process `--stages N`)."""
-    if not 1 <= n <= cfg.num_layers:
-        raise DeltafinError(f"--stages must be between 1 and the number of layers ({cfg.num_layers})")
-    bounds = [round(i * cfg.num_layers / n) for i in range(n + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(n)]

@@ -46,6 +46,21 @@ def aligned_buffer(nbytes: int, prefault: bool = False) -> mmap.mmap:
     return buf
 
 
+def release_pages(buf: mmap.mmap, start: int, length: int) -> None:
+    """Give the pages of buf[start:start + length] (page-aligned) back to the system; touched again, they come back
+    (Linux MADV_DONTNEED: zero-filled; macOS MADV_FREE_REUSABLE, which takes them off the process's footprint, and
+    MADV_FREE_REUSE in `reuse_pages` before they are written again)."""
+    darwin = getattr(mmap, "MADV_FREE_REUSABLE", None) if sys.platform == "darwin" else None
+    buf.madvise(darwin if darwin is not None else mmap.MADV_DONTNEED, start, length)
+
+
+def reuse_pages(buf: mmap.mmap, start: int, length: int) -> None:
+    """Pages `release_pages` gave back, to be written again (counted on the footprint again on macOS)."""
+    reuse = getattr(mmap, "MADV_FREE_REUSE", None) if sys.platform == "darwin" else None
+    if reuse is not None:
+        buf.madvise(reuse, start, length)
+
+
 def open_file(path: str | os.PathLike, flags: int, direct: bool, mode: int = 0o644) -> tuple[int, bool]:
     """Open with the page cache bypassed if asked and possible. Returns (fd, direct actually in effect)."""
     if direct and hasattr(os, "O_DIRECT"):

@@ -34,6 +34,8 @@ class ExpertReads:
         self.staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
         self.abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
         self.keep: Callable[[Key, Loaded], bool] | None = None  # the warming's: a landed warming read into the cache
+        self.live: set[Future] = set()  # every read submitted and not landed yet, dropped guesses too
+        self.idle = threading.Condition(lock)  # told when `live` empties
 
     def submit(self, key: Key, priority: int) -> Future:
         # earlier layers first, and within a layer demand before prefetch; a prefetch can be abandoned
@@ -44,6 +46,7 @@ class ExpertReads:
         if abandon is not None:
             self.abandon_flags[fut] = abandon
         self.pending[key] = (fut, priority)
+        self.live.add(fut)
         fut.add_done_callback(lambda f, key=key: self.landed(key, f))
         return fut
 
@@ -115,24 +118,46 @@ class ExpertReads:
         - a warming read nobody asked for: the cache, through `keep`, where it still has room (else freed);
         - a prefetch dropped meanwhile: nobody, so its slot is freed here."""
         with self.lock:
-            self.abandon_flags.pop(fut, None)
-            current = self.pending.get(key)
-            is_current = current is not None and current[0] is fut
-            if is_current:
+            try:
+                self._landed(key, fut)
+            finally:
+                self.live.discard(fut)
+                if not self.live:
+                    self.idle.notify_all()
+
+    def _landed(self, key: Key, fut: Future) -> None:
+        self.abandon_flags.pop(fut, None)
+        current = self.pending.get(key)
+        is_current = current is not None and current[0] is fut
+        if is_current:
+            del self.pending[key]
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the worker freed the slot of a failed read
+        loaded: Loaded = fut.result()
+        if loaded.claimed:
+            return
+        if is_current and current[1] == PREFETCH:
+            self.staged[key] = loaded
+        elif is_current and current[1] == WARM:
+            if self.keep is None or not self.keep(key, loaded):
+                self.release(loaded)  # the cache filled meanwhile: nothing asked for it, so it is not waste
+        elif not is_current:
+            self.stats.wasted_bytes += self.bytes_per_expert
+            self.release(loaded)
+
+    def settle(self) -> list[Loaded]:
+        """Every read still queued cancelled, every guess running stopped, every read in flight landed (an abandoned
+        layer's too): what is staged, handed over (its slots the caller's to free). Only while no compute thread
+        uses the store (its slots are about to change)."""
+        with self.lock:
+            for key, (fut, _) in list(self.pending.items()):
+                if not fut.cancel():
+                    self.abandon_flags.get(fut, threading.Event()).set()
                 del self.pending[key]
-            if fut.cancelled() or fut.exception() is not None:
-                return  # the worker freed the slot of a failed read
-            loaded: Loaded = fut.result()
-            if loaded.claimed:
-                return
-            if is_current and current[1] == PREFETCH:
-                self.staged[key] = loaded
-            elif is_current and current[1] == WARM:
-                if self.keep is None or not self.keep(key, loaded):
-                    self.release(loaded)  # the cache filled meanwhile: nothing asked for it, so it is not waste
-            elif not is_current:
-                self.stats.wasted_bytes += self.bytes_per_expert
-                self.release(loaded)
+            while self.live:
+                self.idle.wait()
+            staged, self.staged = list(self.staged.values()), {}
+        return staged
 
     def take(self, key: Key, fut: Future) -> Loaded:
         """The expert of a read the compute thread waited for, claimed (a prefetch may be staged by now)."""

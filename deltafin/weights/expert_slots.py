@@ -2,13 +2,17 @@
 experts are copied into. On the CPU and with MLX the read slots are the cache itself (a cached expert owns its slot;
 eviction frees it); on CUDA or MPS the host slots only stage reads, and each expert is copied into a slot of one
 preallocated device tensor and cached there (sizing.py counts both). `land` turns a filled host slot into the
-expert's weights where they will be used, and `release` frees the slot an expert holds."""
+expert's weights where they will be used, and `release` frees the slot an expert holds.
+
+A prompt's forward may borrow the cache (plan/sizing.py `_lend_cache`): `lend_cache` gives the cache slots' memory
+back to the system while every slot is free (the store empties its cache and settles its reads first), leaving the
+working slots; `take_back` makes the cache slots again, empty."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,7 +23,6 @@ from deltafin.weights.reader import FreeSlots, ReadPlan, SlotPool
 from deltafin.weights.tensors import expert_views
 
 Key = tuple[int, int]  # (layer, expert)
-DeviceCopy = Callable[[torch.Tensor, torch.Tensor], None]  # target <- source (host), complete on return
 
 
 @dataclass
@@ -36,12 +39,25 @@ class DeviceSlots(FreeSlots):
 
     def __init__(self, count: int, size: int, device: torch.device):
         super().__init__(count, "device expert slot")
-        self.size = size
+        self.size, self.device = size, device
         self.tensor = torch.empty((count, size), dtype=torch.uint8, device=device)
+
+    def _reallocate(self, count: int) -> None:
+        self.tensor = None  # type: ignore[assignment]  # freed before the new one is made
+        free_device_cache(self.device)
+        self.tensor = torch.empty((count, self.size), dtype=torch.uint8, device=self.device)
 
     @property
     def nbytes(self) -> int:
         return self.size * self.count
+
+
+def free_device_cache(device: torch.device) -> None:
+    """Hand the device allocator's cached blocks back to the system (what a lent cache freed, on a GPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
 
 
 class ExpertSlots:
@@ -51,6 +67,7 @@ class ExpertSlots:
     def __init__(self, cfg: ModelConfig, device: torch.device, backend: str, slot: int, working: int,
                  cache_slots: int):
         self.cfg, self.backend, self.slot_bytes = cfg, backend, slot
+        self.working, self.cache_slots = working, cache_slots
         self.on_host = device.type == "cpu" or backend == "mlx"
         # CPU and MLX: the read slots are the cache. GPUs: host slots stage reads; landed experts live in device slots.
         self.device_slots: DeviceSlots | None = None
@@ -60,15 +77,33 @@ class ExpertSlots:
             self.pool = SlotPool(working + (cache_slots if self.on_host else 0), slot, pinned=device.type == "cuda")
             if not self.on_host:
                 self.device_slots = DeviceSlots(cache_slots + working, slot, device)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if not self.on_host:
             # the readers' short Python steps between reads and copies must not hold the compute thread off the
             # GIL for the default 5 ms switch interval at each of its GPU syncs
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
 
-    def land(self, slot: int, plan: ReadPlan, copy: DeviceCopy) -> Loaded:
-        """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first by
-        `copy` (the host slot goes back to the pool only once the copy has completed). MLX: the slot itself (its
-        scales were checked as it was filled)."""
+    @property
+    def caching(self) -> FreeSlots:
+        """The slots the cache lives in: the read slots (CPU, MLX) or the device slots (GPUs)."""
+        return self.pool if self.device_slots is None else self.device_slots
+
+    @property
+    def lent(self) -> bool:
+        return self.caching.count < self.working + self.cache_slots
+
+    def lend_cache(self) -> None:
+        """Only the working slots from now on: the cache slots' memory goes back to the system (every slot free)."""
+        self.caching.resize(self.working)
+
+    def take_back(self) -> None:
+        """The cache slots again, empty (every slot free)."""
+        self.caching.resize(self.working + self.cache_slots)
+
+    def land(self, slot: int, plan: ReadPlan) -> Loaded:
+        """In a reader thread: the slot's bytes as expert weights; on a GPU, copied into a device slot first (the
+        host slot goes back to the pool only once the copy has completed). MLX: the slot itself (its scales were
+        checked as it was filled)."""
         if self.backend == "mlx":
             return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
         raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
@@ -78,13 +113,35 @@ class ExpertSlots:
         try:
             dslot = self.device_slots.acquire(timeout=120)
             target = self.device_slots.tensor[dslot]
-            copy(target[:plan.span], raw[:plan.span])
+            self._copy_to_device(target[:plan.span], raw[:plan.span])
         finally:
             self.pool.release(slot)
         return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
 
+    def _copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """target <- source (host), asynchronous on the GPU's side (CUDA: a copy stream of its own, from pinned
+        memory, beside the compute kernels), returning only once the copy has completed: the caller reuses the
+        source right after."""
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
+                target.copy_(source, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            self._wait(done)
+        elif target.device.type == "mps":
+            target.copy_(source, non_blocking=True)
+            done = torch.mps.event.Event()
+            done.record()
+            self._wait(done)
+        else:
+            target.copy_(source)
+
+    @staticmethod
+    def _wait(event: Any) -> None:
+        event.synchronize()
+
     def release(self, loaded: Loaded) -> None:
-        (self.pool if self.device_slots is None else self.device_slots).release(loaded.slot)
+        self.caching.release(loaded.slot)
 
     @property
     def nbytes(self) -> int:

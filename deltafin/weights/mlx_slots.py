@@ -13,6 +13,7 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import ModelFormatError
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
+from deltafin.kernels.mlx_moe import pair_outputs as mlx_pair_outputs
 from deltafin.kernels.quant import E8M0_NAN, MXFP4Weight
 from deltafin.models.weights import ExpertWeights
 from deltafin.weights.reader import FreeSlots, ReadPlan, ShardFiles, plan_read
@@ -24,8 +25,17 @@ class MLXSlotPool(FreeSlots):
 
     def __init__(self, cfg: ModelConfig, count: int):
         super().__init__(count, "MLX expert slot")
+        self.cfg = cfg
         self.slots = MLXSlots(cfg, count)
         self.size = self.slots.size
+
+    def _reallocate(self, count: int) -> None:
+        """New arrays of `count` slots, the old ones freed first (and MLX's cache of freed buffers emptied)."""
+        self.slots.release_memory()
+        import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
+
+        mx.clear_cache()
+        self.slots = MLXSlots(self.cfg, count)
 
     def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
         files.read_scatter(plan.sources, self.slots.regions(slot), abort)
@@ -54,6 +64,20 @@ def run_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: t
             y = run_experts(slots, act, z, torch.where(mask, idx, part[0]), weights * mask, slot_of.__getitem__)
         out = y if out is None else out + y
     return out  # type: ignore[return-value]
+
+
+def pairs_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                    held: Callable[[list[int]], object], group: int) -> torch.Tensor:
+    """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32 on MLX, at most `group` distinct experts held at
+    a time (`held` as run_in_groups takes it)."""
+    out = torch.zeros(rows.shape[0], slots.cfg.expert_dim, dtype=torch.float32, device=z.device)
+    distinct = sorted(set(ids.tolist()))
+    for start in range(0, len(distinct), group):
+        part = distinct[start:start + group]
+        sel = torch.isin(ids, torch.tensor(part, dtype=ids.dtype)).nonzero(as_tuple=True)[0]
+        with held(part) as slot_of:  # type: ignore[attr-defined]
+            out[sel.to(z.device)] = mlx_pair_outputs(slots, act, z, rows[sel], ids[sel], slot_of.__getitem__)
+    return out
 
 
 class MLXResidentExperts:

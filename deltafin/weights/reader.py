@@ -23,7 +23,15 @@ from typing import Any
 
 from deltafin.checkpoint.shards import Checkpoint, ExpertLocation, TensorLocation
 from deltafin.errors import ModelFormatError
-from deltafin.weights.directio import ALIGN, align_down, align_up, aligned_buffer, open_file
+from deltafin.weights.directio import (
+    ALIGN,
+    align_down,
+    align_up,
+    aligned_buffer,
+    open_file,
+    release_pages,
+    reuse_pages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,20 @@ class FreeSlots:
     def release(self, slot: int) -> None:
         self.free.put(slot)
 
+    def resize(self, count: int) -> None:
+        """`count` slots from now on, every one free and its contents gone: only while none is in use (the
+        expert store lends its cache to a prompt and takes it back)."""
+        if self.free.qsize() != self.count:
+            raise RuntimeError(f"{self._what}s resized while {self.count - self.free.qsize()} are in use")
+        self._reallocate(count)
+        self.count = count
+        self.free = queue.LifoQueue()
+        for i in range(count):
+            self.free.put(i)
+
+    def _reallocate(self, count: int) -> None:
+        """The memory of `count` slots (numbers only here)."""
+
 
 class SlotPool(FreeSlots):
     """`count` page-aligned buffers of `size` bytes from one anonymous mapping; `acquire` blocks. `pinned`:
@@ -120,7 +142,7 @@ class SlotPool(FreeSlots):
 
     def __init__(self, count: int, size: int, pinned: bool = False):
         super().__init__(count, "expert buffer")
-        self.size = align_up(size)
+        self.size, self.pinned = align_up(size), pinned
         if pinned:
             import torch  # only pinned buffers need torch: the reader alone (bench --disk) does not load it
 
@@ -133,6 +155,18 @@ class SlotPool(FreeSlots):
 
     def memory(self, slot: int) -> memoryview:
         return self.view[slot * self.size:(slot + 1) * self.size]
+
+    def _reallocate(self, count: int) -> None:
+        """Slots past `count` give their pages back to the system (the mapping stays: its views stay valid); slots
+        given back are paged in again as reads fill them. Never more than the pool was made with."""
+        if count > len(self.view) // self.size:
+            raise ValueError(f"a pool of {len(self.view) // self.size} slots cannot grow to {count}")
+        if self.pinned:
+            return  # page-locked staging (CUDA) holds no cache: never lent
+        if count < self.count:
+            release_pages(self.buf, count * self.size, (self.count - count) * self.size)
+        elif count > self.count:
+            reuse_pages(self.buf, self.count * self.size, (count - self.count) * self.size)
 
     def fill(self, files: ShardFiles, plan: ReadPlan, slot: int, abort: Callable[[], bool] | None = None) -> None:
         files.read_into(plan, self.memory(slot), abort)

@@ -10,7 +10,8 @@ MoE layer -> kept in the cache per policy (or its slot freed). A prefetched expe
 moves to the cache too and counts as wasted bytes if it is evicted unused. The reads in flight and the staged
 guesses are expert_reads.py's, the counters expert_stats.py's. Given the checkpoint's remembered heat
 (expert_heat.py), the store counts the experts its layers use, and at start reads the hottest of its layers into
-the cache behind every other read, so the first tokens after a restart already hit.
+the cache behind every other read, so the first tokens after a restart already hit. A prompt's forward longer than
+the plan's may borrow the cache's memory (`lend_cache`: plan/sizing.py `_lend_cache`); decode takes it back, empty.
 
 Several disks (expert_disks.py): given more than one copy (or part) of the checkpoint, each layer's experts are
 divided among the disks that hold them in proportion to their speed (deltafin/plan/expert_placement.py, the code
@@ -32,7 +33,6 @@ from typing import Any
 import torch
 
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
 from deltafin.models.moe import expert_outputs
 from deltafin.models.weights import ExpertWeights
@@ -44,7 +44,7 @@ from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.expert_reads import ExpertReads
 from deltafin.weights.expert_slots import DeviceSlots, ExpertSlots, Key, Loaded
 from deltafin.weights.expert_stats import ExpertStats
-from deltafin.weights.mlx_slots import run_in_groups, unaligned_io
+from deltafin.weights.mlx_slots import pairs_in_groups, run_in_groups, unaligned_io
 from deltafin.weights.reader import ReadPlan
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,10 @@ class ExpertStore:
         slot = expert_slot_bytes(cfg)  # an upper bound of any expert's aligned read, without planning all 82K
         working = working_slots(cfg, threads * (1 + len(copies)), demand_layers)
         cache_slots = cache_bytes // slot
-        self.backend, self.act, self.slot_bytes = backend, act, slot
+        self.backend, self.act, self.slot_bytes, self.read_threads = backend, act, slot, threads
         self.slots = ExpertSlots(cfg, device, backend, slot, working, cache_slots)
         self.on_host, self.pool = self.slots.on_host, self.slots.pool
         io = unaligned_io(io) if backend == "mlx" else io
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.fused = self.run_experts if backend == "mlx" else None  # the layer call the stage hands the model
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
@@ -111,7 +110,7 @@ class ExpertStore:
         """In a reader thread: the slot's bytes as the expert, where it will be used (ExpertSlots.land)."""
         with self._lock:
             self.stats.layer(layer).expert_bytes += self.cfg.bytes_per_expert
-        return self.slots.land(slot, plan, self._copy_to_device)
+        return self.slots.land(slot, plan)
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Ask for experts a layer will probably need, most likely first, behind every demand read. A new
@@ -189,28 +188,6 @@ class ExpertStore:
                     waiting[self.reads.demand(key)] = e
         return ready, waiting
 
-    def _copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """target <- source (host), asynchronous on the GPU's side (CUDA: a copy stream of its own, from pinned
-        memory, beside the compute kernels), returning only once the copy has completed: the caller reuses the
-        source right after."""
-        if self._copy_stream is not None:
-            with torch.cuda.stream(self._copy_stream):
-                target.copy_(source, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._copy_stream)
-            self._wait(done)
-        elif target.device.type == "mps":
-            target.copy_(source, non_blocking=True)
-            done = torch.mps.event.Event()
-            done.record()
-            self._wait(done)
-        else:
-            target.copy_(source)
-
-    @staticmethod
-    def _wait(event: Any) -> None:
-        event.synchronize()
-
     @contextlib.contextmanager
     def hold(self, layer: int, ids: list[int]) -> Iterator[dict[int, Any]]:
         """Every id's expert at once ({id: weights}; for MLX, its slot), kept from eviction until the block
@@ -246,16 +223,8 @@ class ExpertStore:
         if self.backend != "mlx":
             return expert_outputs(self.cfg, layer, z, rows, ids, self.experts)
         assert self.act is not None
-        out = torch.zeros(rows.shape[0], self.cfg.expert_dim, dtype=torch.float32, device=z.device)
-        distinct = sorted(set(ids.tolist()))
-        for start in range(0, len(distinct), self.cfg.experts_per_token):
-            part = distinct[start:start + self.cfg.experts_per_token]
-            sel = torch.isin(ids, torch.tensor(part, dtype=ids.dtype)).nonzero(as_tuple=True)[0]
-            with self.hold(layer, part) as slot_of:
-                slots = self.pool.slots  # type: ignore[union-attr]
-                out[sel.to(z.device)] = mlx_moe.pair_outputs(slots, self.act, z, rows[sel], ids[sel],
-                                                             slot_of.__getitem__)
-        return out
+        return pairs_in_groups(self.pool.slots, self.act, z, rows, ids,  # type: ignore[union-attr]
+                               lambda part: self.hold(layer, part), self.cfg.experts_per_token)
 
     def _done_with(self, key: Key, loaded: Loaded, cached: bool) -> None:
         with self._lock:
@@ -277,6 +246,35 @@ class ExpertStore:
         if entry.prefetched:
             self.stats.wasted_bytes += self.cfg.bytes_per_expert
         self.slots.release(entry.value)
+
+    def lend_cache(self) -> None:
+        """A prompt's forward longer than the plan's borrows the cache (plan/sizing.py `_lend_cache`): the warming
+        stops, the reads settle, the cache empties and its slots' memory goes back to the system, the working
+        slots stay. Between forwards only."""
+        if not self.slots.lent and self.slots.cache_slots:
+            self._quiesce()
+            self.slots.lend_cache()
+            self.cache.budget = 0
+            log.debug("expert store: its cache lent to a prompt's forward")
+
+    def take_back_cache(self) -> None:
+        """Decode takes the cache back, empty: it fills as layers use experts and, as after a start, with the
+        remembered heat's hottest experts read behind every other read."""
+        if self.slots.lent:
+            self._quiesce()
+            self.slots.take_back()
+            self.cache.budget = self.slots.cache_slots * self.slot_bytes
+            if self.heat is not None:
+                self.warmer = self.heat.warm(self.reads, self.cache, self.layers, self.slot_bytes, self.read_threads)
+
+    def _quiesce(self) -> None:
+        """No read in flight, nothing staged or cached: every slot free."""
+        if self.warmer is not None:
+            self.warmer.close()
+        for loaded in self.reads.settle():
+            self.slots.release(loaded)
+        with self._lock:
+            self.cache.clear()
 
     def resident_bytes(self) -> int:
         """Host slots plus device slots: what this store allocated."""

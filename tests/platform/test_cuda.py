@@ -84,17 +84,17 @@ def test_host_slots_return_to_the_pool_only_after_the_copy(small_dir, monkeypatc
             store.pool.memory(slot)[:] = b"\xab" * store.pool.size
             release(slot)
 
-        copy = store._copy_to_device
+        copy = store.slots._copy_to_device
 
         def late(target: torch.Tensor, source: torch.Tensor) -> None:
-            with torch.cuda.stream(store._copy_stream):
+            with torch.cuda.stream(store.slots._copy_stream):
                 torch.cuda._sleep(50_000_000)
             copy(target, source)
 
         monkeypatch.setattr(store.pool, "release", poisoned)
-        monkeypatch.setattr(store, "_copy_to_device", late)
+        monkeypatch.setattr(store.slots, "_copy_to_device", late)
         if not wait:
-            monkeypatch.setattr(store, "_wait", lambda event: None)
+            monkeypatch.setattr(store.slots, "_wait", lambda event: None)
         bad = 0
         shard = small_dir / "model-00002-of-00009.safetensors"
         try:
