@@ -32,7 +32,8 @@ def aligned_buffer(nbytes: int, prefault: bool = False) -> mmap.mmap:
     """A page-aligned, zero-filled buffer of at least `nbytes` (rounded up to ALIGN), backed by huge pages
     where the kernel offers them. `prefault` touches every page now, so that later reads into it do not
     stall on page faults (the first O_DIRECT read into a fresh page costs a fault and zeroing)."""
-    buf = mmap.mmap(-1, max(align_up(nbytes), ALIGN))
+    # private, as the allocator's memory is: its pages can be given back (release_pages), a shared one's cannot
+    buf = mmap.mmap(-1, max(align_up(nbytes), ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             buf.madvise(mmap.MADV_HUGEPAGE)
