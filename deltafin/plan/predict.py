@@ -26,6 +26,7 @@ from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
+from deltafin.plan.sizing import Placement, kept_while_lent, lends
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.plan.stage_parts import boundary_bytes_per_token, expert_slot_bytes
 
@@ -137,14 +138,38 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
         reads = compute = busy = 0.0
         for s in plan.stages:
             r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
-            reads, compute, busy = reads + r, compute + c, busy + max(r, c)
-        return Seconds(reads + spine, hops, busy + spine + spine_compute + hops, compute + spine_compute)
+            b = (_local_prompt(cfg, s, tokens, r, c, act_bytes) if overlap
+                 else max(r, c) + _spine_compute(cfg, s, tokens))
+            reads, compute, busy = reads + r, compute + c, busy + b
+        return Seconds(reads + spine, hops, busy + spine + hops, compute + spine_compute)
     reads_sum = calls_sum = compute_sum = total = 0.0
     for reads, compute, calls, prompt in _wide_layers(cfg, plan, links, tokens):
         reads_sum, calls_sum, compute_sum = reads_sum + reads, calls_sum + calls, compute_sum + compute
         total += prompt if overlap else max(reads, compute) + calls
     return Seconds(reads_sum + spine, calls_sum + hops, total + spine + spine_compute + hops,
                    compute_sum + spine_compute)
+
+
+def _local_prompt(cfg: ModelConfig, s: StagePlan, tokens: int, reads: float, compute: float, act_bytes: int) -> float:
+    """A stage's forward of a prompt, layer by layer: its spine computes, then its routed experts, their reads
+    overlapping their compute (the store hands each expert to the matmuls as it lands). A MoE layer's reads start
+    while its spine computes, as far as the slots read ahead hold: two layers' k guesses, and the cache slots a
+    prompt's forward that borrowed the cache left it (sizing.py kept_while_lent; runtime/stage.py)."""
+    z = s.sizing
+    layers = z.expert_layers or 0
+    kept = kept_while_lent(cfg, z, Placement(z.device, act_bytes), tokens) if (
+        tokens > z.forward_tokens and lends(cfg, z)) else 0
+    ahead = ((2 * cfg.experts_per_token + kept // expert_slot_bytes(cfg)) * cfg.bytes_per_expert
+             / (_speed(s, True) * GB))
+    busy = 0.0
+    for layer in range(s.start, s.end):
+        spine = 0.0 if s.compute is None else spine_seconds(cfg, s.compute, layer, layer + 1, tokens, z.spine)
+        if cfg.is_moe(layer) and layers:
+            read, experts = reads / layers, compute / layers
+            busy += spine + max(read - min(spine, read, ahead), experts)
+        else:
+            busy += spine
+    return busy
 
 
 def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:

@@ -375,6 +375,14 @@ def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInpu
     return size_stage(cfg, s.start, s.end, place, s.spine, 0, len(s.resident_layers), fixed)
 
 
+def kept_while_lent(cfg: ModelConfig, s: StageSizing, place: Placement, tokens: int) -> int:
+    """Bytes of `s`'s expert cache a prompt's forward of `tokens` leaves it (its workspace takes the rest of the
+    cache's and the plan's own workspace's): the store reads the next experts ahead into them while the layer
+    before computes (runtime/stage.py `_expert_room`; plan/predict.py prices it)."""
+    need = workspace_bytes(cfg, layer_table(cfg, place), s.start, s.end, tokens, s.context, s.end == cfg.num_layers)
+    return max(0, min(s.expert_cache, s.expert_cache + s.workspace - need))
+
+
 def lends(cfg: ModelConfig, s: StageSizing) -> bool:
     """Whether a prompt may borrow `s`'s expert cache: it streams its own experts (a wide store serves others' calls
     from its cache) through a cache that holds less than every expert (a prompt reads each once anyway)."""

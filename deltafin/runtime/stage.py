@@ -41,8 +41,9 @@ from deltafin.models.decoder import (
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, route, routed_sum
-from deltafin.plan.sizing import StageSizing
+from deltafin.plan.sizing import Placement, StageSizing, kept_while_lent
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.sessions import Sessions
@@ -251,10 +252,12 @@ class Stage:
 
     def _expert_room(self, tokens: int) -> None:
         """A forward longer than the plan's borrows the expert cache's memory for its workspace (plan/sizing.py
-        `_lend_cache`); a shorter one (decode) takes the cache back."""
+        `_lend_cache`), keeping what it leaves to read ahead; a shorter one (decode) takes the cache back."""
         if self.budgeted and self.sizing.prompt_tokens > self.sizing.forward_tokens:
             if tokens > self.sizing.forward_tokens:
-                self.experts.lend_cache()  # type: ignore[attr-defined]  # a streaming stage's: an ExpertStore
+                place = Placement(self.device.type, self.options.act_bytes, self.expert_backend)
+                keep = kept_while_lent(self.cfg, self.sizing, place, tokens) // expert_slot_bytes(self.cfg)
+                self.experts.lend_cache(keep)  # type: ignore[attr-defined]  # a streaming stage's: an ExpertStore
             else:
                 self.experts.take_back_cache()  # type: ignore[attr-defined]
 

@@ -90,11 +90,18 @@ class ExpertSlots:
 
     @property
     def lent(self) -> bool:
-        return self.caching.count < self.working + self.cache_slots
+        return self.kept is not None
 
-    def lend_cache(self) -> None:
-        """Only the working slots from now on: the cache slots' memory goes back to the system (every slot free)."""
-        self.caching.resize(self.working)
+    @property
+    def kept(self) -> int | None:
+        """The cache slots a lent cache kept (None: not lent)."""
+        kept = self.caching.count - self.working
+        return kept if kept < self.cache_slots else None
+
+    def lend_cache(self, keep: int = 0) -> None:
+        """The working slots and `keep` more from now on: the other cache slots' memory goes back to the system
+        (every slot free)."""
+        self.caching.resize(self.working + keep)
 
     def take_back(self) -> None:
         """The cache slots again, empty (every slot free)."""

@@ -113,14 +113,15 @@ class ExpertStore:
         return self.slots.land(slot, plan)
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Ask for experts a layer will probably need, most likely first, behind every demand read. A new
-        guess for a layer replaces the previous one: its reads that have not started and are no longer
-        guessed are dropped."""
+        """Ask for experts a layer will probably need, most likely first, behind every demand read (two layers' k,
+        and while a prompt borrows the cache, as many more as it kept slots). A new guess for a layer replaces the
+        previous one: its reads that have not started and are no longer guessed are dropped."""
         if not self.prefetch_enabled or layer not in self.layers:
             return
         ids = [int(e) for e in ids]
         with self._lock:
-            self.reads.guess(layer, ids, self.cache.entries, 2 * self.cfg.experts_per_token)
+            ahead = 2 * self.cfg.experts_per_token + (self.slots.kept or 0)
+            self.reads.guess(layer, ids, self.cache.entries, ahead)
 
     # ---- the ExpertProvider interface ---------------------------------------------------------------
 
@@ -247,15 +248,16 @@ class ExpertStore:
             self.stats.wasted_bytes += self.cfg.bytes_per_expert
         self.slots.release(entry.value)
 
-    def lend_cache(self) -> None:
+    def lend_cache(self, keep: int = 0) -> None:
         """A prompt's forward longer than the plan's borrows the cache (plan/sizing.py `_lend_cache`): the warming
-        stops, the reads settle, the cache empties and its slots' memory goes back to the system, the working
-        slots stay. Between forwards only."""
-        if not self.slots.lent and self.slots.cache_slots:
+        stops, the reads settle, the cache empties and the memory of all but `keep` of its slots goes back to the
+        system; those `keep` read the next experts ahead (`prefetch`). Between forwards only."""
+        keep = min(keep, self.slots.cache_slots - 1)  # (all of them kept: not lent)
+        if self.slots.cache_slots and self.slots.kept != keep:
             self._quiesce()
-            self.slots.lend_cache()
+            self.slots.lend_cache(keep)
             self.cache.budget = 0
-            log.debug("expert store: its cache lent to a prompt's forward")
+            log.debug("expert store: its cache lent to a prompt's forward, %d slots kept to read ahead", keep)
 
     def take_back_cache(self) -> None:
         """Decode takes the cache back, empty: it fills as layers use experts and, as after a start, with the
