@@ -44,11 +44,32 @@ class ResidualState:
     def split(self, lengths: list[int]) -> list[ResidualState]:
         return [ResidualState(p, b) for p, b in zip(self.P.split(lengths), self.B.split(lengths), strict=True)]
 
+    def with_room(self, blocks: int) -> ResidualState:
+        """A copy of the state whose B sits in a buffer with room for `blocks` blocks, so that a layer banks one
+        in place (`wider`): a long forward's state, held once rather than once into and once out of a layer."""
+        n, d = self.P.shape[0], self.P.shape[1]
+        room = self.B.new_empty(n, max(blocks, self.num_blocks), d)
+        room[:, :self.num_blocks] = self.B
+        return ResidualState(self.P.clone(), room[:, :self.num_blocks])
+
     @classmethod
     def cat(cls, states: list[ResidualState]) -> ResidualState:
         if len(states) == 1:
             return states[0]
         return cls(torch.cat([s.P for s in states]), torch.cat([s.B for s in states]))
+
+
+def wider(B: torch.Tensor, blocks: int) -> torch.Tensor:
+    """B [N, n, D] as `blocks` blocks: in the room of its buffer (ResidualState.with_room: a view, the new blocks
+    for the caller to write), else a new tensor with B copied into its first n."""
+    n, d = B.shape[1], B.shape[2]
+    if blocks <= n:
+        return B[:, :blocks]
+    if B.stride() == (B.stride(0), d, 1) and B.stride(0) >= blocks * d:
+        return B.as_strided((B.shape[0], blocks, d), B.stride(), B.storage_offset())
+    out = B.new_empty(B.shape[0], blocks, d)
+    out[:, :n] = B
+    return out
 
 
 def attn_res_mix(B: torch.Tensor, P: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

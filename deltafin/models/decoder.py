@@ -16,7 +16,7 @@ import torch
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.kernels.linear import linear
-from deltafin.models.attn_res import ResidualState, attn_res_mix
+from deltafin.models.attn_res import ResidualState, attn_res_mix, wider
 from deltafin.models.cache import SequenceCache
 from deltafin.models.common import rms_norm
 from deltafin.models.kda import kda_forward
@@ -98,9 +98,11 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
     pieces in order, so each sees its cache as the ones before it left it), then the routed experts once over
     every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece, and
     `done` hears each piece's outputs as they are final (a dense layer's only). The same as `decoder_layer` on the
-    whole forward, up to rounding."""
+    whole forward, up to rounding. The layer writes `state` in place (each piece's rows are read before they are
+    written, and no other piece reads them), banking a block into the room of its buffer where it has some
+    (ResidualState.with_room): a long forward holds its rows' state once."""
     moe = isinstance(w.ffn, MoEWeights)
-    P = B = x = None
+    P, B, x = state.P, None, None
     for piece in pieces:
         rows = piece.rows.to(state.P.device)
         after, x_piece = attention(cfg, layer, w, ResidualState(state.P[rows], state.B[rows]), piece.spans)
@@ -108,14 +110,16 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
             after = feed_forward(cfg, layer, w, after, x_piece, experts)
             if done is not None:
                 done(piece, after)
-        if P is None:  # the layer's outputs, every row (B may have banked a block)
-            P, B = state.P.new_empty(state.P.shape), state.B.new_empty((state.num_tokens, *after.B.shape[1:]))
+        if B is None:  # B may have banked a block
+            B = wider(state.B, after.B.shape[1])
             x = x_piece.new_empty(state.num_tokens, x_piece.shape[1]) if moe else None
         P[rows], B[rows] = after.P, after.B
         if x is not None:
             x[rows] = x_piece
     out = ResidualState(P, B)  # type: ignore[arg-type]
-    return feed_forward(cfg, layer, w, out, x, experts, fused, routed) if moe else out  # type: ignore[arg-type]
+    if moe:  # added in place too: the rows' P is held once
+        out.P.add_(moe_forward(cfg, layer, w.ffn, x, experts, fused=fused, routed=routed))  # type: ignore[arg-type]
+    return out
 
 
 @dataclass(frozen=True)

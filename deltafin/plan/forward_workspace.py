@@ -20,14 +20,16 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
                     last: bool) -> int:
     """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
     what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
-    every row's residual state and runs each layer's attention (and a dense MLP) a piece at a time, its routed
-    experts over every row at once (models/decoder.py, layer_in_pieces); forwards that return every position's
-    logits take one piece at most."""
+    every row's residual state (once: a layer writes it in place) and runs each layer's attention (and a dense
+    MLP) a piece at a time, its routed experts over every row at once (models/decoder.py, layer_in_pieces);
+    forwards that return every position's logits take one piece at most."""
     act = table.place.act_bytes
     d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
     blocks = cfg.blocks_entering(b) + 1
     row = (blocks + 1) * d * 4  # P and B of one token (fp32)
-    state = 2 * t * row + 2 * p * row  # every row's state into and out of a layer; a piece's AttnRes mix, norm
+    # every row's state, held once (a layer writes it in place, banking blocks into the room ResidualState.with_room
+    # made); a piece's AttnRes mix, norm
+    state = t * row + 2 * p * row
     per_layer = 0
     if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
         per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)

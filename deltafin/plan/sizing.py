@@ -27,11 +27,15 @@ The planner (once per stage: the stage loads that plan, a worker only checks it,
 Choice, when the user fixes nothing (`choose`): every expert resident if that fits beside a whole spine (bf16,
 else row-int8: no disk reads at all is worth the int8 rounding); else experts stream, the spine is bf16 if it
 fits whole, row-int8 if that does, else q4 (the compact one), whatever q4 does not fit streams, and the expert
-cache takes what is left; the plan says why (`spine_why`). A forward carries the planned context if its workspace
-fits FORWARD_SHARE of the budget, else as many tokens as do, and more where a small expert cache gives way
-(`_grow_forward`). One worker (sizing_options.py) plans one sequence, its forward the longest that leaves the
-cache ONE_WORKER_CACHE_SHARE of the budget (12 GB of a 64 GB Mac's; as above where even PIECE_TOKENS leaves less).
-If not even the working set fits, SizingError says so with the numbers.
+cache takes what is left; the plan says why (`spine_why`). Memory is shared in time between decode and a prompt:
+a stage that streams its own experts through a cache keeps one attention piece's forward beside it (decode steps,
+a short prompt or a chat's next turn), and a longer prompt's forward borrows the cache (`prompt_tokens`: the
+longest forward, up to the context, that fits with the cache lent; `_lending_choice`, `_lend_cache`), what it
+leaves of the cache reading the next experts ahead (`kept_while_lent`). Other stages (experts resident, a wide
+store serving others' calls) carry the planned context in a forward if its workspace fits FORWARD_SHARE of the
+budget, else as many tokens as do, and more where a small expert cache gives way (`_grow_forward`). One worker
+(sizing_options.py) plans one sequence of ONE_USER_CONTEXT tokens. If not even the working set fits, SizingError
+says so with the numbers.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ from deltafin.plan.layer_table import (
     model_spines,
 )
 from deltafin.plan.sizing_options import (
-    ONE_WORKER_CACHE_SHARE,
     QUALITY_SOURCE,
     Placement,
     SizingInput,
@@ -191,7 +194,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
                resident_count: int, options: SizingInput) -> StageSizing:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
-    options = resolved(cfg, options)
+    options = resolved(cfg, options, one_worker(cfg, start, end, options))
     t = layer_table(cfg, place, options.spans)
     if options.prefill_chunk is None:  # no budget to keep within: the whole planned context in one forward
         options = replace(options, prefill_chunk=max(1, options.context))
@@ -245,18 +248,16 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     """The best stage that fits `budget` (see the module docstring), saying why its spine format
     (`spine_why`); SizingError when none does. With no context given, the plan is for BASE_CONTEXT (at most the
     model's own): plan/context.py grows it into the room the plan leaves."""
-    options = resolved(cfg, options)
+    options = resolved(cfg, options, one_worker(cfg, start, end, options))
     if options.prefill_chunk is not None:
         s = _choose(cfg, start, end, place, budget, options)
     else:
-        first = _cache_first(cfg, start, end, place, budget, options) if (
-            one_worker(cfg, start, end, options) and options.expert_cache_bytes is None) else None
-        if first is not None:
-            s = first
+        lending = _lending_choice(cfg, start, end, place, budget, options)
+        if lending is not None:
+            s = lending
         else:
             s, auto = _auto_forward_choice(cfg, start, end, place, budget, options)
             s = _grow_forward(cfg, s, place, budget, auto)
-        s = _lend_cache(cfg, s, place, budget, options)
     return replace(s, spine_why=_spine_why(cfg, s, place, budget, options))
 
 
@@ -334,37 +335,19 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
     return _fill_cache(cfg, sized(lo), place, budget, replace(options, prefill_chunk=lo))
 
 
-def _cache_first(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-                 options: SizingInput) -> StageSizing | None:
-    """One worker, no forward size or cache fixed: the longest forward up to the planned context whose plan
-    leaves the expert cache ONE_WORKER_CACHE_SHARE of the budget (or holds every expert); None where not even
-    PIECE_TOKENS does (a long context's sessions, more sequences, a smaller machine: there the forward is sized
-    as on a cluster's stage, for the long prompts such a plan is for). Each length is planned whole (spine format
-    and resident layers too)."""
-    if not cfg.moe_layers:  # no experts to read again per forward, no cache to keep
+def _lending_choice(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
+                    options: SizingInput) -> StageSizing | None:
+    """No forward size fixed, a stage whose prompts borrow its expert cache (`lends`): the forward beside the cache
+    is one attention piece (decode steps, a short prompt or a chat's next turn), every other byte the cache's, and a
+    longer prompt's forward borrows the cache (`_lend_cache`). None where the stage does not lend (its experts
+    resident, wide, or a cache of every expert): its forward is sized as `_auto_forward_choice` sizes it."""
+    if not cfg.moe_layers or options.wide:
         return None
-    floor = ONE_WORKER_CACHE_SHARE * budget.device
-
-    def sized(tokens: int) -> StageSizing:
-        return _choose(cfg, start, end, place, budget, replace(options, prefill_chunk=tokens))
-
-    def keeps(tokens: int) -> bool:
-        try:
-            s = sized(tokens)
-        except SizingError:  # this forward's workspace leaves no plan at all
-            return False
-        every = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg)
-        return s.experts_resident or s.expert_cache >= min(floor, every)
-
-    lo, hi = min(PIECE_TOKENS, max(1, options.context)), max(1, options.context)
-    if keeps(hi):
-        return sized(hi)
-    if not keeps(lo):
-        return None  # the floor is out of reach
-    while lo < hi:  # the cache shrinks as the forward grows: the longest forward that keeps the floor
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if keeps(mid) else (lo, mid - 1)
-    return sized(lo)
+    try:
+        s = _choose(cfg, start, end, place, budget, replace(options, prefill_chunk=min(PIECE_TOKENS, options.context)))
+    except SizingError:
+        return None
+    return _lend_cache(cfg, s, place, budget, options) if lends(cfg, s) else None
 
 
 def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput, tokens: int) -> StageSizing:
@@ -396,7 +379,7 @@ def _lend_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
     that one forward carries it (each forward reads every expert it touches again, while the cache holds under a
     hundredth of K3's); `prompt_tokens` is the longest forward, up to the context, whose workspace fits the
     budget with the cache at none. Decode takes the cache back (runtime/stage.py)."""
-    if options.prefill_chunk is not None or not lends(cfg, s) or s.forward_tokens >= s.context:
+    if not lends(cfg, s) or s.forward_tokens >= s.context:
         return s
     lo, hi = s.forward_tokens, s.context  # workspace grows with tokens: the longest that fits
     while lo < hi:

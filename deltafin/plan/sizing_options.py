@@ -4,11 +4,9 @@ defaults that depend on the stage, and where the quality each spine format costs
 plan quotes a format's `quality`, deltafin/formats, where it chooses one). Pure: sizing.py sizes stages with these.
 
 One worker, one user (`one_worker`: a stage of every layer with local experts) plans one sequence and one kept
-prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), and puts the expert cache before a long
-forward: its forward is the longest up to the planned context that leaves the cache ONE_WORKER_CACHE_SHARE of the
-budget (12 GB of a 64 GB Mac's 56: forwards of ~1,050 tokens; `--prefill-chunk N` trades the cache back for longer
-ones), and where not even PIECE_TOKENS leaves that much (a long context, more sequences, a smaller machine) it is
-sized as a cluster's stage's is, for the long prompts such a plan is for. A cluster's stage plans SEQUENCES."""
+prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), of ONE_USER_CONTEXT tokens unless the
+user says (`--max-context`). A cluster's stage plans SEQUENCES of BASE_CONTEXT. Either grows its context into the
+room its plan leaves (plan/context.py); a prompt's forward borrows the expert cache (sizing.py)."""
 
 from __future__ import annotations
 
@@ -25,11 +23,10 @@ SEQUENCES = 4  # sequences a stage of a cluster plans caches for, unless the use
 # the context a plan is sized for first when the user gives none (--max-context), then grown into the memory it
 # leaves unused, up to the model's own maximum (plan/context.py)
 BASE_CONTEXT = 4096
-ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user's conversation
-# one worker: the share of the budget the expert cache keeps before a forward grows past PIECE_TOKENS. Published
-# K3 hit rates are 29-41 % for 3-29 GB caches (skewed routing: every GB pays), while a forward longer than a
-# chat's turn (later turns resume from the kept prefix) only saves prompts that long: 12.0 GB of a 64 GB Mac's 56
-ONE_WORKER_CACHE_SHARE = 0.215
+ONE_USER_SEQUENCES = 1  # ... and a stage of every layer (one worker): one user's conversation, whose base context
+# is a coding agent's first request or a document's (thousands of tokens); its prompts borrow the expert cache, so
+# the cache pays only the sessions' and kept prefix's room: 1.8 GB of a 64 GB Mac's 12 at K3's width
+ONE_USER_CONTEXT = 16384
 # what auto chooses from is the registry's (formats.auto_spines): the first that holds the whole spine, the last
 # streaming what does not fit; where no converted copy can be read or written, or every expert is resident, only
 # those it chooses for more than room (a 4-bit spine quantized at every start only where it is asked for, never its
@@ -89,9 +86,9 @@ class SizingOptions:
     context: int | None = opt(None, CONTEXT_HELP, name="--max-context", hidden=("--context",), metavar="N")
     prefill_chunk: int | None = opt(
         None, "most tokens one forward carries; longer prompts go in chunks, and each chunk reads the experts again "
-        "(default: the --max-context tokens, 4,096 where it is not given, in one forward if their workspace fits a "
-        "tenth of the memory, else as many as do, more where a small expert cache can give way; on one worker the "
-        "longest that leaves the expert cache 21.5%% of the memory; at least 512)")
+        "(default: a prompt's forward borrows the expert cache where the experts stream through one, as long as the "
+        "memory then holds, up to --max-context; else the --max-context tokens in one forward if their workspace "
+        "fits a tenth of the memory, else as many as do; at least 512; giving it keeps the cache through prompts)")
     read_threads: int = opt(8, "parallel readers of experts and streamed layers (default %(default)s)",
                             aliases=("--threads",))
     max_resident_layers: int | None = opt(
@@ -142,15 +139,17 @@ class SizingInput(SizingOptions):
         return self.expert_layers is not None
 
 
-def resolved(cfg: ModelConfig, options: SizingInput) -> SizingInput:
-    """`options` with a context to size for: as given, else BASE_CONTEXT (at most the model's own); the plan then
-    grows it into the room it leaves (plan/context.py)."""
-    return options if options.context is not None else replace(options, context=base_context(cfg))
+def resolved(cfg: ModelConfig, options: SizingInput, one: bool = False) -> SizingInput:
+    """`options` with a context to size for: as given, else the base (`one`: a stage of every layer with local
+    experts, one user's); the plan then grows it into the room it leaves (plan/context.py)."""
+    return options if options.context is not None else replace(options, context=base_context(cfg, one))
 
 
-def base_context(cfg: ModelConfig) -> int:
-    """The context a plan is first sized for when the user gives none: BASE_CONTEXT, at most the model's own."""
-    return min(BASE_CONTEXT, cfg.max_context or BASE_CONTEXT)
+def base_context(cfg: ModelConfig, one: bool = False) -> int:
+    """The context a plan is first sized for when the user gives none: BASE_CONTEXT (ONE_USER_CONTEXT on one
+    worker), at most the model's own."""
+    base = ONE_USER_CONTEXT if one else BASE_CONTEXT
+    return min(base, cfg.max_context or base)
 
 
 def one_worker(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> bool:

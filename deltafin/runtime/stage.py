@@ -297,6 +297,8 @@ class Stage:
         pieces = pieces_of(spans, PIECE_TOKENS) if tokens > PIECE_TOKENS else None
         streams = done is not None and not self.last and tokens > STREAM_PIECE_TOKENS and \
             not self.cfg.is_moe(self.end - 1)
+        if pieces is not None or streams:  # layer_in_pieces writes the state in place: its own copy, with room
+            state = state.with_room(self.cfg.blocks_entering(self.end))
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")
