@@ -36,7 +36,7 @@ from deltafin.cli.flags import (
 )
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
-from deltafin.coordinator.cluster.workers import find_workers, plan_cluster
+from deltafin.coordinator.cluster.workers import find_workers, plan_cluster, replanner
 from deltafin.coordinator.engine.engine import Engine, open_engine, planned_stage
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
 from deltafin.coordinator.engine.serving_options import ServingOptions
@@ -46,6 +46,7 @@ from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
+from deltafin.plan.outlook import outlook
 from deltafin.plan.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport.ports import cannot_listen, check_free
@@ -166,10 +167,13 @@ async def cmd_plan(args: argparse.Namespace) -> int:
     workers = await find_workers(spec)
     try:
         plan = await plan_cluster(spec, cfg, workers)
+        more = outlook(plan, spec.sizing, replanner(spec, cfg, workers, plan))
         if args.json:
-            print(json.dumps(plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), indent=1))
+            print(json.dumps({**plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), "outlook": more},
+                             indent=1))
         else:
             print(plan.table())
+            print("\n".join(more))
             print("\n".join(download_commands(plan)))
     finally:
         await asyncio.gather(*(c.close() for c, _ in workers))

@@ -26,6 +26,7 @@ from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder, HolderLink
 from deltafin.plan.modes import choose_mode
+from deltafin.plan.outlook import Replan
 from deltafin.plan.sizing import SizingInput
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
@@ -154,6 +155,19 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
               plan.table())
     return plan
+
+
+def replanner(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], plan: Plan) -> Replan:
+    """The plan of `workers` made again as `plan_cluster` made `plan` (its links, the same mode rule), with other
+    options and each worker's memory scaled: what `plan` prints of a longer context or more memory."""
+    caps = capacities(workers, spec.memory_cap)
+
+    def again(sizing: SizingInput, scale: float) -> Plan:
+        scaled = [replace(c, memory_bytes=int(c.memory_bytes * scale), host_memory_bytes=None if
+                                      c.host_memory_bytes is None else int(c.host_memory_bytes * scale)) for c in caps]
+        return choose_mode(cfg, scaled, sizing, spec.act_bytes, spec.experts, plan.links)
+
+    return again
 
 
 def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:

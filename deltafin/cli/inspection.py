@@ -115,12 +115,14 @@ def memory_plan(cfg: Any, memory_bytes: int, device: str, options: SizingOptions
 
 
 def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingInput, plan: dict) -> list[dict]:
-    """What the one-worker defaults trade (sizing.py: one sequence, and the expert cache before a long forward):
-    the plan with each of them given back, as the flag that does it would make it."""
+    """What the one-worker defaults trade (sizing.py: one sequence of a long context, and a prompt's forward
+    borrowing the expert cache): the plan with each of them given back, as the flag that does it would make it."""
     if plan["experts_resident"] or not one_worker(cfg, 0, cfg.num_layers, opts):
         return []
-    changes, tokens = [], opts.context or base_context(cfg)  # a forward as long as the asked (or base) context
-    if opts.prefill_chunk is None and plan["forward_tokens"] < tokens:
+    changes, tokens = [], base_context(cfg)  # a cluster stage's context, and a forward that long
+    if opts.context is None and plan["context"] > tokens:
+        changes.append((f"--max-context {tokens}", replace(opts, context=tokens)))
+    if opts.prefill_chunk is None and plan["prompt_tokens"] > plan["forward_tokens"]:
         changes.append((f"--prefill-chunk {tokens}", replace(opts, prefill_chunk=tokens)))
     if opts.sequences is None and opts.session_bytes is None:
         changes.append((f"--sequences {SEQUENCES}", replace(opts, sequences=SEQUENCES)))
@@ -132,7 +134,8 @@ def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingInput, plan: 
             out.append({"flags": flag, "error": str(e)})
             continue
         out.append({"flags": flag, "spine": z.spine, "resident_layers": len(z.resident_layers),
-                    "expert_cache": z.expert_cache, "forward_tokens": z.forward_tokens, "sessions": z.sessions,
+                    "expert_cache": z.expert_cache, "forward_tokens": z.forward_tokens,
+                    "prompt_tokens": z.prompt_tokens, "context": z.context, "sessions": z.sessions,
                     "prefixes": z.prefixes, "workspace": z.workspace, "spine_bytes_per_token": z.spine_bytes_per_token})
     return out
 
@@ -164,10 +167,19 @@ def plan_lines(plan: dict, num_layers: int) -> list[str]:
             f"  spine {plan['spine']}: {plan['spine_why']}",
             "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
             f"  sessions for {plan['sequences']} sequence(s) of up to {plan['context']:,} tokens; read per token: "
-            f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; a forward "
-            f"carries up to {plan['forward_tokens']:,} tokens (a prompt that long reads each expert once)",
+            f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; "
+            + _forwards(plan),
             f"  context: {plan['context']:,} tokens a request: {plan['context_why']}",
             f"  {plan['kept_prefixes']}", *_trade_lines(plan)]
+
+
+def _forwards(plan: dict) -> str:
+    """How far one forward goes, beside the expert cache and (where it is lent to a prompt) with it."""
+    beside = f"a forward carries up to {plan['forward_tokens']:,} tokens"
+    if plan["prompt_tokens"] <= plan["forward_tokens"]:
+        return beside + " (a prompt that long reads each expert once)"
+    return (f"{beside} beside the expert cache, a prompt's up to {plan['prompt_tokens']:,} with the cache lent to "
+            "it (a prompt that long reads each expert once; decode takes the cache back, empty)")
 
 
 def _trade_lines(plan: dict) -> list[str]:
@@ -178,12 +190,14 @@ def _trade_lines(plan: dict) -> list[str]:
             lines.append(f"  with {t['flags']}: does not fit ({t['error']})")
             continue
         lines.append(f"  with {t['flags']}: {t['spine']} spine, {t['resident_layers']} layers resident, expert cache "
-                     f"{_gb(t['expert_cache'])} (not {_gb(plan['expert_cache'])}), forwards of up to "
-                     f"{t['forward_tokens']:,} tokens, sessions {_gb(t['sessions'])} + prefixes {_gb(t['prefixes'])}, "
-                     f"workspace {_gb(t['workspace'])}, spine read per token {_gb(t['spine_bytes_per_token'])}")
+                     f"{_gb(t['expert_cache'])} (not {_gb(plan['expert_cache'])}), context {t['context']:,}, "
+                     f"prompts in forwards of up to {t['prompt_tokens']:,} tokens, sessions {_gb(t['sessions'])} + "
+                     f"prefixes {_gb(t['prefixes'])}, workspace {_gb(t['workspace'])}, spine read per token "
+                     f"{_gb(t['spine_bytes_per_token'])}")
     if lines:
-        lines.insert(0, "  one worker, one user: one sequence, and the expert cache before a long forward (a longer "
-                     "prompt takes several forwards, each reading its experts again); the defaults given back:")
+        lines.insert(0, f"  one worker, one user: one sequence of up to {plan['context']:,} tokens, and a prompt's "
+                     "forward borrows the expert cache (a prompt longer than that forward takes several, each "
+                     "reading its experts again); the defaults given back:")
     return lines
 
 

@@ -165,21 +165,33 @@ class Plan:
         if self.token is not None:
             lines.append(f"a token (predicted from bytes, disk speeds, links and compute): {self.token.describe()}")
         if self.first_token:
-            step = min(s.sizing.forward_tokens for s in self.stages)
-            lines.append(f"time to first token (in forwards of {step} tokens): "
-                         + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token))
+            lines.append(self.first_token_line())
         if self.verify:
             lines.append("a decode step verifying k drafts (one forward, the union of their experts; drafting weighs "
                          "its expected tokens against it): " + ", ".join(
                              f"k={k} {self.verify[k]:.3g} s" for k in VERIFY_SHOWN if k < len(self.verify)))
         return "\n" + "\n".join(lines)
 
+    def first_token_line(self) -> str:
+        """The predicted first token of each of the prompt lengths planned for, in the forwards the plan cuts a
+        prompt into (borrowing the expert cache where its stages lend it), and which of them the context refuses."""
+        step = min(max(s.sizing.prompt_tokens, s.sizing.forward_tokens) for s in self.stages)
+        lent = ", the expert cache lent to them" if any(
+            s.sizing.prompt_tokens > s.sizing.forward_tokens for s in self.stages) else ""
+        over = [n for n, _ in self.first_token if self.context and n > self.context]
+        text = (f"time to first token (prompts in forwards of up to {step:,} tokens{lent}): "
+                + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token if n not in over))
+        if over:
+            text += (f"; {', '.join(f'{n // 1024}K' for n in over)} over the context ({self.context:,} tokens): "
+                     "--max-context plans for more")
+        return text
+
     def _parts(self) -> str:
         """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
         first = self.stages[0].sizing if self.stages else None
         lines = [f"\nspine {first.spine}: {first.spine_why}"] if first is not None and first.spine_why else []
-        lines += [f"  {s.worker}: {s.sizing.forward_tokens:,}-token forwards, {s.sizing.sequences} sequence(s); "
-                  f"{s.sizing.parts()}" for s in self.workers]
+        lines += [f"  {s.worker}: {_forwards(s.sizing)}, {s.sizing.sequences} sequence(s); {s.sizing.parts()}"
+                  for s in self.workers]
         return "\n".join(["", *lines]) if lines else ""
 
     def _wide_table(self) -> str:
@@ -244,3 +256,11 @@ def _time(seconds: float) -> str:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _forwards(z: StageSizing) -> str:
+    """A stage's forwards: beside its expert cache, and a prompt's with the cache lent to it."""
+    if z.prompt_tokens > z.forward_tokens:
+        return (f"{z.forward_tokens:,}-token forwards beside the expert cache, a prompt's up to {z.prompt_tokens:,} "
+                "with it lent")
+    return f"{z.forward_tokens:,}-token forwards"

@@ -17,7 +17,14 @@ from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.compute import ComputeSpeed, assumed_gpu, head_flop, layer_flop, spine_seconds
 from deltafin.plan.links import Links, profile
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.predict import distinct_experts, hops_seconds, prefill_seconds, token_seconds
+from deltafin.plan.predict import (
+    distinct_experts,
+    forward_lengths,
+    hops_seconds,
+    prefill_seconds,
+    prompt_forward,
+    token_seconds,
+)
 
 GB = 10**9
 SPEED = ComputeSpeed(expert_one_s=2e-3, expert_token_s=1.5e-3, spine_one={"int8": 40e9, "q4": 50e9},
@@ -97,8 +104,7 @@ def test_a_plan_adds_its_spine_s_compute_and_overlaps_the_experts_with_their_rea
     assert t.total == pytest.approx(b.total + spine, rel=1e-9)
     n = 4096
     p, q = prefill_seconds(k3, timed, n), prefill_seconds(k3, blind, n)
-    step = min(s.sizing.forward_tokens for s in timed.stages)
-    forwards = [min(step, n - done) for done in range(0, n, step)]
+    forwards = forward_lengths(n, prompt_forward(timed))  # a prompt's forwards: the cache lent, of equal length
     spine = sum(spine_seconds(k3, SPEED, s.start, s.end, f, s.sizing.spine) for s in timed.stages for f in forwards)
     experts_s = sum(SPEED.expert_seconds(distinct_experts(k3, f), f * 16) for f in forwards) * len(k3.moe_layers)
     if experts == "local":  # one stage after another, each MoE layer the longer of its reads and its compute

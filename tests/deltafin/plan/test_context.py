@@ -1,6 +1,6 @@
 """A context sized by memory (pure): the model's own maximum where memory holds it, else the longest the room the
-plan leaves holds, never taking the expert cache's room; K3 on a 64 GB Mac stays at the base and says what more
-would cost; a cluster's stages share one; a context asked for is kept."""
+plan leaves holds, never taking the expert cache's room; K3 on a 64 GB Mac stays at one user's base and says
+what more would cost; a cluster's stages share one; a context asked for is kept."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.context import STEP, at_context, cost_per_1k, grown, longest_context
 from deltafin.plan.planner import plan_layers
 from deltafin.plan.sizing import Budget, Placement, SizingInput, choose
-from deltafin.plan.sizing_options import BASE_CONTEXT
+from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_CONTEXT
 
 GB = 10**9
 MAC = Placement("mps", experts="mlx")
@@ -29,16 +29,16 @@ def mini():
     return load_config(bundled_model())
 
 
-def test_k3_on_a_64gb_mac_keeps_the_base_context_and_says_what_more_costs(k3):
+def test_k3_on_a_64gb_mac_keeps_one_users_base_context_and_says_what_more_costs(k3):
     budget = Budget(56 * GB)
     base = choose(k3, 0, 93, MAC, budget, SizingInput())
     s = grown(k3, base, MAC, budget, SizingInput())
-    assert s.context == BASE_CONTEXT == base.context and s.expert_cache == base.expert_cache  # the cache keeps it all
+    assert s.context == ONE_USER_CONTEXT == base.context and s.expert_cache == base.expert_cache  # the cache keeps all
     # a sequence's MLA latents and the kept prefix beside it: 24 layers x 576 values x fp32, per token, twice
     latents = 2 * 24 * 576 * 4 * STEP
     assert latents <= cost_per_1k(k3, s, MAC, SizingInput()) < latents + 0.02 * GB  # + attention workspace
     plan = plan_layers(k3, [WorkerCapacity("mac", 56 * GB, 6.6, ((0, 93),), True, device="mps")])
-    assert plan.context == BASE_CONTEXT
+    assert plan.context == ONE_USER_CONTEXT
     assert "each 1,024 tokens more would take 0.11 GB of a stage's memory from its expert cache" in plan.table()
 
 

@@ -81,17 +81,19 @@ def test_every_expert_stays_resident_only_when_it_fits(tiny_dir):
     cfg = load_config(tiny_dir)
     s = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(8 * GB), SizingInput())
     assert s.experts_resident and s.spine == "bf16"
-    # one byte less: an int8 spine keeps every expert in memory (no disk reads at all beats exact bf16) ...
+    # one byte less: every expert stays, the spine exact, with a shorter forward (resident experts are read by no
+    # forward: a prompt's several forwards cost nothing more) ...
     tight = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), SizingInput())
-    assert tight.experts_resident and tight.spine == "int8" and tight.total < s.total
-    # ... and below that, one worker keeps them with a shorter forward (the cache before a long forward) ...
-    tighter = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), SizingInput())
-    assert tighter.experts_resident and tighter.forward_tokens < tight.forward_tokens
-    assert tighter.total <= tight.total - 1
-    # ... while at the forward it had, the experts stream
-    fixed = SizingInput(prefill_chunk=tight.forward_tokens)
-    streams = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(tight.total - 1), fixed)
-    assert streams.streaming and streams.total <= tight.total - 1
+    assert tight.experts_resident and tight.spine == "bf16" and tight.forward_tokens < s.forward_tokens
+    assert tight.total < s.total and tight.prompt_tokens == tight.forward_tokens  # nothing to lend
+    # ... while at the forward it had, an int8 spine keeps every expert in memory (no disk reads at all beats
+    # exact bf16) ...
+    fixed = SizingInput(prefill_chunk=s.forward_tokens)
+    int8 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1), fixed)
+    assert int8.experts_resident and int8.spine == "int8" and int8.total < s.total
+    # ... and below that the experts stream
+    streams = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(int8.total - 1), fixed)
+    assert streams.streaming and streams.total <= int8.total - 1
     bf16 = choose(cfg, 0, cfg.num_layers, Placement("cpu"), Budget(s.total - 1),
                   SizingInput(spine="bf16", prefill_chunk=s.forward_tokens))
     assert bf16.streaming and bf16.spine == "bf16"
@@ -115,14 +117,16 @@ def test_the_forward_takes_the_planned_context_within_its_share_of_the_memory(k3
     from deltafin.plan.forward_workspace import FORWARD_SHARE, auto_forward_tokens, workspace_bytes
 
     t = layer_table(k3, Placement("cpu"))
-    big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8"))
+    big = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8", expert_layers=23))  # wide
     assert big.forward_tokens == 4096 and big.workspace <= FORWARD_SHARE * 64 * GB
+    local = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8"))
+    assert local.forward_tokens == PIECE_TOKENS and local.prompt_tokens == 4096  # its prompts borrow the cache
     share = auto_forward_tokens(k3, t, 70, 93, 4096, 24 * GB)
     assert PIECE_TOKENS < share < 4096
     assert workspace_bytes(k3, t, 70, 93, share, 4096, True) <= FORWARD_SHARE * 24 * GB < workspace_bytes(
         k3, t, 70, 93, share + 1, 4096, True)
     fixed = choose(k3, 70, 93, Placement("cpu"), Budget(64 * GB), SizingInput(spine="int8", prefill_chunk=512))
-    assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache
+    assert fixed.forward_tokens == 512 and fixed.expert_cache > big.expert_cache and fixed.prompt_tokens == 512
     per_token = (workspace_bytes(k3, t, 70, 93, 2048, 4096, True) - workspace_bytes(k3, t, 70, 93, 1024, 4096, True))
     assert per_token / 1024 < 1.5e6  # ~1.3 MB a token at the last layers: every row's state, the experts' outputs
 
@@ -157,20 +161,19 @@ def test_a_small_wide_cache_gives_way_to_a_longer_forward(k3):
 
 
 def test_a_prompt_borrows_a_local_cache_for_longer_forwards(k3):
-    """A stage that streams its own experts keeps its cache for decode at the forward the share allows, and a
-    prompt's forward borrows it: `prompt_tokens` is the longest forward up to the context whose plan with no
-    cache fits the budget (one token more does not), the rest of the plan unchanged."""
-    from deltafin.plan.forward_workspace import auto_forward_tokens
+    """A stage that streams its own experts keeps one attention piece's forward beside its cache (decode steps, a
+    short prompt), and a longer prompt's forward borrows the cache: `prompt_tokens` is the longest forward up to the
+    context whose plan with no cache fits the budget (one token more does not), the rest of the plan unchanged; a
+    forward size given keeps the cache through prompts."""
+    from deltafin.models.decoder import PIECE_TOKENS
     from deltafin.plan.sizing import lends, lent
 
-    t, cpu, opts = layer_table(k3, Placement("cpu")), Placement("cpu"), SizingInput(spine="int8")
+    cpu, opts = Placement("cpu"), SizingInput(spine="int8")
     for gb in (16, 24):
-        share = auto_forward_tokens(k3, t, 70, 93, 4096, gb * GB)
-        planned = choose(k3, 70, 93, cpu, Budget(gb * GB), replace(opts, prefill_chunk=share))
         s = choose(k3, 70, 93, cpu, Budget(gb * GB), opts)
-        assert lends(k3, s) and (s.forward_tokens, s.expert_cache) == (share, planned.expert_cache)
-        assert planned.prompt_tokens == share  # a forward size given: nothing lent
-        assert share < s.prompt_tokens <= 4096
+        assert lends(k3, s) and s.forward_tokens == PIECE_TOKENS < s.prompt_tokens <= 4096
+        fixed = choose(k3, 70, 93, cpu, Budget(gb * GB), replace(opts, prefill_chunk=PIECE_TOKENS))
+        assert (fixed.expert_cache, fixed.prompt_tokens) == (s.expert_cache, PIECE_TOKENS)  # given: not lent
         borrowed = lent(k3, s, cpu, opts, s.prompt_tokens)
         assert Budget(gb * GB).fits(borrowed) and borrowed.expert_cache == 0
         assert (borrowed.sessions, borrowed.prefixes, borrowed.layers) == (s.sessions, s.prefixes, s.layers)

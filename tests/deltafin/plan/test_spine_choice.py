@@ -66,7 +66,7 @@ def test_one_mac_without_room_streams_int8_in_memory_not_a_bf16_spine(k3):
     small = WorkerCapacity("m", 16 * GB, 6.6, ((0, 93),), True, worker_id="m", spine_disk=SpineDisk({}, room=0))
     plan = plan_layers(k3, [small], experts="local")
     z = plan.stages[0].sizing
-    assert (z.spine, z.converted) == ("int8", False) and z.streamed_layers and len(z.resident_layers) >= 5
+    assert (z.spine, z.converted) == ("int8", False) and z.streamed_layers and z.resident_layers
     bf16 = plan_layers(k3, [small], SizingInput(spine="bf16"), experts="local").stages[0].sizing
     assert z.spine_bytes_per_token < bf16.spine_bytes_per_token and len(z.resident_layers) > len(bf16.resident_layers)
     assert "no converted q4 copy and no room to write one" in z.spine_why and "read as stored" in z.spine_why

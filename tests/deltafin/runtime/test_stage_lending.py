@@ -28,14 +28,14 @@ PROMPT = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17, 8, 64, 25
 FORWARD, LONGEST, CACHE_EXPERTS = 4, 32, 12
 
 
-def _lending_stage(model: Path, place: Placement = Placement("cpu")) -> Stage:
+def _lending_stage(model: Path, place: Placement | None = None) -> Stage:
     """A stage planned as `choose` plans a lending one: forwards of FORWARD tokens beside a cache of
     CACHE_EXPERTS slots, prompts of up to LONGEST with the cache lent, and a budget that holds both."""
     cfg = load_config(model)
     ckpt = open_checkpoint(model, cfg)
     options = StageOptions(sizing=SizingInput(spine="bf16", read_threads=2))
     inputs = options.sizing_for(layer_spans(ckpt))
-    cache = CACHE_EXPERTS * expert_slot_bytes(cfg)
+    cache, place = CACHE_EXPERTS * expert_slot_bytes(cfg), place or Placement("cpu")
     plan = size_stage(cfg, 0, cfg.num_layers, place, "bf16", cache, cfg.num_layers,
                       dataclasses.replace(inputs, prefill_chunk=FORWARD, prompt_tokens=LONGEST))
     borrowed = lent(cfg, plan, place, inputs, LONGEST)

@@ -1,0 +1,58 @@
+"""What a plan would give a longer prompt, and what more memory would change (pure): `plan` prints, under the plan's
+own predictions (cluster_plan.Plan.first_token_line), the prompts its context refuses with the context they need
+(--max-context) and every prompt length with twice each worker's memory, each from a plan made again the way the
+first was (`Replan`: the same workers, links and mode rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from deltafin.errors import PlanError, SizingError
+from deltafin.plan.cluster_plan import GB, Plan
+from deltafin.plan.predict import prompt_forward
+from deltafin.plan.sizing import SizingInput
+
+Replan = Callable[[SizingInput, float], Plan]  # (options, each worker's memory times this) -> the plan
+
+
+def outlook(plan: Plan, options: SizingInput, replan: Replan) -> list[str]:
+    """Lines for `plan`: the prompt lengths over its context, planned for the longest of them; and every length
+    with twice the memory (what a bigger Mac, or a second one's memory, would change)."""
+    lines = []
+    over = [n for n, _ in plan.first_token if plan.context and n > plan.context]
+    if over and options.context is None:
+        longest = max(over)
+        try:
+            wider = replan(replace(options, context=longest), 1.0)
+        except (PlanError, SizingError) as e:
+            lines.append(f"with --max-context {longest}: no plan ({e})")
+        else:
+            lines.append(f"with --max-context {longest} ({_forwards(wider)}): {_times(wider, over)}; "
+                         f"{_costs(wider, plan)}")
+    try:
+        more = replan(options, 2.0)
+    except (PlanError, SizingError) as e:  # more memory never plans worse; a bug would show here, not crash `plan`
+        lines.append(f"with twice the memory on every worker: no plan ({e})")
+    else:
+        lengths = [n for n, _ in more.first_token if not more.context or n <= more.context]
+        lines.append(f"with twice the memory on every worker (context {more.context:,} tokens, {_forwards(more)}): "
+                     f"{_times(more, lengths)}; {_costs(more, plan)}")
+    return lines
+
+
+def _forwards(plan: Plan) -> str:
+    return f"prompts in forwards of up to {prompt_forward(plan):,} tokens"
+
+
+def _times(plan: Plan, lengths: list[int]) -> str:
+    times = dict(plan.first_token)
+    return ", ".join(f"{n // 1024}K {times[n].describe()}" for n in lengths)
+
+
+def _costs(plan: Plan, before: Plan) -> str:
+    """What the other plan keeps for decode: its expert caches and a token's time, against `before`'s."""
+    cache = sum(s.sizing.expert_cache for s in plan.workers) / GB
+    was = sum(s.sizing.expert_cache for s in before.workers) / GB
+    token = f", a token {plan.token.describe()}" if plan.token is not None else ""
+    return f"expert cache {cache:.1f} GB (now {was:.1f}){token}"

@@ -1,0 +1,52 @@
+"""What `plan` prints beyond the plan: prompts its context refuses, planned with the context they need, and every
+prompt length with twice the memory, each from the plan made again (here: the planner itself, on K3 and one 64 GB
+Mac's budget, against the plans made directly)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from deltafin.checkpoint.config import parse_config
+from deltafin.checkpoint.presets import preset_config
+from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.compute import assumed_gpu
+from deltafin.plan.outlook import outlook
+from deltafin.plan.planner import plan_layers
+from deltafin.plan.sizing import SizingInput
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return parse_config(preset_config("k3"))
+
+
+def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
+    mac = WorkerCapacity("mac", 56 * GB, 6.6, ((0, 93),), True, device="mps", worker_id="m",
+                         compute=assumed_gpu(k3, 400.0, 10.0))
+
+    def replan(options: SizingInput, scale: float):
+        return plan_layers(k3, [dataclasses.replace(mac, memory_bytes=int(56 * GB * scale))], options)
+
+    plan = replan(SizingInput(), 1.0)
+    assert plan.context == 16384
+    line = plan.first_token_line()
+    assert "64K over the context (16,384 tokens): --max-context plans for more" in line
+    assert f"16K {dict(plan.first_token)[16384].describe()}" in line and "the expert cache lent to them" in line
+    longer, bigger = outlook(plan, SizingInput(), replan)
+    wide = replan(SizingInput(context=65536), 1.0)
+    step = wide.stages[0].sizing.prompt_tokens
+    assert longer.startswith(f"with --max-context 65536 (prompts in forwards of up to {step:,} tokens): 64K "
+                             f"{dict(wide.first_token)[65536].describe()}")
+    cache = sum(s.sizing.expert_cache for s in wide.workers) / GB
+    assert f"expert cache {cache:.1f} GB (now {plan.workers[0].sizing.expert_cache / GB:.1f})" in longer
+    double = replan(SizingInput(), 2.0)
+    assert bigger.startswith(f"with twice the memory on every worker (context {double.context:,} tokens, prompts in "
+                             f"forwards of up to 16,384 tokens): 1K {dict(double.first_token)[1024].describe()}")
+    # the user's own context: nothing over it to plan for
+    asked = replan(SizingInput(context=65536), 1.0)
+    assert [x.split(" (")[0] for x in outlook(asked, SizingInput(context=65536), replan)] == [
+        "with twice the memory on every worker"]
