@@ -21,10 +21,18 @@ from deltafin.models.cache import SequenceCache
 from deltafin.models.common import rms_norm
 from deltafin.models.kda import kda_forward
 from deltafin.models.mla import mla_forward
-from deltafin.models.moe import ExpertSource, FusedExperts, RoutedExperts, dense_mlp, moe_forward
+from deltafin.models.moe import (
+    SUMMED_ROWS,
+    ExpertSource,
+    FusedExperts,
+    RoutedExperts,
+    dense_mlp,
+    moe_added,
+    moe_forward,
+)
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
 
-PIECE_TOKENS = 512  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
+PIECE_TOKENS = SUMMED_ROWS  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
 STREAM_PIECE_TOKENS = 256  # a stage that ends on a dense layer runs it in pieces of this many rows and sends each
 # piece's outputs on as it is done (runtime/stage.py)
 
@@ -117,8 +125,8 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
         if x is not None:
             x[rows] = x_piece
     out = ResidualState(P, B)  # type: ignore[arg-type]
-    if moe:  # added in place too: the rows' P is held once
-        out.P.add_(moe_forward(cfg, layer, w.ffn, x, experts, fused=fused, routed=routed))  # type: ignore[arg-type]
+    if moe:  # added in place too, a block of rows at a time: the rows' P is held once
+        moe_added(cfg, layer, w.ffn, x, P, experts, fused=fused, routed=routed)  # type: ignore[arg-type]
     return out
 
 

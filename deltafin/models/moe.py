@@ -9,6 +9,7 @@ Shapes: N tokens, D hidden, De expert width (latent for K3), E experts, k active
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -18,6 +19,9 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import gate_up, linear
 from deltafin.models.common import activation, rms_norm
 from deltafin.models.weights import DenseMLPWeights, ExpertWeights, MoEWeights
+
+SUMMED_ROWS = 512  # rows (one attention piece: decoder.PIECE_TOKENS) above which the routed experts' outputs are
+# summed expert by expert, and the rest of the layer runs a block of this many rows at a time
 
 
 class ExpertSource(Protocol):
@@ -99,9 +103,57 @@ def routed_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Ten
 
 def routed_sum(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                experts: ExpertSource) -> torch.Tensor:
-    """sum_j weights[n, j] * Expert_{idx[n, j]}(z[n]) in this process -> [N, De] fp32, over the slots in their fixed
-    order (in place: no second [N, k, De] buffer)."""
+    """sum_j weights[n, j] * Expert_{idx[n, j]}(z[n]) in this process -> [N, De] fp32: up to SUMMED_ROWS rows over
+    the slots in their fixed order (in place: no second [N, k, De] buffer); a longer forward's summed expert by
+    expert (`summed_by_expert`)."""
+    if idx.shape[0] > SUMMED_ROWS:
+        return summed_by_expert(cfg, layer, z, idx, weights, experts)
     return routed_outputs(cfg, layer, z, idx, experts).mul_(weights.unsqueeze(-1)).sum(1)
+
+
+def summed_by_expert(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                     experts: ExpertSource) -> torch.Tensor:
+    """The routed sum holding [N, De] and one expert's pairs at a time, never every pair's output ([N, k, De]: 229 KB a
+    token at K3's width): each expert once, its pairs' weighted outputs added into their rows. A row's terms add in
+    the experts' order, not the slots' (the same sum up to rounding)."""
+    n_tok, k = idx.shape
+    out = torch.zeros(n_tok, cfg.expert_dim, dtype=torch.float32, device=z.device)
+    flat = idx.reshape(-1).cpu()
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, each group in row order
+    counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
+    starts = [0, *itertools.accumulate(counts)]
+    rows, w = (order // k).to(z.device), weights.reshape(-1)[order.to(weights.device)]
+    for e, weights_e in experts(layer, [e for e in range(cfg.num_experts) if counts[e]]):
+        part = slice(starts[e], starts[e + 1])
+        y = expert_ffn(cfg, weights_e, z[rows[part]]).float().mul_(w[part].unsqueeze(-1))
+        out.index_add_(0, rows[part], y)
+    return out
+
+
+def moe_added(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, P: torch.Tensor, experts: ExpertSource,
+              fused: FusedExperts | None = None, routed: RoutedExperts | None = None) -> None:
+    """P += the layer's latent MoE of x, as a long forward runs it (models/decoder.py layer_in_pieces): the routed
+    sum over every row at once (each expert read once), and the shared experts, the sum's norm and up-projection a
+    block of SUMMED_ROWS rows at a time, so that no [N, intermediate] temporary is made. The same as
+    `moe_forward` up to rounding."""
+    idx, weights = route(cfg, w, x)
+    z = linear(x, w.latent_down) if w.latent_down is not None else x
+    finish = (lambda: fused(layer, z, idx, weights)) if fused is not None else (
+        routed(layer, z, idx, weights) if routed is not None else
+        (lambda: routed_sum(cfg, layer, z, idx, weights, experts)))
+    blocks = [slice(s, s + SUMMED_ROWS) for s in range(0, x.shape[0], SUMMED_ROWS)]
+    shared = None
+    if w.shared is not None:  # while the routed experts' calls run (wide)
+        shared = torch.cat([dense_mlp(cfg, w.shared, x[b]) for b in blocks])
+    y = finish()
+    for b in blocks:
+        f = y[b]
+        if w.latent_up is not None:
+            if w.latent_norm is not None:
+                f = rms_norm(f, w.latent_norm, cfg.rms_norm_eps)
+            f = linear(f.to(x.dtype), w.latent_up)
+        f = f.to(x.dtype)
+        P[b] += f + shared[b] if shared is not None else f
 
 
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,

@@ -40,14 +40,20 @@ def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens:
         per_layer = max(per_layer, block + p * heads * (2 * qk + 3 * v) * 4)  # + queries, accumulators, output
     if a < cfg.first_k_dense:  # a dense MLP: a piece at a time
         per_layer = max(per_layer, 3 * p * cfg.intermediate_size * 4)
-    if table.moe[b] > table.moe[a]:  # shared experts and the routed experts' scores, inputs and outputs: every row
+    if table.moe[b] > table.moe[a]:  # the router's scores and the routed experts' inputs and outputs, every row;
+        # up to a piece every pair's output and the shared experts' on every row, a longer forward's summed expert by
+        # expert and the shared experts' a block of rows at a time (models/moe.py moe_added)
         shared = cfg.moe_intermediate_size * max(1, cfg.num_shared_experts)
-        moe = t * (cfg.num_experts * 3 + cfg.experts_per_token * cfg.expert_dim + 2 * d) * 4
-        per_layer = max(per_layer, 3 * t * shared * 4 + moe)
+        pairs = cfg.experts_per_token * cfg.expert_dim if t <= PIECE_TOKENS else 2 * cfg.expert_dim
+        moe = t * (cfg.num_experts * 3 + pairs + 2 * d) * 4
+        per_layer = max(per_layer, 3 * p * shared * 4 + moe)
     logits = p * cfg.vocab_size * 4 if last else 0  # fp32 logits (every position of a piece, at most)
     widest = max(cfg.vocab_size if last else 0, cfg.intermediate_size, cfg.kda_dim, cfg.num_heads * 256) * d
     weight_blocks = 2 * min(WEIGHT_BLOCK_VALUES, widest) * 4  # weights converted a block of rows at a time
-    return state + per_layer + logits + weight_blocks + t * d * act * 4
+    # the input beside the rows' own state (a first stage's embeddings while they are copied in; a later stage's
+    # state as it came, held by its call), and a row's output state on its way out
+    held = t * d * act * (2 if a == 0 else 2 + cfg.blocks_entering(a) + 1)
+    return state + per_layer + logits + weight_blocks + held
 
 
 def auto_forward_tokens(cfg: ModelConfig, table: LayerTable, a: int, b: int, context: int, budget: int) -> int:
