@@ -145,10 +145,11 @@ class Scheduler:
                 task.add_done_callback(self._sent)
 
     def _next_batch(self, pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
-        """The decode steps (their share, when pipelining), plus one prompt chunk if the tokens one forward
-        may carry allow: a chunk reads nearly every expert of a layer, so the decode steps riding with it read
-        nothing more, and a stream never waits for a prompt's batch to pass before its own. Without riding,
-        the steps and the chunk take turns in batches of their own."""
+        """The decode steps (their share, when pipelining), plus the prompt chunks the tokens one forward may carry
+        allow: a chunk reads nearly every expert of a layer, so the decode steps riding with it read nothing more,
+        and prompts prefilling together share the reads (each expert once per forward, whatever its rows); a
+        stream never waits for a prompt's batch to pass before its own. Without riding, the steps and the chunks
+        take turns in batches of their own."""
         decode = [p for p in pending if _is_step(p[0])]
         if decode and self.pipeline_depth > 1:
             decode = decode[:max(1, -(-max(self.stats.active, len(decode)) // self.pipeline_depth))]
@@ -156,16 +157,16 @@ class Scheduler:
         if limit is not None:  # the steps that fit one forward (a speculative one carries its drafts)
             fits = list(itertools.accumulate(p[0].num_tokens for p in decode))
             decode = decode[:max(1, sum(n <= limit for n in fits))] if decode else decode
-        chunk = next((p for p in pending if not _is_step(p[0])), None)
+        chunks = [p for p in pending if not _is_step(p[0])]
         room = None if limit is None else limit - sum(p[0].num_tokens for p in decode)
-        if chunk is None:
+        if not chunks:
             batch = decode
-        elif not decode or (room is not None and chunk[0].num_tokens > room):
-            batch = [chunk]  # alone: nothing to ride with it, or it does not fit beside them (the engine's do)
+        elif not decode or (room is not None and chunks[0][0].num_tokens > room):
+            batch = _together(chunks, limit)  # alone: nothing to ride with them, or no room beside them
         elif self.ride:
-            batch = [*decode, chunk]
+            batch = [*decode, *_together(chunks, room)]
         else:
-            batch = [chunk] if self._chunk_turn else decode
+            batch = _together(chunks, limit) if self._chunk_turn else decode
             self._chunk_turn = not self._chunk_turn
         taken = {id(p) for p in batch}
         return batch, [p for p in pending if id(p) not in taken]
@@ -259,3 +260,13 @@ def _fail(futures: list[asyncio.Future[SeqOutput]], error: BaseException) -> Non
     for f in futures:
         if not f.done():
             f.set_exception(error)
+
+
+def _together(chunks: list[Pending], room: int | None) -> list[Pending]:
+    """The first prompt chunk, and the next ones while they fit `room` tokens with it (None: all of them)."""
+    taken, used = [chunks[0]], chunks[0][0].num_tokens
+    for p in chunks[1:]:
+        if room is None or used + p[0].num_tokens <= room:
+            taken.append(p)
+            used += p[0].num_tokens
+    return taken

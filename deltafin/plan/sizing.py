@@ -56,7 +56,7 @@ from deltafin.plan.sizing_options import (
     QUALITY_SOURCE,
     Placement,
     SizingInput,
-    one_worker,
+    one_user,
     planned_sequences,
     resolved,
 )
@@ -194,7 +194,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
                resident_count: int, options: SizingInput) -> StageSizing:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
-    options = resolved(cfg, options, one_worker(cfg, start, end, options))
+    options = resolved(cfg, options, one_user(cfg, start, end, options))
     t = layer_table(cfg, place, options.spans)
     if options.prefill_chunk is None:  # no budget to keep within: the whole planned context in one forward
         options = replace(options, prefill_chunk=max(1, options.context))
@@ -248,7 +248,7 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
     """The best stage that fits `budget` (see the module docstring), saying why its spine format
     (`spine_why`); SizingError when none does. With no context given, the plan is for BASE_CONTEXT (at most the
     model's own): plan/context.py grows it into the room the plan leaves."""
-    options = resolved(cfg, options, one_worker(cfg, start, end, options))
+    options = resolved(cfg, options, one_user(cfg, start, end, options))
     if options.prefill_chunk is not None:
         s = _choose(cfg, start, end, place, budget, options)
     else:

@@ -5,7 +5,8 @@ plan quotes a format's `quality`, deltafin/formats, where it chooses one). Pure:
 
 One worker, one user (`one_worker`: a stage of every layer with local experts) plans one sequence and one kept
 prefix unless the user asks for more (`--sequences`, `--prefix-cache-gb`), of ONE_USER_CONTEXT tokens unless the
-user says (`--max-context`). A cluster's stage plans SEQUENCES of BASE_CONTEXT. Either grows its context into the
+user says (`--max-context`); more sequences (`serve --max-active`) and a cluster's stage (SEQUENCES) are planned
+for BASE_CONTEXT each. Either grows its context into the
 room its plan leaves (plan/context.py); a prompt's forward borrows the expert cache (sizing.py)."""
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ class SizingInput(SizingOptions):
 
 
 def resolved(cfg: ModelConfig, options: SizingInput, one: bool = False) -> SizingInput:
-    """`options` with a context to size for: as given, else the base (`one`: a stage of every layer with local
-    experts, one user's); the plan then grows it into the room it leaves (plan/context.py)."""
+    """`options` with a context to size for: as given, else the base (`one`: one user's, `one_user`); the plan then
+    grows it into the room it leaves (plan/context.py)."""
     return options if options.context is not None else replace(options, context=base_context(cfg, one))
 
 
@@ -156,6 +157,11 @@ def one_worker(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> 
     """A stage of every layer with local experts: one worker serving one user, whose defaults differ (the module
     docstring)."""
     return start == 0 and end == cfg.num_layers and not options.wide
+
+
+def one_user(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> bool:
+    """One worker serving one conversation (not `serve --max-active N`): its context is one user's base."""
+    return one_worker(cfg, start, end, options) and planned_sequences(cfg, start, end, options) == 1
 
 
 def planned_sequences(cfg: ModelConfig, start: int, end: int, options: SizingInput) -> int:

@@ -54,6 +54,20 @@ async def test_decode_steps_ride_with_one_prompt_chunk_within_the_token_limit():
     assert backend.batches[1] == [512] and backend.batches[2] == [1, 1, 1, 300]
 
 
+async def test_prompts_prefilling_together_share_a_forward_within_the_token_limit():
+    """Chunks of prompts that arrive together go in one forward as far as the tokens allow (each expert is then
+    read once for all of them: tests/deltafin/runtime/test_pipeline.py), in arrival order, the decode steps first."""
+    backend = Recording(limit=1000, delay=0.05)
+    sched = Scheduler(backend, max_active=8)
+    first = asyncio.create_task(sched.forward(_seq("warm", 1)))
+    await asyncio.sleep(0.01)
+    others = [asyncio.create_task(sched.forward(_seq(s, n))) for s, n in
+              (("a", 400), ("b", 700), ("c", 300), ("d1", 1), ("e", 200))]
+    await asyncio.gather(first, *others)
+    await sched.close()
+    assert backend.batches == [[1], [1, 400, 300, 200], [700]]
+
+
 async def test_one_batch_per_stage_in_flight():
     backend = Recording(stages=3, delay=0.05)
     sched = Scheduler(backend, max_active=6)  # depth 0: one per stage
