@@ -195,35 +195,72 @@ def _mac_compute(cfg):
     return assumed_gpu(cfg, MAC_MEMORY_GBPS, MAC_TFLOPS)
 
 
+def _mac_workers(cfg, n: int, budget_gb: int) -> list:
+    from deltafin.plan.cluster_plan import WorkerCapacity
+
+    return [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps",
+                           worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
+
+
 def _mac_projection(cfg) -> list[str]:
     """Each cluster's rows, per link kind between its Macs (plan/links.py PROFILES): the experts `--experts auto`
     chooses for that link (plan/modes.py), what a token reads, its time (disks and links, over the assumed
-    efficiency; the compute as assumed) and a 4K prompt's first token."""
-    from deltafin.plan.cluster_plan import WorkerCapacity
+    efficiency; the compute as assumed) and a 4K prompt's first token, at the defaults."""
     from deltafin.plan.links import PROFILES, Links
     from deltafin.plan.modes import choose_mode
-    from deltafin.plan.predict import prefill_seconds
     from deltafin.plan.sizing import SizingInput
 
     rows = []
     for label, n, budget_gb in MACS:
-        workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
-                                  device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
         for kind in PROFILES if n > 1 else ("—",):
             links = Links(assumed=PROFILES[kind]) if n > 1 else Links()
-            plan = choose_mode(cfg, workers, SizingInput(), 4, "auto", links)
+            plan = choose_mode(cfg, _mac_workers(cfg, n, budget_gb), SizingInput(), 4, "auto", links)
             stages = [s.sizing for s in plan.workers]
             resident = sum(len(z.resident_layers) for z in stages)
             read = sum(z.expert_bytes_per_token for z in stages) / 1e9
             spine = sum(z.spine_bytes_per_token for z in stages) / 1e9
             seconds = plan.seconds_per_token / EFFICIENCY
-            prompt = prefill_seconds(cfg, plan, 4096).total / EFFICIENCY
+            prompt = dict(plan.first_token)[4096].total / EFFICIENCY
             what = f"{stages[0].spine} spine, {resident} of {cfg.num_layers} layers resident"
             each = f" ({max(z.expert_bytes_per_token for z in stages) / 1e9:.1f} a Mac)" if plan.wide else ""
             experts = ("wide" if plan.wide else "local") if n > 1 else "—"
             rows.append(f"| {label} | {kind} | {experts} | {what} | {read:.1f} + {spine:.1f} = {read + spine:.1f}"
                         f"{each} | {seconds:.2f} s | {1 / seconds:.3f} | {prompt / 60:.1f} min |")
     return rows
+
+
+def _long_prompt_projection(cfg) -> list[str]:
+    """The first token of 1K to 64K prompts on each cluster (Thunderbolt between Macs), at the defaults; a prompt
+    the default context refuses, with the plan `--max-context` that long makes (what `plan` prints: outlook.py). The
+    one projection of a prompt's first token: docs/serving.md points here."""
+    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.modes import choose_mode
+    from deltafin.plan.predict import PROMPT_LENGTHS, prompt_forward
+    from deltafin.plan.sizing import SizingInput
+
+    rows = []
+    for label, n, budget_gb in MACS:
+        workers, links = _mac_workers(cfg, n, budget_gb), Links(assumed=PROFILES["thunderbolt"]) if n > 1 else Links()
+        plan = choose_mode(cfg, workers, SizingInput(), 4, "auto", links)
+        longest = choose_mode(cfg, workers, SizingInput(context=max(PROMPT_LENGTHS)), 4, "auto", links)
+        cells = []
+        for length in PROMPT_LENGTHS:
+            p = plan if length <= plan.context else longest
+            cells.append(f"{dict(p.first_token)[length].total / EFFICIENCY / 60:.1f} min"
+                         + ("" if p is plan else " ‡"))
+        rows.append(f"| {label} | {plan.context:,} | {prompt_forward(plan):,} | {' | '.join(cells)} | "
+                    f"{prompt_forward(longest):,} | {plan.seconds_per_token / EFFICIENCY:.2f} s / "
+                    f"{longest.seconds_per_token / EFFICIENCY:.2f} s |")
+    return rows
+
+
+def test_the_docs_long_prompt_projection_is_the_planners(tmp_path: Path) -> None:
+    from deltafin.checkpoint.config import load_config
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    rows = _long_prompt_projection(load_config(tmp_path))
+    missing = [r for r in rows if r not in _docs().splitlines()]
+    assert not missing, "the docs' long-prompt projection lacks these rows:\n" + "\n".join(missing)
 
 
 def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
@@ -233,40 +270,6 @@ def test_the_readmes_mac_projection_is_the_planners(tmp_path: Path) -> None:
     rows = _mac_projection(load_config(tmp_path))
     missing = [r for r in rows if r not in _docs().splitlines()]
     assert not missing, "README's projection table lacks these rows:\n" + "\n".join(missing)
-
-
-def _first_token_projection(cfg) -> list[str]:
-    """Time to the first token on 1, 2 and 4 Macs (the default experts: wide over more than one) for one long
-    conversation (`--context 65536 --sequences 1`), with forwards of 512 tokens (the default before) and as the
-    plan sizes them now: the planner's prediction from bytes and disk speeds over the assumed efficiency, and
-    the same plans' decode time per token."""
-    from deltafin.plan.cluster_plan import WorkerCapacity
-    from deltafin.plan.planner import plan_layers
-    from deltafin.plan.predict import PROMPT_LENGTHS
-    from deltafin.plan.sizing import SizingInput
-
-    rows = []
-    for label, n, budget_gb in MACS[:3]:
-        workers = [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True,
-                                  device="mps", worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
-        for forward in (512, None):
-            plan = plan_layers(cfg, workers, SizingInput(context=65536, sequences=1, prefill_chunk=forward),
-                               experts="wide" if n > 1 else "local")
-            tokens = min(s.sizing.forward_tokens for s in plan.stages)
-            assert [k for k, _ in plan.first_token] == list(PROMPT_LENGTHS)
-            times = " | ".join(f"{t.total / EFFICIENCY / 60:.1f} min" for _, t in plan.first_token)
-            rows.append(f"| {label} | {'512 (before)' if forward else f'{tokens:,}'} | {times} | "
-                        f"{plan.seconds_per_token / EFFICIENCY:.2f} s |")
-    return rows
-
-
-def test_the_readmes_first_token_projection_is_the_planners(tmp_path: Path) -> None:
-    from deltafin.checkpoint.config import load_config
-
-    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
-    rows = _first_token_projection(load_config(tmp_path))
-    missing = [r for r in rows if r not in _docs().splitlines()]
-    assert not missing, "README's time-to-first-token projection lacks these rows:\n" + "\n".join(missing)
 
 
 def _speculative_projection(cfg, lines: list[str]) -> list[str]:

@@ -13,8 +13,12 @@ decoded token and a prompt's first token, each split into what the disks, the li
   experts so that the holders whose rows and sums cross a link finish with the owner (`_wide_layers`).
 - Compute (plan/compute.py, where the workers measured theirs; else none): each stage's spine, one layer after
   another, and each MoE layer's routed experts, which overlap their reads (the store hands each expert to the
-  matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once).
-`plan` prints both parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
+  matmuls as it lands: a layer's experts take the longer of the two; wide, on every holder at once). A prompt's
+  layer on a local stage also reads its experts ahead while its spine computes, as far as the slots ahead hold
+  (the cache a prompt's forward borrowed leaves them: `_local_prompt`).
+- A prompt goes in the fewest forwards of equal length of the plan's prompt forward (`forward_lengths`,
+  `prompt_forward`: a stage lends its expert cache to a prompt's forward, sizing.py).
+`plan` prints the parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
 `forward_read_bytes`.
 """
 
