@@ -72,7 +72,13 @@ def _defaults() -> list[str]:
     from deltafin.plan.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
     from deltafin.plan.memory import MARGIN
     from deltafin.plan.sizing import RUNTIME_OVERHEAD
-    from deltafin.plan.sizing_options import BASE_CONTEXT, ONE_USER_SEQUENCES, SEQUENCES, SPECULATIVE_TOKENS
+    from deltafin.plan.sizing_options import (
+        BASE_CONTEXT,
+        ONE_USER_CONTEXT,
+        ONE_USER_SEQUENCES,
+        SEQUENCES,
+        SPECULATIVE_TOKENS,
+    )
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import Calibration, DraftLength, FittedCost, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
@@ -88,9 +94,12 @@ def _defaults() -> list[str]:
     return [
         f"`--sequences N` is the sequences the plan keeps caches for ({ONE_USER_SEQUENCES} on one worker, "
         f"{SEQUENCES} on each stage of a cluster;",
-        f"holds, whichever is less: the plan is made for {BASE_CONTEXT} tokens, then its context grows",
-        f"`--prefill-chunk N` is the most tokens one forward carries (default: the planned context if its workspace "
-        f"fits {FORWARD_SHARE:.0%} of the budget",
+        f"holds, whichever is less: the plan is made for {BASE_CONTEXT:,} tokens a sequence, {ONE_USER_CONTEXT:,} for "
+        "one worker's one conversation, then its context grows",
+        "`--prefill-chunk N` is the most tokens one forward carries (default: where the experts stream through a "
+        f"cache of the stage's own, {PIECE_TOKENS} beside the cache and a prompt's forward as long as the memory "
+        "holds with the cache lent to it, up to the context; else the planned context if its workspace fits "
+        f"{FORWARD_SHARE:.0%} of the budget",
         f"`--prefix-disk-gb G` (default: room for {KEPT_ON_DISK} of the model's kept states at `--max-context` "
         f"tokens, {BASE_CONTEXT} at most, at most {PREFIX_DISK_BYTES / 1e9:g} GB",
         f"forward longer than {PIECE_TOKENS} tokens runs each layer's attention {PIECE_TOKENS} tokens at a time",
