@@ -81,8 +81,8 @@ class GrpcPeer:
 
         return finish
 
-    def hint(self, hints: Hints) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self._hint(codec.encode_expert_call(None, hints)), self.loop)
+    def hint(self, hints: Hints, ahead: bool = False) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._hint(codec.encode_expert_call(None, hints, ahead)), self.loop)
         self._hints.add(fut)
         fut.add_done_callback(self._hints.discard)
 

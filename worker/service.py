@@ -216,7 +216,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                   "wide experts over it")
             call, hints = codec.decode_expert_call(request)
             if call is None:  # hints alone: start the reads now, answer at once
-                holder.hint(hints)
+                holder.hint(hints, request.hints_ahead)
                 return pb.ExpertResponse()
             with self._served():
                 out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)

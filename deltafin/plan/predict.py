@@ -27,7 +27,7 @@ from __future__ import annotations
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.decoder import STREAM_PIECE_TOKENS
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
-from deltafin.plan.compute import spine_seconds
+from deltafin.plan.compute import layer_flop, spine_seconds
 from deltafin.plan.links import COORDINATOR, Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
 from deltafin.plan.sizing import Placement, kept_while_lent, lends
@@ -147,10 +147,12 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
             reads, compute, busy = reads + r, compute + c, busy + b
         return Seconds(reads + spine, hops, busy + spine + hops, compute + spine_compute)
     reads_sum = calls_sum = compute_sum = total = 0.0
-    for reads, compute, calls, prompt in _wide_layers(cfg, plan, links, tokens):
+    ahead = overlap and tokens * cfg.experts_per_token > cfg.num_experts  # a prompt's: its layers' reads go first
+    for reads, compute, calls, prompt in _wide_layers(cfg, plan, links, tokens, ahead):
         reads_sum, calls_sum, compute_sum = reads_sum + reads, calls_sum + calls, compute_sum + compute
         total += prompt if overlap else max(reads, compute) + calls
-    return Seconds(reads_sum + spine, calls_sum + hops, total + spine + spine_compute + hops,
+    rest = 0.0 if not ahead else sum(_spine_compute(cfg, s, tokens, moe=True) for s in plan.stages)
+    return Seconds(reads_sum + spine, calls_sum + hops, total + spine + spine_compute - rest + hops,
                    compute_sum + spine_compute)
 
 
@@ -176,8 +178,19 @@ def _local_prompt(cfg: ModelConfig, s: StagePlan, tokens: int, reads: float, com
     return busy
 
 
-def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
-    return 0.0 if s.compute is None else spine_seconds(cfg, s.compute, s.start, s.end, tokens, s.sizing.spine)
+def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int, moe: bool = False) -> float:
+    """A stage's spine compute for a forward of `tokens` (`moe`: its MoE layers' only, without the head)."""
+    if s.compute is None:
+        return 0.0
+    if not moe:
+        return spine_seconds(cfg, s.compute, s.start, s.end, tokens, s.sizing.spine)
+    return sum(_layer_spine(cfg, s, i, tokens) for i in range(s.start, s.end) if cfg.is_moe(i))
+
+
+def _layer_spine(cfg: ModelConfig, s: StagePlan, layer: int, tokens: int) -> float:
+    """One layer's spine compute on `s`'s worker (not the head)."""
+    assert s.compute is not None
+    return s.compute.spine_seconds(layer_flop(cfg, layer), tokens, s.sizing.spine)
 
 
 def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) -> float:
@@ -196,11 +209,14 @@ def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
     return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 
-def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> list[tuple[float, float, float, float]]:
+def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
+                 ahead: bool = False) -> list[tuple[float, float, float, float]]:
     """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
     holders, all at once; the layer's time in a prompt). A prompt's calls divide the experts so that every holder
     finishes together (plan/prompt_split.py): the owner's share takes the longer of its reads and compute, another
-    holder's its rows' crossing, then the longer of its reads and compute, then its sums' crossing."""
+    holder's its rows' crossing, then the longer of its reads and compute, then its sums' crossing. `ahead` (a
+    prompt's): the layer's time starts with its spine's compute on the owner, while every holder reads its share
+    ahead into the slots its cache gives them (runtime/read_ahead.py)."""
     members, p = plan.workers, plan.experts
     assert p is not None
     slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
@@ -227,8 +243,12 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int) -> lis
         called = [i for i in range(len(members)) if i != o and share[i] > 0]
         link = {i: links.between(members[o].key, members[i].key) for i in called}
         calls = max((link[i].seconds(rows[i], rows[i]) for i in called), default=0.0)
-        prompt = max([max(reads[o], compute[o])] + [link[i].seconds(rows[i], rows[i]) + max(reads[i], compute[i])
-                                                    for i in called])
+        spine = _layer_spine(cfg, members[o], layer, tokens) if ahead and members[o].compute is not None else 0.0
+        early = [min(spine, reads[i], (m.sizing.expert_cache // slot + 2 * k) * cfg.bytes_per_expert / speeds[i])
+                 for i, m in enumerate(members)]
+        left = [reads[i] - early[i] for i in range(len(members))]
+        prompt = spine + max([max(left[o], compute[o])] + [link[i].seconds(rows[i], rows[i]) + max(left[i], compute[i])
+                                                           for i in called])
         out.append((max(reads), max(compute), calls, prompt))
     return out
 

@@ -33,19 +33,19 @@ from deltafin.models.decoder import (
     Span,
     decoder_layer,
     embed,
-    ffn_input,
     final_hidden,
     head,
     layer_in_pieces,
     layer_input,
     pieces_of,
 )
-from deltafin.models.moe import FusedExperts, route, routed_sum
+from deltafin.models.moe import FusedExperts, routed_sum
 from deltafin.plan.sizing import Placement, StageSizing, kept_while_lent
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
+from deltafin.runtime.read_ahead import prefetch_experts
 from deltafin.runtime.sessions import Sessions
 from deltafin.runtime.stage_build import (
     ExpertProvider,
@@ -306,7 +306,7 @@ class Stage:
             if capture is not None and capture.wants(layer):
                 capture.take(layer, state, lambda rows, w=weights: layer_input(w, rows))
             self.spine.prefetch_after(layer)
-            _prefetch_experts(self, layer, state)
+            prefetch_experts(self, layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
             experts = {"fused": self._timed_fused(fused) if fused is not None else None,
                        "routed": None if fused is not None else self._timed_routed}
@@ -356,26 +356,6 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
-
-
-def _prefetch_experts(stage: Stage, layer: int, state: ResidualState) -> None:
-    """Predict this layer's and the next one's experts from the current residual (their routers applied to their
-    mixes of it) and queue the reads behind every demand read (wide: on every holder's disk)."""
-    prefetch = getattr(stage.experts, "prefetch", None)
-    if (prefetch is None and stage.wide is None) or not stage.options.prefetch:
-        return
-    guesses = []
-    for target in (layer, layer + 1)[:stage.options.prefetch_layers]:
-        if target in stage.layers_range and stage.cfg.is_moe(target) and stage.spine.is_ready(target):
-            w = stage.spine.layer(target)
-            idx, weights = route(stage.cfg, w.ffn, ffn_input(stage.cfg, w, state))  # type: ignore[arg-type]
-            order = weights.flatten().argsort(descending=True)  # the most confident guesses first
-            guesses.append((target, list(dict.fromkeys(idx.flatten()[order].tolist()))))
-    if stage.wide is not None:
-        stage.wide.prefetch(guesses, state.num_tokens)
-    else:
-        for target, ids in guesses:
-            prefetch(target, ids)
 
 
 def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: SeqOutput,

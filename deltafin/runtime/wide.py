@@ -35,6 +35,7 @@ from deltafin.errors import InvalidInput, NotHeld
 from deltafin.models.moe import weighted_row_sums
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.prompt_split import PromptSplit
+from deltafin.runtime.read_ahead import prompt_like
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,9 @@ class Peer(Protocol):
         failure)."""
         ...
 
-    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
-        """Pass guesses on without waiting (a holder that does not get them only reads later)."""
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...], ahead: bool = False) -> None:
+        """Pass guesses on without waiting (a holder that does not get them only reads later); `ahead`: a prompt's,
+        read as far ahead as the holder's slots allow."""
         ...
 
 
@@ -79,7 +81,7 @@ class Provider(Protocol):
 
     def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def prefetch(self, layer: int, ids: Sequence[int]) -> None: ...
+    def prefetch(self, layer: int, ids: Sequence[int], ahead: bool = False) -> None: ...
 
 
 @dataclass
@@ -191,23 +193,23 @@ class WideExperts:
         with its share of all of them (a prompt's divided as its calls will be), without waiting, so that its disk
         reads ahead while this layer computes."""
         remote: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        ahead = prompt_like(self.cfg.experts_per_token, self.cfg.num_experts, tokens)
         for layer, ids in guesses:
             if layer not in self._owners or not ids:
                 continue
             guessed = torch.tensor(list(ids), dtype=torch.long)
             owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), guessed, tokens).tolist() \
-                if self.prompts is not None and tokens * self.cfg.experts_per_token > self.cfg.num_experts \
-                else self._owners[layer][guessed].tolist()
+                if self.prompts is not None and ahead else self._owners[layer][guessed].tolist()
             by_holder: dict[int, list[int]] = {}
             for e, h in zip(ids, owner, strict=True):
                 by_holder.setdefault(int(h), []).append(int(e))
             for h, guess in by_holder.items():
                 if h == self.me:
-                    self.local.prefetch(layer, guess)  # type: ignore[union-attr]
+                    self.local.prefetch(layer, guess, ahead=ahead)  # type: ignore[union-attr]
                 else:
                     remote.setdefault(h, []).append((layer, tuple(guess)))
         for h, hints in remote.items():
-            self.peers[self.placement.holders[h]].hint(tuple(hints))
+            self.peers[self.placement.holders[h]].hint(tuple(hints), ahead)
 
     # ---- per forward (the -v log) ------------------------------------------------------------------------------
 
@@ -313,10 +315,10 @@ class ExpertHolder:
             self.served.seconds += time.monotonic() - t0
         return out
 
-    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...], ahead: bool = False) -> None:
         for layer, ids in hints:
             if layer in self.store.layers and all(0 <= e < self.cfg.num_experts for e in ids):
-                self.store.prefetch(layer, list(ids))
+                self.store.prefetch(layer, list(ids), ahead=ahead)
 
 
 class LocalPeer:
@@ -329,8 +331,8 @@ class LocalPeer:
         future = self.executor.submit(self.holder.run, call)
         return future.result
 
-    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
-        self.holder.hint(hints)
+    def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...], ahead: bool = False) -> None:
+        self.holder.hint(hints, ahead)
 
 
 def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, ExpertCall]]:

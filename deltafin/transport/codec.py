@@ -301,10 +301,10 @@ def decode_output_parts(msgs: list[pb.ForwardResponse]) -> list[SeqOutput]:
 Hints = tuple[tuple[int, tuple[int, ...]], ...]
 
 
-def encode_expert_call(call: ExpertCall | None, hints: Hints = ()) -> pb.ExpertRequest:
-    """An expert call, or (None) only hints for the holder to read ahead."""
+def encode_expert_call(call: ExpertCall | None, hints: Hints = (), ahead: bool = False) -> pb.ExpertRequest:
+    """An expert call, or (None) only hints for the holder to read ahead (`ahead`: a prompt's, as far as it can)."""
     msg = pb.ExpertRequest(hints=[pb.ExpertHint(layer=layer, experts=list(ids)) for layer, ids in
-                                  (call.hints if call is not None else hints)])
+                                  (call.hints if call is not None else hints)], hints_ahead=ahead)
     if call is not None:
         msg.layer = call.layer
         msg.z.CopyFrom(encode_tensor(call.z))
@@ -316,7 +316,7 @@ def encode_expert_call(call: ExpertCall | None, hints: Hints = ()) -> pb.ExpertR
 
 
 def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]:
-    """(the call, or None when the message only hints; its hints)."""
+    """(the call, or None when the message only hints; its hints; a prompt's hints say so: `msg.hints_ahead`)."""
     hints = tuple((h.layer, tuple(h.experts)) for h in msg.hints)
     if not msg.HasField("z"):
         if msg.HasField("rows") or msg.HasField("experts") or msg.HasField("weights"):

@@ -199,6 +199,17 @@ class ExpertCache(Generic[K, V]):
         for key in list(self.entries):
             self._drop(key, evicted=True)
 
+    def evict(self, count: int) -> int:
+        """Evict up to `count` unpinned entries, the policy's victims first; how many went."""
+        gone = 0
+        for key in self.policy.victims():
+            if gone >= count:
+                break
+            if self.entries[key].pins == 0:
+                self._drop(key, evicted=True)
+                gone += 1
+        return gone
+
 
 def simulate(policy: str, budget_entries: int, trace: list[list[Hashable]]) -> float:
     """Hit rate of `policy` with room for `budget_entries` experts on a routing trace: one list of

@@ -38,6 +38,7 @@ from deltafin.models.moe import expert_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.stage_parts import expert_slot_bytes, working_slots
+from deltafin.weights.cache_loan import CacheLoan
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
 from deltafin.weights.expert_disks import ExpertDisks
 from deltafin.weights.expert_heat import ExpertHeat
@@ -50,7 +51,7 @@ from deltafin.weights.reader import ReadPlan
 log = logging.getLogger(__name__)
 
 
-class ExpertStore:
+class ExpertStore(CacheLoan):
     """See the module docstring. `backend="mlx"`: the slots are MLX arrays read in place, and the store runs a
     layer's experts itself (`run_experts`) with `act`. `copies`: more disks holding (some of) the experts, read in
     proportion to `disk_gbps` (one figure for `ckpt`'s disk, then one per copy). `demand_layers`: compute threads
@@ -112,16 +113,23 @@ class ExpertStore:
             self.stats.layer(layer).expert_bytes += self.cfg.bytes_per_expert
         return self.slots.land(slot, plan)
 
-    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Ask for experts a layer will probably need, most likely first, behind every demand read (two layers' k,
-        and while a prompt borrows the cache, as many more as it kept slots). A new guess for a layer replaces the
-        previous one: its reads that have not started and are no longer guessed are dropped."""
+    def prefetch(self, layer: int, ids: Iterable[int], ahead: bool = False) -> None:
+        """Ask for experts a layer will probably need, most likely first, behind every demand read: two layers' k,
+        or a prompt's (`ahead`: every expert of its layers will be needed) into every slot free beyond a layer's
+        demand reads, the cache's entries evicted for them (during a prompt every expert passes through anyway). A
+        new guess for a layer replaces the previous one: its reads not started and no longer guessed are dropped."""
         if not self.prefetch_enabled or layer not in self.layers:
             return
         ids = [int(e) for e in ids]
         with self._lock:
-            ahead = 2 * self.cfg.experts_per_token + (self.slots.kept or 0)
-            self.reads.guess(layer, ids, self.cache.entries, ahead)
+            most = 2 * self.cfg.experts_per_token
+            if ahead:
+                wanted = [e for e in ids if (layer, e) not in self.cache.entries and (layer, e) not in self._staged
+                          and (layer, e) not in self._pending]
+                free = self.slots.caching.free.qsize() - self.cfg.experts_per_token - self.read_threads
+                free += self.cache.evict(max(0, len(wanted) - free))
+                most = max(most, len(self._staged) + self.reads.reading() + min(len(wanted), free))
+            self.reads.guess(layer, ids, self.cache.entries, most)
 
     # ---- the ExpertProvider interface ---------------------------------------------------------------
 
@@ -247,36 +255,6 @@ class ExpertStore:
         if entry.prefetched:
             self.stats.wasted_bytes += self.cfg.bytes_per_expert
         self.slots.release(entry.value)
-
-    def lend_cache(self, keep: int = 0) -> None:
-        """A prompt's forward longer than the plan's borrows the cache (plan/sizing.py `_lend_cache`): the warming
-        stops, the reads settle, the cache empties and the memory of all but `keep` of its slots goes back to the
-        system; those `keep` read the next experts ahead (`prefetch`). Between forwards only."""
-        keep = min(keep, self.slots.cache_slots - 1)  # (all of them kept: not lent)
-        if self.slots.cache_slots and self.slots.kept != keep:
-            self._quiesce()
-            self.slots.lend_cache(keep)
-            self.cache.budget = 0
-            log.debug("expert store: its cache lent to a prompt's forward, %d slots kept to read ahead", keep)
-
-    def take_back_cache(self) -> None:
-        """Decode takes the cache back, empty: it fills as layers use experts and, as after a start, with the
-        remembered heat's hottest experts read behind every other read."""
-        if self.slots.lent:
-            self._quiesce()
-            self.slots.take_back()
-            self.cache.budget = self.slots.cache_slots * self.slot_bytes
-            if self.heat is not None:
-                self.warmer = self.heat.warm(self.reads, self.cache, self.layers, self.slot_bytes, self.read_threads)
-
-    def _quiesce(self) -> None:
-        """No read in flight, nothing staged or cached: every slot free."""
-        if self.warmer is not None:
-            self.warmer.close()
-        for loaded in self.reads.settle():
-            self.slots.release(loaded)
-        with self._lock:
-            self.cache.clear()
 
     def resident_bytes(self) -> int:
         """Host slots plus device slots: what this store allocated."""

@@ -319,7 +319,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("layer", "z", "rows", "experts", "hints", "weights", "bf16")
+    __slots__ = ("layer", "z", "rows", "experts", "hints", "weights", "bf16", "hints_ahead")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Z_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class ExpertRequest(_message.Message):
     HINTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     BF16_FIELD_NUMBER: _ClassVar[int]
+    HINTS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     layer: int
     z: Tensor
     rows: Tensor
@@ -334,7 +335,8 @@ class ExpertRequest(_message.Message):
     hints: _containers.RepeatedCompositeFieldContainer[ExpertHint]
     weights: Tensor
     bf16: bool
-    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., bf16: _Optional[bool] = ...) -> None: ...
+    hints_ahead: bool
+    def __init__(self, layer: _Optional[int] = ..., z: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., hints: _Optional[_Iterable[_Union[ExpertHint, _Mapping]]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., bf16: _Optional[bool] = ..., hints_ahead: _Optional[bool] = ...) -> None: ...
 
 class ExpertHint(_message.Message):
     __slots__ = ("layer", "experts")

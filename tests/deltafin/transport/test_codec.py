@@ -109,6 +109,9 @@ def test_expert_calls_and_plans_round_trip():
     assert all(torch.equal(getattr(back, f), getattr(call, f)) for f in ("z", "rows", "experts", "weights"))
     only, hints = codec.decode_expert_call(codec.encode_expert_call(None, ((2, (8, 1)),)))
     assert only is None and hints == ((2, (8, 1)),)
+    ahead = codec.encode_expert_call(None, ((2, (8, 1)),), ahead=True)  # a prompt's: read as far ahead as can be
+    assert pb.ExpertRequest.FromString(ahead.SerializeToString()).hints_ahead
+    assert not pb.ExpertRequest.FromString(wire).hints_ahead
     with pytest.raises(CodecError, match="int64"):
         codec.decode_expert_call(codec.encode_expert_call(ExpertCall(3, call.z, call.rows.int(), call.experts,
                                                                      call.weights)))
