@@ -144,7 +144,9 @@ def moe_added(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, P: t
     blocks = [slice(s, s + SUMMED_ROWS) for s in range(0, x.shape[0], SUMMED_ROWS)]
     shared = None
     if w.shared is not None:  # while the routed experts' calls run (wide)
-        shared = torch.cat([dense_mlp(cfg, w.shared, x[b]) for b in blocks])
+        shared = torch.empty_like(x)
+        for b in blocks:
+            shared[b] = dense_mlp(cfg, w.shared, x[b])
     y = finish()
     for b in blocks:
         f = y[b]

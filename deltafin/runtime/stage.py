@@ -253,13 +253,14 @@ class Stage:
     def _expert_room(self, tokens: int) -> None:
         """A forward longer than the plan's borrows the expert cache's memory for its workspace (plan/sizing.py
         `_lend_cache`), keeping what it leaves to read ahead; a shorter one (decode) takes the cache back."""
-        if self.budgeted and self.sizing.prompt_tokens > self.sizing.forward_tokens:
-            if tokens > self.sizing.forward_tokens:
-                place = Placement(self.device.type, self.options.act_bytes, self.expert_backend)
-                keep = kept_while_lent(self.cfg, self.sizing, place, tokens) // expert_slot_bytes(self.cfg)
-                self.experts.lend_cache(keep)  # type: ignore[attr-defined]  # a streaming stage's: an ExpertStore
-            else:
-                self.experts.take_back_cache()  # type: ignore[attr-defined]
+        lend = getattr(self.experts, "lend_cache", None)  # an expert store's (a provider put in its place: none)
+        if lend is None or not self.budgeted or self.sizing.prompt_tokens <= self.sizing.forward_tokens:
+            return
+        if tokens > self.sizing.forward_tokens:
+            place = Placement(self.device.type, self.options.act_bytes, self.expert_backend)
+            lend(kept_while_lent(self.cfg, self.sizing, place, tokens) // expert_slot_bytes(self.cfg))
+        else:
+            self.experts.take_back_cache()  # type: ignore[attr-defined]
 
     def _advance(self, batch: list[SeqInput], caches: list[SequenceCache], outputs: list[SeqOutput]) -> None:
         """After a forward that succeeded: each session holds its tokens (a speculative one, the trail to rewind

@@ -133,3 +133,25 @@ def test_mlx_slots_are_lent_and_taken_back(tiny_dir: Path) -> None:
     finally:
         stage.close()
         resident.close()
+
+
+def test_a_provider_that_lends_nothing_is_left_alone(tiny_dir: Path) -> None:
+    """A provider put in the store's place (bench's replay reads a layer's experts when it asks) has no cache to
+    lend: a long forward and a decode step run through it as they are."""
+    resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
+    stage = _lending_stage(tiny_dir)
+    store = stage.experts
+
+    class Plain:  # the store's experts, and nothing else
+        experts = staticmethod(store.experts)
+
+    stage.experts = Plain()  # type: ignore[assignment]
+    try:
+        got = stage.forward([SeqInput("s", 0, ids=PROMPT)], all_logits=True)[0].logits
+        assert torch.equal(got, resident.forward([SeqInput("r", 0, ids=PROMPT)], all_logits=True)[0].logits)
+        stage.forward([SeqInput("s", len(PROMPT), ids=torch.tensor([3]))])
+        assert not store.slots.lent
+    finally:
+        stage.experts = store
+        stage.close()
+        resident.close()
