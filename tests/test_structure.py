@@ -279,6 +279,8 @@ LONG_FUNCTIONS = {
     ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients "
                                                              "closed on failure: one transaction",
     ("deltafin.coordinator.main", "build_parser"): "the command line's table of commands and options",
+    ("deltafin.plan.predict", "_wide_layers"): "one MoE layer's model over every holder: its share, reads, compute, "
+                                               "rows' crossing and read-ahead, each a list over the holders",
 }
 
 

@@ -1,21 +1,44 @@
-"""What a stage reads ahead as a layer starts: its guesses of this layer's and the next one's routed experts, from the
-current residual (their routers applied to their mixes of it), queued behind every demand read on its store or, wide,
-on every holder's disk. A prompt's guesses (its tokens touch most of a layer's experts, all of which will be needed)
-read as far ahead as the slots allow, while the layer's attention computes (weights/store.py `prefetch`)."""
+"""What a stage does for a prompt's reads. As a layer starts: its guesses of this layer's and the next one's routed
+experts, from the current residual (their routers applied to their mixes of it), queued behind every demand read on
+its store or, wide, on every holder's disk; a prompt's guesses (its tokens touch most of a layer's experts, all of
+which will be needed) read as far ahead as the slots allow, while the layer's attention computes (weights/store.py
+`prefetch`). Before a forward: one longer than the plan's borrows the expert cache's memory for its workspace,
+keeping what it leaves to read ahead, and a shorter one (decode) takes the cache back (plan/sizing.py
+`_lend_cache`; weights/cache_loan.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+import torch
+
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import route
+from deltafin.plan.sizing import Placement, StageSizing, kept_while_lent
+from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.runtime.stage_options import StageOptions
 
-if TYPE_CHECKING:  # the stage asks; it imports this module
-    from deltafin.runtime.stage import Stage
+
+class ReadingStage(Protocol):
+    """What of a stage (runtime/stage.py) its reads ahead and its cache's loan use."""
+
+    cfg: ModelConfig
+    experts: Any  # its expert provider: an ExpertStore where experts stream
+    wide: Any  # WideExperts, or None
+    options: StageOptions
+    spine: Any  # SpineStore
+    sizing: StageSizing
+    device: torch.device
+    expert_backend: str
+    budgeted: bool
+
+    @property
+    def layers_range(self) -> range: ...
 
 
-def prefetch_experts(stage: Stage, layer: int, state: ResidualState) -> None:
+def prefetch_experts(stage: ReadingStage, layer: int, state: ResidualState) -> None:
     """Queue the reads of `layer`'s and the next layer's guessed experts for `state`'s tokens, most confident first."""
     prefetch = getattr(stage.experts, "prefetch", None)
     if (prefetch is None and stage.wide is None) or not stage.options.prefetch:
@@ -33,6 +56,21 @@ def prefetch_experts(stage: Stage, layer: int, state: ResidualState) -> None:
     ahead = prompt_like(stage.cfg.experts_per_token, stage.cfg.num_experts, state.num_tokens)
     for target, ids in guesses:
         prefetch(target, ids, ahead=ahead)
+
+
+def room_for_prompt(stage: ReadingStage, tokens: int) -> None:
+    """Before a forward of `tokens`: the cache lent to it where it is longer than the plan's forward beside the cache,
+    keeping the slots its workspace leaves; else taken back (an expert store's; a provider put in its place lends
+    nothing)."""
+    lend = getattr(stage.experts, "lend_cache", None)
+    z = stage.sizing
+    if lend is None or not stage.budgeted or z.prompt_tokens <= z.forward_tokens:
+        return
+    if tokens > z.forward_tokens:
+        place = Placement(stage.device.type, stage.options.act_bytes, stage.expert_backend)
+        lend(kept_while_lent(stage.cfg, z, place, tokens) // expert_slot_bytes(stage.cfg))
+    else:
+        stage.experts.take_back_cache()
 
 
 def prompt_like(experts_per_token: int, num_experts: int, tokens: int) -> bool:

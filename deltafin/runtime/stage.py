@@ -40,12 +40,11 @@ from deltafin.models.decoder import (
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, routed_sum
-from deltafin.plan.sizing import Placement, StageSizing, kept_while_lent
+from deltafin.plan.sizing import StageSizing
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
-from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
-from deltafin.runtime.read_ahead import prefetch_experts
+from deltafin.runtime.read_ahead import prefetch_experts, room_for_prompt
 from deltafin.runtime.sessions import Sessions
 from deltafin.runtime.stage_build import (
     ExpertProvider,
@@ -182,7 +181,7 @@ class Stage:
     @property
     def max_forward_tokens(self) -> int | None:
         """Tokens one forward may carry (None: no limit, without a memory budget): a prompt's, whose forward longer
-        than the plan's `forward_tokens` borrows the expert cache (`_expert_room`)."""
+        than the plan's `forward_tokens` borrows the expert cache (runtime/read_ahead.py)."""
         return max(self.sizing.prompt_tokens, self.sizing.forward_tokens) if self.budgeted else None
 
     def spine_bytes(self) -> int:
@@ -224,7 +223,7 @@ class Stage:
         them too): where the last layer is dense, a long forward's runs in pieces (models/decoder.py
         STREAM_PIECE_TOKENS), each passed on as it is done, so the states cross to the next stage meanwhile."""
         _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
-        self._expert_room(sum(b.num_tokens for b in batch))
+        room_for_prompt(self, sum(b.num_tokens for b in batch))
         t0 = time.monotonic()
         io_before = io_counters(self.spine, self.experts)
         if self.wide is not None:
@@ -249,18 +248,6 @@ class Stage:
         if log.isEnabledFor(logging.DEBUG):
             self._log_forward(batch, time.monotonic() - t0, io_before)
         return outputs
-
-    def _expert_room(self, tokens: int) -> None:
-        """A forward longer than the plan's borrows the expert cache's memory for its workspace (plan/sizing.py
-        `_lend_cache`), keeping what it leaves to read ahead; a shorter one (decode) takes the cache back."""
-        lend = getattr(self.experts, "lend_cache", None)  # an expert store's (a provider put in its place: none)
-        if lend is None or not self.budgeted or self.sizing.prompt_tokens <= self.sizing.forward_tokens:
-            return
-        if tokens > self.sizing.forward_tokens:
-            place = Placement(self.device.type, self.options.act_bytes, self.expert_backend)
-            lend(kept_while_lent(self.cfg, self.sizing, place, tokens) // expert_slot_bytes(self.cfg))
-        else:
-            self.experts.take_back_cache()  # type: ignore[attr-defined]
 
     def _advance(self, batch: list[SeqInput], caches: list[SequenceCache], outputs: list[SeqOutput]) -> None:
         """After a forward that succeeded: each session holds its tokens (a speculative one, the trail to rewind

@@ -126,7 +126,8 @@ class ExpertStore(CacheLoan):
             if ahead:
                 wanted = [e for e in ids if (layer, e) not in self.cache.entries and (layer, e) not in self._staged
                           and (layer, e) not in self._pending]
-                free = self.slots.caching.free.qsize() - self.cfg.experts_per_token - self.read_threads
+                # every free slot but the working ones kept for demand reads and readers (stage_parts.working_slots)
+                free = self.slots.caching.free.qsize() - (self.slots.working - 2 * self.cfg.experts_per_token)
                 free += self.cache.evict(max(0, len(wanted) - free))
                 most = max(most, len(self._staged) + self.reads.reading() + min(len(wanted), free))
             self.reads.guess(layer, ids, self.cache.entries, most)
