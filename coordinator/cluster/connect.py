@@ -21,7 +21,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.plan.cluster_plan import Plan
+from deltafin.plan.cluster_plan import Plan, describe_forwards
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
@@ -67,7 +67,7 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
     for z in plan_stages(ckpt, split_layers(cfg, cluster.local_stages), device, options):  # as open_backend does
         lines.append(f"layers {z.start}-{z.end - 1} on {device.type} (this process): "
                      f"{len(z.resident_layers)} resident, {len(z.streamed_layers)} streamed; "
-                     f"{z.forward_tokens:,}-token forwards, {z.sequences} sequence(s) of {z.context:,} tokens; "
+                     f"{describe_forwards(z)}, {z.sequences} sequence(s) of {z.context:,} tokens; "
                      f"{z.describe()}")
     return "\n".join(lines)
 

@@ -190,7 +190,7 @@ class Plan:
         """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
         first = self.stages[0].sizing if self.stages else None
         lines = [f"\nspine {first.spine}: {first.spine_why}"] if first is not None and first.spine_why else []
-        lines += [f"  {s.worker}: {_forwards(s.sizing)}, {s.sizing.sequences} sequence(s); {s.sizing.parts()}"
+        lines += [f"  {s.worker}: {describe_forwards(s.sizing)}, {s.sizing.sequences} sequence(s); {s.sizing.parts()}"
                   for s in self.workers]
         return "\n".join(["", *lines]) if lines else ""
 
@@ -258,7 +258,7 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def _forwards(z: StageSizing) -> str:
+def describe_forwards(z: StageSizing) -> str:
     """A stage's forwards: beside its expert cache, and a prompt's with the cache lent to it."""
     if z.prompt_tokens > z.forward_tokens:
         return (f"{z.forward_tokens:,}-token forwards beside the expert cache, a prompt's up to {z.prompt_tokens:,} "

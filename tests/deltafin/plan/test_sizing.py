@@ -169,7 +169,7 @@ def test_a_prompt_borrows_a_local_cache_for_longer_forwards(k3):
     from deltafin.plan.sizing import lends, lent
 
     cpu, opts = Placement("cpu"), SizingInput(spine="int8")
-    for gb in (16, 24):
+    for gb in (18, 22):  # a small cache (the spine takes the rest), and a larger one
         s = choose(k3, 70, 93, cpu, Budget(gb * GB), opts)
         assert lends(k3, s) and s.forward_tokens == PIECE_TOKENS < s.prompt_tokens <= 4096
         fixed = choose(k3, 70, 93, cpu, Budget(gb * GB), replace(opts, prefill_chunk=PIECE_TOKENS))
@@ -181,6 +181,8 @@ def test_a_prompt_borrows_a_local_cache_for_longer_forwards(k3):
         if s.prompt_tokens < 4096:
             assert not Budget(gb * GB).fits(lent(k3, s, cpu, opts, s.prompt_tokens + 1))
     assert choose(k3, 70, 93, cpu, Budget(24 * GB), opts).prompt_tokens == 4096
+    none = choose(k3, 70, 93, cpu, Budget(16 * GB), opts)  # the spine leaves no cache: nothing to lend
+    assert none.expert_cache == 0 and not lends(k3, none) and none.prompt_tokens == none.forward_tokens
 
 
 def test_more_memory_never_holds_less(k3):

@@ -47,15 +47,18 @@ def one_sequence(cfg, tokens: int = 16384) -> int:
 def test_a_64gb_mac_holds_the_whole_spine_in_q4_and_lends_its_cache_to_prompts(k3):
     """No flags: int8 would stream, so auto takes q4; every layer resident, nothing streamed, one sequence of 16K
     tokens and one kept prefix, one attention piece's forward beside an 11 GB expert cache, and a prompt's forward
-    as long as the memory holds with the cache lent to it (one token more does not fit)."""
+    as long as the memory holds with the cache lent to it: the whole context (at 64K, the longest that fits)."""
     s = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
     assert s.spine == "q4" and s.resident_layers == tuple(range(93)) and not s.streamed_layers
     assert s.spine_bytes_per_token == 0 and s.device_total <= 56 * GB
     assert s.expert_cache >= 11 * GB and s.device_total > 55.9 * GB  # the cache takes the rest
     assert s.sequences == 1 and s.context == 16384 and s.sessions == s.prefixes == one_sequence(k3)
-    assert s.forward_tokens == PIECE_TOKENS and 12288 < s.prompt_tokens < 16384
+    assert s.forward_tokens == PIECE_TOKENS and s.prompt_tokens == 16384  # the whole context in one forward
     assert MAC_BUDGET.fits(lent(k3, s, MAC, SizingInput(), s.prompt_tokens))
-    assert not MAC_BUDGET.fits(lent(k3, s, MAC, SizingInput(), s.prompt_tokens + 1))
+    longer = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(context=65536))  # a context the lent memory cannot hold
+    assert 8192 < longer.prompt_tokens < 65536 and MAC_BUDGET.fits(lent(k3, longer, MAC, SizingInput(),
+                                                                        longer.prompt_tokens))
+    assert not MAC_BUDGET.fits(lent(k3, longer, MAC, SizingInput(), longer.prompt_tokens + 1))
     # a 4K prompt's forward leaves most of the cache to read the next layer's experts ahead (several GB: a
     # layer's attention at 10 TFLOP/s is ~0.5 s of a 6.6 GB/s disk)
     assert kept_while_lent(k3, s, MAC, 4096) > 6 * GB
@@ -117,8 +120,8 @@ def test_streamed_and_resident_matrices_share_the_spines_format():
 
 def test_the_one_worker_defaults_give_way_to_the_flags(k3):
     base = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
-    four = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(sequences=4))
-    assert four.sequences == 4 and four.sessions == four.prefixes == 4 * one_sequence(k3)
+    four = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(sequences=4))  # serving four: 4,096 tokens each
+    assert four.sequences == 4 and four.sessions == four.prefixes == 4 * one_sequence(k3, 4096)
     assert four.expert_cache < base.expert_cache and four.prompt_tokens < base.prompt_tokens
     short = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(context=4096))
     assert short.sessions == one_sequence(k3, 4096) and short.expert_cache > base.expert_cache
@@ -127,7 +130,7 @@ def test_the_one_worker_defaults_give_way_to_the_flags(k3):
     assert long.forward_tokens == long.prompt_tokens == 4096 and long.spine == "q4"
     assert long.expert_cache == pytest.approx(base.expert_cache - (long.workspace - base.workspace), abs=2e7)
     off = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput(prefix_cache_bytes=0))  # what the prefixes free
-    assert off.prefixes == 0 and off.expert_cache > base.expert_cache and off.prompt_tokens > base.prompt_tokens
+    assert off.prefixes == 0 and off.expert_cache > base.expert_cache and off.prompt_tokens >= base.prompt_tokens
     # a stage of part of the layers (a cluster's, local experts) plans SEQUENCES of 4,096 tokens, and lends too
     part = choose(k3, 0, 46, MAC, MAC_BUDGET, SizingInput())
     assert part.sequences == SEQUENCES and part.forward_tokens == PIECE_TOKENS and part.prompt_tokens == 4096
