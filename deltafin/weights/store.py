@@ -123,13 +123,13 @@ class ExpertStore(CacheLoan):
         ids = [int(e) for e in ids]
         with self._lock:
             most = 2 * self.cfg.experts_per_token
-            if ahead:
-                wanted = [e for e in ids if (layer, e) not in self.cache.entries and (layer, e) not in self._staged
-                          and (layer, e) not in self._pending]
-                # every free slot but the working ones kept for demand reads and readers (stage_parts.working_slots)
-                free = self.slots.caching.free.qsize() - (self.slots.working - 2 * self.cfg.experts_per_token)
-                free += self.cache.evict(max(0, len(wanted) - free))
-                most = max(most, len(self._staged) + self.reads.reading() + min(len(wanted), free))
+            if ahead:  # every slot but the cache's and those kept for demand reads and readers (working_slots)
+                wanted = sum((layer, e) not in self.cache.entries and (layer, e) not in self._staged
+                             and (layer, e) not in self._pending for e in ids)
+                need = len(self._staged) + self.reads.reading() + wanted
+                room = self.slots.caching.count - (self.slots.working - most) - len(self.cache.entries)
+                room += self.cache.evict(need - room) if need > room else 0
+                most = max(most, min(need, room))
             self.reads.guess(layer, ids, self.cache.entries, most)
 
     # ---- the ExpertProvider interface ---------------------------------------------------------------

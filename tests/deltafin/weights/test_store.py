@@ -144,7 +144,8 @@ def test_vanished_and_replaced_shards_are_named(tiny_dir, tmp_path):
 
 def test_streamed_and_int8_spines(tiny_dir):
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=10**7))
+    # a forward size given: the budget below is sized at the forward the stage plans (none lent to prompts)
+    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=10**7, prefill_chunk=512))
     cfg = resident.config
     # a budget below the all-resident stage's: the stage keeps what fits and streams the rest
     sizing = options.sizing_for(layer_spans(resident.stages[0].ckpt))
@@ -221,7 +222,7 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     cfg = load_config(model)
     ckpt = open_checkpoint(model, cfg)
     resident = LocalPipeline.load(tiny_dir, 1, device="cpu")
-    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=0, read_threads=2))
+    options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=0, read_threads=2, prefill_chunk=512))
     # the budget of the stage with no layer resident: the smallest there is, so it is the one chosen
     budget = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 0, 0,
                         options.sizing_for(layer_spans(ckpt))).total
