@@ -45,7 +45,8 @@ class DeviceSlots(FreeSlots):
     def _reallocate(self, count: int) -> None:
         self.tensor = None  # type: ignore[assignment]  # freed before the new one is made
         free_device_cache(self.device)
-        self.tensor = torch.empty((count, self.size), dtype=torch.uint8, device=self.device)
+        with torch.inference_mode(False):  # made during a forward (a prompt borrows the cache), written by readers
+            self.tensor = torch.empty((count, self.size), dtype=torch.uint8, device=self.device)
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +120,12 @@ class ExpertSlots:
             return Loaded(weights, slot, self.pool.size)
         try:
             dslot = self.device_slots.acquire(timeout=120)
-            target = self.device_slots.tensor[dslot]
-            self._copy_to_device(target[:plan.span], raw[:plan.span])
+            try:
+                target = self.device_slots.tensor[dslot]
+                self._copy_to_device(target[:plan.span], raw[:plan.span])
+            except BaseException:  # the read fails: its device slot is nobody's
+                self.device_slots.release(dslot)
+                raise
         finally:
             self.pool.release(slot)
         return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
