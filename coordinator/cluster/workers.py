@@ -246,4 +246,4 @@ def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
     """Tokens one forward carries: what every stage was sized for, a prompt's forward borrowing the expert cache where
     its plan lends it (sizing.py `_lend_cache`; a forward larger than a gRPC message goes in parts, not in pieces:
     backend.WorkerClient.forward)."""
-    return min(max(s.sizing.prompt_tokens, s.sizing.forward_tokens) for s in plan.stages)
+    return min(s.sizing.longest_forward for s in plan.stages)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import re
 import statistics
 import tempfile
@@ -30,6 +31,7 @@ from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.options import CACHE_POLICIES
 from deltafin.plan.memory import peak_rss
+from deltafin.plan.predict import forward_lengths
 from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -197,8 +199,9 @@ def _prefill_one(pipe: Any, n: int, chunk: int, all_experts: int, disk: float | 
     _reset_peak_rss()
     before = _io_counters(stage)
     t0 = time.perf_counter()
-    for pos in range(0, n, chunk):
-        pipe.forward([SeqInput(name, pos, ids=ids[pos:pos + chunk])])
+    lengths = forward_lengths(n, chunk)  # as the coordinator cuts a prompt
+    for pos, length in zip(itertools.accumulate([0, *lengths]), lengths, strict=False):
+        pipe.forward([SeqInput(name, pos, ids=ids[pos:pos + length])])
     synchronize(stage.device)
     seconds = time.perf_counter() - t0
     after = _io_counters(stage)
@@ -206,12 +209,15 @@ def _prefill_one(pipe: Any, n: int, chunk: int, all_experts: int, disk: float | 
     experts, spine = after["expert_bytes"] - before["expert_bytes"], after["spine_bytes"] - before["spine_bytes"]
     loads = (after["lookups"] - before["lookups"]) - (after["hits"] - before["hits"])
     row: dict[str, Any] = {"seconds": round(seconds, 3), "tok_per_s": round(n / seconds, 1),
-                           "forwards": -(-n // chunk), "expert_loads": loads, "expert_bytes": experts,
+                           "forwards": len(lengths), "expert_loads": loads, "expert_bytes": experts,
                            "spine_bytes": spine, "x_all_experts": round(experts / all_experts, 3)}
+    spilled = {k: after[k] - before[k] for k in ("spilled_forwards", "spill_bytes_read", "spill_bytes_written")}
+    if spilled["spilled_forwards"]:  # its rows' blocks went to the disk and back (runtime/spill.py)
+        row.update(spilled, spill_s=round(after["spill_s"] - before["spill_s"], 3))
     waited = after["io_wait"] - before["io_wait"]  # the stage waiting for reads: the rest is its compute
     row.update({"io_wait_s": round(waited, 3), "t_compute_s": round(seconds - waited, 3)})
     if disk:
-        limit = (experts + spine) / (disk * GB)
+        limit = (experts + spine + spilled["spill_bytes_read"] + spilled["spill_bytes_written"]) / (disk * GB)
         row.update({"t_disk_limit_s": round(limit, 3), "vs_disk": round(limit / seconds, 3),
                     "efficiency": round(max(limit, seconds - waited) / seconds, 3)})
     peak = _peak_rss()
@@ -386,7 +392,8 @@ def _io_counters(stage: Any) -> dict[str, float]:
             "lookups": ex.get("lookups", 0),
             "hits": ex.get("hits", 0), "prefetch_hits": ex.get("prefetch_hits", 0), "misses": ex.get("misses", 0),
             "io_wait": ex.get("io_wait_s", 0.0) + s["spine_wait_s"], "seconds": s["seconds"],
-            "wasted": ex.get("wasted_bytes", 0), "prefetch_bytes": ex.get("prefetch_bytes", 0)}
+            "wasted": ex.get("wasted_bytes", 0), "prefetch_bytes": ex.get("prefetch_bytes", 0),
+            **{k: s.get(k, 0) for k in ("spilled_forwards", "spill_bytes_read", "spill_bytes_written", "spill_s")}}
 
 
 def _decode_numbers(times: list[float], before: dict[str, float], after: dict[str, float],

@@ -75,7 +75,7 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int | None = None) 
     add_fields(g, StageOptions, ["memory_bytes"])
     add_fields(g, SizingOptions, ["expert_cache_bytes", "spine"])
     add_fields(g, StageOptions, ["convert", "spine_dir"])
-    add_fields(g, SizingOptions, ["sequences", "context", "prefix_cache_bytes", "prefill_chunk",
+    add_fields(g, SizingOptions, ["sequences", "context", "prefix_cache_bytes", "prefill_chunk", "spill",
                                   "max_resident_layers"], {"sequences": sequences})
     add_fields(g, StageOptions, ["kernels"])
     r = p.add_argument_group("reads", "how the experts and kept prefixes use the disks")
@@ -87,7 +87,7 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int | None = None) 
                    "each one's use (in the cache directory's heat/, per checkpoint) and at start reads the most used "
                    "into its cache in the background, behind every other read, so the first tokens after a restart "
                    "already hit")
-    add_fields(r, StageOptions, ["prefix_dir", "prefix_disk_bytes"])
+    add_fields(r, StageOptions, ["prefix_dir", "prefix_disk_bytes", "spill_dir"])
 
 
 def stage_from_args(args: argparse.Namespace) -> StageOptions:

@@ -135,7 +135,7 @@ def _trade(cfg: Any, place: Placement, budget: Budget, opts: SizingInput, plan: 
             continue
         out.append({"flags": flag, "spine": z.spine, "resident_layers": len(z.resident_layers),
                     "expert_cache": z.expert_cache, "forward_tokens": z.forward_tokens,
-                    "prompt_tokens": z.prompt_tokens, "context": z.context, "sessions": z.sessions,
+                    "prompt_tokens": z.longest_forward, "context": z.context, "sessions": z.sessions,
                     "prefixes": z.prefixes, "workspace": z.workspace, "spine_bytes_per_token": z.spine_bytes_per_token})
     return out
 
@@ -178,8 +178,10 @@ def _forwards(plan: dict) -> str:
     beside = f"a forward carries up to {plan['forward_tokens']:,} tokens"
     if plan["prompt_tokens"] <= plan["forward_tokens"]:
         return beside + " (a prompt that long reads each expert once)"
+    spilled = (f"; up to {plan['spill_tokens']:,} with its rows' AttnRes blocks on the disk between layers "
+               "(--no-spill: each further forward reads the experts again)" if plan.get("spill_tokens") else "")
     return (f"{beside} beside the expert cache, a prompt's up to {plan['prompt_tokens']:,} with the cache lent to "
-            "it (a prompt that long reads each expert once; decode takes the cache back, empty)")
+            f"it (a prompt that long reads each expert once; decode takes the cache back, empty){spilled}")
 
 
 def _trade_lines(plan: dict) -> list[str]:
@@ -196,8 +198,8 @@ def _trade_lines(plan: dict) -> list[str]:
                      f"{_gb(t['spine_bytes_per_token'])}")
     if lines:
         lines.insert(0, f"  one worker, one user: one sequence of up to {plan['context']:,} tokens, and a prompt's "
-                     "forward borrows the expert cache (a prompt longer than that forward takes several, each "
-                     "reading its experts again); the defaults given back:")
+                     "forward borrows the expert cache (a prompt longer than that forward spills, or takes several, "
+                     "each reading its experts again); the defaults given back:")
     return lines
 
 

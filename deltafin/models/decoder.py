@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -98,33 +99,56 @@ def feed_forward(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualS
     return ResidualState(state.P + f, state.B)
 
 
+class BlockStore(Protocol):
+    """Where a forward too long for memory keeps its rows' banked AttnRes blocks (runtime/spill.py): `read(rows)`
+    [len(rows), num_blocks, D]; `bank(rows, block)` writes those rows' block number `num_blocks`; `banked()` once
+    every row's is written."""
+
+    num_blocks: int
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def bank(self, rows: torch.Tensor, block: torch.Tensor) -> None: ...
+
+    def banked(self) -> None: ...
+
+
 def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState,
                     pieces: Sequence[Piece], experts: ExpertSource, fused: FusedExperts | None = None,
                     routed: RoutedExperts | None = None,
-                    done: Callable[[Piece, ResidualState], None] | None = None) -> ResidualState:
+                    done: Callable[[Piece, ResidualState], None] | None = None,
+                    blocks: BlockStore | None = None) -> ResidualState:
     """The layer over a forward too long for one attention pass: attention piece after piece (each sequence's
     pieces in order, so each sees its cache as the ones before it left it), then the routed experts once over
     every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece, and
     `done` hears each piece's outputs as they are final (a dense layer's only). The same as `decoder_layer` on the
     whole forward, up to rounding. The layer writes `state` in place (each piece's rows are read before they are
     written, and no other piece reads them), banking a block into the room of its buffer where it has some
-    (ResidualState.with_room): a long forward holds its rows' state once."""
+    (ResidualState.with_room): a long forward holds its rows' state once. With `blocks`, the rows' blocks are
+    there instead (`state.B` holds none): each piece reads its own back, and a banking layer writes the new one."""
     moe = isinstance(w.ffn, MoEWeights)
     P, B, x = state.P, None, None
     for piece in pieces:
         rows = piece.rows.to(state.P.device)
-        after, x_piece = attention(cfg, layer, w, ResidualState(state.P[rows], state.B[rows]), piece.spans)
+        held = state.B[rows] if blocks is None else blocks.read(piece.rows)
+        after, x_piece = attention(cfg, layer, w, ResidualState(state.P[rows], held), piece.spans)
         if not moe:
             after = feed_forward(cfg, layer, w, after, x_piece, experts)
             if done is not None:
                 done(piece, after)
-        if B is None:  # B may have banked a block
-            B = wider(state.B, after.B.shape[1])
-            x = x_piece.new_empty(state.num_tokens, x_piece.shape[1]) if moe else None
-        P[rows], B[rows] = after.P, after.B
+        if x is None and moe:
+            x = x_piece.new_empty(state.num_tokens, x_piece.shape[1])
+        if blocks is not None and after.B.shape[1] > held.shape[1]:
+            blocks.bank(piece.rows, after.B[:, -1])
+        elif blocks is None:
+            B = wider(state.B, after.B.shape[1]) if B is None else B  # B may have banked a block
+            B[rows] = after.B
+        P[rows] = after.P
         if x is not None:
             x[rows] = x_piece
-    out = ResidualState(P, B)  # type: ignore[arg-type]
+    if blocks is not None and after.B.shape[1] > held.shape[1]:
+        blocks.banked()
+    out = ResidualState(P, state.B if B is None else B)
     if moe:  # added in place too, a block of rows at a time: the rows' P is held once
         moe_added(cfg, layer, w.ffn, x, P, experts, fused=fused, routed=routed)  # type: ignore[arg-type]
     return out

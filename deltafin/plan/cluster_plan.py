@@ -175,9 +175,11 @@ class Plan:
     def first_token_line(self) -> str:
         """The predicted first token of each of the prompt lengths planned for, in the forwards the plan cuts a
         prompt into (borrowing the expert cache where its stages lend it), and which of them the context refuses."""
-        step = min(max(s.sizing.prompt_tokens, s.sizing.forward_tokens) for s in self.stages)
+        step = min(s.sizing.longest_forward for s in self.stages)
         lent = ", the expert cache lent to them" if any(
             s.sizing.prompt_tokens > s.sizing.forward_tokens for s in self.stages) else ""
+        if any(s.sizing.spill_tokens for s in self.stages):
+            lent += f" and past {min(s.sizing.prompt_tokens for s in self.stages):,} tokens their blocks on the disk"
         over = [n for n, _ in self.first_token if self.context and n > self.context]
         text = (f"time to first token (prompts in forwards of up to {step:,} tokens{lent}): "
                 + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token if n not in over))
@@ -261,6 +263,7 @@ def _minutes(seconds: float) -> str:
 def describe_forwards(z: StageSizing) -> str:
     """A stage's forwards: beside its expert cache, and a prompt's with the cache lent to it."""
     if z.prompt_tokens > z.forward_tokens:
+        spilled = f", up to {z.spill_tokens:,} with its blocks on the disk" if z.spill_tokens else ""
         return (f"{z.forward_tokens:,}-token forwards beside the expert cache, a prompt's up to {z.prompt_tokens:,} "
-                "with it lent")
+                f"with it lent{spilled}")
     return f"{z.forward_tokens:,}-token forwards"

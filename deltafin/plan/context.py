@@ -25,6 +25,7 @@ def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: Sizi
     """`s` sized again for sequences of `context` tokens: its format, resident layers, expert cache and forward as
     they are (`options`: the ones `s` was sized with)."""
     fixed = replace(options, context=context, prefill_chunk=s.forward_tokens, prompt_tokens=s.prompt_tokens,
+                    spill_tokens=s.spill_tokens,
                     spine=s.spine, converted=s.converted, sequences=s.sequences)
     z = size_stage(cfg, s.start, s.end, place, s.spine, None if s.experts_resident else s.expert_cache,
                    len(s.resident_layers), fixed)

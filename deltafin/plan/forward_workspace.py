@@ -17,19 +17,20 @@ FORWARD_SHARE = 0.1  # of a stage's budget, what one forward's workspace may tak
 
 
 def workspace_bytes(cfg: ModelConfig, table: LayerTable, a: int, b: int, tokens: int, context: int,
-                    last: bool) -> int:
+                    last: bool, spilled: bool = False) -> int:
     """Temporaries of one forward of `tokens` tokens at up to `context` tokens of history (upper bound of
     what is alive at once; the largest layer of the range decides). A forward longer than PIECE_TOKENS keeps
     every row's residual state (once: a layer writes it in place) and runs each layer's attention (and a dense
     MLP) a piece at a time, its routed experts over every row at once (models/decoder.py, layer_in_pieces);
-    forwards that return every position's logits take one piece at most."""
+    forwards that return every position's logits take one piece at most. `spilled`: the rows' blocks kept on the
+    SSD (plan/spill_cost.py), every row's P held and a piece's blocks read back."""
     act = table.place.act_bytes
     d, t, p = cfg.hidden_size, tokens, min(tokens, PIECE_TOKENS)
     blocks = cfg.blocks_entering(b) + 1
     row = (blocks + 1) * d * 4  # P and B of one token (fp32)
     # every row's state, held once (a layer writes it in place, banking blocks into the room ResidualState.with_room
     # made); a piece's AttnRes mix, norm
-    state = t * row + 2 * p * row
+    state = (t * d * 4 + p * row if spilled else t * row) + 2 * p * row
     per_layer = 0
     if table.kda[b] - table.kda[a]:  # projections, convolutions, gates; one chunk's decay pairs
         per_layer = max(per_layer, 16 * p * cfg.kda_dim * 4 + min(1 << 24, p * cfg.kda_dim * 16) * 4)

@@ -42,7 +42,8 @@ def outlook(plan: Plan, options: SizingInput, replan: Replan) -> list[str]:
 
 
 def _forwards(plan: Plan) -> str:
-    return f"prompts in forwards of up to {prompt_forward(plan):,} tokens"
+    spilled = any(s.sizing.spill_tokens for s in plan.stages)
+    return f"prompts in forwards of up to {prompt_forward(plan):,} tokens{', spilled' if spilled else ''}"
 
 
 def _times(plan: Plan, lengths: list[int]) -> str:

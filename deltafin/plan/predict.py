@@ -17,7 +17,8 @@ decoded token and a prompt's first token, each split into what the disks, the li
   layer on a local stage also reads its experts ahead while its spine computes, as far as the slots ahead hold
   (the cache a prompt's forward borrowed leaves them: `_local_prompt`).
 - A prompt goes in the fewest forwards of equal length of the plan's prompt forward (`forward_lengths`,
-  `prompt_forward`: a stage lends its expert cache to a prompt's forward, sizing.py).
+  `prompt_forward`: a stage lends its expert cache to a prompt's forward, sizing.py), a spilled one where the plan
+  spills (its rows' blocks read and written on the disk besides: plan/spill_cost.py).
 `plan` prints the parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
 `forward_read_bytes`.
 """
@@ -32,6 +33,7 @@ from deltafin.plan.links import COORDINATOR, Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
 from deltafin.plan.sizing import Placement, kept_while_lent, lends
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.spill_cost import spill_bytes
 from deltafin.plan.stage_parts import boundary_bytes_per_token, expert_slot_bytes
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
@@ -93,7 +95,7 @@ def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: i
 def prompt_forward(plan: Plan) -> int:
     """The most tokens a prompt's forward carries through every stage (its expert cache lent where the plan lends
     it: sizing.py `_lend_cache`)."""
-    return min(max(s.sizing.prompt_tokens, s.sizing.forward_tokens) for s in plan.stages)
+    return min(s.sizing.longest_forward for s in plan.stages)
 
 
 def forward_lengths(tokens: int, most: int) -> list[int]:
@@ -144,7 +146,8 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
             r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
             b = (_local_prompt(cfg, s, tokens, r, c, act_bytes) if overlap
                  else max(r, c) + _spine_compute(cfg, s, tokens))
-            reads, compute, busy = reads + r, compute + c, busy + b
+            spilled = _spill_seconds(cfg, s, tokens, act_bytes)
+            reads, compute, busy = reads + r + spilled, compute + c, busy + b + spilled
         return Seconds(reads + spine, hops, busy + spine + hops, compute + spine_compute)
     reads_sum = calls_sum = compute_sum = total = 0.0
     ahead = overlap and tokens * cfg.experts_per_token > cfg.num_experts  # a prompt's: its layers' reads go first
@@ -176,6 +179,15 @@ def _local_prompt(cfg: ModelConfig, s: StagePlan, tokens: int, reads: float, com
         else:
             busy += spine
     return busy
+
+
+def _spill_seconds(cfg: ModelConfig, s: StagePlan, tokens: int, act_bytes: int) -> float:
+    """A spilled forward's reads and writes of its rows' blocks (plan/spill_cost.py), on the stage's disk, after its own
+    reads (counted whole: the next piece's blocks are read while this one computes only partly)."""
+    z = s.sizing
+    if not z.spill_tokens or tokens <= z.prompt_tokens:
+        return 0.0
+    return spill_bytes(cfg, z.start, z.end, tokens, act_bytes) / (_speed(s) * GB)
 
 
 def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int, moe: bool = False) -> float:

@@ -57,9 +57,11 @@ from deltafin.plan.sizing_options import (
     Placement,
     SizingInput,
     one_user,
+    one_worker,
     planned_sequences,
     resolved,
 )
+from deltafin.plan.spill_cost import pass_bytes, spill_pays
 from deltafin.plan.stage_parts import (
     expert_call_bytes,
     expert_slot_bytes,
@@ -113,6 +115,8 @@ class StageSizing:
     wide: bool = False  # a wide plan's: its store serves `expert_share` of `expert_layers` MoE layers' experts
     prompt_tokens: int = 0  # the most a prompt's forward carries: longer than `forward_tokens` where the expert cache
     # is lent to it for that forward (its workspace takes the cache's memory; decode takes it back): `_lend_cache`
+    spill_tokens: int = 0  # the most a spilled forward carries, its rows' AttnRes blocks on the SSD (spill_cost.py),
+    # where longer than `prompt_tokens` (a stage of every layer whose prompts borrow the cache): `_spill`
 
     @property
     def holder_only(self) -> bool:
@@ -136,6 +140,11 @@ class StageSizing:
     def device_total(self) -> int:
         """Bytes against the device budget (everything, on a CPU or a Mac)."""
         return self.total - self.host
+
+    @property
+    def longest_forward(self) -> int:
+        """Tokens one forward may carry: a prompt's, with the cache lent to it and, past that, spilled."""
+        return max(self.forward_tokens, self.prompt_tokens, self.spill_tokens)
 
     @property
     def streaming(self) -> bool:
@@ -222,6 +231,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
         workspace=workspace_bytes(cfg, t, start, end, options.prefill_chunk, options.context, last),
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk,
         prompt_tokens=max(options.prefill_chunk, min(options.prompt_tokens or 0, options.context)),
+        spill_tokens=min(options.spill_tokens or 0, options.context),
         spine_bytes_per_token=sum(stream.stored[i] for i in streamed), expert_bytes_per_token=per_token,
         discrete=place.discrete, expert_layers=n_moe, expert_share=options.expert_share if options.wide else 1.0,
         sequences=sequences, converted=options.converted or not spine_format(spine).converted, context=options.context,
@@ -350,19 +360,26 @@ def _lending_choice(cfg: ModelConfig, start: int, end: int, place: Placement, bu
     return _lend_cache(cfg, s, place, budget, options) if lends(cfg, s) else None
 
 
-def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput, tokens: int) -> StageSizing:
+def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput, tokens: int,
+         spilled: bool = False) -> StageSizing:
     """`s` during a prompt's forward of `tokens` tokens with its expert cache lent: the same spine, resident layers,
-    sessions and working slots, no cache slots, the workspace of that forward."""
+    sessions and working slots, no cache slots, the workspace of that forward (`spilled`: its blocks on the SSD)."""
     fixed = replace(resolved(cfg, options), context=s.context, sequences=s.sequences or None, prefill_chunk=tokens,
-                    prompt_tokens=None, session_bytes=s.sessions, prefix_cache_bytes=s.prefixes)
-    return size_stage(cfg, s.start, s.end, place, s.spine, 0, len(s.resident_layers), fixed)
+                    prompt_tokens=None, spill_tokens=None, session_bytes=s.sessions, prefix_cache_bytes=s.prefixes)
+    during = size_stage(cfg, s.start, s.end, place, s.spine, 0, len(s.resident_layers), fixed)
+    if not spilled:
+        return during
+    table = layer_table(cfg, place, options.spans)
+    return replace(during, workspace=workspace_bytes(cfg, table, s.start, s.end, tokens, s.context,
+                                                     s.end == cfg.num_layers, spilled=True))
 
 
 def kept_while_lent(cfg: ModelConfig, s: StageSizing, place: Placement, tokens: int) -> int:
     """Bytes of `s`'s expert cache a prompt's forward of `tokens` leaves it (its workspace takes the rest of the
     cache's and the plan's own workspace's): the store reads the next experts ahead into them while the layer
-    before computes (runtime/stage.py `_expert_room`; plan/predict.py prices it)."""
-    need = workspace_bytes(cfg, layer_table(cfg, place), s.start, s.end, tokens, s.context, s.end == cfg.num_layers)
+    before computes (runtime/read_ahead.py; plan/predict.py prices it). A forward longer than `prompt_tokens` spills."""
+    need = workspace_bytes(cfg, layer_table(cfg, place), s.start, s.end, tokens, s.context, s.end == cfg.num_layers,
+                           spilled=tokens > s.prompt_tokens)
     return max(0, min(s.expert_cache, s.expert_cache + s.workspace - need))
 
 
@@ -385,7 +402,23 @@ def _lend_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if budget.fits(lent(cfg, s, place, options, mid)) else (lo, mid - 1)
-    return replace(s, prompt_tokens=lo)
+    return _spill(cfg, replace(s, prompt_tokens=lo), place, budget, options)
+
+
+def _spill(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
+    """On a stage of every layer whose prompts borrow the cache: `spill_tokens`, the longest forward, up to the
+    context, that the budget holds with its rows' blocks on the SSD and whose spill costs the disk less than one
+    more forward's reads (plan/spill_cost.py); none where no such forward is longer than `prompt_tokens`."""
+    if not options.spill or not one_worker(cfg, s.start, s.end, options) or s.prompt_tokens >= s.context:
+        return s
+    again = pass_bytes(cfg, s.expert_layers, s.spine_bytes_per_token)
+    lo, hi = s.prompt_tokens, s.context  # workspace and spill grow with tokens: the longest that fits and pays
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = budget.fits(lent(cfg, s, place, options, mid, spilled=True)) and spill_pays(
+            cfg, s.start, s.end, mid, place.act_bytes, again)
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return replace(s, spill_tokens=lo) if lo > s.prompt_tokens else s
 
 
 def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,

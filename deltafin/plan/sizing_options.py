@@ -90,6 +90,11 @@ class SizingOptions:
         "(default: a prompt's forward borrows the expert cache where the experts stream through one, as long as the "
         "memory then holds, up to --max-context; else the --max-context tokens in one forward if their workspace "
         "fits a tenth of the memory, else as many as do; at least 512; giving it keeps the cache through prompts)")
+    spill: bool = opt(
+        True, "a prompt longer than the forward the memory holds goes in several forwards, each reading the experts "
+        "again (default: on one worker it goes in one, its rows' AttnRes blocks on the disk between layers, in "
+        "--spill-dir, where that moves fewer bytes than another pass over the experts would read; docs/serving.md)",
+        off="--no-spill")
     read_threads: int = opt(8, "parallel readers of experts and streamed layers (default %(default)s)",
                             aliases=("--threads",))
     max_resident_layers: int | None = opt(
@@ -120,12 +125,14 @@ class SizingInput(SizingOptions):
     # layers are read from it; False: quantized as the resident layers load, the streamed ones read as stored
     prompt_tokens: int | None = None  # the longest forward a prompt takes with the expert cache lent to it, as a plan
     # made elsewhere chose it (None: as long as the budget holds: sizing.py `_lend_cache`)
+    spill_tokens: int | None = None  # the longest spilled forward, as a plan made elsewhere chose it (`_spill`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         at_least(1, disks=self.disks)
         at_least(0, session_bytes=self.session_bytes, speculative_tokens=self.speculative_tokens,
                  expert_layers=self.expert_layers)
+        at_least(0, spill_tokens=self.spill_tokens)
         at_least(1, prompt_tokens=self.prompt_tokens)
         if not 0.0 <= self.expert_share <= 1.0:
             raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")

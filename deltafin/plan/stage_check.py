@@ -27,6 +27,7 @@ def pinned(options: SizingInput, plan: StageSizing) -> SizingInput:
                    expert_cache_bytes=None if plan.experts_resident else plan.expert_cache,
                    session_bytes=plan.sessions, prefix_cache_bytes=plan.prefixes, sequences=plan.sequences or None,
                    context=plan.context, prefill_chunk=plan.forward_tokens, prompt_tokens=plan.prompt_tokens,
+                   spill_tokens=plan.spill_tokens,
                    max_resident_layers=len(plan.resident_layers),
                    expert_layers=plan.expert_layers if plan.wide else None,
                    expert_share=plan.expert_share if plan.wide else 1.0, converted=plan.converted)

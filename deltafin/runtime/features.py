@@ -57,12 +57,12 @@ class FeatureCapture:
     def wants(self, layer: int) -> bool:
         return any(layer in mine for mine in self.layers)
 
-    def take(self, layer: int, state: ResidualState, hidden: Callable[[ResidualState], torch.Tensor]) -> None:
-        """`hidden(state's rows)`: the hidden state entering `layer` at those rows, for every sequence asking."""
+    def take(self, layer: int, rows_of: Callable[[torch.Tensor], ResidualState],
+             hidden: Callable[[ResidualState], torch.Tensor]) -> None:
+        """`hidden(rows_of(rows))`: the hidden state entering `layer` at those rows, for every sequence asking."""
         for i, rows in enumerate(self.rows):
             if rows is not None and layer in self.layers[i]:
-                at = rows.to(state.P.device)
-                self.taken[i][layer] = hidden(ResidualState(state.P[at], state.B[at])).float().cpu()
+                self.taken[i][layer] = hidden(rows_of(rows)).float().cpu()
 
 
 def gather(outputs: Sequence[Features], into: list[Features]) -> None:

@@ -17,6 +17,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,12 +41,14 @@ from deltafin.models.decoder import (
     pieces_of,
 )
 from deltafin.models.moe import FusedExperts, routed_sum
+from deltafin.paths import cache_dir
 from deltafin.plan.sizing import StageSizing
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.read_ahead import prefetch_experts, room_for_prompt
 from deltafin.runtime.sessions import Sessions
+from deltafin.runtime.spill import SpilledBlocks, open_spill
 from deltafin.runtime.stage_build import (
     ExpertProvider,
     WeightPlacer,
@@ -144,6 +147,7 @@ class Stage:
         self.sessions = Sessions(cfg, self.layers_range, device, self.dtype, self.cache_budget, self.prefixes,
                                  first=self.first)
         self.timings = StageTimings()
+        self.spill_dir = Path(opts.spill_dir) if opts.spill_dir else cache_dir("spill")
 
     def _open_spine(self, progress: Callable[[str, float], None] | None) -> SpineStore:
         """The spine's layers as the plan holds them: resident ones placed now, streamed ones as they are read."""
@@ -181,8 +185,9 @@ class Stage:
     @property
     def max_forward_tokens(self) -> int | None:
         """Tokens one forward may carry (None: no limit, without a memory budget): a prompt's, whose forward longer
-        than the plan's `forward_tokens` borrows the expert cache (runtime/read_ahead.py)."""
-        return max(self.sizing.prompt_tokens, self.sizing.forward_tokens) if self.budgeted else None
+        than the plan's `forward_tokens` borrows the expert cache (runtime/read_ahead.py), one longer than its
+        `prompt_tokens` spills its rows' blocks to the disk (runtime/spill.py)."""
+        return self.sizing.longest_forward if self.budgeted else None
 
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes
@@ -215,15 +220,15 @@ class Stage:
                 should_stop: Callable[[], bool] | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 early: Callable[[list[SeqOutput]], None] | None = None) -> list[SeqOutput]:
-        """Run the stage on a batch of sequences. The last stage returns logits for the last token of
-        each sequence (or every token with `all_logits`); the others return the residual state.
-        `should_stop` is asked between layers: if it says so, Cancelled is raised and no session changes;
-        `progress(layers done, layers)` hears after each layer (a long prompt's forward takes minutes).
-        `early` hears outputs final before the forward ends (slices of sequences' states, in order; the answer has
-        them too): where the last layer is dense, a long forward's runs in pieces (models/decoder.py
-        STREAM_PIECE_TOKENS), each passed on as it is done, so the states cross to the next stage meanwhile."""
+        """Run the stage on a batch of sequences: the last stage returns logits for each one's last token (every
+        token's with `all_logits`), the others the residual state. `should_stop` is asked between layers (Cancelled:
+        no session changes); `progress(layers done, layers)` hears after each layer. `early` hears outputs final
+        before the forward ends (slices of states, in order): a long forward's last layer, where it is dense, runs
+        in pieces (models/decoder.py STREAM_PIECE_TOKENS), each passed on as it is done, to cross meanwhile."""
         _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
-        room_for_prompt(self, sum(b.num_tokens for b in batch))
+        tokens = sum(b.num_tokens for b in batch)
+        blocks = open_spill(self, tokens)  # where it spills: its disk has the room
+        room_for_prompt(self, tokens)
         t0 = time.monotonic()
         io_before = io_counters(self.spine, self.experts)
         if self.wide is not None:
@@ -234,13 +239,16 @@ class Stage:
             capture = _capture(self, batch, spans)
             done = None if early is None else (lambda piece, rows: early(_piece_outputs(self, batch, spans, piece,
                                                                                       rows, capture)))
-            state = self._layers(state, spans, should_stop, progress, capture, done)
-            outputs = _outputs(self, batch, spans, state, all_logits, capture)
+            state = self._layers(state, spans, should_stop, progress, capture, done, blocks)
+            outputs = _outputs(self, batch, spans, state, all_logits, capture, blocks)
         except BaseException:
             for c in caches:
                 c.restore()
                 c.drop_trail()
             raise
+        finally:
+            if blocks is not None:
+                blocks.close()
         self._advance(batch, caches, outputs)
         self.timings.forwards += 1
         self.timings.tokens += sum(b.num_tokens for b in batch)
@@ -275,28 +283,28 @@ class Stage:
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
                 progress: Callable[[int, int], None] | None = None,
                 capture: FeatureCapture | None = None,
-                done: Callable[[Piece, ResidualState], None] | None = None) -> ResidualState:
-        """The stage's layers in order, each one's weights (resident or streamed) and experts read ahead. A
-        forward longer than one attention pass (PIECE_TOKENS rows) runs each layer's attention in pieces
-        and its experts once over all of them (models/decoder.py, layer_in_pieces). `capture` takes the hidden
-        states entering the layers it asks for (and the final one, on the last stage). `done` hears the pieces of
-        the last layer as they are final, where it is dense and not the model's last (see `forward`)."""
+                done: Callable[[Piece, ResidualState], None] | None = None,
+                blocks: SpilledBlocks | None = None) -> ResidualState:
+        """The stage's layers in order, each one's weights and experts read ahead; a forward over PIECE_TOKENS rows
+        runs attention in pieces, its experts once over all (models/decoder.py, layer_in_pieces). `capture` takes
+        the hidden states entering the layers it asks for (and the final one); `done` hears the dense last layer's
+        pieces as they are final (see `forward`); `blocks`: a spilled forward's rows' blocks (its state has none)."""
         tokens = sum(s.length for s in spans)
         pieces = pieces_of(spans, PIECE_TOKENS) if tokens > PIECE_TOKENS else None
         streams = done is not None and not self.last and tokens > STREAM_PIECE_TOKENS and \
             not self.cfg.is_moe(self.end - 1)
-        if pieces is not None or streams:  # layer_in_pieces writes the state in place: its own copy, with room
-            state = state.with_room(self.cfg.blocks_entering(self.end))
+        if blocks is None and (pieces is not None or streams):  # layer_in_pieces writes the state in place: its
+            state = state.with_room(self.cfg.blocks_entering(self.end))  # own copy, with room
         for layer in self.layers_range:
             if should_stop is not None and should_stop():
                 raise Cancelled("the forward was cancelled")
             weights = self.spine.layer(layer)
             if capture is not None and capture.wants(layer):
-                capture.take(layer, state, lambda rows, w=weights: layer_input(w, rows))
+                capture.take(layer, _rows_of(state, blocks), lambda rows, w=weights: layer_input(w, rows))
             self.spine.prefetch_after(layer)
             prefetch_experts(self, layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
-            experts = {"fused": self._timed_fused(fused) if fused is not None else None,
+            experts = {"fused": _timed(self.timings, fused) if fused is not None else None,
                        "routed": None if fused is not None else self._timed_routed}
             if streams and layer == self.end - 1:
                 state = layer_in_pieces(self.cfg, layer, weights, state, pieces_of(spans, STREAM_PIECE_TOKENS),
@@ -304,11 +312,13 @@ class Stage:
             elif pieces is None:
                 state = decoder_layer(self.cfg, layer, weights, state, spans, self.experts.experts, **experts)
             else:
-                state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts)
+                state = layer_in_pieces(self.cfg, layer, weights, state, pieces, self.experts.experts, **experts,
+                                        blocks=blocks)
             if progress is not None:
                 progress(layer + 1 - self.start, self.end - self.start)
         if capture is not None and self.last and capture.wants(self.end):
-            capture.take(self.end, state, lambda rows: final_hidden(self.top, rows))  # type: ignore[arg-type]
+            capture.take(self.end, _rows_of(state, blocks),
+                         lambda rows: final_hidden(self.top, rows))  # type: ignore[arg-type]
         return state
 
     def _timed_routed(self, layer: int, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Callable[[], Any]:
@@ -317,9 +327,6 @@ class Stage:
         finish = self.wide(layer, z, idx, w) if self.wide is not None else (
             lambda: routed_sum(self.cfg, layer, z, idx, w, self.experts.experts))
         return lambda: self.timings.count_experts(finish)
-
-    def _timed_fused(self, fused: FusedExperts) -> FusedExperts:
-        return lambda layer, z, idx, weights: self.timings.count_experts(lambda: fused(layer, z, idx, weights))
 
     def _input(self, batch: list[SeqInput], caches: list[SequenceCache]) -> tuple[ResidualState, list[Span]]:
         spans, start = [], 0
@@ -346,6 +353,10 @@ class Stage:
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
 
 
+def _timed(timings: StageTimings, fused: FusedExperts) -> FusedExperts:
+    return lambda layer, z, idx, weights: timings.count_experts(lambda: fused(layer, z, idx, weights))
+
+
 def _keep_states(prefixes: PrefixStore, c: SequenceCache, item: SeqInput, out: SeqOutput,
                  tokens: array | None) -> None:
     """After a forward: the states `save_at` asks for, kept (at its end the session's own, with the last stage's
@@ -368,7 +379,8 @@ def _capture(stage: Stage, batch: list[SeqInput], spans: list[Span]) -> FeatureC
 
 
 def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: ResidualState,
-             all_logits: bool, capture: FeatureCapture | None = None) -> list[SeqOutput]:
+             all_logits: bool, capture: FeatureCapture | None = None,
+             blocks: SpilledBlocks | None = None) -> list[SeqOutput]:
     """A forward's outputs: each sequence's residual state for the next stage (as bfloat16 with --wire bf16: what
     crosses the link), or from the last stage its logits (its last row's; every row's with `all_logits` or a
     speculative forward); with the features it asked for."""
@@ -379,7 +391,7 @@ def _outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], state: Resi
         return [SeqOutput(b.session_id, state=s, features=f) for b, s, f in
                 zip(batch, state.split([s.length for s in spans]), features, strict=True)]
     if not all_logits:
-        state, spans = _logit_rows(batch, spans, state)
+        state, spans = _logit_rows(batch, spans, state, blocks)
     logits = head(stage.cfg, stage.top, state)  # type: ignore[arg-type]
     return [SeqOutput(b.session_id, logits=logits[s.start:s.start + s.length], features=f)
             for b, s, f in zip(batch, spans, features, strict=True)]
@@ -400,14 +412,24 @@ def _piece_outputs(stage: Stage, batch: list[SeqInput], spans: list[Span], piece
     return out
 
 
-def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState) -> tuple[ResidualState, list[Span]]:
-    """The rows the last stage returns logits for: the last token's, but every token's of a speculative sequence."""
+def _logit_rows(batch: list[SeqInput], spans: list[Span], state: ResidualState,
+                blocks: SpilledBlocks | None = None) -> tuple[ResidualState, list[Span]]:
+    """The rows the last stage returns logits for: the last token's, but every token's of a speculative sequence
+    (a spilled forward's blocks read back from `blocks`)."""
     keep = [(s.start, s.length) if b.speculative else (s.start + s.length - 1, 1) for b, s in zip(batch, spans,
                                                                                                strict=True)]
     rows = torch.tensor([r for start, n in keep for r in range(start, start + n)], device=state.P.device)
-    state = ResidualState(state.P[rows], state.B[rows])
+    state = _rows_of(state, blocks)(rows)
     at = [0, *itertools.accumulate(n for _, n in keep)]
     return state, [Span(at[i], n, s.cache) for i, ((_, n), s) in enumerate(zip(keep, spans, strict=True))]
+
+
+def _rows_of(state: ResidualState, blocks: SpilledBlocks | None) -> Callable[[torch.Tensor], ResidualState]:
+    """The state of some of a forward's rows (a spilled forward's blocks read back from `blocks`)."""
+    def rows_of(rows: torch.Tensor) -> ResidualState:
+        at = rows.to(state.P.device)
+        return ResidualState(state.P[at], state.B[at] if blocks is None else blocks.read(rows.cpu()))
+    return rows_of
 
 
 def _check_batch(cfg: ModelConfig, start: int, end: int, batch: list[SeqInput], limit: int | None,

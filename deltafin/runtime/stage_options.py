@@ -71,6 +71,9 @@ class StageOptions:
     prefix_dir: str | None = opt(
         None, "also keep prefixes on this disk folder, so that a request sharing one resumes after a restart too "
         "(default: the cache directory's prefixes/)")
+    spill_dir: str | None = opt(
+        None, "where a prompt's forward longer than the memory holds keeps its rows' AttnRes blocks between layers, "
+        "in a file deleted as it opens (default: the cache directory's spill/; see --no-spill)")
     prefix_disk_bytes: int | None = opt(
         None, "what kept prefixes may take on the disk, least recently used out first (default: room for 64 of the "
         "model's kept states at --max-context tokens, at most 32 GB: K3's 32 GB, k3-mini's 0.36 GB; 0: memory "

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.plan.sizing import StageSizing
 from deltafin.plan.stage_parts import expert_slot_bytes
 from deltafin.runtime.prefix_store import PrefixStore
+from deltafin.runtime.spill import SpillCounters
 from deltafin.runtime.stage_build import ExpertProvider
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.spine import SpineStore
@@ -27,6 +28,7 @@ class StageTimings:
     tokens: int = 0
     seconds: float = 0.0
     experts_s: float = 0.0  # of which producing the routed experts' outputs (reads, compute, waiting for holders)
+    spill: SpillCounters = field(default_factory=SpillCounters)  # spilled forwards' (runtime/spill.py)
 
     def count_experts(self, outputs: Callable[[], T]) -> T:
         """`outputs()`, the routed experts' outputs, its time counted in `experts_s`."""
@@ -82,6 +84,9 @@ def stage_stats(timings: StageTimings, spine: SpineStore, experts: ExpertProvide
                               "spine_streamed_bytes": spine.streamed_bytes,
                               "spine_read_s": round(spine.stream_read_s, 4),
                               "spine_wait_s": round(spine.wait_s, 4), **prefixes.as_dict()}
+    if timings.spill.forwards:
+        out.update(spilled_forwards=timings.spill.forwards, spill_bytes_read=timings.spill.bytes_read,
+                   spill_bytes_written=timings.spill.bytes_written, spill_s=round(timings.spill.seconds, 4))
     snapshot = getattr(experts, "snapshot_stats", None)
     if snapshot is not None:
         e = snapshot()

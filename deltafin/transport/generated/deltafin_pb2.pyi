@@ -395,7 +395,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s", "prefixes_restored", "prefix_disk_files", "prefix_disk_bytes")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s", "prefixes_restored", "prefix_disk_files", "prefix_disk_bytes", "spilled_forwards", "spill_bytes_read", "spill_bytes_written", "spill_s")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +424,10 @@ class StageStats(_message.Message):
     PREFIXES_RESTORED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_FILES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    SPILL_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SPILL_S_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -452,7 +456,11 @@ class StageStats(_message.Message):
     prefixes_restored: int
     prefix_disk_files: int
     prefix_disk_bytes: int
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ...) -> None: ...
+    spilled_forwards: int
+    spill_bytes_read: int
+    spill_bytes_written: int
+    spill_s: float
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., spilled_forwards: _Optional[int] = ..., spill_bytes_read: _Optional[int] = ..., spill_bytes_written: _Optional[int] = ..., spill_s: _Optional[float] = ...) -> None: ...
 
 class WideStats(_message.Message):
     __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")
@@ -541,7 +549,7 @@ class ExpertStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
 
 class StageSizing(_message.Message):
-    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted", "context", "wide", "prompt_tokens")
+    __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted", "context", "wide", "prompt_tokens", "spill_tokens")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -576,6 +584,7 @@ class StageSizing(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     WIDE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     device: str
@@ -610,7 +619,8 @@ class StageSizing(_message.Message):
     context: int
     wide: bool
     prompt_tokens: int
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ..., context: _Optional[int] = ..., wide: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    spill_tokens: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., device: _Optional[str] = ..., spine: _Optional[str] = ..., resident_layers: _Optional[_Iterable[int]] = ..., streamed_layers: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., top: _Optional[int] = ..., stream_buffers: _Optional[int] = ..., stream_copies: _Optional[int] = ..., experts_resident: _Optional[bool] = ..., expert_cache: _Optional[int] = ..., expert_staging: _Optional[int] = ..., expert_landing: _Optional[int] = ..., sessions: _Optional[int] = ..., prefixes: _Optional[int] = ..., workspace: _Optional[int] = ..., overhead: _Optional[int] = ..., forward_tokens: _Optional[int] = ..., spine_bytes_per_token: _Optional[int] = ..., expert_bytes_per_token: _Optional[int] = ..., discrete: _Optional[bool] = ..., total: _Optional[int] = ..., host: _Optional[int] = ..., device_total: _Optional[int] = ..., expert_calls: _Optional[int] = ..., expert_layers: _Optional[int] = ..., expert_share: _Optional[float] = ..., sequences: _Optional[int] = ..., spine_why: _Optional[str] = ..., converted: _Optional[bool] = ..., context: _Optional[int] = ..., wide: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., spill_tokens: _Optional[int] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
