@@ -424,7 +424,7 @@ class ClusterBackend:
                         start(i + 1, None)
             return [dataclasses.replace(o, features=f) for o, f in zip(outputs, features, strict=True)]
         except asyncio.CancelledError:
-            await asyncio.shield(asyncio.gather(*(self._cancel(self.stages[i], request_id)
+            await asyncio.shield(asyncio.gather(*(self.cancel_call(self.stages[i], request_id)
                                                   for i, c in calls.items() if not c.done())))
             raise
         finally:
@@ -441,7 +441,7 @@ class ClusterBackend:
         return outputs
 
     @staticmethod
-    async def _cancel(worker: WorkerClient, request_id: str) -> None:
+    async def cancel_call(worker: WorkerClient, request_id: str) -> None:
         with contextlib.suppress(RemoteError):  # best effort: the worker also stops when the call's deadline passes
             await worker.cancel(request_id)
 

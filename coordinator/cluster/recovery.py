@@ -36,6 +36,7 @@ from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.current_plan import CurrentPlan
 from deltafin.coordinator.cluster.journal import ReplayJournal
 from deltafin.coordinator.cluster.membership import Membership
+from deltafin.coordinator.cluster.pipelined import Progress, forward_pipelined
 from deltafin.coordinator.cluster.rwlock import RWLock
 from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_workers
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
@@ -153,6 +154,37 @@ class ResilientCluster:
                 event = await self.recover(str(e), [b.session_id for b in batch], retry_hop=at is not None)
                 # the stages kept their sessions (e.g. only an expert holder was lost): retry the hop that failed
                 resume = at if not event.replanned and at is not None else None
+
+    async def forward_pipelined(self, items: list[SeqInput], progress: list[Progress] | None = None) -> list[SeqOutput]:
+        """One sequence's consecutive forwards through the stages at once (pipelined.py). After a failure the
+        forwards that passed every stage are recorded, the session marked for replay (earlier stages may have
+        taken later forwards), the cluster recovered as for `forward`, and the rest sent again."""
+        self.membership.watch()
+        out: list[SeqOutput] = []
+        attempts = 0
+        while True:
+            try:
+                async with self.lock.shared():
+                    if items[0].session_id in self.journal.stale:
+                        await self._replay(items[0])
+                    got = await forward_pipelined(self.backend, items, progress)
+                self._record(items)
+                return out + got
+            except (RemoteError, WorkerLost) as e:
+                done = getattr(e, "done_forwards", 0)
+                self._record(items[:done])
+                out, items = out + e.outputs[:done], items[done:]  # type: ignore[attr-defined]
+                progress = progress[done:] if progress is not None else None
+                self.journal.mark_stale([items[0].session_id])
+                attempts += 1
+                if not self.options.enabled or not _recoverable(e) or attempts > self.options.max_attempts:
+                    raise
+                await self.recover(str(e), [items[0].session_id])
+
+    def _record(self, items: list[SeqInput]) -> None:
+        if self.options.enabled:
+            for item in items:
+                self.journal.record([item])
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> None:

@@ -161,7 +161,8 @@ class Engine:
                       sampling or SamplingParams(temperature=0.0), frozenset() if ignore_eos else self.stop_ids,
                       stop or [], return_logits, prefill_chunk=self._prefill_chunk(),
                       speculation=self._speculation(speculative),
-                      forward_bytes=lambda tokens: forward_read_bytes(self.cfg, tokens))
+                      forward_bytes=lambda tokens: forward_read_bytes(self.cfg, tokens),
+                      pipelined=self.scheduler.prompt)
         req.progress = lambda p: self._track(req.session_id, p, progress)
         c = self.counters
         async with self.scheduler.slot():

@@ -42,6 +42,7 @@ class SchedulerStats:
     batched_sequences: int = 0
     prefill_batches: int = 0
     max_in_flight: int = 0  # the most batches that were in flight at once
+    pipelined_prompts: int = 0  # prompts whose forwards went through the stages at once (`prompt`)
 
 
 Pending = tuple[SeqInput, "asyncio.Future[SeqOutput]"]
@@ -67,6 +68,7 @@ class Scheduler:
         self._progress: dict[int, Callable[[float], None]] = {}  # a pending forward's listener, by its future
         self._carried: dict[asyncio.Task[None], list[asyncio.Future[SeqOutput]]] = {}  # a batch's callers
         self._ended: BaseException | None = None  # `end`: every forward from now on fails with this
+        self._held = 0  # prompts pipelined through the stages (`prompt`): no batch starts meanwhile
 
     @property
     def pipeline_depth(self) -> int:
@@ -108,6 +110,37 @@ class Scheduler:
         self._wake.set()
         return await future
 
+    def pipelines(self, forwards: int) -> bool:
+        """Whether a prompt of `forwards` forwards goes through the stages at once (coordinator/cluster/pipelined.py):
+        a backend that can, with stages that compute at the same time, and no other request running, whose decode
+        steps would otherwise ride with its forwards (they wait for the prompt instead)."""
+        return (forwards > 1 and hasattr(self.backend, "forward_pipelined") and self.pipeline_depth > 1
+                and self.stats.active <= 1)
+
+    async def prompt(self, items: list[SeqInput],
+                     progress: list[Callable[[float], None]] | None = None) -> list[SeqOutput]:
+        """One sequence's consecutive forwards: pipelined through the stages where `pipelines` says so, with the
+        stages to themselves (batches in flight finish first, none starts until it is done); else one by one."""
+        if not self.pipelines(len(items)):
+            return [await self.forward(item, progress[k] if progress else None) for k, item in enumerate(items)]
+        if self._ended is not None:
+            raise self._ended
+        self._held += 1
+        try:
+            if self._inflight:
+                await asyncio.wait(list(self._inflight))
+            task = asyncio.ensure_future(self.backend.forward_pipelined(items, progress))  # type: ignore[attr-defined]
+            self._inflight[task] = frozenset({items[0].session_id})  # a release waits for it
+            self._carried[task] = []  # `end` cancels it
+            task.add_done_callback(self._sent)
+            self.stats.batches += len(items)
+            self.stats.prefill_batches += len(items)
+            self.stats.pipelined_prompts += 1
+            return await task
+        finally:
+            self._held -= 1
+            self._wake.set()
+
     async def release(self, session_id: str, keep_as: str | None = None, keep_length: int = 0) -> None:
         """Free a session (or keep it as the prefix `keep_as`), once no batch in flight carries it; the
         release goes ahead even if the caller is cancelled meanwhile."""
@@ -136,7 +169,7 @@ class Scheduler:
             await self._wake.wait()
             self._wake.clear()
             self._pending = [(s, f) for s, f in self._pending if not f.done()]
-            while self._pending and len(self._inflight) < self.pipeline_depth:
+            while self._pending and len(self._inflight) < self.pipeline_depth and not self._held:
                 batch, self._pending = self._next_batch(self._pending)
                 task = asyncio.create_task(self._send(batch), name="deltafin-batch")
                 self._inflight[task] = frozenset(s.session_id for s, _ in batch)

@@ -39,6 +39,10 @@ from deltafin.transport.grpc_status import is_prefix_missing
 
 # One sequence's forward, batched with other requests' by the scheduler (or run alone).
 Forward = Callable[..., Awaitable[SeqOutput]]  # (item, progress=...): the scheduler's forward
+# One sequence's consecutive forwards through the stages at once (each with its progress listener, or none): the
+# scheduler's `prompt`, which pipelines them where it pays (coordinator/cluster/pipelined.py) and else sends them
+# one after another.
+Pipelined = Callable[[list[SeqInput], list[Callable[[float], None]] | None], Awaitable[list[SeqOutput]]]
 # Free a session, or keep its state as the prefix named by the second argument, of its first (third) tokens.
 Release = Callable[[str, str | None, int], Awaitable[None]]
 
@@ -192,6 +196,7 @@ class Request:
     progress: Callable[[PrefillProgress], None] | None = None  # how far the prefill is (each chunk, and within)
     forward_bytes: Callable[[int], float] | None = None  # expected expert bytes a forward of N prompt tokens reads
     speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time
+    pipelined: Pipelined | None = None  # a prompt of several forwards sends them through the stages at once
 
 
 class _Output:
@@ -353,6 +358,12 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     pos, out = start, None
     features: list[SeqOutput] = []  # each chunk's answer to the drafter's features
     progress = _PrefillReport(req, start, step)
+    if req.pipelined is not None and len(progress.ends) > 1:
+        out = await _pipelined(req, release, start, progress)
+        if out is not None:
+            return out
+        start = pos = 0  # the kept prefix it resumed from is gone: from the start, one forward after another
+        progress = _PrefillReport(req, 0, step)
     while pos < length:
         end = progress.end_after(pos)
         save = await prefix.save_points(pos, end) if prefix is not None else ()
@@ -380,6 +391,48 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
         features.append(out)
     assert out is not None
     return dataclasses.replace(out, features=_joined(features))
+
+
+async def _pipelined(req: Request, release: Release, start: int, report: _PrefillReport) -> SeqOutput | None:
+    """The prompt's forwards from `start` sent at once (`req.pipelined`), as `_prefill` sends them one by one;
+    None where the kept prefix the first resumes from is gone (its partial session released)."""
+    prefix, items, pos = req.prefix, [], start
+    for end in report.ends:
+        save = await prefix.save_points(pos, end) if prefix is not None else ()
+        resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
+            else None
+        items.append(SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
+                              save_at=save, features=_features_from(req.speculation,
+                                                                    max(0, len(req.prompt_ids) - DRAFT_CONTEXT))))
+        pos = end
+    assert req.pipelined is not None
+    try:
+        outs = await req.pipelined(items, _slowest(report, items) if req.progress else None)
+    except Exception as e:
+        if prefix is not None:
+            prefix.failed([pid for item in items for _, pid in item.save_at])
+        if items[0].resume_from is None or not is_prefix_missing(e):
+            raise
+        prefix.missing()  # type: ignore[union-attr]
+        await release(req.session_id, None, 0)  # stages that did resume hold a partial session
+        return None
+    finally:
+        if items[0].resume_from is not None:
+            prefix.resumed_done()  # type: ignore[union-attr]
+    report.at(len(req.prompt_ids))
+    return dataclasses.replace(outs[-1], features=_joined(outs))
+
+
+def _slowest(report: _PrefillReport, items: list[SeqInput]) -> list[Callable[[float], None]]:
+    """Each forward's progress listener, reporting the first forward not yet through (forwards in flight at once)."""
+    done = [0.0] * len(items)
+
+    def heard(k: int, fraction: float) -> None:
+        done[k] = fraction
+        first = next((i for i, f in enumerate(done) if f < 1.0), len(items) - 1)
+        report.at(items[first].cache_len, done[first])
+
+    return [lambda fraction, k=k: heard(k, fraction) for k in range(len(items))]
 
 
 def _joined(outputs: list[SeqOutput]) -> Features:

@@ -18,7 +18,9 @@ decoded token and a prompt's first token, each split into what the disks, the li
   (the cache a prompt's forward borrowed leaves them: `_local_prompt`).
 - A prompt goes in the fewest forwards of equal length of the plan's prompt forward (`forward_lengths`,
   `prompt_forward`: a stage lends its expert cache to a prompt's forward, sizing.py), a spilled one where the plan
-  spills (its rows' blocks read and written on the disk besides: plan/spill_cost.py).
+  spills (its rows' blocks read and written on the disk besides: plan/spill_cost.py). On several stages those
+  forwards go through them at once (coordinator/cluster/pipelined.py): each after the first adds its slowest stage
+  (`_period`), not the whole way.
 `plan` prints the parts for a token and for PROMPT_LENGTHS; a prefill's progress counts its bytes with
 `forward_read_bytes`.
 """
@@ -86,10 +88,38 @@ def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: i
     does not stay, while its states cross the links."""
     step = forward_tokens or prompt_forward(plan)
     disk = link = total = compute = 0.0
-    for n in forward_lengths(tokens, step):
+    for k, n in enumerate(forward_lengths(tokens, step)):
         s = _forward(cfg, plan, n, act_bytes, overlap=True)
-        disk, link, total, compute = disk + s.disk, link + s.link, total + s.total, compute + s.compute
+        disk, link, compute = disk + s.disk, link + s.link, compute + s.compute
+        total += s.total if k == 0 or len(plan.stages) == 1 else _period(cfg, plan, n, act_bytes)
     return Seconds(disk, link, total, compute)
+
+
+def _period(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
+    """What one more forward of a prompt adds where the stages take its forwards at once (coordinator/cluster/
+    pipelined.py): its slowest stage, or the links' hops, or (wide) the holders' reads of every stage's layers,
+    which all its forwards share, whichever is longest."""
+    busy = _stage_busy(cfg, plan, tokens, act_bytes)
+    shared = 0.0 if plan.experts is None else sum(r for r, _, _, _ in _wide_layers(cfg, plan, plan.links, tokens,
+                                                                                     True))
+    return max(*busy, shared, hops_seconds(cfg, plan, tokens, act_bytes))
+
+
+def _stage_busy(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> list[float]:
+    """Each stage's part of a prompt's forward of `tokens`: its layers (with wide experts, each MoE layer's time on
+    every holder, counted to the stage that owns it), its streamed spine and its spill."""
+    out = []
+    layers = [] if plan.experts is None else list(zip(plan.experts.layers, _wide_layers(cfg, plan, plan.links,
+                                                                                          tokens, True), strict=True))
+    for s in plan.stages:
+        own = s.sizing.spine_bytes_per_token / (_speed(s) * GB) + _spill_seconds(cfg, s, tokens, act_bytes)
+        if plan.experts is None:
+            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
+            out.append(own + _local_prompt(cfg, s, tokens, r, c, act_bytes))
+        else:
+            moe = sum(t[3] for layer, t in layers if s.start <= layer < s.end)
+            out.append(own + moe + _spine_compute(cfg, s, tokens) - _spine_compute(cfg, s, tokens, moe=True))
+    return out
 
 
 def prompt_forward(plan: Plan) -> int:

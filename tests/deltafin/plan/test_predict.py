@@ -4,6 +4,8 @@ layer; each stage's hop through the coordinator), and the disks' time unchanged 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deltafin.checkpoint.config import parse_config
@@ -11,7 +13,17 @@ from deltafin.checkpoint.presets import preset_config
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.links import Links, profile
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.predict import hops_seconds, prefill_seconds, token_seconds
+from deltafin.plan.predict import (
+    _forward,
+    _stage_busy,
+    _wide_layers,
+    forward_lengths,
+    hops_seconds,
+    prefill_seconds,
+    prompt_forward,
+    token_seconds,
+)
+from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
 
@@ -111,3 +123,39 @@ def test_a_stage_ending_on_its_dense_layer_sends_its_states_while_it_computes(k3
                       links=Links(assumed=profile(4.0, 400)))
     stripped = replace(moe, stages=tuple(replace(s, compute=None) for s in moe.stages))
     assert hops_seconds(k3, moe, n, 4) == pytest.approx(hops_seconds(k3, stripped, n, 4), rel=1e-12)
+
+
+def _pipeline(times: list[float], forwards: int) -> float:
+    """When the last of `forwards` equal forwards leaves the last stage, each stage taking them in order: forward k
+    enters stage s once stage s is done with k - 1 and stage s - 1 with k (a schedule, simulated)."""
+    done = [[0.0] * len(times) for _ in range(forwards)]
+    for k in range(forwards):
+        for s, t in enumerate(times):
+            done[k][s] = max(done[k][s - 1] if s else 0.0, done[k - 1][s] if k else 0.0) + t
+    return done[-1][-1]
+
+
+def test_a_prompt_of_several_forwards_goes_through_the_stages_at_once(k3):
+    """Two Macs, local experts, 64K context, a prompt of three forwards: the plan's first token is one
+    forward's way through both, then what the simulated schedule of the stages adds, well under the forwards one
+    after another; wide, never less than the holders' reads of every forward."""
+    from tests.deltafin.plan.test_compute import SPEED  # here, as the test above takes it
+
+    macs = [dataclasses.replace(m, compute=SPEED) for m in _macs(2)]
+    links = Links(assumed=profile(0.1, 20000))
+    plan = plan_layers(k3, macs, SizingInput(context=65536), experts="local", links=links)
+    tokens = 3 * prompt_forward(plan)  # three forwards of equal length
+    lengths = forward_lengths(tokens, prompt_forward(plan))
+    assert len(plan.stages) == 2 and len(lengths) == 3 and len(set(lengths)) == 1
+    one = _forward(k3, plan, lengths[0], 4, overlap=True).total
+    busy = _stage_busy(k3, plan, lengths[0], 4)
+    assert sum(busy) + hops_seconds(k3, plan, lengths[0], 4) == pytest.approx(one, rel=1e-9)
+    got = prefill_seconds(k3, plan, tokens).total
+    assert got == pytest.approx(one + _pipeline(busy, len(lengths)) - _pipeline(busy, 1), rel=1e-6)
+    assert got < 0.75 * one * len(lengths)
+    wide = plan_layers(k3, macs, SizingInput(context=65536), experts="wide", links=links)
+    n = forward_lengths(65536, prompt_forward(wide))
+    shared = sum(r for r, _, _, _ in _wide_layers(k3, wide, wide.links, n[0], True))
+    seconds = prefill_seconds(k3, wide, 65536)
+    assert seconds.total >= (len(n) - 1) * shared
+    assert seconds.total <= sum(_forward(k3, wide, x, 4, overlap=True).total for x in n) * (1 + 1e-9)
