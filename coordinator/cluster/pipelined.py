@@ -47,6 +47,8 @@ async def forward_pipelined(backend: ClusterBackend, items: Sequence[SeqInput],
         hop = None if heard is None else (lambda d, _n, at=stages[i].start: heard((at + d) / layers))
         outputs = await stages[i].forward(inputs, False, requests[k], hop)
         gather([o.features for o in outputs], features[k:k + 1])
+        if heard is not None and i == len(stages) - 1:
+            heard(1.0)  # through (a worker says how far it is every few seconds at most)
         return outputs
 
     for k in range(len(items)):

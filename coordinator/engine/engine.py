@@ -162,7 +162,7 @@ class Engine:
                       stop or [], return_logits, prefill_chunk=self._prefill_chunk(),
                       speculation=self._speculation(speculative),
                       forward_bytes=lambda tokens: forward_read_bytes(self.cfg, tokens),
-                      pipelined=self.scheduler.prompt)
+                      pipelined=self.scheduler)
         req.progress = lambda p: self._track(req.session_id, p, progress)
         c = self.counters
         async with self.scheduler.slot():

@@ -119,10 +119,8 @@ class Scheduler:
 
     async def prompt(self, items: list[SeqInput],
                      progress: list[Callable[[float], None]] | None = None) -> list[SeqOutput]:
-        """One sequence's consecutive forwards: pipelined through the stages where `pipelines` says so, with the
-        stages to themselves (batches in flight finish first, none starts until it is done); else one by one."""
-        if not self.pipelines(len(items)):
-            return [await self.forward(item, progress[k] if progress else None) for k, item in enumerate(items)]
+        """One sequence's consecutive forwards through the stages at once, where `pipelines` says so, with the
+        stages to themselves: batches in flight finish first, and none starts until it is done."""
         if self._ended is not None:
             raise self._ended
         self._held += 1

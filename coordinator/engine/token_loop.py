@@ -39,12 +39,18 @@ from deltafin.transport.grpc_status import is_prefix_missing
 
 # One sequence's forward, batched with other requests' by the scheduler (or run alone).
 Forward = Callable[..., Awaitable[SeqOutput]]  # (item, progress=...): the scheduler's forward
-# One sequence's consecutive forwards through the stages at once (each with its progress listener, or none): the
-# scheduler's `prompt`, which pipelines them where it pays (coordinator/cluster/pipelined.py) and else sends them
-# one after another.
-Pipelined = Callable[[list[SeqInput], list[Callable[[float], None]] | None], Awaitable[list[SeqOutput]]]
 # Free a session, or keep its state as the prefix named by the second argument, of its first (third) tokens.
 Release = Callable[[str, str | None, int], Awaitable[None]]
+
+
+class Pipelined(Protocol):
+    """Where one sequence's consecutive forwards may go through the stages at once (the scheduler:
+    coordinator/cluster/pipelined.py): whether a prompt of that many forwards does now, and sending them so."""
+
+    def pipelines(self, forwards: int) -> bool: ...
+
+    async def prompt(self, items: list[SeqInput],
+                     progress: list[Callable[[float], None]] | None = None) -> list[SeqOutput]: ...
 
 
 class TextView(Protocol):
@@ -358,7 +364,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     pos, out = start, None
     features: list[SeqOutput] = []  # each chunk's answer to the drafter's features
     progress = _PrefillReport(req, start, step)
-    if req.pipelined is not None and len(progress.ends) > 1:
+    if req.pipelined is not None and req.pipelined.pipelines(len(progress.ends)):
         out = await _pipelined(req, release, start, progress)
         if out is not None:
             return out
@@ -407,7 +413,7 @@ async def _pipelined(req: Request, release: Release, start: int, report: _Prefil
         pos = end
     assert req.pipelined is not None
     try:
-        outs = await req.pipelined(items, _slowest(report, items) if req.progress else None)
+        outs = await req.pipelined.prompt(items, _slowest(report, items) if req.progress else None)
     except Exception as e:
         if prefix is not None:
             prefix.failed([pid for item in items for _, pid in item.save_at])

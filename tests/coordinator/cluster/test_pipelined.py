@@ -103,7 +103,7 @@ async def test_the_forwards_overlap_across_the_stages_and_answer_as_one_by_one()
         assert [r[0] for r in s.ran] == [0, 4, 8]
     first, second = cluster.stages[0].ran, cluster.stages[1].ran
     assert first[1][1] < second[0][2]  # stage 0 began forward 1 before stage 1 had done forward 0
-    assert heard[2][-1] == 1.0 and heard[0] == [2 / 6, 4 / 6, 1.0]  # each forward's fraction of the layers
+    assert heard[0] == [2 / 6, 4 / 6, 1.0, 1.0] == heard[2]  # each forward's fraction of the layers, and through
 
 
 async def test_a_failure_says_which_forwards_passed_every_stage() -> None:
@@ -158,19 +158,19 @@ class PipelinedBackend:
         pass
 
 
-@pytest.mark.parametrize("pipelines", [True, False])
-async def test_the_scheduler_pipelines_a_lone_prompt_where_its_backend_can(pipelines: bool) -> None:
-    backend = PipelinedBackend(pipelines)
+async def test_the_scheduler_pipelines_a_lone_prompt_where_its_backend_can() -> None:
+    backend = PipelinedBackend(True)
     scheduler = Scheduler(backend)  # type: ignore[arg-type]
     try:
         async with scheduler.slot():
+            assert scheduler.pipelines(3) and not scheduler.pipelines(1)
             got = await scheduler.prompt(_items())
         assert [float(o.logits) for o in got] == [_expected(i) for i in _items()]  # type: ignore[arg-type]
-        assert backend.sent == (["pipelined"] if pipelines else ["one"] * 3)
-        backend.sent.clear()
+        assert backend.sent == ["pipelined"] and scheduler.stats.pipelined_prompts == 1
         async with scheduler.slot(), scheduler.slot():  # another request running: its steps ride, one by one
-            await scheduler.prompt(_items("q"))
-        assert backend.sent == ["one"] * 3
+            assert not scheduler.pipelines(3)
+        assert not Scheduler(PipelinedBackend(False)).pipelines(3)  # type: ignore[arg-type]
+        assert not Scheduler(backend, pipeline_depth=1).pipelines(3)  # type: ignore[arg-type]
     finally:
         await scheduler.close()
 
