@@ -169,11 +169,12 @@ async def cmd_plan(args: argparse.Namespace) -> int:
         plan = await plan_cluster(spec, cfg, workers)
         more = outlook(plan, spec.sizing, replanner(spec, cfg, workers, plan))
         if args.json:
-            print(json.dumps({**plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), "outlook": more},
-                             indent=1))
+            print(json.dumps({**plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), "outlook": more,
+                              "timeouts": dataclasses.asdict(spec.timeouts)}, indent=1))
         else:
             print(plan.table())
             print("\n".join(more))
+            print(f"timeouts: {spec.timeouts.describe()}")
             print("\n".join(download_commands(plan)))
     finally:
         await asyncio.gather(*(c.close() for c, _ in workers))

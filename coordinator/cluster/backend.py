@@ -197,6 +197,13 @@ class Timeouts:
     assign: float = 3600.0  # loading a stage of K3 reads tens of GB
     probe_interval: float = 2.0  # during a forward, ask the worker whether it is alive this often
     lost_after: float = 10.0  # a worker that has not answered for this long is lost (crashed, frozen, cut off)
+    reconnect: float = 15.0  # a worker of the plan that stops answering (a dropped link) is asked again this long
+    # before the cluster is planned without it (recovery.py)
+
+    def describe(self) -> str:  # as `plan` states them
+        return (f"a stage's forward {self.forward:.0f} s per {FORWARD_UNIT} tokens; a worker silent "
+                f"{self.lost_after:g} s during one is lost; one that stops answering is asked again for "
+                f"{self.reconnect:g} s (the step retried where it failed) before the cluster is planned without it")
 
     def forward_deadline(self, tokens: int) -> float:
         """A forward's deadline grows with its tokens: one chunk may read every expert of the stage (the

@@ -52,6 +52,11 @@ class ClusterOptions:
     forward_timeout: float = opt(
         600.0, "deadline of one stage's forward of up to 512 tokens, longer ones in proportion (default %(default)s: "
         "one prompt chunk may stream every expert of the stage)")
+    reconnect_timeout: float = opt(
+        15.0, "a worker of the plan that stops answering (a link that dropped: a Wi-Fi roam, a re-plugged cable, a "
+        "restarted switch) is asked again for this many seconds before the cluster is planned without it; if it comes "
+        "back with its sessions, the step that failed is retried there (default %(default)s; 0: plan without it at "
+        "once)")
     recovery: bool = opt(True, "fail requests when a worker is lost instead of re-planning and replaying",
                          off="--no-recovery")
     replay_journal_tokens: int = opt(
@@ -65,6 +70,8 @@ class ClusterOptions:
         check_choice("experts", self.experts, EXPERT_MODES)
         if self.worker_timeout <= 0 or self.forward_timeout <= 0:
             raise DeltafinError("--worker-timeout and --forward-timeout must be positive")
+        if self.reconnect_timeout < 0:
+            raise DeltafinError("--reconnect-timeout must not be negative")
         for address in self.worker:
             check_address(address)
 

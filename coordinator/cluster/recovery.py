@@ -22,6 +22,7 @@ more workers. Either way the new plan is put in force by one step, CurrentPlan.a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 # failures that another plan or a replay can fix
 GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 STATE_LOST = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+RECONNECT_POLL = 0.5  # seconds between asks of a worker that stopped answering (Timeouts.reconnect bounds them)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class ResilientCluster:
         self.current = CurrentPlan(spec, cfg, backend, plan)
         self.journal = ReplayJournal(self.options.journal_tokens)
         self.recoveries: list[Recovery] = []
+        self.reconnecting: dict[str, float] = {}  # the plan's workers asked again after they stopped answering
         self.lock = RWLock()  # forwards share it (batches pipeline through the stages); re-plans take it alone
         self.membership = Membership(self.current, self.journal, self.lock, self.options.rejoin_interval,
                                      lambda cause, sessions: self.recover(cause, sessions))  # looked up per call
@@ -241,13 +244,37 @@ class ResilientCluster:
 
     # ---- recovery ---------------------------------------------------------------------------------------
 
+    async def _answering(self) -> list[Any]:
+        """The workers that answer. Where one of the plan's does not (a link that dropped: a Wi-Fi roam, a
+        re-plugged cable), asked again every RECONNECT_POLL seconds for up to the `reconnect` timeout before the
+        cluster is planned without it: back with its sessions, the plan stays and the step is retried there."""
+        t0, window = time.monotonic(), self.spec.timeouts.reconnect
+        wanted = {w.address: w.name for w in self.backend.workers}
+        gone: list[str] = []  # the plan's workers that did not answer the first time
+        while True:
+            candidates = await self.current.candidates()
+            missing = sorted(set(wanted) - {d.address for _, d in candidates if d.state == "ready"})
+            waited = time.monotonic() - t0
+            self.reconnecting = {wanted[a]: waited for a in missing} if missing and waited < window else {}
+            if not self.reconnecting:
+                if missing and window:
+                    log.warning("%s did not answer for %.1f s: planning without", _names(wanted, missing), waited)
+                elif gone:
+                    log.warning("%s answers again after %.1f s", _names(wanted, gone), waited)
+                return candidates
+            (log.info if gone else log.warning)(
+                "%s does not answer: asking again for up to %g s before planning without it (%.1f s so far)",
+                _names(wanted, missing), window, waited)
+            gone = gone or missing
+            await asyncio.sleep(min(RECONNECT_POLL, window - waited))
+
     async def recover(self, cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:
         """Plan again over the workers that answer; reload what changed; mark sessions for replay (the failed
         batch's only when the stages are unchanged, and none then when its caller retries the failed hop)."""
         t0 = time.monotonic()
         async with self.lock.exclusive():
             log.warning("cluster problem: %s; checking the workers", cause)
-            candidates = await self.current.candidates()
+            candidates = await self._answering()
             if not candidates:
                 raise ClusterUnavailable(f"no worker answers (after: {cause})")
             before = [(w.address, w.start, w.end) for w in self.backend.stages]
@@ -271,6 +298,10 @@ class ResilientCluster:
                         if replanned else "same stages", f"{len(self.journal.stale)} sessions to replay"
                         if self.journal.stale else "retrying the step" if retry_hop else "nothing to replay")
             return event
+
+def _names(names: dict[str, str], addresses: list[str]) -> str:
+    return ", ".join(names[a] for a in addresses)
+
 
 def experts_moved(before: Plan | None, after: Plan) -> str:
     """What a re-plan did to the wide experts, in words ("" when nothing moved): the holders that left, with

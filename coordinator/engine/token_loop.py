@@ -359,24 +359,18 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     if prefix is not None and prefix.logits is not None:
         _PrefillReport(req, length, 1)
         return SeqOutput(req.session_id, logits=prefix.logits.view(1, -1))
-    step = req.prefill_chunk or length
-    start = prefix.cached_tokens if prefix is not None else 0
-    pos, out = start, None
+    step, start = req.prefill_chunk or length, prefix.cached_tokens if prefix is not None else 0
+    pos, out, progress = start, None, _PrefillReport(req, start, step)
     features: list[SeqOutput] = []  # each chunk's answer to the drafter's features
-    progress = _PrefillReport(req, start, step)
     if req.pipelined is not None and req.pipelined.pipelines(len(progress.ends)):
         out = await _pipelined(req, release, start, progress)
         if out is not None:
             return out
-        start = pos = 0  # the kept prefix it resumed from is gone: from the start, one forward after another
-        progress = _PrefillReport(req, 0, step)
+        start, pos, progress = 0, 0, _PrefillReport(req, 0, step)  # its kept prefix is gone: from the start
     while pos < length:
         end = progress.end_after(pos)
-        save = await prefix.save_points(pos, end) if prefix is not None else ()
-        resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
-            else None
-        item = SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
-                        save_at=save, features=_features_from(req.speculation, max(0, length - DRAFT_CONTEXT)))
+        item = await _chunk(req, pos, end, start)
+        save, resume = item.save_at, item.resume_from
         try:
             out = await (forward(item, progress=progress.within(pos, end)) if req.progress else forward(item))
         except Exception as e:
@@ -385,8 +379,7 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
                 raise
             prefix.missing()  # type: ignore[union-attr]
             await release(req.session_id, None, 0)  # stages that did resume hold a partial session
-            start = pos = 0
-            progress = _PrefillReport(req, 0, step)
+            start, pos, progress = 0, 0, _PrefillReport(req, 0, step)
             features.clear()
             continue
         finally:
@@ -399,18 +392,21 @@ async def _prefill(forward: Forward, release: Release, req: Request) -> SeqOutpu
     return dataclasses.replace(out, features=_joined(features))
 
 
+async def _chunk(req: Request, pos: int, end: int, start: int) -> SeqInput:
+    """The prompt's forward of tokens [pos, end): keeping the states its prefix session asks there, the first one
+    (at `start`) resuming the kept prefix."""
+    prefix = req.prefix
+    save = await prefix.save_points(pos, end) if prefix is not None else ()
+    resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start else None
+    return SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume, save_at=save,
+                    features=_features_from(req.speculation, max(0, len(req.prompt_ids) - DRAFT_CONTEXT)))
+
+
 async def _pipelined(req: Request, release: Release, start: int, report: _PrefillReport) -> SeqOutput | None:
     """The prompt's forwards from `start` sent at once (`req.pipelined`), as `_prefill` sends them one by one;
     None where the kept prefix the first resumes from is gone (its partial session released)."""
-    prefix, items, pos = req.prefix, [], start
-    for end in report.ends:
-        save = await prefix.save_points(pos, end) if prefix is not None else ()
-        resume = prefix.resumed.prefix_id if prefix is not None and prefix.resumed is not None and pos == start \
-            else None
-        items.append(SeqInput(req.session_id, pos, ids=torch.tensor(req.prompt_ids[pos:end]), resume_from=resume,
-                              save_at=save, features=_features_from(req.speculation,
-                                                                    max(0, len(req.prompt_ids) - DRAFT_CONTEXT))))
-        pos = end
+    prefix = req.prefix
+    items = [await _chunk(req, pos, end, start) for pos, end in zip([start, *report.ends], report.ends, strict=False)]
     assert req.pipelined is not None
     try:
         outs = await req.pipelined.prompt(items, _slowest(report, items) if req.progress else None)

@@ -385,7 +385,8 @@ async def status(request: web.Request) -> web.Response:
         stats, error = None, str(e) or type(e).__name__
     return web.json_response(status_json(engine.model_name, time.time() - engine.started, engine.counters,
                                          engine.scheduler.stats, list(engine.prefilling.values()), stats,
-                                         time.monotonic(), error, engine.max_context))
+                                         time.monotonic(), error, engine.max_context,
+                                         getattr(engine.backend, "reconnecting", None)))
 
 
 # the web chat's files (coordinator/http/web/), by the name in the URL: file, content type; any other name is a 404

@@ -16,15 +16,18 @@ from deltafin.coordinator.engine.scheduler import SchedulerStats
 
 def status(model: str, uptime_s: float, counters: Counters, queue: SchedulerStats,
            prefilling: Iterable[Prefilling], workers: list[dict[str, Any]] | None, now: float,
-           workers_error: str | None = None, context: int | None = None) -> dict[str, Any]:
+           workers_error: str | None = None, context: int | None = None,
+           reconnecting: dict[str, float] | None = None) -> dict[str, Any]:
     """`now`: the monotonic clock the prefills' `started` is on. `workers` None: their stats did not come
-    (`workers_error` says why); the rest is still the coordinator's own. `context`: tokens a request may have."""
+    (`workers_error` says why); the rest is still the coordinator's own. `context`: tokens a request may have.
+    `reconnecting`: the plan's workers that stopped answering, asked again for how many seconds so far (recovery.py)."""
     return {"object": "status", "model": model, "context_length": context, "uptime_s": round(uptime_s, 1),
             "counters": _counters(counters),
             "queue": {"running": queue.active, "waiting": queue.waiting},
             "prefilling": [prefill_row(p, now) for p in prefilling],
             "workers": [worker_row(w) for w in workers or []],
-            "workers_error": workers_error}
+            "workers_error": workers_error,
+            "reconnecting": {name: round(s, 1) for name, s in (reconnecting or {}).items()}}
 
 
 def _counters(c: Counters) -> dict[str, Any]:

@@ -115,8 +115,8 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
     add_fields(sec, ClusterOptions, ["cluster_key", "cluster_key_file", "tls_ca", "tls_cert", "tls_key",
                                      "tls_server_name"])
     rec = p.add_argument_group("fault tolerance")
-    add_fields(rec, ClusterOptions, ["worker_timeout", "forward_timeout", "recovery", "replay_journal_tokens",
-                                     "rejoin_interval"])
+    add_fields(rec, ClusterOptions, ["worker_timeout", "forward_timeout", "reconnect_timeout", "recovery",
+                                     "replay_journal_tokens", "rejoin_interval"])
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterOptions:

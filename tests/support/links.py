@@ -20,6 +20,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,17 +54,36 @@ class LinkProxy:
     def __init__(self, targets: list[str], rtt_ms: float, mbps: float, ports: list[int] | None = None):
         self.targets = list(targets)
         self.ports = list(ports) if ports is not None else [free_port() for _ in targets]
+        self.rtt_ms, self.mbps = rtt_ms, mbps
         self.procs: list[subprocess.Popen] = []
         self.carried: dict[str, Carried] = {}
         try:
             for port, target in zip(self.ports, targets, strict=True):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(LINKPROXY), "--rtt-ms", str(rtt_ms), "--mbps", str(mbps), "--listen",
-                     str(port), "--to", target], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-                _wait_listening(self.procs[-1], port)
+                self.procs.append(self._start(port, target))
         except BaseException:
             self.stop()
             raise
+
+    def _start(self, port: int, target: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(LINKPROXY), "--rtt-ms", str(self.rtt_ms), "--mbps",
+                                 str(self.mbps), "--listen", str(port), "--to", target],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _wait_listening(proc, port)
+        return proc
+
+    def drop(self, i: int, seconds: float) -> threading.Thread:
+        """Link `i` down for `seconds` (a Wi-Fi roam, a re-plugged cable): its proxy killed, its connections cut, and
+        after that one listening on the same port again (the thread that brings it back, started)."""
+        self.procs[i].kill()
+        self.procs[i].wait()
+
+        def back() -> None:
+            time.sleep(seconds)
+            self.procs[i] = self._start(self.ports[i], self.targets[i])
+
+        thread = threading.Thread(target=back, name=f"link-{i}-back", daemon=True)
+        thread.start()
+        return thread
 
     def __enter__(self) -> LinkProxy:
         return self

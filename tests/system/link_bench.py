@@ -4,7 +4,9 @@ trip and bandwidth (deltafin/plan/links.py PROFILES; `--scale-to RATE` scales th
 6.6 GB/s SSD, so that the links keep their ratio to the disks), and this process as the coordinator, reaching
 every worker through the proxies (and so do the workers each other, with wide experts). For each profile: the
 plan's mode and its prediction, a prompt's prefill seconds, the seconds per decoded token, the greedy ids and the
-bytes each link carried each way. Prints one JSON object.
+bytes each link carried each way. Prints one JSON object. `--flap 1,3,10` runs each profile again with the last
+worker's link dropped that many seconds `--flap-after` seconds into the generation (its proxy killed, then listening
+again): the ids, the added seconds, and whether the cluster re-planned (it should not below --reconnect-timeout).
 
     python -m tests.system.link_bench --model K3SLICE --workers 2 --profiles loopback,wifi,1gbe --scale-to 250M \\
         --disk-rate 250M --memlimit-gb 6 --memory-gb 5.5 --prompt-tokens 819 --tokens 4 --pin -- --spine int8
@@ -18,6 +20,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 
 import torch
@@ -57,7 +60,7 @@ def _rate(text: str) -> float:
     return float(text.rstrip("KkMmGg")) * unit
 
 
-def run(args: argparse.Namespace, name: str, options: dict) -> dict:
+def run(args: argparse.Namespace, name: str, options: dict, flap: float = 0.0) -> dict:
     cfg = load_config(args.model)
     rtt_ms, mbps = profile_link(name, _rate(args.scale_to) / MAC_SSD if args.scale_to else 1.0)
     prefix = _caps(args.disk_rate, args.memlimit_gb)
@@ -70,10 +73,15 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
         with slow_links(addresses, rtt_ms, mbps) as proxy, deltafin.connect(
                 args.model, proxy.addresses, discover=False, progress=False, **options) as model:
             plan = model.engine.backend.plan
+            timer = threading.Timer(args.flap_after, proxy.drop, (len(procs) - 1, flap)) if flap else None
             t0 = time.monotonic()
+            if timer is not None:
+                timer.start()
             out = model.generate(ids, max_tokens=args.tokens)
             wall = time.monotonic() - t0
             stats = model.stats()
+            recoveries = [{"seconds": round(r.seconds, 2), "replanned": r.replanned, "cause": r.cause[:120]}
+                          for r in getattr(model.engine.backend, "recoveries", [])]
         probes = [plan.links.to_workers.values(), plan.links.pairs.values()]
         probed = {a: sum(v.probe_bytes for group in probes for v in group if v.address == a) for a in proxy.addresses}
         carried = {f"w{i}": {"to": c.to, "back": c.back, "probes": probed[via]}
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace, name: str, options: dict) -> dict:
             p.stop()
     predicted = prefill_seconds(cfg, plan, args.prompt_tokens)
     return {"profile": name, "rtt_ms": rtt_ms, "mbit_s": round(mbps, 2) or None, "capped": bool(prefix),
+            "flap_s": flap or None, "recoveries": recoveries,
             "experts": "wide" if plan.wide else "local", "why": plan.mode_why,
             "prefill_s": round(out.timing.prefill_s, 2), "s_per_token": round(out.timing.decode_s /
                                                                               max(1, out.timing.decode_steps), 3),
@@ -122,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", default="auto", help="the coordinator's --experts (default auto)")
     p.add_argument("--pin", action="store_true",
                    help="each worker on a core of its own (taskset), as each Mac computes on its own chip")
+    p.add_argument("--flap", default="", metavar="SECONDS",
+                   help="also run each profile with the last worker's link down this long, comma-separated (1,3,10)")
+    p.add_argument("--flap-after", type=float, default=5.0, help="seconds into the generation the link drops")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="an argument for every worker (repeatable)")
     args = p.parse_args(argv)
@@ -130,10 +142,18 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown link profile {name!r}: loopback, {', '.join(PROFILES)}, or a round trip such as 10ms")
     options = {"experts": args.experts, **_keywords(extra)}
     runs = []
+    flaps = [0.0, *(float(s) for s in args.flap.split(",") if s)]
     for name in args.profiles.split(","):
-        runs.append(run(args, name, options))
-        print(json.dumps({k: runs[-1][k] for k in ("profile", "experts", "prefill_s", "s_per_token",
-                                                     "request_bytes", "predicted")}), file=sys.stderr, flush=True)
+        for flap in flaps:
+            runs.append(run(args, name, options, flap))
+            if flap:  # against the same profile's run without the drop
+                base = next(r for r in runs if r["profile"] == name and not r["flap_s"])
+                runs[-1].update(same_ids=runs[-1]["ids"] == base["ids"], added_s=round(runs[-1]["wall_s"]
+                                                                                        - base["wall_s"], 1))
+            print(json.dumps({k: runs[-1].get(k) for k in ("profile", "flap_s", "experts", "prefill_s", "s_per_token",
+                                                             "wall_s", "same_ids", "added_s", "recoveries",
+                                                             "request_bytes", "predicted")}),
+                  file=sys.stderr, flush=True)
     print(json.dumps({"model": str(args.model), "workers": args.workers, "disk_rate": args.disk_rate,
                       "pinned": args.pin, "scale_to": args.scale_to or None, "runs": runs}, indent=1))
     return 0

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.support.cluster import ServerProcess, WorkerProcess, http_get, workers
+from tests.support.links import slow_links
 
 PROMPT = "Workers come and go"
 N = 24
@@ -66,7 +69,8 @@ def test_kill_stop_restart_rejoin(small_dir: Path) -> None:
         port1 = w1.address.rsplit(":", 1)[1]
         restarted: list[WorkerProcess] = []
         server = ServerProcess(small_dir, "--worker", w0.address, "--worker", w1.address, "--worker-timeout", "3",
-                               "--rejoin-interval", "1", serve_args=("--served-model-name", "small"))
+                               "--rejoin-interval", "1", "--reconnect-timeout", "2",
+                               serve_args=("--served-model-name", "small"))
         try:
             ref_tokens, ref_text, _ = _stream(server.url)
             assert len(ref_tokens) == N
@@ -102,11 +106,34 @@ def test_kill_stop_restart_rejoin(small_dir: Path) -> None:
             assert server.stop() == 0
 
 
+@pytest.mark.parametrize("down_s", [1.5, 4.0])
+def test_a_link_that_drops_for_seconds_is_waited_for_not_planned_around(small_dir: Path, down_s: float) -> None:
+    """The second worker reached through a link that drops mid-stream for `down_s` seconds (its proxy killed, then
+    listening again on the same port): the coordinator asks it again rather than planning without it, the plan
+    stays (both workers, the same stages: no replay), and the completion is the uninterrupted one."""
+    with workers(small_dir, 2) as (w0, w1), slow_links([w1.address], rtt_ms=0.2, mbps=0) as link:
+        server = ServerProcess(small_dir, "--worker", w0.address, "--worker", link.addresses[0], "--experts", "local",
+                               "--worker-timeout", "3", serve_args=("--served-model-name", "small"))
+        back: list[threading.Thread] = []
+        try:
+            ref_tokens, ref_text, _ = _stream(server.url)
+            tokens, text, gap = _stream(server.url, lambda: back.append(link.drop(0, down_s)))
+            back[0].join()
+            assert (tokens, text) == (ref_tokens, ref_text)
+            assert [w["name"] for w in _health(server.url)[1]["workers"]] == ["w0", "w1"]
+            log = server.log()
+            assert "w1 answers again after" in log and "same stages" in log and "new plan" not in log, log
+            print(f"\na link down for {down_s:.1f}s: the longest gap between tokens {gap:.2f}s")
+            assert gap < down_s + 10
+        finally:
+            assert server.stop() == 0
+
+
 def test_losing_every_worker_fails_clearly_and_the_server_recovers(tiny_dir: Path) -> None:
     with workers(tiny_dir, 1) as (w0,):
         port = w0.address.rsplit(":", 1)[1]
         server = ServerProcess(tiny_dir, "--worker", w0.address, "--worker-timeout", "2", "--rejoin-interval", "1",
-                               serve_args=("--served-model-name", "tiny"))
+                               "--reconnect-timeout", "1", serve_args=("--served-model-name", "tiny"))
         try:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
             ok = client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -261,3 +263,36 @@ async def test_a_failed_hop_is_retried_when_the_stages_kept_their_sessions(tiny_
     assert stages.resumes[:3] == [None, None, None] and stages.resumes[3][0] == 1
     assert stages.calls[3] == [("s", 4, [9])] and not rc.journal.stale
     assert list(rc.journal.sessions["s"].ids) == [5, 6, 7, 8, 9]
+
+
+async def test_a_worker_that_stops_answering_is_asked_again_before_the_cluster_plans_without_it(
+        tiny_dir: Path, caplog) -> None:
+    """A dropped link (a Wi-Fi roam, a re-plugged cable): the plan's worker is asked again until it answers (then
+    the recovery goes on with every worker, so the plan stays) or the reconnect timeout passes (then without it);
+    meanwhile `reconnecting` says who and for how long (the status endpoint shows it)."""
+    rc, _ = _cluster(tiny_dir, FlakyStages(fail_at=set()))
+    rc.spec.timeouts = replace(Timeouts(), reconnect=5.0)
+    w0, w1 = (SimpleNamespace(address=f"127.0.0.1:{p}", name=n, state="ready") for p, n in ((1, "w0"), (2, "w1")))
+    rc.current.backend.workers = [w0, w1]  # type: ignore[attr-defined]
+    answers = [[(None, w0)], [(None, w0)], [(None, w0), (None, w1)]]  # w1's link is down for two asks
+    seen: list[dict[str, float]] = []
+
+    async def candidates():
+        seen.append(dict(rc.reconnecting))
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    rc.current.candidates = candidates  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="deltafin.coordinator.cluster"):
+        t0 = asyncio.get_running_loop().time()
+        got = await rc._answering()
+    assert [d.name for _, d in got] == ["w0", "w1"] and rc.reconnecting == {}
+    assert list(seen[2]) == ["w1"] and 0.9 <= asyncio.get_running_loop().time() - t0 < 3.0  # two asks 0.5 s apart
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("w1 does not answer: asking again for up to 5 s" in m for m in messages)
+    assert any("w1 answers again after" in m for m in messages)
+
+    answers[:] = [[(None, w0)]]  # w1 gone for good: given up on after the timeout
+    rc.spec.timeouts = replace(Timeouts(), reconnect=1.0)
+    got = await rc._answering()
+    assert [d.name for _, d in got] == ["w0"] and rc.reconnecting == {}
+    assert any("w1 did not answer for 1.0 s: planning without" in r.getMessage() for r in caplog.records)
