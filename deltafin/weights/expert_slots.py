@@ -10,6 +10,7 @@ working slots; `take_back` makes the cache slots again, empty."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +44,15 @@ class DeviceSlots(FreeSlots):
         self.tensor = torch.empty((count, size), dtype=torch.uint8, device=device)
 
     def _reallocate(self, count: int) -> None:
-        self.tensor = None  # type: ignore[assignment]  # freed before the new one is made
-        free_device_cache(self.device)
+        """The slots made again, `count` of them (every slot free). The old memory goes first: its storage is emptied,
+        which frees it now whatever views of it are still referenced somewhere (a landed read's future, a frame:
+        stale, as no slot is in use); dropping the tensor alone frees it only once the last view is gone (measured
+        on an H100: a K3 cache of 36 GB stayed while its lent forward asked for 34 more)."""
         with torch.inference_mode(False):  # made during a forward (a prompt borrows the cache), written by readers
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # a backend that cannot: dropped only
+                self.tensor.untyped_storage().resize_(0)
+            self.tensor = None  # type: ignore[assignment]
+            free_device_cache(self.device)
             self.tensor = torch.empty((count, self.size), dtype=torch.uint8, device=self.device)
 
     @property

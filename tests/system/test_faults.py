@@ -172,7 +172,8 @@ def test_a_lost_expert_holder_moves_its_experts(small_dir: Path, tmp_path: Path)
         restarted: list[WorkerProcess] = [holder]
         server = ServerProcess(small_dir, "--worker", w0.address, "--worker", w1.address, "--worker",
                                holder.address, "--worker-timeout", "3", "--rejoin-interval", "1",
-                               "--experts", "wide", serve_args=("--served-model-name", "small"))
+                               "--reconnect-timeout", "2", "--experts", "wide",
+                               serve_args=("--served-model-name", "small"))
         try:
             _wait_for_workers(server.url, 3)
             assert any("experts" in w for w in _health(server.url)[1]["workers"])
