@@ -64,6 +64,9 @@ def check_plan(cfg: ModelConfig, plan: StageSizing, place: Placement, budget: Bu
             lent(cfg, here, place, pinned(options, here), here.prompt_tokens)):
         raise SizingError(f"the plan of {what} lends its expert cache to {here.prompt_tokens:,}-token prompt forwards, "
                           f"and their workspace does not fit this worker's budget of {budget.device / GB:.2f} GB")
+    if here.spill_tokens and not budget.fits(lent(cfg, here, place, pinned(options, here), here.spill_tokens, True)):
+        raise SizingError(f"the plan of {what} spills {here.spill_tokens:,}-token prompt forwards, and their "
+                          f"workspace does not fit this worker's budget of {budget.device / GB:.2f} GB")
     if not budget.fits(here):
         host = f" and {here.host / GB:.2f} GB of host memory ({budget.host / GB:.2f} GB)" if (
             here.host and budget.host is not None) else ""

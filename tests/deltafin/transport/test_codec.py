@@ -190,6 +190,11 @@ def test_a_stage_plan_travels_whole_and_checked() -> None:
     assert z.wide and z.streamed_layers and z.spine_why and z.discrete
     wire = pb.StageSizing.FromString(codec.encode_stage_plan(z).SerializeToString())
     assert codec.decode_stage_plan(wire, cfg.num_layers) == z
+    k3 = parse_config(preset_config("k3"))  # one Mac's at 64K: its prompts lend the cache and spill past that
+    mac = choose(k3, 0, k3.num_layers, Placement("mps"), Budget(56 * GB_), SizingInput(context=65536))
+    assert mac.spill_tokens > mac.prompt_tokens > mac.forward_tokens
+    sent = pb.StageSizing.FromString(codec.encode_stage_plan(mac).SerializeToString())
+    assert codec.decode_stage_plan(sent, k3.num_layers) == mac
     for change, words in [({"end": cfg.num_layers + 1}, "invalid layer range"), ({"expert_calls": -5}, "expert_calls"),
                           ({"resident_layers": [2, 1]}, "in order"), ({"spine": "fp4"}, "unknown spine")]:
         bad = pb.StageSizing()
