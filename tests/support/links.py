@@ -51,35 +51,46 @@ def free_port() -> int:
 class LinkProxy:
     """Running linkproxies in front of `targets` (HOST:PORT each); `addresses[i]` reaches `targets[i]`."""
 
-    def __init__(self, targets: list[str], rtt_ms: float, mbps: float, ports: list[int] | None = None):
+    def __init__(self, targets: list[str], rtt_ms: float, mbps: float, ports: list[int] | None = None,
+                 shared_mbps: float = 0.0):
         self.targets = list(targets)
         self.ports = list(ports) if ports is not None else [free_port() for _ in targets]
-        self.rtt_ms, self.mbps = rtt_ms, mbps
+        self.rtt_ms, self.mbps, self.shared_mbps = rtt_ms, mbps, shared_mbps
         self.procs: list[subprocess.Popen] = []
         self.carried: dict[str, Carried] = {}
         try:
-            for port, target in zip(self.ports, targets, strict=True):
-                self.procs.append(self._start(port, target))
+            if shared_mbps:  # one process: every link draws on its one rate
+                self.procs.append(self._start(self.ports, self.targets))
+            else:
+                for port, target in zip(self.ports, targets, strict=True):
+                    self.procs.append(self._start([port], [target]))
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, port: int, target: str) -> subprocess.Popen:
+    def _start(self, ports: list[int], targets: list[str]) -> subprocess.Popen:
+        pairs = [arg for port, target in zip(ports, targets, strict=True) for arg in ("--listen", str(port), "--to",
+                                                                                     target)]
+        shared = ["--shared-mbps", str(self.shared_mbps)] if self.shared_mbps else []
         proc = subprocess.Popen([sys.executable, str(LINKPROXY), "--rtt-ms", str(self.rtt_ms), "--mbps",
-                                 str(self.mbps), "--listen", str(port), "--to", target],
+                                 str(self.mbps), *shared, *pairs],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _wait_listening(proc, port)
+        for port in ports:
+            _wait_listening(proc, port)
         return proc
 
     def drop(self, i: int, seconds: float) -> threading.Thread:
         """Link `i` down for `seconds` (a Wi-Fi roam, a re-plugged cable): its proxy killed, its connections cut, and
-        after that one listening on the same port again (the thread that brings it back, started)."""
+        after that one listening on the same port again (the thread that brings it back, started). Links of their
+        own only (a shared medium's are one process)."""
+        if self.shared_mbps:
+            raise ValueError("a link of a shared medium cannot drop alone")
         self.procs[i].kill()
         self.procs[i].wait()
 
         def back() -> None:
             time.sleep(seconds)
-            self.procs[i] = self._start(self.ports[i], self.targets[i])
+            self.procs[i] = self._start([self.ports[i]], [self.targets[i]])
 
         thread = threading.Thread(target=back, name=f"link-{i}-back", daemon=True)
         thread.start()
@@ -126,9 +137,10 @@ def _wait_listening(proc: subprocess.Popen, port: int) -> None:
 
 
 @contextmanager
-def slow_links(targets: list[str], rtt_ms: float, mbps: float) -> Iterator[LinkProxy]:
-    """A LinkProxy in front of `targets` while the block runs; its `carried` is filled when the block ends."""
-    proxy = LinkProxy(targets, rtt_ms, mbps)
+def slow_links(targets: list[str], rtt_ms: float, mbps: float, shared_mbps: float = 0.0) -> Iterator[LinkProxy]:
+    """A LinkProxy in front of `targets` while the block runs (`shared_mbps`: every link on one medium of that
+    rate); its `carried` is filled when the block ends."""
+    proxy = LinkProxy(targets, rtt_ms, mbps, shared_mbps=shared_mbps)
     try:
         yield proxy
     finally:

@@ -1,12 +1,13 @@
-"""A cluster of simulated Macs behind simulated links: one worker process per Mac (each under its own `disklimit`
-and `memlimit`, as in cluster_bench.py), each reached through `../shared/tools/linkproxy` with a link kind's round
-trip and bandwidth (deltafin/plan/links.py PROFILES; `--scale-to RATE` scales the bandwidth by RATE over a Mac's
-6.6 GB/s SSD, so that the links keep their ratio to the disks), and this process as the coordinator, reaching
-every worker through the proxies (and so do the workers each other, with wide experts). For each profile: the
-plan's mode and its prediction, a prompt's prefill seconds, the seconds per decoded token, the greedy ids and the
-bytes each link carried each way. Prints one JSON object. `--flap 1,3,10` runs each profile again with the last
-worker's link dropped that many seconds `--flap-after` seconds into the generation (its proxy killed, then listening
-again): the ids, the added seconds, and whether the cluster re-planned (it should not below --reconnect-timeout).
+"""A cluster of simulated Macs behind simulated links: one worker process per Mac (each under its own `disklimit` and
+`memlimit`, as in cluster_bench.py), each reached through `../shared/tools/linkproxy` with a link kind's round trip
+and bandwidth (deltafin/plan/links.py PROFILES: each link its own; `wifi-shared`: one rate for every link, as on one
+Wi-Fi channel; `--scale-to RATE` scales the bandwidth by RATE over a Mac's 6.6 GB/s SSD, so that the links keep their
+ratio to the disks), and this process as the coordinator, reaching every worker through the proxies (and so do the
+workers each other, with wide experts). For each profile: the plan's mode and its prediction, a prompt's prefill
+seconds, the seconds per decoded token, the greedy ids and the bytes each link carried each way. Prints one JSON
+object. `--flap 1,3,10` runs each profile again with the last worker's link dropped that many seconds `--flap-after`
+seconds into the generation (its proxy killed, then listening again): the ids, the added seconds, and whether the
+cluster re-planned (it should not below --reconnect-timeout).
 
     python -m tests.system.link_bench --model K3SLICE --workers 2 --profiles loopback,wifi,1gbe --scale-to 250M \\
         --disk-rate 250M --memlimit-gb 6 --memory-gb 5.5 --prompt-tokens 819 --tokens 4 --pin -- --spine int8
@@ -37,9 +38,13 @@ from tests.system.cluster_bench import _caps
 MAC_SSD = 6.6e9  # bytes a second a Mac's SSD reads (docs/PERF.md): what --scale-to scales the links by
 
 
+SHARED = "-shared"  # a profile's name with this after it: every link on one medium of that rate (one Wi-Fi channel)
+
+
 def profile_link(name: str, scale: float) -> tuple[float, float]:
     """(rtt ms, Mbit/s) of a profile, its bandwidth scaled ("loopback": no delay, no cap; "4ms": that round trip,
-    no cap)."""
+    no cap; "wifi-shared": wifi's, every link sharing it)."""
+    name = name.removesuffix(SHARED)
     if name == "loopback":
         return 0.0, 0.0
     if name.endswith("ms"):
@@ -70,7 +75,8 @@ def run(args: argparse.Namespace, name: str, options: dict, flap: float = 0.0) -
     ids = (torch.arange(args.prompt_tokens) * 7919 % (cfg.vocab_size - 1000) + 500).tolist()
     try:
         addresses = [p.wait_ready(timeout=900) for p in procs]
-        with slow_links(addresses, rtt_ms, mbps) as proxy, deltafin.connect(
+        shared = mbps if name.endswith(SHARED) else 0.0
+        with slow_links(addresses, rtt_ms, mbps, shared) as proxy, deltafin.connect(
                 args.model, proxy.addresses, discover=False, progress=False, **options) as model:
             plan = model.engine.backend.plan
             timer = threading.Timer(args.flap_after, proxy.drop, (len(procs) - 1, flap)) if flap else None
@@ -91,7 +97,8 @@ def run(args: argparse.Namespace, name: str, options: dict, flap: float = 0.0) -
         for p in procs:
             p.stop()
     predicted = prefill_seconds(cfg, plan, args.prompt_tokens)
-    return {"profile": name, "rtt_ms": rtt_ms, "mbit_s": round(mbps, 2) or None, "capped": bool(prefix),
+    return {"profile": name, "rtt_ms": rtt_ms, "mbit_s": round(mbps, 2) or None, "shared": name.endswith(SHARED),
+            "capped": bool(prefix),
             "flap_s": flap or None, "recoveries": recoveries,
             "experts": "wide" if plan.wide else "local", "why": plan.mode_why,
             "prefill_s": round(out.timing.prefill_s, 2), "s_per_token": round(out.timing.decode_s /
@@ -120,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--profiles", default="loopback,wifi",
                    help=f"link kinds, comma-separated: loopback, {', '.join(PROFILES)}, or a bare round trip such as "
-                        "10ms (default loopback,wifi)")
+                        f"10ms; a kind with {SHARED} after it (wifi{SHARED}) puts every link on one medium of its "
+                        "rate, as one Wi-Fi channel is (default loopback,wifi)")
     p.add_argument("--scale-to", default="", metavar="RATE",
                    help="scale the links' bandwidth to disks of RATE a second (e.g. 250M: the disklimit rate)")
     p.add_argument("--disk-rate", default="250M", help="each worker's disk read cap (default 250M)")
@@ -138,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="an argument for every worker (repeatable)")
     args = p.parse_args(argv)
     for name in args.profiles.split(","):
-        if name != "loopback" and name not in PROFILES and not re.fullmatch(r"\d+(\.\d+)?ms", name):
-            p.error(f"unknown link profile {name!r}: loopback, {', '.join(PROFILES)}, or a round trip such as 10ms")
+        kind = name.removesuffix(SHARED)
+        if kind != "loopback" and kind not in PROFILES and not re.fullmatch(r"\d+(\.\d+)?ms", kind):
+            p.error(f"unknown link profile {name!r}: loopback, {', '.join(PROFILES)}, or a round trip such as 10ms, "
+                    f"each with {SHARED} after it or not")
+        if args.flap and name.endswith(SHARED):
+            p.error(f"--flap drops one worker's link: {name} has one medium for all")
     options = {"experts": args.experts, **_keywords(extra)}
     runs = []
     flaps = [0.0, *(float(s) for s in args.flap.split(",") if s)]

@@ -74,3 +74,43 @@ def test_bytes_arrive_whole_late_and_paced_and_are_counted() -> None:
 def test_a_listen_without_its_target_is_refused(args: list[str]) -> None:
     proc = subprocess.run([sys.executable, str(LINKSIM), *args], capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "one --to for each --listen" in proc.stderr
+
+
+def test_two_links_on_a_shared_medium_share_its_rate() -> None:
+    """Two pairs in one process with --shared-mbps at the per-link rate: two payloads sent at once through the two
+    take about twice one payload's time (each link alone would carry its own at the full rate)."""
+    payload = bytes(range(256)) * (SIZE // 256)
+    servers = [_server(b"ok") for _ in range(2)]
+    ports = [free_port(), free_port()]
+    pairs = [a for port, (srv, _) in zip(ports, servers, strict=True)
+             for a in ("--listen", str(port), "--to", f"127.0.0.1:{srv.getsockname()[1]}")]
+    proc = subprocess.Popen([sys.executable, str(LINKSIM), "--mbps", str(MBPS), "--shared-mbps", str(MBPS), *pairs],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done: list[float] = []
+
+    def send(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            while c.recv(65536):
+                pass
+        done.append(time.monotonic())
+
+    try:
+        for _ in ports:
+            assert LISTENING.match(proc.stdout.readline())  # type: ignore[union-attr]
+        start = time.monotonic()
+        threads = [threading.Thread(target=send, args=(port,)) for port in ports]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        seconds = max(done) - start
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+        for srv, _ in servers:
+            srv.close()
+    assert [got for _, got in servers] == [[payload], [payload]]
+    assert seconds >= (2 * len(payload) - 65536) / (MBPS * 1e6 / 8), seconds  # both through the one rate
+    assert seconds < 10
