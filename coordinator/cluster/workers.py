@@ -178,7 +178,8 @@ def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
     holders = tuple(Holder(s.key, s.address, s.worker, s.expert_gbps or s.disk_gbps,
                            s.compute.expert_one_s if s.compute else 0.0, s.compute.expert_token_s if s.compute else 0.0)
                     for s in members)
-    links = tuple(HolderLink(a.key, b.key, plan.links.between(a.key, b.key))
+    flows = len(members) - 1  # a stage's calls go to every other holder at once: on one medium, they share it
+    links = tuple(HolderLink(a.key, b.key, plan.links.sharing(plan.links.between(a.key, b.key), flows))
                   for i, a in enumerate(members) for b in members[i + 1:])
     t = spec.timeouts
     return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward, links)

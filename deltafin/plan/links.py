@@ -2,7 +2,10 @@
 measured when the cluster forms (transport/echo.py: a short probe, again when a worker rejoins), or a named
 profile where nothing was measured. The planner prices with them what crosses them: the stage hops (a prompt's or
 a token's hidden states to a stage and back, through the coordinator) and, with wide experts, each MoE layer's
-expert calls between a stage and the other holders (one round trip, a row a token each way).
+expert calls between a stage and the other holders (one round trip, a row a token each way). Links on one medium
+(one Wi-Fi channel: every station shares its airtime, and a hop relayed through the coordinator crosses it twice)
+are found by measuring two at once (coordinator/cluster/link_probe.py); what crosses them at once is then priced as
+its bytes together over the medium's rate (`together`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,24 @@ class Links:
     assumed: Link = ASSUMED
     names: Mapping[str, str] = field(default_factory=dict)  # the workers' names, by key (for the table)
     value_bytes: int = 4
+    shared_bps: float = 0.0  # every link is on one medium of this rate, bytes a second (0: each link its own)
+
+    def together(self, moves: list[tuple[Link, float, float]], round_trips: float = 1.0) -> float:
+        """What moving (link, bytes up, bytes down) of each at once takes: the slowest of them on links of their own;
+        on one medium, at least their bytes together over its rate."""
+        alone = max((link.seconds(up, down, round_trips) for link, up, down in moves), default=0.0)
+        if not self.shared_bps or len(moves) < 2:
+            return alone
+        rtt = max(link.rtt_s for link, _, _ in moves) * round_trips
+        return max(alone, rtt + sum(up + down for _, up, down in moves) / self.shared_bps)
+
+    def sharing(self, link: Link, flows: int) -> Link:
+        """`link` while `flows` links of the medium move at once (their share of its rate; unchanged where each link
+        is its own)."""
+        if not self.shared_bps or flows < 2:
+            return link
+        rate = self.shared_bps / flows
+        return Link(link.rtt_s, min(link.up_bps, rate), min(link.down_bps, rate), link.address)
 
     def between(self, a: str, b: str) -> Link:
         """The link from `a` to `b` (COORDINATOR for the coordinator); a machine to itself is free."""
@@ -86,6 +107,8 @@ class Links:
                  for k, v in sorted(self.to_workers.items(), key=lambda kv: name(kv[0]))]
         lines += [f"  {name(a)} -> {name(b)}: {v.describe()}" + (f" ({v.address})" if v.address else "")
                   for (a, b), v in sorted(self.pairs.items(), key=lambda kv: (name(kv[0][0]), name(kv[0][1])))]
+        if self.shared_bps:
+            lines.append(f"  one medium: every link shares {_rate(self.shared_bps)} (measured two at once)")
         return lines
 
 

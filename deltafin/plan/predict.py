@@ -150,7 +150,7 @@ def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> f
     relayed = 0.0
     for i, s in enumerate(stages[:-1]):
         b = hop_bytes(cfg, s.start, s.end, tokens, wire)[1]
-        relayed += _streamed(cfg, s, tokens, max(link[i].seconds(0, b, 0), link[i + 1].seconds(b, 0, 0)))
+        relayed += _streamed(cfg, s, tokens, links.together([(link[i], 0, b), (link[i + 1], b, 0)], 0))
     return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + relayed + link[-1].seconds(0, last_out, 0)
 
 
@@ -273,7 +273,9 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
         bounds, o = p.bounds_of(layer), owner[layer]
         share = [(bounds[i + 1] - bounds[i]) / e for i in range(len(members))]
         if tokens * k > e:  # a prompt's calls divide the experts they touch as the stage does (plan/prompt_split.py)
-            split = PromptSplit(holders, tuple(None if i == o else links.between(members[o].key, m.key)
+            flows = sum(1 for i, x in enumerate(share) if x > 0 and i != o)  # on one medium they share it
+            split = PromptSplit(holders, tuple(None if i == o else links.sharing(links.between(members[o].key, m.key),
+                                                                                 flows)
                                                for i, m in enumerate(members)),
                                 k, cfg.bytes_per_expert, cfg.expert_dim * links.value_bytes)
             counts = split.counts(round(touched), tokens, [x > 0 for x in share])
@@ -284,7 +286,7 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
         rows = [tokens * (1 - (1 - share[i]) ** k) * cfg.expert_dim * links.value_bytes for i in range(len(members))]
         called = [i for i in range(len(members)) if i != o and share[i] > 0]
         link = {i: links.between(members[o].key, members[i].key) for i in called}
-        calls = max((link[i].seconds(rows[i], rows[i]) for i in called), default=0.0)
+        calls = links.together([(link[i], rows[i], rows[i]) for i in called])
         spine = _layer_spine(cfg, members[o], layer, tokens) if ahead and members[o].compute is not None else 0.0
         early = [min(spine, reads[i], (m.sizing.expert_cache // slot + 2 * k) * cfg.bytes_per_expert / speeds[i])
                  for i, m in enumerate(members)]
@@ -322,7 +324,8 @@ def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: in
             "links": {"measured": plan.links.measured, "assumed": link(plan.links.assumed),
                       "coordinator": {names.get(k, k): link(v) for k, v in plan.links.to_workers.items()},
                       "between": {f"{names.get(a, a)} -> {names.get(b, b)}": link(v)
-                                  for (a, b), v in plan.links.pairs.items()}},
+                                  for (a, b), v in plan.links.pairs.items()},
+                      "shared_mbit_s": round(plan.links.shared_bps * 8 / 1e6, 1) or None},
             "token": seconds(plan.token) if plan.token is not None else None,
             "first_token": {str(n): seconds(s) for n, s in plan.first_token},
             "verify_pass_s": {str(k): round(s, 4) for k, s in enumerate(plan.verify)},

@@ -3,9 +3,15 @@ them), and a worker announcing several addresses is reached at the fastest (a Th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
+from types import SimpleNamespace
 
+import pytest
+
+from deltafin.coordinator.cluster.link_probe import LinkProbe
+from deltafin.plan.links import Link
 from tests.support.cluster import COORDINATOR, WorkerProcess, workers
 from tests.support.links import LinkProxy, free_port, slow_links
 
@@ -44,3 +50,44 @@ def test_a_worker_is_reached_at_its_fastest_address(tiny_dir):
             assert plan["links"]["coordinator"]["w0"]["address"] == bridge.addresses[0]
     finally:
         worker.stop()
+
+
+class Air:
+    """Links measured by scripted clients: each one alone moves `rate` bytes a second; on one medium, two measured at
+    once share it (each gets half), else each keeps its own."""
+
+    def __init__(self, shared: bool, rate: float = 50e6):
+        self.shared, self.rate, self.moving = shared, rate, 0
+
+    def client(self, address: str) -> SimpleNamespace:
+        async def measure_link() -> Link:
+            self.moving += 1
+            await asyncio.sleep(0.05)  # both start before either ends
+            rate = self.rate / self.moving if self.shared else self.rate
+            await asyncio.sleep(0.05)
+            self.moving -= 1
+            return Link(0.004, rate, rate, address)
+        return SimpleNamespace(measure_link=measure_link)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_two_links_measured_at_once_say_whether_they_share_a_medium(shared: bool) -> None:
+    air = Air(shared)
+    workers = [(air.client(f"w{i}:1"), SimpleNamespace(key=f"k{i}", address=f"w{i}:1", name=f"w{i}"))
+               for i in range(3)]
+    links = await LinkProbe().links(workers, pairs=False)
+    assert set(links.to_workers) == {"k0", "k1", "k2"}
+    assert links.shared_bps == (pytest.approx(50e6) if shared else 0.0)  # their two halves: the medium's rate
+
+
+def test_plan_finds_links_that_share_one_medium(tiny_dir):
+    """Two workers behind links of 40 Mbit/s each: through one proxy whose pairs share 40 Mbit/s (one Wi-Fi channel),
+    plan --json says one medium of about that rate; through proxies of their own, none."""
+    with workers(tiny_dir, 2) as procs:
+        targets = [p.address for p in procs]
+        with slow_links(targets, rtt_ms=2, mbps=40, shared_mbps=40) as air:
+            shared = _plan(tiny_dir, *air.addresses)
+        with slow_links(targets, rtt_ms=2, mbps=40) as own:
+            separate = _plan(tiny_dir, *own.addresses)
+    assert 25 < shared["links"]["shared_mbit_s"] < 60, shared["links"]
+    assert separate["links"]["shared_mbit_s"] is None, separate["links"]
