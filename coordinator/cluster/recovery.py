@@ -176,13 +176,14 @@ class ResilientCluster:
             except (RemoteError, WorkerLost) as e:
                 done = getattr(e, "done_forwards", 0)
                 self._record(items[:done])
+                sid = items[0].session_id
                 out, items = out + e.outputs[:done], items[done:]  # type: ignore[attr-defined]
                 progress = progress[done:] if progress is not None else None
-                self.journal.mark_stale([items[0].session_id])
+                self.journal.mark_stale([sid])
                 attempts += 1
                 if not self.options.enabled or not _recoverable(e) or attempts > self.options.max_attempts:
                     raise
-                await self.recover(str(e), [items[0].session_id])
+                await self.recover(str(e), [sid])
 
     def _record(self, items: list[SeqInput]) -> None:
         if self.options.enabled:
