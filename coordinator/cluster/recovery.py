@@ -203,7 +203,8 @@ class ResilientCluster:
         return await self.backend.find_prefix(tokens)
 
     async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
-        return await self.backend.held_prefixes(prefix_ids, logits_for)
+        async with self.lock.shared():  # not from the stages of a plan being recovered
+            return await self.backend.held_prefixes(prefix_ids, logits_for)
 
     def resuming(self, prefix_id: str, tokens: list[int]) -> None:
         self.journal.know_prefix(prefix_id, tokens, self.max_forward_tokens)
@@ -248,13 +249,14 @@ class ResilientCluster:
     async def _answering(self) -> list[Any]:
         """The workers that answer. Where one of the plan's does not (a link that dropped: a Wi-Fi roam, a
         re-plugged cable), asked again every RECONNECT_POLL seconds for up to the `reconnect` timeout before the
-        cluster is planned without it: back with its sessions, the plan stays and the step is retried there."""
+        cluster is planned without it: back with its sessions, the plan stays and the step is retried there. One
+        that answers without its stage (restarted) is not waited for: the plan is made again at once."""
         t0, window = time.monotonic(), self.spec.timeouts.reconnect
         wanted = {w.address: w.name for w in self.backend.workers}
         gone: list[str] = []  # the plan's workers that did not answer the first time
         while True:
             candidates = await self.current.candidates()
-            missing = sorted(set(wanted) - {d.address for _, d in candidates if d.state == "ready"})
+            missing = sorted(set(wanted) - {d.address for _, d in candidates})  # one back without its stage answers
             waited = time.monotonic() - t0
             self.reconnecting = {wanted[a]: waited for a in missing} if missing and waited < window else {}
             if not self.reconnecting:

@@ -362,7 +362,7 @@ async def health(request: web.Request) -> web.Response:
                               "workers": [{"name": s.get("name"), "layers": s.get("layers"),
                                            "sessions": s.get("sessions", 0),
                                            **({"experts": s["wide"].get("share")} if "wide" in s else {})}
-                                          for s in stats]})
+                                          for s in stats if s.get("state", "ready") == "ready"]})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -291,6 +291,11 @@ async def test_a_worker_that_stops_answering_is_asked_again_before_the_cluster_p
     assert any("w1 does not answer: asking again for up to 5 s" in m for m in messages)
     assert any("w1 answers again after" in m for m in messages)
 
+    restarted = SimpleNamespace(address=w1.address, name="w1", state="idle")  # back, but without its stage
+    answers[:] = [[(None, w0), (None, restarted)]]
+    t0 = asyncio.get_running_loop().time()
+    assert len(await rc._answering()) == 2 and asyncio.get_running_loop().time() - t0 < 0.4  # not waited for
+
     answers[:] = [[(None, w0)]]  # w1 gone for good: given up on after the timeout
     rc.spec.timeouts = replace(Timeouts(), reconnect=1.0)
     got = await rc._answering()
