@@ -49,8 +49,9 @@ def test_status_shapes_counters_prefills_and_workers() -> None:
 
 def test_status_without_worker_stats_still_says_the_coordinators_own() -> None:
     fresh = Prefilling(PrefillProgress(0, 100, 0.0, 0.0), started=5.0)  # nothing read yet: no time left to say
-    got = status("m", 1.0, Counters(), SchedulerStats(), [fresh], None, now=5.0, workers_error="timed out")
-    assert got["workers"] == [] and got["workers_error"] == "timed out"
+    got = status("m", 1.0, Counters(), SchedulerStats(), [fresh], None, now=5.0, workers_error="timed out",
+                 reconnecting={"w1": 2.345})  # recovery.py asks w1 again: its link dropped
+    assert got["workers"] == [] and got["workers_error"] == "timed out" and got["reconnecting"] == {"w1": 2.3}
     assert got["prefilling"][0]["seconds_left"] is None and got["prefilling"][0]["fraction"] == 0.0
 
 
