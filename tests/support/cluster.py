@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +44,7 @@ class WorkerProcess:
                  memory_gb: float | None = 4, prefix: tuple[str, ...] = ()):
         # every worker its own prefix folder (tests must not resume each other's kept prefixes)
         self.prefix_dir = tempfile.mkdtemp(prefix="deltafin-prefixes-")
+        atexit.register(shutil.rmtree, self.prefix_dir, ignore_errors=True)  # a restarted worker may reuse it
         cmd = [*prefix, *WORKER, "--model", str(model), "--port", "0", "--prefix-dir", self.prefix_dir,
                "--disk-gbps", "2.0", "--grace", "3", *extra]
         cmd += ["--name", name] if name is not None else []
