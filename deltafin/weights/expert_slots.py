@@ -49,7 +49,8 @@ class DeviceSlots(FreeSlots):
         stale, as no slot is in use); dropping the tensor alone frees it only once the last view is gone (measured
         on an H100: a K3 cache of 36 GB stayed while its lent forward asked for 34 more)."""
         with torch.inference_mode(False):  # made during a forward (a prompt borrows the cache), written by readers
-            with contextlib.suppress(NotImplementedError, RuntimeError):  # a backend that cannot: dropped only
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # storage that cannot be resized: freed
+                # with its last view instead
                 self.tensor.untyped_storage().resize_(0)
             self.tensor = None  # type: ignore[assignment]
             free_device_cache(self.device)
