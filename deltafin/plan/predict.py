@@ -4,9 +4,9 @@ decoded token and a prompt's first token, each split into what the disks, the li
 - Disks: each forward reads every MoE layer's experts its tokens touch (a uniform router, less what the caches keep)
   and streams the spine that does not stay; with local experts the stages read one after another, with wide experts
   every holder reads its share of a layer at once (the slowest holder sets the layer's time).
-- Links (plan/links.py): every stage's hop through the coordinator (a stage's residual state, (1 + blocks) x D
-  values a token, relayed to the next stage part by part as it comes, so the two links carry it at once; the first
-  stage's token ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
+- Links (plan/links.py): every stage's hop (a stage's residual state, (1 + blocks) x D values a token, relayed by
+  the coordinator or handed directly to the next stage, whichever is faster: plan/hops.py; the first stage's token
+  ids, the last's logits of the last position), and with wide experts each MoE layer's calls from
   the stage that owns it to the other holders, at once: a round trip and the rows of the tokens routed to each
   (out, and their sums back). States and rows cross at the wire's size (`Links.value_bytes`: fp32, or bf16 with
   `--wire bf16`); the logits stay fp32. A token waits for its calls after its reads; a prompt's calls divide the
@@ -28,15 +28,15 @@ decoded token and a prompt's first token, each split into what the disks, the li
 from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.models.decoder import STREAM_PIECE_TOKENS
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import layer_flop, spine_seconds
-from deltafin.plan.links import COORDINATOR, Links
+from deltafin.plan.hops import hops_seconds
+from deltafin.plan.links import Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
 from deltafin.plan.sizing import Placement, kept_while_lent, lends
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.plan.spill_cost import spill_bytes
-from deltafin.plan.stage_parts import boundary_bytes_per_token, expert_slot_bytes
+from deltafin.plan.stage_parts import expert_slot_bytes
 
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
 
@@ -51,15 +51,6 @@ def forward_read_bytes(cfg: ModelConfig, tokens: int) -> float:
     """The expert bytes one forward of `tokens` prompt tokens reads, every MoE layer's touched experts (uniform
     router, no cache): what a prefill's progress counts (its time left)."""
     return len(cfg.moe_layers) * distinct_experts(cfg, tokens) * cfg.bytes_per_expert if cfg.moe_layers else tokens
-
-
-def hop_bytes(cfg: ModelConfig, start: int, end: int, tokens: int, act_bytes: int) -> tuple[int, int]:
-    """(bytes to, bytes back) of a forward of `tokens` tokens through a stage of layers [start, end): the first
-    stage's token ids or the residual state entering `start`; the state leaving `end`, or the last position's fp32
-    logits."""
-    into = tokens * (4 if start == 0 else boundary_bytes_per_token(cfg, start, act_bytes))
-    out = 4 * cfg.vocab_size if end == cfg.num_layers else tokens * boundary_bytes_per_token(cfg, end, act_bytes)
-    return into, out
 
 
 def token_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> Seconds:
@@ -135,34 +126,6 @@ def forward_lengths(tokens: int, most: int) -> list[int]:
     count = -(-tokens // max(1, most))
     base, extra = divmod(tokens, max(1, count))
     return [base + (i < extra) for i in range(count)]
-
-
-def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
-    """A forward's hops through the coordinator: the ids to the first stage, each stage's output state relayed to
-    the next part by part (coordinator/cluster/relay.py: both links carry it at once, the slower one sets the time;
-    a stage that ends on a dense layer sends it while it computes: `_streamed`), the last position's logits back; a
-    round trip per stage."""
-    stages, links = plan.stages, plan.links
-    wire = min(act_bytes, links.value_bytes)
-    first_in, _ = hop_bytes(cfg, stages[0].start, stages[0].end, tokens, wire)
-    _, last_out = hop_bytes(cfg, stages[-1].start, stages[-1].end, tokens, wire)
-    link = [links.between(COORDINATOR, s.key) for s in stages]
-    relayed = 0.0
-    for i, s in enumerate(stages[:-1]):
-        b = hop_bytes(cfg, s.start, s.end, tokens, wire)[1]
-        relayed += _streamed(cfg, s, tokens, links.together([(link[i], 0, b), (link[i + 1], b, 0)], 0))
-    return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + relayed + link[-1].seconds(0, last_out, 0)
-
-
-def _streamed(cfg: ModelConfig, s: StagePlan, tokens: int, hop: float) -> float:
-    """What a stage's hop of `hop` seconds adds after its compute: all of it, but where the stage ends on a dense
-    layer that runs in n pieces and sends each on as it is done (models/decoder.py STREAM_PIECE_TOKENS), the rows
-    cross during its compute C of that layer: the link is done max(hop / n, hop - C (n - 1) / n) after it."""
-    if tokens <= STREAM_PIECE_TOKENS or cfg.is_moe(s.end - 1) or s.compute is None:
-        return hop
-    n = -(-tokens // STREAM_PIECE_TOKENS)
-    last = spine_seconds(cfg, s.compute, s.end - 1, s.end, tokens, s.sizing.spine)
-    return max(hop / n, hop - last * (n - 1) / n)
 
 
 def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:

@@ -15,12 +15,12 @@ from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.compute import ComputeSpeed, assumed_gpu, head_flop, layer_flop, spine_seconds
+from deltafin.plan.hops import hops_seconds
 from deltafin.plan.links import Links, profile
 from deltafin.plan.planner import plan_layers
 from deltafin.plan.predict import (
     distinct_experts,
     forward_lengths,
-    hops_seconds,
     prefill_seconds,
     prompt_forward,
     token_seconds,

@@ -7,12 +7,7 @@ import math
 
 import pytest
 
-from deltafin.checkpoint.config import parse_config
-from deltafin.checkpoint.presets import preset_config
-from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.links import ASSUMED, COORDINATOR, PROFILES, Link, Links, profile
-from deltafin.plan.planner import plan_layers
-from deltafin.plan.predict import hop_bytes, hops_seconds
 
 
 def test_a_link_is_read_from_either_end_and_unmeasured_ones_are_assumed():
@@ -46,18 +41,3 @@ def test_links_on_one_medium_share_its_rate():
     assert air.together([(wifi, 1.0, 1.0)] * 3) == pytest.approx(0.004 + 6 / 50e6)  # the round trip, once
     assert air.sharing(wifi, 4).up_bps == pytest.approx(12.5e6) and own.sharing(wifi, 4) == wifi
     assert air.describe()[-1] == "  one medium: every link shares 400 Mbit/s (measured two at once)"
-
-
-def test_a_relayed_hop_crosses_a_shared_medium_twice():
-    """Two stages over Wi-Fi: a prompt's states go from stage 0 to the coordinator and on to stage 1 at once (the
-    relay); on one channel the two crossings share its airtime, so the hop takes twice as long."""
-    k3 = parse_config(preset_config("k3"))
-    macs = [WorkerCapacity(f"m{i}", 56 * 10**9, 6.6, ((0, 93),), True, address=f"m{i}:1", device="mps",
-                           worker_id=f"m{i}") for i in range(2)]
-    wifi = PROFILES["wifi"]
-    plan = plan_layers(k3, macs, experts="local", links=Links(assumed=wifi))
-    air = plan_layers(k3, macs, experts="local", links=Links(assumed=wifi, shared_bps=wifi.up_bps))
-    s0 = plan.stages[0]
-    state = hop_bytes(k3, s0.start, s0.end, 4096, 4)[1]
-    extra = hops_seconds(k3, air, 4096, 4) - hops_seconds(k3, plan, 4096, 4)
-    assert extra == pytest.approx(state / wifi.up_bps, rel=1e-6)  # one more crossing of the states

@@ -11,6 +11,7 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.hops import hops_seconds
 from deltafin.plan.links import Links, profile
 from deltafin.plan.planner import plan_layers
 from deltafin.plan.predict import (
@@ -18,7 +19,6 @@ from deltafin.plan.predict import (
     _stage_busy,
     _wide_layers,
     forward_lengths,
-    hops_seconds,
     prefill_seconds,
     prompt_forward,
     token_seconds,
