@@ -81,6 +81,10 @@ class Cancelled(StageError):
     """The forward was cancelled (its caller went away)."""
 
 
+class StatesGone(StageError):
+    """The states handed to this worker for a forward (stage to stage) are not here: never whole, or dropped."""
+
+
 class PrefixNotFound(StageError):
     """A sequence asked to resume from a prefix this stage does not hold (evicted, or never kept)."""
 
@@ -195,6 +199,7 @@ GRPC_STATUS: list[tuple[type[DeltafinError], str]] = [
     (CodecError, "INVALID_ARGUMENT"),
     (InvalidInput, "INVALID_ARGUMENT"),
     (SessionNotFound, "NOT_FOUND"),
+    (StatesGone, "NOT_FOUND"),  # lost state: the stages before advanced, so the sessions are replayed
     (PrefixNotFound, "ABORTED"),  # not lost state: the coordinator starts the session afresh
     (NotHeld, "FAILED_PRECONDITION"),
     (SessionOutOfSync, "FAILED_PRECONDITION"),

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import open_checkpoint, scan_checkpoint
-from deltafin.coordinator.cluster.backend import Backend, LocalBackend, Timeouts
+from deltafin.coordinator.cluster.backend import Backend, LocalBackend
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.recovery import RecoveryOptions, connect_cluster
+from deltafin.coordinator.cluster.worker_client import Timeouts
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError

@@ -2,7 +2,7 @@
 
 The coordinator is the hub: a stage's output states come to it and go on to the next stage. Waiting for the
 whole output before sending it on puts the two links one after the other; a long prompt's states are tens of MB
-at K3's width, half a minute each way over Wi-Fi. Relayed, each part (1 MB, backend.PART_BYTES) goes on as it
+at K3's width, half a minute each way over Wi-Fi. Relayed, each part (1 MB, worker_client.PART_BYTES) goes on as it
 comes, so both links carry the states at once and the hop costs about one crossing. The next stage's call starts
 with the first part; it computes once the last has come, as before (a failed or cancelled stream changes no
 session there).

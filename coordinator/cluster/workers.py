@@ -19,8 +19,9 @@ import grpc
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import fingerprint
-from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
+from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.link_probe import LinkProbe
+from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
@@ -246,5 +247,5 @@ def parallel_stages(workers: list[WorkerDescription]) -> int:
 def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
     """Tokens one forward carries: what every stage was sized for, a prompt's forward borrowing the expert cache where
     its plan lends it (sizing.py `_lend_cache`; a forward larger than a gRPC message goes in parts, not in pieces:
-    backend.WorkerClient.forward)."""
+    worker_client.WorkerClient.forward)."""
     return min(s.sizing.longest_forward for s in plan.stages)

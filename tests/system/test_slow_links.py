@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltafin.coordinator.cluster.backend import Timeouts
 from deltafin.coordinator.cluster.recovery import RecoveryOptions, ResilientCluster, connect_cluster
+from deltafin.coordinator.cluster.worker_client import Timeouts
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.errors import WorkerLost
 from deltafin.runtime.pipeline import LocalPipeline

@@ -251,16 +251,28 @@ class KeepPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., prefix_id: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "all_logits", "part_bytes")
+    __slots__ = ("request_id", "sequences", "all_logits", "part_bytes", "hand_to", "handed_from", "lost_after")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
     PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HAND_TO_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FROM_FIELD_NUMBER: _ClassVar[int]
+    LOST_AFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
     all_logits: bool
     part_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., all_logits: _Optional[bool] = ..., part_bytes: _Optional[int] = ...) -> None: ...
+    hand_to: str
+    handed_from: str
+    lost_after: float
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ..., all_logits: _Optional[bool] = ..., part_bytes: _Optional[int] = ..., hand_to: _Optional[str] = ..., handed_from: _Optional[str] = ..., lost_after: _Optional[float] = ...) -> None: ...
+
+class HandOffAck(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("session_id", "p", "b", "logits", "features")
@@ -285,10 +297,12 @@ class LayerFeatures(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "handed")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ...) -> None: ...
+    handed: bool
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., handed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids", "keep_as", "keep_lengths")
@@ -347,10 +361,12 @@ class ExpertHint(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertResponse(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "rows")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     outputs: Tensor
-    def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    rows: Tensor
+    def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class FindPrefixRequest(_message.Message):
     __slots__ = ("tokens",)

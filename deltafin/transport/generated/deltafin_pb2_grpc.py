@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.HandOff = channel.stream_unary(
+                '/deltafin.v1.Worker/HandOff',
+                request_serializer=deltafin__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=deltafin__pb2.HandOffAck.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/deltafin.v1.Worker/Release',
                 request_serializer=deltafin__pb2.ReleaseRequest.SerializeToString,
@@ -69,7 +74,7 @@ class WorkerStub:
                 request_serializer=deltafin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.RunExperts = channel.unary_unary(
+        self.RunExperts = channel.unary_stream(
                 '/deltafin.v1.Worker/RunExperts',
                 request_serializer=deltafin__pb2.ExpertRequest.SerializeToString,
                 response_deserializer=deltafin__pb2.ExpertResponse.FromString,
@@ -128,6 +133,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request_iterator, context):
+        """Stage to stage: the next stage's inputs, from the stage before (a ForwardParts with `hand_to` naming this
+        worker), kept under their request id until the forward that names it in `handed_from` has run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free the caches of sessions (a finished, cancelled or failed request).
         """
@@ -150,8 +163,9 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunExperts(self, request, context):
-        """Wide experts, worker to worker: compute routed experts of another stage's layer from this worker's share
-        (or, with no rows, only read ahead the experts hinted).
+        """Wide experts, worker to worker: compute routed experts of another stage's layer from this worker's share,
+        each row's sum sent as soon as its last pair is done (or, with no rows, only read ahead the experts hinted:
+        no answer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -210,6 +224,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=deltafin__pb2.ForwardRequest.FromString,
                     response_serializer=deltafin__pb2.ForwardResponse.SerializeToString,
             ),
+            'HandOff': grpc.stream_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=deltafin__pb2.ForwardRequest.FromString,
+                    response_serializer=deltafin__pb2.HandOffAck.SerializeToString,
+            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=deltafin__pb2.ReleaseRequest.FromString,
@@ -225,7 +244,7 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=deltafin__pb2.StatsRequest.FromString,
                     response_serializer=deltafin__pb2.StatsResponse.SerializeToString,
             ),
-            'RunExperts': grpc.unary_unary_rpc_method_handler(
+            'RunExperts': grpc.unary_stream_rpc_method_handler(
                     servicer.RunExperts,
                     request_deserializer=deltafin__pb2.ExpertRequest.FromString,
                     response_serializer=deltafin__pb2.ExpertResponse.SerializeToString,
@@ -370,6 +389,33 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
+    def HandOff(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/deltafin.v1.Worker/HandOff',
+            deltafin__pb2.ForwardRequest.SerializeToString,
+            deltafin__pb2.HandOffAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Release(request,
             target,
             options=(),
@@ -461,7 +507,7 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/deltafin.v1.Worker/RunExperts',

@@ -14,8 +14,8 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster import current_plan
-from deltafin.coordinator.cluster.backend import FORWARD_UNIT, Timeouts, WorkerClient
 from deltafin.coordinator.cluster.recovery import Recovery, RecoveryOptions, ResilientCluster
+from deltafin.coordinator.cluster.worker_client import FORWARD_UNIT, Timeouts, WorkerClient
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.errors import ClusterUnavailable, PartialFailure, RemoteError
 from deltafin.runtime.stage import SeqInput, SeqOutput

@@ -10,7 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from deltafin.coordinator.cluster.backend import ClusterBackend, Timeouts, WorkerClient
+from deltafin.coordinator.cluster.backend import ClusterBackend
+from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import RemoteError
 from deltafin.models.attn_res import ResidualState
 from deltafin.runtime.stage import SeqInput, SeqOutput

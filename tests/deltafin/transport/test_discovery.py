@@ -17,7 +17,7 @@ def test_discovery_finds_announced_workers_and_txt_round_trips(tiny_dir):
         assert d.address == procs[0].address
         assert d.layers == ((0, 6),) and d.has_top and d.memory_bytes == 4 * 10**9 and d.disk_gbps == 2.0
         # the TXT record says what Info says
-        from deltafin.coordinator.cluster.backend import WorkerClient
+        from deltafin.coordinator.cluster.worker_client import WorkerClient
 
         async def info():
             client = WorkerClient(d.address)
