@@ -252,6 +252,7 @@ async def serve(args: argparse.Namespace) -> int:
     await service.health.enter_graceful_shutdown()
     await server.stop(args.grace)
     await service.peers.close()
+    await service.courier.close()
     await asyncio.to_thread(service.close)
     log.info("stopped in %.1fs", time.monotonic() - t0)
     return 0

@@ -29,7 +29,7 @@ from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, Hints
 from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
-from deltafin.transport.liveness import Silent, await_watched
+from deltafin.transport.liveness import Silent, Watch, await_watched, receiving
 from deltafin.transport.ports import check_address
 
 log = logging.getLogger(__name__)
@@ -89,29 +89,45 @@ class GrpcPeer:
     # ---- on the event loop -----------------------------------------------------------------------------------
 
     async def _run(self, request: pb.ExpertRequest, tokens: int, bf16: bool) -> torch.Tensor:
+        """The call's sums [tokens, De] fp32, put together from the parts the holder sends as its rows are done."""
         deadline = self.plan.call_timeout * max(1.0, tokens / CALL_UNIT)
         rpc = self.stub.RunExperts(request, timeout=deadline, metadata=self._md("RunExperts"))
         probe = lambda: self.probes.Info(pb.InfoRequest(), timeout=self.plan.probe_interval, metadata=self._md("Info"))
         who = f"{self.name} ({self.holder.address})"
+        out = torch.empty(tokens, self.expert_dim, dtype=torch.float32)
+        got = torch.zeros(tokens, dtype=torch.bool)
+        watch = Watch()
+
+        def part(msg: pb.ExpertResponse) -> None:  # each as it comes: its rows' sums in place
+            rows, sums = codec.decode_tensor(msg.rows, "expert rows"), codec.decode_tensor(msg.outputs, "expert sums")
+            want = torch.bfloat16 if bf16 else torch.float32
+            if rows.dtype != torch.int64 or rows.dim() != 1 or sums.dtype != want or \
+                    tuple(sums.shape) != (rows.shape[0], self.expert_dim):
+                raise CodecError(f"a part of {sums.dtype} {list(sums.shape)} for rows {rows.dtype} {list(rows.shape)}")
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tokens or bool(got[rows].any())
+                                 or rows.unique().numel() != rows.numel()):
+                raise CodecError(f"a part names rows outside [0, {tokens}) or already answered")
+            out[rows], got[rows] = sums.float(), True
+
         try:
-            response = await await_watched(rpc, probe, self.plan.probe_interval, self.plan.lost_after)
+            await await_watched(rpc, probe, self.plan.probe_interval, self.plan.lost_after, receiving(rpc, watch, part),
+                                watch)
+            if not bool(got.all()):
+                raise CodecError(f"answered {int(got.sum())} of {tokens} rows")
         except Silent as e:
             raise HolderError(who, "UNAVAILABLE", f"has not answered for {e.seconds:.1f}s: treating it as lost") \
                 from None
         except grpc.aio.AioRpcError as e:
             raise HolderError(who, e.code().name, e.details() or "") from None
-        try:
-            out = codec.decode_tensor(response.outputs, "expert outputs")
         except CodecError as e:
+            rpc.cancel()
             raise HolderError(who, "DATA_LOSS", str(e)) from None
-        want = torch.bfloat16 if bf16 else torch.float32
-        if out.dtype != want or tuple(out.shape) != (tokens, self.expert_dim):
-            raise HolderError(who, "DATA_LOSS", f"answered {out.dtype} {list(out.shape)} for {tokens} rows")
-        return out.float()
+        return out
 
     async def _hint(self, request: pb.ExpertRequest) -> None:
         try:
-            await self.stub.RunExperts(request, timeout=HINT_TIMEOUT, metadata=self._md("RunExperts"))
+            async for _ in self.stub.RunExperts(request, timeout=HINT_TIMEOUT, metadata=self._md("RunExperts")):
+                pass  # a hint is answered with no part
         except grpc.aio.AioRpcError as e:  # a lost hint costs a later read, never a result
             log.debug("hint to %s failed: %s", self.name, e.code().name)
 

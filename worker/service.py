@@ -14,25 +14,22 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.errors import CodecError, DeltafinError, NotAssigned, OutOfMemory
-from deltafin.models.attn_res import ResidualState
+from deltafin.errors import CodecError, DeltafinError, NotAssigned
 from deltafin.plan.memory import peak_rss
-from deltafin.plan.stage_parts import boundary_bytes_per_token
 from deltafin.runtime.assigned import Assigned
-from deltafin.runtime.stage import SeqOutput, Stage
+from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.transport import codec, worker_info
+from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.decoding import DecodeGuard
@@ -44,9 +41,12 @@ from deltafin.transport.ports import cannot_listen
 from deltafin.transport.worker_info import WorkerDescription
 from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.assignment import AssignmentSlot, check_assignment
+from deltafin.worker.forwards import Forwards, as_done, until
+from deltafin.worker.handoff import Courier, Inbox, handing
 from deltafin.worker.peers import Peers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MAX_HELD_IDS = 4096  # prefix ids one HeldPrefixes call may ask about
 
 
@@ -61,9 +61,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.slot = AssignmentSlot(ckpt, device, lambda: self.description.key)  # what it holds, on its thread
         self.expert_executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-experts")  # others' calls
         self.peers = Peers(peer_security or ClusterSecurity(), max_message_bytes)
+        self.inbox = Inbox()  # states handed here by the stage before (handoff.py)
+        self.courier = Courier(peer_security or ClusterSecurity(), max_message_bytes)  # ... and to the next
         self.max_message_bytes = max_message_bytes
-        self.progress = (0, 0)  # the running forward's layers done, of its stage's (what Info says)
-        self.running: dict[str, threading.Event] = {}  # request id -> stop flag
+        self.forwards = Forwards(self.slot, self._served)
         self.last_served = time.monotonic()  # when a forward or an expert call last ended (worker/idle.py)
         self.serving = 0  # forwards and expert calls in flight
 
@@ -120,7 +121,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WorkerInfo:
         msg = worker_info.encode_info(self.info())
-        msg.forward_layers_done, msg.forward_layers = self.progress
+        msg.forward_layers_done, msg.forward_layers = self.forwards.progress
         return msg
 
     async def Assign(self, request: pb.Assignment, context: grpc.aio.ServicerContext) -> AsyncIterator[
@@ -146,7 +147,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         async with self._answering(context):
             batch = codec.decode_inputs(list(request.sequences))
-            outputs = await self._forward(batch, request.all_logits, request.request_id)
+            outputs = await self.forwards.run(batch, request.all_logits, request.request_id)
             return pb.ForwardResponse(sequences=codec.encode_outputs(outputs))
         return pb.ForwardResponse()  # not reached: a failure aborts
 
@@ -155,60 +156,38 @@ class WorkerService(pb_grpc.WorkerServicer):
         """A forward in parts each way: outputs the stage has done before its forward ends (Stage.forward's `early`)
         go at once, the rest once it ends."""
         async with self._answering(context):
-            msgs = await self._parts(requests)
-            batch, all_logits, rid = codec.decode_request_parts(msgs)
+            msgs = await self.forwards.parts(requests)
+            first = msgs[0]
+            handed = first.handed_from
+            inputs = self.inbox.take(handed) if handed else msgs  # HandOff: handoff.py
+            batch, _, _ = forward_parts.decode_request_parts(inputs)
+            all_logits, rid = first.all_logits, first.request_id
             cap = self.max_message_bytes - self.max_message_bytes // 8
-            part_bytes = min(cap, msgs[0].part_bytes or cap)
-            async for outs in _as_done(lambda early: self._forward(batch, all_logits, rid, early)):
-                for part in codec.encode_output_parts(outs, part_bytes):
+            part_bytes = min(cap, first.part_bytes or cap)
+            outputs = as_done(lambda early: self.forwards.run(batch, all_logits, rid, early), ran=lambda: (
+                self.inbox.done(handed) if handed else None))
+            if first.hand_to:
+                async for part in handing(outputs, self.courier, first, {b.session_id: b for b in batch}, part_bytes,
+                                          context.time_remaining()):
+                    yield part
+                return
+            async for outs in outputs:
+                for part in forward_parts.encode_output_parts(outs, part_bytes):
                     yield part
 
-    async def _parts(self, requests: AsyncIterator[pb.ForwardRequest]) -> list[pb.ForwardRequest]:
-        """A forward's parts, refused as soon as they outgrow what the stage's largest forward carries (its hidden
-        states at its first layer, an eighth more and a megabyte for the framing): the rest of the stream is read and
-        dropped, so a sender cannot fill the worker's memory."""
-        stage = self.stage
-        if stage is None:
-            raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
-        tokens = stage.max_forward_tokens or stage.sizing.forward_tokens
-        cap = tokens * boundary_bytes_per_token(stage.cfg, stage.start, 4) * 9 // 8 + (1 << 20)
-        msgs, size = [], 0
-        async for r in requests:
-            size += r.ByteSize()
-            if size <= cap:
-                msgs.append(r)
-        if size > cap:  # read to the end, holding nothing: a status sent mid-stream reaches the sender as INTERNAL
-            raise OutOfMemory(f"a forward's parts came to {size / 1e6:.0f} MB, more than this stage's largest "
-                              f"forward ({tokens} tokens, {cap / 1e6:.0f} MB) carries: send it in chunks")
-        return msgs
+    async def HandOff(self, requests: AsyncIterator[pb.ForwardRequest],
+                      context: grpc.aio.ServicerContext) -> pb.HandOffAck:
+        """The next forward's input parts from the stage before (handoff.py), kept until that forward runs."""
+        async with self._answering(context):
+            msgs = await self.forwards.parts(requests)
+            if not msgs[0].request_id:
+                raise CodecError("a hand-off needs its forward's request id")
+            return pb.HandOffAck(bytes=self.inbox.put(msgs, 2 * self.forwards.largest()))
+        return pb.HandOffAck()  # not reached: a failure aborts
 
-    async def _forward(self, batch: list, all_logits: bool, rid: str,
-                       early: Callable[[list[SeqOutput]], None] | None = None) -> list:
-        """Run a forward on the stage's thread; a caller that goes away (deadline, disconnect) stops it between
-        layers. `early`: Stage.forward's (on the stage's thread)."""
-        stop = threading.Event()
-        try:
-            if self.stage is None:
-                raise NotAssigned(f"this worker has no stage loaded (state: {self.state}); assign it first")
-            if rid:
-                self.running[rid] = stop
-            stage = self.stage
-            with self._served():
-                return await self.slot.on_stage_thread(
-                    lambda: stage.forward(batch, all_logits=all_logits, should_stop=stop.is_set,
-                                          progress=self._heard, early=early))
-        except asyncio.CancelledError:
-            stop.set()
-            raise
-        finally:
-            self.progress = (0, 0)
-            if rid:
-                self.running.pop(rid, None)
-
-    def _heard(self, done: int, layers: int) -> None:  # on the stage's thread: one tuple, replaced whole
-        self.progress = (done, layers)
-
-    async def RunExperts(self, request: pb.ExpertRequest, context: grpc.aio.ServicerContext) -> pb.ExpertResponse:
+    async def RunExperts(self, request: pb.ExpertRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExpertResponse]:
+        """Another stage's expert call, its rows' sums sent as they are done (wide.ExpertHolder.stream)."""
         async with self._answering(context):
             holder = self.assigned.holder if self.assigned is not None else None
             if holder is None:
@@ -217,11 +196,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             call, hints = codec.decode_expert_call(request)
             if call is None:  # hints alone: start the reads now, answer at once
                 holder.hint(hints, request.hints_ahead)
-                return pb.ExpertResponse()
+                return
+            loop = asyncio.get_running_loop()
+            parts: asyncio.Queue[tuple[torch.Tensor, torch.Tensor]] = asyncio.Queue()
             with self._served():
-                out = await asyncio.get_running_loop().run_in_executor(self.expert_executor, holder.run, call)
-            return pb.ExpertResponse(outputs=codec.encode_tensor(out))
-        return pb.ExpertResponse()  # not reached: a failure aborts
+                run = loop.run_in_executor(self.expert_executor, holder.stream, call,
+                                           lambda rows, sums: loop.call_soon_threadsafe(parts.put_nowait, (rows, sums)))
+                async for rows, sums in until(run, parts):
+                    yield pb.ExpertResponse(rows=codec.encode_tensor(rows), outputs=codec.encode_tensor(sums))
 
     async def FindPrefix(self, request: pb.FindPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.FindPrefixResponse:
@@ -269,7 +251,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.ReleaseResponse(released=released)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
-        flag = self.running.get(request.request_id)
+        flag = self.forwards.running.get(request.request_id)
         if flag is not None:
             flag.set()
         return pb.CancelResponse(cancelled=flag is not None)
@@ -295,49 +277,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                               probe_bytes=link.probe_bytes)
 
     def close(self) -> None:
-        for flag in self.running.values():
+        for flag in self.forwards.running.values():
             flag.set()
         self.expert_executor.shutdown(wait=True)
         self.slot.close()
-
-
-async def _as_done(run: Callable[[Callable[[list[SeqOutput]], None]], Awaitable[list[SeqOutput]]]
-                   ) -> AsyncIterator[list[SeqOutput]]:
-    """A forward's outputs as they are done: what it hands its `early` callback (from the stage's thread) at once,
-    each sequence's slices in order, then the rows of its answer not sent yet. A caller that stops reading cancels
-    the forward (the stage stops between layers)."""
-    loop = asyncio.get_running_loop()
-    early: asyncio.Queue[list[SeqOutput]] = asyncio.Queue()
-    forward = asyncio.ensure_future(run(lambda outs: loop.call_soon_threadsafe(early.put_nowait, outs)))
-    sent: dict[str, int] = {}  # rows of each sequence already sent
-    try:
-        while not forward.done() or not early.empty():
-            if early.empty():
-                got = asyncio.ensure_future(early.get())
-                await asyncio.wait({forward, got}, return_when=asyncio.FIRST_COMPLETED)
-                if not got.done():
-                    got.cancel()
-                    continue  # the forward ended: what it handed on just before is queued, then the rest
-                outs = got.result()
-            else:
-                outs = early.get_nowait()
-            for o in outs:
-                sent[o.session_id] = sent.get(o.session_id, 0) + o.state.P.shape[0]  # type: ignore[union-attr]
-            yield outs
-        rest = [_unsent(o, sent.get(o.session_id, 0)) for o in forward.result()]
-    finally:
-        forward.cancel()
-    yield [o for o in rest if o is not None]
-
-
-def _unsent(o: SeqOutput, sent: int) -> SeqOutput | None:
-    """What of a stage's output `sent` rows of which went early (None: all of it)."""
-    if sent == 0:
-        return o
-    assert o.state is not None
-    if sent >= o.state.P.shape[0]:
-        return None
-    return SeqOutput(o.session_id, state=ResidualState(o.state.P[sent:], o.state.B[sent:]))
 
 
 async def expire_sessions(service: WorkerService, idle_seconds: float) -> None:

@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from deltafin.coordinator.cluster.relay import Relay
@@ -174,58 +174,84 @@ class LocalBackend:
         self.executor.shutdown(wait=True)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a failed forward goes on from: stage `stage`, given `inputs` (its states), or, where the stage before
+    handed them to its worker, under the request id `handed` (`inputs` then only count the tokens)."""
+
+    stage: int
+    inputs: list[SeqInput]
+    handed: str = ""
+
+
 class ClusterBackend:
     """Stages on workers, called in layer order by the coordinator; with wide experts, `holders` are the workers
     that only serve experts (the stages call them directly)."""
 
     def __init__(self, stages: list[WorkerClient], max_forward_tokens: int | None = None,
                  prefix_stages: list[PrefixBudget] | None = None, parallel_stages: int | None = None,
-                 holders: list[WorkerClient] | None = None, context: int = 0):
+                 holders: list[WorkerClient] | None = None, context: int = 0,
+                 route: Callable[[int], tuple[bool, ...]] | None = None):
         self.stages = sorted(stages, key=lambda w: w.start)
         self.context = context  # the plan's: tokens a request may have
         self.holders = list(holders or [])
         self.max_forward_tokens = max_forward_tokens
         self.prefix_stages = prefix_stages or []  # as planned (empty: the cluster keeps no prefixes)
         self.parallel_stages = parallel_stages or len(self.stages)
+        self.route = route or (lambda tokens: ())  # which hops of a forward of so many tokens go directly
 
     @property
     def workers(self) -> list[WorkerClient]:
         return [*self.stages, *self.holders]
 
-    async def forward(self, batch: list[SeqInput], all_logits: bool = False,
-                      resume: tuple[int, list[SeqInput]] | None = None,
+    def hand_to(self, tokens: int) -> list[str]:
+        """Per stage, where a forward of `tokens` tokens goes on from it: the next stage's address where that hop is
+        handed over directly (plan/hops.py), else "" (relayed; the last stage: back here)."""
+        direct = self.route(tokens)
+        return [self.stages[i + 1].address if i < len(direct) and direct[i] else "" for i in range(len(self.stages))]
+
+    async def forward(self, batch: list[SeqInput], all_logits: bool = False, resume: Resume | None = None,
                       progress: Callable[[float], None] | None = None) -> list[SeqOutput]:
         """The batch through every stage, each hop relayed part by part (relay.py: the next stage's call starts
-        with the first part of the one before's answer). A failure at stage i carries `resume_at = (i, that
-        stage's inputs)`: the stages before it have advanced, it and those after have not (a failed forward, or
-        one whose inputs never all came, changes no session), so `resume=resume_at` on the same stages finishes
-        the same forward."""
+        with the first part of the one before's answer) or handed from worker to worker (`hand_to`: the next
+        stage's call starts once it holds them). A failure at stage i carries `resume_at`, a Resume: the stages
+        before it have advanced, it and those after have not (a failed forward, or one whose inputs never all came,
+        changes no session), so `resume=resume_at` on the same stages finishes the same forward."""
         request_id = uuid.uuid4().hex
-        first, inputs = (0, batch) if resume is None else resume
-        layers, last = self.stages[-1].end, len(self.stages) - 1
+        at = resume or Resume(0, batch)
+        inputs, layers, last = at.inputs, self.stages[-1].end, len(self.stages) - 1
+        hand = self.hand_to(sum(b.num_tokens for b in batch))
         calls: dict[int, asyncio.Task[list[SeqOutput]]] = {}
+        handed: dict[int, str] = {}  # the request id each stage's inputs were handed to it under ("": sent)
 
-        def start(i: int, relayed: Relay | None) -> None:
+        def start(i: int, relayed: Relay | None, handed_from: str = "") -> None:
             worker = self.stages[i]
             hop = None if progress is None else (lambda d, _n, at=worker.start: progress((at + d) / layers))
-            relay = None if i == last else Relay(inputs, all_logits, request_id, self.stages[i + 1].part_bytes,
-                                                 lambda: start(i + 1, relay))
-            calls[i] = asyncio.ensure_future(self._stage(worker, inputs, all_logits, request_id, hop, relayed, relay))
+            relay = None if i == last or hand[i] else Relay(
+                inputs, all_logits, request_id, self.stages[i + 1].part_bytes, lambda: start(i + 1, relay),
+                hand[i + 1], self.stages[i + 1].timeouts.lost_after)
+            handed[i] = handed_from
+            calls[i] = asyncio.ensure_future(worker.forward(inputs, all_logits, request_id, hop, relayed, relay,
+                                                            hand[i], handed_from))
+            if relay is not None:
+                calls[i].add_done_callback(lambda c: relay.close() if not c.cancelled() and not c.exception() else None)
 
-        start(first, None)
+        start(at.stage, None, at.handed)
         features: list[Features] = [{} for _ in inputs]  # every stage's answers to the draft features asked
         try:
-            for i in range(first, last + 1):
+            for i in range(at.stage, last + 1):
                 try:
                     outputs = await calls[i]
                 except (RemoteError, WorkerLost) as e:
-                    e.resume_at = (i, inputs)  # type: ignore[attr-defined]
+                    e.resume_at = Resume(i, inputs, handed[i])  # type: ignore[attr-defined]
                     raise
                 gather([o.features for o in outputs], features)
                 if i < last:
-                    inputs = [b.carrying(o.state) for b, o in zip(inputs, outputs, strict=True)]  # type: ignore[arg-type]
+                    direct = all(o.state is None for o in outputs)  # handed over (else answered: the fallback too)
+                    if not direct:
+                        inputs = [b.carrying(o.state) for b, o in zip(inputs, outputs, strict=True)]  # type: ignore[arg-type]
                     if i + 1 not in calls:  # an answer of no parts (nothing relayed): the next call starts whole
-                        start(i + 1, None)
+                        start(i + 1, None, request_id if direct else "")
             return [dataclasses.replace(o, features=f) for o, f in zip(outputs, features, strict=True)]
         except asyncio.CancelledError:
             await asyncio.shield(asyncio.gather(*(self.cancel_call(self.stages[i], request_id)
@@ -233,16 +259,6 @@ class ClusterBackend:
             raise
         finally:
             await _dropped(list(calls.values()))
-
-    @staticmethod
-    async def _stage(worker: WorkerClient, batch: list[SeqInput], all_logits: bool, request_id: str,
-                     progress: Callable[[int, int], None] | None, relayed: Relay | None,
-                     relay: Relay | None) -> list[SeqOutput]:
-        """One stage's call; its relay to the next closed once its answer is whole."""
-        outputs = await worker.forward(batch, all_logits, request_id, progress, relayed, relay)
-        if relay is not None:
-            relay.close()
-        return outputs
 
     @staticmethod
     async def cancel_call(worker: WorkerClient, request_id: str) -> None:

@@ -1,5 +1,6 @@
 """The cluster's links, measured as it forms (deltafin/plan/links.py prices them): the coordinator's to each
-worker, and with wide experts each pair of workers' (measured by one of the two, `MeasureLink`). One link at a
+worker, and each pair of workers' (measured by one of the two, `MeasureLink`: the stage hops handed over directly,
+plan/hops.py, and the wide experts' calls). One link at a
 time, so that no probe shares a link with another; a link measured before is kept (a re-plan after a loss measures
 only the workers it has not seen: a worker that rejoins is a new process, with a new id, and is measured again). A
 link that cannot be measured is priced as the assumed kind, with a warning. Then two of the coordinator's links are

@@ -35,17 +35,21 @@ async def forward_pipelined(backend: ClusterBackend, items: Sequence[SeqInput],
     requests = [uuid.uuid4().hex for _ in items]
     calls: list[list[asyncio.Task[list[SeqOutput]]]] = []
     features: list[Features] = [{} for _ in items]
+    hand = [backend.hand_to(item.num_tokens) for item in items]  # each hop relayed or handed over (backend.py)
 
     async def call(k: int, i: int) -> list[SeqOutput]:
-        inputs = [items[k]]
+        inputs, handed = [items[k]], ""
         if i > 0:
             before = await calls[k][i - 1]
-            inputs = [items[k].carrying(before[0].state)]  # type: ignore[arg-type]
+            if before[0].state is None:  # the stage before handed its outputs to this one's worker
+                handed = requests[k]
+            else:
+                inputs = [items[k].carrying(before[0].state)]
         if k > 0:
             await calls[k - 1][i]  # this stage's forwards in order (a failed one fails this one too)
         heard = progress[k] if progress is not None else None
         hop = None if heard is None else (lambda d, _n, at=stages[i].start: heard((at + d) / layers))
-        outputs = await stages[i].forward(inputs, False, requests[k], hop)
+        outputs = await stages[i].forward(inputs, False, requests[k], hop, hand_to=hand[k][i], handed_from=handed)
         gather([o.features for o in outputs], features[k:k + 1])
         if heard is not None and i == len(stages) - 1:
             heard(1.0)  # through (a worker says how far it is every few seconds at most)

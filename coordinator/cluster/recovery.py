@@ -69,6 +69,10 @@ class Recovery:
     replanned: bool
 
 
+def _gone(e: BaseException) -> bool:
+    return isinstance(e, WorkerLost) or isinstance(e, RemoteError) and e.code in GONE
+
+
 def _recoverable(e: BaseException) -> bool:
     if isinstance(e, WorkerLost):
         return True
@@ -153,7 +157,9 @@ class ResilientCluster:
                     return await self._one_by_one(batch, all_logits)  # beyond rebuilding; the others go on
                 if attempts > self.options.max_attempts:
                     raise ClusterUnavailable(f"giving up after {attempts - 1} recoveries; last error: {e}") from None
-                at = getattr(e, "resume_at", None)
+                # a dropped connection leaves the stage as it was: the step is retried there; lost state (a session
+                # or handed states gone) is rebuilt by replaying the sessions (the stages before have advanced)
+                at = getattr(e, "resume_at", None) if _gone(e) else None
                 event = await self.recover(str(e), [b.session_id for b in batch], retry_hop=at is not None)
                 # the stages kept their sessions (e.g. only an expert holder was lost): retry the hop that failed
                 resume = at if not event.replanned and at is not None else None

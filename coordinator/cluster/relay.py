@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from deltafin.runtime.stage import SeqInput
-from deltafin.transport import codec
+from deltafin.transport import codec, forward_parts
 from deltafin.transport.generated import deltafin_pb2 as pb
 
 
@@ -23,22 +23,22 @@ class Relay:
     the next stage's call reads `parts()`. `on_first` runs at the first part (it starts that call)."""
 
     def __init__(self, batch: list[SeqInput], all_logits: bool, request_id: str, part_bytes: int,
-                 on_first: Callable[[], None]):
+                 on_first: Callable[[], None], hand_to: str = "", lost_after: float = 0.0):
+        """`hand_to`, `lost_after`: the next stage's call hands its own outputs on (ForwardRequest's fields)."""
         # a hop changes only a sequence's tensors: the forward's own inputs give every other field
         self._sequences = {b.session_id: b for b in batch}
         self._all_logits, self._request_id, self._part_bytes = all_logits, request_id, part_bytes
         self._queue: asyncio.Queue[pb.ForwardRequest | None] = asyncio.Queue()
         self._on_first: Callable[[], None] | None = on_first
+        self._hand_to, self._lost_after = hand_to, lost_after
 
     def put(self, part: pb.ForwardResponse) -> None:
         """One part of the stage's outputs (a slice of some sequences' states), as the next stage's input."""
         pieces = codec.decode_outputs(list(part.sequences))
-        if any(o.state is None for o in pieces):
-            raise codec.CodecError("a stage before the last answered with logits")
-        sequences = codec.encode_inputs([self._sequences[o.session_id].carrying(o.state)  # type: ignore[arg-type]
-                                         for o in pieces])
-        self._queue.put_nowait(pb.ForwardRequest(request_id=self._request_id, sequences=sequences,
-                                                 all_logits=self._all_logits, part_bytes=self._part_bytes))
+        for request in forward_parts.next_stage_parts(pieces, self._sequences, self._all_logits, self._request_id,
+                                                      self._part_bytes):
+            request.hand_to, request.lost_after = self._hand_to, self._lost_after
+            self._queue.put_nowait(request)
         if self._on_first is not None:
             start, self._on_first = self._on_first, None
             start()

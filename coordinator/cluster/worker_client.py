@@ -20,7 +20,7 @@ from deltafin.plan.links import Link
 from deltafin.plan.sizing import StageSizing
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
-from deltafin.transport import codec, worker_info
+from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.echo import measure
@@ -143,13 +143,16 @@ class WorkerClient:
 
     async def forward(self, batch: list[SeqInput], all_logits: bool, request_id: str,
                       progress: Callable[[int, int], None] | None = None, relayed: Relay | None = None,
-                      relay: Relay | None = None) -> list[SeqOutput]:
+                      relay: Relay | None = None, hand_to: str = "", handed_from: str = "") -> list[SeqOutput]:
         """One stage's forward, watched (transport/liveness.py): if the worker shows no sign of life (a probe
         answered, a part of the call sent or received) for `lost_after` seconds, the call is abandoned with
         WorkerLost (a frozen process never reaches its deadline otherwise). The probes' answers say how far the
         forward is: `progress(layers done, layers)`. `relayed`: the inputs come part by part from the stage
         before (`batch` names the sequences and their tokens); `relay`: each output part goes on to the next
-        stage as it comes (coordinator/cluster/relay.py)."""
+        stage as it comes (coordinator/cluster/relay.py). `hand_to`: the worker hands its outputs to the next stage's
+        worker at that address itself (worker/handoff.py) and answers only their features (states None), or, where
+        it could not, the outputs; `handed_from`: the inputs were handed to this worker under that request id
+        (`batch` then only counts the tokens)."""
         tokens = sum(item.num_tokens for item in batch)
         deadline = self.timeouts.forward_deadline(tokens)
 
@@ -161,8 +164,8 @@ class WorkerClient:
 
         # in parts: a long prompt's states (or the ones that come back) may be larger than one message
         watch = Watch()
-        parts = (sending_async(relayed.parts(), watch) if relayed is not None else
-                 sending(codec.encode_request_parts(batch, all_logits, request_id, self.part_bytes), watch))
+        parts = (sending_async(relayed.parts(), watch) if relayed is not None else  # the relay sets hand_to
+                 sending(self._requests(batch, all_logits, request_id, hand_to, handed_from), watch))
         call = self.stub.ForwardParts(parts, timeout=deadline, metadata=self._md("ForwardParts"))
         try:
             response = await await_watched(call, probe, self.timeouts.probe_interval, self.timeouts.lost_after,
@@ -171,7 +174,18 @@ class WorkerClient:
             raise WorkerLost(f"{self.name} ({self.address})", e.seconds) from None
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        return codec.decode_output_parts(response)
+        if response and response[0].handed:
+            return forward_parts.decode_handed(response)
+        return forward_parts.decode_output_parts(response)
+
+    def _requests(self, batch: list[SeqInput], all_logits: bool, request_id: str, hand_to: str,
+                  handed_from: str) -> list[pb.ForwardRequest]:
+        """A forward's request parts (`forward` says what `hand_to` and `handed_from` are)."""
+        requests = ([pb.ForwardRequest(request_id=request_id, all_logits=all_logits, part_bytes=self.part_bytes,
+                                       handed_from=handed_from)] if handed_from else
+                    forward_parts.encode_request_parts(batch, all_logits, request_id, self.part_bytes))
+        requests[0].hand_to, requests[0].lost_after = hand_to, self.timeouts.lost_after if hand_to else 0.0
+        return requests
 
     async def release(self, session_ids: list[str], keep_as: list[str] | None = None,
                       keep_lengths: list[int] | None = None) -> int:

@@ -10,6 +10,7 @@ replays when a worker fails.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_MODES
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder, HolderLink
+from deltafin.plan.hops import direct_hops
 from deltafin.plan.modes import choose_mode
 from deltafin.plan.outlook import Replan
 from deltafin.plan.sizing import SizingInput
@@ -150,7 +152,7 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
     if spec.experts not in EXPERT_MODES:
         raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
     caps = capacities(workers, spec.memory_cap)
-    links = await spec.probe.links(workers, pairs=len(workers) > 1 and spec.experts != "local")
+    links = await spec.probe.links(workers, pairs=len(workers) > 1)  # pairs: the hops and the wide calls
     links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4)  # what crosses them
     plan = choose_mode(cfg, caps, spec.sizing, spec.act_bytes, spec.experts, links)
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
@@ -231,9 +233,10 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, told[s.start, s.end].prefix_disk,
                              s.sizing.context, told[s.start, s.end].identity)
                 for s in sorted(plan.stages, key=lambda s: s.start)]
+    route = functools.lru_cache(maxsize=64)(lambda tokens: direct_hops(cfg, plan, tokens, spec.act_bytes))
     return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
                           parallel_stages([d for _, d in used[:len(plan.stages)]]),
-                          holders=[c for c, _ in used[len(plan.stages):]], context=plan.context), plan
+                          holders=[c for c, _ in used[len(plan.stages):]], context=plan.context, route=route), plan
 
 
 def parallel_stages(workers: list[WorkerDescription]) -> int:

@@ -65,11 +65,15 @@ def dense_mlp(cfg: ModelConfig, w: DenseMLPWeights, x: torch.Tensor) -> torch.Te
     return linear(gate_up(x, w.gate, w.up, activation(cfg)), w.down)
 
 
+Landed = Callable[[torch.Tensor, torch.Tensor], None]  # (the pairs' outputs so far, the pairs just done)
+
+
 def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
-                   experts: ExpertSource) -> torch.Tensor:
+                   experts: ExpertSource, landed: Landed | None = None) -> torch.Tensor:
     """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32. Each expert runs once, on its pairs' rows in
     pair order, so a pair's output depends only on its expert and the rows that expert sees: a holder given the
-    same rows in the same order computes the same bits as the one-process path."""
+    same rows in the same order computes the same bits as the one-process path. `landed` hears each expert's pairs
+    as they are done."""
     out = torch.zeros(rows.shape[0], cfg.expert_dim, dtype=torch.float32, device=z.device)
     chosen = ids.cpu()  # the experts are needed on the host anyway: one transfer, not a sync per expert
     rows = rows.to(z.device)
@@ -78,18 +82,27 @@ def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Te
         if z.device.type != "cpu":
             sel = sel.to(z.device, non_blocking=True)
         out[sel] = expert_ffn(cfg, weights_e, z[rows[sel]]).float()
+        if landed is not None:
+            landed(out, sel)
     return out
 
 
-def weighted_row_sums(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Each row's weights[p] * out[p] summed over its pairs -> [n_rows, De] fp32. `rows` must not decrease (a
-    row's pairs are together, in slot order, as a token's share of a layer's pairs is): the products are the
-    one-process path's, summed as a [n_rows, most pairs a row has, De] block is, padded with exact zeros."""
+def weighted_row_sums(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, n_rows: int,
+                      only: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's weights[p] * out[p] summed over its pairs -> [n_rows, De] fp32 (`only`: just those rows, sorted,
+    -> [len(only), De], each the same bits as in the whole: a holder sends rows as they are done). `rows` must not
+    decrease (a row's pairs are together, in slot order, as a token's share of a layer's pairs is): the products are
+    the one-process path's, summed as a [rows, most pairs a row of the call has, De] block is, padded with exact
+    zeros."""
     counts = torch.bincount(rows, minlength=n_rows)
     width = int(counts.max()) if rows.numel() else 0
     pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[rows]
+    product = out * weights.to(out.dtype).unsqueeze(-1)
+    if only is not None:
+        pick = torch.isin(rows, only)
+        rows, pos, product, n_rows = torch.searchsorted(only, rows[pick]), pos[pick], product[pick], only.shape[0]
     dense = out.new_zeros(n_rows, width, out.shape[1])
-    dense[rows, pos] = out * weights.to(out.dtype).unsqueeze(-1)
+    dense[rows, pos] = product
     return dense.sum(1)
 
 

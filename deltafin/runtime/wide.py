@@ -32,12 +32,13 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.models.moe import weighted_row_sums
+from deltafin.models.moe import Landed, weighted_row_sums
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.prompt_split import PromptSplit
 from deltafin.runtime.read_ahead import prompt_like
 
 log = logging.getLogger(__name__)
+SUMS_PART_BYTES = 256 << 10  # a holder's sums go back in parts of about this much, each as its rows are done
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Provider(Protocol):
 
     layers: set[int]
 
-    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                     landed: Landed | None = None) -> torch.Tensor: ...
 
     def prefetch(self, layer: int, ids: Sequence[int], ahead: bool = False) -> None: ...
 
@@ -307,13 +309,48 @@ class ExpertHolder:
         t0 = time.monotonic()
         self.hint(call.hints)
         out = self.summed(self.store, call, self.device, self.dtype)
-        if call.bf16:
-            out = out.to(torch.bfloat16)
+        self._served(call, t0)
+        return out.to(torch.bfloat16) if call.bf16 else out
+
+    @torch.inference_mode()
+    def stream(self, call: ExpertCall, send: Callable[[torch.Tensor, torch.Tensor], None],
+               part_bytes: int = SUMS_PART_BYTES) -> None:
+        """`run`, each row's sum sent as soon as its last pair is done: `send(rows, sums)` (rows sorted, each row of
+        the call once in all, the sums the bits `run` gives), in parts of about `part_bytes`, so the first rows cross
+        the link while the holder computes the rest of its experts."""
+        self.check(call)
+        t0 = time.monotonic()
+        self.hint(call.hints)
+        n_rows, rows = int(call.z.shape[0]), call.rows
+        left = torch.bincount(rows, minlength=n_rows)  # pairs not done, per row
+        done: list[torch.Tensor] = []
+        per_part = max(1, part_bytes // (self.cfg.expert_dim * (2 if call.bf16 else 4)))
+
+        def flush(out: torch.Tensor) -> None:
+            which = torch.cat(done).sort().values
+            done.clear()
+            sums = weighted_row_sums(out, rows.to(out.device), call.weights.to(out.device), n_rows,
+                                     only=which.to(out.device))
+            send(which, sums.to(torch.bfloat16) if call.bf16 else sums)
+
+        def landed(out: torch.Tensor, sel: torch.Tensor) -> None:
+            touched = rows[sel.cpu()]
+            left.index_add_(0, touched, torch.full_like(touched, -1))
+            touched = touched.unique()
+            done.append(touched[left[touched] == 0])
+            if sum(int(d.numel()) for d in done) >= per_part:
+                flush(out)
+
+        out = self.store.pair_outputs(call.layer, call.z.to(self.device, self.dtype), rows, call.experts, landed)
+        if any(d.numel() for d in done):
+            flush(out)
+        self._served(call, t0)
+
+    def _served(self, call: ExpertCall, t0: float) -> None:
         with self._lock:
             self.served.calls += 1
             self.served.pairs += call.pairs
             self.served.seconds += time.monotonic() - t0
-        return out
 
     def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...], ahead: bool = False) -> None:
         for layer, ids in hints:

@@ -15,6 +15,7 @@ from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_moe import MLXSlots, run_experts
 from deltafin.kernels.mlx_moe import pair_outputs as mlx_pair_outputs
 from deltafin.kernels.quant import E8M0_NAN, MXFP4Weight
+from deltafin.models.moe import Landed
 from deltafin.models.weights import ExpertWeights
 from deltafin.weights.reader import FreeSlots, ReadPlan, ShardFiles, plan_read
 
@@ -67,9 +68,9 @@ def run_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, idx: t
 
 
 def pairs_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
-                    held: Callable[[list[int]], object], group: int) -> torch.Tensor:
+                    held: Callable[[list[int]], object], group: int, landed: Landed | None = None) -> torch.Tensor:
     """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32 on MLX, at most `group` distinct experts held at
-    a time (`held` as run_in_groups takes it)."""
+    a time (`held` as run_in_groups takes it); `landed` hears each group's pairs once done."""
     out = torch.zeros(rows.shape[0], slots.cfg.expert_dim, dtype=torch.float32, device=z.device)
     distinct = sorted(set(ids.tolist()))
     for start in range(0, len(distinct), group):
@@ -77,6 +78,8 @@ def pairs_in_groups(slots: MLXSlots, act: GatedActivation, z: torch.Tensor, rows
         sel = torch.isin(ids, torch.tensor(part, dtype=ids.dtype)).nonzero(as_tuple=True)[0]
         with held(part) as slot_of:  # type: ignore[attr-defined]
             out[sel.to(z.device)] = mlx_pair_outputs(slots, act, z, rows[sel], ids[sel], slot_of.__getitem__)
+        if landed is not None:
+            landed(out, sel)
     return out
 
 

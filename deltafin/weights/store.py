@@ -34,7 +34,7 @@ import torch
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.kernels.activations import GatedActivation
-from deltafin.models.moe import expert_outputs
+from deltafin.models.moe import Landed, expert_outputs
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.stage_parts import expert_slot_bytes, working_slots
@@ -227,14 +227,15 @@ class ExpertStore(CacheLoan):
         return run_in_groups(self.pool.slots, self.act, z, idx, weights,  # type: ignore[union-attr]
                              lambda ids: self.hold(layer, ids), self.cfg.experts_per_token)
 
-    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def pair_outputs(self, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                     landed: Landed | None = None) -> torch.Tensor:
         """Expert ids[p] on z[rows[p]] for every pair p -> [P, De] fp32 (models.moe.expert_outputs; on MLX, at most
-        k distinct experts held at a time)."""
+        k distinct experts held at a time); `landed` hears the pairs done as they are."""
         if self.backend != "mlx":
-            return expert_outputs(self.cfg, layer, z, rows, ids, self.experts)
+            return expert_outputs(self.cfg, layer, z, rows, ids, self.experts, landed)
         assert self.act is not None
         return pairs_in_groups(self.pool.slots, self.act, z, rows, ids,  # type: ignore[union-attr]
-                               lambda part: self.hold(layer, part), self.cfg.experts_per_token)
+                               lambda part: self.hold(layer, part), self.cfg.experts_per_token, landed)
 
     def _done_with(self, key: Key, loaded: Loaded, cached: bool) -> None:
         with self._lock:

@@ -186,12 +186,13 @@ def grpc_calls(draw: Any, fingerprint: str, layers: int, hidden: int, blocks: in
 def send_grpc(channel: grpc.Channel, rpc: str, request: Any) -> str:
     """The status name of one call (a streamed answer read to its end)."""
     raw = isinstance(request, bytes)
-    stub = channel.unary_stream if rpc == "Assign" else channel.unary_unary
+    streamed = rpc in ("Assign", "RunExperts")
+    stub = channel.unary_stream if streamed else channel.unary_unary
     call = stub(f"/deltafin.v1.Worker/{rpc}", request_serializer=(lambda b: b) if raw else
                 (lambda m: m.SerializeToString()), response_deserializer=lambda b: b)
     try:
         result = call(request, timeout=STALL_S)
-        if rpc == "Assign":
+        if streamed:
             list(result)
         return "OK"
     except grpc.RpcError as e:

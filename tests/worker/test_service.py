@@ -24,13 +24,14 @@ from deltafin.plan.sizing import Placement, SizingInput
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
-from deltafin.transport import codec
+from deltafin.transport import codec, forward_parts
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
 from deltafin.worker.assignment import AssignmentSlot
+from deltafin.worker.forwards import Forwards
 from deltafin.worker.service import WorkerService, create_server
 
 
@@ -211,7 +212,7 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
             me, other = Holder(service.description.key, f"127.0.0.1:{port}", "t"), Holder("other", "127.0.0.1:9")
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.RunExperts(codec.encode_expert_call(call), timeout=10)
+                await _parts(stub.RunExperts(codec.encode_expert_call(call), timeout=10))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "serves no experts" in e.value.details()
             holder_only = {"start": 0, "end": 0, "model_fingerprint": fingerprint(tiny_dir), "options": options,
                            "plan": holder_plan}
@@ -229,19 +230,24 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
             async for _ in stub.Assign(pb.Assignment(**holder_only, experts=plan_of(me, other)), timeout=60):
                 pass
             assert (await stub.Info(pb.InfoRequest(), timeout=5)).state == "ready"
-            got = codec.decode_tensor((await stub.RunExperts(codec.encode_expert_call(call), timeout=30)).outputs, "o")
+            parts = await _parts(stub.RunExperts(codec.encode_expert_call(call), timeout=30))
+            rows = torch.cat([codec.decode_tensor(p.rows, "rows") for p in parts])
+            assert sorted(rows.tolist()) == [0, 1, 2]  # each row once, as its last pair was done
+            got = torch.empty(3, cfg.expert_dim)
+            for p in parts:
+                got[codec.decode_tensor(p.rows, "rows")] = codec.decode_tensor(p.outputs, "sums")
             dense = dataclasses.replace(call, layer=0)  # layer 0 has no experts to hold
             outside = dataclasses.replace(call, rows=torch.tensor([0, 1, 1, 5]))  # row 5 of 3
             for bad_call, code in [(dense, grpc.StatusCode.FAILED_PRECONDITION),
                                    (outside, grpc.StatusCode.INVALID_ARGUMENT)]:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await stub.RunExperts(codec.encode_expert_call(bad_call), timeout=10)
+                    await _parts(stub.RunExperts(codec.encode_expert_call(bad_call), timeout=10))
                 assert e.value.code() == code
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
             assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 1
             assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 1, 4, 6
-            assert (await stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
-                                          timeout=5)).ByteSize() == 0  # hints: answered at once, read behind
+            assert await _parts(stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
+                                                timeout=5)) == []  # hints: answered at once, read behind
         ckpt = open_checkpoint(tiny_dir, cfg)
         resident = ResidentExperts(ckpt, cfg.moe_layers, torch.device("cpu"))
         pairs = expert_outputs(cfg, call.layer, call.z, call.rows, call.experts, resident.experts)
@@ -249,6 +255,10 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
     asyncio.run(run())
+
+
+async def _parts(call) -> list:
+    return [part async for part in call]
 
 
 def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it_runs(served, tiny_dir):
@@ -289,7 +299,7 @@ def test_a_stage_ending_on_a_dense_layer_sends_a_prompt_s_states_while_it_comput
     serving, cfg = served
     ids = (torch.arange(300) * 7 % cfg.vocab_size).long()
     received, held = threading.Event(), []
-    forward = WorkerService._forward
+    forward = Forwards.run
 
     async def holding(self, batch, all_logits, rid, early=None):
         def first_then_wait(outs):
@@ -298,13 +308,13 @@ def test_a_stage_ending_on_a_dense_layer_sends_a_prompt_s_states_while_it_comput
                 held.append(received.wait(timeout=20))
         return await forward(self, batch, all_logits, rid, first_then_wait if early is not None else None)
 
-    monkeypatch.setattr(WorkerService, "_forward", holding)
+    monkeypatch.setattr(Forwards, "run", holding)
 
     async def run():
         async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             await _assign(stub, tiny_dir, 0, 1)
-            request = codec.encode_request_parts([SeqInput("p", 0, ids=ids)], False, "r", 1 << 20)
+            request = forward_parts.encode_request_parts([SeqInput("p", 0, ids=ids)], False, "r", 1 << 20)
             parts = []
             async for part in stub.ForwardParts(iter(request), timeout=60):
                 parts.append(part)
@@ -313,7 +323,7 @@ def test_a_stage_ending_on_a_dense_layer_sends_a_prompt_s_states_while_it_comput
 
     parts = asyncio.run(run())
     assert held == [True] and len(parts) > 1
-    (out,) = codec.decode_output_parts(parts)
+    (out,) = forward_parts.decode_output_parts(parts)
     stage = Stage(open_checkpoint(tiny_dir, load_config(tiny_dir)), 0, 1, device=torch.device("cpu"))
     try:
         streamed = stage.forward([SeqInput("s", 0, ids=ids)], early=lambda _: None)[0].state

@@ -40,7 +40,8 @@ class ScriptedStage:
         self.cancelled: list[str] = []
         self.calls = 0
 
-    async def forward(self, batch, all_logits, request_id, progress=None, relayed=None, relay=None):
+    async def forward(self, batch, all_logits, request_id, progress=None, relayed=None, relay=None, hand_to="",
+                      handed_from=""):
         (item,) = batch
         self.calls += 1
         t0 = time.monotonic()
@@ -79,6 +80,9 @@ class ScriptedCluster:
             (out,) = await s.forward([item], all_logits, "replay")
             item = item.carrying(out.state) if not s.last else item
         return [out]
+
+    def hand_to(self, tokens: int) -> list[str]:
+        return [""] * len(self.stages)  # every hop through the coordinator
 
     async def close(self) -> None:
         pass

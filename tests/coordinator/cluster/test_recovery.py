@@ -14,6 +14,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster import current_plan
+from deltafin.coordinator.cluster.backend import Resume
 from deltafin.coordinator.cluster.recovery import Recovery, RecoveryOptions, ResilientCluster
 from deltafin.coordinator.cluster.worker_client import FORWARD_UNIT, Timeouts, WorkerClient
 from deltafin.coordinator.cluster.workers import ClusterSpec
@@ -40,7 +41,7 @@ class FlakyStages:
         self.resumes.append(resume)
         if n in self.fail_at:
             e = RemoteError("w1", self.code, "gone")
-            e.resume_at = (1, batch)  # type: ignore[attr-defined]  # as ClusterBackend: failed at the second stage
+            e.resume_at = Resume(1, batch)  # type: ignore[attr-defined]  # as ClusterBackend: failed at the second stage
             raise e
         return [SeqOutput(b.session_id, logits=torch.zeros(1, 4)) for b in batch]
 
@@ -260,9 +261,32 @@ async def test_a_failed_hop_is_retried_when_the_stages_kept_their_sessions(tiny_
     await rc.forward([_step("s", 3, [8])])
     await rc.forward([_step("s", 4, [9])])  # fails at its second stage: retried from there
     assert len(causes) == 1 and len(stages.calls) == 4
-    assert stages.resumes[:3] == [None, None, None] and stages.resumes[3][0] == 1
+    assert stages.resumes[:3] == [None, None, None] and stages.resumes[3].stage == 1
     assert stages.calls[3] == [("s", 4, [9])] and not rc.journal.stale
     assert list(rc.journal.sessions["s"].ids) == [5, 6, 7, 8, 9]
+
+
+async def test_lost_state_on_unchanged_stages_is_replayed_not_retried(tiny_dir: Path) -> None:
+    """A stage that answers but lacks what the step needs (the states the stage before handed it were dropped, a
+    session expired: NOT_FOUND) cannot be fixed by retrying that stage, whose stages before have advanced: the
+    session is replayed from its record, then the step runs again whole."""
+    stages = FlakyStages(fail_at={2}, code=grpc.StatusCode.NOT_FOUND)
+    rc, causes = _cluster(tiny_dir, stages)
+    retried: list[bool] = []
+
+    async def recover(cause: str, sessions: list[str], retry_hop: bool = False) -> Recovery:
+        causes.append(cause)
+        retried.append(retry_hop)
+        rc.journal.mark_stale(sessions)  # as recovery.recover marks the batch when the stages are unchanged
+        return Recovery(cause, 0.0, (), False)
+
+    rc.recover = recover  # type: ignore[method-assign]
+    await rc.forward([_step("s", 0, [5, 6, 7])])
+    await rc.forward([_step("s", 3, [8])])
+    await rc.forward([_step("s", 4, [9])])  # fails with lost state at its second stage
+    assert retried == [False] and stages.resumes[3:] == [None, None, None]
+    assert stages.calls[3:] == [[("s", 0, [5, 6, 7])], [("s", 3, [8])], [("s", 4, [9])]]
+    assert list(rc.journal.sessions["s"].ids) == [5, 6, 7, 8, 9] and not rc.journal.stale
 
 
 async def test_a_worker_that_stops_answering_is_asked_again_before_the_cluster_plans_without_it(

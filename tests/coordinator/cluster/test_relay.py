@@ -15,7 +15,7 @@ from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import RemoteError
 from deltafin.models.attn_res import ResidualState
 from deltafin.runtime.stage import SeqInput, SeqOutput
-from deltafin.transport import codec
+from deltafin.transport import forward_parts
 
 D, BLOCKS = 8, 2
 
@@ -52,12 +52,12 @@ class Script:
                 msgs.append(r)
                 self.log.append(f"{self.name} got a part")
             self.log.append(f"{self.name} has its inputs")
-            batch, all_logits, _ = codec.decode_request_parts(msgs)
+            batch, all_logits, _ = forward_parts.decode_request_parts(msgs)
             self.inputs = batch
             outputs = [SeqOutput(b.session_id, logits=_tensor(b).P.sum(-1, keepdim=True)) if self.last
                        else SeqOutput(b.session_id, state=ResidualState(_tensor(b).P * 2, _tensor(b).B + 1))
                        for b in batch]
-            for n, part in enumerate(codec.encode_output_parts(outputs, 4 * D * 4)):  # 4 tokens a part
+            for n, part in enumerate(forward_parts.encode_output_parts(outputs, 4 * D * 4)):  # 4 tokens a part
                 if n == self.fail_after:
                     raise _lost(self.name)
                 if n == 1 and self.gate is not None:
@@ -147,8 +147,8 @@ async def test_a_failure_on_either_side_of_a_relayed_hop_resumes_where_it_was(fa
             await asyncio.wait_for(backend.forward(BATCH), 10)
     finally:
         await backend.close()
-    at, inputs = e.value.resume_at
-    assert at == failing
+    at, inputs = e.value.resume_at.stage, e.value.resume_at.inputs
+    assert at == failing and e.value.resume_at.handed == ""
     if failing == 0:
         assert inputs is BATCH
         assert scripts[1].calls and scripts[1].calls[0].cancelled and scripts[1].inputs is None

@@ -13,7 +13,7 @@ from deltafin.models.decoder import layer_input
 from deltafin.runtime.features import FeatureAsk
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
-from deltafin.transport import codec
+from deltafin.transport import codec, forward_parts
 
 PROMPT = torch.tensor([5, 17, 3, 99, 42, 7, 250, 8, 61, 12])
 
@@ -69,9 +69,9 @@ def test_a_prompt_in_chunks_gives_the_rows_from_the_asked_position(pipes):
 
 def test_features_cross_the_wire_in_parts(pipes):
     out = _ask(pipes[1], (0, 6), 0, "wire", all_logits=True)
-    parts = codec.encode_output_parts([out], max_bytes=4096)  # the logits in several parts
+    parts = forward_parts.encode_output_parts([out], max_bytes=4096)  # the logits in several parts
     assert len(parts) > 1
-    back = codec.decode_output_parts(parts)[0]
+    back = forward_parts.decode_output_parts(parts)[0]
     assert sorted(back.features) == [0, 6]
     assert all(torch.equal(back.features[k], out.features[k]) for k in (0, 6))
     ask = SeqInput("w", 0, ids=PROMPT, features=FeatureAsk((1, 4), 2))

@@ -58,6 +58,10 @@ def test_key_sources(tmp_path: Path) -> None:
         load_key(None, str(tmp_path / "missing"), env={})
 
 
+async def _drained(call) -> list:
+    return [part async for part in call]
+
+
 async def _calls(address: str, metadata, credentials: grpc.ChannelCredentials | None = None) -> dict[str, str]:
     """The status of each kind of RPC on `address` with the given metadata."""
     channel = (grpc.aio.secure_channel(address, credentials) if credentials
@@ -68,7 +72,7 @@ async def _calls(address: str, metadata, credentials: grpc.ChannelCredentials | 
              "Stats": lambda md: stub.Stats(pb.StatsRequest(), timeout=10, metadata=md),
              "Release": lambda md: stub.Release(pb.ReleaseRequest(session_ids=["x"]), timeout=10, metadata=md),
              "Forward": lambda md: stub.Forward(pb.ForwardRequest(), timeout=10, metadata=md),
-             "RunExperts": lambda md: stub.RunExperts(pb.ExpertRequest(layer=1), timeout=10, metadata=md)}
+             "RunExperts": lambda md: _drained(stub.RunExperts(pb.ExpertRequest(layer=1), timeout=10, metadata=md))}
     for name, call in calls.items():
         md = metadata(f"/deltafin.v1.Worker/{name}") if callable(metadata) else metadata
         try:

@@ -15,7 +15,7 @@ from deltafin.models.attn_res import ResidualState
 from deltafin.plan.sizing import SizingInput
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
-from deltafin.transport import codec, worker_info
+from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
 
@@ -154,12 +154,12 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
                                                        torch.randn(300, 2, 64, generator=g)),
                       save_at=((300, "kept"), (120, "mid"))),
              SeqInput("ids", 0, ids=torch.arange(50))]
-    assert codec.request_bytes(batch) == 301 * 3 * 64 * 4 + 50 * 8
-    parts = codec.encode_request_parts(batch, True, "r", 10_000)
+    assert forward_parts.request_bytes(batch) == 301 * 3 * 64 * 4 + 50 * 8
+    parts = forward_parts.encode_request_parts(batch, True, "r", 10_000)
     assert len(parts) > 20 and all(sum(len(t.data) for q in p.sequences for t in (q.ids, q.p, q.b)) <= 10_000
                                    for p in parts)
     wire = [pb.ForwardRequest.FromString(p.SerializeToString()) for p in parts]
-    back, all_logits, rid = codec.decode_request_parts(wire)
+    back, all_logits, rid = forward_parts.decode_request_parts(wire)
     assert (all_logits, rid) == (True, "r") and [b.session_id for b in back] == ["step", "prompt", "ids"]
     for a, b in zip(batch, back, strict=True):
         assert (a.cache_len, a.save_at) == (b.cache_len, b.save_at)
@@ -168,12 +168,12 @@ def test_a_forward_larger_than_a_message_goes_in_parts():
     outputs = [SeqOutput("x", logits=torch.randn(1, 3000, generator=g)),
                SeqOutput("y", state=ResidualState(torch.randn(200, 64, generator=g), torch.randn(200, 3, 64,
                                                                                                generator=g)))]
-    again = codec.decode_output_parts(codec.encode_output_parts(outputs, 20_000))
+    again = forward_parts.decode_output_parts(forward_parts.encode_output_parts(outputs, 20_000))
     assert torch.equal(again[0].logits, outputs[0].logits) and torch.equal(again[1].state.B, outputs[1].state.B)
-    mixed = codec.encode_request_parts([batch[2]], False, "r", 100) + codec.encode_request_parts(
+    mixed = forward_parts.encode_request_parts([batch[2]], False, "r", 100) + forward_parts.encode_request_parts(
         [dataclasses.replace(batch[1], session_id="ids")], False, "r", 10_000)
     with pytest.raises(CodecError, match="do not join"):
-        codec.decode_request_parts(mixed)
+        forward_parts.decode_request_parts(mixed)
 
 
 def test_a_stage_plan_travels_whole_and_checked() -> None:
