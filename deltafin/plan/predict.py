@@ -32,7 +32,7 @@ from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import layer_flop, spine_seconds
 from deltafin.plan.hops import hops_seconds
 from deltafin.plan.links import Links
-from deltafin.plan.prompt_split import HolderSpeed, PromptSplit
+from deltafin.plan.prompt_split import HolderSpeed, PromptSplit, streamed_finish
 from deltafin.plan.sizing import Placement, kept_while_lent, lends
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.plan.spill_cost import spill_bytes
@@ -219,7 +219,8 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
     """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
     holders, all at once; the layer's time in a prompt). A prompt's calls divide the experts so that every holder
     finishes together (plan/prompt_split.py): the owner's share takes the longer of its reads and compute, another
-    holder's its rows' crossing, then the longer of its reads and compute, then its sums' crossing. `ahead` (a
+    holder's its rows' crossing, then the longer of its reads and compute with its sums crossing back as their rows
+    are done (`streamed_finish`). `ahead` (a
     prompt's): the layer's time starts with its spine's compute on the owner, while every holder reads its share
     ahead into the slots its cache gives them (runtime/read_ahead.py)."""
     members, p = plan.workers, plan.experts
@@ -254,8 +255,9 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
         early = [min(spine, reads[i], (m.sizing.expert_cache // slot + 2 * k) * cfg.bytes_per_expert / speeds[i])
                  for i, m in enumerate(members)]
         left = [reads[i] - early[i] for i in range(len(members))]
-        prompt = spine + max([max(left[o], compute[o])] + [link[i].seconds(rows[i], rows[i]) + max(left[i], compute[i])
-                                                           for i in called])
+        prompt = spine + max([max(left[o], compute[o])] + [  # rows out, then the work with its sums streamed back
+            link[i].seconds(rows[i], 0) + streamed_finish(max(left[i], compute[i]), rows[i] / link[i].down_bps, k,
+                                                          share[i]) for i in called])
         out.append((max(reads), max(compute), calls, prompt))
     return out
 

@@ -52,6 +52,20 @@ def balanced_counts(total: int, per_item: Sequence[float], fixed: Sequence[float
     return [counts.get(i, 0) for i in range(len(per_item))]
 
 
+def streamed_finish(work: float, back: float, pairs: int, share: float, steps: int = 32) -> float:
+    """When a holder's sums are all back, its call's `work` (reads and compute, `work` seconds) sending each row's
+    sum as soon as its last pair is done (runtime/wide.py ExpertHolder.stream), where sending them all takes `back`
+    seconds. A token has `pairs` pairs, each the holder's with chance `share`; its experts done evenly over the work,
+    a row it touches is done by a fraction x of it with chance F(x) = E[x^m | m >= 1], m ~ Binomial(pairs, share).
+    The link sends what is done: the last sum is back at max over x of (work x + back (1 - F(x))), between
+    max(work, back) and their sum (all rows done at the end)."""
+    if work <= 0 or back <= 0:
+        return work + back
+    none = (1 - share) ** pairs
+    done = lambda x: ((1 - share + share * x) ** pairs - none) / max(1e-12, 1 - none)
+    return max(work * x + back * (1 - done(x)) for x in (i / steps for i in range(steps + 1)))
+
+
 @dataclass(frozen=True)
 class HolderSpeed:
     """A holder as a prompt's division sees it: its expert disks (bytes a second) and its measured compute of a

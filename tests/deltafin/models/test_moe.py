@@ -28,3 +28,16 @@ def test_every_pair_of_a_token_in_one_place_is_the_one_process_sum_bit_for_bit()
     local = out.view(n, k, d).clone().mul_(weights.unsqueeze(-1)).sum(1)
     got = weighted_row_sums(out, torch.arange(n).repeat_interleave(k), weights.reshape(-1), n)
     assert torch.equal(got, local)
+
+
+def test_some_rows_alone_sum_to_the_same_bits_as_in_the_whole():
+    """A holder sends rows as they are done: a subset's sums are the whole call's rows, bit for bit, whatever the
+    subset's own widest row (the padding width is the call's)."""
+    g = torch.Generator().manual_seed(2)
+    n, d = 50, 64
+    counts = torch.randint(1, 9, (n,), generator=g)
+    rows = torch.arange(n).repeat_interleave(counts)
+    out, weights = torch.randn(rows.shape[0], d, generator=g), torch.rand(rows.shape[0], generator=g)
+    whole = weighted_row_sums(out, rows, weights, n)
+    for only in (torch.tensor([3]), torch.tensor([0, 7, 49]), counts.argsort()[:20].sort().values, torch.arange(n)):
+        assert torch.equal(weighted_row_sums(out, rows, weights, n, only=only), whole[only])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafin.plan.links import Link, profile
-from deltafin.plan.prompt_split import HolderSpeed, PromptSplit, balanced_counts
+from deltafin.plan.prompt_split import HolderSpeed, PromptSplit, balanced_counts, streamed_finish
 from deltafin.runtime.wide import prompt_owners
 
 
@@ -92,3 +92,21 @@ def test_a_holder_without_the_layer_takes_none():
     split = _split(profile(0.0, 10**9))
     assert split.counts(10, tokens=4, holds=[True, False]) == [10, 0]
     assert prompt_owners(split, (0, 64, 64), torch.tensor([1, 2, 60]), tokens=100).tolist() == [0, 0, 0]
+
+
+def test_sums_streamed_back_overlap_the_work_by_when_rows_are_done():
+    """A row's sum goes once its last pair is done: with one pair a token each row is done as its expert is, so the
+    crossing hides under the work (the longer of the two); with 16 pairs all on this holder most rows are done near
+    the end (x^16), so most of the crossing still follows it; never more than the two in a row."""
+    assert streamed_finish(10.0, 4.0, pairs=1, share=1.0) == pytest.approx(10.0)
+    assert streamed_finish(4.0, 10.0, pairs=1, share=1.0) == pytest.approx(10.0)
+    x = (10 / 80) ** (1 / 15)  # where 10 x + 5 (1 - x^16) peaks
+    assert streamed_finish(10.0, 5.0, pairs=16, share=1.0, steps=4096) == pytest.approx(10 * x + 5 * (1 - x ** 16),
+                                                                                         rel=1e-4)
+    for pairs, share in ((16, 0.5), (16, 0.05), (4, 0.3)):
+        t = streamed_finish(10.0, 5.0, pairs, share)
+        assert 10.0 <= t <= 15.0
+    # a holder with a small share sees few pairs a row: its rows are done earlier, more of the crossing hides
+    assert streamed_finish(10.0, 5.0, 16, 0.05) < streamed_finish(10.0, 5.0, 16, 0.5) < streamed_finish(10.0, 5.0,
+                                                                                                      16, 1.0)
+    assert streamed_finish(0.0, 5.0, 16, 0.5) == 5.0 and streamed_finish(3.0, 0.0, 16, 0.5) == 3.0

@@ -188,6 +188,50 @@ def test_a_holder_answers_each_token_s_weighted_sum_and_split_calls_add_up_to_it
         cluster.close()
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_holder_streams_each_row_once_as_it_is_done_with_the_bits_of_the_whole(small_dir, bf16):
+    """`stream`: every row of the call in exactly one part, in parts of about the size asked, each row sent once its
+    last pair is done, the first part before the holder's last expert; put together, the bits `run` answers."""
+    cluster = WideCluster(small_dir, 1)
+    try:
+        holder: ExpertHolder = cluster.assigned["w0"].holder
+        cfg = cluster.cfg
+        g = torch.Generator().manual_seed(4)
+        n = 60
+        z = torch.randn(n, cfg.expert_dim, generator=g)
+        idx = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.experts_per_token] for _ in range(n)])
+        call = ExpertCall(cfg.moe_layers[1], z, torch.arange(n).repeat_interleave(cfg.experts_per_token),
+                          idx.reshape(-1), torch.rand(n * cfg.experts_per_token, generator=g), bf16=bf16)
+        whole = holder.run(call)
+        events: list[str] = []
+        store = holder.store
+        experts = store.experts
+
+        def counted(layer, ids):  # the store hands each expert over: count them as they go
+            for e, weights in experts(layer, ids):
+                events.append("expert")
+                yield e, weights
+
+        store.experts = counted
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            holder.stream(call, lambda rows, sums: (events.append("part"), parts.append((rows, sums))),
+                          part_bytes=8 * cfg.expert_dim * 4)
+        finally:
+            store.experts = experts
+        sent = torch.cat([rows for rows, _ in parts])
+        assert sorted(sent.tolist()) == list(range(n))  # each row once
+        assert len(parts) > 2 and all(bool((r[1:] > r[:-1]).all()) for r, _ in parts)
+        assert events.index("part") < len(events) - 1 - events[::-1].index("expert")  # sent before the last expert
+        got = torch.empty_like(whole)
+        for rows, sums in parts:
+            assert sums.dtype == (torch.bfloat16 if bf16 else torch.float32)
+            got[rows] = sums
+        assert torch.equal(got, whole)
+    finally:
+        cluster.close()
+
+
 def test_a_holder_checks_its_calls(small_dir):
     cluster = WideCluster(small_dir, 1)
     try:
