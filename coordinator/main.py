@@ -46,6 +46,7 @@ from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
+from deltafin.plan.hops import describe_hops
 from deltafin.plan.outlook import outlook
 from deltafin.plan.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
@@ -173,7 +174,7 @@ async def cmd_plan(args: argparse.Namespace) -> int:
                               "timeouts": dataclasses.asdict(spec.timeouts)}, indent=1))
         else:
             print(plan.table())
-            print("\n".join(more))
+            print("\n".join([*describe_hops(cfg, plan, spec.act_bytes), *more]))
             print(f"timeouts: {spec.timeouts.describe()}")
             print("\n".join(download_commands(plan)))
     finally:

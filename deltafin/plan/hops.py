@@ -78,3 +78,19 @@ def _streamed(cfg: ModelConfig, s: StagePlan, tokens: int, hop: float) -> float:
     n = -(-tokens // STREAM_PIECE_TOKENS)
     last = spine_seconds(cfg, s.compute, s.end - 1, s.end, tokens, s.sizing.spine)
     return max(hop / n, hop - last * (n - 1) / n)
+
+
+def hop_ways(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[dict[str, str]]:
+    """Each hop's way for a decoded token and for a prompt's longest forward (what `plan` says)."""
+    longest = min(s.sizing.longest_forward for s in plan.stages)
+    token, prompt = direct_hops(cfg, plan, 1, act_bytes), direct_hops(cfg, plan, longest, act_bytes)
+    way = lambda direct: "direct" if direct else "relayed"
+    return [{"from": a.worker, "to": b.worker, "token": way(t), "prompt": way(p), "prompt_tokens": str(longest)}
+            for a, b, t, p in zip(plan.stages[:-1], plan.stages[1:], token, prompt, strict=True)]
+
+
+def describe_hops(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[str]:
+    """`hop_ways` in words, one line a hop (none for one stage)."""
+    words = {"direct": "handed over directly", "relayed": "relayed by the coordinator"}
+    return [f"stage hop {h['from']} -> {h['to']}: a token {words[h['token']]}, a prompt's forward "
+            f"({int(h['prompt_tokens']):,} tokens) {words[h['prompt']]}" for h in hop_ways(cfg, plan, act_bytes)]

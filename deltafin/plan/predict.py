@@ -30,7 +30,7 @@ from __future__ import annotations
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.plan.cluster_plan import GB, Plan, Seconds, StagePlan
 from deltafin.plan.compute import layer_flop, spine_seconds
-from deltafin.plan.hops import hops_seconds
+from deltafin.plan.hops import hop_ways, hops_seconds
 from deltafin.plan.links import Links
 from deltafin.plan.prompt_split import HolderSpeed, PromptSplit, streamed_finish
 from deltafin.plan.sizing import Placement, kept_while_lent, lends
@@ -294,4 +294,5 @@ def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: in
             "token": seconds(plan.token) if plan.token is not None else None,
             "first_token": {str(n): seconds(s) for n, s in plan.first_token},
             "verify_pass_s": {str(k): round(s, 4) for k, s in enumerate(plan.verify)},
-            "prompts": {str(n): seconds(prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in prompts}}
+            "prompts": {str(n): seconds(prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in prompts},
+            "hops": hop_ways(cfg, plan, act_bytes)}

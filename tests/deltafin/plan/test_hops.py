@@ -10,9 +10,10 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.plan.cluster_plan import WorkerCapacity
-from deltafin.plan.hops import direct_hops, hop_bytes, hops_seconds
+from deltafin.plan.hops import describe_hops, direct_hops, hop_bytes, hop_ways, hops_seconds
 from deltafin.plan.links import COORDINATOR, PROFILES, Link, Links, profile
 from deltafin.plan.planner import plan_layers
+from deltafin.plan.predict import plan_summary
 
 K3 = parse_config(preset_config("k3"))
 
@@ -81,3 +82,16 @@ def test_the_way_of_a_hop_reads_the_pair_from_either_end():
     assert links.between(a, b).up_bps == 1e6
     assert direct_hops(K3, replace(base, links=links), 4096, 4) == (False,)
     assert COORDINATOR not in (a, b)
+
+
+def test_plan_says_each_hop_s_way_for_a_token_and_a_prompt():
+    wifi = PROFILES["wifi"]
+    base = _two_macs(Links(assumed=wifi, shared_bps=wifi.up_bps))
+    a, b = (s.key for s in base.stages)
+    plan = replace(base, links=Links({a: wifi, b: wifi}, {(a, b): wifi}, shared_bps=wifi.up_bps))
+    longest = min(s.sizing.longest_forward for s in plan.stages)
+    assert hop_ways(K3, plan, 4) == [{"from": "m0", "to": "m1", "token": "relayed", "prompt": "direct",
+                                      "prompt_tokens": str(longest)}]
+    assert describe_hops(K3, plan, 4) == [f"stage hop m0 -> m1: a token relayed by the coordinator, a prompt's "
+                                          f"forward ({longest:,} tokens) handed over directly"]
+    assert plan_summary(K3, plan, [], 4)["hops"] == hop_ways(K3, plan, 4)
