@@ -1,8 +1,9 @@
 """Where the coordinator's forwards run: in-process stages (single-machine mode) or a cluster of workers.
 
 Both present one async interface, so the generation loop and the HTTP API never know which they drive.
-The cluster routes through the coordinator (the hub, docs/DESIGN.md): ids to stage 0, its residual state to
-stage 1, and so on; every call carries a deadline.
+The cluster is driven by the coordinator (the hub, docs/DESIGN.md): ids to stage 0, its residual state on to stage 1
+(relayed by the coordinator, or handed from worker to worker where plan/hops.py says that is faster), and so on;
+every call carries a deadline.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The links between a cluster's machines as the plan reads them (pure): each one's round trip and bandwidth, as
 measured when the cluster forms (transport/echo.py: a short probe, again when a worker rejoins), or a named
 profile where nothing was measured. The planner prices with them what crosses them: the stage hops (a prompt's or
-a token's hidden states to a stage and back, through the coordinator) and, with wide experts, each MoE layer's
-expert calls between a stage and the other holders (one round trip, a row a token each way). Links on one medium
+a token's hidden states from stage to stage, relayed or handed over: plan/hops.py) and, with wide experts, each MoE
+layer's expert calls between a stage and the other holders (one round trip, a row a token each way). Links on one medium
 (one Wi-Fi channel: every station shares its airtime, and a hop relayed through the coordinator crosses it twice)
 are found by measuring two at once (coordinator/cluster/link_probe.py); what crosses them at once is then priced as
 its bytes together over the medium's rate (`together`).
