@@ -31,6 +31,7 @@ IO_MODES = ("direct", "buffered")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
 KERNELS = ("auto", "reference", "native", "mlx")
 EXPERT_MODES = ("auto", "wide", "local")
+HOP_MODES = ("auto", "relay", "direct")  # how a stage's states reach the next (plan/hops.py)
 WIRES = ("fp32", "bf16")  # what the hidden states and expert rows cross the links as: exact, or lossy and half
 PREFILL_BATCHES = ("ride", "separate")
 

@@ -58,6 +58,7 @@ class Inbox:
     def __init__(self, most: int = MOST_KEPT, keep_seconds: float = KEEP_SECONDS):
         self.most, self.keep_seconds = most, keep_seconds
         self._held: OrderedDict[str, _Held] = OrderedDict()
+        self.received = 0  # hand-offs taken in
 
     def put(self, parts: list[pb.ForwardRequest], cap: int) -> int:
         """Keep a whole hand-off (its parts, under their request id), hand-offs within `cap` bytes in all; its
@@ -67,6 +68,7 @@ class Inbox:
             log.info("dropped the states handed for %s: not claimed in %.0f s", rid[:8], self.keep_seconds)
             del self._held[rid]
         self._held[parts[0].request_id] = _Held(parts, nbytes, now)
+        self.received += 1
         while len(self._held) > 1 and (len(self._held) > self.most or self.nbytes > cap):
             rid, gone = self._held.popitem(last=False)
             log.warning("dropped the states handed for %s (%.1f MB) to make room", rid[:8], gone.nbytes / 1e6)
@@ -99,6 +101,7 @@ class Courier:
                         ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                         ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, grpc.aio.Channel]] = OrderedDict()
+        self.handed = self.failed = 0  # hand-offs made, and those that fell back to the coordinator
 
     async def _stubs(self, address: str) -> tuple[pb_grpc.WorkerStub, pb_grpc.WorkerStub]:
         if address not in self._channels:
@@ -124,12 +127,16 @@ class Courier:
             probe = lambda: probes.Info(pb.InfoRequest(), timeout=interval,
                                         metadata=self.security.metadata(SERVICE + "Info"))
             await await_watched(call, probe, interval, lost_after, None, watch)
+            self.handed += 1
             return True
         except Silent as e:
             log.warning("the next stage (%s) was silent for %.1f s: answering with the states", address, e.seconds)
-        except (grpc.aio.AioRpcError, ValueError) as e:
-            what = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            log.warning("could not hand the states to the next stage (%s): %s; answering with them", address, what)
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not hand the states to the next stage (%s): %s: %s; answering with them", address,
+                        e.code().name, e.details())
+        except Exception:  # the stage has run: whatever went wrong here, its outputs still reach the coordinator
+            log.exception("could not hand the states to the next stage (%s); answering with them", address)
+        self.failed += 1
         return False
 
     async def close(self) -> None:

@@ -167,11 +167,10 @@ class Peers:
         async with (grpc.aio.secure_channel(address, tls.credentials(), options=options + tls.options())
                     if tls is not None else grpc.aio.insecure_channel(address, options=options)) as channel:
             stub = pb_grpc.WorkerStub(channel)
-            md = self.security.metadata(SERVICE + "Echo")
 
-            async def echo(payload: bytes, reply_bytes: int) -> int:
+            async def echo(payload: bytes, reply_bytes: int) -> int:  # each call signed afresh (no replays)
                 reply = await stub.Echo(pb.EchoRequest(payload=payload, reply_bytes=reply_bytes), timeout=LINK_TIMEOUT,
-                                        metadata=md)
+                                        metadata=self.security.metadata(SERVICE + "Echo"))
                 return len(reply.payload)
 
             try:

@@ -262,6 +262,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if assigned is not None:
             stats.update(assigned.stats(self.description.key))
         stats["rss_peak_bytes"] = peak_rss()
+        stats.update(handed_on=self.courier.handed, hand_offs_failed=self.courier.failed, handed_in=self.inbox.received)
         return pb.StatsResponse(stats=codec.encode_stats(stats))
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoReply:

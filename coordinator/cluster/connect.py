@@ -89,5 +89,5 @@ def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig)
                        interfaces=None if cluster.interface is None else list(cluster.interface),
                        options=sent, sizing=sizing, act_bytes=stage.act_bytes,
                        memory_cap=stage.memory_bytes, timeouts=timeouts, security=security,
-                       experts=cluster.experts)
+                       experts=cluster.experts, hops=cluster.hops)
 

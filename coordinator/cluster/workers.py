@@ -59,6 +59,7 @@ class ClusterSpec:
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     experts: str = "auto"  # wide | local | auto: whichever the plan predicts faster, with more than one worker
+    hops: str = "auto"  # relay | direct | auto: how stage hops go (plan/hops.py)
     probe: LinkProbe = field(default_factory=LinkProbe)  # the links measured so far (kept across re-plans)
 
 
@@ -153,7 +154,8 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
         raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
     caps = capacities(workers, spec.memory_cap)
     links = await spec.probe.links(workers, pairs=len(workers) > 1)  # pairs: the hops and the wide calls
-    links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4)  # what crosses them
+    links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4,  # what crosses them, and how
+                    hops=spec.hops)
     plan = choose_mode(cfg, caps, spec.sizing, spec.act_bytes, spec.experts, links)
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),
               plan.table())

@@ -45,6 +45,9 @@ WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
     "calls_served": ("wide", "calls_served"), "served_s": ("wide", "served_s"),  # other stages' calls
     "forward_s": (None, "seconds"),  # in its stage's forwards
     "experts_s": (None, "experts_s"),  # of which producing the routed experts' outputs
+    "handed_on": (None, "handed_on"),  # forwards whose states it handed to the next stage's worker
+    "hand_offs_failed": (None, "hand_offs_failed"),  # ... that fell back to the coordinator's relay
+    "handed_in": (None, "handed_in"),  # hand-offs it received
 }
 
 

@@ -105,7 +105,7 @@ def add_cluster_options(p: argparse.ArgumentParser, model_required: bool = True)
     p.add_argument("--model", type=model_arg, required=model_required,
                    help=MODEL_HELP + " (the same files as the workers')")
     add_fields(p, ClusterOptions, ["worker", "discover", "discover_timeout", "expect", "interface", "local",
-                                   "local_stages", "device", "experts"],
+                                   "local_stages", "device", "experts", "hops"],
                helps={"device": "--local: the device the stages compute on (default %(default)s: mps, then cuda, then "
                       "the cpu)"})
     add_fields(p, StageOptions, ["dtype", "wire"])

@@ -7,7 +7,8 @@ A stage's output state reaches the next stage one of two ways:
   round trip of each to the coordinator (the stage before answers once the next one holds the states, and the
   next stage's call starts after that answer).
 A hop goes direct where the link between its two workers was measured (a worker that cannot reach the other is
-relayed) and the direct way is faster for the forward's bytes (`direct_hops`); a token's few KB usually go through
+relayed) and the direct way is faster for the forward's bytes (`direct_hops`; `--hops relay` or `direct` decides
+instead, `Links.hops`); a token's few KB usually go through
 the coordinator, a prompt's tens of MB over Wi-Fi directly. `hops_seconds` prices the ways chosen.
 """
 
@@ -36,7 +37,7 @@ def _ways(links: Links, a: str, b: str, state: float) -> tuple[float, float | No
     them was not measured."""
     into, out = links.between(a, COORDINATOR), links.between(COORDINATOR, b)
     relayed = links.together([(into, state, 0.0), (out, state, 0.0)], 0)
-    if (a, b) not in links.pairs and (b, a) not in links.pairs:
+    if links.hops == "relay" or ((a, b) not in links.pairs and (b, a) not in links.pairs):
         return relayed, None
     pair = links.between(a, b)
     # its crossing and the receiver's acknowledgement, then the answer to the coordinator and the next stage's call
@@ -49,7 +50,7 @@ def direct_hops(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> tu
     out = []
     for a, b in zip(plan.stages[:-1], plan.stages[1:], strict=True):
         relayed, direct = _ways(plan.links, a.key, b.key, hop_bytes(cfg, a.start, a.end, tokens, wire)[1])
-        out.append(direct is not None and direct < relayed)
+        out.append(direct is not None and (direct < relayed or plan.links.hops == "direct"))
     return tuple(out)
 
 
@@ -65,7 +66,8 @@ def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> f
     hops = 0.0
     for a, b in zip(stages[:-1], stages[1:], strict=True):
         relayed, direct = _ways(links, a.key, b.key, hop_bytes(cfg, a.start, a.end, tokens, wire)[1])
-        hops += _streamed(cfg, a, tokens, relayed if direct is None else min(relayed, direct))
+        way = relayed if direct is None else direct if links.hops == "direct" else min(relayed, direct)
+        hops += _streamed(cfg, a, tokens, way)
     return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + hops + link[-1].seconds(0, last_out, 0)
 
 

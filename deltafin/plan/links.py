@@ -66,6 +66,7 @@ class Links:
     names: Mapping[str, str] = field(default_factory=dict)  # the workers' names, by key (for the table)
     value_bytes: int = 4
     shared_bps: float = 0.0  # every link is on one medium of this rate, bytes a second (0: each link its own)
+    hops: str = "auto"  # how stage hops go (--hops, plan/hops.py): the faster way, always relayed, or direct
 
     def together(self, moves: list[tuple[Link, float, float]], round_trips: float = 1.0) -> float:
         """What moving (link, bytes up, bytes down) of each at once takes: the slowest of them on links of their own;

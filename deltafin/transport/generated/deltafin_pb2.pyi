@@ -411,7 +411,7 @@ class StatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[StageStats, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s", "prefixes_restored", "prefix_disk_files", "prefix_disk_bytes", "spilled_forwards", "spill_bytes_read", "spill_bytes_written", "spill_s")
+    __slots__ = ("state", "name", "rss_peak_bytes", "forwards", "tokens", "seconds", "compute_s", "spine_streamed_bytes", "spine_read_s", "spine_wait_s", "sessions", "session_bytes", "layers", "prefixes", "prefix_bytes", "prefix_budget", "prefixes_kept", "prefixes_resumed", "prefixes_evicted", "prefixes_refused", "experts", "plan", "wide", "disks", "experts_s", "prefixes_restored", "prefix_disk_files", "prefix_disk_bytes", "spilled_forwards", "spill_bytes_read", "spill_bytes_written", "spill_s", "handed_on", "hand_offs_failed", "handed_in")
     STATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RSS_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +444,9 @@ class StageStats(_message.Message):
     SPILL_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     SPILL_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     SPILL_S_FIELD_NUMBER: _ClassVar[int]
+    HANDED_ON_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFFS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_IN_FIELD_NUMBER: _ClassVar[int]
     state: str
     name: str
     rss_peak_bytes: int
@@ -476,7 +479,10 @@ class StageStats(_message.Message):
     spill_bytes_read: int
     spill_bytes_written: int
     spill_s: float
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., spilled_forwards: _Optional[int] = ..., spill_bytes_read: _Optional[int] = ..., spill_bytes_written: _Optional[int] = ..., spill_s: _Optional[float] = ...) -> None: ...
+    handed_on: int
+    hand_offs_failed: int
+    handed_in: int
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., spilled_forwards: _Optional[int] = ..., spill_bytes_read: _Optional[int] = ..., spill_bytes_written: _Optional[int] = ..., spill_s: _Optional[float] = ..., handed_on: _Optional[int] = ..., hand_offs_failed: _Optional[int] = ..., handed_in: _Optional[int] = ...) -> None: ...
 
 class WideStats(_message.Message):
     __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")

@@ -163,6 +163,13 @@ def test_mutual_tls(tiny_dir: Path, tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=120)
         assert ok.returncode == 0, ok.stderr
         assert all(row["calls_served"] > 0 for row in json.loads(ok.stdout)["workers"])  # worker to worker
+        ok = subprocess.run([*base, "--worker", w2.address, *client, "--experts", "local", "--hops", "direct",
+                             "generate", "hi", "--max-tokens", "2", "--json"],
+                            capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        # each forward's states handed from the first stage's worker to the second's, over the same mutual TLS
+        rows = sorted(json.loads(ok.stdout)["workers"], key=lambda r: r["layers"])
+        assert [(r["handed_on"], r["hand_offs_failed"], r["handed_in"]) for r in rows] == [(2, 0, 0), (0, 0, 2)]
         for name, args in [("no client certificate", ["--tls-ca", str(c["ca"])]), ("plaintext", [])]:
             bad = subprocess.run([*base, *args, "generate", "hi", "--max-tokens", "2"], capture_output=True,
                                  text=True, timeout=120)
