@@ -95,3 +95,19 @@ def test_plan_says_each_hop_s_way_for_a_token_and_a_prompt():
     assert describe_hops(K3, plan, 4) == [f"stage hop m0 -> m1: a token relayed by the coordinator, a prompt's "
                                           f"forward ({longest:,} tokens) handed over directly"]
     assert plan_summary(K3, plan, [], 4)["hops"] == hop_ways(K3, plan, 4)
+
+
+def test_hops_relay_or_direct_decide_instead_of_the_prices():
+    """--hops relay: every hop through the coordinator, whatever the links; --hops direct: every hop whose link was
+    measured worker to worker, a token's too (an unmeasured pair still goes relayed); priced the way they go."""
+    wifi = PROFILES["wifi"]
+    base = _two_macs(Links(assumed=wifi, shared_bps=wifi.up_bps))
+    a, b = (s.key for s in base.stages)
+    measured = Links({a: wifi, b: wifi}, {(a, b): wifi}, shared_bps=wifi.up_bps)
+    relay, direct = (replace(base, links=replace(measured, hops=m)) for m in ("relay", "direct"))
+    assert direct_hops(K3, relay, 4096, 4) == (False,) and direct_hops(K3, direct, 1, 4) == (True,)
+    assert hops_seconds(K3, relay, 4096, 4) == pytest.approx(hops_seconds(K3, base, 4096, 4), rel=1e-12)
+    auto = replace(base, links=measured)
+    assert hops_seconds(K3, direct, 1, 4) > hops_seconds(K3, auto, 1, 4)  # a token pays the round trips
+    unmeasured = replace(base, links=Links({a: wifi, b: wifi}, shared_bps=wifi.up_bps, hops="direct"))
+    assert direct_hops(K3, unmeasured, 4096, 4) == (False,)
