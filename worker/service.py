@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CodecError, DeltafinError, NotAssigned
 from deltafin.plan.memory import peak_rss
+from deltafin.runtime import wide
 from deltafin.runtime.assigned import Assigned
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
@@ -200,6 +201,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             loop = asyncio.get_running_loop()
             parts: asyncio.Queue[tuple[torch.Tensor, torch.Tensor]] = asyncio.Queue()
             with self._served():
+                if call.z.shape[0] * call.z.shape[1] * 4 <= wide.SUMS_PART_BYTES:  # one part (a token's): no stream
+                    out = await loop.run_in_executor(self.expert_executor, holder.run, call)
+                    yield pb.ExpertResponse(rows=codec.encode_tensor(torch.arange(out.shape[0])),
+                                            outputs=codec.encode_tensor(out))
+                    return
                 run = loop.run_in_executor(self.expert_executor, holder.stream, call,
                                            lambda rows, sums: loop.call_soon_threadsafe(parts.put_nowait, (rows, sums)))
                 async for rows, sums in until(run, parts):

@@ -314,7 +314,7 @@ class ExpertHolder:
 
     @torch.inference_mode()
     def stream(self, call: ExpertCall, send: Callable[[torch.Tensor, torch.Tensor], None],
-               part_bytes: int = SUMS_PART_BYTES) -> None:
+               part_bytes: int | None = None) -> None:
         """`run`, each row's sum sent as soon as its last pair is done: `send(rows, sums)` (rows sorted, each row of
         the call once in all, the sums the bits `run` gives), in parts of about `part_bytes`, so the first rows cross
         the link while the holder computes the rest of its experts."""
@@ -324,7 +324,7 @@ class ExpertHolder:
         n_rows, rows = int(call.z.shape[0]), call.rows
         left = torch.bincount(rows, minlength=n_rows)  # pairs not done, per row
         done: list[torch.Tensor] = []
-        per_part = max(1, part_bytes // (self.cfg.expert_dim * (2 if call.bf16 else 4)))
+        per_part = max(1, (part_bytes or SUMS_PART_BYTES) // (self.cfg.expert_dim * (2 if call.bf16 else 4)))
 
         def flush(out: torch.Tensor) -> None:
             which = torch.cat(done).sort().values

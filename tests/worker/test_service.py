@@ -21,6 +21,7 @@ from deltafin.models.moe import expert_outputs
 from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.holder_sizing import size_holder
 from deltafin.plan.sizing import Placement, SizingInput
+from deltafin.runtime import wide
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
@@ -191,6 +192,7 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     """A worker assigned no layers of a wide plan serves its experts: a call's answer is each row's weighted sum of
     its pairs' expert outputs (each as the one-process loop computes it), hints are taken at once, and calls it
     cannot compute get a status that says why."""
+    part_bytes = wide.SUMS_PART_BYTES
     serving, cfg = served
 
     async def run():
@@ -230,12 +232,19 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
             async for _ in stub.Assign(pb.Assignment(**holder_only, experts=plan_of(me, other)), timeout=60):
                 pass
             assert (await stub.Info(pb.InfoRequest(), timeout=5)).state == "ready"
-            parts = await _parts(stub.RunExperts(codec.encode_expert_call(call), timeout=30))
+            whole = await _parts(stub.RunExperts(codec.encode_expert_call(call), timeout=30))
+            assert len(whole) == 1  # a call whose sums fit one part answers in one
+            wide.SUMS_PART_BYTES = cfg.expert_dim * 4  # a row a part: the sums go as their rows are done
+            try:
+                parts = await _parts(stub.RunExperts(codec.encode_expert_call(call), timeout=30))
+            finally:
+                wide.SUMS_PART_BYTES = part_bytes
             rows = torch.cat([codec.decode_tensor(p.rows, "rows") for p in parts])
-            assert sorted(rows.tolist()) == [0, 1, 2]  # each row once, as its last pair was done
+            assert len(parts) == 3 and sorted(rows.tolist()) == [0, 1, 2]  # each row once, as its last pair was done
             got = torch.empty(3, cfg.expert_dim)
             for p in parts:
                 got[codec.decode_tensor(p.rows, "rows")] = codec.decode_tensor(p.outputs, "sums")
+            assert torch.equal(got, codec.decode_tensor(whole[0].outputs, "sums"))
             dense = dataclasses.replace(call, layer=0)  # layer 0 has no experts to hold
             outside = dataclasses.replace(call, rows=torch.tensor([0, 1, 1, 5]))  # row 5 of 3
             for bad_call, code in [(dense, grpc.StatusCode.FAILED_PRECONDITION),
@@ -244,7 +253,7 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
                     await _parts(stub.RunExperts(codec.encode_expert_call(bad_call), timeout=10))
                 assert e.value.code() == code
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
-            assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 1
+            assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 2
             assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 1, 4, 6
             assert await _parts(stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
                                                 timeout=5)) == []  # hints: answered at once, read behind
