@@ -80,6 +80,7 @@ class WorkerClient:
         self.probe_channel = self.security.channel(address, options)
         self.probes = pb_grpc.WorkerStub(self.probe_channel)
         self.start = self.end = 0
+        self.closed = False  # closed (a new plan replaced it): its calls in flight end cancelled
         self.part_bytes = min(PART_BYTES, max_message_bytes - max_message_bytes // 8)  # tensor data a message carries
 
     def _md(self, method: str) -> Any:
@@ -211,6 +212,12 @@ class WorkerClient:
             r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control, metadata=self._md("Stats"))
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
+        except asyncio.CancelledError:
+            if not self.closed:
+                raise
+            # a new plan closed this client while /health or /metrics asked it: a failed call, not a cancelled request
+            raise RemoteError(f"{self.name} ({self.address})", grpc.StatusCode.CANCELLED, "replaced by a new plan") \
+                from None
         return codec.decode_stats(r.stats)
 
     async def held_prefixes(self, prefix_ids: list[str], logits_for: str | None = None) -> HeldPrefixes:
@@ -230,4 +237,5 @@ class WorkerClient:
         return (r.prefix_id, r.length) if r.prefix_id else None
 
     async def close(self) -> None:
+        self.closed = True
         await asyncio.gather(self.channel.close(), self.probe_channel.close())

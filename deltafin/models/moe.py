@@ -65,7 +65,7 @@ def dense_mlp(cfg: ModelConfig, w: DenseMLPWeights, x: torch.Tensor) -> torch.Te
     return linear(gate_up(x, w.gate, w.up, activation(cfg)), w.down)
 
 
-Landed = Callable[[torch.Tensor, torch.Tensor], None]  # (the pairs' outputs so far, the pairs just done)
+Landed = Callable[[torch.Tensor, torch.Tensor], None]  # (the pairs' outputs so far, the pairs just done: host indices)
 
 
 def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
@@ -78,12 +78,12 @@ def expert_outputs(cfg: ModelConfig, layer: int, z: torch.Tensor, rows: torch.Te
     chosen = ids.cpu()  # the experts are needed on the host anyway: one transfer, not a sync per expert
     rows = rows.to(z.device)
     for e, weights_e in experts(layer, sorted(set(chosen.tolist()))):
-        sel = (chosen == e).nonzero(as_tuple=True)[0]
+        pairs = sel = (chosen == e).nonzero(as_tuple=True)[0]
         if z.device.type != "cpu":
             sel = sel.to(z.device, non_blocking=True)
         out[sel] = expert_ffn(cfg, weights_e, z[rows[sel]]).float()
         if landed is not None:
-            landed(out, sel)
+            landed(out, pairs)  # the host's indices: no wait for the device here
     return out
 
 

@@ -334,7 +334,7 @@ class ExpertHolder:
             send(which, sums.to(torch.bfloat16) if call.bf16 else sums)
 
         def landed(out: torch.Tensor, sel: torch.Tensor) -> None:
-            touched = rows[sel.cpu()]
+            touched = rows[sel]
             left.index_add_(0, touched, torch.full_like(touched, -1))
             touched = touched.unique()
             done.append(touched[left[touched] == 0])
