@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deltafin.errors import DeltafinError
-from deltafin.options import DEVICES, EXPERT_MODES, HOP_MODES, check_choice, from_values, opt
+from deltafin.options import DEVICES, EXPERT_PLACEMENTS, HOP_MODES, check_choice, from_values, opt
 from deltafin.transport.ports import check_address
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class ClusterOptions:
     experts: str = opt(
         "auto", "wide: every worker reads and computes its share of every layer's routed experts, so every disk works "
         "on every token; local: each stage reads its own layers' experts; auto (default): the faster for a chat "
-        "turn, priced with the links, disks and compute measured (the plan says why)", choices=EXPERT_MODES)
+        "turn, priced with the links, disks and compute measured (the plan says why)", choices=EXPERT_PLACEMENTS)
     hops: str = opt(
         "auto", "how a stage's states reach the next stage: relay: through the coordinator; direct: from worker to "
         "worker where the link between them was measured (a hand-off that fails is relayed); auto (default): the "
@@ -72,7 +72,7 @@ class ClusterOptions:
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
-        check_choice("experts", self.experts, EXPERT_MODES)
+        check_choice("experts", self.experts, EXPERT_PLACEMENTS)
         check_choice("hops", self.hops, HOP_MODES)
         if self.worker_timeout <= 0 or self.forward_timeout <= 0:
             raise DeltafinError("--worker-timeout and --forward-timeout must be positive")

@@ -83,7 +83,8 @@ def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig)
                         probe_interval=min(2.0, cluster.worker_timeout / 3), reconnect=cluster.reconnect_timeout)
     sizing = stage.sizing_for(layer_spans(scan_checkpoint(cluster.model, cfg)))
     sent = {"dtype": stage.dtype, "io": stage.io, "read_threads": stage.sizing.read_threads,
-            "cache_policy": stage.cache_policy, "prefetch": stage.prefetch, "wire": stage.wire}
+            "cache_policy": stage.cache_policy, "prefetch": stage.prefetch, "wire": stage.wire,
+            "expert_mode": stage.expert_mode}
     return ClusterSpec(Path(cluster.model), addresses=list(cluster.worker), discover=cluster.discover,
                        discover_timeout=cluster.discover_timeout, expect=cluster.expect,
                        interfaces=None if cluster.interface is None else list(cluster.interface),

@@ -24,7 +24,7 @@ from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
-from deltafin.options import EXPERT_MODES
+from deltafin.options import EXPERT_PLACEMENTS
 from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
 from deltafin.plan.expert_placement import ExpertPlan, Holder, HolderLink
 from deltafin.plan.hops import direct_hops
@@ -150,8 +150,8 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
     """The layers over the workers, priced with the links measured to and between them (link_probe.py); with
     `--experts auto` and more than one worker, wide or local experts, whichever the plan predicts faster
     (plan/modes.py), and why."""
-    if spec.experts not in EXPERT_MODES:
-        raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_MODES)}")
+    if spec.experts not in EXPERT_PLACEMENTS:
+        raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_PLACEMENTS)}")
     caps = capacities(workers, spec.memory_cap)
     links = await spec.probe.links(workers, pairs=len(workers) > 1)  # pairs: the hops and the wide calls
     links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4,  # what crosses them, and how

@@ -72,7 +72,7 @@ def text_sequences(tokenizer: K3Tokenizer, path: Path) -> list[list[int]]:
     return [ids[i:i + SEQUENCE_TOKENS] for i in range(0, len(ids), SEQUENCE_TOKENS) if len(ids[i:]) > 1]
 
 
-def _logits(pipe: LocalPipeline, session: str, ids: torch.Tensor) -> torch.Tensor:
+def logits_of(pipe: LocalPipeline, session: str, ids: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, vocab] of every position, in forwards of PIECE_TOKENS (the most that return them all)."""
     out = torch.cat([pipe.forward([SeqInput(session, s, ids=ids[s:s + PIECE_TOKENS])], all_logits=True)[0].logits
                      for s in range(0, len(ids), PIECE_TOKENS)])
@@ -82,19 +82,38 @@ def _logits(pipe: LocalPipeline, session: str, ids: torch.Tensor) -> torch.Tenso
 
 def compare(stored: LocalPipeline, other: LocalPipeline, sequences: list[list[int]], tokens: int | None) -> dict:
     """The sums over `sequences` (at most `tokens` positions in all) that `spine_quality` reports."""
-    nats = {"stored": 0.0, "other": 0.0}
-    kl, same, count = 0.0, 0, 0
-    for i, seq in enumerate(sequences):
-        if tokens is not None and count >= tokens:
+    sums = new_sums()
+    for i, seq in enumerate(cut(sequences, tokens)):
+        ids = torch.tensor(seq, dtype=torch.long)
+        add_pair(sums, logits_of(stored, f"q-{i}", ids), logits_of(other, f"q-{i}", ids), ids)
+    return sums
+
+
+def cut(sequences: list[list[int]], positions: int | None) -> list[list[int]]:
+    """The sequences, in order, cut where `positions` next-token predictions (a sequence's length less one) are
+    reached (None: all of them)."""
+    out, count = [], 0
+    for seq in sequences:
+        if positions is not None and count >= positions:
             break
-        ids = torch.tensor(seq[:None if tokens is None else tokens - count + 1], dtype=torch.long)
-        a, b = _logits(stored, f"q-{i}", ids)[:-1], _logits(other, f"q-{i}", ids)[:-1]
-        nats["stored"] += float(F.cross_entropy(a, ids[1:], reduction="sum"))
-        nats["other"] += float(F.cross_entropy(b, ids[1:], reduction="sum"))
-        kl += float(F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="sum"))
-        same += int((a.argmax(-1) == b.argmax(-1)).sum())
-        count += len(ids) - 1
-    return {"nats": nats, "kl": kl, "same": same, "count": count}
+        part = seq[:None if positions is None else positions - count + 1]
+        out.append(part)
+        count += len(part) - 1
+    return out
+
+
+def new_sums() -> dict:
+    return {"nats": {"stored": 0.0, "other": 0.0}, "kl": 0.0, "same": 0, "count": 0}
+
+
+def add_pair(sums: dict, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor) -> None:
+    """Adds one sequence to `sums`: `a` the reference's logits and `b` the other's at every position [T, vocab]."""
+    a, b = a[:-1], b[:-1]
+    sums["nats"]["stored"] += float(F.cross_entropy(a, ids[1:], reduction="sum"))
+    sums["nats"]["other"] += float(F.cross_entropy(b, ids[1:], reduction="sum"))
+    sums["kl"] += float(F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="sum"))
+    sums["same"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+    sums["count"] += len(ids) - 1
 
 
 def spine_quality(model: str | Path, spine: str, sequences: list[list[int]], device: str = "cpu",
@@ -109,7 +128,7 @@ def spine_quality(model: str | Path, spine: str, sequences: list[list[int]], dev
     finally:
         for pipe in pipes:
             pipe.close()
-    return {**_figures(model, sums), "spine": spine, "stored_spine": STORED}
+    return {**figures(model, sums), "spine": spine, "stored_spine": STORED}
 
 
 def wire_quality(model: str | Path, wire: str, sequences: list[list[int]], device: str = "cpu",
@@ -126,10 +145,10 @@ def wire_quality(model: str | Path, wire: str, sequences: list[list[int]], devic
     finally:
         one.close()
         wide.close()
-    return {**_figures(model, sums), "wire": wire, "against": "one process (the wire's fp32)"}
+    return {**figures(model, sums), "wire": wire, "against": "one process (the wire's fp32)"}
 
 
-def _figures(model: str | Path, sums: dict) -> dict[str, Any]:
+def figures(model: str | Path, sums: dict) -> dict[str, Any]:
     n = sums["count"]
     if n == 0:
         raise DeltafinError("no position to measure: every sequence has fewer than 2 tokens")

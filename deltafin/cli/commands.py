@@ -33,6 +33,7 @@ from deltafin.cli.models import add_models_command
 from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
+from deltafin.expert_modes import EXACT
 from deltafin.errors import DeltafinError
 from deltafin.formats import converted_spines
 from deltafin.mini.synth import synthesize
@@ -220,10 +221,10 @@ def _bench_model(args: argparse.Namespace) -> dict:
     lengths = _positive_ints(args.prefill, "--prefill") if args.prefill else None
     if lengths:  # the stage is sized for the longest prompt
         args.context = max(args.context or 0, *lengths)
+    if args.quality:  # before the stage's options: --expert-mode may say all
+        return _bench_quality(args)
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
-    if args.quality:
-        return _bench_quality(args)
     if args.workload:
         from deltafin.coordinator.workload import (
             bench_workload,  # torch: loaded when the command runs
@@ -253,10 +254,20 @@ def _bench_model(args: argparse.Namespace) -> dict:
 
 def _bench_quality(args: argparse.Namespace) -> dict:
     """`bench --quality`: --spine (int8 when left auto) against the spine as stored; or --wire against one
-    process."""
+    process; or --expert-mode (a mode, or all) against exact."""
     from deltafin.cli import bench_quality  # torch: loaded when the command runs
 
+    modes = None
+    if args.expert_mode.strip().lower() != EXACT:
+        from deltafin.cli.bench_modes import modes_asked  # (the same)
+
+        modes = modes_asked(args.expert_mode)  # a bad mode is refused before the text is read
     sequences = bench_quality.sequences_for(args.model, args.text)
+    if modes is not None:
+        from deltafin.cli.bench_modes import mode_quality  # (the same)
+
+        return mode_quality(args.model, modes, sequences, device=args.device, tokens=args.tokens,
+                            policy=args.cache_policy)
     if args.wire != "fp32":
         return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
     spine = converted_spines()[-1] if args.spine == "auto" else args.spine  # auto: the most bytes converted (int8)
@@ -295,7 +306,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "tok/s by prompt length; --second-turn PROMPT,NEW: what the prefix cache saves; --verify KS: "
                        "what a speculative verification pass of k drafts costs; --workload chat,code: routing, cache, "
                        "prefetch and drafting on a trained model's own answers; --quality: what a spine format "
-                       "costs against the spine as stored.")
+                       "costs against the spine as stored, or with --expert-mode MODE (or all: every registered "
+                       "mode) what an expert mode costs and saves against exact.")
     p.add_argument("--model", type=model_arg, help=MODEL_HELP + ": measure decode")
     p.add_argument("--disk", help="a directory or large file: measure the disk with the expert reader")
     p.add_argument("--kernel", action="store_true", help="measure the MXFP4 expert kernel and the spine matmul in each "
@@ -330,7 +342,8 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "stage (each cache policy's hit rate on that routing trace, prefetch recall)")
     p.add_argument("--quality", action="store_true", help="--model: what --spine (default int8) costs against the "
                    "spine as stored (bf16): perplexity of both, mean KL divergence of the next-token distribution and "
-                   "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE")
+                   "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE; with "
+                   "--expert-mode MODE|all, each mode against exact, with its expert reads a token beside exact's")
     p.add_argument("--text", metavar="FILE", help="--quality: the text to measure on (cut into 2048-token "
                    "sequences)")
     p.add_argument("--wire", choices=WIRES, default="fp32", help="--quality: with bf16, what that wire costs instead "

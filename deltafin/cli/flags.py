@@ -77,7 +77,7 @@ def add_stage_options(p: argparse.ArgumentParser, sequences: int | None = None) 
     add_fields(g, StageOptions, ["convert", "spine_dir"])
     add_fields(g, SizingOptions, ["sequences", "context", "prefix_cache_bytes", "prefill_chunk", "spill",
                                   "max_resident_layers"], {"sequences": sequences})
-    add_fields(g, StageOptions, ["kernels"])
+    add_fields(g, StageOptions, ["kernels", "expert_mode"])
     r = p.add_argument_group("reads", "how the experts and kept prefixes use the disks")
     add_fields(r, StageOptions, ["expert_dir", "io"])
     add_fields(r, SizingOptions, ["read_threads"])

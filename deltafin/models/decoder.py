@@ -27,6 +27,7 @@ from deltafin.models.moe import (
     ExpertSource,
     FusedExperts,
     RoutedExperts,
+    Router,
     dense_mlp,
     moe_added,
     moe_forward,
@@ -49,11 +50,11 @@ class Span:
 
 def decoder_layer(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, spans: Sequence[Span],
                   experts: ExpertSource, fused: FusedExperts | None = None,
-                  routed: RoutedExperts | None = None) -> ResidualState:
+                  routed: RoutedExperts | None = None, router: Router | None = None) -> ResidualState:
     """Run layer `layer` on packed tokens (several sequences, each with its own cache); `fused` or `routed`
-    run the routed experts instead of the loop over `experts` (models/moe.py)."""
+    run the routed experts instead of the loop over `experts`, `router` routes in an expert mode (models/moe.py)."""
     after, x = attention(cfg, layer, w, state, spans)
-    return feed_forward(cfg, layer, w, after, x, experts, fused, routed)
+    return feed_forward(cfg, layer, w, after, x, experts, fused, routed, router=router)
 
 
 def layer_input(w: LayerWeights, state: ResidualState) -> torch.Tensor:
@@ -89,11 +90,12 @@ def attention(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualStat
 
 def feed_forward(cfg: ModelConfig, layer: int, w: LayerWeights, state: ResidualState, x: torch.Tensor,
                  experts: ExpertSource, fused: FusedExperts | None = None, routed: RoutedExperts | None = None,
-                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResidualState:
+                 routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 router: Router | None = None) -> ResidualState:
     """The layer's second half, row by row: the dense MLP or the latent MoE on `x` (with `routing`, the
     router's choice made already: moe.route), added to P."""
     if isinstance(w.ffn, MoEWeights):
-        f = moe_forward(cfg, layer, w.ffn, x, experts, routing=routing, fused=fused, routed=routed)
+        f = moe_forward(cfg, layer, w.ffn, x, experts, routing=routing, fused=fused, routed=routed, router=router)
     else:
         f = dense_mlp(cfg, w.ffn, x)
     return ResidualState(state.P + f, state.B)
@@ -117,7 +119,7 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
                     pieces: Sequence[Piece], experts: ExpertSource, fused: FusedExperts | None = None,
                     routed: RoutedExperts | None = None,
                     done: Callable[[Piece, ResidualState], None] | None = None,
-                    blocks: BlockStore | None = None) -> ResidualState:
+                    blocks: BlockStore | None = None, router: Router | None = None) -> ResidualState:
     """The layer over a forward too long for one attention pass: attention piece after piece (each sequence's
     pieces in order, so each sees its cache as the ones before it left it), then the routed experts once over
     every row, so each expert is read once per forward however many pieces. A dense layer's MLP runs per piece, and
@@ -150,7 +152,8 @@ def layer_in_pieces(cfg: ModelConfig, layer: int, w: LayerWeights, state: Residu
         blocks.banked()
     out = ResidualState(P, state.B if B is None else B)
     if moe:  # added in place too, a block of rows at a time: the rows' P is held once
-        moe_added(cfg, layer, w.ffn, x, P, experts, fused=fused, routed=routed)  # type: ignore[arg-type]
+        moe_added(cfg, layer, w.ffn, x, P, experts, fused=fused, routed=routed,  # type: ignore[arg-type]
+                  router=router)
     return out
 
 

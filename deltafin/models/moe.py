@@ -47,10 +47,17 @@ class FusedExperts(Protocol):
         ...
 
 
-def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid router: top-k of (score + bias) selects; the unbiased scores weigh. -> idx [N,k], weights [N,k] fp32."""
+Router = Callable[[int, MoEWeights, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (layer, weights, x) -> routing
+# in an expert mode other than exact (models/expert_modes.py); None: `route`
+
+
+def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, bonus: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router: top-k of (score + bias) selects; the unbiased scores weigh. -> idx [N,k], weights [N,k] fp32.
+    `bonus` [E] is added to what selects (cache-aware routing: models/expert_modes.py), never to the weights."""
     scores = torch.sigmoid(linear(x.float(), w.router).float())  # [N, E], fp32 (exact with a bf16 router)
-    idx = torch.topk(scores + w.bias, cfg.experts_per_token, dim=-1).indices
+    select = scores + w.bias if bonus is None else scores + w.bias + bonus
+    idx = torch.topk(select, cfg.experts_per_token, dim=-1).indices
     weights = scores.gather(1, idx)
     if cfg.renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -144,12 +151,13 @@ def summed_by_expert(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.T
 
 
 def moe_added(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, P: torch.Tensor, experts: ExpertSource,
-              fused: FusedExperts | None = None, routed: RoutedExperts | None = None) -> None:
+              fused: FusedExperts | None = None, routed: RoutedExperts | None = None,
+              router: Router | None = None) -> None:
     """P += the layer's latent MoE of x, as a long forward runs it (models/decoder.py layer_in_pieces): the routed
     sum over every row at once (each expert read once), and the shared experts, the sum's norm and up-projection a
     block of SUMMED_ROWS rows at a time, so that no [N, intermediate] temporary is made. The same as
     `moe_forward` up to rounding."""
-    idx, weights = route(cfg, w, x)
+    idx, weights = router(layer, w, x) if router is not None else route(cfg, w, x)
     z = linear(x, w.latent_down) if w.latent_down is not None else x
     finish = (lambda: fused(layer, z, idx, weights)) if fused is not None else (
         routed(layer, z, idx, weights) if routed is not None else
@@ -173,10 +181,14 @@ def moe_added(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, P: t
 
 def moe_forward(cfg: ModelConfig, layer: int, w: MoEWeights, x: torch.Tensor, experts: ExpertSource,
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                fused: FusedExperts | None = None, routed: RoutedExperts | None = None) -> torch.Tensor:
-    """Latent MoE: route on x, run the chosen experts on z = down(x), combine, norm, up, add shared(x). With
-    `routed`, the pairs' outputs are started first and the shared experts computed while they run."""
-    idx, weights = routing if routing is not None else route(cfg, w, x)
+                fused: FusedExperts | None = None, routed: RoutedExperts | None = None,
+                router: Router | None = None) -> torch.Tensor:
+    """Latent MoE: route on x (`router`: in an expert mode), run the chosen experts on z = down(x), combine, norm,
+    up, add shared(x). With `routed`, the pairs' outputs are started first and the shared experts computed while
+    they run."""
+    if routing is None:
+        routing = router(layer, w, x) if router is not None else route(cfg, w, x)
+    idx, weights = routing
     z = linear(x, w.latent_down) if w.latent_down is not None else x
     shared = None
     if fused is not None:

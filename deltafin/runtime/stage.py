@@ -40,6 +40,7 @@ from deltafin.models.decoder import (
     layer_input,
     pieces_of,
 )
+from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import FusedExperts, routed_sum
 from deltafin.paths import cache_dir
 from deltafin.plan.sizing import StageSizing
@@ -138,6 +139,7 @@ class Stage:
         served = [i for i in self.layers_range if cfg.is_moe(i)] if serves is None else sorted(serves)
         self.experts = experts if experts is not None else open_experts(ckpt, self.sizing, opts, device, served,
                                                                         self.expert_backend)
+        self.router = mode_router(cfg, opts.mode, getattr(self.experts, "held", None))  # None: exact
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),
                  len(self.spine.plan.streamed), "streamed" if self.sizing.streaming else "resident")
@@ -305,7 +307,7 @@ class Stage:
             prefetch_experts(self, layer, state)
             fused = getattr(self.experts, "fused", None) if self.wide is None else None
             experts = {"fused": _timed(self.timings, fused) if fused is not None else None,
-                       "routed": None if fused is not None else self._timed_routed}
+                       "routed": None if fused is not None else self._timed_routed, "router": self.router}
             if streams and layer == self.end - 1:
                 state = layer_in_pieces(self.cfg, layer, weights, state, pieces_of(spans, STREAM_PIECE_TOKENS),
                                         self.experts.experts, done=done)

@@ -20,6 +20,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, id_ranges, open_copy
 from deltafin.errors import OutOfMemory, SizingError
+from deltafin.expert_modes import EXACT
 from deltafin.formats import auto_spines, held_format, spine_format, stored_spine, weight_format
 from deltafin.formats.q4 import Q4
 from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on_mlx
@@ -250,12 +251,15 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
                    sizing: StageSizing, expert_backend: str) -> str:
     """What a kept state's numbers depend on, as one name: the checkpoint, the layers, the activation dtype, the
     device, each layer's spine format (a converted one's recipe), where the routed experts run and the kernels
-    that multiply (their rounding differs). A state is resumed only by a stage of the same identity: a kept
-    prompt computed with a bf16 spine is never continued (nor its logits reused) by a q4 one."""
+    that multiply (their rounding differs), and an expert mode other than exact. A state is resumed only by a stage
+    of the same identity: a kept prompt computed with a bf16 spine is never continued (nor its logits reused) by a
+    q4 one, nor one computed with top-p experts by an exact stage."""
     dtype = str(options.torch_dtype).removeprefix("torch.")
     numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if spine_format(sizing.spine).converted else None,
                "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
                "wide": sizing.wide}
+    if options.expert_mode != EXACT:
+        numbers["expert_mode"] = options.expert_mode
     digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
     return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deltafin.expert_modes import EXACT, PRESETS, ExpertMode
+from deltafin.expert_modes import parse as parse_mode
 from deltafin.options import (
     CACHE_POLICIES,
     DTYPES,
@@ -62,7 +64,8 @@ class StageOptions:
     cache_policy: str = opt("lfu", "expert cache policy (default %(default)s: the best of the three on measured "
                             "decode traces)", choices=CACHE_POLICIES, aliases=("--policy",))
     prefetch: bool = opt(True, "read experts only when a layer asks for them", off="--no-prefetch")
-    prefetch_layers: int = 2  # predict the current MoE layer's experts (1) and the next one's too (2)
+    prefetch_layers: int = 1  # a decode guesses the starting MoE layer's experts (1), or the next one's too (2);
+    # a prompt guesses both (runtime/read_ahead.py)
     expert_dir: tuple[str, ...] = opt(
         (), "another copy (or part) of the checkpoint on another disk (repeatable): the routed experts are read "
         "from every disk that holds them, in proportion to each disk's measured speed (e.g. a Mac's internal SSD "
@@ -87,6 +90,11 @@ class StageOptions:
         "fp32", "what crosses the links between the machines: fp32 (default: exact), or bf16 (half the bytes of the "
         "stage hops' states and the wide experts' rows and sums; lossy: its cost in docs/cluster.md, measured like "
         "the spine formats)", choices=WIRES)
+    expert_mode: str = opt(
+        EXACT, "how a token's routed experts are chosen: exact (default: the router's top-k), or a lossy mode that "
+        "reads fewer expert bytes: top-p:P (the fewest of the k whose share of the routed weight reaches P), "
+        "cached:M (an expert in memory chosen over one whose score is less than M higher), or both joined by + "
+        f"(e.g. {PRESETS[-1]}); each one's cost is measured in docs/expert-modes.md", metavar="MODE")
     convert: bool = opt(
         True, "refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet (default: "
         "convert it first, once, into the cache directory, as `deltafin convert` does)", off="--no-convert")
@@ -102,10 +110,15 @@ class StageOptions:
         check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("wire", self.wire, WIRES)
+        object.__setattr__(self, "expert_mode", parse_mode(self.expert_mode).name)  # its one spelling
         more_than_zero(memory_gb=self.memory_bytes)
         at_least(0, host_memory_bytes=self.host_memory_bytes, prefix_disk_gb=self.prefix_disk_bytes)
         at_least(1, prefetch_layers=self.prefetch_layers)
         at_least(0, speculative_tokens=self.speculative_tokens)
+
+    @property
+    def mode(self) -> ExpertMode:
+        return parse_mode(self.expert_mode)
 
     def replace(self, **changes: Any) -> StageOptions:
         """These options with `changes`, the memory plan's knobs (SizingOptions' names) going to `sizing`."""

@@ -27,7 +27,7 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 14  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
+PROTOCOL_VERSION = 15  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
 # session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
 # states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
 # addresses), summed expert answers, the bf16 wire, workers' measured compute; 9: the stage's plan in the Assignment,
@@ -35,7 +35,8 @@ PROTOCOL_VERSION = 14  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4:
 # holders' speeds and links in the expert plan (a prompt's calls divided by them); 12: a plan's prompt_tokens (a
 # prompt's forwards borrow the expert cache); 13: a plan's spill_tokens, the stage's spill counters; 14: states handed
 # from stage to stage (HandOff, ForwardRequest.hand_to/handed_from, ForwardResponse.handed), expert sums streamed a
-# row as it is done (RunExperts answers in parts, ExpertResponse.rows)
+# row as it is done (RunExperts answers in parts, ExpertResponse.rows); 15: a stage's expert mode
+# (StageOptions.expert_mode: a worker that cannot say it would run exact)
 DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}

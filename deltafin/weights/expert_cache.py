@@ -6,6 +6,13 @@ Policies (`options.CACHE_POLICIES`), compared on recorded routing traces by `del
           favourites do not squat forever); ties broken by recency
   pinned  a frequency-pinned tier: the most frequently used experts (up to `pinned_fraction` of the
           budget) are never evicted; the rest of the budget is LRU
+  least-stale
+          after SpecMD's Least-Stale (arXiv 2602.03921; our reading of it): a token visits the layers in order, so
+          an expert is stale once its layer has been visited again without it. Evict the stalest first (the most
+          visits of its layer since it was used), and among equally stale ones the one whose layer comes round
+          last. LRU does the opposite among the experts of the last token: it evicts those of the layers just
+          ahead, which the next visits need first. Keys are (layer, expert); a new pass starts when a key of a
+          lower layer than the last one is touched (one decode's layers in order).
 Pinned-in-use entries (an expert being computed with) are never evicted whatever the policy. An entry warmed at
 start from remembered heat (expert_heat.py) is `seed`ed: ranked as past use of its weight, not as a fresh access.
 """
@@ -115,6 +122,36 @@ class PinnedLRU(Policy[K]):
         return [k for k in self.lru.order if k not in pinned] + [k for k in self.lru.order if k in pinned]
 
 
+class LeastStale(Policy[tuple[int, ...]]):
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.used: dict[tuple[int, ...], tuple[int, int]] = {}  # resident key -> (pass, layer) of its last use
+        self.passes = 0
+        self.layer = -1  # the layer of the last touch
+        self.layers = 1  # layers seen (the cycle's length)
+
+    def touch(self, key: tuple[int, ...]) -> None:
+        layer = key[0]
+        if layer < self.layer:
+            self.passes += 1
+        self.layer, self.layers = layer, max(self.layers, layer + 1)
+        self.used[key] = (self.passes, layer)
+
+    def remove(self, key: tuple[int, ...]) -> None:
+        self.used.pop(key, None)
+
+    def seed(self, key: tuple[int, ...], weight: float) -> None:
+        self.used[key] = (self.passes - 1, key[0])  # as used by the token before: stale once its layer comes round
+
+    def victims(self) -> list[tuple[int, ...]]:
+        def rank(key: tuple[int, ...]) -> tuple[int, int]:
+            passes, layer = self.used[key]
+            missed = self.passes - passes - (1 if layer > self.layer else 0)  # visits of its layer since its use
+            return -missed, -((layer - self.layer - 1) % self.layers)  # stalest, then the furthest ahead, first
+        return sorted(self.used, key=rank)
+
+
 def make_policy(name: str, capacity_entries: int, pinned_fraction: float = 0.5) -> Policy:
     if name == "lru":
         return LRU()
@@ -122,6 +159,8 @@ def make_policy(name: str, capacity_entries: int, pinned_fraction: float = 0.5) 
         return LFU()
     if name == "pinned":
         return PinnedLRU(int(capacity_entries * pinned_fraction))
+    if name == "least-stale":
+        return LeastStale()  # type: ignore[return-value]
     raise ValueError(f"unknown cache policy {name!r}: use one of {', '.join(CACHE_POLICIES)}")
 
 

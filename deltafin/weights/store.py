@@ -258,6 +258,11 @@ class ExpertStore(CacheLoan):
             self.stats.wasted_bytes += self.cfg.bytes_per_expert
         self.slots.release(entry.value)
 
+    def held(self, layer: int) -> list[int]:
+        """The layer's experts in memory now, cached or read ahead (what cache-aware routing prefers)."""
+        with self._lock:
+            return [e for key in (*self.cache.entries, *self._staged) if key[0] == layer for e in key[1:]]
+
     def resident_bytes(self) -> int:
         """Host slots plus device slots: what this store allocated."""
         return self.slots.nbytes

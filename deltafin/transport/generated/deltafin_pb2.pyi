@@ -187,7 +187,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., bounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageOptions(_message.Message):
-    __slots__ = ("dtype", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "wire")
+    __slots__ = ("dtype", "io", "read_threads", "cache_policy", "prefetch", "prefetch_layers", "wire", "expert_mode")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     IO_FIELD_NUMBER: _ClassVar[int]
     READ_THREADS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class StageOptions(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MODE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     io: str
     read_threads: int
@@ -202,7 +203,8 @@ class StageOptions(_message.Message):
     prefetch: bool
     prefetch_layers: int
     wire: str
-    def __init__(self, dtype: _Optional[str] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., wire: _Optional[str] = ...) -> None: ...
+    expert_mode: str
+    def __init__(self, dtype: _Optional[str] = ..., io: _Optional[str] = ..., read_threads: _Optional[int] = ..., cache_policy: _Optional[str] = ..., prefetch: _Optional[bool] = ..., prefetch_layers: _Optional[int] = ..., wire: _Optional[str] = ..., expert_mode: _Optional[str] = ...) -> None: ...
 
 class AssignProgress(_message.Message):
     __slots__ = ("message", "fraction", "ready", "prefix_disk_bytes", "state_identity")

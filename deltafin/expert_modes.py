@@ -1,0 +1,81 @@
+"""Expert modes: opt-in ways to read fewer expert bytes a token than the router's exact top-k (pure math).
+
+Exact is the default and the only mode the model was trained with; every other mode changes the model's numbers,
+is chosen by name (`--expert-mode`), and has its cost measured on held-out text (`deltafin bench --quality
+--expert-mode all`, docs/expert-modes.md). A mode is one or more parts joined by "+", each NAME or NAME:VALUE:
+
+  exact        the router's top-k (the default)
+  top-p:P      of a token's k routed experts, the fewest (most weight first) whose share of the token's routed
+               weight reaches P, at least a quarter of k (rounded up); the kept experts' weights are scaled back to
+               the routed total. The dropped ones are never read. P in (0, 1).
+  cached:M     cache-aware routing: an expert already in this stage's memory (cached, or read ahead) is chosen
+               over one that is not whose selection score (router score + bias) is less than M higher. M in
+               (0, 1]. Which experts are in memory depends on what ran before, so a token's output depends on the
+               history of the process as well as on its text: tokens are not reproducible across runs.
+
+`top-p:0.8+cached:0.02` combines both (cache-aware choice first, then top-p over what was chosen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deltafin.errors import DeltafinError
+
+EXACT = "exact"
+# what `--expert-mode all` measures, exact first (it is what the others are measured against)
+PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "cached:0.05", "top-p:0.8+cached:0.05")
+
+
+@dataclass(frozen=True)
+class ExpertMode:
+    top_p: float | None = None  # keep the fewest experts whose share of the routed weight reaches this
+    held_margin: float | None = None  # cache-aware routing: how much lower a held expert's score may be
+
+    @property
+    def exact(self) -> bool:
+        return self.top_p is None and self.held_margin is None
+
+    @property
+    def reproducible(self) -> bool:
+        """A token's output depends on its text alone (not on what the cache holds)."""
+        return self.held_margin is None
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling (what `parse` reads back; a kept state's identity names it)."""
+        parts = ([f"cached:{self.held_margin:g}"] if self.held_margin is not None else []) + (
+            [f"top-p:{self.top_p:g}"] if self.top_p is not None else [])
+        return "+".join(sorted(parts, reverse=True)) or EXACT
+
+
+def parse(text: str) -> ExpertMode:
+    """An `--expert-mode` value -> ExpertMode; a DeltafinError that names what is wrong otherwise."""
+    top_p = margin = None
+    for part in (text or "").strip().lower().split("+"):
+        name, _, value = part.strip().partition(":")
+        if name == EXACT and not value:
+            continue
+        if name not in ("top-p", "cached"):
+            raise DeltafinError(f"--expert-mode: unknown mode {part.strip()!r}: use exact, top-p:P or cached:M, "
+                                "or parts joined by + (e.g. top-p:0.8+cached:0.05)")
+        try:
+            number = float(value)
+        except ValueError:
+            raise DeltafinError(f"--expert-mode: {name} needs a number, as {name}:"
+                                f"{'0.8' if name == 'top-p' else '0.05'} (got {part.strip()!r})") from None
+        if name == "top-p":
+            if not 0 < number < 1 or top_p is not None:
+                raise DeltafinError(f"--expert-mode: top-p:P needs one P in (0, 1) (got {part.strip()!r})")
+            top_p = number
+        else:
+            if not 0 < number <= 1 or margin is not None:
+                raise DeltafinError(f"--expert-mode: cached:M needs one M in (0, 1] (got {part.strip()!r})")
+            margin = number
+    return ExpertMode(top_p, margin)
+
+
+def least_kept(k: int) -> int:
+    """The fewest experts top-p keeps of a token's k: a quarter, rounded up."""
+    return max(1, math.ceil(k / 4))
