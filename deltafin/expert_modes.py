@@ -25,7 +25,12 @@ from deltafin.errors import DeltafinError
 
 EXACT = "exact"
 # what `--expert-mode all` measures, exact first (it is what the others are measured against)
-PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "cached:0.05", "top-p:0.8+cached:0.05")
+PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "top-p:0.6", "top-p:0.55", "top-p:0.5", "cached:0.05",
+           "top-p:0.55+cached:0.05")
+# what a top-p mode reads of exact's expert bytes, as `bench --quality --expert-mode all` measured it on k3-mini's
+# held-out text (4000 positions, docs/expert-modes.md; tests/deltafin/test_expert_modes.py measures a point again):
+# (P, share), P rising. The plan prices a mode by it, between two points linearly (1 at P = 1).
+TOP_P_READS = ((0.5, 0.495), (0.55, 0.655), (0.6, 0.718), (0.7, 0.744), (0.8, 0.941), (0.9, 0.997))
 
 
 @dataclass(frozen=True)
@@ -79,3 +84,17 @@ def parse(text: str) -> ExpertMode:
 def least_kept(k: int) -> int:
     """The fewest experts top-p keeps of a token's k: a quarter, rounded up."""
     return max(1, math.ceil(k / 4))
+
+
+def read_share(mode: ExpertMode) -> float:
+    """The share of exact's routed-expert reads a token that `mode` is planned to read (cache-aware routing is
+    planned as exact: what it saves depends on what the cache holds, measured by the bench, not assumed)."""
+    if mode.top_p is None:
+        return 1.0
+    points = (*TOP_P_READS, (1.0, 1.0))
+    if mode.top_p <= points[0][0]:
+        return points[0][1] * mode.top_p / points[0][0]
+    for (p0, s0), (p1, s1) in zip(points, points[1:]):
+        if mode.top_p <= p1:
+            return s0 + (s1 - s0) * (mode.top_p - p0) / (p1 - p0)
+    return 1.0

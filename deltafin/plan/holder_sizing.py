@@ -39,7 +39,8 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         overhead=RUNTIME_OVERHEAD, forward_tokens=options.prefill_chunk, prompt_tokens=options.prefill_chunk,
         spine_bytes_per_token=0,
         expert_bytes_per_token=per_token, discrete=place.discrete, expert_layers=n_moe,
-        expert_share=options.expert_share, context=options.context, wide=True)
+        expert_share=options.expert_share, context=options.context, wide=True,
+        expert_read_share=options.expert_read_share)
 
 
 def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:

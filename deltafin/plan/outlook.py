@@ -1,7 +1,8 @@
 """What a plan would give a longer prompt, and what more memory would change (pure): `plan` prints, under the plan's
 own predictions (cluster_plan.Plan.first_token_line), the prompts its context refuses with the context they need
-(--max-context) and every prompt length with twice each worker's memory, each from a plan made again the way the
-first was (`Replan`: the same workers, links and mode rule)."""
+(--max-context), every prompt length with twice each worker's memory, and a token in each lossy expert mode that
+reads fewer bytes (deltafin/expert_modes.py: opt-in, their quality measured in docs/expert-modes.md), each from a
+plan made again the way the first was (`Replan`: the same workers, links and mode rule)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from deltafin.errors import PlanError, SizingError
+from deltafin.expert_modes import PRESETS, parse, read_share
 from deltafin.plan.cluster_plan import GB, Plan
 from deltafin.plan.predict import prompt_forward
 from deltafin.plan.sizing import SizingInput
@@ -38,7 +40,29 @@ def outlook(plan: Plan, options: SizingInput, replan: Replan) -> list[str]:
         lengths = [n for n, _ in more.first_token if not more.context or n <= more.context]
         lines.append(f"with twice the memory on every worker (context {more.context:,} tokens, {_forwards(more)}): "
                      f"{_times(more, lengths)}; {_costs(more, plan)}")
+    lines.append(expert_modes_line(plan, options, replan))
     return lines
+
+
+def expert_modes_line(plan: Plan, options: SizingInput, replan: Replan) -> str:
+    """A token in every registered mode that reads fewer expert bytes than exact, beside this plan's."""
+    exact = replace(options, expert_read_share=1.0)
+    parts = []
+    for name in PRESETS:
+        share = read_share(parse(name))
+        try:
+            other = plan if share == options.expert_read_share else replan(replace(exact, expert_read_share=share),
+                                                                             1.0)
+        except (PlanError, SizingError):
+            continue
+        if other.token is not None and (share < 1 or name == "exact"):
+            parts.append(f"{name} {_tok_s(other.token.total)}" + (" (this plan)" if other is plan else ""))
+    return ("a token in each expert mode (opt-in and lossy but exact; reads as measured on k3-mini, quality in "
+            "docs/expert-modes.md): " + ", ".join(parts))
+
+
+def _tok_s(seconds: float) -> str:
+    return f"{seconds:.3g} s ({1 / seconds:.3g} tok/s)" if seconds > 0 else "-"
 
 
 def _forwards(plan: Plan) -> str:

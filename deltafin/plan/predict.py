@@ -41,9 +41,10 @@ from deltafin.plan.stage_parts import expert_slot_bytes
 PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a time to first token for
 
 
-def distinct_experts(cfg: ModelConfig, tokens: int) -> float:
-    """Experts of a layer that `tokens` tokens touch under a uniform router: E(1 - (1 - k/E)^T)."""
-    e, k = cfg.num_experts, cfg.experts_per_token
+def distinct_experts(cfg: ModelConfig, tokens: int, share: float = 1.0) -> float:
+    """Experts of a layer that `tokens` tokens touch under a uniform router: E(1 - (1 - k/E)^T), each token's k
+    the `share` of them its expert mode reads (StageSizing.expert_read_share)."""
+    e, k = cfg.num_experts, cfg.experts_per_token * share
     return e * (1 - (1 - k / e) ** tokens)
 
 
@@ -202,8 +203,9 @@ def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) 
     """`layers` MoE layers' routed experts of a forward of `tokens` on `s`'s worker."""
     if s.compute is None or not layers:
         return 0.0
-    touched = distinct_experts(cfg, tokens) if tokens > 1 else cfg.experts_per_token
-    return layers * s.compute.expert_seconds(touched, tokens * cfg.experts_per_token)
+    share = s.sizing.expert_read_share
+    touched = distinct_experts(cfg, tokens, share) if tokens > 1 else cfg.experts_per_token * share
+    return layers * s.compute.expert_seconds(touched, tokens * cfg.experts_per_token * share)
 
 
 def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
@@ -211,7 +213,8 @@ def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
     layers = z.expert_layers or 0
     cache = 0 if tokens > z.forward_tokens else z.expert_cache  # a longer forward borrowed the cache
     held = min(1.0, cache // slot / (layers * cfg.num_experts)) if layers else 0.0
-    return layers * distinct_experts(cfg, tokens) * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
+    touched = distinct_experts(cfg, tokens, z.expert_read_share)
+    return layers * touched * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 
 def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
@@ -225,8 +228,9 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
     ahead into the slots its cache gives them (runtime/read_ahead.py)."""
     members, p = plan.workers, plan.experts
     assert p is not None
-    slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token, cfg.num_experts
-    touched = distinct_experts(cfg, tokens) if tokens > 1 else k  # a token reads its k experts
+    share = members[0].sizing.expert_read_share  # the cluster's expert mode (every stage's)
+    slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token * share, cfg.num_experts
+    touched = distinct_experts(cfg, tokens, share) if tokens > 1 else k  # a token reads its k experts
     held = [min(1.0, m.sizing.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
     owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
     speeds = tuple(_speed(m, True) * GB for m in members)

@@ -126,6 +126,8 @@ class SizingInput(SizingOptions):
     prompt_tokens: int | None = None  # the longest forward a prompt takes with the expert cache lent to it, as a plan
     # made elsewhere chose it (None: as long as the budget holds: sizing.py `_lend_cache`)
     spill_tokens: int | None = None  # the longest spilled forward, as a plan made elsewhere chose it (`_spill`)
+    expert_read_share: float = 1.0  # of exact's routed-expert reads, what the stage's expert mode reads
+    # (deltafin/expert_modes.py read_share)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,6 +136,8 @@ class SizingInput(SizingOptions):
                  expert_layers=self.expert_layers)
         at_least(0, spill_tokens=self.spill_tokens)
         at_least(1, prompt_tokens=self.prompt_tokens)
+        if not 0.0 < self.expert_read_share <= 1.0:
+            raise DeltafinError(f"expert_read_share must be in (0, 1] (got {self.expert_read_share})")
         if not 0.0 <= self.expert_share <= 1.0:
             raise DeltafinError(f"expert_share must be in [0, 1] (got {self.expert_share})")
 

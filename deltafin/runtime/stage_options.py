@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltafin.expert_modes import EXACT, PRESETS, ExpertMode
+from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, read_share
 from deltafin.expert_modes import parse as parse_mode
 from deltafin.options import (
     CACHE_POLICIES,
@@ -132,7 +132,8 @@ class StageOptions:
         `spans`, on every expert disk, with room for this process's speculative forwards and what else the
         planner `known`s (SizingInput's own fields)."""
         return SizingInput.of(self.sizing, spans=spans, disks=1 + len(self.expert_dir),
-                              speculative_tokens=self.speculative_tokens, **known)
+                              speculative_tokens=self.speculative_tokens,
+                              expert_read_share=read_share(self.mode), **known)
 
     @property
     def torch_dtype(self) -> torch.dtype:

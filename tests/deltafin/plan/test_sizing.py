@@ -346,3 +346,23 @@ def test_wide_sizing_counts_the_calls_and_never_keeps_every_expert(k3):
     assert z.expert_bytes_per_token == round(per_token * 0.25 * (1 - held_fraction))
     with pytest.raises(SizingError, match="never all resident"):
         size_stage(k3, 0, 2, Placement("cpu"), "int8", None, 2, wide)
+
+
+def test_an_expert_mode_reads_its_share_and_the_plan_prices_it(k3):
+    """One 64 GB Mac's plan in top-p:0.5 reads the mode's share of exact's expert bytes a token, and its token's
+    disk time falls by as much (every expert read is a demand read there: the disk is the bottleneck)."""
+    from deltafin.expert_modes import parse, read_share
+    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.links import Links
+    from deltafin.plan.modes import choose_mode
+
+    share = read_share(parse("top-p:0.5"))
+    mac = Placement("mps", experts="mlx")
+    exact = choose(k3, 0, 93, mac, Budget(56 * GB), SizingInput())
+    mode = choose(k3, 0, 93, mac, Budget(56 * GB), SizingInput(expert_read_share=share))
+    assert mode.expert_read_share == share and exact.expert_read_share == 1.0
+    assert mode.expert_bytes_per_token == pytest.approx(exact.expert_bytes_per_token * share, rel=1e-6)
+    macs = [WorkerCapacity("mac", 56 * GB, 5.0, ((0, k3.num_layers),), True, device="mps", worker_id="0")]
+    plans = [choose_mode(k3, macs, SizingInput(expert_read_share=s), 4, "auto", Links()) for s in (1.0, share)]
+    disk = [p.token.disk for p in plans]
+    assert disk[1] == pytest.approx(disk[0] * share, rel=0.02)

@@ -103,3 +103,16 @@ def test_the_index_and_the_stages_agree_after_a_switch(tmp_path):
         kept = list(index.entries)
         replanned = [dataclasses.replace(s, identity=bf16_identity) for s in index.shares]  # as a re-plan would
         assert sorted(index.reshape(replanned)) == sorted(kept) and not index.entries
+
+
+def test_an_expert_mode_is_part_of_the_identity(tiny_dir):
+    """A kept state computed with top-p experts is never resumed by an exact stage (nor by another mode); exact keeps
+    the identity it had before modes existed."""
+    ckpt = open_checkpoint(tiny_dir, load_config(tiny_dir))
+    cfg = ckpt.config
+    sizing = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", None, cfg.num_layers, SizingInput())
+    ids = {m: state_identity(ckpt, 0, cfg.num_layers, CPU, StageOptions(expert_mode=m), sizing, "torch")
+           for m in ("exact", "top-p:0.7", "top-p:0.70", "cached:0.05")}
+    assert ids["exact"] == _identity(ckpt)
+    assert ids["top-p:0.7"] == ids["top-p:0.70"]  # one spelling
+    assert len({ids["exact"], ids["top-p:0.7"], ids["cached:0.05"]}) == 3

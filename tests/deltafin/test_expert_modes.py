@@ -1,0 +1,50 @@
+"""The expert modes' grammar and the share of exact's reads each is planned at."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltafin.errors import DeltafinError
+from deltafin.expert_modes import EXACT, PRESETS, TOP_P_READS, ExpertMode, least_kept, parse, read_share
+
+
+@pytest.mark.parametrize("text, mode", [("exact", ExpertMode()), ("TOP-P:0.80", ExpertMode(0.8)),
+                                        ("cached:0.05", ExpertMode(None, 0.05)),
+                                        ("cached:0.05+top-p:0.7", ExpertMode(0.7, 0.05))])
+def test_a_mode_reads_back_in_its_one_spelling(text: str, mode: ExpertMode) -> None:
+    assert parse(text) == mode
+    assert parse(mode.name) == mode
+    assert mode.exact == (mode == ExpertMode())
+    assert mode.reproducible == (mode.held_margin is None)
+
+
+def test_every_preset_is_in_its_one_spelling() -> None:
+    assert PRESETS[0] == EXACT
+    assert [parse(p).name for p in PRESETS] == list(PRESETS)
+
+
+@pytest.mark.parametrize("text, says", [("top-k:3", "unknown mode"), ("top-p", "needs a number"),
+                                        ("top-p:1", "in (0, 1)"), ("top-p:0", "in (0, 1)"),
+                                        ("cached:2", "in (0, 1]"), ("top-p:0.5+top-p:0.6", "one P"),
+                                        ("exact:1", "unknown mode")])
+def test_a_bad_mode_is_refused_naming_the_flag(text: str, says: str) -> None:
+    with pytest.raises(DeltafinError, match="--expert-mode") as e:
+        parse(text)
+    assert says in str(e.value)
+
+
+def test_least_kept_is_a_quarter_of_k_rounded_up() -> None:
+    assert [least_kept(k) for k in (1, 4, 5, 16)] == [1, 1, 2, 4]
+
+
+def test_read_share_follows_the_measured_points() -> None:
+    assert read_share(ExpertMode()) == 1.0
+    assert read_share(ExpertMode(None, 0.05)) == 1.0  # cache-aware routing is planned as exact
+    for p, share in TOP_P_READS:
+        assert read_share(ExpertMode(p)) == pytest.approx(share)
+    (p0, s0), (p1, s1) = TOP_P_READS[:2]
+    assert read_share(ExpertMode((p0 + p1) / 2)) == pytest.approx((s0 + s1) / 2)
+    assert read_share(ExpertMode(0.95)) == pytest.approx((TOP_P_READS[-1][1] + 1) / 2)
+    assert read_share(ExpertMode(0.25)) == pytest.approx(TOP_P_READS[0][1] / 2)
+    shares = [read_share(ExpertMode(p / 100)) for p in range(1, 100)]
+    assert shares == sorted(shares)  # a larger P never reads less
