@@ -26,6 +26,8 @@ import torch
 import deltafin
 from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError
+from deltafin.expert_modes import EXACT
+from deltafin.expert_modes import parse as parse_mode
 from deltafin.options import CACHE_POLICIES, GB
 from deltafin.paths import model_path as resolve_model_path
 from deltafin.plan.stage_parts import expert_slot_bytes
@@ -57,23 +59,26 @@ PASS_COSTS = ("reads", "timed")
 
 
 def bench_workload(model: str | Path, workloads: list[str], tokens: int, device: str = "cpu",
-                   cache_share: float = 0.25, options: Any = None, pass_cost: str = "reads") -> dict[str, Any]:
+                   cache_share: float = 0.25, options: Any = None, pass_cost: str = "reads",
+                   expert_mode: str = EXACT) -> dict[str, Any]:
     """JSON-ready results per workload (see the module docstring). `options` (StageOptions) size the replay's
     stage; its expert cache is `cache_share` of all experts unless the options set one. `pass_cost` (PASS_COSTS):
-    how the drafting modes price a pass when they choose their draft length."""
+    how the drafting modes price a pass when they choose their draft length. `expert_mode`: every engine and the
+    replay route in it (deltafin/expert_modes.py): its expert bytes a token beside exact's from another run."""
+    expert_mode, replay_options = parse_mode(expert_mode).name, options or StageOptions()
     if pass_cost not in PASS_COSTS:
         raise DeltafinError(f"unknown pass cost {pass_cost!r}: use {', '.join(PASS_COSTS)}")
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise DeltafinError(f"unknown workload {unknown[0]!r}: use {', '.join(WORKLOADS)}")
     out: dict[str, Any] = {"bench": "workload", "model": str(Path(model).resolve()), "device": device,
-                           "max_tokens": tokens, "pass_cost": pass_cost, "workloads": {}}
+                           "max_tokens": tokens, "pass_cost": pass_cost, "expert_mode": expert_mode, "workloads": {}}
     cfg = load_config(model)
     cache = (options.sizing.expert_cache_bytes if options is not None and options.sizing.expert_cache_bytes
              is not None else cache_bytes(cfg, cache_share))
     missing = None if has_draft_head(model) else f"{model} has no draft head ({DRAFT_DIR}/)"
     for name in workloads:
-        drafting = {mode: _mode(model, device, cache, mode, WORKLOADS[name], tokens, pass_cost)
+        drafting = {mode: _mode(model, device, cache, mode, WORKLOADS[name], tokens, pass_cost, expert_mode)
                     if mode != "draft" or missing is None else {"skipped": missing} for mode in DRAFT_MODES}
         plain = drafting["plain"].pop("replies")
         for mode in DRAFT_MODES[1:]:
@@ -90,17 +95,18 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
                   "expert_cache_bytes": cache, "expert_cache_experts": cache // expert_slot_bytes(cfg),
                   "drafting": drafting,
                   "drafter_alone": drafter_alone(plain)}
-        result.update(_replay(model, device, plain, cache_share, options))
+        result.update(_replay(model, device, plain, cache_share, replay_options.replace(expert_mode=expert_mode)))
         out["workloads"][name] = result
     return out
 
 
 def _mode(model: str | Path, device: str, cache: int, mode: str, prompts: tuple[str, ...], tokens: int,
-          pass_cost: str) -> dict[str, Any]:
-    """The prompts answered in one drafting mode by a fresh engine with an expert cache of `cache` bytes."""
+          pass_cost: str, expert_mode: str) -> dict[str, Any]:
+    """The prompts answered in one drafting mode by a fresh engine with an expert cache of `cache` bytes (its kept
+    prefixes in a folder of its own: no earlier run's states)."""
     with tempfile.TemporaryDirectory() as kept, \
             deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
-                          expert_cache_gb=cache / GB, prefix_dir=kept) as m:  # no earlier run's states
+                          expert_cache_gb=cache / GB, prefix_dir=kept, expert_mode=expert_mode) as m:
         if pass_cost == "reads":
             m.engine.price_passes(reads_cost(m.engine.cfg.num_experts, m.engine.cfg.experts_per_token))
         return _drafting(m, prompts, tokens)

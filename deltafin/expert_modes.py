@@ -18,6 +18,7 @@ is chosen by name (`--expert-mode`), and has its cost measured on held-out text 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ def read_share(mode: ExpertMode) -> float:
     points = (*TOP_P_READS, (1.0, 1.0))
     if mode.top_p <= points[0][0]:
         return points[0][1] * mode.top_p / points[0][0]
-    for (p0, s0), (p1, s1) in zip(points, points[1:]):
+    for (p0, s0), (p1, s1) in itertools.pairwise(points):
         if mode.top_p <= p1:
             return s0 + (s1 - s0) * (mode.top_p - p0) / (p1 - p0)
     return 1.0

@@ -355,3 +355,38 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
         shown = [[t for t in row.split() if not t.startswith("127.0.0.1:")] for row in rows.splitlines()[1:]]
         body = [row.split() for row in table[1:] if row.startswith(("mac", "total"))]
         assert shown + [["total", *total.split()]] == body, (n, budget_gb)
+
+
+def _mode_planned(cfg, mode: str) -> tuple[float, float]:
+    """Full K3's tok/s at the defaults in `mode` on one 64 GB Mac and on four (Thunderbolt between them)."""
+    from deltafin.expert_modes import parse, read_share
+    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.modes import choose_mode
+    from deltafin.plan.sizing import SizingInput
+
+    out = []
+    for n in (1, 4):
+        links = Links(assumed=PROFILES["thunderbolt"]) if n > 1 else Links()
+        plan = choose_mode(cfg, _mac_workers(cfg, n, 56), SizingInput(expert_read_share=read_share(parse(mode))), 4,
+                           "auto", links)
+        out.append(EFFICIENCY / plan.seconds_per_token)
+    return out[0], out[1]
+
+
+def test_the_expert_modes_table_is_the_benchs_and_the_planners(tmp_path: Path) -> None:
+    """docs/expert-modes.md's frontier: a row for every registered mode; each top-p mode's measured reads are the
+    share the planner prices it at (expert_modes.TOP_P_READS); the planned tok/s are the planner's."""
+    from deltafin.checkpoint.config import load_config
+    from deltafin.expert_modes import PRESETS, parse, read_share
+
+    shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
+    cfg = load_config(tmp_path)
+    text = (ROOT / "docs" / "expert-modes.md").read_text()
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in text.splitlines()
+            if r.startswith("| ") and len(r.split("|")) == 9 and r.split("|")[1].strip() in PRESETS}
+    assert set(rows) == set(PRESETS)
+    for mode, cells in rows.items():
+        if parse(mode).top_p is not None and parse(mode).held_margin is None:
+            assert float(cells[0]) == pytest.approx(read_share(parse(mode)), abs=5e-4)
+        one, four = _mode_planned(cfg, mode)
+        assert cells[4:] == [f"{one:.3f}", f"{four:.3f}"], mode

@@ -16,7 +16,7 @@ PACKAGES = {"deltafin": ROOT / "deltafin", "deltafin.coordinator": ROOT / "coord
 # the entry points: the `deltafin` commands, the Python API facade, and each process's commands
 ENTRY_FOLDERS = ("deltafin.cli",)
 ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api", "deltafin.worker.main"}
-BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options
+BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options, expert_modes
 # folder -> the folders its modules may import (besides its own); the README's architecture section says the same
 LOW = {BASICS, "formats", "checkpoint"}
 LIBRARY = LOW | {"text", "kernels", "models", "plan", "weights", "runtime", "transport"}

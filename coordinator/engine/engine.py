@@ -32,6 +32,7 @@ from deltafin.coordinator.engine.token_loop import (
     generate,
 )
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
+from deltafin.expert_modes import EXACT
 from deltafin.plan.predict import forward_lengths, forward_read_bytes
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
@@ -115,6 +116,7 @@ class Engine:
         self.backend, self.tokenizer, self.cfg = backend, tokenizer, cfg
         self.model_name = model_name  # what responses carry, whatever name a request used ...
         self.model_dir: Path | None = None  # its directory (open_engine), for the routes that describe it
+        self.expert_mode = EXACT  # the stages' expert mode (open_engine): a request may name no other
         self.strict_model_name = serving.strict_model_name  # ... unless this: then another name is model_not_found
         self._context = context
         self.default_max_tokens = serving.default_max_tokens  # chat requests that do not say (capped by the context)
@@ -341,7 +343,7 @@ async def open_engine(cluster: ClusterOptions, stage: StageOptions, serving: Ser
     backend = await open_backend(cluster, planned_stage(stage, serving), cfg, show_progress)
     name = serving.served_model_name or Path(cluster.model).resolve().name
     engine = Engine(backend, tokenizer, cfg, name, serving, prefix_cache=True)
-    engine.model_dir = Path(cluster.model)
+    engine.model_dir, engine.expert_mode = Path(cluster.model), stage.expert_mode
     if serving.speculative == "draft":  # a missing or foreign head is said before the first request
         engine.draft_head()
     if serving.speculative != "none":  # priced before the first request (in-process: its compute measured)

@@ -95,7 +95,8 @@ def parse_messages(body: Any, served: str, strict: bool = False, counting: bool 
     effort = _thinking(body)
     tools, tool_choice = _tools(body)
     messages = _system(body) + _turns(body)
-    params = rq.Params(model, max_tokens, _sampling(body), _stops(body), _get(body, "stream", bool, default=False))
+    params = rq.Params(model, max_tokens, _sampling(body), _stops(body), _get(body, "stream", bool, default=False),
+                       expert_mode=rq.expert_mode_field(body, "expert_mode"))
     options = ChatOptions(thinking=effort is not None, effort=effort, tools=tools, tool_choice=tool_choice,
                           response_format=_response_format(body))
     return rq.GenerationRequest(params, messages, options)

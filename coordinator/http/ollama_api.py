@@ -143,7 +143,8 @@ def _params(body: dict[str, Any], served: str, strict: bool) -> rq.Params:
     except SamplingError as e:
         raise rq.bad(f"options.{e.param}" if e.param else "options", str(e)) from None
     stream = rq.json_field(body, "stream", bool, True)
-    return rq.Params(model, num_predict if num_predict and num_predict > 0 else None, sampling, stops, stream)
+    return rq.Params(model, num_predict if num_predict and num_predict > 0 else None, sampling, stops, stream,
+                     expert_mode=rq.expert_mode_field(o, "options.expert_mode"))
 
 
 def _number(o: dict[str, Any], name: str, default: float) -> float:

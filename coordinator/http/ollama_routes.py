@@ -83,6 +83,7 @@ async def _reply(request: web.Request, engine: Engine, req: rq.GenerationRequest
         raise rq.bad("options.num_ctx", f"options.num_ctx {req.context} is more than this server's context of "
                      f"{engine.max_context} tokens (a server started with --max-context N plans for more)")
     p = req.params
+    rq.check_expert_mode(p, engine.expert_mode, "options.expert_mode")
     if req.messages is None:
         ids, ends = await asyncio.to_thread(engine.tokenizer.encode, req.prompt), []  # (off the event loop)
         view = PlainText(engine.tokenizer)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.errors import SamplingError
+from deltafin.errors import DeltafinError, SamplingError
+from deltafin.expert_modes import parse as parse_mode
 from deltafin.text.chat import ChatOptions
 from deltafin.text.drafting import MODES
 from deltafin.text.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class Params:
     include_usage: bool = False
     ignore_eos: bool = False
     speculative: str | None = None  # none | ngram | draft for this request; None: the server's --speculative
+    expert_mode: str | None = None  # the expert mode the request expects, in its one spelling (None: the server's);
+    # a server runs the one it was started with (--expert-mode): any other is refused (server.py)
 
 
 def served_model(requested: str, served: str, strict: bool) -> str:
@@ -114,7 +117,25 @@ def common_params(body: dict[str, Any], served: str, strict: bool, logprobs: int
     if speculative is not None and speculative not in MODES:
         raise bad("speculative", f"'speculative' must be one of {', '.join(MODES)}, got {speculative!r}")
     return Params(model, max_tokens, _sampling(body, logprobs), _stops(body), stream, include_usage,
-                  json_field(body, "ignore_eos", bool, False), speculative)
+                  json_field(body, "ignore_eos", bool, False), speculative, expert_mode_field(body, "expert_mode"))
+
+
+def check_expert_mode(p: Params, served: str, param: str) -> None:
+    """A request may name the expert mode its server runs (`served`, its --expert-mode), and no other."""
+    if p.expert_mode is not None and p.expert_mode != served:
+        raise bad(param, f"this server runs expert mode {served!r} (its --expert-mode): a request cannot ask for "
+                  f"{p.expert_mode!r}")
+
+
+def expert_mode_field(body: dict[str, Any], param: str) -> str | None:
+    """Deltafin's `expert_mode` (deltafin/expert_modes.py) in its one spelling; None where the body has none."""
+    value = json_field(body, param.rpartition(".")[2], str, None)
+    if value is None:
+        return None
+    try:
+        return parse_mode(value).name
+    except DeltafinError as e:
+        raise bad(param, f"'{param}': {str(e).removeprefix('--expert-mode: ')}") from None
 
 
 def _stops(body: dict[str, Any]) -> list[str]:

@@ -197,6 +197,7 @@ async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: r
     before that (heartbeats), and then an error ends it as an event: None instead of the events. `sse`: the
     stream to answer on (default OpenAI's); `boundaries`: where the prompt's messages end (kept prefixes)."""
     engine = request.app[ENGINE]
+    rq.check_expert_mode(p, engine.expert_mode, "expert_mode")
     prefill = _Prefill()
     events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
                         ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative,

@@ -25,8 +25,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.cli.bench_quality import add_pair, cut, figures, new_sums
 from deltafin.errors import DeltafinError
 from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, parse
-from deltafin.models.mode_routing import mode_router
 from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
 from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
@@ -38,6 +38,7 @@ from deltafin.weights.expert_cache import ExpertCache, make_policy, simulate
 ONE_MAC_SHARE = 0.008  # of K3's experts, what one 64 GB Mac's plan caches (12 GB of 1.45 TB)
 FOUR_MACS_SHARE = 0.04  # ... and four 64 GB Macs' caches together
 SHARES = (ONE_MAC_SHARE, FOUR_MACS_SHARE)
+POLICY_SHARES = (*SHARES, 0.125, 0.25)  # where exact's trace compares the cache policies
 DECODE_POSITIONS = 4096  # a cache-aware mode's positions (token by token) unless --tokens says
 Trace = list[list[tuple[int, int]]]  # one list of (layer, expert) per MoE layer a token passes, in decode order
 
@@ -143,7 +144,7 @@ def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]]
     result["exact"] = {"tokens": len(ref_trace) // max(1, len(cfg.moe_layers)),
                        "experts_per_token": _per_token(ref_trace, len(cfg.moe_layers))}
     result["policy_hit_rates"] = {f"{s:g}": {p: round(simulate(p, max(1, round(s * all_experts)), ref_trace), 4)
-                                             for p in CACHE_POLICIES} for s in (*SHARES, cache_share)}
+                                             for p in CACHE_POLICIES} for s in sorted({*POLICY_SHARES, cache_share})}
     return result
 
 
@@ -164,3 +165,17 @@ def _mode_figures(model: str | Path, sums: dict, trace: Trace, ref_trace: Trace,
             "expert_bytes_ratio": round(_reads(trace, capacity, policy) / max(1e-9, _reads(ref_trace, capacity,
                                                                                              policy)), 4),
             "experts_per_token": _per_token(trace, len(cfg.moe_layers)), "by_share": by_share}
+
+
+def frontier_rows(result: dict[str, Any]) -> list[str]:
+    """The docs' table (docs/expert-modes.md) from a `mode_quality` result: a markdown row a mode, fewest reads
+    first."""
+    modes = sorted(result["modes"].items(), key=lambda kv: kv[1]["expert_bytes_ratio"])
+    return [f"| {name} | {m['expert_bytes_ratio']:.3f} | {m['perplexity_ratio']:.4f} | {m['kl']:.4f} | "
+            f"{m['top1_agreement']:.4f} |" for name, m in modes]
+
+
+def policy_rows(result: dict[str, Any]) -> list[str]:
+    """The docs' cache-policy table from a `mode_quality` result: a row a cache share."""
+    return [f"| {float(share):.1%} | " + " | ".join(f"{rates[p]:.4f}" for p in CACHE_POLICIES) + " |"
+            for share, rates in result["policy_hit_rates"].items()]

@@ -33,8 +33,8 @@ from deltafin.cli.models import add_models_command
 from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
-from deltafin.expert_modes import EXACT
 from deltafin.errors import DeltafinError
+from deltafin.expert_modes import EXACT
 from deltafin.formats import converted_spines
 from deltafin.mini.synth import synthesize
 from deltafin.options import WIRES
@@ -234,7 +234,8 @@ def _bench_model(args: argparse.Namespace) -> dict:
             raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
         return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens or 16,
                               device=args.device, cache_share=args.cache_share,
-                              options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost)
+                              options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost,
+                              expert_mode=options.expert_mode)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
         from deltafin.plan.sizing_options import SPECULATIVE_TOKENS  # loaded when the command runs
 

@@ -117,8 +117,7 @@ class StageSizing:
     # is lent to it for that forward (its workspace takes the cache's memory; decode takes it back): `_lend_cache`
     spill_tokens: int = 0  # the most a spilled forward carries, its rows' AttnRes blocks on the SSD (spill_cost.py),
     # where longer than `prompt_tokens` (a stage of every layer whose prompts borrow the cache): `_spill`
-    expert_read_share: float = 1.0  # of a token's k routed experts, the share its expert mode reads (exact: 1;
-    # deltafin/expert_modes.py read_share): what the predictions count a token's experts as (plan/predict.py)
+    expert_read_share: float = 1.0  # of a token's k routed experts, the share its expert mode reads (predict.py)
 
     @property
     def holder_only(self) -> bool:
@@ -183,8 +182,7 @@ def expert_parts(cfg: ModelConfig, place: Placement, options: SizingInput, n_moe
                   demand: int) -> tuple[int, int, int, int]:
     """(cache, host staging, device landing, expected bytes read per token) of an expert store over `n_moe` MoE
     layers: every expert resident (`expert_cache` None), or a cache of whole slots beside the working slots of
-    `demand` compute threads; a wide store computes `options.expert_share` of those layers' experts, and an expert
-    mode reads `options.expert_read_share` of what exact does."""
+    `demand` compute threads; a wide store computes `options.expert_share` of those layers' experts."""
     slot = expert_slot_bytes(cfg)
     if expert_cache is None:
         return n_moe * cfg.num_experts * slot, 0, 0, 0
@@ -192,8 +190,8 @@ def expert_parts(cfg: ModelConfig, place: Placement, options: SizingInput, n_moe
     working = working_slots(cfg, options.read_threads * options.disks, demand) * slot if n_moe else 0
     share = options.expert_share if options.wide else 1.0
     held = min(1.0, cache_slots / (n_moe * cfg.num_experts * share)) if n_moe and share > 0 else 0.0
-    per_token = round(n_moe * cfg.experts_per_token * cfg.bytes_per_expert * share * (1 - held)
-                      * options.expert_read_share)
+    per_token = round(n_moe * cfg.experts_per_token * options.expert_read_share * cfg.bytes_per_expert * share
+                      * (1 - held))
     return cache_slots * slot, working, working if place.copies and place.experts != "mlx" else 0, per_token
 
 

@@ -2,8 +2,8 @@
 experts, from the current residual (their routers applied to their mixes of it), queued behind every demand read on
 its store or, wide, on every holder's disk. A decode's forward guesses only the layer starting (`prefetch_layers`
 1, the default): a guess of the next layer's from this one's residual is wrong often enough that, where the disk
-is the bottleneck, its reads cost more than their lead saves (k3-slice at 8 GiB: 632 MB read a token with the next
-layer guessed, 433 MB without, its routed experts being 561 MB, in the same time: docs/expert-modes.md). A
+is the bottleneck, its reads cost more than their lead saves (k3-slice at 8 GiB: 565-644 MB read a token with the
+next layer guessed, 420-433 MB without, its routed experts being 561 MB, in the same time: docs/expert-modes.md). A
 prompt's guesses (its tokens touch most of a layer's experts, all of which will be needed) read both layers as far
 ahead as the slots allow, while the layer's attention computes (weights/store.py `prefetch`). Before a forward:
 one longer than the plan's borrows the expert cache's memory for its workspace, keeping what it leaves to read

@@ -208,3 +208,22 @@ def test_the_readmes_example_runs_as_written(tmp_path) -> None:
             + re.escape(f"{source}\n{reply.finish_reason}\n{reply.reasoning}\n{reply.content}\n{body}\n"))
     assert re.fullmatch(want, run.stdout), run.stdout
     assert body.startswith("    ") and body.count("\n") >= 1  # what the comment promises: an indented body
+
+
+def test_an_expert_mode_generates_its_own_models_text_with_or_without_drafts(tiny_dir) -> None:
+    """In top-p, greedy text is the argmax loop over stages in that mode (not exact's), and n-gram drafts verified
+    in the mode give the same text: verification is exact against the mode's own model."""
+    from deltafin.runtime.stage_options import StageOptions
+
+    prompt = "a b a b a b a b a b"
+    tok = K3Tokenizer.load(tiny_dir)
+    runs = {}
+    for mode in ("exact", "top-p:0.5"):
+        pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32", options=StageOptions(expert_mode=mode))
+        runs[mode] = [t for t in argmax_loop(pipe, tok.encode(prompt), 16, stop_ids(tok))[0] if t not in stop_ids(tok)]
+        pipe.close()
+    assert runs["exact"] != runs["top-p:0.5"]  # the mode is another model: its own text
+    with deltafin.load(tiny_dir, device="cpu", progress=False, expert_mode="top-p:0.5") as m:
+        plain = m.generate(prompt, max_tokens=16)
+        drafted = m.generate(prompt, max_tokens=16, speculative="ngram")
+    assert plain.token_ids == drafted.token_ids == runs["top-p:0.5"]

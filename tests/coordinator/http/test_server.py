@@ -448,3 +448,19 @@ async def test_the_readmes_client_examples_run_as_written(server: ServedApi) -> 
     assert m, printed[1]
     assert int(m.group(1)) + int(m.group(2)) == n.input_tokens and 1 <= int(m.group(3)) <= 128
     assert printed[2].count("\n") >= 2  # Ollama's chat reply and the Responses API's output text, each printed
+
+
+async def test_a_request_cannot_ask_for_an_expert_mode_the_server_was_not_started_with(server: ServedApi) -> None:
+    """The server runs its --expert-mode (exact here): a request naming it is served, any other mode is a 400 on
+    `expert_mode` (OpenAI's body, Ollama's options), and so is a mode that does not parse."""
+    client = server.openai()
+    ok = await client.completions.create(model=MODEL, prompt="a b", max_tokens=2, temperature=0,
+                                         extra_body={"expert_mode": "EXACT"})
+    assert ok.choices[0].text is not None
+    for mode, says in (("top-p:0.8", "runs expert mode 'exact'"), ("top-p:2", "in (0, 1)")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"expert_mode": mode})
+        assert e.value.body["param"] == "expert_mode" and says in e.value.body["message"]  # type: ignore[index]
+    body = {"model": MODEL, "prompt": "x", "stream": False, "options": {"expert_mode": "cached:0.05"}}
+    async with aiohttp.ClientSession() as http, http.post(f"{server.url}/api/generate", json=body) as r:
+        assert r.status == 400 and "cached:0.05" in await r.text()

@@ -65,7 +65,8 @@ def test_a_top_p_layer_is_exact_over_the_kept_experts(tiny_dir) -> None:
 
 def _compact(idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's kept experts only, rows padded with their first at weight 0 to the widest: an independent layout."""
-    rows = [[(int(e), float(v)) for e, v in zip(i, w, strict=True) if v != 0] for i, w in zip(idx, weights, strict=True)]
+    rows = [[(int(e), float(v)) for e, v in zip(i, w, strict=True) if v != 0]
+            for i, w in zip(idx, weights, strict=True)]
     width = max(len(r) for r in rows)
     i = torch.tensor([[e for e, _ in r] + [r[0][0]] * (width - len(r)) for r in rows])
     w = torch.tensor([[v for _, v in r] + [0.0] * (width - len(r)) for r in rows])

@@ -10,6 +10,7 @@ import pytest
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
+from deltafin.expert_modes import parse, read_share
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.compute import assumed_gpu
 from deltafin.plan.outlook import outlook
@@ -36,7 +37,7 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     line = plan.first_token_line()
     assert "64K over the context (16,384 tokens): --max-context plans for more" in line
     assert f"16K {dict(plan.first_token)[16384].describe()}" in line and "the expert cache lent to them" in line
-    longer, bigger = outlook(plan, SizingInput(), replan)
+    longer, bigger, modes = outlook(plan, SizingInput(), replan)
     wide = replan(SizingInput(context=65536), 1.0)
     step = wide.stages[0].sizing.spill_tokens  # past the lent forward, a prompt spills (plan/spill_cost.py)
     assert step > 2 * wide.stages[0].sizing.prompt_tokens
@@ -47,7 +48,12 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     double = replan(SizingInput(), 2.0)
     assert bigger.startswith(f"with twice the memory on every worker (context {double.context:,} tokens, prompts in "
                              f"forwards of up to 16,384 tokens): 1K {dict(double.first_token)[1024].describe()}")
+    # a token in each mode that reads less, each the plan made again with the mode's share of the reads
+    top_p = replan(SizingInput(expert_read_share=read_share(parse("top-p:0.5"))), 1.0).token.total
+    assert f"exact {plan.token.total:.3g} s ({1 / plan.token.total:.3g} tok/s) (this plan)" in modes
+    assert f"top-p:0.5 {top_p:.3g} s ({1 / top_p:.3g} tok/s)" in modes and top_p < 0.7 * plan.token.total
+    assert ", cached:0.05 " not in modes  # planned as exact: nothing to show
     # the user's own context: nothing over it to plan for
     asked = replan(SizingInput(context=65536), 1.0)
     assert [x.split(" (")[0] for x in outlook(asked, SizingInput(context=65536), replan)] == [
-        "with twice the memory on every worker"]
+        "with twice the memory on every worker", "a token in each expert mode"]

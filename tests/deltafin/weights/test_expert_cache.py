@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from deltafin.weights.expert_cache import LFU, LRU, ExpertCache, PinnedLRU, make_policy, simulate
 
