@@ -44,6 +44,7 @@ from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
 from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
+from deltafin.expert_modes import describe as describe_mode
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
 from deltafin.plan.hops import describe_hops
@@ -171,9 +172,11 @@ async def cmd_plan(args: argparse.Namespace) -> int:
         more = outlook(plan, spec.sizing, replanner(spec, cfg, workers, plan))
         if args.json:
             print(json.dumps({**plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), "outlook": more,
+                              "expert_mode": stage.expert_mode,
                               "timeouts": dataclasses.asdict(spec.timeouts)}, indent=1))
         else:
             print(plan.table())
+            print(describe_mode(stage.mode))
             print("\n".join([*describe_hops(cfg, plan, spec.act_bytes), *more]))
             print(f"timeouts: {spec.timeouts.describe()}")
             print("\n".join(download_commands(plan)))

@@ -99,3 +99,12 @@ def read_share(mode: ExpertMode) -> float:
         if mode.top_p <= p1:
             return s0 + (s1 - s0) * (mode.top_p - p0) / (p1 - p0)
     return 1.0
+
+
+def describe(mode: ExpertMode) -> str:
+    """A line for `plan`: the mode, that it is lossy, and what it is planned to read."""
+    if mode.exact:
+        return "expert mode exact: every token's routed experts, as the model was trained"
+    held = "; which experts are in memory steers the routing: tokens are not reproducible" if mode.held_margin else ""
+    return (f"expert mode {mode.name} (lossy, as asked: docs/expert-modes.md measures it): a token is planned to read "
+            f"{read_share(mode):.3f} of exact's routed experts{held}")

@@ -21,6 +21,7 @@ from deltafin.coordinator.cluster.worker_client import Timeouts
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
+from deltafin.expert_modes import describe as describe_mode
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.cluster_plan import Plan, describe_forwards
 from deltafin.plan.planner import split_layers
@@ -70,7 +71,7 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
                      f"{len(z.resident_layers)} resident, {len(z.streamed_layers)} streamed; "
                      f"{describe_forwards(z)}, {z.sequences} sequence(s) of {z.context:,} tokens; "
                      f"{z.describe()}")
-    return "\n".join(lines)
+    return "\n".join([*lines, describe_mode(stage.mode)])
 
 
 def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> ClusterSpec:

@@ -18,6 +18,8 @@ def top_p(idx: torch.Tensor, weights: torch.Tensor, p: float, k_min: int) -> tup
     weight reaches p, at least k_min -> (idx, weights) [N, w], w the most any row keeps, most weight first. The kept
     weights are scaled to the row's routed total; a row keeping fewer than w is padded with its first expert at
     weight 0 (an expert it reads anyway: no read, an exact zero in the sum)."""
+    if idx.shape[0] == 0:
+        return idx, weights
     w, order = weights.sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(1, order)
     total = w.sum(-1, keepdim=True)

@@ -48,13 +48,13 @@ class FusedExperts(Protocol):
 
 
 Router = Callable[[int, MoEWeights, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (layer, weights, x) -> routing
-# in an expert mode other than exact (models/expert_modes.py); None: `route`
+# in an expert mode other than exact (models/mode_routing.py); None: `route`
 
 
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, bonus: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router: top-k of (score + bias) selects; the unbiased scores weigh. -> idx [N,k], weights [N,k] fp32.
-    `bonus` [E] is added to what selects (cache-aware routing: models/expert_modes.py), never to the weights."""
+    `bonus` [E] is added to what selects (cache-aware routing: models/mode_routing.py), never to the weights."""
     scores = torch.sigmoid(linear(x.float(), w.router).float())  # [N, E], fp32 (exact with a bf16 router)
     select = scores + w.bias if bonus is None else scores + w.bias + bonus
     idx = torch.topk(select, cfg.experts_per_token, dim=-1).indices

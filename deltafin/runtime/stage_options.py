@@ -94,7 +94,8 @@ class StageOptions:
         EXACT, "how a token's routed experts are chosen: exact (default: the router's top-k), or a lossy mode that "
         "reads fewer expert bytes: top-p:P (the fewest of the k whose share of the routed weight reaches P), "
         "cached:M (an expert in memory chosen over one whose score is less than M higher), or both joined by + "
-        f"(e.g. {PRESETS[-1]}); each one's cost is measured in docs/expert-modes.md", metavar="MODE")
+        f"(e.g. {PRESETS[-1]}); registered: {', '.join(PRESETS[1:])}, each one's cost measured in "
+        "docs/expert-modes.md", metavar="MODE")
     convert: bool = opt(
         True, "refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet (default: "
         "convert it first, once, into the cache directory, as `deltafin convert` does)", off="--no-convert")

@@ -87,8 +87,9 @@ def test_plan_with_local_prints_the_plan_the_load_runs(tiny_dir: Path) -> None:
     plan = _run("--model", str(tiny_dir), "--local", "--local-stages", "2", "--memory-gb", "3", "--sequences", "2",
                 "plan")
     assert plan.returncode == 0, plan.stderr
-    lines = plan.stdout.strip().splitlines()
+    *lines, mode = plan.stdout.strip().splitlines()
     assert [line.split(" on ")[0] for line in lines] == ["layers 0-2", "layers 3-5"]
+    assert mode.startswith("expert mode exact:")
     # one context for both stages (a request goes through both): the longest the smaller room holds
     contexts = {line.split("2 sequence(s) of ")[1].split(" tokens")[0] for line in lines}
     assert len(contexts) == 1 and int(contexts.pop().replace(",", "")) > 4096, lines

@@ -48,3 +48,12 @@ def test_read_share_follows_the_measured_points() -> None:
     assert read_share(ExpertMode(0.25)) == pytest.approx(TOP_P_READS[0][1] / 2)
     shares = [read_share(ExpertMode(p / 100)) for p in range(1, 100)]
     assert shares == sorted(shares)  # a larger P never reads less
+
+
+def test_plan_says_the_mode_is_lossy_and_what_it_reads() -> None:
+    from deltafin.expert_modes import describe
+
+    assert "exact" in describe(ExpertMode()) and "lossy" not in describe(ExpertMode())
+    line = describe(parse("top-p:0.55"))
+    assert "lossy" in line and f"{read_share(parse('top-p:0.55')):.3f} of exact's" in line
+    assert "not reproducible" in describe(parse("cached:0.05")) and "1.000" in describe(parse("cached:0.05"))

@@ -65,6 +65,32 @@ def test_one_moe_layer_equals_the_reference(tiny_dir, kernels):
     assert float((got - want).norm() / want.norm()) < 1e-6  # fp32 sums in another order
 
 
+def test_a_top_p_layer_on_mlx_equals_the_reference(tiny_dir, kernels):
+    """An expert mode's narrower routing, padded with weight-0 slots, runs through the fused MLX call as through the
+    torch loop (the MLX path of an expert mode, on MLX's CPU backend)."""
+    from deltafin.expert_modes import parse
+    from deltafin.models.attn_res import ResidualState
+    from deltafin.models.mode_routing import mode_router
+
+    cfg = load_config(tiny_dir)
+    ckpt = open_checkpoint(tiny_dir, cfg)
+    kernels("mlx")
+    mlx_stage = Stage(ckpt, 0, cfg.num_layers, device=CPU)
+    kernels("reference")
+    ref_stage = Stage(ckpt, 0, cfg.num_layers, device=CPU)
+    g = torch.Generator().manual_seed(1)
+    state = ResidualState(torch.randn(9, cfg.hidden_size, generator=g),
+                          torch.randn(9, cfg.blocks_entering(1), cfg.hidden_size, generator=g))
+    w = ref_stage.spine.layer(1)
+    x = ffn_input(cfg, w, state)
+    router = mode_router(cfg, parse("top-p:0.5"))
+    idx, _ = router(1, w.ffn, x)
+    assert idx.shape[1] < cfg.experts_per_token  # the mode keeps fewer: the layout differs from exact's
+    want = moe_forward(cfg, 1, w.ffn, x, ref_stage.experts.experts, router=router)
+    got = moe_forward(cfg, 1, w.ffn, x, ref_stage.experts.experts, fused=mlx_stage.experts.fused, router=router)
+    assert float((got - want).norm() / want.norm()) < 1e-6  # fp32 sums in another order
+
+
 def test_logits_prefill_decode_and_stages(tiny_dir, kernels):
     """Against the torch reference: median per-position relative L2 at 1e-5 (max 3e-5: the random network
     amplifies rounding ~10x; the native C kernels sit at the same 1.3e-5 against the same reference); decode

@@ -55,3 +55,26 @@ def test_a_wide_stage_counts_as_its_compute_only_its_own_waits(small_dir):
         assert others > 0  # the holders waited for calls they served, and that was left out
     finally:
         wide.close()
+
+
+def test_wide_holders_compute_the_pairs_an_expert_mode_chose(small_dir):
+    """In top-p, two wide stages (each holding half of every layer's experts) give what one process gives in the
+    same mode, to the wide path's rounding, and not what exact gives: the owner routes, every holder computes the
+    pairs it chose (the weight-0 pads add exact zeros wherever they run)."""
+    from deltafin.runtime.pipeline import LocalPipeline
+    from deltafin.runtime.stage_options import StageOptions
+    from tests.support.wide import wide_close
+
+    wide = LocalWide(small_dir, 2, expert_mode="top-p:0.5")
+    one = LocalPipeline.load(small_dir, 1, device="cpu", options=StageOptions(expert_mode="top-p:0.5"))
+    exact = LocalPipeline.load(small_dir, 1, device="cpu")
+    try:
+        got = wide.pipeline.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        want = one.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        other = exact.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        assert wide_close(got, want)
+        assert float((want - other).abs().max()) > 100 * float((got - want).abs().max())
+    finally:
+        wide.close()
+        one.close()
+        exact.close()
