@@ -230,8 +230,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
             bench_workload,  # torch: loaded when the command runs
         )
 
-        if not 0 < args.cache_share <= 1:
-            raise DeltafinError(f"--cache-share must be in (0, 1], got {args.cache_share}")
+        args.cache_share = 0.25 if args.cache_share is None else _share(args.cache_share)
         return bench_workload(args.model, [w.strip() for w in args.workload.split(",") if w.strip()], args.tokens or 16,
                               device=args.device, cache_share=args.cache_share,
                               options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost,
@@ -258,7 +257,7 @@ def _bench_quality(args: argparse.Namespace) -> dict:
     process; or --expert-mode (a mode, or all) against exact."""
     from deltafin.cli import bench_quality  # torch: loaded when the command runs
 
-    modes = None
+    modes, share = None, {} if args.cache_share is None else {"cache_share": _share(args.cache_share)}
     if args.expert_mode.strip().lower() != EXACT:
         from deltafin.cli.bench_modes import modes_asked  # (the same)
 
@@ -268,7 +267,7 @@ def _bench_quality(args: argparse.Namespace) -> dict:
         from deltafin.cli.bench_modes import mode_quality  # (the same)
 
         return mode_quality(args.model, modes, sequences, device=args.device, tokens=args.tokens,
-                            policy=args.cache_policy)
+                            policy=args.cache_policy, **share)
     if args.wire != "fp32":
         return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
     spine = converted_spines()[-1] if args.spine == "auto" else args.spine  # auto: the most bytes converted (int8)
@@ -284,6 +283,12 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
     options = stage_from_args(args)
     select_kernels(options.kernels)
     return with_memory_found(options, resolve_device(args.device))
+
+
+def _share(value: float) -> float:
+    if not 0 < value <= 1:
+        raise DeltafinError(f"--cache-share must be in (0, 1], got {value}")
+    return value
 
 
 def _positive_ints(text: str, flag: str) -> list[int]:
@@ -354,9 +359,10 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
                    "experts' remembered heat (hit_rate_cold, hit_rate_warm): decode twice, each in a fresh pipeline, "
                    "the first with no heat (a folder of its own: yours is neither used nor changed), the second warmed "
                    "from the heat the first saved, on other seeded tokens")
-    p.add_argument("--cache-share", type=float, default=0.25, help="--workload: the expert cache of the answers "
+    p.add_argument("--cache-share", type=float, default=None, help="--workload: the expert cache of the answers "
                    "and of the replay, as a share of all experts (default 0.25; --expert-cache-gb sets it in GB "
-                   "instead)")
+                   "instead); --quality --expert-mode: the cache a mode's reads are replayed through and a "
+                   "cache-aware mode holds (default 0.008: one 64 GB Mac's share of K3's experts)")
     p.add_argument("--pass-cost", choices=("reads", "timed"), default="reads", help="--workload: how the drafting "
                    "modes price a verification pass when they choose how many drafts to send: reads (default: by the "
                    "experts it reads alone, as on one 64 GB Mac streaming K3's experts with its spine resident, the "

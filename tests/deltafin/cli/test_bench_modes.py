@@ -80,6 +80,9 @@ def test_the_command_refuses_a_bad_mode_before_reading_text(capsys) -> None:
     for mode, says in (("top-p:3", "in (0, 1)"), ("cached", "needs a number")):
         assert main(["bench", "--model", str(bundled_model()), "--quality", "--expert-mode", mode]) == 1
         assert says in capsys.readouterr().err
+    assert main(["bench", "--model", str(bundled_model()), "--quality", "--expert-mode", "all", "--cache-share",
+                 "1.5"]) == 1
+    assert "--cache-share must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 @pytest.mark.slow
