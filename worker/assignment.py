@@ -102,12 +102,12 @@ class AssignmentSlot:
         plan to load: the one sent, as placed here (plan/stage_check.py), or None where the stage plans itself
         (checked now with the same pure plan it makes when it loads, for its part of `plan` if wide)."""
         cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
-        backend = expert_backend_for(cfg, self.device)
+        backend = expert_backend_for(cfg, self.device, options.mode)
         if sizing is not None:
             place = Placement(self.device.type, options.act_bytes, backend)
             budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
                 else Budget(sizing.device_total)  # no budget of its own: the plan's
-            return check_plan(cfg, sizing, place, budget, options.sizing_for(spans))
+            return check_plan(cfg, sizing, place, budget, options.sizing_for(cfg, spans))
         index = plan.placement.index(self.worker_key()) if plan is not None else None
         if end > start:
             plan_stage(cfg, start, end, self.device, options, spans, backend,

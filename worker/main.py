@@ -207,7 +207,7 @@ def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: 
     ckpt, cfg = ckpts[0], ckpts[0].config
     place = Placement(device.type, options.act_bytes, "mlx" if device.type == "mps" else "torch")
     experts = sum(1 for i in cfg.moe_layers if any(i in c.layers_available() for c in ckpts))
-    sizing = least_options(options.sizing_for(layer_spans(ckpt)))
+    sizing = least_options(options.sizing_for(ckpt.config, layer_spans(ckpt)))
     stages = smallest_stages(cfg, place, sizing, ckpt.layers_available(), ckpt.top_available, experts)
     least = shortfall(stages, options.memory_bytes)
     if least is not None:

@@ -82,7 +82,7 @@ def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig)
     security = ClusterSecurity(load_key(cluster.cluster_key, cluster.cluster_key_file), cluster.tls)
     timeouts = Timeouts(forward=cluster.forward_timeout, lost_after=cluster.worker_timeout,
                         probe_interval=min(2.0, cluster.worker_timeout / 3), reconnect=cluster.reconnect_timeout)
-    sizing = stage.sizing_for(layer_spans(scan_checkpoint(cluster.model, cfg)))
+    sizing = stage.sizing_for(cfg, layer_spans(scan_checkpoint(cluster.model, cfg)))
     sent = {"dtype": stage.dtype, "io": stage.io, "read_threads": stage.sizing.read_threads,
             "cache_policy": stage.cache_policy, "prefetch": stage.prefetch, "wire": stage.wire,
             "expert_mode": stage.expert_mode}

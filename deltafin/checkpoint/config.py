@@ -170,6 +170,12 @@ class ModelConfig:
                 specs.append(TensorSpec(f"{base}{w}.weight", (rows, cols), "BF16", layer, expert))
         return tuple(specs)
 
+    @property
+    def expert_matrices(self) -> tuple[tuple[int, int], ...]:
+        """[rows, cols] of a routed expert's w1 (gate), w2 (down) and w3 (up)."""
+        i, d = self.moe_intermediate_size, self.expert_dim
+        return (i, d), (d, i), (i, d)
+
     @cached_property
     def bytes_per_expert(self) -> int:
         return sum(s.nbytes for s in self.expert_tensor_specs(self.first_k_dense, 0))

@@ -5,8 +5,10 @@ Quality, as for the spine formats (cli/bench_quality.py): the mode's next-token 
 (`perplexity_ratio`), the mean KL divergence of its next-token distribution from exact's (`kl`, nats) and how often
 both put the same token first (`top1_agreement`). Reads: every token's routed experts, layer after layer in decode
 order, replayed through an expert cache of `cache_share` of all the model's experts (the default policy);
-`expert_bytes_ratio` is the mode's expert reads a token over exact's, `experts_per_token` what its MoE layers ask
-for before any cache, and `by_share` the reads' ratio at the shares the plans give K3 (one 64 GB Mac, four).
+`expert_bytes_ratio` is the mode's expert bytes read a token over exact's (a low-bit copy's read costs its bytes, at
+this model's geometry), `experts_per_token` what its MoE layers ask for before any cache, `copy_share` the share of
+those that are a low-bit copy's, and `by_share` the bytes' ratio at the shares the plans give K3 (one 64 GB Mac,
+four).
 A mode whose routing does not depend on the cache runs each sequence in forwards of PIECE_TOKENS rows (a row's
 routing is what decode's would be); a cache-aware one runs token by token, holding what the replay's cache holds, so
 that what it finds held is what a decode would find, over at most DECODE_POSITIONS positions unless --tokens says.
@@ -30,6 +32,7 @@ from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
 from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
+from deltafin.plan.sizing_options import low_bit_ratio
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
@@ -108,10 +111,17 @@ def _run(model: str | Path, device: str, mode: ExpertMode, sequences: list[list[
     return out, tap.trace
 
 
-def _reads(trace: Trace, capacity: int, policy: str) -> float:
-    """Expert reads over the trace through a cache of `capacity` experts."""
-    lookups = sum(len(step) for step in trace)
-    return lookups * (1 - simulate(policy, capacity, trace))
+def _reads(trace: Trace, capacity: int, policy: str, cfg: ModelConfig, low_ratio: float = 1.0) -> float:
+    """Expert bytes read over the trace through a cache of `capacity` experts (either form an entry), in experts as
+    stored: a low-bit copy's miss (id E + e) costs `low_ratio` of one."""
+    cache: ExpertCache = ExpertCache(capacity, make_policy(policy, capacity))
+    read = 0.0
+    for step in trace:
+        for key in step:
+            if cache.get(key) is None:
+                cache.put(key, None, 1)
+                read += low_ratio if key[1] >= cfg.num_experts else 1.0
+    return read
 
 
 def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]], device: str = "cpu",
@@ -138,7 +148,8 @@ def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]]
         sums = new_sums()
         for a, b, seq in zip(ref, logits, part, strict=True):
             add_pair(sums, a, b, torch.tensor(seq, dtype=torch.long))
-        result["modes"][mode.name] = _mode_figures(model, sums, trace, ref_trace, capacity, policy, cfg)
+        result["modes"][mode.name] = _mode_figures(model, sums, trace, ref_trace, capacity, policy, cfg,
+                                                   low_bit_ratio(cfg, mode.low_bit))
     longest = max(exact, key=lambda n: math.inf if n is None else n)
     ref_trace = exact[longest][1]
     result["exact"] = {"tokens": len(ref_trace) // max(1, len(cfg.moe_layers)),
@@ -153,18 +164,21 @@ def _per_token(trace: Trace, moe_layers: int) -> float:
 
 
 def _mode_figures(model: str | Path, sums: dict, trace: Trace, ref_trace: Trace, capacity: int, policy: str,
-                  cfg: ModelConfig) -> dict[str, Any]:
+                  cfg: ModelConfig, low_ratio: float) -> dict[str, Any]:
     f = figures(model, sums)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
-    by_share = {f"{s:g}": round(_reads(trace, max(1, round(s * all_experts)), policy)
-                                / max(1e-9, _reads(ref_trace, max(1, round(s * all_experts)), policy)), 4)
-                for s in SHARES}
+
+    def ratio(slots: int) -> float:
+        return round(_reads(trace, slots, policy, cfg, low_ratio) / max(1e-9, _reads(ref_trace, slots, policy, cfg)),
+                     4)
+
+    lookups = [key for step in trace for key in step]
     return {"tokens": f["tokens"], "perplexity": f["perplexity"], "perplexity_exact": f["perplexity_stored"],
             "perplexity_ratio": round(f["perplexity"] / f["perplexity_stored"], 4), "kl": f["kl_vs_stored"],
-            "top1_agreement": f["top1_agreement"],
-            "expert_bytes_ratio": round(_reads(trace, capacity, policy) / max(1e-9, _reads(ref_trace, capacity,
-                                                                                             policy)), 4),
-            "experts_per_token": _per_token(trace, len(cfg.moe_layers)), "by_share": by_share}
+            "top1_agreement": f["top1_agreement"], "expert_bytes_ratio": ratio(capacity),
+            "experts_per_token": _per_token(trace, len(cfg.moe_layers)),
+            "copy_share": round(sum(key[1] >= cfg.num_experts for key in lookups) / max(1, len(lookups)), 4),
+            "by_share": {f"{s:g}": ratio(max(1, round(s * all_experts))) for s in SHARES}}
 
 
 def frontier_rows(result: dict[str, Any]) -> list[str]:

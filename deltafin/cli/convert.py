@@ -1,5 +1,6 @@
 """`deltafin convert`: a checkpoint's spine written once in a compact format (weights/spine_convert.py), in the format
-asked for or the fewest bytes the model can use."""
+asked for or the fewest bytes the model can use; or (`--experts FORMAT`) the routed experts of its layers (all, or
+`--layers A-B`: a worker's) in a low-bit expert format, the copy an expert mode reads (weights/expert_copy.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import logging
 
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.flags import MODEL_HELP, model_arg
+from deltafin.download.fetch import parse_layers
 from deltafin.errors import DeltafinError
-from deltafin.formats import converted_spines, spine_format
+from deltafin.formats import converted_spines, expert_format, low_bit_formats, spine_format
 from deltafin.options import DEVICES
 from deltafin.plan.layer_table import unfit_spines
 
@@ -18,8 +20,31 @@ log = logging.getLogger("deltafin")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
+    if args.experts is not None:
+        if args.spine is not None or args.out is not None:
+            raise DeltafinError("--experts converts the routed experts alone: leave out --spine and --out")
+        print_expert_conversion(args.model, args.experts, args.layers, args.quiet, args.device)
+    elif args.layers is not None:
+        raise DeltafinError("--layers chooses the layers of an --experts conversion (a spine converts whole)")
+    else:
+        print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
     return 0
+
+
+def print_expert_conversion(model: str, fmt: str, layers: str | None, quiet: bool, device: str) -> None:
+    from deltafin.checkpoint.shards import open_checkpoint  # torch: loaded when the command runs
+    from deltafin.devices import resolve_device  # (see above)
+    from deltafin.weights.expert_copy import copy_bytes, prepare_copy, whole_layers  # (see above)
+
+    cfg = load_config(model)
+    start, end = parse_layers(layers, cfg.num_layers)
+    ckpt = open_checkpoint(model, cfg, strict=False)
+    ckpt.raise_problems(layers=range(start, end), top=False)
+    want = whole_layers(cfg, range(start, end))
+    copy = prepare_copy(ckpt, fmt, want, progress=not quiet, device=resolve_device(device))
+    experts = len(want) * cfg.num_experts
+    print(json.dumps({"experts": fmt, "dir": str(copy.root), "layers": f"{start}-{end - 1}", "moe_layers": len(want),
+                      "bytes": copy_bytes(cfg, copy.fmt, experts), "bytes_stored": experts * cfg.bytes_per_expert}))
 
 
 def print_conversion(model: str, spine: str | None, out: str | None, quiet: bool, device: str) -> None:
@@ -63,6 +88,13 @@ def add_convert_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write here instead of the cache directory (then pass --spine-dir DIR to the processes "
                    "that load it)")
+    p.add_argument("--experts", default=None, choices=low_bit_formats(), metavar="FORMAT",
+                   help="convert the routed experts instead, into the cache directory's experts/<checkpoint>-FORMAT: "
+                   "the copy an --expert-mode naming FORMAT reads (" + "; ".join(
+                       f"{f}: {expert_format(f).summary}" for f in low_bit_formats()) + "); a worker converts its "
+                   "own layers when it starts in such a mode unless --no-convert")
+    p.add_argument("--layers", default=None, metavar="A-B",
+                   help="with --experts: decoder layers A to B inclusive, as `plan` prints a stage (default: all)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
                    "than the CPU)")

@@ -128,6 +128,20 @@ def expert_format(name: str) -> WeightFormat:
     return fmt
 
 
+def low_bit_formats() -> tuple[str, ...]:
+    """The routed experts' converted formats: what an expert mode may read instead of the experts as stored."""
+    return tuple(f.name for f in _FORMATS.values() if f.role == EXPERTS and f.converted)
+
+
+def low_bit_format(name: str) -> WeightFormat:
+    """A low-bit expert format an expert mode names (deltafin/expert_modes.py), or a clear error."""
+    fmt = _FORMATS.get(name)
+    if fmt is None or fmt.role != EXPERTS or not fmt.converted:
+        raise DeltafinError(f"--expert-mode: unknown mode {name!r}: use exact, top-p:P, cached:M, or a low-bit expert "
+                            f"format ({', '.join(low_bit_formats())}) as FORMAT or FORMAT-tail:P")
+    return fmt
+
+
 def spine_choices() -> tuple[str, ...]:
     """`--spine`'s choices: auto, then every spine format."""
     return ("auto", *(f.name for f in spine_formats()))

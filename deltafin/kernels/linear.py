@@ -24,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import DeltafinError
-from deltafin.formats import spine_formats, stored_spine, weight_format
+from deltafin.formats import EXPERTS, registered, spine_formats, stored_spine, weight_format
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
 from deltafin.kernels.mlx_q4 import MLXQ4Kernels
 from deltafin.kernels.quant import (
     Int8Weight,
     MXFP4Weight,
+    Q3Weight,
     Q4Weight,
     dequantize_q4,
     mxfp4_linear_reference,
@@ -38,7 +39,7 @@ from deltafin.kernels.quant import (
 
 log = logging.getLogger(__name__)
 
-Weight = torch.Tensor | MXFP4Weight | Int8Weight | Q4Weight
+Weight = torch.Tensor | MXFP4Weight | Int8Weight | Q4Weight | Q3Weight
 # device type -> verified fast-path object, or None (the reference runs). The object is callable for MXFP4
 # and may have `gate_up` (fused MXFP4 gate/up + activation) and a method for each spine format it multiplies,
 # named as the format (`bf16`: the spine as stored under fp32 activations).
@@ -230,9 +231,9 @@ def self_check(fn: Callable[..., torch.Tensor], device: torch.device) -> bool:
 
 
 def _spine_methods_agree(fn: Any, x: torch.Tensor, dense: torch.Tensor) -> bool:
-    """Each spine format's method of `fn` agrees with the format's reference on `dense` in that format (the
-    spine as stored, bf16: with the exact product)."""
-    for fmt in spine_formats():
+    """Each spine format's method of `fn`, and each converted expert format's, agrees with the format's reference
+    on `dense` in that format (the spine as stored, bf16: with the exact product)."""
+    for fmt in (*spine_formats(), *(f for f in registered() if f.role == EXPERTS and f.converted)):
         kernel = getattr(fn, fmt.name, None)
         if kernel is None or not fmt.fits(*dense.shape):
             continue

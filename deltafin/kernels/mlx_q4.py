@@ -1,4 +1,5 @@
-"""q4 spine matrices on MLX (Apple's array framework): `mx.quantized_matmul` on the Q4Weight's bytes as they are.
+"""q4 spine matrices and q3 expert matrices on MLX (Apple's array framework): `mx.quantized_matmul` on the
+Q4Weight's or Q3Weight's bytes as they are.
 
 Q4Weight is MLX's affine 4-bit layout (quant.py): the packed bytes read as little-endian uint32 are the words
 `mx.quantize(w, group_size=64, bits=4)` writes (the lower nibble of a word's first byte is its first element),
@@ -7,7 +8,7 @@ activations MLX promotes the fp16 scales and biases (exactly) and accumulates in
 with Apple-maintained Metal kernels; `mlx[cpu]` runs the same code on Linux, which is how this path is tested.
 
 Where the routed experts run on MLX (`--kernels mlx`, or `auto` on a Mac with MLX; linear.expert_backend), the
-device's fast path is wrapped in MLXQ4Kernels: q4 matmuls go to MLX, everything else stays the native path's.
+device's fast path is wrapped in MLXQ4Kernels: q4 and q3 matmuls go to MLX, everything else stays the native path's.
 MLX holds its own copy of a weight (mx.array copies a host buffer; there is no zero-copy import of host memory),
 made at the weight's first use and kept while the weight lives (weak references to its packed tensor). A stage
 that holds its q4 spine through `mlx_resident` keeps one copy only: MLX-owned arrays that torch sees as CPU
@@ -23,13 +24,13 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deltafin.kernels.quant import Q4_GROUP, MXFP4Weight, Q4Weight, mxfp4_linear_reference
+from deltafin.kernels.quant import Q4_GROUP, MXFP4Weight, Q3Weight, Q4Weight, mxfp4_linear_reference
 
 # a weight's packed tensor -> its (words, scales, biases) MLX arrays; an entry lives as long as the tensor
 _ARRAYS: Any = WeakIdKeyDictionary()
 
 
-def _convert(w: Q4Weight) -> tuple[Any, Any, Any]:
+def _convert(w: Q4Weight | Q3Weight) -> tuple[Any, Any, Any]:
     import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
     if sys.byteorder != "little":
@@ -39,7 +40,7 @@ def _convert(w: Q4Weight) -> tuple[Any, Any, Any]:
             mx.array(w.biases.detach().cpu().numpy()))
 
 
-def mlx_arrays(w: Q4Weight) -> tuple[Any, Any, Any]:
+def mlx_arrays(w: Q4Weight | Q3Weight) -> tuple[Any, Any, Any]:
     """The weight as MLX's quantized triple: packed [rows, cols/2] uint8 viewed as uint32 [rows, cols/8]
     (bytes unchanged), scales and biases fp16 [rows, cols/64] as they are; made once per weight."""
     hit = _ARRAYS.get(w.packed)
@@ -66,12 +67,21 @@ def mlx_resident(w: Q4Weight) -> Q4Weight:
 def q4_linear(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
     """x @ W.T on MLX for x [..., cols] on any device, in fp32 (bf16 x is widened exactly and the result
     rounded back), returned on x's device in x's dtype."""
+    return _affine_linear(x, w, Q4_GROUP, 4)
+
+
+def q3_linear(x: torch.Tensor, w: Q3Weight) -> torch.Tensor:
+    """As q4_linear, for a 3-bit expert matrix (the same layout at 3 bits, its group from its width)."""
+    return _affine_linear(x, w, w.group, 3)
+
+
+def _affine_linear(x: torch.Tensor, w: Q4Weight | Q3Weight, group: int, bits: int) -> torch.Tensor:
     import mlx.core as mx  # lazily: MLX loads only where the MLX path runs
 
     words, scales, biases = mlx_arrays(w)
     rows, cols = w.shape
     xm = mx.array(x.detach().reshape(-1, cols).to(torch.float32).cpu().numpy())
-    y = mx.quantized_matmul(xm, words, scales, biases, transpose=True, group_size=Q4_GROUP, bits=4)
+    y = mx.quantized_matmul(xm, words, scales, biases, transpose=True, group_size=group, bits=bits)
     out = torch.from_numpy(np.array(y, dtype=np.float32))
     return out.to(device=x.device, dtype=x.dtype).view(*x.shape[:-1], rows)
 
@@ -96,3 +106,6 @@ class MLXQ4Kernels:
 
     def q4(self, x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
         return q4_linear(x, w)
+
+    def q3(self, x: torch.Tensor, w: Q3Weight) -> torch.Tensor:
+        return q3_linear(x, w)

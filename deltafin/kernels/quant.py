@@ -1,4 +1,5 @@
-"""MXFP4 (routed experts) and row-int8 (optional spine) formats: decode on the device, vectorized.
+"""MXFP4 (routed experts as stored), 3-bit groups (a converted copy of them), row-int8 and 4-bit groups (optional
+spine) formats: decode on the device, vectorized.
 
 MXFP4 as stored by compressed-tensors (K3_SPEC §6): two E2M1 codes per byte, low nibble = even
 element; one E8M0 scale byte per 32 values along the input dimension; W = E2M1[code] * 2**(scale-127).
@@ -13,7 +14,7 @@ import torch
 
 from deltafin.checkpoint.config import MXFP4_GROUP
 from deltafin.errors import ModelFormatError
-from deltafin.formats import q4
+from deltafin.formats import q3, q4
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_NAN = 255
@@ -201,36 +202,38 @@ def quantize_q4(w: torch.Tensor, block_rows: int = 256, clips: tuple[tuple[float
     return Q4Weight(packed, scales, biases)
 
 
-def _q4_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp16 scale and bias of 15 steps over [lo, hi]; the scale at least fp16's least subnormal, so that a
+def _q4_range(lo: torch.Tensor, hi: torch.Tensor, top: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16 scale and bias of `top` steps over [lo, hi]; the scale at least fp16's least subnormal, so that a
     group with no range has codes 0 (its bias), never 0/0."""
-    return ((hi - lo) / 15).clamp_min(2.0**-24).half(), lo.half()
+    return ((hi - lo) / top).clamp_min(2.0**-24).half(), lo.half()
 
 
-def _q4_round(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, u: torch.Tensor, q: torch.Tensor) -> None:
-    """Into the buffers: u = x in steps above the bias, q = its code (the nearest of 0..15)."""
+def _q4_round(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
+              top: int = 15) -> None:
+    """Into the buffers: u = x in steps above the bias, q = its code (the nearest of 0..top)."""
     torch.sub(x, bias.float(), out=u).div_(scale.float())
-    torch.clamp(u, 0, 15, out=q).round_()
+    torch.clamp(u, 0, top, out=q).round_()
 
 
 def _q4_error(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, u: torch.Tensor,
-              q: torch.Tensor) -> torch.Tensor:
-    """Squared error of each group [.., groups, 1] of `x` [.., groups, 64] rounded with (scale, bias)."""
-    _q4_round(x, scale, bias, u, q)
+              q: torch.Tensor, top: int = 15) -> torch.Tensor:
+    """Squared error of each group [.., groups, 1] of `x` [.., groups, size] rounded with (scale, bias)."""
+    _q4_round(x, scale, bias, u, q, top)
     return torch.linalg.vector_norm(u.sub_(q), dim=-1, keepdim=True).square_().mul_(scale.float().square())
 
 
-def _q4_search(x: torch.Tensor, u: torch.Tensor, q: torch.Tensor,
-               clips: tuple[tuple[float, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's (scale, bias) of least squared error among plain [min, max] and its `clips` shrinkings."""
+def _q4_search(x: torch.Tensor, u: torch.Tensor, q: torch.Tensor, clips: tuple[tuple[float, float], ...],
+               top: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (scale, bias) of least squared error among plain [min, max] and its `clips` shrinkings, in
+    `top` steps (15: 4 bits)."""
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale, bias = _q4_range(lo, hi)
+    scale, bias = _q4_range(lo, hi, top)
     if not clips:
         return scale, bias
-    best, half = _q4_error(x, scale, bias, u, q), (hi - lo) / 2
+    best, half = _q4_error(x, scale, bias, u, q, top), (hi - lo) / 2
     for a, b in clips:
-        s, z = _q4_range(lo + (1 - a) * half, hi - (1 - b) * half)
-        err = _q4_error(x, s, z, u, q)
+        s, z = _q4_range(lo + (1 - a) * half, hi - (1 - b) * half, top)
+        err = _q4_error(x, s, z, u, q, top)
         better = err < best
         best, scale, bias = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, z, bias)
     return scale, bias
@@ -246,3 +249,81 @@ def dequantize_q4(w: Q4Weight, dtype: torch.dtype) -> torch.Tensor:
 def mxfp4_linear_reference(x: torch.Tensor, w: MXFP4Weight) -> torch.Tensor:
     """x @ W.T with W dequantized: the definition every MXFP4 kernel is checked against."""
     return torch.nn.functional.linear(x, dequantize_mxfp4(w, x.dtype))
+
+
+@dataclass(frozen=True)
+class Q3Weight:
+    """Group-wise affine 3-bit matrix, MLX's `mx.quantize(w, group_size=G, bits=3)` layout (G: formats/q3.group):
+    `packed` [rows, 3 cols/8] uint8, the codes as one little-endian bit stream (code j at bits 3j..3j+2, so the
+    bytes read as uint32 are MLX's words), fp16 `scales` and `biases` [rows, cols/G]; W = code * scale + bias."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 8 // 3)
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * (self.scales.numel() + self.biases.numel())
+
+    def to(self, device: torch.device) -> Q3Weight:
+        return Q3Weight(self.packed.to(device), self.scales.to(device), self.biases.to(device))
+
+    @classmethod
+    def from_arrays(cls, parts: list[torch.Tensor], rows: int, cols: int) -> Q3Weight:
+        """Views of its arrays as written (uint8: the codes, the fp16 scales, the fp16 biases; formats/q3.py)."""
+        groups = cols // q3.group(cols)
+        return cls(parts[0].view(rows, cols * 3 // 8), parts[1].view(torch.float16).view(rows, groups),
+                   parts[2].view(torch.float16).view(rows, groups))
+
+
+# quantize_q3's clipping candidates, as Q4_CLIPS (fractions of half a group's range kept at each end): at 3 bits a
+# range's ends cost more than at 4, and shrinking pays more. On k3-mini's held-out split, every expert in q3 (groups
+# of 32 there: its 96-wide rows), KL from the stored experts: plain rounding 0.067, these 0.053 (docs/expert-modes.md).
+Q3_CLIPS = tuple((a, b) for a in (1.0, 0.95, 0.9, 0.85, 0.8) for b in (1.0, 0.95, 0.9, 0.85, 0.8) if (a, b) != (1, 1))
+_Q3_SHIFTS = torch.arange(8, dtype=torch.int32) * 3
+
+
+def quantize_q3(w: torch.Tensor, block_rows: int = 256, clips: tuple[tuple[float, float], ...] = Q3_CLIPS
+                ) -> Q3Weight:
+    """Round each group to the nearest of 8 steps over the [min, max] (or the shrinking in `clips`) that rounds it
+    with the least squared error, a block of rows at a time (as quantize_q4)."""
+    rows, cols = w.shape
+    size = q3.group(cols)
+    groups = cols // size
+    packed = torch.empty(rows, cols * 3 // 8, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows, groups, dtype=torch.float16, device=w.device)
+    biases = torch.empty_like(scales)
+    bufs = [torch.empty(min(block_rows, rows), groups, size, device=w.device) for _ in range(3)]
+    shifts = _Q3_SHIFTS.to(w.device)
+    for r in range(0, rows, block_rows):
+        n = min(block_rows, rows - r)
+        x, u, q = (b[:n] for b in bufs)
+        x.view(n, cols).copy_(w[r:r + n])
+        scale, bias = _q4_search(x, u, q, clips, top=7)
+        _q4_round(x, scale, bias, u, q, top=7)
+        words = (q.view(n, cols // 8, 8).to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
+        packed[r:r + n] = torch.stack([(words >> s) & 0xFF for s in (0, 8, 16)], -1).view(n, -1).to(torch.uint8)
+        scales[r:r + n], biases[r:r + n] = scale.squeeze(-1), bias.squeeze(-1)
+    return Q3Weight(packed, scales, biases)
+
+
+def dequantize_q3(w: Q3Weight, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = w.shape
+    b = w.packed.view(rows, cols // 8, 3).to(torch.int32)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    codes = ((words.unsqueeze(-1) >> _Q3_SHIFTS.to(w.packed.device)) & 7).view(rows, cols // w.group, w.group)
+    return (codes.to(dtype) * w.scales.to(dtype).unsqueeze(-1) + w.biases.to(dtype).unsqueeze(-1)).view(rows, cols)
+
+
+def q3_linear_reference(x: torch.Tensor, w: Q3Weight) -> torch.Tensor:
+    """x @ W.T with W decoded on x's device in x's dtype: the definition (and, on the CPU, CUDA and MPS, the path:
+    an expert's matrices are decoded as they are used, never kept wide)."""
+    return torch.nn.functional.linear(x, dequantize_q3(w, x.dtype))

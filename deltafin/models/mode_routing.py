@@ -1,5 +1,6 @@
 """The routers of the expert modes (deltafin/expert_modes.py: what each mode is, its name and grammar): top-p over a
-token's routed experts, and cache-aware routing, each applied to models/moe.py's router. Pure math over tensors."""
+token's routed experts, cache-aware routing and the ids of a low-bit copy's experts, each applied to models/moe.py's
+router. Pure math over tensors."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.expert_modes import ExpertMode, least_kept
+from deltafin.formats import low_bit_format
 from deltafin.models.moe import Router, route
 from deltafin.models.weights import MoEWeights
 
@@ -33,6 +35,23 @@ def top_p(idx: torch.Tensor, weights: torch.Tensor, p: float, k_min: int) -> tup
     return torch.where(keep, idx, idx[:, :1]), kept
 
 
+def low_bit_ids(idx: torch.Tensor, weights: torch.Tensor, num_experts: int, tail: float | None,
+                held_exact: torch.Tensor | None = None) -> torch.Tensor:
+    """The ids an expert mode with a low-bit copy reads (expert e's copy as E + e, deltafin/weights/expert_copy.py):
+    every routed expert's copy (`tail` None), or only a row's light ones — those after the heaviest whose share of
+    its routed weight reaches `tail`, with weight (a top-p padding slot reads nothing) — whose stored form is
+    neither among `held_exact` (in memory) nor heavy in another row (read anyway): those are used as stored."""
+    if tail is None:
+        return idx + num_experts
+    w, order = weights.sort(dim=-1, descending=True, stable=True)
+    before = (w.cumsum(-1) - w) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+    light = torch.empty_like(before).scatter_(1, order, before) >= tail
+    light &= weights > 0
+    stored = idx[~light]
+    light &= ~torch.isin(idx, stored if held_exact is None else torch.cat([held_exact.to(idx.device), stored]))
+    return torch.where(light, idx + num_experts, idx)
+
+
 def held_bonus(num_experts: int, held: Collection[int], margin: float, device: torch.device) -> torch.Tensor | None:
     """[E] fp32: `margin` for each expert held, 0 for the others (None: none held)."""
     if not held:
@@ -46,18 +65,27 @@ HeldExperts = Callable[[int], Collection[int]]  # a layer -> the ids of its expe
 
 
 def mode_router(cfg: ModelConfig, mode: ExpertMode, held: HeldExperts | None = None) -> Router | None:
-    """The router of `mode` (None for exact: models/moe.py `route` as it is). `held`: what cache-aware routing
-    prefers (without it, or with nothing held, it routes exactly)."""
+    """The router of `mode` (None for exact: models/moe.py `route` as it is). `held`: the experts in memory (a
+    copy's as E + e), what cache-aware routing prefers (held in either form) and a tail reads as stored (without it,
+    or with nothing held, cache-aware routing routes exactly, and a tail reads every light expert's copy). A mode's
+    low-bit format must be registered (a DeltafinError names the formats otherwise)."""
     if mode.exact:
         return None
+    e_count = cfg.num_experts
+    if mode.low_bit is not None:
+        low_bit_format(mode.low_bit)
 
     def routed(layer: int, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        now = held(layer) if held is not None and not mode.reproducible else ()
         bonus = None
-        if mode.held_margin is not None and held is not None:
-            bonus = held_bonus(cfg.num_experts, held(layer), mode.held_margin, x.device)
+        if mode.held_margin is not None:
+            bonus = held_bonus(e_count, {e % e_count for e in now}, mode.held_margin, x.device)
         idx, weights = route(cfg, w, x, bonus)
         if mode.top_p is not None:
             idx, weights = top_p(idx, weights, mode.top_p, least_kept(cfg.experts_per_token))
+        if mode.low_bit is not None:
+            exact = torch.tensor(sorted(e for e in now if e < e_count), dtype=torch.long, device=idx.device)
+            idx = low_bit_ids(idx, weights, e_count, mode.low_tail, exact)
         return idx, weights
 
     return routed

@@ -143,7 +143,7 @@ def summed_by_expert(cfg: ModelConfig, layer: int, z: torch.Tensor, idx: torch.T
     counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
     starts = [0, *itertools.accumulate(counts)]
     rows, w = (order // k).to(z.device), weights.reshape(-1)[order.to(weights.device)]
-    for e, weights_e in experts(layer, [e for e in range(cfg.num_experts) if counts[e]]):
+    for e, weights_e in experts(layer, [e for e, n in enumerate(counts) if n]):  # (an expert mode's copy: E + e)
         part = slice(starts[e], starts[e + 1])
         y = expert_ffn(cfg, weights_e, z[rows[part]]).float().mul_(w[part].unsqueeze(-1))
         out.index_add_(0, rows[part], y)

@@ -16,7 +16,8 @@ from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.formats import auto_spines, converted_spines, spine_choices, spine_formats
+from deltafin.expert_modes import ExpertMode, read_share
+from deltafin.formats import auto_spines, converted_spines, low_bit_format, spine_choices, spine_formats
 from deltafin.options import at_least, check_choice, opt
 
 SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
@@ -180,3 +181,16 @@ def planned_sequences(cfg: ModelConfig, start: int, end: int, options: SizingInp
     if options.sequences is not None:
         return options.sequences
     return ONE_USER_SEQUENCES if one_worker(cfg, start, end, options) else SEQUENCES
+
+
+def low_bit_ratio(cfg: ModelConfig, fmt: str | None) -> float:
+    """An expert's bytes in an expert mode's low-bit copy (deltafin/formats) over its bytes as stored (1: none)."""
+    if fmt is None:
+        return 1.0
+    return sum(low_bit_format(fmt).matrix_bytes(r, c) for r, c in cfg.expert_matrices) / cfg.bytes_per_expert
+
+
+def expert_read_share(cfg: ModelConfig, mode: ExpertMode) -> float:
+    """The share of exact's routed-expert bytes a token that `mode` is planned to read, at this model's geometry
+    (SizingInput.expert_read_share)."""
+    return read_share(mode, low_bit_ratio(cfg, mode.low_bit))

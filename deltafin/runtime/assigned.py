@@ -99,7 +99,8 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
     serves = plan.placement.layers_of(index)
-    check_held(ckpt.model_dir, cfg, start, end, {i: plan.placement.share(index, i) for i in serves})
+    shares = {i: plan.placement.share(index, i) for i in serves}
+    check_held(ckpt.model_dir, cfg, start, end, shares)
     known = wide_known(plan, index)  # to plan it here
     if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
             _same_load(old, options, sizing):
@@ -111,14 +112,16 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         if old is not None:
             old.close()
         if end > start:
-            sizing = sizing or disk_plan(ckpt, start, end, device, options, expert_backend_for(cfg, device), known)
+            backend = expert_backend_for(cfg, device, options.mode)
+            sizing = sizing or disk_plan(ckpt, start, end, device, options, backend, known)
             stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress,
-                          serves=serves)
+                          serves=shares)
             store, sizing = stage.experts, stage.sizing
         else:
             stage, sizing = None, sizing or holder_sizing(ckpt, device, options, known)
             log.info("expert holder on %s: %s", device, sizing.describe())
-            store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device))
+            store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device, options.mode),
+                                 shares)
     holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
     if stage is not None:
         stage.set_wide(_wide(cfg, plan, me, store, peers, options.wire == "bf16"))
@@ -160,8 +163,8 @@ def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions,
     """The memory plan of a worker that only serves experts (`known`: its part of the wide plan, plan_stage's):
     within its budget, or (none) the cache it is given."""
     place = Placement(device.type, options.act_bytes,
-                      "mlx" if expert_backend_for(ckpt.config, device) == "mlx" else "torch")
-    sizing = options.sizing_for(layer_spans(ckpt), **known)
+                      "mlx" if expert_backend_for(ckpt.config, device, options.mode) == "mlx" else "torch")
+    sizing = options.sizing_for(ckpt.config, layer_spans(ckpt), **known)
     if options.memory_bytes is None:
         return size_holder(ckpt.config, place, options.sizing.expert_cache_bytes or 0, sizing)
     try:

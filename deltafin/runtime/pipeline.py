@@ -112,7 +112,7 @@ def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.d
     disk holds (stage_build.disk_plan). Several stages share one context where none was given (a request goes
     through all): the least of the longest each one's memory holds (plan/context.py), at the shortest forward
     their plans chose, so that none plans a longer one in its room."""
-    cfg, backend = ckpt.config, expert_backend_for(ckpt.config, device)
+    cfg, backend = ckpt.config, expert_backend_for(ckpt.config, device, options.mode)
 
     def plan(a: int, b: int, opts: StageOptions) -> StageSizing:
         try:
@@ -121,7 +121,7 @@ def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.d
             if opts.memory_bytes is not None:  # say the least it needs, where that is more than the budget
                 place = Placement(device.type, opts.act_bytes, backend)
                 check_fits(cfg, a, b, place, Budget(opts.memory_bytes, opts.host_memory_bytes),
-                           opts.sizing_for(layer_spans(ckpt)))
+                           opts.sizing_for(cfg, layer_spans(ckpt)))
             raise
 
     plans = [plan(a, b, options) for a, b in ranges]

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,10 +113,10 @@ class Stage:
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
                  options: StageOptions | None = None, plan: StageSizing | None = None,
                  experts: ExpertProvider | None = None, progress: Callable[[str, float], None] | None = None,
-                 serves: Iterable[int] | None = None):
+                 serves: Iterable[int] | Mapping[int, range] | None = None):
         """`plan`: what the stage holds, as the planner made it (None: planned here, within `options`' budget);
-        `serves`: with wide experts, the MoE layers (its own and others') whose share this worker's store
-        holds; the stage then computes its layers' experts through `wide` (set_wide), never alone."""
+        `serves`: with wide experts, the MoE layers (its own and others') whose share (by layer: a low-bit copy's)
+        this worker's store holds; the stage then computes its layers' experts through `wide`, never alone."""
         cfg = ckpt.config
         opts = options or StageOptions()
         if not 0 <= start < end <= cfg.num_layers:
@@ -125,7 +125,7 @@ class Stage:
         self.device, self.dtype, self.options = device, opts.torch_dtype, opts
         self.first, self.last = start == 0, end == cfg.num_layers
         check_stage_held(ckpt, start, end, self.first or self.last, serves)
-        self.expert_backend = expert_backend_for(cfg, device) if experts is None else "given"
+        self.expert_backend = expert_backend_for(cfg, device, opts.mode) if experts is None else "given"
         # refuses what cannot fit, before anything loads
         self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
         self.budgeted = opts.memory_bytes is not None  # its plan's caches and forwards bind (without a budget the
@@ -137,8 +137,8 @@ class Stage:
         self.top = self.spine.top
         self.wide: WideExperts | None = None
         served = [i for i in self.layers_range if cfg.is_moe(i)] if serves is None else sorted(serves)
-        self.experts = experts if experts is not None else open_experts(ckpt, self.sizing, opts, device, served,
-                                                                        self.expert_backend)
+        self.experts = experts or open_experts(ckpt, self.sizing, opts, device, served, self.expert_backend,
+                                               serves if isinstance(serves, Mapping) else None)
         self.router = mode_router(cfg, opts.mode, getattr(self.experts, "held", None))  # None: exact
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),

@@ -20,8 +20,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint, fingerprint, id_ranges, open_copy
 from deltafin.errors import OutOfMemory, SizingError
-from deltafin.expert_modes import EXACT
-from deltafin.formats import auto_spines, held_format, spine_format, stored_spine, weight_format
+from deltafin.expert_modes import EXACT, ExpertMode
+from deltafin.formats import auto_spines, held_format, low_bit_format, spine_format, stored_spine, weight_format
 from deltafin.formats.q4 import Q4
 from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on_mlx
 from deltafin.kernels.quant import Q4Weight
@@ -42,6 +42,7 @@ from deltafin.plan.spine_copies import SpineDisk, stage_units
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
+from deltafin.weights.expert_copy import Want, prepare_copy, whole_layers
 from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
@@ -68,7 +69,7 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
     (torch or mlx); `known`: what the plan knows beside the options (SizingInput's own fields: a wide stage's
     `expert_layers` and `expert_share`, `converted`)."""
     place = Placement(device.type, options.act_bytes, experts)
-    sizing = options.sizing_for(spans, **(known or {}))
+    sizing = options.sizing_for(cfg, spans, **(known or {}))
     if options.memory_bytes is None:
         spine = stored_spine() if options.sizing.spine == "auto" else options.sizing.spine
         return size_stage(cfg, start, end, place, spine, options.sizing.expert_cache_bytes, end - start, sizing)
@@ -213,12 +214,15 @@ class WeightPlacer:
 
 
 def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
-                 layers: Iterable[int], backend: str) -> ExpertProvider:
+                 layers: Iterable[int], backend: str, shares: Want | None = None) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
-    `expert_dir`; with `expert_heat_dir`, warmed at start with the experts most used before), or resident (on MLX,
-    or torch)."""
-    cfg, layers = ckpt.config, list(layers)
+    `expert_dir`; with `expert_heat_dir`, warmed at start with the experts most used before; in an expert mode that
+    reads a low-bit copy, with the copy of those it serves: `shares`, a wide worker's, else all), or resident (on
+    MLX, or torch)."""
+    cfg, layers, low = ckpt.config, list(layers), options.mode.low_bit
     if sizing.streaming:
+        copy = prepare_copy(ckpt, low, shares or whole_layers(cfg, layers), convert=options.convert,
+                            device=device) if low else None
         copies = [open_copy(ckpt, d) for d in options.expert_dir]
         speeds = options.disk_gbps
         if speeds is None and copies:
@@ -230,17 +234,19 @@ def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, d
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
                            threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
-                           demand_layers=demand_layers, heat=heat)
+                           demand_layers=demand_layers, heat=heat, low=copy)
     if backend == "mlx":
         from deltafin.weights.mlx_slots import MLXResidentExperts  # lazily: the MLX path loads only where it runs
 
         return MLXResidentExperts(ckpt, layers, activation(cfg), io=options.io)
-    return ResidentExperts(ckpt, layers, device, io=options.io)
+    return ResidentExperts(ckpt, layers, device, io=options.io, low=low_bit_format(low) if low else None)
 
 
-def expert_backend_for(cfg: ModelConfig, device: torch.device) -> str:
-    """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check."""
-    if not cfg.moe_layers or expert_backend(device.type) != "mlx":
+def expert_backend_for(cfg: ModelConfig, device: torch.device, mode: ExpertMode | None = None) -> str:
+    """torch or mlx (kernels.linear.expert_backend), MLX only once it passed its self-check, and not in an expert
+    mode that reads a low-bit copy (MLX's one call over a layer's experts takes one format: those run expert by
+    expert, each matrix through `linear`, whose MLX fast path multiplies the copy's 3-bit groups)."""
+    if not cfg.moe_layers or expert_backend(device.type) != "mlx" or (mode is not None and mode.low_bit):
         return "torch"
     from deltafin.kernels.mlx_moe import verified  # lazily: the MLX path loads only where it runs
 
@@ -260,6 +266,8 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
                "wide": sizing.wide}
     if options.expert_mode != EXACT:
         numbers["expert_mode"] = options.expert_mode
+    if options.mode.low_bit:  # the copy's rounding
+        numbers["expert_copy"] = low_bit_format(options.mode.low_bit).recipe
     digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
     return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
 

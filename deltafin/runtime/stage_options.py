@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, read_share
+from deltafin.expert_modes import EXACT, PRESETS, ExpertMode
 from deltafin.expert_modes import parse as parse_mode
 from deltafin.options import (
     CACHE_POLICIES,
@@ -35,10 +35,12 @@ from deltafin.options import (
     option_names,
 )
 from deltafin.paths import cache_dir
-from deltafin.plan.sizing_options import SizingInput, SizingOptions
+from deltafin.plan.sizing_options import SizingInput, SizingOptions, expert_read_share
 
 if TYPE_CHECKING:
     import torch
+
+    from deltafin.checkpoint.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,9 @@ class StageOptions:
         f"(e.g. {PRESETS[-1]}); registered: {', '.join(PRESETS[1:])}, each one's cost measured in "
         "docs/expert-modes.md", metavar="MODE")
     convert: bool = opt(
-        True, "refuse to start when the plan needs an int8/q4 spine that is not converted on the disk yet (default: "
-        "convert it first, once, into the cache directory, as `deltafin convert` does)", off="--no-convert")
+        True, "refuse to start when the plan needs an int8/q4 spine, or the expert mode a low-bit copy of the routed "
+        "experts, that is not converted on the disk yet (default: convert it first, once, into the cache directory, "
+        "as `deltafin convert` does)", off="--no-convert")
     spine_dir: str | None = opt(
         None, "where converted spines are (`deltafin convert --out DIR`; default: the cache directory's spines/)",
         metavar="DIR")
@@ -128,13 +131,13 @@ class StageOptions:
         sizing = dataclasses.replace(self.sizing, **plan) if plan else self.sizing
         return dataclasses.replace(self, sizing=sizing, **rest)
 
-    def sizing_for(self, spans: tuple[int, ...] | None = None, **known: Any) -> SizingInput:
-        """What a stage's plan is made from: the user's sizing options, for a stage whose layers' read buffers are
-        `spans`, on every expert disk, with room for this process's speculative forwards and what else the
-        planner `known`s (SizingInput's own fields)."""
+    def sizing_for(self, cfg: ModelConfig, spans: tuple[int, ...] | None = None, **known: Any) -> SizingInput:
+        """What a stage's plan is made from: the user's sizing options, for a stage of `cfg` whose layers' read
+        buffers are `spans`, on every expert disk, with room for this process's speculative forwards, reading what
+        its expert mode reads, and what else the planner `known`s (SizingInput's own fields)."""
         return SizingInput.of(self.sizing, spans=spans, disks=1 + len(self.expert_dir),
                               speculative_tokens=self.speculative_tokens,
-                              expert_read_share=read_share(self.mode), **known)
+                              expert_read_share=expert_read_share(cfg, self.mode), **known)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -144,10 +144,11 @@ class WideExperts:
         n_tok, k = idx.shape
         ids, w = idx.reshape(-1).cpu(), weights.reshape(-1).float().cpu()
         rows = torch.arange(n_tok).repeat_interleave(k)
+        home = ids % self.cfg.num_experts  # an expert mode's copy (E + e) is read where expert e is
         if self.prompts is not None and n_tok * k > self.cfg.num_experts:
-            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), ids, n_tok)
+            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), home, n_tok)
         else:
-            owner = self._owners[layer][ids]
+            owner = self._owners[layer][home]
         parts: list[tuple[int, ExpertCall, torch.Tensor]] = []  # (holder, its call, the tokens of its rows)
         for h in torch.unique(owner).tolist():
             sel = (owner == h).nonzero(as_tuple=True)[0]  # its pairs, in row-major order
@@ -286,6 +287,7 @@ class ExpertHolder:
             raise InvalidInput("an expert call's rows must not decrease (a token's pairs together, in order)")
         if int(call.rows.min()) < 0 or int(call.rows.max()) >= t:
             raise InvalidInput(f"an expert call's rows must be in [0, {t})")
+        e = getattr(self.store, "id_count", e)  # a store with an expert mode's copy serves E + e too
         if int(call.experts.min()) < 0 or int(call.experts.max()) >= e:
             raise InvalidInput(f"expert ids must be in [0, {e})")
         if call.layer not in self.store.layers:
@@ -354,7 +356,8 @@ class ExpertHolder:
 
     def hint(self, hints: tuple[tuple[int, tuple[int, ...]], ...], ahead: bool = False) -> None:
         for layer, ids in hints:
-            if layer in self.store.layers and all(0 <= e < self.cfg.num_experts for e in ids):
+            most = getattr(self.store, "id_count", self.cfg.num_experts)  # (E + e: an expert mode's copy)
+            if layer in self.store.layers and all(0 <= e < most for e in ids):
                 self.store.prefetch(layer, list(ids), ahead=ahead)
 
 

@@ -1,7 +1,10 @@
 """The expert store's disks: the checkpoint and any copies (or parts) of it on other disks, each with shard files
 and reader threads of its own, and which disk reads each expert. The experts of the layers the store serves are
 divided among the disks that hold them in proportion to their speed (plan/expert_placement.py, the code that
-divides a layer among workers); an expert of any other layer is read from the first disk that holds it."""
+divides a layer among workers); an expert of any other layer is read from the first disk that holds it. Ids from the
+layer's expert count up are a converted copy's (weights/expert_copy.py: an expert mode reads expert e there as id
+E + e), read by the first disk's readers: the copy is on the machine's own disk; one the copy does not hold (a wide
+worker converts its share) is read as stored."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.weights.expert_copy import ExpertCopy
 from deltafin.weights.expert_slots import Key
 from deltafin.weights.reader import WARM, ExpertReader, ReadPlan, ShardFiles, plan_read
 
@@ -33,10 +37,10 @@ class Disk:
 
 class ExpertDisks:
     """`ckpt`'s disk, then one per copy, read in proportion to `disk_gbps` (one figure per disk; None: all alike),
-    each with `threads` readers doing `io` reads."""
+    each with `threads` readers doing `io` reads; `low`, the converted copy an expert mode reads."""
 
     def __init__(self, ckpt: Checkpoint, copies: Sequence[Checkpoint], disk_gbps: Sequence[float] | None, io: str,
-                 threads: int):
+                 threads: int, low: ExpertCopy | None = None):
         speeds = list(disk_gbps) if disk_gbps is not None else [1.0] * (1 + len(copies))
         if len(speeds) != 1 + len(copies):
             raise ValueError(f"{len(speeds)} disk speeds for {1 + len(copies)} disks")
@@ -44,7 +48,7 @@ class ExpertDisks:
         for c, gbps in zip((ckpt, *copies), speeds, strict=True):
             files = ShardFiles(io)
             self.disks.append(Disk(c, gbps, files, ExpertReader(files, threads=threads)))
-        self.num_experts = ckpt.config.num_experts
+        self.num_experts, self.low = ckpt.config.num_experts, low
         self.layers: set[int] = set()
         self.placement: ExpertPlacement | None = None
         self._plans: dict[Key, tuple[Disk, ReadPlan]] = {}
@@ -62,13 +66,24 @@ class ExpertDisks:
     def plan(self, key: Key) -> tuple[Disk, ReadPlan]:
         """The disk that reads an expert, and its read there."""
         found = self._plans.get(key)
-        if found is None:
+        if found is None and key[1] >= self.num_experts:
+            layer, e = key[0], key[1] - self.num_experts
+            if self.low is None:
+                raise ValueError(f"expert {key[1]} of layer {layer}: a low-bit copy's id, and no copy was opened")
+            # one this worker did not convert (a wide prompt's expert beyond its share): read as stored
+            found = (self.disks[0], self.low.plan(layer, e)) if self.low.holds(layer, e) else self.plan((layer, e))
+            self._plans[key] = found
+        elif found is None:
             if self.placement is not None and key[0] in self.layers:
                 disk = self.disks[self.placement.owner(*key)]
             else:
                 disk = next((d for d in self.disks if d.holds(key[0])), self.disks[0])
             found = self._plans[key] = (disk, plan_read(disk.ckpt.expert(*key)))
         return found
+
+    def nbytes(self, key: Key) -> int:
+        """The bytes an expert's read brings (a converted copy's fewer)."""
+        return self.plan(key)[1].nbytes
 
     def submit(self, key: Key, priority: int, pool: Any, deliver: Callable[[int, ReadPlan], object],
                abort: Callable[[], bool] | None) -> Future:

@@ -159,11 +159,11 @@ class ExpertHeat:
         return cls(heat_path(root, ckpt), ckpt.config, save_every_s=save_every_s, half_life=half_life)
 
     def count(self, layer: int, ids: Iterable[int]) -> None:
-        """A MoE layer used these experts (one lookup each)."""
+        """A MoE layer used these experts (one lookup each; a converted copy's id E + e counts as expert e)."""
         row = self.rows.get(layer)
         if row is not None:
             with self._lock:
-                np.add.at(self.new[row], np.fromiter(ids, np.int64), 1)
+                np.add.at(self.new[row], np.fromiter(ids, np.int64) % self.new.shape[1], 1)
 
     def total(self) -> np.ndarray:
         """Counts [moe rows, experts]: the file's as last read or saved, plus what was counted since."""

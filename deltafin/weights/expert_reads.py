@@ -26,10 +26,9 @@ class ExpertReads:
     expert (in the reader thread), `release` frees the slot of an expert nobody will use."""
 
     def __init__(self, lock: threading.RLock, disks: ExpertDisks, pool: SlotPool | MLXSlotPool, stats: ExpertStats,
-                 bytes_per_expert: int, deliver: Callable[[int, ReadPlan, int], Loaded],
-                 release: Callable[[Loaded], None]):
+                 deliver: Callable[[int, ReadPlan, int], Loaded], release: Callable[[Loaded], None]):
         self.lock, self.disks, self.pool, self.stats = lock, disks, pool, stats
-        self.bytes_per_expert, self.deliver, self.release = bytes_per_expert, deliver, release
+        self.deliver, self.release = deliver, release
         self.pending: dict[Key, tuple[Future, int]] = {}  # in flight: (future, priority)
         self.staged: dict[Key, Loaded] = {}  # prefetched, read, not yet used
         self.abandon_flags: dict[Future, threading.Event] = {}  # running prefetches that may be stopped
@@ -62,7 +61,7 @@ class ExpertReads:
                 break  # bounded: two layers' guesses, so a layer's own k reads always find slots
             self.submit(key, PREFETCH)
             self.stats.prefetch_issued += 1
-            self.stats.prefetch_bytes += self.bytes_per_expert
+            self.stats.prefetch_bytes += self.disks.nbytes(key)
 
     def warm(self, key: Key, cached: Container[Key]) -> Future | None:
         """Read an expert for the cache before anything asks for it (the start's warming), behind every other read;
@@ -142,7 +141,7 @@ class ExpertReads:
             if self.keep is None or not self.keep(key, loaded):
                 self.release(loaded)  # the cache filled meanwhile: nothing asked for it, so it is not waste
         elif not is_current:
-            self.stats.wasted_bytes += self.bytes_per_expert
+            self.stats.wasted_bytes += self.disks.nbytes(key)
             self.release(loaded)
 
     def settle(self) -> list[Loaded]:

@@ -123,7 +123,7 @@ class ExpertSlots:
         if self.backend == "mlx":
             return Loaded(slot, slot, self.slot_bytes)  # type: ignore[arg-type]  # the cache counts slots
         raw = torch.frombuffer(self.pool.memory(slot), dtype=torch.uint8)
-        weights = expert_views(self.cfg, plan.tensors, raw)  # checks the scales on the host
+        weights = expert_views(self.cfg, plan.tensors, raw, fmt=plan.fmt)  # checks the scales on the host
         if self.device_slots is None:
             return Loaded(weights, slot, self.pool.size)
         try:
@@ -136,7 +136,7 @@ class ExpertSlots:
                 raise
         finally:
             self.pool.release(slot)
-        return Loaded(expert_views(self.cfg, plan.tensors, target, check=False), dslot, self.pool.size)
+        return Loaded(expert_views(self.cfg, plan.tensors, target, check=False, fmt=plan.fmt), dslot, self.pool.size)
 
     def _copy_to_device(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """target <- source (host), asynchronous on the GPU's side (CUDA: a copy stream of its own, from pinned

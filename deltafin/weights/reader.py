@@ -59,6 +59,12 @@ class ReadPlan:
     extents: tuple[Extent, ...]
     tensors: tuple[TensorLocation, ...]  # each tensor's offset rewritten to its position in the slot
     sources: tuple[TensorLocation, ...] = ()  # the same tensors where they are in the files
+    fmt: str = ""  # an expert's: a converted copy's format (weights/expert_copy.py); "": the checkpoint's
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes (what the read brings that is used)."""
+        return sum(t.nbytes for t in self.tensors)
 
     @property
     def span(self) -> int:

@@ -85,7 +85,7 @@ def _convert(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], pro
     """convert_units, and the units this process converted: what it finds once it holds the lock decides, not what
     it saw before (another process may have converted them, or refreshed a stale copy, while this one waited)."""
     folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
+    with folder_lock(folder):
         files = SpineFiles.open(folder, fmt)
         if files.stale_reason(ckpt):
             _clear(folder)
@@ -108,7 +108,7 @@ def _convert(ckpt: Checkpoint, fmt: str, folder: Path, units: Sequence[str], pro
 def rebuild_unit(ckpt: Checkpoint, files: SpineFiles, unit: str) -> SpineFiles:
     """Convert one unit again (its file failed its checksums)."""
     log.warning("rebuilding %s: its bytes do not match their checksums", files.root / unit_file(unit))
-    with _locked(files.root):
+    with folder_lock(files.root):
         manifest = SpineFiles.open(files.root, files.fmt).manifest
         manifest.get("units", {}).pop(unit, None)
         write_manifest(files.root, manifest)
@@ -225,7 +225,7 @@ def _copied(loc: TensorLocation) -> Iterator[memoryview]:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def folder_lock(folder: Path) -> Iterator[None]:
     """Hold the folder's lock (another process converting into it: wait for it, saying so)."""
     with open(folder / ".lock", "a") as f:
         try:

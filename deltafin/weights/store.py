@@ -40,6 +40,7 @@ from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.stage_parts import expert_slot_bytes, working_slots
 from deltafin.weights.cache_loan import CacheLoan
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
+from deltafin.weights.expert_copy import ExpertCopy
 from deltafin.weights.expert_disks import ExpertDisks
 from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.expert_reads import ExpertReads
@@ -55,12 +56,14 @@ class ExpertStore(CacheLoan):
     """See the module docstring. `backend="mlx"`: the slots are MLX arrays read in place, and the store runs a
     layer's experts itself (`run_experts`) with `act`. `copies`: more disks holding (some of) the experts, read in
     proportion to `disk_gbps` (one figure for `ckpt`'s disk, then one per copy). `demand_layers`: compute threads
-    that may hold a layer's experts at once (the worker's stage and the expert calls it serves)."""
+    that may hold a layer's experts at once (the worker's stage and the expert calls it serves). `low`: the converted
+    copy an expert mode reads, expert e of it as id E + e (expert_disks.py)."""
 
     def __init__(self, ckpt: Checkpoint, layers: Iterable[int], *, device: torch.device, cache_bytes: int,
                  io: str = "direct", threads: int = 8, policy: str = "lfu", prefetch: bool = True,
                  backend: str = "torch", act: GatedActivation | None = None, copies: Sequence[Checkpoint] = (),
-                 disk_gbps: Sequence[float] | None = None, demand_layers: int = 1, heat: ExpertHeat | None = None):
+                 disk_gbps: Sequence[float] | None = None, demand_layers: int = 1, heat: ExpertHeat | None = None,
+                 low: ExpertCopy | None = None):
         cfg = ckpt.config
         self.ckpt, self.cfg, self.device = ckpt, cfg, device
         self.prefetch_enabled = prefetch
@@ -76,12 +79,12 @@ class ExpertStore(CacheLoan):
         budget = cache_slots * slot
         self.cache: ExpertCache[Key, Loaded] = ExpertCache(
             budget, make_policy(policy, max(1, cache_slots)), on_evict=self._evicted)
-        self.readers = ExpertDisks(ckpt, copies, disk_gbps, io, threads)
+        self.readers = ExpertDisks(ckpt, copies, disk_gbps, io, threads, low)
+        self.id_count = cfg.num_experts * (1 if low is None else 2)  # the ids served: the copy's too
         self.disks = self.readers.disks
         self.files = self.disks[0].files  # the primary disk's (spine and the store share its counters' shape)
         self._lock = threading.RLock()  # future callbacks can run inside a locked section
-        self.reads = ExpertReads(self._lock, self.readers, self.pool, self.stats, cfg.bytes_per_expert,
-                                 self._deliver, self.slots.release)
+        self.reads = ExpertReads(self._lock, self.readers, self.pool, self.stats, self._deliver, self.slots.release)
         self._pending, self._staged = self.reads.pending, self.reads.staged
         self.set_layers(layers)
         self.heat = heat  # counts this store's lookups; its hottest experts are read into the cache now, behind all
@@ -110,7 +113,7 @@ class ExpertStore(CacheLoan):
     def _deliver(self, slot: int, plan: ReadPlan, layer: int) -> Loaded:
         """In a reader thread: the slot's bytes as the expert, where it will be used (ExpertSlots.land)."""
         with self._lock:
-            self.stats.layer(layer).expert_bytes += self.cfg.bytes_per_expert
+            self.stats.layer(layer).expert_bytes += plan.nbytes
         return self.slots.land(slot, plan)
 
     def prefetch(self, layer: int, ids: Iterable[int], ahead: bool = False) -> None:
@@ -250,16 +253,17 @@ class ExpertStore(CacheLoan):
             for key in [k for k in self._staged if k[0] == layer]:
                 loaded = self._staged.pop(key)
                 if not self.cache.put(key, loaded, loaded.nbytes, prefetched=True):
-                    self.stats.wasted_bytes += self.cfg.bytes_per_expert
+                    self.stats.wasted_bytes += self.readers.nbytes(key)
                     self.slots.release(loaded)
 
     def _evicted(self, key: Key, entry: Entry[Loaded]) -> None:
         if entry.prefetched:
-            self.stats.wasted_bytes += self.cfg.bytes_per_expert
+            self.stats.wasted_bytes += self.readers.nbytes(key)
         self.slots.release(entry.value)
 
     def held(self, layer: int) -> list[int]:
-        """The layer's experts in memory now, cached or read ahead (what cache-aware routing prefers)."""
+        """The layer's experts in memory now, cached or read ahead (what cache-aware routing prefers; a converted
+        copy's as E + e)."""
         with self._lock:
             return [e for key in (*self.cache.entries, *self._staged) if key[0] == layer for e in key[1:]]
 

@@ -11,6 +11,7 @@ import torch
 from deltafin.checkpoint.config import ExpertFormat, ModelConfig
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation
 from deltafin.errors import ModelFormatError
+from deltafin.formats import low_bit_format
 from deltafin.kernels.quant import MXFP4Weight, check_scales
 from deltafin.models.weights import ExpertWeights
 from deltafin.weights.reader import plan_read
@@ -61,11 +62,16 @@ def read_tensor(loc: TensorLocation) -> torch.Tensor:
 
 
 def expert_views(cfg: ModelConfig, tensors: tuple[TensorLocation, ...], raw: torch.Tensor,
-                 check: bool = True) -> ExpertWeights:
+                 check: bool = True, fmt: str = "") -> ExpertWeights:
     """One expert's tensors as views of `raw`, a 1-D uint8 tensor (host or device) holding its read slot;
     `tensors` are located within the slot. `check` validates the E8M0 scales (do it where the bytes are on
-    the host: on a GPU it would wait for the device)."""
+    the host: on a GPU it would wait for the device). `fmt`: a converted copy's format (its arrays, w1's, w2's
+    then w3's: weights/expert_copy.py), "" for the checkpoint's own."""
     parts = [raw[t.offset:t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape) for t in tensors]
+    if fmt:
+        low, per = low_bit_format(fmt), len(parts) // 3
+        return ExpertWeights(*(low.from_arrays(parts[per * j:per * (j + 1)], rows, cols)
+                               for j, (rows, cols) in enumerate(cfg.expert_matrices)))
     if cfg.expert_format is not ExpertFormat.MXFP4:
         return ExpertWeights(*parts)
     if check:

@@ -10,12 +10,15 @@ from deltafin.expert_modes import EXACT, PRESETS, TOP_P_READS, ExpertMode, least
 
 @pytest.mark.parametrize("text, mode", [("exact", ExpertMode()), ("TOP-P:0.80", ExpertMode(0.8)),
                                         ("cached:0.05", ExpertMode(None, 0.05)),
-                                        ("cached:0.05+top-p:0.7", ExpertMode(0.7, 0.05))])
+                                        ("cached:0.05+top-p:0.7", ExpertMode(0.7, 0.05)),
+                                        ("q3", ExpertMode(low_bit="q3")),
+                                        ("q3-tail:0.50+top-p:0.7", ExpertMode(0.7, low_bit="q3", low_tail=0.5)),
+                                        ("cached:0.1+q3", ExpertMode(None, 0.1, "q3"))])
 def test_a_mode_reads_back_in_its_one_spelling(text: str, mode: ExpertMode) -> None:
     assert parse(text) == mode
     assert parse(mode.name) == mode
     assert mode.exact == (mode == ExpertMode())
-    assert mode.reproducible == (mode.held_margin is None)
+    assert mode.reproducible == (mode.held_margin is None and mode.low_tail is None)
 
 
 def test_every_preset_is_in_its_one_spelling() -> None:
@@ -26,7 +29,9 @@ def test_every_preset_is_in_its_one_spelling() -> None:
 @pytest.mark.parametrize("text, says", [("top-k:3", "unknown mode"), ("top-p", "needs a number"),
                                         ("top-p:1", "in (0, 1)"), ("top-p:0", "in (0, 1)"),
                                         ("cached:2", "in (0, 1]"), ("top-p:0.5+top-p:0.6", "one P"),
-                                        ("exact:1", "unknown mode")])
+                                        ("exact:1", "unknown mode"), ("q3+q3-tail:0.5", "one low-bit part"),
+                                        ("q3-tail:1", "in (0, 1)"), ("q3-tail:x", "in (0, 1)"),
+                                        ("q-3", "unknown mode")])
 def test_a_bad_mode_is_refused_naming_the_flag(text: str, says: str) -> None:
     with pytest.raises(DeltafinError, match="--expert-mode") as e:
         parse(text)
@@ -50,6 +55,18 @@ def test_read_share_follows_the_measured_points() -> None:
     assert shares == sorted(shares)  # a larger P never reads less
 
 
+def test_a_low_bit_copy_is_planned_at_its_bytes_for_the_experts_it_serves() -> None:
+    """Every expert's copy: the kept share times the copy's bytes ratio; a tail's: the reads top-p at its P would
+    drop, at the ratio, the rest as stored (all planned as misses)."""
+    r = 0.75
+    assert read_share(parse("q3"), r) == pytest.approx(r)
+    assert read_share(parse("top-p:0.6+q3"), r) == pytest.approx(read_share(parse("top-p:0.6")) * r)
+    kept, heavy = read_share(parse("top-p:0.9")), read_share(parse("top-p:0.5"))
+    assert read_share(parse("top-p:0.9+q3-tail:0.5"), r) == pytest.approx(heavy + (kept - heavy) * r)
+    assert read_share(parse("top-p:0.5+q3-tail:0.9"), r) == pytest.approx(heavy)  # nothing light is kept
+    assert read_share(parse("q3"), 1.0) == 1.0
+
+
 def test_plan_says_the_mode_is_lossy_and_what_it_reads() -> None:
     from deltafin.expert_modes import describe
 
@@ -57,3 +74,4 @@ def test_plan_says_the_mode_is_lossy_and_what_it_reads() -> None:
     line = describe(parse("top-p:0.55"))
     assert "lossy" in line and f"{read_share(parse('top-p:0.55')):.3f} of exact's" in line
     assert "not reproducible" in describe(parse("cached:0.05")) and "1.000" in describe(parse("cached:0.05"))
+    assert "not reproducible" in describe(parse("q3-tail:0.5")) and "0.500" in describe(parse("q3"), 0.5)

@@ -1,6 +1,7 @@
-"""The q4 spine on MLX (kernels/mlx_q4.py), run here through MLX's CPU backend (`mlx[cpu]`): our Q4Weight bytes
-are MLX's layout as they are (both directions, against MLX's own dequantize), our quantizer and mx.quantize
-compared, quantized_matmul against the float64 reference, and the dispatch of --kernels mlx."""
+"""The q4 spine and the q3 expert copy on MLX (kernels/mlx_q4.py), run here through MLX's CPU backend (`mlx[cpu]`):
+our Q4Weight and Q3Weight bytes are MLX's layout as they are (both directions, against MLX's own dequantize), our
+quantizer and mx.quantize compared, quantized_matmul against the float64 reference, and the dispatch of --kernels
+mlx."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch
 
 from deltafin.kernels import linear as linear_mod
 from deltafin.kernels import mlx_q4
-from deltafin.kernels.quant import Int8Weight, Q4Weight, dequantize_q4, quantize_q4
+from deltafin.kernels.quant import (
+    Int8Weight,
+    Q3Weight,
+    Q4Weight,
+    dequantize_q3,
+    dequantize_q4,
+    quantize_q3,
+    quantize_q4,
+)
 
 mx = pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")
 
@@ -220,3 +229,32 @@ def test_a_q4_stage_on_mlx_holds_each_weight_once_and_computes_the_native_result
     assert weights and all(mlx_q4._ARRAYS.get(w.packed) is not None for w in weights)
     assert converted == []  # the forward multiplied the MLX arrays the weights already were
     assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 1e-4
+
+
+@pytest.mark.parametrize(("cols", "group"), [(384, 128), (96, 32)])
+def test_q3_bytes_are_mlxs_3_bit_words_and_run_on_mlx(cols, group, kernels, monkeypatch):
+    """quantize_q3's bytes viewed as uint32 decode under mx.dequantize(bits=3) to exactly our dequantize_q3, and
+    mx.quantize's 3-bit words under ours to exactly MLX's; `linear` on a Q3Weight under --kernels mlx is one
+    quantized_matmul, within fp32 rounding of the float64 reference."""
+    w = quantize_q3(_dense(96, cols, cols))
+    words, scales, biases = mlx_q4.mlx_arrays(w)
+    assert words.dtype == mx.uint32 and words.shape == (96, cols * 3 // 32)
+    f32 = lambda a: a.astype(mx.float32)  # MLX computes in its scales' dtype: fp32, to compare exactly
+    theirs = mx.dequantize(words, f32(scales), f32(biases), group_size=group, bits=3)
+    assert torch.equal(torch.from_numpy(np.array(theirs)), dequantize_q3(w, torch.float32))
+    qw, qs, qb = mx.quantize(mx.array(_dense(64, cols, 1).numpy()).astype(mx.float16), group_size=group, bits=3)
+    mine = Q3Weight(torch.from_numpy(np.array(qw)).view(torch.uint8), torch.from_numpy(np.array(qs)),
+                    torch.from_numpy(np.array(qb)))
+    want = mx.dequantize(qw, f32(qs), f32(qb), group_size=group, bits=3)
+    assert torch.equal(dequantize_q3(mine, torch.float32), torch.from_numpy(np.array(want)))
+    calls = []
+    matmul = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k["bits"]) or matmul(*a, **k))
+    kernels("mlx")
+    assert isinstance(linear_mod.fast_path("cpu"), mlx_q4.MLXQ4Kernels)  # its self-check multiplied q4 and q3 too
+    assert 3 in calls and 4 in calls
+    calls.clear()
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
+    ref = torch.nn.functional.linear(x.double(), dequantize_q3(w, torch.float64))
+    assert float((linear_mod.linear(x, w).double() - ref).norm() / ref.norm()) < 1e-5
+    assert calls == [3]

@@ -7,18 +7,22 @@ import pytest
 import torch
 
 from deltafin.errors import ModelFormatError
+from deltafin.formats import low_bit_format
 from deltafin.kernels.linear import linear, mxfp4_linear_reference
 from deltafin.kernels.quant import (
+    Q3_CLIPS,
     Q4_CLIPS,
     Q4_GROUP,
     MXFP4Weight,
     check_scales,
     dequantize_int8_rows,
     dequantize_mxfp4,
+    dequantize_q3,
     dequantize_q4,
     q4_bytes,
     quantize_int8_rows,
     quantize_mxfp4,
+    quantize_q3,
     quantize_q4,
 )
 
@@ -204,3 +208,75 @@ def test_q4_is_mlxs_affine_4_bit_layout():
     f32 = lambda t: mx.array(t.float().numpy())  # MLX computes in its scales' dtype: fp32, to compare exactly
     theirs = mx.dequantize(words, f32(q.scales), f32(q.biases), group_size=Q4_GROUP, bits=4)
     assert np.allclose(np.array(theirs), dequantize_q4(q, torch.float32).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _q3_reference(w: torch.Tensor, group: int) -> tuple[list[list[int]], list[float], list[float]]:
+    """Plain min-max rounding to 3 bits, one value at a time in float64 with fp16 scale and bias: each row's codes,
+    and each group's scale and bias (row-major)."""
+    codes, scales, biases = [], [], []
+    for row in w.double().tolist():
+        out = []
+        for j in range(0, len(row), group):
+            x = row[j:j + group]
+            scale = float(np.float16(max((max(x) - min(x)) / 7, 2.0**-24)))
+            bias = float(np.float16(min(x)))
+            out += [min(max(round((v - bias) / scale), 0), 7) for v in x]
+            scales.append(scale)
+            biases.append(bias)
+        codes.append(out)
+    return codes, scales, biases
+
+
+def _unpack_q3(packed: list[list[int]]) -> list[list[int]]:
+    """Codes from MLX's 3-bit stream, one bit at a time: code j is bits 3j..3j+2 of the row, bit i of byte b at
+    position 8b + i."""
+    out = []
+    for row in packed:
+        bits = [(byte >> i) & 1 for byte in row for i in range(8)]
+        out.append([bits[3 * j] | bits[3 * j + 1] << 1 | bits[3 * j + 2] << 2 for j in range(len(bits) // 3)])
+    return out
+
+
+@pytest.mark.parametrize(("cols", "group"), [(256, 128), (192, 64), (96, 32)])
+def test_q3_plain_rounding_is_the_reference_bit_stream(cols, group):
+    """Without clipping, quantize_q3 packs exactly what a value-at-a-time rounding gives, in MLX's bit order, with
+    the group its width allows; decoding gives code * scale + bias."""
+    g = torch.Generator().manual_seed(cols)
+    w = torch.randn(12, cols, generator=g) * torch.logspace(-3, 0, 12).unsqueeze(1)
+    q = quantize_q3(w, block_rows=5, clips=())
+    assert q.shape == (12, cols) and q.group == group
+    assert q.nbytes == low_bit_format("q3").matrix_bytes(12, cols) == 12 * cols * 3 // 8 + 4 * 12 * cols // group
+    codes, scales, biases = _q3_reference(w, group)
+    got = _unpack_q3(q.packed.tolist())
+    # the same code but where a value sits within fp32's rounding of a half step (a handful)
+    assert sum(a != b for r, s in zip(got, codes, strict=True) for a, b in zip(r, s, strict=True)) <= 3
+    assert q.scales.flatten().tolist() == scales and q.biases.flatten().tolist() == biases
+    step = torch.tensor(scales).view(12, -1, 1)
+    back = dequantize_q3(q, torch.float64).view(12, -1, group)
+    want = torch.tensor(got, dtype=torch.float64).view(12, -1, group) * step + torch.tensor(biases).view(12, -1, 1)
+    assert torch.allclose(back, want, rtol=0, atol=1e-12)
+    with pytest.raises(ModelFormatError, match="whole groups of 32"):
+        quantize_q3(torch.zeros(4, 80))
+
+
+@pytest.mark.parametrize("data", ["gaussian", "heavy-tailed"])
+def test_q3_search_never_rounds_a_group_worse_than_plain_rounding(data):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(128, 512, generator=g) if data == "gaussian" else _heavy_tailed(128, 512, g)
+    err = lambda q: ((dequantize_q3(q, torch.float64) - w.double()) ** 2).view(128, -1, 128).sum(-1)
+    plain, searched = err(quantize_q3(w, clips=())), err(quantize_q3(w, clips=Q3_CLIPS))
+    assert bool((searched <= plain * (1 + 1e-5) + 1e-12).all())  # fp32 estimates against float64: a margin
+    # clearly less in all: three bits spend more of their eight steps on the extremes than four (measured 0.80,
+    # 0.74 here)
+    assert float(searched.sum() / plain.sum()) < 0.85
+
+
+def test_q3_matmul_equals_the_product_with_the_dequantized_matrix():
+    g = torch.Generator().manual_seed(6)
+    q = quantize_q3(torch.randn(200, 384, generator=g))
+    x = torch.randn(3, 384, generator=g)
+    assert torch.allclose(linear(x, q), x @ dequantize_q3(q, torch.float32).T, rtol=1e-5, atol=1e-5)
+    back = low_bit_format("q3").from_arrays([q.packed.flatten(), q.scales.view(torch.uint8).flatten(),
+                                             q.biases.view(torch.uint8).flatten()], 200, 384)
+    assert all(torch.equal(a, b) for a, b in zip(low_bit_format("q3").arrays(back), (q.packed, q.scales, q.biases),
+                                                 strict=True))

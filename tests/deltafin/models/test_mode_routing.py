@@ -7,7 +7,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.expert_modes import ExpertMode
 from deltafin.kernels.linear import linear
-from deltafin.models.mode_routing import held_bonus, mode_router, top_p
+from deltafin.models.mode_routing import held_bonus, low_bit_ids, mode_router, top_p
 from deltafin.models.moe import moe_forward, route, routed_sum
 
 
@@ -93,3 +93,56 @@ def test_cache_aware_routing_prefers_a_held_expert_within_the_margin_only(tiny_d
     assert k in idx[0].tolist() and (k - 1) not in idx[0].tolist()
     if cfg.renormalize:
         assert torch.allclose(weights.sum(-1), torch.full((1,), cfg.routed_scaling_factor))
+
+
+def _reference_light(idx: list[int], w: list[float], tail: float) -> set[int]:
+    """A row's light slots: after the heaviest (in order, ties by slot) whose share of the row's weight reaches tail."""
+    order = sorted(range(len(w)), key=lambda j: -w[j])
+    total, acc, light = sum(w), 0.0, set()
+    for j in order:
+        if acc / total >= tail and w[j] > 0:
+            light.add(j)
+        acc += w[j]
+    return light
+
+
+def test_a_tail_reads_the_copy_of_light_experts_not_held_nor_heavy_elsewhere() -> None:
+    g = torch.Generator().manual_seed(4)
+    e_count = 64
+    idx = torch.stack([torch.randperm(e_count, generator=g)[:8] for _ in range(40)])
+    weights = torch.rand(40, 8, generator=g) ** 2
+    weights[:5, 6:] = 0  # top-p's padding slots: no read, never a copy
+    assert torch.equal(low_bit_ids(idx, weights, e_count, None), idx + e_count)  # every expert's copy
+    held = torch.tensor([3, 10, 17])
+    for tail in (0.3, 0.6):
+        got = low_bit_ids(idx, weights, e_count, tail, held)
+        light = [_reference_light(i, w, tail) for i, w in zip(idx.tolist(), weights.tolist(), strict=True)]
+        heavy = {idx[r, j].item() for r in range(40) for j in range(8) if j not in light[r]}
+        for r in range(40):
+            for j in range(8):
+                e = idx[r, j].item()
+                copy = j in light[r] and e not in held.tolist() and e not in heavy
+                assert got[r, j].item() == (e + e_count if copy else e)
+        assert bool((got >= e_count).any()) and bool((got < e_count).any())
+
+
+def test_the_mode_router_reads_a_tail_against_what_the_store_holds(tiny_dir) -> None:
+    """held() names both forms (a copy as E + e): a tail reads as stored what is held as stored; cache-aware routing
+    prefers an expert held in either form."""
+    from deltafin.runtime.pipeline import LocalPipeline
+
+    pipe = LocalPipeline.load(tiny_dir, 1, device="cpu")
+    cfg, stage = pipe.stages[0].cfg, pipe.stages[0]
+    layer, e_count = cfg.moe_layers[0], cfg.num_experts
+    w = stage.spine.layer(layer).ffn
+    x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    exact_idx, _ = route(cfg, w, x)
+    none = mode_router(cfg, ExpertMode(low_bit="q3", low_tail=0.3), lambda layer: [])(layer, w, x)[0]
+    assert bool((none >= e_count).any())
+    every = sorted(set(exact_idx.flatten().tolist()))
+    held_stored = mode_router(cfg, ExpertMode(low_bit="q3", low_tail=0.3), lambda layer: every)(layer, w, x)[0]
+    assert torch.equal(held_stored, exact_idx)
+    copies = [e + e_count for e in every]  # held as copies only: the light ones are read from them
+    assert torch.equal(mode_router(cfg, ExpertMode(low_bit="q3", low_tail=0.3), lambda layer: copies)(layer, w, x)[0],
+                       none)
+    pipe.close()

@@ -219,7 +219,7 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
     opts = StageOptions(sizing=SizingInput(spine=spine, sequences=2, context=context, read_threads=2,
                                              expert_cache_bytes=None if layout == "resident" else 3 * 10**5))
     if layout == "streamed":  # a budget under the whole stage's: the tail streams
-        sizing = opts.sizing_for(layer_spans(ckpt))
+        sizing = opts.sizing_for(ckpt.config, layer_spans(ckpt))
         totals = [size_stage(cfg, 0, 6, Placement(device.type), spine, 3 * 10**5, k, sizing).device_total
                   for k in range(7)]
         smaller = [t for t in totals if t < totals[-1]]

@@ -44,7 +44,7 @@ def _spilling_stage(model: Path, spill_dir: Path, cache_experts: int | None) -> 
     cfg = load_config(model)
     ckpt = open_checkpoint(model, cfg)
     options = StageOptions(spill_dir=str(spill_dir))
-    inputs = dataclasses.replace(options.sizing_for(layer_spans(ckpt)), spine="bf16", prefill_chunk=512,
+    inputs = dataclasses.replace(options.sizing_for(ckpt.config, layer_spans(ckpt)), spine="bf16", prefill_chunk=512,
                                  prompt_tokens=PROMPT_FORWARD, spill_tokens=SPILLED, context=4096)
     place = Placement("cpu")
     cache = None if cache_experts is None else cache_experts * expert_slot_bytes(cfg)

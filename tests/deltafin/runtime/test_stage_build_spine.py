@@ -21,7 +21,7 @@ def k3():
 
 
 def _plan(k3):
-    return lambda options, **known: choose(k3, 0, 93, Placement("cpu"), BUDGET, options.sizing_for(None, **known))
+    return lambda options, **known: choose(k3, 0, 93, Placement("cpu"), BUDGET, options.sizing_for(k3, None, **known))
 
 
 def test_another_format_s_copy_on_the_disk_is_read(k3):

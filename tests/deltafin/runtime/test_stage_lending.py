@@ -34,7 +34,7 @@ def _lending_stage(model: Path, place: Placement | None = None) -> Stage:
     cfg = load_config(model)
     ckpt = open_checkpoint(model, cfg)
     options = StageOptions(sizing=SizingInput(spine="bf16", read_threads=2))
-    inputs = options.sizing_for(layer_spans(ckpt))
+    inputs = options.sizing_for(ckpt.config, layer_spans(ckpt))
     cache, place = CACHE_EXPERTS * expert_slot_bytes(cfg), place or Placement("cpu")
     plan = size_stage(cfg, 0, cfg.num_layers, place, "bf16", cache, cfg.num_layers,
                       dataclasses.replace(inputs, prefill_chunk=FORWARD, prompt_tokens=LONGEST))

@@ -202,7 +202,7 @@ def test_a_convert_that_only_waited_for_the_lock_reports_it_converted_nothing(mo
     folder = default_root(model, "q4")
     folder.mkdir(parents=True)
     result: dict = {}
-    with caplog.at_level(logging.INFO, logger="deltafin.weights"), spine_convert._locked(folder):
+    with caplog.at_level(logging.INFO, logger="deltafin.weights"), spine_convert.folder_lock(folder):
         waiter = threading.Thread(target=lambda: result.update(convert_checkpoint(model, "q4", progress=False)))
         waiter.start()
         deadline = time.monotonic() + 60

@@ -148,7 +148,7 @@ def test_streamed_and_int8_spines(tiny_dir):
     options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=10**7, prefill_chunk=512))
     cfg = resident.config
     # a budget below the all-resident stage's: the stage keeps what fits and streams the rest
-    sizing = options.sizing_for(layer_spans(resident.stages[0].ckpt))
+    sizing = options.sizing_for(cfg, layer_spans(resident.stages[0].ckpt))
     totals = [size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 10**7, k, sizing).total
               for k in range(cfg.num_layers + 1)]
     budget = max(t for t in totals if t < totals[-1])
@@ -225,7 +225,7 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     options = StageOptions(sizing=SizingInput(spine="bf16", expert_cache_bytes=0, read_threads=2, prefill_chunk=512))
     # the budget of the stage with no layer resident: the smallest there is, so it is the one chosen
     budget = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 0, 0,
-                        options.sizing_for(layer_spans(ckpt))).total
+                        options.sizing_for(ckpt.config, layer_spans(ckpt))).total
     stage = Stage(ckpt, 0, cfg.num_layers, device=CPU, options=dataclasses.replace(options, memory_bytes=budget))
     assert stage.sizing.streamed_layers == tuple(range(cfg.num_layers))
     try:
