@@ -44,11 +44,10 @@ from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
 from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import describe as describe_mode
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split
 from deltafin.plan.hops import describe_hops
-from deltafin.plan.outlook import outlook
+from deltafin.plan.outlook import expert_copies, mode_lines, outlook
 from deltafin.plan.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport.ports import cannot_listen, check_free
@@ -169,14 +168,15 @@ async def cmd_plan(args: argparse.Namespace) -> int:
     workers = await find_workers(spec)
     try:
         plan = await plan_cluster(spec, cfg, workers)
-        more = outlook(plan, spec.sizing, replanner(spec, cfg, workers, plan))
+        more = outlook(plan, cfg, spec.sizing, replanner(spec, cfg, workers, plan))
+        copies = expert_copies(cfg, stage.mode, plan)
         if args.json:
             print(json.dumps({**plan_summary(cfg, plan, args.prompt_tokens, spec.act_bytes), "outlook": more,
-                              "expert_mode": stage.expert_mode,
+                              "expert_mode": stage.expert_mode, "expert_copy": dict(copies),
                               "timeouts": dataclasses.asdict(spec.timeouts)}, indent=1))
         else:
             print(plan.table())
-            print(describe_mode(stage.mode))
+            print("\n".join(mode_lines(cfg, stage.mode, copies)))
             print("\n".join([*describe_hops(cfg, plan, spec.act_bytes), *more]))
             print(f"timeouts: {spec.timeouts.describe()}")
             print("\n".join(download_commands(plan)))

@@ -35,7 +35,8 @@ from deltafin.errors import DeltafinError
 EXACT = "exact"
 # what `--expert-mode all` measures, exact first (it is what the others are measured against)
 PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "top-p:0.6", "top-p:0.55", "top-p:0.5", "cached:0.05",
-           "top-p:0.55+cached:0.05")
+           "top-p:0.55+cached:0.05", "q3", "q3-tail:0.5", "top-p:0.7+q3-tail:0.5", "top-p:0.7+q3", "top-p:0.6+q3",
+           "top-p:0.55+q3", "top-p:0.5+q3")
 # what a top-p mode reads of exact's expert bytes, as `bench --quality --expert-mode all` measured it on k3-mini's
 # held-out text (4000 positions, docs/expert-modes.md; tests/deltafin/test_expert_modes.py measures a point again):
 # (P, share), P rising. The plan prices a mode by it, between two points linearly (1 at P = 1).

@@ -21,9 +21,9 @@ from deltafin.coordinator.cluster.worker_client import Timeouts
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import describe as describe_mode
 from deltafin.kernels.linear import select_kernels
 from deltafin.plan.cluster_plan import Plan, describe_forwards
+from deltafin.plan.outlook import copy_expert_bytes, mode_lines
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
@@ -65,13 +65,15 @@ def local_plan(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -
     device = resolve_device(cluster.device)
     options = with_memory_found(stage, device)
     ckpt = open_checkpoint(cluster.model, cfg)
-    lines = []
+    lines, experts = [], 0
     for z in plan_stages(ckpt, split_layers(cfg, cluster.local_stages), device, options):  # as open_backend does
+        experts += sum(cfg.is_moe(i) for i in range(z.start, z.end)) * cfg.num_experts if z.streaming else 0
         lines.append(f"layers {z.start}-{z.end - 1} on {device.type} (this process): "
                      f"{len(z.resident_layers)} resident, {len(z.streamed_layers)} streamed; "
                      f"{describe_forwards(z)}, {z.sequences} sequence(s) of {z.context:,} tokens; "
                      f"{z.describe()}")
-    return "\n".join([*lines, describe_mode(stage.mode)])
+    copies = [("this process", experts * copy_expert_bytes(cfg, stage.mode.low_bit))] if stage.mode.low_bit else []
+    return "\n".join([*lines, *mode_lines(cfg, stage.mode, copies)])
 
 
 def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig) -> ClusterSpec:

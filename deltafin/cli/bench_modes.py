@@ -27,12 +27,13 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.cli.bench_quality import add_pair, cut, figures, new_sums
 from deltafin.errors import DeltafinError
 from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, parse
+from deltafin.formats import stored_spine
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
 from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
-from deltafin.plan.sizing_options import low_bit_ratio
+from deltafin.plan.sizing_options import SizingOptions, low_bit_ratio
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
@@ -90,9 +91,11 @@ class RoutingTap:
 
 
 def _run(model: str | Path, device: str, mode: ExpertMode, sequences: list[list[int]], capacity: int,
-         policy: str) -> tuple[list[torch.Tensor], Trace]:
-    """Every position's fp32 logits of each sequence in `mode`, and the routing trace."""
-    pipe = LocalPipeline.load(model, 1, device=device, options=StageOptions(expert_mode=mode.name))
+         policy: str, spine: str | None = None) -> tuple[list[torch.Tensor], Trace]:
+    """Every position's fp32 logits of each sequence in `mode` (its spine in `spine`, else as stored), and the
+    routing trace."""
+    options = StageOptions(expert_mode=mode.name, sizing=SizingOptions(spine=spine or stored_spine()))
+    pipe = LocalPipeline.load(model, 1, device=device, options=options)
     tap = RoutingTap(pipe.stages[0].cfg, mode, capacity, policy)
     pipe.stages[0].router = tap
     step = 1 if tap.live else PIECE_TOKENS  # token by token where the cache steers the routing
@@ -125,8 +128,10 @@ def _reads(trace: Trace, capacity: int, policy: str, cfg: ModelConfig, low_ratio
 
 
 def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]], device: str = "cpu",
-                 tokens: int | None = None, cache_share: float = ONE_MAC_SHARE, policy: str = "lfu") -> dict[str, Any]:
-    """JSON-ready: every mode's figures against exact (see the module docstring)."""
+                 tokens: int | None = None, cache_share: float = ONE_MAC_SHARE, policy: str = "lfu",
+                 spine: str | None = None) -> dict[str, Any]:
+    """JSON-ready: every mode's figures against exact (see the module docstring); the modes with their spine in
+    `spine` (exact's always as stored: what both together cost)."""
     from deltafin.checkpoint.config import load_config  # (light: the model's config alone)
 
     cfg = load_config(model)
@@ -135,7 +140,8 @@ def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]]
         raise DeltafinError(f"{model} has no routed experts: expert modes change nothing")
     capacity = max(1, round(cache_share * all_experts))
     exact: dict[int | None, tuple[list[torch.Tensor], Trace, list[list[int]]]] = {}
-    result: dict[str, Any] = {"bench": "expert-modes", "model": str(model), "cache_share": cache_share,
+    result: dict[str, Any] = {"bench": "expert-modes", "model": str(model), "spine": spine or stored_spine(),
+                              "cache_share": cache_share,
                               "cache_experts": capacity, "policy": policy, "modes": {}}
     for name in modes:
         mode = parse(name)
@@ -144,7 +150,7 @@ def mode_quality(model: str | Path, modes: list[str], sequences: list[list[int]]
             part = cut(sequences, positions)
             exact[positions] = (*_run(model, device, ExpertMode(), part, capacity, policy), part)
         ref, ref_trace, part = exact[positions]
-        logits, trace = _run(model, device, mode, part, capacity, policy)
+        logits, trace = _run(model, device, mode, part, capacity, policy, spine)
         sums = new_sums()
         for a, b, seq in zip(ref, logits, part, strict=True):
             add_pair(sums, a, b, torch.tensor(seq, dtype=torch.long))

@@ -254,7 +254,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
 
 def _bench_quality(args: argparse.Namespace) -> dict:
     """`bench --quality`: --spine (int8 when left auto) against the spine as stored; or --wire against one
-    process; or --expert-mode (a mode, or all) against exact."""
+    process; or --expert-mode (a mode, or all; with --spine, the modes' spine) against exact."""
     from deltafin.cli import bench_quality  # torch: loaded when the command runs
 
     modes, share = None, {} if args.cache_share is None else {"cache_share": _share(args.cache_share)}
@@ -266,8 +266,9 @@ def _bench_quality(args: argparse.Namespace) -> dict:
     if modes is not None:
         from deltafin.cli.bench_modes import mode_quality  # (the same)
 
+        spine = {} if args.spine == "auto" else {"spine": args.spine}  # the modes' spine (exact's: as stored)
         return mode_quality(args.model, modes, sequences, device=args.device, tokens=args.tokens,
-                            policy=args.cache_policy, **share)
+                            policy=args.cache_policy, **share, **spine)
     if args.wire != "fp32":
         return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
     spine = converted_spines()[-1] if args.spine == "auto" else args.spine  # auto: the most bytes converted (int8)
@@ -349,7 +350,8 @@ def _add_model_benchmarks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", action="store_true", help="--model: what --spine (default int8) costs against the "
                    "spine as stored (bf16): perplexity of both, mean KL divergence of the next-token distribution and "
                    "top-1 agreement, over k3-mini's held-out split (its recipe's checkpoints) or --text FILE; with "
-                   "--expert-mode MODE|all, each mode against exact, with its expert reads a token beside exact's")
+                   "--expert-mode MODE|all, each mode against exact, with its expert reads a token beside exact's (and "
+                   "with --spine, the modes' spine in that format: what both together cost)")
     p.add_argument("--text", metavar="FILE", help="--quality: the text to measure on (cut into 2048-token "
                    "sequences)")
     p.add_argument("--wire", choices=WIRES, default="fp32", help="--quality: with bf16, what that wire costs instead "

@@ -2,23 +2,28 @@
 own predictions (cluster_plan.Plan.first_token_line), the prompts its context refuses with the context they need
 (--max-context), every prompt length with twice each worker's memory, and a token in each lossy expert mode that
 reads fewer bytes (deltafin/expert_modes.py: opt-in, their quality measured in docs/expert-modes.md), each from a
-plan made again the way the first was (`Replan`: the same workers, links and mode rule)."""
+plan made again the way the first was (`Replan`: the same workers, links and mode rule). And the plan's own expert
+mode: what it reads, and the low-bit copy each worker converts for it (`mode_lines`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
 
+from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
-from deltafin.expert_modes import PRESETS, parse, read_share
+from deltafin.expert_modes import PRESETS, ExpertMode, describe, parse
+from deltafin.formats import low_bit_format
 from deltafin.plan.cluster_plan import GB, Plan
+from deltafin.plan.layer_table import align_up
 from deltafin.plan.predict import prompt_forward
 from deltafin.plan.sizing import SizingInput
+from deltafin.plan.sizing_options import expert_read_share, low_bit_ratio
 
 Replan = Callable[[SizingInput, float], Plan]  # (options, each worker's memory times this) -> the plan
 
 
-def outlook(plan: Plan, options: SizingInput, replan: Replan) -> list[str]:
+def outlook(plan: Plan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> list[str]:
     """Lines for `plan`: the prompt lengths over its context, planned for the longest of them; and every length
     with twice the memory (what a bigger Mac, or a second one's memory, would change)."""
     lines = []
@@ -40,16 +45,53 @@ def outlook(plan: Plan, options: SizingInput, replan: Replan) -> list[str]:
         lengths = [n for n, _ in more.first_token if not more.context or n <= more.context]
         lines.append(f"with twice the memory on every worker (context {more.context:,} tokens, {_forwards(more)}): "
                      f"{_times(more, lengths)}; {_costs(more, plan)}")
-    lines.append(expert_modes_line(plan, options, replan))
+    lines.append(expert_modes_line(plan, cfg, options, replan))
     return lines
 
 
-def expert_modes_line(plan: Plan, options: SizingInput, replan: Replan) -> str:
+def mode_lines(cfg: ModelConfig, mode: ExpertMode, copies: list[tuple[str, int]]) -> list[str]:
+    """The expert mode's line (lossy or not, what a token reads), and for a mode that reads a low-bit copy, its bytes
+    on each worker's disk (`copies`: `expert_copies`)."""
+    lines = [describe(mode, low_bit_ratio(cfg, mode.low_bit))]
+    on_disk = [(name, n) for name, n in copies if n]
+    if on_disk:
+        lines.append(f"its {mode.low_bit} copy of the routed experts, converted once on each worker's disk as it "
+                     f"starts (checked for room; `deltafin convert --experts {mode.low_bit}` does it ahead of time): "
+                     + ", ".join(f"{name} {n / GB:.1f} GB" for name, n in on_disk))
+    if len(on_disk) < len(copies):
+        lines.append(f"resident experts are rounded to {mode.low_bit} in memory as first used, and kept beside them")
+    return lines
+
+
+def copy_expert_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """One expert's room in a low-bit copy (weights/expert_copy.py: its bytes, aligned)."""
+    return align_up(sum(low_bit_format(fmt).matrix_bytes(r, c) for r, c in cfg.expert_matrices))
+
+
+def expert_copies(cfg: ModelConfig, mode: ExpertMode, plan: Plan) -> list[tuple[str, int]]:
+    """Each worker's bytes of the low-bit copy its expert mode reads (none without one): its own layers' experts
+    (local experts) or its share of every layer's (wide), where it streams them (0 where they are resident)."""
+    if not mode.low_bit:
+        return []
+    out, each = [], copy_expert_bytes(cfg, mode.low_bit)
+    for s in plan.workers:
+        if not s.sizing.streaming:
+            count = 0
+        elif plan.experts is None:
+            count = sum(cfg.is_moe(i) for i in range(s.start, s.end)) * cfg.num_experts
+        else:
+            i = plan.experts.holders.index(s.key)
+            count = sum(len(plan.experts.share(i, layer)) for layer in plan.experts.layers)
+        out.append((s.worker, count * each))
+    return out
+
+
+def expert_modes_line(plan: Plan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> str:
     """A token in every registered mode that reads fewer expert bytes than exact, beside this plan's."""
     exact = replace(options, expert_read_share=1.0)
     parts = []
     for name in PRESETS:
-        share = read_share(parse(name))
+        share = expert_read_share(cfg, parse(name))
         try:
             other = plan if share == options.expert_read_share else replan(replace(exact, expert_read_share=share),
                                                                              1.0)

@@ -37,7 +37,7 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     line = plan.first_token_line()
     assert "64K over the context (16,384 tokens): --max-context plans for more" in line
     assert f"16K {dict(plan.first_token)[16384].describe()}" in line and "the expert cache lent to them" in line
-    longer, bigger, modes = outlook(plan, SizingInput(), replan)
+    longer, bigger, modes = outlook(plan, k3, SizingInput(), replan)
     wide = replan(SizingInput(context=65536), 1.0)
     step = wide.stages[0].sizing.spill_tokens  # past the lent forward, a prompt spills (plan/spill_cost.py)
     assert step > 2 * wide.stages[0].sizing.prompt_tokens
@@ -55,5 +55,5 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     assert ", cached:0.05 " not in modes  # planned as exact: nothing to show
     # the user's own context: nothing over it to plan for
     asked = replan(SizingInput(context=65536), 1.0)
-    assert [x.split(" (")[0] for x in outlook(asked, SizingInput(context=65536), replan)] == [
+    assert [x.split(" (")[0] for x in outlook(asked, k3, SizingInput(context=65536), replan)] == [
         "with twice the memory on every worker", "a token in each expert mode"]
