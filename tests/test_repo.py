@@ -357,8 +357,9 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
         assert shown + [["total", *total.split()]] == body, (n, budget_gb)
 
 
-def _mode_planned(cfg, mode: str) -> tuple[float, float]:
-    """Full K3's tok/s at the defaults in `mode` on one 64 GB Mac and on four (Thunderbolt between them)."""
+def _mode_planned(cfg, mode: str) -> tuple[float, float, float]:
+    """Full K3's tok/s at the defaults in `mode` on one 64 GB Mac and on four (Thunderbolt between them), and on four
+    with the spine row-int8 (`--spine int8`)."""
     from deltafin.expert_modes import parse
     from deltafin.plan.links import PROFILES, Links
     from deltafin.plan.modes import choose_mode
@@ -366,12 +367,12 @@ def _mode_planned(cfg, mode: str) -> tuple[float, float]:
     from deltafin.plan.sizing_options import expert_read_share
 
     out = []
-    for n in (1, 4):
+    for n, spine in ((1, "auto"), (4, "auto"), (4, "int8")):
         links = Links(assumed=PROFILES["thunderbolt"]) if n > 1 else Links()
-        share = expert_read_share(cfg, parse(mode))
-        plan = choose_mode(cfg, _mac_workers(cfg, n, 56), SizingInput(expert_read_share=share), 4, "auto", links)
+        sizing = SizingInput(spine=spine, expert_read_share=expert_read_share(cfg, parse(mode)))
+        plan = choose_mode(cfg, _mac_workers(cfg, n, 56), sizing, 4, "auto", links)
         out.append(EFFICIENCY / plan.seconds_per_token)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def test_the_expert_modes_table_is_the_benchs_and_the_planners(tmp_path: Path) -> None:
@@ -384,10 +385,9 @@ def test_the_expert_modes_table_is_the_benchs_and_the_planners(tmp_path: Path) -
     cfg = load_config(tmp_path)
     text = (ROOT / "docs" / "expert-modes.md").read_text()
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in text.splitlines()
-            if r.startswith("| ") and len(r.split("|")) == 9 and r.split("|")[1].strip() in PRESETS}
+            if r.startswith("| ") and len(r.split("|")) == 10 and r.split("|")[1].strip() in PRESETS}
     assert set(rows) == set(PRESETS)
     for mode, cells in rows.items():
         if parse(mode).top_p is not None and parse(mode).held_margin is None and parse(mode).low_bit is None:
             assert float(cells[0]) == pytest.approx(read_share(parse(mode)), abs=5e-4)
-        one, four = _mode_planned(cfg, mode)
-        assert cells[4:] == [f"{one:.3f}", f"{four:.3f}"], mode
+        assert cells[4:] == [f"{x:.3f}" for x in _mode_planned(cfg, mode)], mode

@@ -27,7 +27,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.cli.bench_quality import add_pair, cut, figures, new_sums
 from deltafin.errors import DeltafinError
 from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, parse
-from deltafin.formats import stored_spine
+from deltafin.formats import low_bit_format, stored_spine
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
@@ -52,6 +52,8 @@ def modes_asked(text: str) -> list[str]:
     if text.strip().lower() == "all":
         return [m for m in PRESETS if m != EXACT]
     mode = parse(text)
+    if mode.low_bit is not None:
+        low_bit_format(mode.low_bit)  # a format's name is checked here, before any text is read
     if mode.exact:
         raise DeltafinError("--quality --expert-mode: name a mode other than exact (it is what modes are measured "
                             "against), or all")

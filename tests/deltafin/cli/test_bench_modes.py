@@ -85,16 +85,37 @@ def test_the_command_refuses_a_bad_mode_before_reading_text(capsys) -> None:
     assert "--cache-share must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
+def test_a_copy_is_read_at_its_bytes_and_a_tail_reads_some_of_it(tiny_dir) -> None:
+    """q3 reads every expert's copy: through a cache of one expert (no hits to speak of, in either run) the bytes'
+    ratio is the copy's over the stored expert's at this geometry; a tail reads the copy for some lookups only, and
+    costs less quality than every expert's."""
+    from deltafin.checkpoint.config import load_config
+    from deltafin.plan.sizing_options import low_bit_ratio
+
+    cfg = load_config(tiny_dir)
+    ratio = low_bit_ratio(cfg, "q3")
+    assert 0.5 < ratio < 1
+    one = 1 / (len(cfg.moe_layers) * cfg.num_experts)
+    r = mode_quality(tiny_dir, ["q3", "q3-tail:0.3"], _sequences(), tokens=40, cache_share=one)
+    every, tail = r["modes"]["q3"], r["modes"]["q3-tail:0.3"]
+    assert r["cache_experts"] == 1
+    assert every["copy_share"] == 1.0 and every["expert_bytes_ratio"] == pytest.approx(ratio, rel=0.01)
+    assert every["experts_per_token"] == r["exact"]["experts_per_token"] and every["kl"] > 1e-5
+    assert 0 < tail["copy_share"] < 1 and ratio < tail["expert_bytes_ratio"] < 1
+    assert tail["kl"] < every["kl"]
+
+
 @pytest.mark.slow
-def test_a_row_of_the_docs_table_measures_again() -> None:
-    """docs/expert-modes.md's top-p:0.55 row, measured again on the same 4000 held-out positions (the figures are
-    rounded to 3-4 places; another CPU's last bits may move the last one)."""
+@pytest.mark.parametrize("mode", ["top-p:0.55", "top-p:0.55+q3"])
+def test_a_row_of_the_docs_table_measures_again(mode: str) -> None:
+    """docs/expert-modes.md's rows of top-p:0.55 and of the mode that reaches both marks, measured again on the same
+    4000 held-out positions (the figures are rounded to 3-4 places; another CPU's last bits may move the last one)."""
     from deltafin.cli.bench_quality import sequences_for
 
     model = bundled_model()
-    r = mode_quality(model, ["top-p:0.55"], sequences_for(model, None), tokens=4000)
+    r = mode_quality(model, [mode], sequences_for(model, None), tokens=4000)
     mine = [float(c) for c in frontier_rows(r)[0].split("|")[2:-1]]
     docs = next(line for line in (ROOT / "docs" / "expert-modes.md").read_text().splitlines()
-                if line.startswith("| top-p:0.55 |"))
+                if line.startswith(f"| {mode} |"))
     theirs = [float(c) for c in docs.split("|")[2:6]]
     assert mine == pytest.approx(theirs, abs=2e-3)
