@@ -35,8 +35,10 @@ from deltafin.errors import DeltafinError
 EXACT = "exact"
 # what `--expert-mode all` measures, exact first (it is what the others are measured against)
 PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "top-p:0.6", "top-p:0.55", "top-p:0.5", "cached:0.05",
-           "top-p:0.55+cached:0.05", "q3", "q3-tail:0.5", "top-p:0.7+q3-tail:0.5", "top-p:0.7+q3", "top-p:0.6+q3",
-           "top-p:0.55+q3", "top-p:0.5+q3")
+           "top-p:0.55+cached:0.05")
+# ... and for each low-bit expert format F the formats' registry names (plan/sizing_options.py mode_presets), these
+LOW_BIT_PRESETS = ("{F}", "{F}-tail:0.5", "top-p:0.7+{F}-tail:0.5", "top-p:0.7+{F}", "top-p:0.6+{F}", "top-p:0.55+{F}",
+                   "top-p:0.5+{F}")
 # what a top-p mode reads of exact's expert bytes, as `bench --quality --expert-mode all` measured it on k3-mini's
 # held-out text (4000 positions, docs/expert-modes.md; tests/deltafin/test_expert_modes.py measures a point again):
 # (P, share), P rising. The plan prices a mode by it, between two points linearly (1 at P = 1).
@@ -77,7 +79,7 @@ def parse(text: str) -> ExpertMode:
         name, _, value = part.strip().partition(":")
         if name == EXACT and not value:
             continue
-        if (name.endswith("-tail") and value) or (not value and FORMAT_NAME.fullmatch(name)):
+        if (name.endswith("-tail") and value) or (not value and FORMAT_NAME.fullmatch(name) and name != "cached"):
             if low is not None:
                 raise DeltafinError(f"--expert-mode: one low-bit part at most (got {low} and {part.strip()!r})")
             low, tail = name.removesuffix("-tail"), _fraction(part, value) if value else None
@@ -117,6 +119,11 @@ def _fraction(part: str, value: str) -> float:
         raise DeltafinError(f"--expert-mode: FORMAT-tail:P needs one P in (0, 1), as q3-tail:0.5 (got "
                             f"{part.strip()!r})")
     return number
+
+
+def low_bit_presets(fmt: str) -> tuple[str, ...]:
+    """The registered modes that read a copy in low-bit expert format `fmt`."""
+    return tuple(p.format(F=fmt) for p in LOW_BIT_PRESETS)
 
 
 def least_kept(k: int) -> int:

@@ -379,14 +379,15 @@ def test_the_expert_modes_table_is_the_benchs_and_the_planners(tmp_path: Path) -
     """docs/expert-modes.md's frontier: a row for every registered mode; each top-p mode's measured reads are the
     share the planner prices it at (expert_modes.TOP_P_READS); the planned tok/s are the planner's."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.expert_modes import PRESETS, parse, read_share
+    from deltafin.expert_modes import parse, read_share
+    from deltafin.plan.sizing_options import mode_presets
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
     text = (ROOT / "docs" / "expert-modes.md").read_text()
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in text.splitlines()
-            if r.startswith("| ") and len(r.split("|")) == 10 and r.split("|")[1].strip() in PRESETS}
-    assert set(rows) == set(PRESETS)
+            if r.startswith("| ") and len(r.split("|")) == 10 and r.split("|")[1].strip() in mode_presets()}
+    assert set(rows) == set(mode_presets())
     for mode, cells in rows.items():
         if parse(mode).top_p is not None and parse(mode).held_margin is None and parse(mode).low_bit is None:
             assert float(cells[0]) == pytest.approx(read_share(parse(mode)), abs=5e-4)

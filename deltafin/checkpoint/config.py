@@ -131,7 +131,7 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense
 
-    @property
+    @cached_property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_moe(i))
 

@@ -26,14 +26,14 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.cli.bench_quality import add_pair, cut, figures, new_sums
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import EXACT, PRESETS, ExpertMode, parse
+from deltafin.expert_modes import EXACT, ExpertMode, parse
 from deltafin.formats import low_bit_format, stored_spine
 from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
 from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
-from deltafin.plan.sizing_options import SizingOptions, low_bit_ratio
+from deltafin.plan.sizing_options import SizingOptions, low_bit_ratio, mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions
@@ -50,7 +50,7 @@ Trace = list[list[tuple[int, int]]]  # one list of (layer, expert) per MoE layer
 def modes_asked(text: str) -> list[str]:
     """`--expert-mode` for the bench: "all" (every preset) or one mode, each in its one spelling."""
     if text.strip().lower() == "all":
-        return [m for m in PRESETS if m != EXACT]
+        return [m for m in mode_presets() if m != EXACT]
     mode = parse(text)
     if mode.low_bit is not None:
         low_bit_format(mode.low_bit)  # a format's name is checked here, before any text is read

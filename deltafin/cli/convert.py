@@ -10,7 +10,7 @@ import logging
 
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.flags import MODEL_HELP, model_arg
-from deltafin.download.fetch import parse_layers
+from deltafin.download.fetch import parse_experts, parse_layers
 from deltafin.errors import DeltafinError
 from deltafin.formats import converted_spines, expert_format, low_bit_formats, spine_format
 from deltafin.options import DEVICES
@@ -23,15 +23,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.experts is not None:
         if args.spine is not None or args.out is not None:
             raise DeltafinError("--experts converts the routed experts alone: leave out --spine and --out")
-        print_expert_conversion(args.model, args.experts, args.layers, args.quiet, args.device)
-    elif args.layers is not None:
-        raise DeltafinError("--layers chooses the layers of an --experts conversion (a spine converts whole)")
+        print_expert_conversion(args.model, args.experts, args.layers, args.share, args.quiet, args.device)
+    elif args.layers is not None or args.share is not None:
+        raise DeltafinError("--layers and --share choose what an --experts conversion converts (a spine converts "
+                            "whole)")
     else:
         print_conversion(args.model, args.spine, args.out, args.quiet, args.device)
     return 0
 
 
-def print_expert_conversion(model: str, fmt: str, layers: str | None, quiet: bool, device: str) -> None:
+def print_expert_conversion(model: str, fmt: str, layers: str | None, share: str | None, quiet: bool,
+                            device: str) -> None:
     from deltafin.checkpoint.shards import open_checkpoint  # torch: loaded when the command runs
     from deltafin.devices import resolve_device  # (see above)
     from deltafin.weights.expert_copy import copy_bytes, prepare_copy, whole_layers  # (see above)
@@ -40,9 +42,10 @@ def print_expert_conversion(model: str, fmt: str, layers: str | None, quiet: boo
     start, end = parse_layers(layers, cfg.num_layers)
     ckpt = open_checkpoint(model, cfg, strict=False)
     ckpt.raise_problems(layers=range(start, end), top=False)
-    want = whole_layers(cfg, range(start, end))
+    ids = parse_experts(share, cfg.num_experts) or (0, cfg.num_experts)
+    want = {i: range(*ids) for i in whole_layers(cfg, range(start, end))}
     copy = prepare_copy(ckpt, fmt, want, progress=not quiet, device=resolve_device(device))
-    experts = len(want) * cfg.num_experts
+    experts = sum(len(r) for r in want.values())
     print(json.dumps({"experts": fmt, "dir": str(copy.root), "layers": f"{start}-{end - 1}", "moe_layers": len(want),
                       "bytes": copy_bytes(cfg, copy.fmt, experts), "bytes_stored": experts * cfg.bytes_per_expert}))
 
@@ -95,6 +98,10 @@ def add_convert_command(sub: argparse._SubParsersAction) -> None:
                    "own layers when it starts in such a mode unless --no-convert")
     p.add_argument("--layers", default=None, metavar="A-B",
                    help="with --experts: decoder layers A to B inclusive, as `plan` prints a stage (default: all)")
+    p.add_argument("--share", default=None, metavar="K/N",
+                   help="with --experts: of every MoE layer only share K of N equal contiguous shares of its experts, "
+                   "or A-B: expert ids A to B inclusive (a wide worker's, as `deltafin download --experts` takes "
+                   "them; default: all)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the matrices are quantized (default auto: a GPU if there is one, many times faster "
                    "than the CPU)")

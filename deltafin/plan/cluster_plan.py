@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from deltafin.plan.compute import ComputeSpeed
 from deltafin.plan.expert_placement import ExpertPlacement
 from deltafin.plan.links import Links
-from deltafin.plan.sizing import Budget, Placement, StageSizing
+from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing
 from deltafin.plan.spine_copies import SpineDisk
 
 GB = 1e9
@@ -246,10 +246,13 @@ class Plan:
         return "\n".join(rows)
 
 
-def stage_placement(w: WorkerCapacity, act_bytes: int) -> Placement:
+def stage_placement(w: WorkerCapacity, act_bytes: int, opts: SizingInput | None = None) -> Placement:
     """Where a worker's stage holds its tensors, as its own stage will: a Mac runs its routed experts on MLX (the
-    package requires MLX on macOS arm64), read in place into MLX slots, so its plan has no landing slots."""
-    return Placement(w.device, act_bytes, "mlx" if w.device == "mps" else "torch")
+    package requires MLX on macOS arm64), read in place into MLX slots, so its plan has no landing slots; not in an
+    expert mode that reads a low-bit copy (`opts.expert_copy`: its experts run one by one, runtime/stage_build.py
+    expert_backend_for)."""
+    mlx = w.device == "mps" and (opts is None or opts.expert_copy is None)
+    return Placement(w.device, act_bytes, "mlx" if mlx else "torch")
 
 
 def _time(seconds: float) -> str:

@@ -13,6 +13,7 @@ Where a worker's speed is not known (an older worker), its compute is left out, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class ComputeSpeed:
                 f"token in a batch; spine GFLOP/s one token/batched: {rates}{spread}")
 
 
+@functools.cache  # (a config is frozen; the predictions ask for each layer of it again and again)
 def layer_flop(cfg: ModelConfig, layer: int) -> float:
     """FLOP a token takes through a layer's spine matrices (2 a weight; vectors and norms left out)."""
     return 2.0 * sum(s.numel for s in cfg.layer_tensor_specs(layer) if len(s.shape) == 2 and min(s.shape) > 1)

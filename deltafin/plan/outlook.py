@@ -12,13 +12,13 @@ from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
-from deltafin.expert_modes import PRESETS, ExpertMode, describe, parse
+from deltafin.expert_modes import ExpertMode, describe, parse
 from deltafin.formats import low_bit_format
 from deltafin.plan.cluster_plan import GB, Plan
 from deltafin.plan.layer_table import align_up
 from deltafin.plan.predict import prompt_forward
 from deltafin.plan.sizing import SizingInput
-from deltafin.plan.sizing_options import expert_read_share, low_bit_ratio
+from deltafin.plan.sizing_options import expert_read_share, low_bit_ratio, mode_presets
 
 Replan = Callable[[SizingInput, float], Plan]  # (options, each worker's memory times this) -> the plan
 
@@ -90,7 +90,7 @@ def expert_modes_line(plan: Plan, cfg: ModelConfig, options: SizingInput, replan
     """A token in every registered mode that reads fewer expert bytes than exact, beside this plan's."""
     exact = replace(options, expert_read_share=1.0)
     parts = []
-    for name in PRESETS:
+    for name in mode_presets():
         share = expert_read_share(cfg, parse(name))
         try:
             other = plan if share == options.expert_read_share else replan(replace(exact, expert_read_share=share),

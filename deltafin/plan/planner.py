@@ -40,7 +40,7 @@ from deltafin.plan.layer_table import model_spines
 from deltafin.plan.least import too_small
 from deltafin.plan.links import Links
 from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
-from deltafin.plan.sizing import SizingInput, StageSizing, choose
+from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, choose
 from deltafin.plan.spine_choice import asked_spine, choose_spine
 from deltafin.plan.stage_parts import expert_slot_bytes
 
@@ -96,7 +96,7 @@ def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], o
     for s in plan.stages:
         w = by_key[s.key]
         wide = {"expert_layers": s.sizing.expert_layers, "expert_share": s.sizing.expert_share} if plan.wide else {}
-        sized.append((s, stage_placement(w, act_bytes), w.budget, replace(opts, disks=w.disks, **wide)))
+        sized.append((s, stage_placement(w, act_bytes, opts), w.budget, replace(opts, disks=w.disks, **wide)))
     context = opts.context or min(longest_context(cfg, s.sizing, place, budget, o) for s, place, budget, o in sized)
     stages = tuple(s if s.sizing.context == context else replace(s, sizing=at_context(cfg, s.sizing, place, o, context))
                    for s, place, _, o in sized)
@@ -139,12 +139,14 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, ac
     per_worker = _wide_options(cfg, workers, opts) if wide else [replace(opts, disks=w.disks) for w in workers]
 
     @cache
-    def size(i: int, a: int, b: int) -> StageSizing | None:
-        w = workers[i]
+    def sized(place: Placement, budget: Budget, o: SizingInput, a: int, b: int) -> StageSizing | None:
         try:
-            return choose(cfg, a, b, stage_placement(w, act_bytes), w.budget, per_worker[i])
+            return choose(cfg, a, b, place, budget, o)
         except SizingError:
             return None
+
+    def size(i: int, a: int, b: int) -> StageSizing | None:  # (workers alike share their stages' plans)
+        return sized(stage_placement(workers[i], act_bytes, opts), workers[i].budget, per_worker[i], a, b)
 
     # best[i][b]: (cost, stages) covering layers [0, b) with the first i workers
     best: list[list[tuple[float, tuple[StagePlan, ...]] | None]] = [[None] * (n + 1) for _ in range(len(workers) + 1)]
@@ -193,7 +195,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         if w.key in {s.key for s in stages} or not per_worker[i].expert_layers:
             continue
         try:
-            z = choose_holder(cfg, stage_placement(w, act_bytes), w.budget, per_worker[i])
+            z = choose_holder(cfg, stage_placement(w, act_bytes, per_worker[i]), w.budget, per_worker[i])
         except SizingError:
             continue
         holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
@@ -213,7 +215,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         layers = m.sizing.expert_layers
         share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
         o = replace(per_worker[index[m.key]], expert_share=share, prefill_chunk=tokens)
-        place = stage_placement(c, act_bytes)
+        place = stage_placement(c, act_bytes, o)
         z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
                                                                                        c.budget, o)
         seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
@@ -237,14 +239,14 @@ def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput,
                 "them")
     if not any(w.has_top for w in workers):
         return "no worker holds the embedding/head shard: the first and last stages need it"
-    held = [(w.name, w.memory_bytes, stage_placement(w, act_bytes), [i for a, b in w.layers for i in range(a, b)],
+    held = [(w.name, w.memory_bytes, stage_placement(w, act_bytes, opts), [i for a, b in w.layers for i in range(a, b)],
              w.has_top, _expert_layers(cfg, w)) for w in workers]
     small = too_small(cfg, held, opts)
     if small is not None:  # not even its smallest stage fits: more workers would not help it
         return small
     biggest = max(workers, key=lambda w: w.memory_bytes)
     try:  # the smallest useful stage on the largest worker: one layer with the embedding
-        choose(cfg, 0, 1, stage_placement(biggest, act_bytes), biggest.budget, opts)
+        choose(cfg, 0, 1, stage_placement(biggest, act_bytes, opts), biggest.budget, opts)
     except SizingError as e:
         return f"the cluster cannot hold the model's working set: on {biggest.name}, {e}"
     return (f"the workers' memory ({', '.join(f'{w.name} {w.memory_bytes / GB:.1f} GB' for w in workers)}) cannot "

@@ -16,8 +16,15 @@ from typing import Any
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import ExpertMode, read_share
-from deltafin.formats import auto_spines, converted_spines, low_bit_format, spine_choices, spine_formats
+from deltafin.expert_modes import PRESETS, ExpertMode, low_bit_presets, read_share
+from deltafin.formats import (
+    auto_spines,
+    converted_spines,
+    low_bit_format,
+    low_bit_formats,
+    spine_choices,
+    spine_formats,
+)
 from deltafin.options import at_least, check_choice, opt
 
 SPECULATIVE_TOKENS = 9  # most tokens one speculative forward verifies: the last one and 8 drafts
@@ -129,6 +136,8 @@ class SizingInput(SizingOptions):
     spill_tokens: int | None = None  # the longest spilled forward, as a plan made elsewhere chose it (`_spill`)
     expert_read_share: float = 1.0  # of exact's routed-expert reads, what the stage's expert mode reads
     # (deltafin/expert_modes.py read_share)
+    expert_copy: str | None = None  # the low-bit format an expert mode reads a copy in: its experts run one by one
+    # (on a Mac not in MLX's one call: cluster_plan.stage_placement)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,3 +203,9 @@ def expert_read_share(cfg: ModelConfig, mode: ExpertMode) -> float:
     """The share of exact's routed-expert bytes a token that `mode` is planned to read, at this model's geometry
     (SizingInput.expert_read_share)."""
     return read_share(mode, low_bit_ratio(cfg, mode.low_bit))
+
+
+def mode_presets() -> tuple[str, ...]:
+    """Every registered expert mode (`--expert-mode all`, `plan`'s outlook, docs/expert-modes.md's table), exact
+    first: expert_modes.PRESETS, then each low-bit expert format's (expert_modes.low_bit_presets)."""
+    return (*PRESETS, *(m for fmt in low_bit_formats() for m in low_bit_presets(fmt)))

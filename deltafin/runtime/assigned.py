@@ -120,8 +120,8 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
         else:
             stage, sizing = None, sizing or holder_sizing(ckpt, device, options, known)
             log.info("expert holder on %s: %s", device, sizing.describe())
-            store = open_experts(ckpt, sizing, options, device, serves, expert_backend_for(cfg, device, options.mode),
-                                 shares)
+            store = open_experts(ckpt, sizing, options, device, shares, expert_backend_for(cfg, device, options.mode),
+                                 progress)
     holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
     if stage is not None:
         stage.set_wide(_wide(cfg, plan, me, store, peers, options.wire == "bf16"))

@@ -136,9 +136,9 @@ class Stage:
         self.spine = self._open_spine(progress)
         self.top = self.spine.top
         self.wide: WideExperts | None = None
-        served = [i for i in self.layers_range if cfg.is_moe(i)] if serves is None else sorted(serves)
-        self.experts = experts or open_experts(ckpt, self.sizing, opts, device, served, self.expert_backend,
-                                               serves if isinstance(serves, Mapping) else None)
+        own = [i for i in self.layers_range if cfg.is_moe(i)]
+        self.experts = experts if experts is not None else open_experts(
+            ckpt, self.sizing, opts, device, own if serves is None else serves, self.expert_backend, progress)
         self.router = mode_router(cfg, opts.mode, getattr(self.experts, "held", None))  # None: exact
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
                  start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),

@@ -214,15 +214,17 @@ class WeightPlacer:
 
 
 def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
-                 layers: Iterable[int], backend: str, shares: Want | None = None) -> ExpertProvider:
+                 layers: Iterable[int] | Want, backend: str,
+                 progress: Callable[[str, float], None] | None = None) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
     `expert_dir`; with `expert_heat_dir`, warmed at start with the experts most used before; in an expert mode that
-    reads a low-bit copy, with the copy of those it serves: `shares`, a wide worker's, else all), or resident (on
-    MLX, or torch)."""
-    cfg, layers, low = ckpt.config, list(layers), options.mode.low_bit
+    reads a low-bit copy, with the copy of what it serves: `layers` by layer, a wide worker's share of each, else
+    all, converted first where missing, `progress` hearing how far), or resident (on MLX, or torch)."""
+    cfg, low = ckpt.config, options.mode.low_bit
+    want = layers if isinstance(layers, Mapping) else whole_layers(cfg, layers)
+    layers = sorted(want)
     if sizing.streaming:
-        copy = prepare_copy(ckpt, low, shares or whole_layers(cfg, layers), convert=options.convert,
-                            device=device) if low else None
+        copy = prepare_copy(ckpt, low, want, convert=options.convert, device=device, report=progress) if low else None
         copies = [open_copy(ckpt, d) for d in options.expert_dir]
         speeds = options.disk_gbps
         if speeds is None and copies:

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltafin.expert_modes import EXACT, PRESETS, ExpertMode
+from deltafin.expert_modes import EXACT, ExpertMode
 from deltafin.expert_modes import parse as parse_mode
+from deltafin.formats import low_bit_formats
 from deltafin.options import (
     CACHE_POLICIES,
     DTYPES,
@@ -35,7 +36,7 @@ from deltafin.options import (
     option_names,
 )
 from deltafin.paths import cache_dir
-from deltafin.plan.sizing_options import SizingInput, SizingOptions, expert_read_share
+from deltafin.plan.sizing_options import SizingInput, SizingOptions, expert_read_share, mode_presets
 
 if TYPE_CHECKING:
     import torch
@@ -93,10 +94,12 @@ class StageOptions:
         "stage hops' states and the wide experts' rows and sums; lossy: its cost in docs/cluster.md, measured like "
         "the spine formats)", choices=WIRES)
     expert_mode: str = opt(
-        EXACT, "how a token's routed experts are chosen: exact (default: the router's top-k), or a lossy mode that "
-        "reads fewer expert bytes: top-p:P (the fewest of the k whose share of the routed weight reaches P), "
-        "cached:M (an expert in memory chosen over one whose score is less than M higher), or both joined by + "
-        f"(e.g. {PRESETS[-1]}); registered: {', '.join(PRESETS[1:])}, each one's cost measured in "
+        EXACT, "how a token's routed experts are chosen and read: exact (default: the router's top-k, as stored), "
+        "or a lossy mode that reads fewer expert bytes: top-p:P (the fewest of the k whose share of the routed "
+        "weight reaches P), cached:M (an expert in memory chosen over one whose score is less than M higher), "
+        f"FORMAT (every expert from its copy in a low-bit format: {', '.join(low_bit_formats())}; converted once), "
+        "FORMAT-tail:P (the copy for a token's light experts not in memory), joined by + "
+        f"(e.g. {mode_presets()[-2]}); registered: {', '.join(mode_presets()[1:])}, each one's cost measured in "
         "docs/expert-modes.md", metavar="MODE")
     convert: bool = opt(
         True, "refuse to start when the plan needs an int8/q4 spine, or the expert mode a low-bit copy of the routed "
@@ -137,7 +140,8 @@ class StageOptions:
         its expert mode reads, and what else the planner `known`s (SizingInput's own fields)."""
         return SizingInput.of(self.sizing, spans=spans, disks=1 + len(self.expert_dir),
                               speculative_tokens=self.speculative_tokens,
-                              expert_read_share=expert_read_share(cfg, self.mode), **known)
+                              expert_read_share=expert_read_share(cfg, self.mode),
+                              expert_copy=self.mode.low_bit, **known)
 
     @property
     def torch_dtype(self) -> torch.dtype:

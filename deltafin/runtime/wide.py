@@ -200,7 +200,7 @@ class WideExperts:
         for layer, ids in guesses:
             if layer not in self._owners or not ids:
                 continue
-            guessed = torch.tensor(list(ids), dtype=torch.long)
+            guessed = torch.tensor(list(ids), dtype=torch.long) % self.cfg.num_experts  # (a copy's id: E + e)
             owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), guessed, tokens).tolist() \
                 if self.prompts is not None and ahead else self._owners[layer][guessed].tolist()
             by_holder: dict[int, list[int]] = {}

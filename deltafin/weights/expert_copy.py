@@ -64,6 +64,7 @@ def layer_file(layer: int) -> str:
 
 
 Want = Mapping[int, range]  # MoE layer -> the expert ids wanted of it
+Report = Callable[[str, float], None]  # (what, the fraction done): a worker's assignment progress
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,11 @@ def whole_layers(cfg: ModelConfig, layers: Iterable[int]) -> Want:
 
 
 def prepare_copy(ckpt: Checkpoint, fmt_name: str, want: Want, *, root: str | Path | None = None,
-                 convert: bool = True, progress: bool = True, device: torch.device | None = None) -> ExpertCopy:
-    """The copy holding the experts `want`ed, converting what is missing (or all, stale) first; without `convert`,
-    or without room on its disk for what is missing, a clear error saying what to do."""
+                 convert: bool = True, progress: bool = True, device: torch.device | None = None,
+                 report: Report | None = None) -> ExpertCopy:
+    """The copy holding the experts `want`ed, converting what is missing (or all, stale) first (`report` hears how
+    far, after each layer); without `convert`, or without room on its disk for what is missing, a clear error saying
+    what to do."""
     fmt = low_bit_format(fmt_name)
     folder = Path(root) if root is not None else default_root(ckpt.model_dir, fmt.name)
     copy = ExpertCopy.open(folder, ckpt.config, fmt)
@@ -163,8 +166,8 @@ def prepare_copy(ckpt: Checkpoint, fmt_name: str, want: Want, *, root: str | Pat
         "process serves are not converted yet"
     if not convert:
         raise DeltafinError(f"--expert-mode reads the routed experts' {fmt.name} copy, and the copy in {folder} is "
-                            f"{state}: run `deltafin convert --model {ckpt.model_dir} --experts {fmt.name}` "
-                            f"({fmt_bytes(need)} a worker serving them all), or leave out --no-convert")
+                            f"{state} ({fmt_bytes(need)}): run `deltafin convert --model {ckpt.model_dir} --experts "
+                            f"{fmt.name}` (every layer's), or leave out --no-convert to convert what it serves")
     free = free_bytes(folder)
     if need + ROOM_MARGIN > free:
         raise DeltafinError(f"--expert-mode reads the routed experts' {fmt.name} copy: {state}, converting them needs "
@@ -172,11 +175,11 @@ def prepare_copy(ckpt: Checkpoint, fmt_name: str, want: Want, *, root: str | Pat
                             f"{fmt_bytes(ROOM_MARGIN)}): free some room, or use an expert mode without a copy")
     log.info("converting %d routed experts of %d layers to %s once, into %s (%s)", count, len(missing), fmt.name,
              folder, fmt_bytes(need))
-    return convert_experts(ckpt, fmt, folder, want, progress=progress, device=device)
+    return convert_experts(ckpt, fmt, folder, want, progress=progress, device=device, report=report)
 
 
-def convert_experts(ckpt: Checkpoint, fmt: WeightFormat, folder: Path, want: Want, *,
-                    progress: bool = True, device: torch.device | None = None) -> ExpertCopy:
+def convert_experts(ckpt: Checkpoint, fmt: WeightFormat, folder: Path, want: Want, *, progress: bool = True,
+                    device: torch.device | None = None, report: Report | None = None) -> ExpertCopy:
     """Convert the experts `want`ed into `folder` (those another process converted meanwhile are skipped; a stale
     folder's files are dropped first). `device`: where the matrices are quantized (a GPU many times faster; the
     same arithmetic)."""
@@ -199,6 +202,8 @@ def convert_experts(ckpt: Checkpoint, fmt: WeightFormat, folder: Path, want: Wan
                 _convert_layer(ckpt, copy, layer, ids, bar.update, device)
                 manifest["layers"][str(layer)] = _merged(before + [(e, e + 1) for e in ids])
                 write_manifest(folder, manifest)
+                if report is not None:
+                    report(f"converting the routed experts to {fmt.name}", bar.done / max(1, total))
         if todo:
             log.info("converted %d routed experts (%s read) in %.1fs into %s", total // ckpt.config.bytes_per_expert,
                      fmt_bytes(total), time.monotonic() - t0, folder)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import EXACT, PRESETS, TOP_P_READS, ExpertMode, least_kept, parse, read_share
+from deltafin.expert_modes import (
+    EXACT,
+    PRESETS,
+    TOP_P_READS,
+    ExpertMode,
+    least_kept,
+    low_bit_presets,
+    parse,
+    read_share,
+)
 
 
 @pytest.mark.parametrize("text, mode", [("exact", ExpertMode()), ("TOP-P:0.80", ExpertMode(0.8)),
@@ -22,8 +31,11 @@ def test_a_mode_reads_back_in_its_one_spelling(text: str, mode: ExpertMode) -> N
 
 
 def test_every_preset_is_in_its_one_spelling() -> None:
-    assert PRESETS[0] == EXACT
-    assert [parse(p).name for p in PRESETS] == list(PRESETS)
+    from deltafin.plan.sizing_options import mode_presets
+
+    assert PRESETS[0] == EXACT and mode_presets()[:len(PRESETS)] == PRESETS
+    assert [parse(p).name for p in mode_presets()] == list(mode_presets())
+    assert "top-p:0.55+q3" in mode_presets() and parse(low_bit_presets("q9")[0]).low_bit == "q9"
 
 
 @pytest.mark.parametrize("text, says", [("top-k:3", "unknown mode"), ("top-p", "needs a number"),
@@ -31,7 +43,7 @@ def test_every_preset_is_in_its_one_spelling() -> None:
                                         ("cached:2", "in (0, 1]"), ("top-p:0.5+top-p:0.6", "one P"),
                                         ("exact:1", "unknown mode"), ("q3+q3-tail:0.5", "one low-bit part"),
                                         ("q3-tail:1", "in (0, 1)"), ("q3-tail:x", "in (0, 1)"),
-                                        ("q-3", "unknown mode")])
+                                        ("q-3", "unknown mode"), ("cached", "needs a number")])
 def test_a_bad_mode_is_refused_naming_the_flag(text: str, says: str) -> None:
     with pytest.raises(DeltafinError, match="--expert-mode") as e:
         parse(text)

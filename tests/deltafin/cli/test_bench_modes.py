@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from deltafin.cli.bench_modes import RoutingTap, frontier_rows, mode_quality, modes_asked
 from deltafin.cli.commands import main
 from deltafin.errors import DeltafinError
-from deltafin.expert_modes import PRESETS, ExpertMode
+from deltafin.expert_modes import ExpertMode
 from deltafin.paths import bundled_model
+from deltafin.plan.sizing_options import mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_modes_asked() -> None:
-    assert modes_asked("all") == list(PRESETS[1:])
+    assert modes_asked("all") == list(mode_presets()[1:])
     assert modes_asked("TOP-P:0.70") == ["top-p:0.7"]
     with pytest.raises(DeltafinError, match="other than exact"):
         modes_asked("exact")

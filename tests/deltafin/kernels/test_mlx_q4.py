@@ -258,3 +258,33 @@ def test_q3_bytes_are_mlxs_3_bit_words_and_run_on_mlx(cols, group, kernels, monk
     ref = torch.nn.functional.linear(x.double(), dequantize_q3(w, torch.float64))
     assert float((linear_mod.linear(x, w).double() - ref).norm() / ref.norm()) < 1e-5
     assert calls == [3]
+
+
+def test_a_stage_reading_the_q3_copy_runs_its_experts_one_by_one_with_the_copy_on_mlx(tiny_dir, kernels,
+                                                                                     monkeypatch):
+    """--kernels mlx in an expert mode with a low-bit copy: the experts run one by one (MLX's one call over a layer
+    takes one format), each copy matrix through MLX's 3-bit quantized matmul, and the logits are the native
+    stage's in that mode (fp32 sums in another order: 1e-4 relative)."""
+    from deltafin.runtime.pipeline import LocalPipeline
+    from deltafin.runtime.stage import SeqInput
+    from deltafin.runtime.stage_options import StageOptions
+
+    ids = torch.tensor([5, 9, 2, 7])
+    options = StageOptions(expert_mode="top-p:0.7+q3").replace(expert_cache_bytes=0, read_threads=2)
+
+    def logits() -> tuple[torch.Tensor, str]:
+        pipe = LocalPipeline.load(tiny_dir, 1, device="cpu", options=options)
+        try:
+            return pipe.forward([SeqInput("s", 0, ids=ids)], all_logits=True)[0].logits, pipe.stages[0].expert_backend
+        finally:
+            pipe.close()
+
+    kernels("native")
+    want, _ = logits()
+    calls = []
+    matmul = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k["bits"]) or matmul(*a, **k))
+    kernels("mlx")
+    got, backend = logits()
+    assert backend == "torch" and calls.count(3) > 0
+    assert float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 1e-4

@@ -78,3 +78,34 @@ def test_wide_holders_compute_the_pairs_an_expert_mode_chose(small_dir):
         wide.close()
         one.close()
         exact.close()
+
+
+def test_wide_holders_read_the_copy_of_their_share(small_dir, tmp_path, monkeypatch):
+    """In q3, each of two wide stages and an expert-only holder converts the copy of its share of every layer (a
+    third of each), and together they give what one process gives in q3 (its resident experts rounded in memory: the
+    same rounding), to the wide path's rounding; not what exact gives."""
+    from deltafin.formats import low_bit_format
+    from deltafin.runtime.pipeline import LocalPipeline
+    from deltafin.runtime.stage_options import StageOptions
+    from deltafin.weights import expert_copy
+    from deltafin.weights.expert_copy import ExpertCopy
+    from tests.support.wide import wide_close
+
+    monkeypatch.setattr(expert_copy, "default_root", lambda model_dir, fmt: tmp_path / fmt)
+    wide = LocalWide(small_dir, 2, holders=1, expert_mode="q3")
+    one = LocalPipeline.load(small_dir, 1, device="cpu", options=StageOptions(expert_mode="q3"))
+    exact = LocalPipeline.load(small_dir, 1, device="cpu")
+    try:
+        copy = ExpertCopy.open(tmp_path / "q3", wide.cfg, low_bit_format("q3"))
+        for layer in wide.cfg.moe_layers:  # every expert converted once, by the worker whose share it is
+            assert copy.written(layer) == [range(wide.cfg.num_experts)]
+            assert [len(wide.placement.share(i, layer)) for i in range(3)] != [0, 0, wide.cfg.num_experts]
+        got = wide.pipeline.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        want = one.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        other = exact.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
+        assert wide_close(got, want)
+        assert float((want - other).abs().max()) > 100 * float((got - want).abs().max())
+    finally:
+        wide.close()
+        one.close()
+        exact.close()
