@@ -36,7 +36,7 @@ from deltafin.cli.flags import (
 )
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
-from deltafin.coordinator.cluster.workers import find_workers, plan_cluster, replanner
+from deltafin.coordinator.cluster.workers import capacities, find_workers, plan_cluster, replanner
 from deltafin.coordinator.engine.engine import Engine, open_engine, planned_stage
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
 from deltafin.coordinator.engine.serving_options import ServingOptions
@@ -176,7 +176,8 @@ async def cmd_plan(args: argparse.Namespace) -> int:
                               "timeouts": dataclasses.asdict(spec.timeouts)}, indent=1))
         else:
             print(plan.table())
-            print("\n".join(mode_lines(cfg, stage.mode, copies)))
+            rooms = {c.name: c.spine_disk.room if c.spine_disk else None for c in capacities(workers, spec.memory_cap)}
+            print("\n".join(mode_lines(cfg, stage.mode, copies, rooms)))
             print("\n".join([*describe_hops(cfg, plan, spec.act_bytes), *more]))
             print(f"timeouts: {spec.timeouts.describe()}")
             print("\n".join(download_commands(plan)))

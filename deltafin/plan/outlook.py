@@ -7,7 +7,7 @@ mode: what it reads, and the low-bit copy each worker converts for it (`mode_lin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
@@ -49,15 +49,22 @@ def outlook(plan: Plan, cfg: ModelConfig, options: SizingInput, replan: Replan) 
     return lines
 
 
-def mode_lines(cfg: ModelConfig, mode: ExpertMode, copies: list[tuple[str, int]]) -> list[str]:
+def mode_lines(cfg: ModelConfig, mode: ExpertMode, copies: list[tuple[str, int]],
+               rooms: Mapping[str, int | None] | None = None) -> list[str]:
     """The expert mode's line (lossy or not, what a token reads), and for a mode that reads a low-bit copy, its bytes
-    on each worker's disk (`copies`: `expert_copies`)."""
+    on each worker's disk (`copies`: `expert_copies`), against the room its cache directory's disk has where known
+    (`rooms`: a worker's name -> bytes a conversion may write there)."""
     lines = [describe(mode, low_bit_ratio(cfg, mode.low_bit))]
     on_disk = [(name, n) for name, n in copies if n]
     if on_disk:
+        def room(name: str, n: int) -> str:
+            free = (rooms or {}).get(name)
+            return "" if free is None or free >= n else f" (its disk has {free / GB:.1f} GB free: too little, it " \
+                "will refuse to start unless what it lacks is converted already)"
+
         lines.append(f"its {mode.low_bit} copy of the routed experts, converted once on each worker's disk as it "
                      f"starts (checked for room; `deltafin convert --experts {mode.low_bit}` does it ahead of time): "
-                     + ", ".join(f"{name} {n / GB:.1f} GB" for name, n in on_disk))
+                     + ", ".join(f"{name} {n / GB:.1f} GB{room(name, n)}" for name, n in on_disk))
     if len(on_disk) < len(copies):
         lines.append(f"resident experts are rounded to {mode.low_bit} in memory as first used, and kept beside them")
     return lines

@@ -57,3 +57,29 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     asked = replan(SizingInput(context=65536), 1.0)
     assert [x.split(" (")[0] for x in outlook(asked, k3, SizingInput(context=65536), replan)] == [
         "with twice the memory on every worker", "a token in each expert mode"]
+
+
+def test_plan_shows_a_copy_mode_and_each_workers_copy_against_its_room(k3):
+    """In q3 each worker converts its own layers' experts (local) or its share of every layer's (wide): a K3 expert
+    is 13.4 MB in q3 (three [3072, 3584]-sized matrices at 3 bits and an fp16 scale and bias a 128), aligned to 4 KiB;
+    a worker whose disk has too little room is named."""
+    from deltafin.plan.outlook import expert_copies, mode_lines
+    from deltafin.plan.sizing_options import expert_read_share
+
+    mode = parse("top-p:0.55+q3")
+    each = 3 * (3072 * 3584 * 3 // 8 + 4 * 3072 * 3584 // 128)
+    each += -each % 4096
+    assert expert_copies(k3, parse("top-p:0.55"), None) == []  # type: ignore[arg-type]  # no copy: nothing asked
+    macs = [WorkerCapacity(f"mac{i}", 56 * GB, 6.6, ((0, 93),), True, device="mps", worker_id=f"m{i}",
+                           compute=assumed_gpu(k3, 400.0, 10.0)) for i in range(2)]
+    options = SizingInput(expert_copy="q3", expert_read_share=expert_read_share(k3, mode))
+    local = plan_layers(k3, macs, options)
+    wide = plan_layers(k3, macs, options, experts="wide")
+    for plan in (local, wide):
+        copies = expert_copies(k3, mode, plan)
+        assert sum(n for _, n in copies) == 92 * 896 * each  # every expert once, over the workers
+    assert [n for _, n in expert_copies(k3, mode, local)] == [
+        sum(k3.is_moe(i) for i in range(s.start, s.end)) * 896 * each for s in local.stages]
+    lines = mode_lines(k3, mode, expert_copies(k3, mode, wide), {"mac0": 10 * GB, "mac1": None})
+    assert "top-p:0.55+q3 (lossy" in lines[0] and f"{expert_read_share(k3, mode):.3f} of exact's" in lines[0]
+    assert "mac0" in lines[1] and "10.0 GB free: too little" in lines[1] and lines[1].count("too little") == 1

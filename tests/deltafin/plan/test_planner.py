@@ -152,3 +152,18 @@ def test_local_experts_plan_as_before(k3):
     assert plan_layers(k3, ws) == plan_layers(k3, ws, experts="local")
     with pytest.raises(PlanError, match="wide or local"):
         plan_layers(k3, ws, experts="sideways")
+
+
+def test_a_mac_in_a_mode_with_a_copy_plans_its_experts_one_by_one(k3):
+    """A Mac runs its routed experts in MLX's one call, read in place into MLX slots (no landing slots), except in an
+    expert mode that reads a low-bit copy: its stage runs them one by one (runtime/stage_build.expert_backend_for),
+    so the plan places them as the stage will, with landing slots, and still fits the budget."""
+    from deltafin.plan.cluster_plan import stage_placement
+
+    mac = WorkerCapacity("mac", 56 * GB, 6.6, ((0, 93),), True, device="mps")
+    copy = SizingInput(expert_copy="q3", expert_read_share=0.5)
+    assert stage_placement(mac, 4).experts == "mlx" and stage_placement(mac, 4, copy).experts == "torch"
+    assert stage_placement(_w("linux", 56), 4, copy).experts == "torch"
+    fused, one_by_one = (plan_layers(k3, [mac], options=o).stages[0].sizing for o in (SizingInput(), copy))
+    assert fused.expert_landing == 0 < one_by_one.expert_landing
+    assert one_by_one.total <= 56 * GB
