@@ -233,6 +233,8 @@ def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, d
                                                     for c, g in zip((ckpt, *copies), speeds, strict=True)))
         demand_layers = 2 if sizing.wide and not sizing.holder_only else 1
         heat = ExpertHeat.for_checkpoint(options.expert_heat_dir, ckpt) if options.expert_heat_dir else None
+        if heat is not None and low and options.mode.low_tail is None:
+            heat.warm_ids_from = cfg.num_experts  # every expert is read from its copy: warm the copies
         return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
                            threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,

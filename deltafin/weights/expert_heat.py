@@ -143,6 +143,7 @@ class ExpertHeat:
         shape = (len(self.rows), cfg.num_experts)
         self.counts = found[1] if found is not None else np.zeros(shape, np.int64)  # the file's, as last read
         self.new = np.zeros(shape, np.int64)  # uses counted since the last save
+        self.warm_ids_from = 0  # the ids the hottest are warmed as: an expert mode reading every expert's copy, E
         self._lock = threading.Lock()  # the counts (the store's compute threads count, the saver reads)
         self._saving = threading.Lock()  # one save at a time: the saver thread's or close's
         self._stop = threading.Event()
@@ -172,7 +173,8 @@ class ExpertHeat:
 
     def hottest(self, layers: Iterable[int], limit: int) -> list[tuple[Key, float]]:
         """The `limit` most used experts of `layers` (ever used only), hottest first (ties: lower layer, lower id),
-        each with its weight for the cache's policy: 1 + its count over the hottest's, in (1, 2]."""
+        each with its weight for the cache's policy: 1 + its count over the hottest's, in (1, 2]; their ids from
+        `warm_ids_from` (a copy's, where an expert mode reads only those)."""
         rows = sorted(layer for layer in set(layers) if layer in self.rows)
         if not rows or limit <= 0:
             return []
@@ -181,7 +183,8 @@ class ExpertHeat:
         order = np.argsort(-flat, kind="stable")[:limit]
         order = order[flat[order] > 0]
         top = float(flat[order[0]]) if len(order) else 1.0
-        return [((rows[i // counts.shape[1]], int(i % counts.shape[1])), 1.0 + float(flat[i]) / top) for i in order]
+        width = counts.shape[1]
+        return [((rows[i // width], self.warm_ids_from + int(i % width)), 1.0 + float(flat[i]) / top) for i in order]
 
     def save(self) -> bool:
         """Add what was counted since the last save to the file (another store's counts in it stay), halve the rows

@@ -275,3 +275,28 @@ def test_a_warming_read_queues_behind_every_demand_read_and_guess_of_any_layer(t
     finally:
         gate.set()
         disks.close()
+
+
+def test_a_mode_reading_every_experts_copy_warms_the_copies(small_dir, tmp_path, monkeypatch):
+    """In q3 a store reads only copies (ids E + e): its warming reads the hottest experts' copies, so that the first
+    forward hits them; the heat counts a copy's use as its expert's."""
+    from deltafin.weights import expert_copy
+
+    monkeypatch.setattr(expert_copy, "default_root", lambda model_dir, fmt: tmp_path / fmt)
+    heat_dir, slots = tmp_path / "heat", 300
+    options = _options(small_dir, slots, heat_dir).replace(expert_mode="q3")
+    first = LocalPipeline.load(small_dir, 1, device="cpu", options=options)
+    try:
+        first.forward([SeqInput("a", 0, ids=IDS[:4])])
+        e_count = first.config.num_experts
+        used = {key for key in first.stages[0].experts.cache.entries}
+        assert used and all(e >= e_count for _, e in used)
+    finally:
+        first.close()
+    again = LocalPipeline.load(small_dir, 1, device="cpu", options=options)
+    try:
+        store = again.stages[0].experts
+        assert store.warmer is not None and store.warmer.done.wait(30)
+        assert set(store.cache.entries) == used  # the same copies, warmed
+    finally:
+        again.close()
