@@ -17,7 +17,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.diskspeed import expert_read_speed
 from deltafin.weights.expert_cache import simulate
 from deltafin.weights.expert_trace import ExpertRecorder
-from deltafin.weights.reader import ShardFiles, SlotPool, plan_read
+from deltafin.weights.reader import ReadPlan, ShardFiles, SlotPool
 from deltafin.weights.tensors import expert_views
 
 GB = 1e9
@@ -426,7 +426,7 @@ def _replay(pipe: Any, stage: Any, prompt_ids: torch.Tensor, inputs: list[torch.
     layer's experts are read when it asks (one layer's worth in memory at a time, so this holds at full
     scale), that read's time and the streamed spine's wait are subtracted. Median over tokens."""
     original, options = stage.experts, stage.options
-    loading = _LoadedOnDemand(stage)
+    loading = _LoadedOnDemand(stage, original.readers.plan)
     try:
         pipe.forward([SeqInput("replay", 0, ids=prompt_ids)])  # untimed, streamed as before: the same caches
         stage.experts, stage.options = loading, dataclasses.replace(options, prefetch=False)
@@ -445,10 +445,10 @@ def _replay(pipe: Any, stage: Any, prompt_ids: torch.Tensor, inputs: list[torch.
 
 class _LoadedOnDemand:
     """An expert provider that reads a layer's experts when the layer asks (direct I/O into its own slots, as
-    the store reads), and counts the time it took."""
+    the store reads: `where` finds an expert, a low-bit copy's too), and counts the time it took."""
 
-    def __init__(self, stage: Any):
-        self.stage = stage
+    def __init__(self, stage: Any, where: Callable[[tuple[int, int]], tuple[Any, ReadPlan]]):
+        self.stage, self.where = stage, where
         self.files = ShardFiles(stage.options.io)
         self.pool = SlotPool(stage.cfg.experts_per_token, expert_slot_bytes(stage.cfg))
         self.seconds = 0.0
@@ -459,10 +459,10 @@ class _LoadedOnDemand:
             t0 = time.perf_counter()
             batch = []
             for slot, e in enumerate(ids[start:start + self.pool.count]):
-                plan = plan_read(self.stage.ckpt.expert(layer, e))
+                plan = self.where((layer, e))[1]
                 self.files.read_into(plan, self.pool.memory(slot))
                 w = expert_views(self.stage.cfg, plan.tensors, torch.frombuffer(self.pool.memory(slot),
-                                                                                 dtype=torch.uint8))
+                                                                                 dtype=torch.uint8), fmt=plan.fmt)
                 batch.append((e, ExpertWeights(w.w1.to(dev), w.w2.to(dev), w.w3.to(dev))))
             synchronize(dev)
             self.seconds += time.perf_counter() - t0

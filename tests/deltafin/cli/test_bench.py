@@ -24,6 +24,21 @@ def test_bench_decode_json_on_tiny(tiny_dir):
     assert r["cache_experts"] == 100_000 // expert_slot_bytes(load_config(tiny_dir)) and r["prefill_hit_rate"] == 0
 
 
+def test_bench_decode_in_a_mode_with_a_copy_reads_fewer_bytes(tiny_dir, tmp_path, monkeypatch):
+    """A decode in q3 streams the copy (converted first, here into a folder of the test's) and reads fewer expert
+    bytes a token than exact with the same cache; its t_compute replay reads the copy too."""
+    from deltafin.cli.bench import bench_decode
+    from deltafin.weights import expert_copy
+
+    monkeypatch.setattr(expert_copy, "default_root", lambda model_dir, fmt: tmp_path / fmt)
+    runs = {mode: bench_decode(tiny_dir, tokens=3, prompt=2, device="cpu", measure_disk=False,
+                               options=StageOptions(expert_mode=mode, prefetch=False,
+                                                    sizing=SizingOptions(expert_cache_bytes=0, read_threads=2)))
+            for mode in ("exact", "q3")}
+    assert (tmp_path / "q3" / "manifest.json").is_file() and runs["q3"]["t_compute_s"] > 0
+    assert 0 < runs["q3"]["expert_bytes_read_per_token"] < runs["exact"]["expert_bytes_read_per_token"]
+
+
 def test_bench_heat_reports_the_hit_rate_without_and_with_the_remembered_heat(small_dir, tmp_path, monkeypatch):
     """The first run starts with an empty cache, so its prompt hits nothing; the second warms its cache from the
     first's heat (in a folder of the benchmark's own: the user's cache directory is left alone) before timing."""
