@@ -4,6 +4,7 @@
 //   bf16      spine as stored (bf16 -> fp32 is exact: a 16-bit shift)
 //   row-int8  spine with --spine int8: int8 q[r, c] and an fp32 scale per row
 //   q4        spine with --spine q4: MLX's affine 4-bit, packed[r, c/2] + fp16 scales and biases [r, c/64]
+//   q3        the routed experts' 3-bit copy: MLX's affine 3-bit, packed[r, 3c/8] + fp16 scales, biases [r, c/G]
 // Activations stay fp32 (no int8 rounding of x, unlike llama.cpp's Q8_0 path), so results equal a dense
 // fp32 product up to summation order. Up to 4 tokens share one pass over W (each weight vector is decoded
 // once); callers use BLAS for larger batches. Memory-bound by design: the goal is W's bytes at DRAM speed.
@@ -641,5 +642,53 @@ void deltafin_q4_decode(const uint8_t *packed, const uint16_t *scales, const uin
             }
 #endif
         }
+    }
+}
+
+
+// ---- q3: the routed experts' 3-bit copy (deltafin/formats/q3.py) -----------------------------------------------
+// MLX's affine 3-bit layout: a row's codes are one little-endian bit stream (8 codes in 3 bytes), and a group of
+// `group` values (32, 64 or 128) has an fp16 scale and bias: W = code * scale + bias. A group's codes are decoded
+// once into fp32 and dotted with each token's x (up to 32 tokens); the bias term takes the group's x sum (xsum
+// [ntok, cols/group], the caller's). Codes are exact in fp32, so y equals the decoded product up to summation order.
+static void q3_codes(const uint8_t *p, int64_t group, float *c) {
+    for (int64_t w = 0; w < group / 8; ++w) {
+        const uint32_t v = (uint32_t)p[3 * w] | (uint32_t)p[3 * w + 1] << 8 | (uint32_t)p[3 * w + 2] << 16;
+        for (int k = 0; k < 8; ++k) c[8 * w + k] = (float)((v >> (3 * k)) & 7u);
+    }
+}
+
+static float q3_dot(const float *c, const float *x, int64_t n) {
+#if defined(VLEN)
+    VEC a = VZERO(), b = VZERO();
+    int64_t i = 0;
+    for (; i + 2 * VLEN <= n; i += 2 * VLEN) {
+        a = VFMA(VLOAD(c + i), VLOAD(x + i), a);
+        b = VFMA(VLOAD(c + i + VLEN), VLOAD(x + i + VLEN), b);
+    }
+    for (; i + VLEN <= n; i += VLEN) a = VFMA(VLOAD(c + i), VLOAD(x + i), a);
+    float sum = VSUM(VADD(a, b));
+#else
+    float sum = 0.0f;
+    int64_t i = 0;
+#endif
+    for (; i < n; ++i) sum += c[i] * x[i];
+    return sum;
+}
+
+void deltafin_q3_matmul(const uint8_t *packed, const uint16_t *scales, const uint16_t *biases, const float *x,
+                        const float *xsum, float *y, int64_t rows, int64_t cols, int64_t group, int64_t ntok,
+                        int64_t r0, int64_t r1) {
+    const int64_t G = cols / group, row_bytes = cols / 8 * 3;
+    float c[128];
+    for (int64_t r = r0; r < r1; ++r) {
+        float acc[32] = {0.0f};
+        for (int64_t g = 0; g < G; ++g) {
+            q3_codes(packed + r * row_bytes + g * (group / 8 * 3), group, c);
+            const float sc = f16_to_f32(scales[r * G + g]), bi = f16_to_f32(biases[r * G + g]);
+            for (int64_t t = 0; t < ntok; ++t)
+                acc[t] += sc * q3_dot(c, x + t * cols + g * group, group) + bi * xsum[t * G + g];
+        }
+        for (int64_t t = 0; t < ntok; ++t) y[t * rows + r] = acc[t];
     }
 }

@@ -1,4 +1,4 @@
-"""CPU fast paths: the C kernels of cpu.c (MXFP4, bf16, row-int8 and q4 weights times fp32 activations),
+"""CPU fast paths: the C kernels of cpu.c (MXFP4, bf16, row-int8, q4 and q3 weights times fp32 activations),
 built at first use with the system compiler and called through ctypes, which releases the GIL, on row
 blocks in parallel threads.
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin import paths
-from deltafin.kernels.quant import Q4_GROUP, Int8Weight, MXFP4Weight, Q4Weight
+from deltafin.kernels.quant import Q4_GROUP, Int8Weight, MXFP4Weight, Q3Weight, Q4Weight, q3_linear_reference
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def load_library(arch: list[str] | None = None) -> ctypes.CDLL:
     for name, args in (("deltafin_mxfp4_matmul", [p] * 4 + [i] * 5), ("deltafin_mxfp4_decode", [p] * 3 + [i] * 4),
                        ("deltafin_bf16_matmul", [p] * 3 + [i] * 5), ("deltafin_int8_matmul", [p] * 4 + [i] * 5),
                        ("deltafin_q4_prepare", [p] * 3 + [i] * 2), ("deltafin_q4_matmul", [p] * 6 + [i] * 5),
-                       ("deltafin_q4_decode", [p] * 4 + [i] * 4)):
+                       ("deltafin_q4_decode", [p] * 4 + [i] * 4), ("deltafin_q3_matmul", [p] * 6 + [i] * 6)):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
     lib.deltafin_isa.restype = ctypes.c_int
@@ -91,7 +91,8 @@ def load_library(arch: list[str] | None = None) -> ctypes.CDLL:
 
 
 class CPUKernels:
-    """y = x @ W.T on the CPU for MXFP4 (`__call__`), bf16 (`bf16`), row-int8 (`int8`) and q4 (`q4`) weights."""
+    """y = x @ W.T on the CPU for MXFP4 (`__call__`), bf16 (`bf16`), row-int8 (`int8`), q4 (`q4`) and q3 (`q3`)
+    weights."""
 
     def __init__(self, lib: ctypes.CDLL, threads: int | None = None):
         self.lib = lib
@@ -189,6 +190,22 @@ class CPUKernels:
             y = torch.empty(ntok, rows, dtype=torch.float32)
             self._rows(self.lib.deltafin_q4_matmul, rows, cols, packed.data_ptr(), scales.data_ptr(),
                        biases.data_ptr(), xp.data_ptr(), xsum.data_ptr(), y.data_ptr(), rows, cols, ntok)
+        return y.view(*x.shape[:-1], rows).to(x.dtype)
+
+    def q3(self, x: torch.Tensor, w: Q3Weight) -> torch.Tensor:
+        """fp32 activations times a q3 matrix (the experts' 3-bit copy), without converting W; more tokens than the
+        kernel takes go through the reference (W decoded once, BLAS)."""
+        rows, cols = w.shape
+        xf = self._tokens(x, cols)
+        ntok = xf.shape[0]
+        if ntok > _KERNEL_MAX_TOKENS:
+            return q3_linear_reference(x.float(), w).to(x.dtype)
+        group = w.group
+        packed, scales, biases = w.packed.contiguous(), w.scales.contiguous(), w.biases.contiguous()
+        xsum = xf.view(ntok, cols // group, group).sum(-1).contiguous()
+        y = torch.empty(ntok, rows, dtype=torch.float32)
+        self._rows(self.lib.deltafin_q3_matmul, rows, cols, packed.data_ptr(), scales.data_ptr(), biases.data_ptr(),
+                   xf.data_ptr(), xsum.data_ptr(), y.data_ptr(), rows, cols, group, ntok)
         return y.view(*x.shape[:-1], rows).to(x.dtype)
 
     def q4_decode(self, w: Q4Weight, r0: int, r1: int) -> torch.Tensor:

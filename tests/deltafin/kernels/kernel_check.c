@@ -1,7 +1,7 @@
 // The CPU kernels of deltafin/kernels/cpu.c against a float64 reference, as a program: built for this CPU or
 // cross-built for another (aarch64 NEON, run under qemu-aarch64) by tests/deltafin/kernels/test_cpu.py.
 //   cc -O2 [ISA flags] -I deltafin/kernels tests/deltafin/kernels/kernel_check.c -lm && ./a.out
-// Prints the ISA and the worst relative L2 error of each format (MXFP4, bf16, row-int8, q4); exits 0 when every
+// Prints the ISA and the worst relative L2 error of each format (MXFP4, bf16, row-int8, q4, q3); exits 0 when every
 // one is below 1e-5 (fp32 sums of up to 4160 exact products: about sqrt(4160) * 2^-24 = 3.8e-6 when summed in a
 // plain loop), q4's decode for BLAS included.
 
@@ -120,6 +120,40 @@ static double check_q4(int64_t rows, int64_t cols, int64_t ntok) {
     return err;
 }
 
+// q3 (MLX's affine 3-bit: 8 codes in 3 bytes, little-endian; groups of 32, 64 or 128): random bytes, scales and
+// biases as q4's, through deltafin_q3_matmul, against W = code * scale + bias in double, a code read bit by bit.
+static double check_q3(int64_t rows, int64_t cols, int64_t group, int64_t ntok) {
+    const int64_t G = cols / group, row_bytes = cols / 8 * 3;
+    float *x = malloc(sizeof(float) * ntok * cols), *y = malloc(sizeof(float) * ntok * rows);
+    float *xsum = calloc(ntok * G, sizeof(float));
+    double *want = calloc(ntok * rows, sizeof(double));
+    uint8_t *packed = malloc(rows * row_bytes);
+    uint16_t *scales = malloc(sizeof(uint16_t) * rows * G), *biases = malloc(sizeof(uint16_t) * rows * G);
+    for (int64_t i = 0; i < ntok * cols; ++i) x[i] = next_f();
+    for (int64_t i = 0; i < rows * row_bytes; ++i) packed[i] = (uint8_t)next_u32();
+    for (int64_t i = 0; i < rows * G; ++i) scales[i] = random_half(0, 14), biases[i] = random_half(8, 15);
+    for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t c = 0; c < cols; ++c) xsum[t * G + c / group] += x[t * cols + c];
+    for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t r = 0; r < rows; ++r) {
+            double acc = 0;
+            for (int64_t c = 0; c < cols; ++c) {
+                int code = 0;
+                for (int k = 0; k < 3; ++k) {
+                    const int64_t bit = 3 * c + k;
+                    code |= ((packed[r * row_bytes + bit / 8] >> (bit % 8)) & 1) << k;
+                }
+                acc += (code * half_to_double(scales[r * G + c / group]) + half_to_double(biases[r * G + c / group]))
+                       * x[t * cols + c];
+            }
+            want[t * rows + r] = acc;
+        }
+    deltafin_q3_matmul(packed, scales, biases, x, xsum, y, rows, cols, group, ntok, 0, rows);
+    const double err = rel_err(y, want, ntok * rows);
+    free(x); free(y); free(xsum); free(want); free(packed); free(scales); free(biases);
+    return err;
+}
+
 int main(void) {
     static const int64_t shapes[][3] = {{96, 256, 1}, {64, 512, 3}, {40, 160, 5}, {13, 96, 4}, {300, 3584, 1}};
     static const char *names[3] = {"mxfp4", "bf16", "int8"};
@@ -136,8 +170,15 @@ int main(void) {
         double e = check_q4(q4_shapes[i][0], q4_shapes[i][1], q4_shapes[i][2]);
         if (e > worst_q4) worst_q4 = e;
     }
+    // q3: each group size, rows of 1 to 28 groups, 1 to 5 tokens (K3's rows: 3584 = 28 x 128)
+    static const int64_t q3_shapes[][4] = {{96, 256, 128, 1}, {13, 96, 32, 4}, {21, 3584, 128, 1}, {40, 192, 64, 5}};
+    double worst_q3 = 0;
+    for (unsigned i = 0; i < sizeof(q3_shapes) / sizeof(q3_shapes[0]); ++i) {
+        double e = check_q3(q3_shapes[i][0], q3_shapes[i][1], q3_shapes[i][2], q3_shapes[i][3]);
+        if (e > worst_q3) worst_q3 = e;
+    }
     printf("isa %d", deltafin_isa());
     for (int f = 0; f < 3; ++f) printf(" %s %.3g", names[f], worst[f]);
-    printf(" q4 %.3g\n", worst_q4);
-    return worst[0] < 1e-5 && worst[1] < 1e-5 && worst[2] < 1e-5 && worst_q4 < 1e-5 ? 0 : 1;
+    printf(" q4 %.3g q3 %.3g\n", worst_q4, worst_q3);
+    return worst[0] < 1e-5 && worst[1] < 1e-5 && worst[2] < 1e-5 && worst_q4 < 1e-5 && worst_q3 < 1e-5 ? 0 : 1;
 }
