@@ -3,8 +3,9 @@ row (fewer where a row is no whole number of them: 64, then 32), each group with
 affine 3-bit layout), about 0.77 of MXFP4's bytes at K3's geometry. Lossy: an expert mode reads it (`--expert-mode
 q3` for every expert, `q3-tail:P` for a token's light experts when they are not in memory exactly;
 deltafin/expert_modes.py), never the default. Converted once per worker's layers (weights/expert_copy.py).
-kernels/quant.py holds the weight (`Q3Weight`), its rounding and the reference product (decoded on the device:
-the CPU's, CUDA's and MPS's path), MLX's quantized matmul its fast path (kernels/mlx_q4.py)."""
+kernels/quant.py holds the weight (`Q3Weight`), its rounding and the reference product (the matrix decoded on the
+device as it is used: CUDA's and MPS's path); the CPU's fast path is cpu.c's q3 kernel, MLX's its quantized matmul
+(kernels/mlx_q4.py)."""
 
 from __future__ import annotations
 

@@ -651,10 +651,17 @@ void deltafin_q4_decode(const uint8_t *packed, const uint16_t *scales, const uin
 // `group` values (32, 64 or 128) has an fp16 scale and bias: W = code * scale + bias. A group's codes are decoded
 // once into fp32 and dotted with each token's x (up to 32 tokens); the bias term takes the group's x sum (xsum
 // [ntok, cols/group], the caller's). Codes are exact in fp32, so y equals the decoded product up to summation order.
+static float kQ3Codes[4096][4];  // 12 bits -> their 4 codes as fp32: a 3-byte word's 8 codes in two lookups
+__attribute__((constructor)) static void init_q3_codes(void) {
+    for (int v = 0; v < 4096; ++v)
+        for (int k = 0; k < 4; ++k) kQ3Codes[v][k] = (float)((v >> (3 * k)) & 7);
+}
+
 static void q3_codes(const uint8_t *p, int64_t group, float *c) {
     for (int64_t w = 0; w < group / 8; ++w) {
         const uint32_t v = (uint32_t)p[3 * w] | (uint32_t)p[3 * w + 1] << 8 | (uint32_t)p[3 * w + 2] << 16;
-        for (int k = 0; k < 8; ++k) c[8 * w + k] = (float)((v >> (3 * k)) & 7u);
+        memcpy(c + 8 * w, kQ3Codes[v & 0xFFF], 4 * sizeof(float));
+        memcpy(c + 8 * w + 4, kQ3Codes[v >> 12], 4 * sizeof(float));
     }
 }
 
