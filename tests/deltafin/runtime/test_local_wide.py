@@ -57,18 +57,18 @@ def test_a_wide_stage_counts_as_its_compute_only_its_own_waits(small_dir):
         wide.close()
 
 
-def test_wide_holders_compute_the_pairs_an_expert_mode_chose(small_dir):
-    """In top-p, two wide stages (each holding half of every layer's experts) give what one process gives in the
-    same mode, to the wide path's rounding, and not what exact gives: the owner routes, every holder computes the
-    pairs it chose (the weight-0 pads add exact zeros wherever they run)."""
+def _wide_is_one_process_in(model, mode: str, wide: LocalWide, check=None) -> None:
+    """`wide` gives what one process gives in `mode`, to the wide path's rounding, and not what exact gives (`check`
+    first, on the wide cluster: what else it must have done)."""
     from deltafin.runtime.pipeline import LocalPipeline
     from deltafin.runtime.stage_options import StageOptions
     from tests.support.wide import wide_close
 
-    wide = LocalWide(small_dir, 2, expert_mode="top-p:0.5")
-    one = LocalPipeline.load(small_dir, 1, device="cpu", options=StageOptions(expert_mode="top-p:0.5"))
-    exact = LocalPipeline.load(small_dir, 1, device="cpu")
+    one = LocalPipeline.load(model, 1, device="cpu", options=StageOptions(expert_mode=mode))
+    exact = LocalPipeline.load(model, 1, device="cpu")
     try:
+        if check is not None:
+            check(wide)
         got = wide.pipeline.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
         want = one.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
         other = exact.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
@@ -78,6 +78,13 @@ def test_wide_holders_compute_the_pairs_an_expert_mode_chose(small_dir):
         wide.close()
         one.close()
         exact.close()
+
+
+def test_wide_holders_compute_the_pairs_an_expert_mode_chose(small_dir):
+    """In top-p, two wide stages (each holding half of every layer's experts) give what one process gives in the
+    same mode, to the wide path's rounding, and not what exact gives: the owner routes, every holder computes the
+    pairs it chose (the weight-0 pads add exact zeros wherever they run)."""
+    _wide_is_one_process_in(small_dir, "top-p:0.5", LocalWide(small_dir, 2, expert_mode="top-p:0.5"))
 
 
 def test_wide_holders_read_the_copy_of_their_share(small_dir, tmp_path, monkeypatch):
@@ -85,27 +92,15 @@ def test_wide_holders_read_the_copy_of_their_share(small_dir, tmp_path, monkeypa
     third of each), and together they give what one process gives in q3 (its resident experts rounded in memory: the
     same rounding), to the wide path's rounding; not what exact gives."""
     from deltafin.formats import low_bit_format
-    from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage_options import StageOptions
     from deltafin.weights import expert_copy
     from deltafin.weights.expert_copy import ExpertCopy
-    from tests.support.wide import wide_close
 
     monkeypatch.setattr(expert_copy, "default_root", lambda model_dir, fmt: tmp_path / fmt)
-    wide = LocalWide(small_dir, 2, holders=1, expert_mode="q3")
-    one = LocalPipeline.load(small_dir, 1, device="cpu", options=StageOptions(expert_mode="q3"))
-    exact = LocalPipeline.load(small_dir, 1, device="cpu")
-    try:
+
+    def converted_once(wide: LocalWide) -> None:  # every expert converted once, by the worker whose share it is
         copy = ExpertCopy.open(tmp_path / "q3", wide.cfg, low_bit_format("q3"))
-        for layer in wide.cfg.moe_layers:  # every expert converted once, by the worker whose share it is
+        for layer in wide.cfg.moe_layers:
             assert copy.written(layer) == [range(wide.cfg.num_experts)]
             assert [len(wide.placement.share(i, layer)) for i in range(3)] != [0, 0, wide.cfg.num_experts]
-        got = wide.pipeline.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
-        want = one.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
-        other = exact.forward([SeqInput("m", 0, ids=IDS)], all_logits=True)[0].logits
-        assert wide_close(got, want)
-        assert float((want - other).abs().max()) > 100 * float((got - want).abs().max())
-    finally:
-        wide.close()
-        one.close()
-        exact.close()
+
+    _wide_is_one_process_in(small_dir, "q3", LocalWide(small_dir, 2, holders=1, expert_mode="q3"), converted_once)
