@@ -103,10 +103,11 @@ def bench_workload(model: str | Path, workloads: list[str], tokens: int, device:
 def _mode(model: str | Path, device: str, cache: int, mode: str, prompts: tuple[str, ...], tokens: int,
           pass_cost: str, expert_mode: str) -> dict[str, Any]:
     """The prompts answered in one drafting mode by a fresh engine with an expert cache of `cache` bytes (its kept
-    prefixes in a folder of its own: no earlier run's states)."""
+    prefixes in a folder of its own, and no remembered heat: no earlier run's states)."""
     with tempfile.TemporaryDirectory() as kept, \
             deltafin.load(model, device, progress=False, speculative=mode if mode != "plain" else "none",
-                          expert_cache_gb=cache / GB, prefix_dir=kept, expert_mode=expert_mode) as m:
+                          expert_cache_gb=cache / GB, prefix_dir=kept, expert_mode=expert_mode,
+                          expert_heat=False) as m:
         if pass_cost == "reads":
             m.engine.price_passes(reads_cost(m.engine.cfg.num_experts, m.engine.cfg.experts_per_token))
         return _drafting(m, prompts, tokens)
@@ -227,7 +228,7 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
     """Feed each answer back one token at a time through a streaming stage; the routing trace it records."""
     cfg = load_config(model)
     all_experts = len(cfg.moe_layers) * cfg.num_experts
-    options = options or StageOptions()
+    options = (options or StageOptions()).replace(expert_heat_dir=None)  # no remembered heat, as the engines'
     if options.sizing.expert_cache_bytes is None:
         options = options.replace(expert_cache_bytes=cache_bytes(cfg, cache_share))
     pipe = LocalPipeline.load(model, 1, device=device, options=options)

@@ -313,6 +313,11 @@ class Warmer:
         with self.reads.lock:
             self._reading -= 1
 
+    def stop(self) -> None:
+        """Start no more warming reads (those in flight still land): a prompt's read-ahead takes the cache's room,
+        and every expert of its layers passes through anyway. Never waits (callers hold the store's lock)."""
+        self._stop.set()
+
     def close(self) -> None:
         """End the warming (the store closes): no read is started after this returns."""
         self._stop.set()

@@ -127,6 +127,8 @@ class ExpertStore(CacheLoan):
         with self._lock:
             most = 2 * self.cfg.experts_per_token
             if ahead:  # every slot but the cache's and those kept for demand reads and readers (working_slots)
+                if self.warmer is not None:
+                    self.warmer.stop()  # else it refills the room evicted below, and the demand reads find none
                 wanted = sum((layer, e) not in self.cache.entries and (layer, e) not in self._staged
                              and (layer, e) not in self._pending for e in ids)
                 need = len(self._staged) + self.reads.reading() + wanted

@@ -300,3 +300,39 @@ def test_a_mode_reading_every_experts_copy_warms_the_copies(small_dir, tmp_path,
         assert set(store.cache.entries) == used  # the same copies, warmed
     finally:
         again.close()
+
+
+def test_a_prompts_read_ahead_ends_the_warming_so_the_room_it_evicts_stays_its_own(tiny_dir, tmp_path, monkeypatch):
+    cfg = load_config(tiny_dir)
+    warmed_layer, prompt_layer = cfg.moe_layers[0], cfg.moe_layers[1]
+    heat = _heat(tmp_path, tiny_dir)
+    heat.count(warmed_layer, [e for e in range(cfg.num_experts) for _ in range(1 + e % 5)])
+    assert heat.save()
+    reading, gate, fill = threading.Event(), threading.Event(), SlotPool.fill
+
+    def slow_fill(self, files, plan, slot, abort=None):
+        if f"layers.{warmed_layer}." in plan.tensors[0].name:
+            reading.set()
+            gate.wait(10)
+        fill(self, files, plan, slot, abort)
+
+    monkeypatch.setattr(SlotPool, "fill", slow_fill)
+    slots = 8
+    store = ExpertStore(open_checkpoint(tiny_dir, cfg), cfg.moe_layers[:2], device=CPU,
+                        cache_bytes=slots * expert_slot_bytes(cfg), threads=2, prefetch=True,
+                        heat=ExpertHeat(heat.path, cfg, save_every_s=0))
+    try:
+        assert reading.wait(10)  # the first warming read is in flight (half of 2 readers: one at a time)
+        store.prefetch(prompt_layer, list(range(cfg.num_experts)), ahead=True)
+        gate.set()
+        assert store.warmer.done.wait(10)
+        with store.reads.lock:
+            while store.reads.live:
+                store.reads.idle.wait(10)
+        # the read in flight landed in the cache; none started after the prompt's read-ahead took the room
+        assert store.warmer.warmed == 1 and len(store.cache.entries) <= 1
+        ids = list(range(cfg.experts_per_token))
+        assert [e for e, _ in store.experts(warmed_layer, ids)] != []  # a demand still finds its slots
+    finally:
+        gate.set()
+        store.close()
