@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from deltafin.version import __version__ as __version__  # `deltafin.__version__`
+
 __all__ = ["ChatReply", "Completion", "KimiK3Engine", "Model", "Piece", "connect", "load"]
 
 

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.cluster.backend import LocalBackend
+from deltafin.coordinator.engine.engine import Engine
 from deltafin.mini.synth import synthesize
+from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.text.tokenizer import K3Tokenizer
 
 
 def _isolated_cache() -> None:
@@ -76,3 +81,11 @@ def k3_cut(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def k3_config_raw() -> dict:
     return json.loads(K3_FIXTURE.read_text())
+
+
+@pytest.fixture
+def local_engine(tiny_dir: Path):
+    """An engine over the tiny checkpoint in this process (the coordinator's and its commands' tests)."""
+    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
+    engine = Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny")
+    yield engine

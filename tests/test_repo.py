@@ -61,6 +61,7 @@ def test_ci_runs_the_readme_test_command():
 
 def _defaults() -> list[str]:
     from deltafin.cli.flags import add_cluster_options, add_stage_options
+    from deltafin.cli.worker import build_parser as worker_parser
     from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS
     from deltafin.coordinator.http.request import MAX_STOP_STRINGS
     from deltafin.coordinator.http.server import HEARTBEAT_S
@@ -83,7 +84,6 @@ def _defaults() -> list[str]:
     from deltafin.text.drafting import Calibration, DraftLength, FittedCost, NgramDrafter, default_cost
     from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
-    from deltafin.worker.main import build_parser as worker_parser
 
     stage, cluster = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_stage_options(stage)

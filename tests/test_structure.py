@@ -15,7 +15,7 @@ PACKAGES = {"deltafin": ROOT / "deltafin", "deltafin.coordinator": ROOT / "coord
             "deltafin.worker": ROOT / "worker"}
 # the entry points: the `deltafin` commands, the Python API facade, and each process's commands
 ENTRY_FOLDERS = ("deltafin.cli",)
-ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api", "deltafin.worker.main"}
+ENTRY_MODULES = {"deltafin", "deltafin.__main__", "deltafin.api"}
 BASICS = "basics"  # deltafin's top-level library modules: errors, paths, devices, progress, options, expert_modes
 # folder -> the folders its modules may import (besides its own); the README's architecture section says the same
 LOW = {BASICS, "formats", "checkpoint"}
@@ -33,6 +33,7 @@ MAY_IMPORT = {
     "transport": LOW | {"kernels", "models", "plan", "weights", "runtime"},
     "download": LOW | {"plan"},
     "mini": LIBRARY - {"transport"},
+    "coordinator": set(),  # its __init__: the folders below are the libraries
     "coordinator.cluster": LIBRARY,
     "coordinator.engine": LIBRARY | {"coordinator.cluster"},
     "coordinator.http": LIBRARY | {"coordinator.engine"},
@@ -58,19 +59,17 @@ MODULES = _modules()
 
 
 def is_entry_point(module: str) -> bool:
-    """The entry points: deltafin/cli/, deltafin/__main__.py, deltafin/api.py, and the coordinator's and the
-    worker's process modules (coordinator/*.py, worker/main.py)."""
-    parts = module.split(".")
-    return (module in ENTRY_MODULES or module.startswith(tuple(f + "." for f in ENTRY_FOLDERS))
-            or module in ENTRY_FOLDERS or (parts[:2] == ["deltafin", "coordinator"] and len(parts) <= 3
-                                           and MODULES[module].parent == PACKAGES["deltafin.coordinator"]))
+    """The entry points: deltafin/cli/ (every process's commands: `deltafin`, `deltafin-coordinator`,
+    `deltafin-worker`), deltafin/__main__.py and deltafin/api.py. coordinator/ and worker/ hold only libraries."""
+    return (module in ENTRY_MODULES or module in ENTRY_FOLDERS
+            or module.startswith(tuple(f + "." for f in ENTRY_FOLDERS)))
 
 
 def folder(module: str) -> str:
     """The layer a library module belongs to: its folder (coordinator's and worker's as coordinator.X, worker)."""
     parts = module.split(".")
     if parts[1] == "coordinator":
-        return "coordinator." + parts[2]
+        return "coordinator." + parts[2] if len(parts) > 2 else "coordinator"  # the folder's own __init__
     if parts[1] == "worker":
         return "worker"
     return parts[1] if MODULES[module].parent != PACKAGES["deltafin"] else BASICS
@@ -273,12 +272,12 @@ LONG_FUNCTIONS = {
     ("deltafin.transport.discovery", "browse"): "zeroconf's listener, browser and their teardown share one lifetime",
     ("deltafin.cli.inspection", "inspect_model"): "the fields of `deltafin inspect`, each computed where it is named",
     ("deltafin.cli.inspection", "format_report"): "the report's lines in the order they are printed",
-    ("deltafin.coordinator.chat_cli", "_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
+    ("deltafin.cli.terminal_chat", "_chat"): "the terminal loop: input, commands, a turn Ctrl-C can stop",
     ("deltafin.coordinator.cluster.workers", "probe_workers"): "concurrent probes and every reason to leave a "
                                                                "worker out",
     ("deltafin.coordinator.cluster.workers", "assign_plan"): "plan, parallel loads with progress, all clients "
                                                              "closed on failure: one transaction",
-    ("deltafin.coordinator.main", "build_parser"): "the command line's table of commands and options",
+    ("deltafin.cli.coordinator", "build_parser"): "the command line's table of commands and options",
     ("deltafin.plan.predict", "_wide_layers"): "one MoE layer's model over every holder: its share, reads, compute, "
                                                "rows' crossing and read-ahead, each a list over the holders",
 }

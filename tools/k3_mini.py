@@ -6,7 +6,7 @@
 
 The shipped model (deltafin/assets/k3-mini) was made by exactly these two commands with the defaults, and its
 draft head (deltafin/assets/k3-mini/draft) by the third: it answers training prompts (never the bench's,
-coordinator/workload.py) with k3-mini, trains the head on those answers, and measures it on the bench's.
+deltafin/cli/workload.py) with k3-mini, trains the head on those answers, and measures it on the bench's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
-from deltafin.coordinator.workload import WORKLOADS
+from deltafin.cli.workload import WORKLOADS
 from deltafin.mini import recipe
 from deltafin.mini.draft import DraftTrainConfig
 from deltafin.mini.train import TrainConfig

@@ -1,5 +1,5 @@
-"""The deltafin-worker daemon: main.py (the process, an entry point) and the gRPC servicer over one stage
-(service.py) with its calls to other holders (peers.py).
+"""The deltafin-worker daemon's library: the daemon (daemon.py, from its typed WorkerOptions), the gRPC servicer over
+one stage (service.py) with its calls to other holders (peers.py). Its command is deltafin/cli/worker.py.
 
 May import: basics, formats, checkpoint, text, kernels, models, plan, weights, runtime, transport.
 """

@@ -18,6 +18,7 @@ import numpy as np
 
 from deltafin import __version__
 from deltafin.checkpoint.presets import PRESETS
+from deltafin.cli import demo, terminal_chat
 from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging
 from deltafin.cli.convert import add_convert_command, print_conversion
 from deltafin.cli.doctor import add_doctor_command
@@ -30,7 +31,6 @@ from deltafin.cli.flags import (
     stage_from_args,
 )
 from deltafin.cli.models import add_models_command
-from deltafin.coordinator import chat_cli, demo
 from deltafin.download.fetch import download
 from deltafin.download.sources import open_source
 from deltafin.errors import DeltafinError
@@ -226,7 +226,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
     options = _stage_options(args)
     common = {"device": args.device, "dtype": args.dtype, "options": options}
     if args.workload:
-        from deltafin.coordinator.workload import (
+        from deltafin.cli.workload import (
             bench_workload,  # torch: loaded when the command runs
         )
 
@@ -425,8 +425,8 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="an interactive chat in the terminal (cluster or --local)",
                        description="Chat with the model in K3's chat format: reasoning is shown dimmed, then the "
                        "answer. Type /help for commands; Ctrl-C stops a reply, Ctrl-D or /exit quits.")
-    chat_cli.add_arguments(p)
-    p.set_defaults(func=lambda args: asyncio.run(chat_cli.run_chat(args)))
+    terminal_chat.add_arguments(p)
+    p.set_defaults(func=lambda args: asyncio.run(terminal_chat.run_chat(args)))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -447,7 +447,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def serve(argv: list[str]) -> int:
     """`deltafin serve ARGS`: `deltafin-coordinator --local serve ARGS`, the bundled model unless --model says."""
-    from deltafin.coordinator.main import serve_main  # grpc and the HTTP stack: loaded when it runs
+    from deltafin.cli.coordinator import serve_main  # grpc and the HTTP stack: loaded when it runs
 
     return serve_main(argv)
 

@@ -1,6 +1,6 @@
 """The routing trace of a stage: `ExpertRecorder` wraps the stage's expert provider and records which experts
 each MoE layer asked for, in order (one entry per layer per forward), passing every request through. The trace
-is what `expert_cache.simulate` replays to compare cache policies (`deltafin bench`, coordinator/workload.py).
+is what `expert_cache.simulate` replays to compare cache policies (`deltafin bench`, deltafin/cli/workload.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The tiny checkpoint in this process, for the coordinator's tests that need no cluster: its stages and tokenizer
-(one of each per test module), and an engine over them."""
+(one of each per test module); the engine over them is tests/conftest.py's `local_engine`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from deltafin.checkpoint.config import load_config
-from deltafin.coordinator.cluster.backend import LocalBackend
-from deltafin.coordinator.engine.engine import Engine
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -24,10 +21,3 @@ def pipeline(tiny_dir: Path) -> LocalPipeline:
 @pytest.fixture(scope="module")
 def tok(tiny_dir: Path) -> K3Tokenizer:
     return K3Tokenizer.load(tiny_dir)
-
-
-@pytest.fixture
-def local_engine(tiny_dir: Path):
-    pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32")
-    engine = Engine(LocalBackend(pipe), K3Tokenizer.load(tiny_dir), load_config(tiny_dir), "tiny")
-    yield engine

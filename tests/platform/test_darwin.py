@@ -58,7 +58,7 @@ def test_bonjour_on_macos_leaves_peer_to_peer_wifi_and_tunnels_alone(monkeypatch
 
 
 def test_the_launchd_plist_starts_a_worker_the_cli_accepts():
-    from deltafin.worker.main import build_parser
+    from deltafin.cli.worker import build_parser
 
     plist = plistlib.loads((DEPLOY / "com.deltafin.worker.plist").read_bytes())
     assert plist["Label"] == "com.deltafin.worker" and plist["RunAtLoad"] and plist["KeepAlive"]
@@ -71,7 +71,7 @@ def test_the_launchd_plist_starts_a_worker_the_cli_accepts():
 def test_the_systemd_unit_starts_a_worker_the_cli_accepts():
     import shlex
 
-    from deltafin.worker.main import build_parser
+    from deltafin.cli.worker import build_parser
 
     line = next(x for x in (DEPLOY / "deltafin-worker.service").read_text().splitlines() if x.startswith("ExecStart"))
     program, *args = shlex.split(line.split("=", 1)[1].replace("%H", "host"))

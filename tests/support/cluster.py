@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The entry points as commands of this interpreter (so a test runs the checkout it imports).
-WORKER = [sys.executable, "-m", "deltafin.worker.main"]
-COORDINATOR = [sys.executable, "-m", "deltafin.coordinator.main"]
+WORKER = [sys.executable, "-m", "deltafin.cli.worker"]
+COORDINATOR = [sys.executable, "-m", "deltafin.cli.coordinator"]
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 _LOGS = tempfile.TemporaryDirectory(prefix="deltafin-test-logs-")  # the processes' logs, removed at exit

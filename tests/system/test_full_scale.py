@@ -112,10 +112,10 @@ def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     """Where no cgroup can be made (not root, cgroup v2 only): the worker's option parsing and memory discovery
     in this process, the cgroup limit read from a stand-in; planned == allocated by the stage's own tensors."""
     from deltafin.cli.flags import stage_from_args
+    from deltafin.cli.worker import build_parser
     from deltafin.plan import memory
     from deltafin.runtime.stage import SeqInput, Stage
     from deltafin.runtime.stage_options import with_memory_found
-    from deltafin.worker.main import build_parser
     from tests.support.sizing import held, plan_of
 
     monkeypatch.setattr(memory, "cgroup_limit", lambda *a, **k: CAP_BYTES)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from deltafin.checkpoint.config import load_config
+from deltafin.cli.coordinator import build_parser
 from deltafin.cli.flags import cluster_from_args, serving_from_args, stage_from_args
 from deltafin.coordinator.cluster.connect import cluster_spec
 from deltafin.coordinator.engine.engine import open_engine, planned_stage
-from deltafin.coordinator.main import build_parser
 from deltafin.errors import DeltafinError
 from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
 
@@ -65,7 +65,7 @@ def test_a_mistyped_worker_address_is_refused_before_any_lookup(tiny_dir: Path, 
     """`--worker localhost7070` (and the Python API's workers=[...]) is one line saying what an address is, not a
     name resolver's error after a timeout."""
     import deltafin
-    from deltafin.coordinator.main import main
+    from deltafin.cli.coordinator import main
 
     assert main(["--model", str(tiny_dir), "--worker", "localhost7070", "--no-discover", "plan"]) == 1
     assert capsys.readouterr().err == ("error: --worker 'localhost7070': HOST:PORT expected (port 1-65535; IPv6 as "

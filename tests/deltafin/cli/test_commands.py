@@ -49,8 +49,8 @@ def _help(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_serve_help_names_the_command_and_lists_every_route_the_server_has(capsys) -> None:
     from deltafin.cli.commands import main as deltafin
+    from deltafin.cli.coordinator import main as coordinator
     from deltafin.coordinator.http.server import create_app
-    from deltafin.coordinator.main import main as coordinator
 
     routes = {r.resource.canonical for r in create_app(None).router.routes()}  # type: ignore[arg-type]
     assert {"/v1/chat/completions", "/v1/responses", "/api/chat", "/metrics", "/health", "/"} <= routes

@@ -12,8 +12,8 @@ import pytest
 def every_parser() -> list[argparse.ArgumentParser]:
     """The three entry points' parsers and each of their commands'."""
     from deltafin.cli.commands import build_parser as deltafin_parser
-    from deltafin.coordinator.main import build_parser as coordinator_parser
-    from deltafin.worker.main import build_parser as worker_parser
+    from deltafin.cli.coordinator import build_parser as coordinator_parser
+    from deltafin.cli.worker import build_parser as worker_parser
 
     tops = [deltafin_parser(), coordinator_parser(), worker_parser()]
     commands = [c for p in tops for a in p._actions if isinstance(a, argparse._SubParsersAction)
@@ -40,8 +40,8 @@ def test_quiet_default_verbose_and_very_verbose_logging() -> None:
 def test_every_command_line_takes_the_logging_options_before_or_after_the_command() -> None:
     from deltafin.cli.commands import build_parser as deltafin_parser
     from deltafin.cli.console import log_level
-    from deltafin.coordinator.main import build_parser as coordinator_parser
-    from deltafin.worker.main import build_parser as worker_parser
+    from deltafin.cli.coordinator import build_parser as coordinator_parser
+    from deltafin.cli.worker import build_parser as worker_parser
 
     deltafin = deltafin_parser().parse_args
     assert log_level(deltafin(["tokenize", "--model", "M", "hi"])) == 0
@@ -60,8 +60,8 @@ def test_quiet_is_one_flag_with_one_meaning_on_every_command() -> None:
     that only hid the progress bar, while -q was deltafin's --quiet-logs)."""
     from deltafin.cli.commands import build_parser as deltafin_parser
     from deltafin.cli.console import QUIET_HELP, log_level
-    from deltafin.coordinator.main import build_parser as coordinator_parser
-    from deltafin.worker.main import build_parser as worker_parser
+    from deltafin.cli.coordinator import build_parser as coordinator_parser
+    from deltafin.cli.worker import build_parser as worker_parser
 
     deltafin = deltafin_parser().parse_args
     for command in (["synth", "--preset", "tiny", "--out", "D"], ["download", "hf:o/m"], ["convert", "--model", "M"],
@@ -92,8 +92,8 @@ def test_quiet_silences_the_progress_bar_on_a_terminal_too() -> None:
 def test_a_mistyped_option_gets_a_suggestion_on_every_entry_point(capsys) -> None:
     from deltafin.cli.commands import main as deltafin
     from deltafin.cli.console import Parser
-    from deltafin.coordinator.main import main as coordinator
-    from deltafin.worker.main import main as worker
+    from deltafin.cli.coordinator import main as coordinator
+    from deltafin.cli.worker import main as worker
 
     assert all(isinstance(p, Parser) for p in every_parser())  # one helper behind every parser and command
     cases = [(deltafin, ["tokenize", "--model", "M", "hi", "--alow-special"],

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from deltafin.api import model_options
+from deltafin.cli.coordinator import build_parser as coordinator_parser
 from deltafin.cli.flags import cluster_from_args, sampling_from_args, serving_from_args, stage_from_args
-from deltafin.coordinator.main import build_parser as coordinator_parser
+from deltafin.cli.worker import build_parser as worker_parser
 from deltafin.errors import DeltafinError
-from deltafin.worker.main import build_parser as worker_parser
 
 FLAGS = ["--memory-gb", "3", "--spine", "int8", "--prefill-chunk", "600", "--threads", "3", "--policy", "lru",
          "--no-prefetch", "--expert-dir", "/disk2", "--prefix-disk-gb", "0", "--dtype", "bf16", "--local",

@@ -35,7 +35,7 @@ def test_a_worker_on_a_taken_port_exits_with_the_reason(taken: int, tiny_dir) ->
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "deltafin.worker.main", "--model", str(tiny_dir), "--port",
+    run = subprocess.run([sys.executable, "-m", "deltafin.cli.worker", "--model", str(tiny_dir), "--port",
                           str(taken), "--no-announce", "--memory-gb", "2"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode != 0

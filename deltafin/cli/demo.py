@@ -82,7 +82,7 @@ class LocalWorker:
     def __init__(self, model: Path, device: str):
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
             "w+", prefix="deltafin-demo-worker-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "deltafin.worker.main", "--model", str(model), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "deltafin.cli.worker", "--model", str(model), "--host", "127.0.0.1",
                "--port", "0", "--no-announce", "--name", "demo-worker", "--device", device]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deltafin.checkpoint.config import load_config
-from deltafin.coordinator.workload import CACHE_SHARES, WORKLOADS, bench_workload
+from deltafin.cli.workload import CACHE_SHARES, WORKLOADS, bench_workload
 from deltafin.errors import DeltafinError
 
 
@@ -66,7 +66,7 @@ def test_unknown_workload_is_refused(tiny_dir):
 
 
 def test_the_drafter_alone_is_scored_against_the_greedy_continuation():
-    from deltafin.coordinator.workload import drafter_alone
+    from deltafin.cli.workload import drafter_alone
 
     # the answer repeats "7 8 9": from its second occurrence on, the drafter's guesses are the continuation
     answer = [5, 7, 8, 9, 1, 7, 8, 9, 1, 7, 8]
@@ -80,7 +80,7 @@ def test_the_drafter_alone_is_scored_against_the_greedy_continuation():
 
 
 def test_a_pass_yields_the_tokens_up_to_where_the_next_one_starts():
-    from deltafin.coordinator.workload import PassMeter
+    from deltafin.cli.workload import PassMeter
 
     class Pipeline:
         stages = ()

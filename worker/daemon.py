@@ -1,30 +1,25 @@
-"""`deltafin-worker`: serve one pipeline stage of a Kimi K3 checkpoint over gRPC, announced over Bonjour.
-
-The worker indexes its model directory (which may hold only some layers), measures its disk with the
-expert reader, announces `_deltafin._tcp.local.`, and waits for a coordinator to assign it a layer range.
-SIGTERM/SIGINT: stop announcing, finish or fail in-flight calls within the grace period, exit; a second signal
-exits at once.
-"""
+"""The worker daemon: one pipeline stage (or a wide worker's share of every layer's experts) of a Kimi K3 checkpoint
+served over gRPC, announced over Bonjour. `serve` indexes the model directory (which may hold only some layers),
+refuses a memory budget no stage could use, measures the disk with the expert reader and the compute, announces
+`_deltafin._tcp.local.` and waits for a coordinator to assign it a layer range; when told to stop it withdraws
+the announcement and finishes or fails the calls in flight within the grace period. `deltafin-worker`
+(deltafin/cli/worker.py) makes its WorkerOptions from the flags and runs it."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import os
 import socket
-import sys
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from deltafin import __version__
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_checkpoint
-from deltafin.cli.console import Parser, add_logging_options, log_level, run_cli, setup_logging, stop_on_signals
-from deltafin.cli.flags import MODEL_HELP, add_device_options, add_stage_options, model_arg, stage_from_args
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
@@ -32,118 +27,46 @@ from deltafin.plan.least import least_options, shortfall, smallest_stages
 from deltafin.plan.sizing import Placement
 from deltafin.runtime.compute_probe import ComputeReadings, measure_compute
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
-from deltafin.transport.auth import ENV_KEY, ClientTls, ClusterSecurity, ServerTls, load_key
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+from deltafin.transport.auth import ClientTls, ClusterSecurity, ServerTls, load_key
 from deltafin.transport.discovery import Announcer, interface_addresses
-from deltafin.transport.ports import check_address, check_free
+from deltafin.transport.ports import check_free
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
+from deltafin.version import __version__
 from deltafin.weights.diskspeed import measure_disk
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.idle import SleepGuard, keep_awake, remeasure_compute
 from deltafin.worker.service import WorkerService, create_server, expire_sessions
+from deltafin.worker.worker_options import WorkerOptions
 
 log = logging.getLogger("deltafin.worker")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="deltafin-worker", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=model_arg, required=True, help=MODEL_HELP + " (all layers, or only this worker's)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; use 0.0.0.0 or a LAN address to serve other "
-                   "machines, on a network you trust: the worker runs whatever a coordinator asks)")
-    p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed at start)")
-    p.add_argument("--advertise", action="append", default=[], metavar="HOST:PORT", type=_address,
-                   help="an address this worker is reached at, announced instead of the one it listens on "
-                   "(repeatable: a Thunderbolt bridge's and Wi-Fi's, a forwarded port's); with --host 0.0.0.0 and "
-                   "none given, every interface's address is announced. A coordinator measures each and uses the "
-                   "fastest")
-    add_device_options(p)
-    p.add_argument("--name", default=None, help="name in the announcement and plans (default: host name)")
-    p.add_argument("--no-announce", action="store_true", help="do not announce over Bonjour")
-    p.add_argument("--interface", action="append", default=None,
-                   help="announce only on this interface address (repeatable; default: all)")
-    p.add_argument("--disk-gbps", default=None, metavar="GBPS[,GBPS...]",
-                   help="skip the disk measurement: the --model disk's speed in GB/s, then each --expert-dir's")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get at shutdown")
-    p.add_argument("--session-ttl", type=float, default=900.0,
-                   help="drop a sequence's caches after this many seconds without use (default 900)")
-    p.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE / (1 << 20),
-                   help=f"largest gRPC message in or out (default {DEFAULT_MAX_MESSAGE >> 20} MB)")
-    add_logging_options(p)
-    add_stage_options(p)
-    _add_security_options(p)
-    return p
-
-
-def _add_security_options(p: argparse.ArgumentParser) -> None:
-    sec = p.add_argument_group("security", "who may drive this worker (see deploy/README.md, Security)")
-    sec.add_argument("--cluster-key", default=None,
-                     help=f"shared secret every coordinator call must be signed with (or ${ENV_KEY}, or "
-                     "--cluster-key-file); without one, anyone who can reach the port can use the worker")
-    sec.add_argument("--cluster-key-file", default=None, help="read the cluster key from this file")
-    sec.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
-    sec.add_argument("--tls-key", default=None, help="... and this private key (PEM)")
-    sec.add_argument("--tls-client-ca", default=None,
-                     help="mutual TLS: accept only coordinators (and other workers) whose certificate this CA signed")
-    sec.add_argument("--tls-ca", default=None,
-                     help="wide experts: trust other workers' certificates signed by this CA when calling them "
-                     "(default: --tls-client-ca, else the system's roots); a worker that serves TLS calls its peers "
-                     "with TLS and presents its own --tls-cert")
-    sec.add_argument("--tls-server-name", default=None,
-                     help="the name other workers' certificates carry, when it is not the address dialled")
-
-
-def _address(text: str) -> str:
-    """--advertise's value, checked as HOST:PORT (argparse says the error with the flag's name)."""
-    try:
-        return check_address(text, "")
-    except DeltafinError as e:
-        raise argparse.ArgumentTypeError(str(e).strip()) from None
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def _security(args: argparse.Namespace) -> tuple[bytes | None, ServerTls | None, ClusterSecurity]:
+def _security(args: WorkerOptions) -> tuple[bytes | None, ServerTls | None, ClusterSecurity]:
     """The cluster key and TLS files, checked, and how this worker calls other workers (the same key; TLS when
     it serves TLS); a warning when a key-less worker listens beyond loopback."""
     key = load_key(args.cluster_key, args.cluster_key_file)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise DeltafinError("--tls-cert and --tls-key go together")
-    if (args.tls_client_ca or args.tls_ca) and not args.tls_cert:
-        raise DeltafinError("--tls-client-ca and --tls-ca need --tls-cert and --tls-key")
     tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     peer_tls = (ClientTls(args.tls_ca or args.tls_client_ca, args.tls_cert, args.tls_key, args.tls_server_name)
                 if args.tls_cert else None)
     if peer_tls is not None:
         peer_tls.credentials()  # unreadable files fail now, with their names
-    if key is None and not _loopback(args.host):
+    if key is None and not args.loopback:
         log.warning("listening on %s WITHOUT a cluster key: anyone who can reach this port can load layers and "
                     "run forwards on this machine. Set --cluster-key (and --tls-cert) on a shared network.",
                     args.host)
     return key, tls, ClusterSecurity(key, peer_tls)
 
 
-def _disk_speeds(args: argparse.Namespace, ckpts: list[Any]) -> tuple[float, ...]:
+def _disk_speeds(args: WorkerOptions, ckpts: list[Any]) -> tuple[float, ...]:
     """GB/s of each disk (--model first, then each --expert-dir): given, or measured with the expert reader."""
-    if args.disk_gbps is None:
-        return tuple(measure_disk(c, args.read_threads, args.io) for c in ckpts)
-    try:
-        speeds = tuple(float(x) for x in args.disk_gbps.split(","))
-    except ValueError:
-        raise DeltafinError(f"--disk-gbps takes numbers separated by commas, not {args.disk_gbps!r}") from None
-    if len(speeds) == 1:
-        speeds = speeds * len(ckpts)
-    if len(speeds) != len(ckpts) or min(speeds) < 0:
-        raise DeltafinError(f"--disk-gbps gives {len(speeds)} speeds for {len(ckpts)} disks (--model and each "
-                            "--expert-dir), or a negative one")
-    return speeds
+    given = args.given_disk_speeds(len(ckpts))
+    if given is not None:
+        return given
+    return tuple(measure_disk(c, args.stage.sizing.read_threads, args.stage.io) for c in ckpts)
 
 
-def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
+def _describe(args: WorkerOptions, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
               options: Any) -> WorkerDescription:
     """What this worker announces: its layers on disk (and the experts on every disk), memory budget, measured
     disk speeds and compute, a fresh id."""
@@ -164,7 +87,7 @@ def _describe(args: argparse.Namespace, ckpts: list[Any], speeds: tuple[float, .
                              compute=measure_compute(ckpt.config, device, options.torch_dtype))
 
 
-def _checkpoints(args: argparse.Namespace) -> list[Any]:
+def _checkpoints(args: WorkerOptions) -> list[Any]:
     """--model indexed (every shard's size against its header, every tensor checked), then each --expert-dir (the
     same checkpoint, maybe only some of its shards). Damage is said once per file; those layers are not served."""
     ckpt = scan_checkpoint(args.model, load_config(args.model))
@@ -175,7 +98,7 @@ def _checkpoints(args: argparse.Namespace) -> list[Any]:
     if damaged(ckpt):
         log.warning("this worker serves layers %s, not %s (damaged above)", id_ranges(ckpt.layers_available()),
                     id_ranges(sorted({i for p in damaged(ckpt) for i in (p.layer, *p.layers) if i is not None})))
-    return [ckpt, *(open_copy(ckpt, d) for d in args.expert_dir)]
+    return [ckpt, *(open_copy(ckpt, d) for d in args.stage.expert_dir)]
 
 
 def _short(problem: Any) -> str:
@@ -216,31 +139,31 @@ def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: 
                             "more memory; more workers do not help (every stage needs this much)")
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: WorkerOptions, stop: asyncio.Event, said: Callable[[str], None] = log.info) -> int:
+    """Serve until `stop` is set, then withdraw the announcement and give the calls in flight `args.grace` seconds;
+    `said` hears the line that tells where it listens (the command prints it: scripts wait for it)."""
     if args.port:  # before the shards are checked and the disk timed; gRPC's own refusal would log a C-core line too
         check_free(args.host, args.port, "this worker")
     key, tls, peer_security = _security(args)
     ckpts = _checkpoints(args)
     device = resolve_device(args.device)
-    options = stage_from_args(args)
-    select_kernels(options.kernels)
-    options = with_memory_found(options, device)  # the budget, found or given
-    _check_budget(ckpts, device, options, "--memory-gb" if args.memory_gb is not None else "found on this machine")
+    select_kernels(args.stage.kernels)
+    options = with_memory_found(args.stage, device)  # the budget, found or given
+    _check_budget(ckpts, device, options, "--memory-gb" if args.stage.memory_bytes is not None
+                  else "found on this machine")
     speeds = _disk_speeds(args, ckpts)
     options = dataclasses.replace(options, disk_gbps=speeds)
     desc = _describe(args, ckpts, speeds, device, options)
-    max_message = int(args.max_message_mb * (1 << 20))
-    service = WorkerService(ckpts[0], desc, device, options, peer_security, max_message)
-    server, port = await create_server(service, args.host, args.port, max_message, key, tls)
+    service = WorkerService(ckpts[0], desc, device, options, peer_security, args.max_message)
+    server, port = await create_server(service, args.host, args.port, args.max_message, key, tls)
     tasks = _background(service, args.session_ttl, options)
-    desc = dataclasses.replace(desc, address=f"{args.host}:{port}", addresses=reached_at(args.host, port,
-                                                                                         args.advertise))
+    desc = dataclasses.replace(desc, address=f"{args.host}:{port}",
+                               addresses=reached_at(args.host, port, list(args.advertise)))
     service.description = desc
     # zeroconf's blocking API runs its own loop: keep it off ours
-    announcer = None if args.no_announce else await asyncio.to_thread(Announcer, desc, args.host, port,
-                                                                         args.interface)
-    stop = stop_on_signals("deltafin-worker")
-    _say_listening(desc, f"{args.host}:{port}", device, speeds)
+    announcer = (await asyncio.to_thread(Announcer, desc, args.host, port, list(args.interface or ()) or None)
+                 if args.announce else None)
+    said(_listening(desc, f"{args.host}:{port}", device, speeds))
     await stop.wait()
     for task in tasks:
         task.cancel()
@@ -258,10 +181,10 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _say_listening(desc: WorkerDescription, where: str, device: Any, speeds: tuple[float, ...]) -> None:
+def _listening(desc: WorkerDescription, where: str, device: Any, speeds: tuple[float, ...]) -> str:
     disks = f"disk{'s' * (len(speeds) > 1)} {' + '.join(f'{g:.2f}' for g in speeds)} GB/s"
-    print(f"deltafin-worker {desc.name} listening on {where} (layers {desc.layers}, device {device}, "
-          f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})", flush=True)
+    return (f"deltafin-worker {desc.name} listening on {where} (layers {desc.layers}, device {device}, "
+            f"memory {desc.memory_bytes / 1e9:.1f} GB, {disks}, id {desc.worker_id})")
 
 
 def _background(service: WorkerService, session_ttl: float, options: StageOptions) -> list[asyncio.Future]:
@@ -274,13 +197,3 @@ def _background(service: WorkerService, session_ttl: float, options: StageOption
     return [asyncio.ensure_future(expire_sessions(service, session_ttl)),
             asyncio.ensure_future(remeasure_compute(service, readings, measure, announce)),
             asyncio.ensure_future(keep_awake(service, SleepGuard(), os.getpid()))]
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(log_level(args))
-    return run_cli(lambda: asyncio.run(serve(args)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

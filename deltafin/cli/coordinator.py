@@ -34,6 +34,7 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
+from deltafin.cli.serve_bench import bench_serving
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
 from deltafin.coordinator.cluster.workers import capacities, find_workers, plan_cluster, replanner
@@ -42,7 +43,6 @@ from deltafin.coordinator.engine.report import PrefillReporter, format_summary, 
 from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
-from deltafin.coordinator.serve_bench import bench_serving
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model
 from deltafin.plan.expert_placement import split

@@ -11,14 +11,14 @@ import pytest
 
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.commands import build_parser
-from deltafin.coordinator.main import download_commands
+from deltafin.cli.coordinator import download_commands
 from deltafin.download.fetch import parse_experts, parse_layers
 from deltafin.plan.cluster_plan import WorkerCapacity
 from deltafin.plan.expert_placement import split
 from deltafin.plan.planner import plan_layers
 
 GB = 10**9
-K3_CONFIG = Path(__file__).resolve().parents[1] / "data" / "kimi-k3-config.json"
+K3_CONFIG = Path(__file__).resolve().parents[3] / "tests" / "data" / "kimi-k3-config.json"
 
 
 @pytest.fixture(scope="module")

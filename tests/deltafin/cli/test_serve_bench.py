@@ -14,7 +14,7 @@ from tests.support.cluster import COORDINATOR, workers
 
 
 async def test_serving_bench_counts_tokens_batches_and_stage_time(local_engine: Engine) -> None:
-    from deltafin.coordinator.serve_bench import bench_serving
+    from deltafin.cli.serve_bench import bench_serving
 
     local_engine.scheduler.max_active = 3
     result = await bench_serving(local_engine, [1, 3], prompt_tokens=12, max_tokens=5)

@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from deltafin.cli.chat_input import open_lines, terminal_kept
 from deltafin.cli.console import log_level
 from deltafin.cli.flags import (
     add_cluster_options,
@@ -24,7 +25,6 @@ from deltafin.cli.flags import (
     serving_from_args,
     stage_from_args,
 )
-from deltafin.coordinator.chat_input import open_lines, terminal_kept
 from deltafin.errors import DeltafinError, PromptTooLong
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT
 
