@@ -36,7 +36,8 @@ EXACT = "exact"
 # what `--expert-mode all` measures, exact first (it is what the others are measured against)
 PRESETS = (EXACT, "top-p:0.9", "top-p:0.8", "top-p:0.7", "top-p:0.6", "top-p:0.55", "top-p:0.5", "cached:0.05",
            "top-p:0.55+cached:0.05")
-# ... and for each low-bit expert format F the formats' registry names (plan/sizing_options.py mode_presets), these
+# ... and for each low-bit expert format F the formats' registry names (plan/memory/sizing_options.py mode_presets),
+# these
 LOW_BIT_PRESETS = ("{F}", "{F}-tail:0.5", "top-p:0.7+{F}-tail:0.5", "top-p:0.7+{F}", "top-p:0.6+{F}", "top-p:0.55+{F}",
                    "top-p:0.5+{F}")
 # what a top-p mode reads of exact's expert bytes, as `bench --quality --expert-mode all` measured it on k3-mini's

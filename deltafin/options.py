@@ -31,7 +31,7 @@ IO_MODES = ("direct", "buffered")
 CACHE_POLICIES = ("lru", "lfu", "pinned", "least-stale")
 KERNELS = ("auto", "reference", "native", "mlx")
 EXPERT_PLACEMENTS = ("auto", "wide", "local")  # where a token's experts run (--experts)
-HOP_MODES = ("auto", "relay", "direct")  # how a stage's states reach the next (plan/hops.py)
+HOP_MODES = ("auto", "relay", "direct")  # how a stage's states reach the next (plan/timing/hops.py)
 WIRES = ("fp32", "bf16")  # what the hidden states and expert rows cross the links as: exact, or lossy and half
 PREFILL_BATCHES = ("ride", "separate")
 

@@ -65,24 +65,22 @@ def _defaults() -> list[str]:
     from deltafin.coordinator.http.openai_api import COMPLETION_MAX_TOKENS
     from deltafin.coordinator.http.request import MAX_STOP_STRINGS
     from deltafin.coordinator.http.server import HEARTBEAT_S
-    from deltafin.kernels.linear import WEIGHT_BLOCK_VALUES
-    from deltafin.models.cache import MLA_BLOCK_TOKENS
-    from deltafin.models.decoder import PIECE_TOKENS
-    from deltafin.models.mla import MLA_BLOCK_BYTES
-    from deltafin.plan.forward_workspace import FORWARD_SHARE
-    from deltafin.plan.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
-    from deltafin.plan.memory import MARGIN
-    from deltafin.plan.sizing import RUNTIME_OVERHEAD
-    from deltafin.plan.sizing_options import (
+    from deltafin.kernels.blocks import WEIGHT_BLOCK_VALUES
+    from deltafin.models.pieces import MLA_BLOCK_BYTES, MLA_BLOCK_TOKENS, PIECE_TOKENS
+    from deltafin.plan.memory.forward_workspace import FORWARD_SHARE
+    from deltafin.plan.memory.kept_prefixes import GRID_MIN, KEPT_ON_DISK, PREFIX_DISK_BYTES
+    from deltafin.plan.memory.sizing import RUNTIME_OVERHEAD
+    from deltafin.plan.memory.sizing_options import (
         BASE_CONTEXT,
         ONE_USER_CONTEXT,
         ONE_USER_SEQUENCES,
         SEQUENCES,
         SPECULATIVE_TOKENS,
     )
+    from deltafin.runtime.memory import MARGIN
     from deltafin.text.chat import SERVING_MAX_TOKENS
     from deltafin.text.drafting import Calibration, DraftLength, FittedCost, NgramDrafter, default_cost
-    from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
+    from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
     from deltafin.weights.reader import CHUNK
 
     stage, cluster = argparse.ArgumentParser(), argparse.ArgumentParser()
@@ -141,9 +139,9 @@ def test_the_readmes_defaults_are_the_codes(figure: str) -> None:
 
 def _k3_figures(tmp: Path) -> list[str]:
     from deltafin.checkpoint.config import LayerKind, load_config
-    from deltafin.plan.layer_table import layer_table
-    from deltafin.plan.sizing_options import SPECULATIVE_TOKENS, Placement
-    from deltafin.plan.stage_parts import (
+    from deltafin.plan.memory.layer_table import layer_table
+    from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS, Placement
+    from deltafin.plan.memory.stage_parts import (
         boundary_bytes_per_token,
         kda_state_bytes,
         kda_trail_bytes,
@@ -200,24 +198,24 @@ MACS = (("1 × 64 GB (56 GB budget)", 1, 56), ("2 × 64 GB", 2, 56), ("4 × 64 G
 
 
 def _mac_compute(cfg):
-    from deltafin.plan.compute import assumed_gpu
+    from deltafin.plan.cluster.compute import assumed_gpu
     return assumed_gpu(cfg, MAC_MEMORY_GBPS, MAC_TFLOPS)
 
 
 def _mac_workers(cfg, n: int, budget_gb: int) -> list:
-    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.cluster.cluster_plan import WorkerCapacity
 
     return [WorkerCapacity(f"mac{i}", budget_gb * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps",
                            worker_id=str(i), compute=_mac_compute(cfg)) for i in range(n)]
 
 
 def _mac_projection(cfg) -> list[str]:
-    """Each cluster's rows, per link kind between its Macs (plan/links.py PROFILES): the experts `--experts auto`
-    chooses for that link (plan/modes.py), what a token reads, its time (disks and links, over the assumed
+    """Each cluster's rows, per link kind between its Macs (plan/cluster/links.py PROFILES): the experts `--experts
+    auto` chooses for that link (plan/modes.py), what a token reads, its time (disks and links, over the assumed
     efficiency; the compute as assumed) and a 4K prompt's first token, at the defaults."""
-    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.cluster.links import PROFILES, Links
+    from deltafin.plan.memory.sizing import SizingInput
     from deltafin.plan.modes import choose_mode
-    from deltafin.plan.sizing import SizingInput
 
     rows = []
     for label, n, budget_gb in MACS:
@@ -242,10 +240,10 @@ def _long_prompt_projection(cfg) -> list[str]:
     """The first token of 1K to 64K prompts on each cluster (Thunderbolt between Macs), at the defaults; a prompt
     the default context refuses, with the plan `--max-context` that long makes (what `plan` prints: outlook.py). The
     one projection of a prompt's first token: docs/serving.md points here."""
-    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.cluster.links import PROFILES, Links
+    from deltafin.plan.memory.sizing import SizingInput
     from deltafin.plan.modes import choose_mode
-    from deltafin.plan.predict import PROMPT_LENGTHS, prompt_forward
-    from deltafin.plan.sizing import SizingInput
+    from deltafin.plan.timing.predict import PROMPT_LENGTHS, prompt_forward
 
     rows = []
     for label, n, budget_gb in MACS:
@@ -285,10 +283,10 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     """The drafting table for one 64 GB Mac: its MPS plan with --speculative (room for every sequence's trail),
     that plan's fixed spine and experts, the experts a pass of k drafts reads as measured on the k3-slice (the
     README's row) and under a uniform router, the best k."""
-    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+    from deltafin.plan.memory.sizing import SizingInput
+    from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
     from deltafin.plan.planner import plan_layers
-    from deltafin.plan.sizing import SizingInput
-    from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
     from deltafin.text.drafting import chain_tokens, distinct_experts
 
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")
@@ -337,9 +335,9 @@ def test_the_readmes_cpu_plans_are_the_planners(tmp_path: Path) -> None:
     the sequences `serve` plans for (its --max-active)."""
     from deltafin.checkpoint.config import load_config
     from deltafin.coordinator.engine.serving_options import ServingOptions
-    from deltafin.plan.cluster_plan import WorkerCapacity
+    from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+    from deltafin.plan.memory.sizing import SizingInput
     from deltafin.plan.planner import plan_layers
-    from deltafin.plan.sizing import SizingInput
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)
@@ -361,10 +359,10 @@ def _mode_planned(cfg, mode: str) -> tuple[float, float, float]:
     """Full K3's tok/s at the defaults in `mode` on one 64 GB Mac and on four (Thunderbolt between them), and on four
     with the spine row-int8 (`--spine int8`)."""
     from deltafin.expert_modes import parse
-    from deltafin.plan.links import PROFILES, Links
+    from deltafin.plan.cluster.links import PROFILES, Links
+    from deltafin.plan.memory.sizing import SizingInput
+    from deltafin.plan.memory.sizing_options import expert_read_share
     from deltafin.plan.modes import choose_mode
-    from deltafin.plan.sizing import SizingInput
-    from deltafin.plan.sizing_options import expert_read_share
 
     out = []
     for n, spine in ((1, "auto"), (4, "auto"), (4, "int8")):
@@ -380,7 +378,7 @@ def test_the_expert_modes_table_is_the_benchs_and_the_planners(tmp_path: Path) -
     share the planner prices it at (expert_modes.TOP_P_READS); the planned tok/s are the planner's."""
     from deltafin.checkpoint.config import load_config
     from deltafin.expert_modes import parse, read_share
-    from deltafin.plan.sizing_options import mode_presets
+    from deltafin.plan.memory.sizing_options import mode_presets
 
     shutil.copy(ROOT / "tests" / "data" / "kimi-k3-config.json", tmp_path / "config.json")
     cfg = load_config(tmp_path)

@@ -23,9 +23,9 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.devices import exact_fp32
 from deltafin.errors import CodecError, FingerprintMismatch, NotAssigned
-from deltafin.plan.expert_placement import ExpertPlan
-from deltafin.plan.sizing import Budget, Placement, StageSizing
-from deltafin.plan.stage_check import check_plan
+from deltafin.plan.cluster.expert_placement import ExpertPlan
+from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
+from deltafin.plan.memory.stage_check import check_plan
 from deltafin.runtime.assigned import Assigned, assign, wide_known
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
@@ -99,7 +99,7 @@ class AssignmentSlot:
     def check_fits(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
                    plan: ExpertPlan | None = None) -> StageSizing | None:
         """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold; the
-        plan to load: the one sent, as placed here (plan/stage_check.py), or None where the stage plans itself
+        plan to load: the one sent, as placed here (plan/memory/stage_check.py), or None where the stage plans itself
         (checked now with the same pure plan it makes when it loads, for its part of `plan` if wide)."""
         cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
         backend = expert_backend_for(cfg, self.device, options.mode)

@@ -23,8 +23,8 @@ from deltafin.checkpoint.shards import fingerprint, id_ranges, open_copy, scan_c
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.plan.least import least_options, shortfall, smallest_stages
-from deltafin.plan.sizing import Placement
+from deltafin.plan.memory.least import least_options, shortfall, smallest_stages
+from deltafin.plan.memory.sizing import Placement
 from deltafin.runtime.compute_probe import ComputeReadings, measure_compute
 from deltafin.runtime.stage_options import StageOptions, with_memory_found
 from deltafin.transport.auth import ClientTls, ClusterSecurity, ServerTls, load_key
@@ -125,7 +125,7 @@ def damaged(ckpt: Any) -> list[Any]:
 
 def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: str) -> None:
     """A budget in which not even the smallest stage this worker could be given plans (one of its layers alone, or
-    an expert holder, with one sequence: plan/least.py) is refused now, before the worker listens: no coordinator
+    an expert holder, with one sequence: plan/memory/least.py) is refused now, before the worker listens: no coordinator
     could use it, and more workers do not change what a stage needs."""
     ckpt, cfg = ckpts[0], ckpts[0].config
     place = Placement(device.type, options.act_bytes, "mlx" if device.type == "mps" else "torch")

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from deltafin.errors import NotAssigned, OutOfMemory
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.stage_parts import boundary_bytes_per_token
+from deltafin.plan.memory.stage_parts import boundary_bytes_per_token
 from deltafin.runtime.stage import SeqOutput, Stage
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.worker.assignment import AssignmentSlot

@@ -1,5 +1,5 @@
 """Stage to stage: a stage's outputs handed straight to the next stage's worker, where the plan says that is faster
-than relaying them through the coordinator (plan/hops.py).
+than relaying them through the coordinator (plan/timing/hops.py).
 
 The sender (`handing`): a ForwardParts call with `hand_to` runs the forward as always, but sends each part of its
 outputs, as the next stage's input parts under the call's request id, to that worker's HandOff (`Courier`: a

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from deltafin.kernels.timing import Stopped
-from deltafin.plan.compute import ComputeSpeed
+from deltafin.plan.cluster.compute import ComputeSpeed
 from deltafin.runtime.compute_probe import ComputeReadings
 
 log = logging.getLogger(__name__)

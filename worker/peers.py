@@ -20,17 +20,18 @@ import grpc
 import torch
 
 from deltafin.errors import CodecError, HolderError
-from deltafin.plan.expert_placement import ExpertPlan, Holder
-from deltafin.plan.links import Link
+from deltafin.plan.cluster.expert_placement import ExpertPlan, Holder
+from deltafin.plan.cluster.links import Link
 from deltafin.runtime.wide import ExpertCall, call_pieces
 from deltafin.transport import codec
 from deltafin.transport.auth import ClusterSecurity
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, Hints
+from deltafin.transport.codec import Hints
 from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, Watch, await_watched, receiving
 from deltafin.transport.ports import check_address
+from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
 
 log = logging.getLogger(__name__)
 

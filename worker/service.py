@@ -25,20 +25,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CodecError, DeltafinError, NotAssigned
-from deltafin.plan.memory import peak_rss
 from deltafin.runtime import wide
 from deltafin.runtime.assigned import Assigned
+from deltafin.runtime.memory import peak_rss
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.decoding import DecodeGuard
 from deltafin.transport.echo import MAX_REPLY
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.grpc_status import status_for
 from deltafin.transport.ports import cannot_listen
+from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
 from deltafin.transport.worker_info import WorkerDescription
 from deltafin.weights.spine_convert import spine_disk
 from deltafin.worker.assignment import AssignmentSlot, check_assignment

@@ -13,8 +13,8 @@ from typing import Any
 from deltafin.errors import DeltafinError
 from deltafin.options import DEVICES, check_choice, opt
 from deltafin.runtime.stage_options import StageOptions, stage_options
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.ports import check_address
+from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
 
 MB = 1 << 20
 

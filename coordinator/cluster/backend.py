@@ -2,7 +2,7 @@
 
 Both present one async interface, so the generation loop and the HTTP API never know which they drive.
 The cluster is driven by the coordinator (the hub, docs/DESIGN.md): ids to stage 0, its residual state on to stage 1
-(relayed by the coordinator, or handed from worker to worker where plan/hops.py says that is faster), and so on;
+(relayed by the coordinator, or handed from worker to worker where plan/timing/hops.py says that is faster), and so on;
 every call carries a deadline.
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Protocol
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.coordinator.cluster.worker_client import WorkerClient
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.plan.cluster_plan import Plan, StagePlan
-from deltafin.plan.predict import verify_table
+from deltafin.plan.cluster.cluster_plan import Plan, StagePlan
+from deltafin.plan.timing.predict import verify_table
 from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.features import Features, gather
 from deltafin.runtime.pipeline import LocalPipeline
@@ -207,7 +207,7 @@ class ClusterBackend:
 
     def hand_to(self, tokens: int) -> list[str]:
         """Per stage, where a forward of `tokens` tokens goes on from it: the next stage's address where that hop is
-        handed over directly (plan/hops.py), else "" (relayed; the last stage: back here)."""
+        handed over directly (plan/timing/hops.py), else "" (relayed; the last stage: back here)."""
         direct = self.route(tokens)
         return [self.stages[i + 1].address if i < len(direct) and direct[i] else "" for i in range(len(self.stages))]
 

@@ -22,7 +22,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.plan.cluster_plan import Plan, describe_forwards
+from deltafin.plan.cluster.cluster_plan import Plan, describe_forwards
 from deltafin.plan.outlook import copy_expert_bytes, mode_lines
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages

@@ -13,7 +13,7 @@ import logging
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.workers import ClusterSpec, Worker, discover_addresses, probe_workers
-from deltafin.plan.cluster_plan import Plan
+from deltafin.plan.cluster.cluster_plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""The cluster's links, measured as it forms (deltafin/plan/links.py prices them): the coordinator's to each
+"""The cluster's links, measured as it forms (deltafin/plan/cluster/links.py prices them): the coordinator's to each
 worker, and each pair of workers' (measured by one of the two, `MeasureLink`: the stage hops handed over directly,
-plan/hops.py, and the wide experts' calls). One link at a
+plan/timing/hops.py, and the wide experts' calls). One link at a
 time, so that no probe shares a link with another; a link measured before is kept (a re-plan after a loss measures
 only the workers it has not seen: a worker that rejoins is a new process, with a new id, and is measured again). A
 link that cannot be measured is priced as the assumed kind, with a warning. Then two of the coordinator's links are
 measured at once: where together they carry about what one carried alone, they are one medium (one Wi-Fi channel),
-and every link is priced as sharing its rate (plan/links.py `Links.shared_bps`).
+and every link is priced as sharing its rate (plan/cluster/links.py `Links.shared_bps`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deltafin.errors import RemoteError
-from deltafin.plan.links import Link, Links
+from deltafin.plan.cluster.links import Link, Links
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One prompt's forwards through a cluster's stages at once (stage-to-stage pipelining of a long prompt).
 
-A prompt longer than a forward goes in several (plan/predict.py forward_lengths). One after another, each waits
+A prompt longer than a forward goes in several (plan/timing/predict.py forward_lengths). One after another, each waits
 for the one before it to pass every stage, so while stage 1 computes, stage 0 is idle. Here forward k goes to
 stage i as soon as stage i has done forward k - 1 and stage i - 1 forward k: the forwards are the same (each stage
 reads its experts once per forward either way), they only overlap, so a prompt of k forwards over S stages takes

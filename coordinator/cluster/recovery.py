@@ -41,7 +41,7 @@ from deltafin.coordinator.cluster.pipelined import Progress, forward_pipelined
 from deltafin.coordinator.cluster.rwlock import RWLock
 from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_workers
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
-from deltafin.plan.cluster_plan import Plan
+from deltafin.plan.cluster.cluster_plan import Plan
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 

@@ -1,6 +1,6 @@
 """A stage's hidden states on their way to the next stage through the coordinator, part by part (cut-through).
 
-Where a hop is relayed (plan/hops.py; else the workers hand the states over themselves, worker/handoff.py), a
+Where a hop is relayed (plan/timing/hops.py; else the workers hand the states over themselves, worker/handoff.py), a
 stage's output states come to the coordinator and go on to the next stage. Waiting for the
 whole output before sending it on puts the two links one after the other; a long prompt's states are tens of MB
 at K3's width, half a minute each way over Wi-Fi. Relayed, each part (1 MB, worker_client.PART_BYTES) goes on as it

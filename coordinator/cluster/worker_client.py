@@ -15,18 +15,18 @@ import torch
 
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.plan.expert_placement import ExpertPlan
-from deltafin.plan.links import Link
-from deltafin.plan.sizing import StageSizing
+from deltafin.plan.cluster.expert_placement import ExpertPlan
+from deltafin.plan.cluster.links import Link
+from deltafin.plan.memory.sizing import StageSizing
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import ClusterSecurity
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE
 from deltafin.transport.echo import measure
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.generated import deltafin_pb2_grpc as pb_grpc
 from deltafin.transport.liveness import Silent, Watch, await_watched, receiving, sending, sending_async
+from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
 
 FORWARD_UNIT = 512  # tokens of one default prompt chunk (--prefill-chunk)
 PART_BYTES = 1 << 20  # a forward's parts, each way: each one a sign of life (liveness.py), ~8 s apart at 1 Mbit/s

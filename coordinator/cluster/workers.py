@@ -25,17 +25,17 @@ from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_PLACEMENTS
-from deltafin.plan.cluster_plan import Plan, StagePlan, WorkerCapacity
-from deltafin.plan.expert_placement import ExpertPlan, Holder, HolderLink
-from deltafin.plan.hops import direct_hops
+from deltafin.plan.cluster.cluster_plan import Plan, StagePlan, WorkerCapacity
+from deltafin.plan.cluster.expert_placement import ExpertPlan, Holder, HolderLink
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.modes import choose_mode
 from deltafin.plan.outlook import Replan
-from deltafin.plan.sizing import SizingInput
+from deltafin.plan.timing.hops import direct_hops
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.transport.auth import ClusterSecurity
-from deltafin.transport.codec import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION
 from deltafin.transport.discovery import browse, nobody_answered
+from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, version_gap
 from deltafin.transport.worker_info import WorkerDescription
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ClusterSpec:
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     experts: str = "auto"  # wide | local | auto: whichever the plan predicts faster, with more than one worker
-    hops: str = "auto"  # relay | direct | auto: how stage hops go (plan/hops.py)
+    hops: str = "auto"  # relay | direct | auto: how stage hops go (plan/timing/hops.py)
     probe: LinkProbe = field(default_factory=LinkProbe)  # the links measured so far (kept across re-plans)
 
 
@@ -107,8 +107,7 @@ async def probe_workers(spec: ClusterSpec, addresses: list[str], quiet: bool = F
             await asyncio.gather(*(c.close() for c in clients))
             raise info
         elif info.protocol_version != PROTOCOL_VERSION:
-            say("leaving out %s: protocol %d, this coordinator speaks %d", info.name, info.protocol_version,
-                PROTOCOL_VERSION)
+            say("leaving out %s: %s", info.name, version_gap(info.name, info.protocol_version))
         elif info.model_fingerprint != mine:
             say("leaving out %s: it holds checkpoint %s, this coordinator %s (%s)", info.name,
                 info.model_fingerprint, mine, spec.model_dir)

@@ -33,8 +33,8 @@ from deltafin.coordinator.engine.token_loop import (
 )
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.expert_modes import EXACT
-from deltafin.plan.predict import forward_lengths, forward_read_bytes
-from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.timing.predict import forward_lengths, forward_read_bytes
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
-from deltafin.plan.kept_prefixes import prefix_grid
-from deltafin.plan.stage_parts import sequence_bytes
+from deltafin.plan.memory.kept_prefixes import prefix_grid
+from deltafin.plan.memory.stage_parts import sequence_bytes
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 
 SHARED_HITS = 2  # an entry resumed this often is shared: evicted only after every unshared one

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from deltafin.errors import DeltafinError
 from deltafin.options import PREFILL_BATCHES, check_choice, opt
-from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.drafting import MODES
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from deltafin.coordinator.engine.prefix_index import PrefixSession
-from deltafin.plan.predict import forward_lengths
+from deltafin.plan.timing.predict import forward_lengths
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
@@ -466,8 +466,8 @@ async def _first_step(forward: Forward, release: Release, req: Request, item: Se
 
 class _PrefillReport:
     """A request's prefill from `start` in the fewest forwards of at most `step` tokens, of equal length (the plan
-    prices them so: plan/predict.py forward_lengths), where each ends (`ends`), and its progress: tokens and expected
-    bytes."""
+    prices them so: plan/timing/predict.py forward_lengths), where each ends (`ends`), and its progress: tokens and
+    expected bytes."""
 
     def __init__(self, req: Request, start: int, step: int):
         self.req, self.start, self.length = req, start, len(req.prompt_ids)

@@ -30,9 +30,9 @@ from deltafin.devices import synchronize
 from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights
 from deltafin.options import CACHE_POLICIES
-from deltafin.plan.memory import peak_rss
-from deltafin.plan.predict import forward_lengths
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.timing.predict import forward_lengths
+from deltafin.runtime.memory import peak_rss
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

@@ -28,12 +28,12 @@ from deltafin.cli.bench_quality import add_pair, cut, figures, new_sums
 from deltafin.errors import DeltafinError
 from deltafin.expert_modes import EXACT, ExpertMode, parse
 from deltafin.formats import low_bit_format, stored_spine
-from deltafin.models.decoder import PIECE_TOKENS
 from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import route
+from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
-from deltafin.plan.sizing_options import SizingOptions, low_bit_ratio, mode_presets
+from deltafin.plan.memory.sizing_options import SizingOptions, low_bit_ratio, mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from deltafin.errors import DeltafinError
 from deltafin.formats import stored_spine
 from deltafin.mini import corpus
-from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.models.pieces import PIECE_TOKENS
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

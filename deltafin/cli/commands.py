@@ -39,7 +39,7 @@ from deltafin.formats import converted_spines
 from deltafin.mini.synth import synthesize
 from deltafin.options import WIRES
 from deltafin.paths import models_dir, name_of
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
@@ -236,7 +236,7 @@ def _bench_model(args: argparse.Namespace) -> dict:
                               options=options if args.expert_cache_gb is not None else None, pass_cost=args.pass_cost,
                               expert_mode=options.expert_mode)
     if args.verify:  # planned as a speculating stage: room for the verification's KDA trail
-        from deltafin.plan.sizing_options import SPECULATIVE_TOKENS  # loaded when the command runs
+        from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS  # loaded when the command runs
 
         common["options"] = options.replace(speculative_tokens=SPECULATIVE_TOKENS)
         return bench.bench_verify(args.model, _positive_ints(args.verify, "--verify"), prompt=args.prompt, **common)

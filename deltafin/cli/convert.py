@@ -14,7 +14,7 @@ from deltafin.download.fetch import parse_experts, parse_layers
 from deltafin.errors import DeltafinError
 from deltafin.formats import converted_spines, expert_format, low_bit_formats, spine_format
 from deltafin.options import DEVICES
-from deltafin.plan.layer_table import unfit_spines
+from deltafin.plan.memory.layer_table import unfit_spines
 
 log = logging.getLogger("deltafin")
 

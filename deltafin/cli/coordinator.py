@@ -45,15 +45,15 @@ from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.coordinator.http import server
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model
-from deltafin.plan.expert_placement import split
-from deltafin.plan.hops import describe_hops
+from deltafin.plan.cluster.expert_placement import split
 from deltafin.plan.outlook import expert_copies, mode_lines, outlook
-from deltafin.plan.predict import plan_summary
+from deltafin.plan.timing.hops import describe_hops
+from deltafin.plan.timing.predict import plan_summary
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport.ports import cannot_listen, check_free
 
 if TYPE_CHECKING:
-    from deltafin.plan.cluster_plan import Plan
+    from deltafin.plan.cluster.cluster_plan import Plan
 
 log = logging.getLogger("deltafin.coordinator")
 

@@ -180,9 +180,9 @@ def _disk(model: str) -> list[Check]:
 def _cache_room(model: str | None) -> list[Check]:
     """Free space in the cache directory for the kept prefixes a stage of `model` (else of `deltafin serve`'s
     model, k3-mini) writes by default, and with --model a q4 spine."""
-    from deltafin.plan.kept_prefixes import default_prefix_disk_bytes  # (lazily: torch)
-    from deltafin.plan.sizing import Placement  # (lazily: torch)
-    from deltafin.plan.sizing_options import SizingOptions  # (lazily: torch)
+    from deltafin.plan.memory.kept_prefixes import default_prefix_disk_bytes  # (lazily: torch)
+    from deltafin.plan.memory.sizing import Placement  # (lazily: torch)
+    from deltafin.plan.memory.sizing_options import SizingOptions  # (lazily: torch)
 
     root = cache_dir()
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
@@ -191,7 +191,7 @@ def _cache_room(model: str | None) -> list[Check]:
     need = default_prefix_disk_bytes(cfg, SizingOptions().context, Placement("cpu").act_bytes)
     what = f"{need / 1e9:.2f} GB of kept prefixes (--prefix-disk-gb's default for {Path(model or BUNDLED).name})"
     if model is not None:
-        from deltafin.plan.layer_table import layer_table  # (lazily: torch)
+        from deltafin.plan.memory.layer_table import layer_table  # (lazily: torch)
 
         smallest = converted_spines()[0]  # --model: the spine in the fewest bytes (q4)
         spine = layer_table(cfg, Placement("cpu")).resident(smallest)[-1]

@@ -6,8 +6,8 @@ help are its field's (declared with deltafin.options.opt, once), made into argpa
 only the typed values, which check themselves when built (the Python API builds the same values from keywords). The
 option types load neither torch nor gRPC, so that `--help` is made at once.
 
-With no sizing flags, a process finds the memory it may use (deltafin/plan/memory.py) and sizes itself within
-it (deltafin/plan/sizing.py): experts in memory if they fit, else streamed with a cache of what is left; a bf16
+With no sizing flags, a process finds the memory it may use (deltafin/runtime/memory.py) and sizes itself within
+it (deltafin/plan/memory/sizing.py): experts in memory if they fit, else streamed with a cache of what is left; a bf16
 spine if it fits, else row-int8 with the rest streamed.
 """
 
@@ -24,7 +24,7 @@ from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.options import GB, Flag, flag, from_values, gb_name
 from deltafin.paths import model_path
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions, stage_options
 from deltafin.text.chat import SERVING_MAX_TOKENS
 from deltafin.text.sampling_params import SamplingParams

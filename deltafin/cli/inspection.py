@@ -12,12 +12,12 @@ from deltafin.checkpoint.shards import Checkpoint, scan_checkpoint
 from deltafin.errors import ModelFormatError, SizingError
 from deltafin.formats import spine_formats, stored_spine
 from deltafin.options import more_than_zero
-from deltafin.plan.context import context_why, cost_per_1k, grown
-from deltafin.plan.kept_prefixes import kept_prefixes_text
-from deltafin.plan.layer_table import layer_table, unfit_spines
-from deltafin.plan.least import check_fits
-from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, choose
-from deltafin.plan.sizing_options import SEQUENCES, SizingOptions, base_context, one_worker
+from deltafin.plan.memory.context import context_why, cost_per_1k, grown
+from deltafin.plan.memory.kept_prefixes import kept_prefixes_text
+from deltafin.plan.memory.layer_table import layer_table, unfit_spines
+from deltafin.plan.memory.least import check_fits
+from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.memory.sizing_options import SEQUENCES, SizingOptions, base_context, one_worker
 from deltafin.weights.reader import layer_spans
 
 

@@ -30,7 +30,7 @@ from deltafin.expert_modes import EXACT
 from deltafin.expert_modes import parse as parse_mode
 from deltafin.options import CACHE_POLICIES, GB
 from deltafin.paths import model_path as resolve_model_path
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.head_drafter import DRAFT_DIR
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -115,7 +115,7 @@ def _mode(model: str | Path, device: str, cache: int, mode: str, prompts: tuple[
 
 def cache_bytes(cfg: Any, share: float) -> int:
     """An expert cache holding `share` of all experts: whole slots (an expert's slot is its bytes widened to
-    direct-I/O blocks, 3.6 times them at k3-mini's 19.6 KB, 0.3 % more at K3's 17.5 MB; plan/sizing.py)."""
+    direct-I/O blocks, 3.6 times them at k3-mini's 19.6 KB, 0.3 % more at K3's 17.5 MB; plan/memory/sizing.py)."""
     return int(share * len(cfg.moe_layers) * cfg.num_experts) * expert_slot_bytes(cfg)
 
 

@@ -37,7 +37,7 @@ from deltafin.checkpoint.manifest import Manifest, describe_selection
 from deltafin.checkpoint.shards import INDEX_NAME, MAX_HEADER_BYTES, SINGLE_NAME, Problem, read_header
 from deltafin.download.sources import METADATA_LIMIT, Source, SourceFile, read_bytes
 from deltafin.errors import DeltafinError, ModelFormatError
-from deltafin.plan.expert_placement import split
+from deltafin.plan.cluster.expert_placement import split
 from deltafin.progress import Progress, fmt_bytes
 
 log = logging.getLogger(__name__)

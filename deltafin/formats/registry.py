@@ -55,7 +55,7 @@ class WeightFormat:
     name: str
     role: str  # SPINE | EXPERTS
     summary: str  # what a matrix becomes in it, for the command line's help
-    bytes_per_weight: float  # as the matmuls read it, scales included (plan/compute.py prices the matmuls with it)
+    bytes_per_weight: float  # as the matmuls read it, scales included (plan/cluster/compute.py prices them with it)
     matrix_bytes: Callable[[int, int], int]  # a [rows, cols] matrix held in it
     parts: Callable[[int, int], tuple[int, ...]]  # the bytes of each array a [rows, cols] matrix is written as
     fits: Callable[[int, int], bool] = any_shape  # whether it can hold a [rows, cols] matrix

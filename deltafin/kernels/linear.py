@@ -27,6 +27,7 @@ from deltafin.errors import DeltafinError
 from deltafin.formats import EXPERTS, registered, spine_formats, stored_spine, weight_format
 from deltafin.kernels import mlx_moe
 from deltafin.kernels.activations import GatedActivation
+from deltafin.kernels.blocks import WEIGHT_BLOCK_VALUES
 from deltafin.kernels.mlx_q4 import MLXQ4Kernels
 from deltafin.kernels.quant import (
     Int8Weight,
@@ -47,7 +48,6 @@ MXFP4_FAST_PATHS: dict[str, Any] = {}
 KERNELS = ("auto", "reference", "native", "mlx")
 _selected = {"kernels": "auto"}
 
-WEIGHT_BLOCK_VALUES = 1 << 24  # fp32 values of one on-the-fly converted weight block (64 MB)
 
 
 def select_kernels(choice: str) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.mini.corpus import Conversation, encode_all
-from deltafin.models.decoder import PIECE_TOKENS
+from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.text.tokenizer import K3Tokenizer

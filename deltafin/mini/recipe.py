@@ -36,7 +36,7 @@ from deltafin.mini.export import export
 from deltafin.mini.synth import synthesize
 from deltafin.mini.train import TrainConfig, load_parameters, train
 from deltafin.models.eagle import EagleHead
-from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
 from deltafin.text import vocab
 from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.draft_head import load_eagle

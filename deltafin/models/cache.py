@@ -14,13 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
-
-MLA_BLOCK_TOKENS = 256  # MLA latent caches grow in blocks of this many rows (the memory plan counts whole blocks)
-
-
-def mla_capacity(tokens: int) -> int:
-    """Latent rows an MLA cache holds for `tokens` tokens: whole blocks (the cache grows by these)."""
-    return -(-max(tokens, 1) // MLA_BLOCK_TOKENS) * MLA_BLOCK_TOKENS
+from deltafin.models.pieces import mla_capacity
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from deltafin.models.common import rms_norm
 from deltafin.models.kda import kda_forward
 from deltafin.models.mla import mla_forward
 from deltafin.models.moe import (
-    SUMMED_ROWS,
     ExpertSource,
     FusedExperts,
     RoutedExperts,
@@ -33,10 +32,6 @@ from deltafin.models.moe import (
     moe_forward,
 )
 from deltafin.models.weights import LayerWeights, MoEWeights, TopWeights
-
-PIECE_TOKENS = SUMMED_ROWS  # rows of a sequence one attention pass takes; a longer forward runs each layer in pieces
-STREAM_PIECE_TOKENS = 256  # a stage that ends on a dense layer runs it in pieces of this many rows and sends each
-# piece's outputs on as it is done (runtime/stage.py)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import linear
 from deltafin.models.cache import MLACache
 from deltafin.models.common import rms_norm
+from deltafin.models.pieces import MLA_BLOCK_BYTES
 from deltafin.models.weights import MLAWeights
-
-MLA_BLOCK_BYTES = 384 << 20  # one key block of MLA prefill: its fp32 scores, keys and values
 
 
 def _causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:

@@ -18,10 +18,8 @@ import torch
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.kernels.linear import gate_up, linear
 from deltafin.models.common import activation, rms_norm
+from deltafin.models.pieces import SUMMED_ROWS
 from deltafin.models.weights import DenseMLPWeights, ExpertWeights, MoEWeights
-
-SUMMED_ROWS = 512  # rows (one attention piece: decoder.PIECE_TOKENS) above which the routed experts' outputs are
-# summed expert by expert, and the rest of the layer runs a block of this many rows at a time
 
 
 class ExpertSource(Protocol):

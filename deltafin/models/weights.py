@@ -20,7 +20,7 @@ from deltafin.kernels.quant import MXFP4Weight
 
 # place(tensor, role) -> weight on the device. Roles: "matrix" (for `linear`: compute dtype, bf16 as stored
 # on the CPU, or a row-int8 or q4 spine's), "matrix8" (a matrix a q4 spine keeps at 8 bits: the head, KDA's
-# gate and beta projections, MLA's; plan/layer_table.py names them), "dense" (a matrix used as a tensor, always
+# gate and beta projections, MLA's; plan/memory/layer_table.py names them), "dense" (a matrix used as a tensor, always
 # the compute dtype), "vector" (fp32: norms, biases, decay parameters), "router" (for `linear`, scored in fp32),
 # "embedding" (as stored: rows are cast when gathered)
 Place = Callable[[torch.Tensor, str], Weight]

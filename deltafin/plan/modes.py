@@ -2,8 +2,8 @@
 
 Wide experts put every disk on every token but send each MoE layer's rows over the links; local experts (the
 pipelined plan) send only the stage hops. With `--experts auto` and several workers both are planned and priced
-(plan/predict.py: a decoded token, a prompt's first token, each with the links as measured and the workers' compute)
-and the one a chat turn takes less time in is used: a TURN_PROMPT-token prompt and TURN_REPLY tokens of reply.
+(plan/timing/predict.py: a decoded token, a prompt's first token, each with the links as measured and the workers'
+compute) and the one a chat turn takes less time in is used: a TURN_PROMPT-token prompt and TURN_REPLY tokens of reply.
 (Where every expert is in memory nothing is read and wide spreads their compute: wide, where the workers' compute is
 not known to price it.) On a fast link (a Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide
 prompt moves more over the air than the disks read, and the pipelined plan wins. The plan says which and why
@@ -19,11 +19,11 @@ from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError
-from deltafin.plan.cluster_plan import Plan, WorkerCapacity
-from deltafin.plan.links import Links
+from deltafin.plan.cluster.cluster_plan import Plan, WorkerCapacity
+from deltafin.plan.cluster.links import Links
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.predict import prefill_seconds
-from deltafin.plan.sizing import SizingInput
+from deltafin.plan.timing.predict import prefill_seconds
 
 TURN_PROMPT = 4096  # a chat turn, as the choice weighs it: its prompt ...
 TURN_REPLY = 512  # ... and its reply

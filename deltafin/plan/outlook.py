@@ -14,11 +14,11 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
 from deltafin.expert_modes import ExpertMode, describe, parse
 from deltafin.formats import low_bit_format
-from deltafin.plan.cluster_plan import GB, Plan
-from deltafin.plan.layer_table import align_up
-from deltafin.plan.predict import prompt_forward
-from deltafin.plan.sizing import SizingInput
-from deltafin.plan.sizing_options import expert_read_share, low_bit_ratio, mode_presets
+from deltafin.plan.cluster.cluster_plan import GB, Plan
+from deltafin.plan.memory.layer_table import align_up
+from deltafin.plan.memory.sizing import SizingInput
+from deltafin.plan.memory.sizing_options import expert_read_share, low_bit_ratio, mode_presets
+from deltafin.plan.timing.predict import prompt_forward
 
 Replan = Callable[[SizingInput, float], Plan]  # (options, each worker's memory times this) -> the plan
 

@@ -1,6 +1,6 @@
 """Layer partition across workers (pure): contiguous ranges, sized by memory and disk bandwidth, only from
 layers each worker holds, with an explanation table; with wide experts, also the placement of every MoE
-layer's routed experts over the workers that hold their bytes (deltafin/plan/expert_placement.py).
+layer's routed experts over the workers that hold their bytes (deltafin/plan/cluster/expert_placement.py).
 
 Every candidate stage is sized by sizing.choose on that worker's device and budget (the same function the
 worker's stage runs on the assignment), so a plan that fits here fits there. Cost of a stage per token =
@@ -25,24 +25,24 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import DeltafinError, PlanError, SizingError
 from deltafin.formats import spine_format
-from deltafin.plan.cluster_plan import (
+from deltafin.plan.cluster.cluster_plan import (
     GB,
     Plan,
     StagePlan,
     WorkerCapacity,
     stage_placement,
 )
-from deltafin.plan.context import at_context, context_why, cost_per_1k, longest_context
-from deltafin.plan.expert_placement import ExpertPlacement, cache_aware_weights
-from deltafin.plan.holder_sizing import choose_holder
-from deltafin.plan.kept_prefixes import kept_prefixes_text
-from deltafin.plan.layer_table import model_spines
-from deltafin.plan.least import too_small
-from deltafin.plan.links import Links
-from deltafin.plan.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
-from deltafin.plan.sizing import Budget, Placement, SizingInput, StageSizing, choose
-from deltafin.plan.spine_choice import asked_spine, choose_spine
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, cache_aware_weights
+from deltafin.plan.cluster.links import Links
+from deltafin.plan.memory.context import at_context, context_why, cost_per_1k, longest_context
+from deltafin.plan.memory.holder_sizing import choose_holder
+from deltafin.plan.memory.kept_prefixes import kept_prefixes_text
+from deltafin.plan.memory.layer_table import model_spines
+from deltafin.plan.memory.least import too_small
+from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.memory.spine_choice import asked_spine, choose_spine
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.timing.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
     usefully take layers are left out, or with wide experts serve experts only). Raises PlanError with the reason
     when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide". `links`: the
-    cluster's, as measured (plan/links.py; None: all assumed), priced in every stage's cost and the predictions.
+    cluster's, as measured (plan/cluster/links.py; None: all assumed), priced in every stage's cost and the predictions.
 
     The spine format is one for the whole cluster: with `spine="auto"`, bf16 if the cluster holds all of it
     resident, else row-int8 if it holds all of that, else q4 (and whatever q4 does not fit streams, as converted);
@@ -90,7 +90,7 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
 def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], opts: SizingInput,
                   act_bytes: int) -> Plan:
     """The plan at the one context its stages share: as asked (--max-context), else the least of the longest
-    each stage's memory holds with nothing else of its plan changed (plan/context.py)."""
+    each stage's memory holds with nothing else of its plan changed (plan/memory/context.py)."""
     by_key = {w.key: w for w in workers}
     sized = []
     for s in plan.stages:
@@ -107,7 +107,8 @@ def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], o
 def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int,
                       wide: bool) -> tuple[Plan | None, str, SizingInput]:
     """The cheapest plan in the cluster's spine format, why that format, and the options with it
-    (plan/spine_choice.py: as asked, by the coordinator or the workers; else by memory and what the disks hold)."""
+    (plan/memory/spine_choice.py: as asked, by the coordinator or the workers; else by memory and what the disks
+    hold)."""
     spine, asked = asked_spine(opts.spine, [(w.name, w.spine) for w in workers])
     by_key = {w.key: w for w in workers}
 

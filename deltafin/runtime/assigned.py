@@ -21,9 +21,9 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
-from deltafin.plan.expert_placement import ExpertPlan
-from deltafin.plan.holder_sizing import choose_holder, size_holder
-from deltafin.plan.sizing import Budget, Placement, StageSizing
+from deltafin.plan.cluster.expert_placement import ExpertPlan
+from deltafin.plan.memory.holder_sizing import choose_holder, size_holder
+from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import ExpertProvider, disk_plan, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
@@ -90,7 +90,7 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
            sizing: StageSizing | None, plan: ExpertPlan | None, me: str, peers: Mapping[str, Peer],
            old: Assigned | None, progress: Callable[[str, float], None] | None = None) -> Assigned:
     """Load (or keep from `old`) what the assignment asks for: the stage `sizing` plans (checked already:
-    plan/stage_check.py), or with None the one this worker plans within its own budget; `old` is closed unless
+    plan/memory/stage_check.py), or with None the one this worker plans within its own budget; `old` is closed unless
     kept."""
     cfg = ckpt.config
     if plan is None:

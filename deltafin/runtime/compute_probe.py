@@ -1,5 +1,6 @@
-"""Measuring a worker's compute (plan/compute.py's ComputeSpeed) on its device, with the code its stages run, timed
-as `deltafin bench --kernel` times it (kernels/timing.py: back-to-back calls, interleaved rounds, medians, copies of
+"""Measuring a worker's compute (plan/cluster/compute.py's ComputeSpeed) on its device, with the code its stages run,
+timed as `deltafin bench --kernel` times it (kernels/timing.py: back-to-back calls, interleaved rounds, medians, copies
+of
 each weight taken in turn so that it comes from memory):
 
 - a routed expert of the model's shapes and format (seeded random bytes: the time does not depend on the values)
@@ -35,8 +36,8 @@ from deltafin.kernels.timing import copies, in_turn, stable_seconds
 from deltafin.models.common import activation
 from deltafin.models.moe import expert_ffn
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.compute import ComputeSpeed
-from deltafin.plan.layer_table import tensor_role
+from deltafin.plan.cluster.compute import ComputeSpeed
+from deltafin.plan.memory.layer_table import tensor_role
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.assigned import Assigned, assign
 from deltafin.runtime.pipeline import LocalPipeline

@@ -17,10 +17,10 @@ from deltafin.checkpoint.config import ModelConfig, load_config, with_eps_conven
 from deltafin.checkpoint.shards import Checkpoint, open_checkpoint
 from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError, OutOfMemory
-from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.plan.least import check_fits
+from deltafin.models.pieces import PIECE_TOKENS
+from deltafin.plan.memory.least import check_fits
+from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
 from deltafin.plan.planner import split_layers
-from deltafin.plan.sizing import Budget, Placement, StageSizing
 from deltafin.progress import Progress
 from deltafin.runtime.features import Features, gather
 from deltafin.runtime.stage import SeqInput, SeqOutput, Stage
@@ -108,9 +108,9 @@ class LocalPipeline:
 def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device,
                 options: StageOptions) -> list[StageSizing]:
     """The plan of each in-process stage of `ranges`, made once, before any weights load (each stage loads its own
-    as it is): within the budget, or SizingError with the least a stage needs (plan/least.py); following what the
+    as it is): within the budget, or SizingError with the least a stage needs (plan/memory/least.py); following what the
     disk holds (stage_build.disk_plan). Several stages share one context where none was given (a request goes
-    through all): the least of the longest each one's memory holds (plan/context.py), at the shortest forward
+    through all): the least of the longest each one's memory holds (plan/memory/context.py), at the shortest forward
     their plans chose, so that none plans a longer one in its room."""
     cfg, backend = ckpt.config, expert_backend_for(ckpt.config, device, options.mode)
 

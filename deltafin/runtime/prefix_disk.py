@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from deltafin.errors import DeltafinError
-from deltafin.models.cache import KDACache, LayerCache, MLACache, SequenceCache, mla_capacity
+from deltafin.models.cache import KDACache, LayerCache, MLACache, SequenceCache
+from deltafin.models.pieces import mla_capacity
 
 log = logging.getLogger(__name__)
 

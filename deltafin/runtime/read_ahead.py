@@ -7,7 +7,7 @@ next layer guessed, 420-433 MB without, its routed experts being 561 MB, in the 
 prompt's guesses (its tokens touch most of a layer's experts, all of which will be needed) read both layers as far
 ahead as the slots allow, while the layer's attention computes (weights/store.py `prefetch`). Before a forward:
 one longer than the plan's borrows the expert cache's memory for its workspace, keeping what it leaves to read
-ahead, and a shorter one (decode) takes the cache back (plan/sizing.py `_lend_cache`; weights/cache_loan.py)."""
+ahead, and a shorter one (decode) takes the cache back (plan/memory/sizing.py `_lend_cache`; weights/cache_loan.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import Router, route
-from deltafin.plan.sizing import Placement, StageSizing, kept_while_lent
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.sizing import Placement, StageSizing, kept_while_lent
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.stage_options import StageOptions
 
 PROMPT_LAYERS = 2  # a prompt's forward guesses this layer's experts and the next one's (all of them will be needed)

@@ -23,7 +23,7 @@ from deltafin.checkpoint.config import LayerKind, ModelConfig
 from deltafin.errors import InvalidInput, OutOfMemory, PrefixNotFound, SessionNotFound, SessionOutOfSync
 from deltafin.models.cache import SequenceCache, new_sequence_cache
 from deltafin.models.kda import delta_rule_recurrent
-from deltafin.plan.stage_parts import sequence_bytes
+from deltafin.plan.memory.stage_parts import sequence_bytes
 from deltafin.runtime.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)

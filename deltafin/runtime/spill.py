@@ -1,4 +1,5 @@
-"""A spilled forward's rows' AttnRes blocks on the SSD (plan/spill_cost.py: when the plan spills, and what it costs).
+"""A spilled forward's rows' AttnRes blocks on the SSD (plan/memory/spill_cost.py: when the plan spills, and what it
+costs).
 
 A stage of every layer runs a prompt longer than the forward its memory holds (`StageSizing.prompt_tokens`, up to
 `spill_tokens`) as one forward with every row's P in memory and its banked blocks in one file: a layer's attention
@@ -22,8 +23,8 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.plan.sizing import StageSizing
-from deltafin.plan.spill_cost import SPILL_MARGIN, spill_file_bytes
+from deltafin.plan.memory.sizing import StageSizing
+from deltafin.plan.memory.spill_cost import SPILL_MARGIN, spill_file_bytes
 from deltafin.weights.tensors import pread_into
 
 GB = 1e9

@@ -28,8 +28,6 @@ from deltafin.errors import Cancelled, DeltafinError, InvalidInput
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
-    PIECE_TOKENS,
-    STREAM_PIECE_TOKENS,
     Piece,
     Span,
     decoder_layer,
@@ -42,9 +40,10 @@ from deltafin.models.decoder import (
 )
 from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import FusedExperts, routed_sum
+from deltafin.models.pieces import PIECE_TOKENS, STREAM_PIECE_TOKENS
 from deltafin.paths import cache_dir
-from deltafin.plan.sizing import StageSizing
-from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.sizing import StageSizing
+from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.read_ahead import prefetch_experts, room_for_prompt

@@ -27,10 +27,10 @@ from deltafin.kernels.linear import Weight, expert_backend, kernel_family, q4_on
 from deltafin.kernels.quant import Q4Weight
 from deltafin.models.common import activation
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.context import grown
-from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
-from deltafin.plan.layer_table import STORED, matrix_format
-from deltafin.plan.sizing import (
+from deltafin.plan.memory.context import grown
+from deltafin.plan.memory.kept_prefixes import default_prefix_disk_bytes
+from deltafin.plan.memory.layer_table import STORED, matrix_format
+from deltafin.plan.memory.sizing import (
     QUALITY_SOURCE,
     Budget,
     Placement,
@@ -38,7 +38,7 @@ from deltafin.plan.sizing import (
     choose,
     size_stage,
 )
-from deltafin.plan.spine_copies import SpineDisk, stage_units
+from deltafin.plan.memory.spine_copies import SpineDisk, stage_units
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
@@ -65,7 +65,7 @@ def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, opt
                spans: tuple[int, ...] | None = None, experts: str = "torch",
                known: Mapping[str, Any] | None = None) -> StageSizing:
     """What the stage will hold (pure): within `memory_bytes` if set (its context, where none is given, the longest
-    that memory holds: plan/context.py), else everything resident; `experts` is where the routed experts run
+    that memory holds: plan/memory/context.py), else everything resident; `experts` is where the routed experts run
     (torch or mlx); `known`: what the plan knows beside the options (SizingInput's own fields: a wide stage's
     `expert_layers` and `expert_share`, `converted`)."""
     place = Placement(device.type, options.act_bytes, experts)

@@ -4,7 +4,7 @@
 (deltafin/cli/flags.py, made from the fields declared with `opt`), the Python API from keywords, a worker from an
 assignment's options off the wire over its own defaults (transport/codec.py). The user's memory-plan knobs are its
 `sizing` field (SizingOptions); what the plan is made from adds what the process and the planner know
-(`sizing_for`: SizingInput), and what the plan decides is its own value (plan/sizing.py's StageSizing), never an
+(`sizing_for`: SizingInput), and what the plan decides is its own value (plan/memory/sizing.py's StageSizing), never an
 option. A knob has one name: the flag's (`--prefill-chunk` is `prefill_chunk`), a size in GB on the command line
 being the same name in bytes here (`--memory-gb` is `memory_bytes`). The fields without a flag are the process's
 (its host memory beside a GPU, its disks' speeds, its heat folder, the room its serving's drafts need).
@@ -36,7 +36,7 @@ from deltafin.options import (
     option_names,
 )
 from deltafin.paths import cache_dir
-from deltafin.plan.sizing_options import SizingInput, SizingOptions, expert_read_share, mode_presets
+from deltafin.plan.memory.sizing_options import SizingInput, SizingOptions, expert_read_share, mode_presets
 
 if TYPE_CHECKING:
     import torch
@@ -184,7 +184,7 @@ def stage_option_names() -> set[str]:
 def with_memory_found(options: StageOptions, device: torch.device) -> StageOptions:
     """`options` with the memory budget this process may use on `device`: its own `memory_bytes` if given, else
     what the process finds (RAM, a cgroup limit, the GPU's free memory, Metal's working set) less a margin."""
-    from deltafin.plan.memory import find_memory  # here: it loads torch, which the options themselves do not
+    from deltafin.runtime.memory import find_memory  # here: it loads torch, which the options themselves do not
 
     found = find_memory(device.type, device.index)
     device_budget, host_budget = found.budget

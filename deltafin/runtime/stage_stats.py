@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.sizing import StageSizing
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.sizing import StageSizing
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.prefix_store import PrefixStore
 from deltafin.runtime.spill import SpillCounters
 from deltafin.runtime.stage_build import ExpertProvider

@@ -5,8 +5,8 @@ sends each holder only the latent rows of the tokens routed to that holder's exp
 and their routing weights, computes its own share meanwhile, and adds the holders' answers: each holder sends back
 one row per token, its pairs' weighted outputs summed (models.moe.weighted_row_sums), not one row per pair, so the
 bytes back are the bytes out. A prompt's call divides the experts it touches so that every holder finishes
-together, its rows' and sums' crossings counted (plan/prompt_split.py, `prompt_owners`); every other call follows
-the placement. Each expert sees the same rows in the same order wherever it runs, so every pair's output is the
+together, its rows' and sums' crossings counted (plan/cluster/prompt_split.py, `prompt_owners`); every other call
+follows the placement. Each expert sees the same rows in the same order wherever it runs, so every pair's output is the
 one-process path's, bit for bit; the sum of a token's 16 weighted outputs is grouped by holder (each holder's
 share, then the holders in placement order), so a wide stage's result equals one process's to fp32 rounding (the
 order of that sum), not bit for bit. The holder side, `ExpertHolder`, computes a call's pairs
@@ -33,8 +33,8 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
 from deltafin.models.moe import Landed, weighted_row_sums
-from deltafin.plan.expert_placement import ExpertPlacement
-from deltafin.plan.prompt_split import PromptSplit
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.prompt_split import PromptSplit
 from deltafin.runtime.read_ahead import prompt_like
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class WideExperts:
                  peers: Mapping[str, Peer], names: Mapping[str, str] | None = None, lossy: bool = False,
                  prompts: PromptSplit | None = None):
         """`lossy`: the other holders' rows go, and their sums come back, as bfloat16 (--wire bf16). `prompts`: how
-        a call whose pairs outnumber the layer's experts (a prompt's) divides them (plan/prompt_split.py; None: by
-        the placement, as every other call)."""
+        a call whose pairs outnumber the layer's experts (a prompt's) divides them (plan/cluster/prompt_split.py; None:
+        by the placement, as every other call)."""
         self.cfg, self.placement, self.local, self.peers, self.lossy = cfg, placement, local, dict(peers), lossy
         self.prompts = prompts
         self.me = placement.index(me) if me is not None else None
@@ -231,8 +231,9 @@ class WideExperts:
 
 def prompt_owners(split: PromptSplit, bounds: Sequence[int], ids: torch.Tensor, tokens: int) -> torch.Tensor:
     """The holder of each of `ids` (a prompt's pairs' experts, or guesses of them) for a forward of `tokens` tokens,
-    divided as `split` counts (plan/prompt_split.py): each holder keeps the experts of its own range (`bounds`: the
-    placement's) it has room for, lowest first, and the rest go to the holders with room left, in placement order."""
+    divided as `split` counts (plan/cluster/prompt_split.py): each holder keeps the experts of its own range (`bounds`:
+    the placement's) it has room for, lowest first, and the rest go to the holders with room left, in placement
+    order."""
     n = len(bounds) - 1
     distinct = torch.unique(ids)
     home = torch.bucketize(distinct, torch.tensor(bounds[1:], dtype=distinct.dtype), right=True)

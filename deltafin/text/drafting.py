@@ -13,7 +13,7 @@ and can continue from any of them (stage.SeqInput.speculative). The sampler acce
   one pass (a `Cost`). At K3's size a pass costs the
   spine's reads once, whatever k, plus the distinct experts its k+1 tokens route to: with a uniform router
   E·(1−(1−K/E)^(k+1)) per layer, so drafting is cheap where the spine streams and dear where it does not.
-  The engine prices a pass with the plan it runs (`PlannedCost`: plan/predict.py's pass_seconds, the experts
+  The engine prices a pass with the plan it runs (`PlannedCost`: plan/timing/predict.py's pass_seconds, the experts
   the caches do not hold read at the disks' speed, the compute as measured) and then with what its passes take
   (`FittedCost`: the plan's two ends as a prior, corrected by every pass timed); `PassCost` is the same shape with
   the split of one 64 GB Mac's plan, where no plan prices it.

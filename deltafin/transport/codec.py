@@ -17,9 +17,9 @@ import torch
 from deltafin.errors import CodecError, DeltafinError
 from deltafin.formats import spine_formats
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
-from deltafin.plan.links import Link
-from deltafin.plan.sizing import StageSizing
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.cluster.links import Link
+from deltafin.plan.memory.sizing import StageSizing
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
@@ -27,17 +27,6 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
-PROTOCOL_VERSION = 15  # 2: whole-stage budgets, worker ids; 3: prefix cache; 4: speculative forwards, keeping a
-# session's first N tokens; 5: options and counters as messages; 6: wide experts; 7: save_at, HeldPrefixes; 8: kept
-# states' identity, workers' own spine and converted copies, plans without a copy, links (Echo, MeasureLink, their
-# addresses), summed expert answers, the bf16 wire, workers' measured compute; 9: the stage's plan in the Assignment,
-# options without budgets; 10: a draft head's features (SequenceInput.feature_layers, SequenceOutput.features); 11:
-# holders' speeds and links in the expert plan (a prompt's calls divided by them); 12: a plan's prompt_tokens (a
-# prompt's forwards borrow the expert cache); 13: a plan's spill_tokens, the stage's spill counters; 14: states handed
-# from stage to stage (HandOff, ForwardRequest.hand_to/handed_from, ForwardResponse.handed), expert sums streamed a
-# row as it is done (RunExperts answers in parts, ExpertResponse.rows); 15: a stage's expert mode
-# (StageOptions.expert_mode: a worker that cannot say it would run exact)
-DEFAULT_MAX_MESSAGE = 1 << 30  # gRPC message cap: a long prefill's residual state is hundreds of MB at K3 width
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -296,7 +285,7 @@ def encode_stage_plan(plan: StageSizing) -> pb.StageSizing:
 
 def decode_stage_plan(msg: pb.StageSizing, num_layers: int) -> StageSizing:
     """The plan a coordinator sent, with every field present and in range for a `num_layers`-layer model (what it
-    costs and whether it fits is the worker's check: plan/stage_check.py)."""
+    costs and whether it fits is the worker's check: plan/memory/stage_check.py)."""
     got = {f.name: v for f, v in msg.ListFields()}
     missing = [n for n in _PLAN_FIELDS if n not in got and n not in ("resident_layers", "streamed_layers")
                and n not in _PLAN_FLAGS and n != "spine_why"]

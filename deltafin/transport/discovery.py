@@ -17,7 +17,7 @@ import uuid
 import ifaddr
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
 
-from deltafin.transport.codec import PROTOCOL_VERSION
+from deltafin.transport.protocol import PROTOCOL_VERSION, version_gap
 from deltafin.transport.worker_info import WorkerDescription
 
 log = logging.getLogger(__name__)
@@ -152,9 +152,9 @@ def browse(timeout: float = 3.0, interfaces: list[str] | None = None,
         browser.cancel()
         zc.close()
     workers = sorted(found.values(), key=lambda d: d.name)
-    stale = [d.name for d in workers if d.protocol_version != PROTOCOL_VERSION]
-    if stale:
-        log.warning("ignoring workers with another protocol version: %s", ", ".join(stale))
+    for d in workers:
+        if d.protocol_version != PROTOCOL_VERSION:
+            log.warning("ignoring %s", version_gap(d.name, d.protocol_version, "this process"))
     return [d for d in workers if d.protocol_version == PROTOCOL_VERSION]
 
 

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 
-from deltafin.plan.links import Link
+from deltafin.plan.cluster.links import Link
 
 PINGS = 5  # empty echoes, their median the round trip
 SMALL = 64 << 10  # the first payload

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.plan.compute import ComputeSpeed
-from deltafin.plan.spine_copies import SpineDisk
-from deltafin.transport.codec import PROTOCOL_VERSION
+from deltafin.plan.cluster.compute import ComputeSpeed
+from deltafin.plan.memory.spine_copies import SpineDisk
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.transport.protocol import PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)

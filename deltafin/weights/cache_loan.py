@@ -1,4 +1,4 @@
-"""A prompt's forward borrows the expert store's cache (plan/sizing.py `_lend_cache`; runtime/stage.py asks): the
+"""A prompt's forward borrows the expert store's cache (plan/memory/sizing.py `_lend_cache`; runtime/stage.py asks): the
 warming stops, the reads settle, the cache empties and the memory of its slots goes back to the system but for
 those the forward leaves, which read the next experts ahead; decode takes the cache back, empty, and it refills as
 after a start. Only between forwards: every slot is free while its memory changes (expert_slots.py)."""
@@ -32,8 +32,9 @@ class CacheLoan:
     _lock: threading.RLock
 
     def lend_cache(self, keep: int = 0) -> None:
-        """A prompt's forward longer than the plan's borrows the cache (plan/sizing.py `_lend_cache`): the warming
-        stops, the reads settle, the cache empties and the memory of all but `keep` of its slots goes back to the
+        """A prompt's forward longer than the plan's borrows the cache (plan/memory/sizing.py `_lend_cache`): the
+        warming stops, the reads settle, the cache empties and the memory of all but `keep` of its slots goes back to
+        the
         system; those `keep` read the next experts ahead (`prefetch`). Between forwards only."""
         keep = min(keep, self.slots.cache_slots - 1)  # (all of them kept: not lent)
         if self.slots.cache_slots and self.slots.kept != keep:

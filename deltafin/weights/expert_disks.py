@@ -1,6 +1,6 @@
 """The expert store's disks: the checkpoint and any copies (or parts) of it on other disks, each with shard files
 and reader threads of its own, and which disk reads each expert. The experts of the layers the store serves are
-divided among the disks that hold them in proportion to their speed (plan/expert_placement.py, the code that
+divided among the disks that hold them in proportion to their speed (plan/cluster/expert_placement.py, the code that
 divides a layer among workers); an expert of any other layer is read from the first disk that holds it. Ids from the
 layer's expert count up are a converted copy's (weights/expert_copy.py: an expert mode reads expert e there as id
 E + e), read by the first disk's readers: the copy is on the machine's own disk; one the copy does not hold (a wide
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.plan.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
 from deltafin.weights.expert_copy import ExpertCopy
 from deltafin.weights.expert_slots import Key
 from deltafin.weights.reader import WARM, ExpertReader, ReadPlan, ShardFiles, plan_read

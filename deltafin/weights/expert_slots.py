@@ -4,8 +4,9 @@ eviction frees it); on CUDA or MPS the host slots only stage reads, and each exp
 preallocated device tensor and cached there (sizing.py counts both). `land` turns a filled host slot into the
 expert's weights where they will be used, and `release` frees the slot an expert holds.
 
-A prompt's forward may borrow the cache (plan/sizing.py `_lend_cache`): `lend_cache` gives the cache slots' memory
-back to the system while every slot is free (the store empties its cache and settles its reads first), leaving the
+A prompt's forward may borrow the cache (plan/memory/sizing.py `_lend_cache`): `lend_cache` gives the cache slots'
+memory back to the system while every slot is free (the store empties its cache and settles its reads first), leaving
+the
 working slots; `take_back` makes the cache slots again, empty."""
 
 from __future__ import annotations

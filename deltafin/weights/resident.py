@@ -13,7 +13,7 @@ import torch
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.formats import WeightFormat
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.expert_copy import low_bit_expert
 from deltafin.weights.reader import ShardFiles, plan_read

@@ -24,7 +24,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import CorruptSpine
 from deltafin.models.weights import LayerWeights, Place, TopWeights, layer_weights, top_weights
-from deltafin.plan.spine_copies import layer_unit
+from deltafin.plan.memory.spine_copies import layer_unit
 from deltafin.weights.directio import aligned_buffer
 from deltafin.weights.reader import ShardFiles, plan_tensors, read_parallel
 from deltafin.weights.spine_files import SpineFiles

@@ -23,8 +23,8 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import Checkpoint, TensorLocation, fingerprint, scan_checkpoint
 from deltafin.errors import DeltafinError, ModelFormatError, SpineNotConverted
 from deltafin.formats import converted_spines, spine_format
-from deltafin.plan.layer_table import STORED, converted_kind
-from deltafin.plan.spine_copies import SpineDisk, converted_unit_bytes, layer_unit, unit_tensors
+from deltafin.plan.memory.layer_table import STORED, converted_kind
+from deltafin.plan.memory.spine_copies import SpineDisk, converted_unit_bytes, layer_unit, unit_tensors
 from deltafin.progress import Progress, fmt_bytes
 from deltafin.weights.spine_files import (
     CRC_CHUNK,

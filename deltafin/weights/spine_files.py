@@ -29,7 +29,7 @@ from deltafin.errors import CorruptSpine, ModelFormatError
 from deltafin.formats import converted_spines, spine_format
 from deltafin.kernels.quant import Q4_GROUP
 from deltafin.paths import cache_dir
-from deltafin.plan.layer_table import (
+from deltafin.plan.memory.layer_table import (
     EIGHT_BIT,
     EIGHT_BIT_MLA,
     STORED,
@@ -37,7 +37,7 @@ from deltafin.plan.layer_table import (
     converted_kind,
     converted_parts,
 )
-from deltafin.plan.spine_copies import unit_tensors
+from deltafin.plan.memory.spine_copies import unit_tensors
 from deltafin.weights.directio import align_up
 from deltafin.weights.tensors import bytes_to_tensor
 

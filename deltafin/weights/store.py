@@ -11,10 +11,11 @@ moves to the cache too and counts as wasted bytes if it is evicted unused. The r
 guesses are expert_reads.py's, the counters expert_stats.py's. Given the checkpoint's remembered heat
 (expert_heat.py), the store counts the experts its layers use, and at start reads the hottest of its layers into
 the cache behind every other read, so the first tokens after a restart already hit. A prompt's forward longer than
-the plan's may borrow the cache's memory (`lend_cache`: plan/sizing.py `_lend_cache`); decode takes it back, empty.
+the plan's may borrow the cache's memory (`lend_cache`: plan/memory/sizing.py `_lend_cache`); decode takes it back,
+empty.
 
 Several disks (expert_disks.py): given more than one copy (or part) of the checkpoint, each layer's experts are
-divided among the disks that hold them in proportion to their speed (deltafin/plan/expert_placement.py, the code
+divided among the disks that hold them in proportion to their speed (deltafin/plan/cluster/expert_placement.py, the code
 that divides a layer among workers), and every disk has readers of its own. Several compute threads may ask at
 once (a worker's stage and the expert calls it serves for other stages): a read one of them waits for is never
 dropped as another's wrong guess.
@@ -36,8 +37,8 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.kernels.activations import GatedActivation
 from deltafin.models.moe import Landed, expert_outputs
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.expert_placement import ExpertPlacement
-from deltafin.plan.stage_parts import expert_slot_bytes, working_slots
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.memory.stage_parts import expert_slot_bytes, working_slots
 from deltafin.weights.cache_loan import CacheLoan
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
 from deltafin.weights.expert_copy import ExpertCopy

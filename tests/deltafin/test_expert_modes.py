@@ -31,7 +31,7 @@ def test_a_mode_reads_back_in_its_one_spelling(text: str, mode: ExpertMode) -> N
 
 
 def test_every_preset_is_in_its_one_spelling() -> None:
-    from deltafin.plan.sizing_options import mode_presets
+    from deltafin.plan.memory.sizing_options import mode_presets
 
     assert PRESETS[0] == EXACT and mode_presets()[:len(PRESETS)] == PRESETS
     assert [parse(p).name for p in mode_presets()] == list(mode_presets())

@@ -7,7 +7,7 @@ import pytest
 
 from deltafin.errors import DeltafinError
 from deltafin.options import at_least, check_choice, flag, from_values, more_than_zero, option_names
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 
 

@@ -13,7 +13,7 @@ from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.token_loop import PlainText, PrefillProgress
 from deltafin.coordinator.http.metrics import render
-from deltafin.plan.predict import forward_read_bytes
+from deltafin.plan.timing.predict import forward_read_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.tokenizer import K3Tokenizer
 

@@ -11,7 +11,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 

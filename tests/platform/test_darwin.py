@@ -84,7 +84,7 @@ def test_peak_rss_units_follow_the_platform(monkeypatch, tmp_path, platform_name
     """Where there is no /proc (macOS), getrusage's ru_maxrss: bytes on macOS and KiB on Linux."""
     import resource
 
-    from deltafin.plan.memory import peak_rss
+    from deltafin.runtime.memory import peak_rss
 
     monkeypatch.setattr(sys, "platform", platform_name)
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=1000))

@@ -11,7 +11,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import scan_checkpoint
-from deltafin.plan.sizing_options import SizingInput, SizingOptions
+from deltafin.plan.memory.sizing_options import SizingInput, SizingOptions
 from deltafin.runtime.stage_build import plan_stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec

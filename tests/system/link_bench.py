@@ -1,7 +1,8 @@
 """A cluster of simulated Macs behind simulated links: one worker process per Mac (each under its own `disklimit` and
 `memlimit`, as in cluster_bench.py), each reached through `../shared/tools/linkproxy` with a link kind's round trip
-and bandwidth (deltafin/plan/links.py PROFILES: each link its own; `wifi-shared`: one rate for every link, as on one
-Wi-Fi channel; `--scale-to RATE` scales the bandwidth by RATE over a Mac's 6.6 GB/s SSD, so that the links keep their
+and bandwidth (deltafin/plan/cluster/links.py PROFILES: each link its own; `wifi-shared`: one rate for every link, as on
+one Wi-Fi channel; `--scale-to RATE` scales the bandwidth by RATE over a Mac's 6.6 GB/s SSD, so that the links keep
+their
 ratio to the disks), and this process as the coordinator, reaching every worker through the proxies (and so do the
 workers each other, with wide experts). For each profile: the plan's mode and its prediction, a prompt's prefill
 seconds, the seconds per decoded token, the greedy ids and the bytes each link carried each way. Prints one JSON
@@ -29,8 +30,8 @@ import torch
 import deltafin
 from deltafin.checkpoint.config import load_config
 from deltafin.paths import model_path
-from deltafin.plan.links import PROFILES, Link
-from deltafin.plan.predict import prefill_seconds
+from deltafin.plan.cluster.links import PROFILES, Link
+from deltafin.plan.timing.predict import prefill_seconds
 from tests.support.cluster import WorkerProcess, split_at_dashes
 from tests.support.links import slow_links
 from tests.system.cluster_bench import _caps

@@ -113,7 +113,7 @@ def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     in this process, the cgroup limit read from a stand-in; planned == allocated by the stage's own tensors."""
     from deltafin.cli.flags import stage_from_args
     from deltafin.cli.worker import build_parser
-    from deltafin.plan import memory
+    from deltafin.runtime import memory
     from deltafin.runtime.stage import SeqInput, Stage
     from deltafin.runtime.stage_options import with_memory_found
     from tests.support.sizing import held, plan_of

@@ -13,7 +13,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint
 from deltafin.errors import NotAssigned
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec
 from deltafin.transport.worker_info import WorkerDescription
@@ -47,7 +47,7 @@ def test_the_plan_sent_is_the_plan_loaded(tiny_dir, monkeypatch, caplog):
     def no_planning(*args, **kwargs):
         raise AssertionError("the worker planned the stage again")
 
-    monkeypatch.setattr("deltafin.plan.sizing.choose", no_planning)
+    monkeypatch.setattr("deltafin.plan.memory.sizing.choose", no_planning)
     monkeypatch.setattr("deltafin.runtime.stage_build.choose", no_planning)
     slot = AssignmentSlot(open_checkpoint(tiny_dir, cfg), torch.device("cpu"), lambda: "w")
     options = StageOptions(memory_bytes=4 * 10**9)

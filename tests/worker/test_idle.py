@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deltafin.plan.compute import ComputeSpeed
+from deltafin.plan.cluster.compute import ComputeSpeed
 from deltafin.runtime.compute_probe import ComputeReadings
 from deltafin.worker import idle
 

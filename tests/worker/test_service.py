@@ -18,9 +18,9 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkpoint
 from deltafin.errors import SessionOutOfSync
 from deltafin.models.moe import expert_outputs
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder
-from deltafin.plan.holder_sizing import size_holder
-from deltafin.plan.sizing import Placement, SizingInput
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.memory.holder_sizing import size_holder
+from deltafin.plan.memory.sizing import Placement, SizingInput
 from deltafin.runtime import wide
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

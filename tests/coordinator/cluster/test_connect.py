@@ -13,7 +13,7 @@ from deltafin.cli.flags import cluster_from_args, serving_from_args, stage_from_
 from deltafin.coordinator.cluster.connect import cluster_spec
 from deltafin.coordinator.engine.engine import open_engine, planned_stage
 from deltafin.errors import DeltafinError
-from deltafin.plan.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
 
 
 def _args(model: Path, *extra: str):

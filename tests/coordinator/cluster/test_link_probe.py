@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from deltafin.coordinator.cluster.link_probe import LinkProbe
-from deltafin.plan.links import Link
+from deltafin.plan.cluster.links import Link
 from tests.support.cluster import COORDINATOR, WorkerProcess, workers
 from tests.support.links import LinkProxy, free_port, slow_links
 

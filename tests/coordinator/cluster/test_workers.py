@@ -162,7 +162,7 @@ def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
     with a 1 MB gRPC message cap: the hidden states cross every boundary in parts (ForwardParts), not in smaller
     forwards; the last position's logits and 4 greedy steps equal single-machine mode fed the same forward, bit
     for bit; each worker's peak memory stays within what its stage was planned for."""
-    from deltafin.plan.sizing import SizingInput
+    from deltafin.plan.memory.sizing import SizingInput
 
     length = 16384
     prompt = (torch.arange(length) % 700 + 5).tolist()

@@ -21,9 +21,9 @@ from deltafin.coordinator.engine.prefix_index import (
     prefix_id,
 )
 from deltafin.coordinator.engine.token_loop import Finished
-from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingInput
-from deltafin.plan.stage_parts import kda_state_bytes, mla_row_bytes
+from deltafin.models.pieces import mla_capacity
+from deltafin.plan.memory.sizing import SizingInput
+from deltafin.plan.memory.stage_parts import kda_state_bytes, mla_row_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer

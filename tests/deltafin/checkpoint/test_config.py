@@ -59,8 +59,8 @@ def test_real_k3_tensor_family_totals_match_the_published_checkpoint(k3_config_r
 
 def test_real_k3_spine_is_about_113_gb_bf16(k3_config_raw):
     """docs/DESIGN.md: ~57B spine parameters, 113 GB bf16, ~53 GB as row-int8 (not counting embedding/head)."""
-    from deltafin.plan.layer_table import layer_table
-    from deltafin.plan.sizing import Placement
+    from deltafin.plan.memory.layer_table import layer_table
+    from deltafin.plan.memory.sizing import Placement
 
     cfg = parse_config(k3_config_raw)
     table = layer_table(cfg, Placement("cpu"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from deltafin.checkpoint.config import load_config
-from deltafin.plan.sizing_options import SizingOptions
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.sizing_options import SizingOptions
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.stage_options import StageOptions
 
 

@@ -79,7 +79,7 @@ def test_bench_kernel_prints_the_expert_and_the_spine(monkeypatch, capsys) -> No
 def test_the_probe_is_set_beside_the_benchmarks_figures_for_the_same_matrix(monkeypatch) -> None:
     """`probe_against_kernels`' ratios: the probe's one-token GFLOP/s over the benchmark's decode of the same matrix,
     and the benchmark's expert time over the probe's (a known reading here, so the arithmetic is checked)."""
-    from deltafin.plan.compute import ComputeSpeed
+    from deltafin.plan.cluster.compute import ComputeSpeed
 
     rows, cols = 12288, 7168
     flop = 2 * rows * cols

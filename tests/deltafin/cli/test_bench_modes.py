@@ -14,7 +14,7 @@ from deltafin.cli.commands import main
 from deltafin.errors import DeltafinError
 from deltafin.expert_modes import ExpertMode
 from deltafin.paths import bundled_model
-from deltafin.plan.sizing_options import mode_presets
+from deltafin.plan.memory.sizing_options import mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 
@@ -91,7 +91,7 @@ def test_a_copy_is_read_at_its_bytes_and_a_tail_reads_some_of_it(tiny_dir) -> No
     ratio is the copy's over the stored expert's at this geometry; a tail reads the copy for some lookups only, and
     costs less quality than every expert's."""
     from deltafin.checkpoint.config import load_config
-    from deltafin.plan.sizing_options import low_bit_ratio
+    from deltafin.plan.memory.sizing_options import low_bit_ratio
 
     cfg = load_config(tiny_dir)
     ratio = low_bit_ratio(cfg, "q3")

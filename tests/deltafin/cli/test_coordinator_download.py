@@ -13,8 +13,8 @@ from deltafin.checkpoint.config import load_config
 from deltafin.cli.commands import build_parser
 from deltafin.cli.coordinator import download_commands
 from deltafin.download.fetch import parse_experts, parse_layers
-from deltafin.plan.cluster_plan import WorkerCapacity
-from deltafin.plan.expert_placement import split
+from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+from deltafin.plan.cluster.expert_placement import split
 from deltafin.plan.planner import plan_layers
 
 GB = 10**9
@@ -66,8 +66,8 @@ def test_wide_workers_download_every_layer_and_the_experts_the_planner_placed_on
 
 
 def test_equal_shares_are_written_k_of_n(k3):
-    from deltafin.plan.cluster_plan import Plan
-    from deltafin.plan.expert_placement import ExpertPlacement
+    from deltafin.plan.cluster.cluster_plan import Plan
+    from deltafin.plan.cluster.expert_placement import ExpertPlacement
 
     plan = plan_layers(k3, _workers(4), experts="wide")
     equal = ExpertPlacement.build(plan.experts.holders, k3.moe_layers, 896, lambda i, layer: 1.0)

@@ -153,7 +153,7 @@ def test_every_option_flag_is_made_from_its_field():
     from deltafin.coordinator.cluster.cluster_options import ClusterOptions
     from deltafin.coordinator.engine.serving_options import ServingOptions
     from deltafin.options import GB, gb_name
-    from deltafin.plan.sizing_options import SizingOptions
+    from deltafin.plan.memory.sizing_options import SizingOptions
     from deltafin.runtime.stage_options import StageOptions
     from deltafin.text.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from deltafin.download.fetch import download
 from deltafin.download.sources import LocalSource, open_source
 from deltafin.errors import DeltafinError, ModelFormatError, NotHeld
 from deltafin.mini.synth import synthesize
-from deltafin.plan.expert_placement import split
+from deltafin.plan.cluster.expert_placement import split
 from deltafin.runtime.stage import SeqInput, Stage
 
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from deltafin.checkpoint.shards import INDEX_NAME, open_checkpoint
 from deltafin.download.fetch import download
 from deltafin.download.sources import HubSource, LocalSource, open_source
 from deltafin.errors import DeltafinError
-from deltafin.plan.expert_placement import split
+from deltafin.plan.cluster.expert_placement import split
 
 REPO, REVISION = "org/tiny-k3", "0123456789abcdef0123456789abcdef01234567"
 

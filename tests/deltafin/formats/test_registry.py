@@ -26,8 +26,8 @@ from deltafin.formats import (
 from deltafin.kernels.linear import linear
 from deltafin.kernels.quant import quantize_int8_rows, quantize_q4
 from deltafin.paths import bundled_model
-from deltafin.plan.layer_table import converted_parts, tensor_role
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.layer_table import converted_parts, tensor_role
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_build import WeightPlacer
 from tests.support import group_int8
 

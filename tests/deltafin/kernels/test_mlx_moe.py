@@ -17,7 +17,7 @@ from deltafin.kernels import mlx_moe
 from deltafin.models.common import activation
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import moe_forward
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import compute_logits
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

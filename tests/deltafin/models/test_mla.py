@@ -57,7 +57,7 @@ def test_mla_prefill_memory_stays_bounded_at_k3_width():
 import resource, torch
 from types import SimpleNamespace
 from deltafin.models import mla
-from deltafin.models.mla import MLA_BLOCK_BYTES
+from deltafin.models.pieces import MLA_BLOCK_BYTES
 cfg = SimpleNamespace(num_heads=96, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
 g = torch.Generator().manual_seed(0)
 q = torch.randn(512, 96, 192, generator=g)

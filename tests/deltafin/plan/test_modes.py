@@ -9,11 +9,11 @@ import pytest
 from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.paths import bundled_model
-from deltafin.plan.cluster_plan import WorkerCapacity
-from deltafin.plan.links import PROFILES, Links, profile
+from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+from deltafin.plan.cluster.links import PROFILES, Links, profile
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.modes import choose_mode, turn_seconds
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
 
@@ -54,7 +54,7 @@ def test_the_reason_says_what_a_bf16_wire_would_make_a_prompt_where_the_wire_hol
     Thunderbolt bridge (the links are not what a prompt waits for) or where the wire is bf16 already."""
     from dataclasses import replace
 
-    from deltafin.plan.predict import prefill_seconds
+    from deltafin.plan.timing.predict import prefill_seconds
 
     wifi = Links(assumed=PROFILES["wifi"])
     plan = choose_mode(k3, _macs(2), SizingInput(), 4, "auto", wifi)
@@ -72,7 +72,7 @@ def test_the_reason_says_what_a_bf16_wire_would_make_a_prompt_where_the_wire_hol
 def test_a_choice_the_measurements_barely_separate_says_so(k3):
     """Two modes within CLOSE_CALL of each other, or within the workers' compute spread, are a close call; modes
     clearly apart are not."""
-    from deltafin.plan.compute import assumed_gpu
+    from deltafin.plan.cluster.compute import assumed_gpu
     from deltafin.plan.modes import CLOSE_CALL, close_call
 
     assert close_call({"wide": 10.0, "local": 30.0}, []) == ""

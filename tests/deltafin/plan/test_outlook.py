@@ -11,11 +11,11 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.expert_modes import parse, read_share
-from deltafin.plan.cluster_plan import WorkerCapacity
-from deltafin.plan.compute import assumed_gpu
+from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+from deltafin.plan.cluster.compute import assumed_gpu
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.outlook import outlook
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
 
@@ -39,7 +39,7 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     assert f"16K {dict(plan.first_token)[16384].describe()}" in line and "the expert cache lent to them" in line
     longer, bigger, modes = outlook(plan, k3, SizingInput(), replan)
     wide = replan(SizingInput(context=65536), 1.0)
-    step = wide.stages[0].sizing.spill_tokens  # past the lent forward, a prompt spills (plan/spill_cost.py)
+    step = wide.stages[0].sizing.spill_tokens  # past the lent forward, a prompt spills (plan/memory/spill_cost.py)
     assert step > 2 * wide.stages[0].sizing.prompt_tokens
     assert longer.startswith(f"with --max-context 65536 (prompts in forwards of up to {step:,} tokens, spilled): 64K "
                              f"{dict(wide.first_token)[65536].describe()}")
@@ -63,8 +63,8 @@ def test_plan_shows_a_copy_mode_and_each_workers_copy_against_its_room(k3):
     """In q3 each worker converts its own layers' experts (local) or its share of every layer's (wide): a K3 expert
     is 13.4 MB in q3 (three [3072, 3584]-sized matrices at 3 bits and an fp16 scale and bias a 128), aligned to 4 KiB;
     a worker whose disk has too little room is named."""
+    from deltafin.plan.memory.sizing_options import expert_read_share
     from deltafin.plan.outlook import expert_copies, mode_lines
-    from deltafin.plan.sizing_options import expert_read_share
 
     mode = parse("top-p:0.55+q3")
     each = 3 * (3072 * 3584 * 3 // 8 + 4 * 3072 * 3584 // 128)

@@ -6,9 +6,9 @@ import pytest
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.errors import PlanError
-from deltafin.plan.cluster_plan import WorkerCapacity
+from deltafin.plan.cluster.cluster_plan import WorkerCapacity
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.planner import plan_layers
-from deltafin.plan.sizing import SizingInput
 
 GB = 10**9
 INT8 = SizingInput(spine="int8")
@@ -158,7 +158,7 @@ def test_a_mac_in_a_mode_with_a_copy_plans_its_experts_one_by_one(k3):
     """A Mac runs its routed experts in MLX's one call, read in place into MLX slots (no landing slots), except in an
     expert mode that reads a low-bit copy: its stage runs them one by one (runtime/stage_build.expert_backend_for),
     so the plan places them as the stage will, with landing slots, and still fits the budget."""
-    from deltafin.plan.cluster_plan import stage_placement
+    from deltafin.plan.cluster.cluster_plan import stage_placement
 
     mac = WorkerCapacity("mac", 56 * GB, 6.6, ((0, 93),), True, device="mps")
     copy = SizingInput(expert_copy="q3", expert_read_share=0.5)

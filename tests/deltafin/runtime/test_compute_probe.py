@@ -10,7 +10,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.kernels.quant import Int8Weight, MXFP4Weight, Q4Weight
-from deltafin.plan.compute import ComputeSpeed
+from deltafin.plan.cluster.compute import ComputeSpeed
 from deltafin.runtime import compute_probe
 from deltafin.runtime.compute_probe import (
     CPU_BATCHED_OUT,

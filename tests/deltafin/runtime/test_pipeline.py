@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from deltafin.checkpoint.config import load_config
-from deltafin.plan import sizing
+from deltafin.plan.memory import sizing
 from deltafin.runtime import stage_build
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput

@@ -15,7 +15,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import PrefixNotFound
 from deltafin.models.cache import KDACache
-from deltafin.plan.kept_prefixes import default_prefix_disk_bytes
+from deltafin.plan.memory.kept_prefixes import default_prefix_disk_bytes
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

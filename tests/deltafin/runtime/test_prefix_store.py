@@ -9,9 +9,9 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import InvalidInput, PrefixNotFound
-from deltafin.models.cache import mla_capacity
-from deltafin.plan.sizing import SizingInput
-from deltafin.plan.stage_parts import kda_state_bytes, mla_row_bytes
+from deltafin.models.pieces import mla_capacity
+from deltafin.plan.memory.sizing import SizingInput
+from deltafin.plan.memory.stage_parts import kda_state_bytes, mla_row_bytes
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 

@@ -1,6 +1,6 @@
 """A prompt longer than the forward the memory holds goes in one forward with its rows' AttnRes blocks on the disk
-(runtime/spill.py, plan/spill_cost.py): it computes what a stage holding every row's state in memory computes, bit for
-bit, its next steps too (the sessions' caches are the same); it reads and writes what the plan prices and each
+(runtime/spill.py, plan/memory/spill_cost.py): it computes what a stage holding every row's state in memory computes,
+bit for bit, its next steps too (the sessions' caches are the same); it reads and writes what the plan prices and each
 expert once; it leaves nothing on the disk; and a disk without the room refuses it before any session changes."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.plan.sizing import Budget, Placement, lent, size_stage
-from deltafin.plan.spill_cost import spill_read_bytes, spill_write_bytes
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.sizing import Budget, Placement, lent, size_stage
+from deltafin.plan.memory.spill_cost import spill_read_bytes, spill_write_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime import spill as spill_mod
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage

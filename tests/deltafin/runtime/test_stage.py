@@ -11,8 +11,8 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError, InvalidInput, OutOfMemory, SessionNotFound, SessionOutOfSync
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.sizing import SizingInput
-from deltafin.plan.stage_parts import sequence_bytes
+from deltafin.plan.memory.sizing import SizingInput
+from deltafin.plan.memory.stage_parts import sequence_bytes
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_build import plan_stage
 from deltafin.runtime.stage_options import StageOptions

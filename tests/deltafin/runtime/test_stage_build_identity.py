@@ -15,7 +15,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.kernels import linear
 from deltafin.paths import bundled_model
-from deltafin.plan.sizing import Placement, SizingInput, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, size_stage
 from deltafin.runtime.stage_build import spine_layout, state_identity
 from deltafin.runtime.stage_options import StageOptions
 

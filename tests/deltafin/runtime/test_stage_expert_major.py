@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltafin.models.decoder import PIECE_TOKENS
-from deltafin.plan.sizing_options import SizingOptions
+from deltafin.models.pieces import PIECE_TOKENS
+from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

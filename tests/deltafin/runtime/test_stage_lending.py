@@ -1,4 +1,4 @@
-"""A prompt's forward borrows the expert cache (plan/sizing.py `_lend_cache`, runtime/stage.py `_expert_room`): a
+"""A prompt's forward borrows the expert cache (plan/memory/sizing.py `_lend_cache`, runtime/stage.py `_expert_room`): a
 forward longer than the plan's `forward_tokens` runs with the cache's slots given back to the system, computing what
 a stage with every expert resident computes, and the next short forward (decode) takes the cache back."""
 
@@ -14,10 +14,10 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
-from deltafin.plan.forward_workspace import workspace_bytes
-from deltafin.plan.layer_table import layer_table
-from deltafin.plan.sizing import Budget, Placement, SizingInput, lent, size_stage
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.forward_workspace import workspace_bytes
+from deltafin.plan.memory.layer_table import layer_table
+from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, lent, size_stage
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

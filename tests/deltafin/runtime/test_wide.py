@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
-from deltafin.plan.links import profile
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.cluster.links import profile
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.wide import ExpertCall, ExpertHolder, call_pieces

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, SessionOutOfSync
-from deltafin.plan.sizing import SizingInput
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.text.drafting import Drafts
@@ -428,7 +428,7 @@ def test_generate_json_reports_the_drafting_counts(tiny_dir: Path) -> None:
 def test_a_session_that_may_rewind_holds_its_trail_not_a_state_per_token(pipe) -> None:
     """Between a speculative forward and the next, a KDA layer holds the state from before the forward and
     each token's k, v, decay, beta and conv inputs (stage_parts.kda_trail_bytes), never a state per token."""
-    from deltafin.plan.stage_parts import kda_trail_bytes
+    from deltafin.plan.memory.stage_parts import kda_trail_bytes
 
     stage = pipe.stages[0]
     pipe.forward([SeqInput("m", 0, ids=torch.tensor(PROMPT))])
@@ -452,8 +452,8 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     without it would have been short by the trails, which then count against the caches' room."""
     from deltafin.checkpoint.config import load_config
     from deltafin.checkpoint.shards import open_checkpoint
-    from deltafin.plan.sizing_options import SPECULATIVE_TOKENS, SizingOptions
-    from deltafin.plan.stage_parts import kda_trail_bytes
+    from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS, SizingOptions
+    from deltafin.plan.memory.stage_parts import kda_trail_bytes
     from deltafin.runtime.stage import Stage
     from deltafin.runtime.stage_build import plan_stage
     from deltafin.runtime.stage_options import StageOptions

@@ -12,7 +12,7 @@ import torch
 
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.sizing import SizingInput
+from deltafin.plan.memory.sizing import SizingInput
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport import codec, forward_parts, worker_info
@@ -96,8 +96,8 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
 
 def test_expert_calls_and_plans_round_trip():
-    from deltafin.plan.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
-    from deltafin.plan.links import Link
+    from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+    from deltafin.plan.cluster.links import Link
     from deltafin.runtime.wide import ExpertCall
 
     g = torch.Generator().manual_seed(0)
@@ -182,7 +182,7 @@ def test_a_stage_plan_travels_whole_and_checked() -> None:
     by name."""
     from deltafin.checkpoint.config import parse_config
     from deltafin.checkpoint.presets import preset_config
-    from deltafin.plan.sizing import Budget, Placement, choose
+    from deltafin.plan.memory.sizing import Budget, Placement, choose
 
     cfg = parse_config(preset_config("small"))
     z = choose(cfg, 1, cfg.num_layers, Placement("cuda", 2), Budget(int(0.3 * GB_), int(2 * GB_)),
@@ -218,7 +218,7 @@ GB_ = 10**9
 
 
 def test_a_worker_says_its_own_spine_and_the_converted_copies_on_its_disk():
-    from deltafin.plan.spine_copies import SpineDisk
+    from deltafin.plan.memory.spine_copies import SpineDisk
 
     disk = SpineDisk({"q4": frozenset({"layer-000", "layer-001", "embed"}), "int8": frozenset()}, room=12 * 10**9)
     d = WorkerDescription("w", "", "cpu", 1, 1.0, "fp", ((0, 2),), True, spine="q4", spine_disk=disk)

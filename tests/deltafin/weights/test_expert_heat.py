@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
 from deltafin.runtime.stage_options import StageOptions

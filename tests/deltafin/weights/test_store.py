@@ -15,7 +15,7 @@ from safetensors import safe_open
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import ModelFormatError
-from deltafin.plan.sizing import Placement, SizingInput, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, size_stage
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

@@ -11,7 +11,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
-from deltafin.plan.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.weights.store import ExpertStore
 
 CPU = torch.device("cpu")
