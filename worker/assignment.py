@@ -23,9 +23,10 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.devices import exact_fp32
 from deltafin.errors import CodecError, FingerprintMismatch, NotAssigned
-from deltafin.plan.cluster.expert_placement import ExpertPlan
-from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.memory.sizing import Placement
 from deltafin.plan.memory.stage_check import check_plan
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.runtime.assigned import Assigned, assign, wide_known
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import expert_backend_for, plan_stage
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg: ModelConfig,
-                     defaults: StageOptions) -> tuple[StageOptions, StageSizing | None, ExpertPlan | None]:
+                     defaults: StageOptions) -> tuple[StageOptions, StagePlan | None, ExpertPlacement | None]:
     """The options, the stage's plan (None: this worker plans it) and the expert plan of an assignment this worker
     can take (same checkpoint, layers and experts on its disks)."""
     if request.model_fingerprint != description.model_fingerprint:
@@ -56,7 +57,7 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
     if request.end > request.start and own != "auto" and asked != own:
         raise NotAssigned(f"this worker was started with --spine {own}, and the plan holds the spine as {asked}: "
                           f"start the coordinator with --spine {own} (or this worker with --spine auto)")
-    plan = codec.decode_expert_plan(request.experts, cfg.num_experts) if request.HasField("experts") else None
+    plan = codec.decode_expert_placement(request.experts, cfg.num_experts) if request.HasField("experts") else None
     if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
         raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "
                           "wide plan takes no layers")
@@ -67,9 +68,9 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
         raise CodecError("a wide expert plan divides the experts among two holders or more (one worker computes "
                          "its own layers' experts: send no expert plan)")
     if plan is not None:
-        index = plan.placement.index(description.key)
+        index = plan.ranges.index(description.key)
         held = {i for a, b in description.expert_ranges for i in range(a, b)}
-        missing = [layer for layer in (plan.placement.layers_of(index) if index is not None else ())
+        missing = [layer for layer in (plan.ranges.layers_of(index) if index is not None else ())
                    if layer not in held]
         if missing:
             raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
@@ -96,8 +97,8 @@ class AssignmentSlot:
     async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def check_fits(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
-                   plan: ExpertPlan | None = None) -> StageSizing | None:
+    def check_fits(self, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
+                   plan: ExpertPlacement | None = None) -> StagePlan | None:
         """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold; the
         plan to load: the one sent, as placed here (plan/memory/stage_check.py), or None where the stage plans itself
         (checked now with the same pure plan it makes when it loads, for its part of `plan` if wide)."""
@@ -108,14 +109,14 @@ class AssignmentSlot:
             budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
                 else Budget(sizing.device_total)  # no budget of its own: the plan's
             return check_plan(cfg, sizing, place, budget, options.sizing_for(cfg, spans))
-        index = plan.placement.index(self.worker_key()) if plan is not None else None
+        index = plan.ranges.index(self.worker_key()) if plan is not None else None
         if end > start:
             plan_stage(cfg, start, end, self.device, options, spans, backend,
                        wide_known(plan, index) if plan is not None and index is not None else None)
         return None
 
-    async def replace(self, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
-                      plan: ExpertPlan | None, peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
+    async def replace(self, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
+                      plan: ExpertPlacement | None, peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
         """Load layers [start, end) (and the experts `plan` gives this worker) in place of what is held, yielding
         the load's progress (message, fraction); raises what the load raised, in state "failed"."""
         async with self._lock:
@@ -158,8 +159,8 @@ class AssignmentSlot:
         log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
                  loaded.end)
 
-    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, sizing: StageSizing | None,
-             plan: ExpertPlan | None, peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
+    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
+             plan: ExpertPlacement | None, peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
         """On the stage's thread: the new assignment, reusing what `old` holds."""
         if options.dtype == "fp32":
             exact_fp32()

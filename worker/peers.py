@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from deltafin.errors import CodecError, HolderError
-from deltafin.plan.cluster.expert_placement import ExpertPlan, Holder
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, Holder
 from deltafin.plan.cluster.links import Link
 from deltafin.runtime.wide import ExpertCall, call_pieces
 from deltafin.transport import codec
@@ -45,7 +45,7 @@ class GrpcPeer:
     """One holder (see the module docstring). Created and closed on the worker's event loop; `call` and `hint`
     are made from the stage's thread."""
 
-    def __init__(self, holder: Holder, plan: ExpertPlan, expert_dim: int, loop: asyncio.AbstractEventLoop,
+    def __init__(self, holder: Holder, plan: ExpertPlacement, expert_dim: int, loop: asyncio.AbstractEventLoop,
                  security: ClusterSecurity, max_message_bytes: int = DEFAULT_MAX_MESSAGE):
         self.holder, self.plan, self.loop, self.security = holder, plan, loop, security
         self.name = holder.name or holder.address
@@ -144,7 +144,7 @@ class Peers:
         self.security, self.max_message_bytes = security, max_message_bytes
         self.peers: dict[str, GrpcPeer] = {}
 
-    async def update(self, plan: ExpertPlan, me: str, expert_dim: int) -> dict[str, GrpcPeer]:
+    async def update(self, plan: ExpertPlacement, me: str, expert_dim: int) -> dict[str, GrpcPeer]:
         """Channels to every holder of `plan` but `me` (on the event loop); those no longer in it are closed."""
         loop = asyncio.get_running_loop()
         wanted = {h.key: h for h in plan.holders if h.key != me}

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.coordinator.cluster.worker_client import WorkerClient
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.plan.cluster.cluster_plan import Plan, StagePlan
+from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage
 from deltafin.plan.timing.predict import verify_table
 from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.features import Features, gather
@@ -131,7 +131,7 @@ class LocalBackend:
         gbps = (given[0] if given else measure_disk(first.ckpt, first.options.sizing.read_threads, first.options.io)) \
             if streams else 0.0
         compute = measure_compute(first.cfg, first.device, first.dtype)
-        plan = Plan(tuple(StagePlan("local", "", s.start, s.end, s.sizing, 0.0, disk_gbps=gbps, compute=compute)
+        plan = Plan(tuple(PlannedStage("local", "", s.start, s.end, s.sizing, 0.0, disk_gbps=gbps, compute=compute)
                           for s in stages))
         return replace(plan, verify=verify_table(first.cfg, plan, first.dtype.itemsize))
 

@@ -15,9 +15,9 @@ import torch
 
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.plan.cluster.expert_placement import ExpertPlan
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
 from deltafin.plan.cluster.links import Link
-from deltafin.plan.memory.sizing import StageSizing
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
 from deltafin.transport import codec, forward_parts, worker_info
@@ -121,8 +121,8 @@ class WorkerClient:
         return Link(m.rtt_s, m.up_bps, m.down_bps, address, m.probe_bytes)
 
     async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
-                     sizing: StageSizing | None = None, progress: Any = None,
-                     experts: ExpertPlan | None = None) -> None:
+                     sizing: StagePlan | None = None, progress: Any = None,
+                     experts: ExpertPlacement | None = None) -> None:
         """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only) as `sizing`
         plans them (None: as the worker plans them within its own budget), computing and reading as `options`
         say."""
@@ -131,7 +131,7 @@ class WorkerClient:
         if sizing is not None:
             request.plan.CopyFrom(codec.encode_stage_plan(sizing))
         if experts is not None:
-            request.experts.CopyFrom(codec.encode_expert_plan(experts))
+            request.experts.CopyFrom(codec.encode_expert_placement(experts))
         try:
             async for update in self.stub.Assign(request, timeout=self.timeouts.assign, metadata=self._md("Assign")):
                 if progress is not None:

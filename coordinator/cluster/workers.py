@@ -25,8 +25,8 @@ from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_PLACEMENTS
-from deltafin.plan.cluster.cluster_plan import Plan, StagePlan, WorkerCapacity
-from deltafin.plan.cluster.expert_placement import ExpertPlan, Holder, HolderLink
+from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage, WorkerCapacity
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, Holder, HolderLink
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.modes import choose_mode
 from deltafin.plan.outlook import Replan
@@ -174,7 +174,7 @@ def replanner(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], plan: 
     return again
 
 
-def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
+def wide_placement(spec: ClusterSpec, plan: Plan) -> ExpertPlacement | None:
     """The wide part of a plan as every worker receives it (None: local experts)."""
     if plan.experts is None:
         return None
@@ -186,7 +186,7 @@ def expert_plan(spec: ClusterSpec, plan: Plan) -> ExpertPlan | None:
     links = tuple(HolderLink(a.key, b.key, plan.links.sharing(plan.links.between(a.key, b.key), flows))
                   for i, a in enumerate(members) for b in members[i + 1:])
     t = spec.timeouts
-    return ExpertPlan(plan.experts, holders, t.probe_interval, t.lost_after, t.forward, links)
+    return ExpertPlacement(plan.experts, holders, t.probe_interval, t.lost_after, t.forward, links)
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
@@ -206,9 +206,9 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
         if client not in [c for c, _ in used]:
             await client.close()
     mine = fingerprint(spec.model_dir)
-    wide = expert_plan(spec, plan)
+    wide = wide_placement(spec, plan)
 
-    def label(s: StagePlan) -> str:
+    def label(s: PlannedStage) -> str:
         return f"load {s.worker} " + ("expert share" if s.sizing.holder_only else f"layers {s.start}-{s.end - 1}")
 
     bars = {id(c): Progress(1.0, label(s), unit="", enabled=show_progress)

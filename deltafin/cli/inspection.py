@@ -16,8 +16,9 @@ from deltafin.plan.memory.context import context_why, cost_per_1k, grown
 from deltafin.plan.memory.kept_prefixes import kept_prefixes_text
 from deltafin.plan.memory.layer_table import layer_table, unfit_spines
 from deltafin.plan.memory.least import check_fits
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose
 from deltafin.plan.memory.sizing_options import SEQUENCES, SizingOptions, base_context, one_worker
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.weights.reader import layer_spans
 
 
@@ -165,7 +166,7 @@ def plan_lines(plan: dict, num_layers: int) -> list[str]:
     return [f"memory plan on {plan['device']}: {plan['spine']} spine, {len(plan['resident_layers'])} of "
             f"{num_layers} layers resident, experts {experts}; {_gb(plan['device_total'])} in all",
             f"  spine {plan['spine']}: {plan['spine_why']}",
-            "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StageSizing.PARTS if plan[k]),
+            "  " + ", ".join(f"{k.replace('_', ' ')} {_gb(plan[k])}" for k in StagePlan.PARTS if plan[k]),
             f"  sessions for {plan['sequences']} sequence(s) of up to {plan['context']:,} tokens; read per token: "
             f"experts {_gb(plan['expert_bytes_per_token'])}, spine {_gb(plan['spine_bytes_per_token'])}; "
             + _forwards(plan),

@@ -28,20 +28,21 @@ from deltafin.formats import spine_format
 from deltafin.plan.cluster.cluster_plan import (
     GB,
     Plan,
-    StagePlan,
+    PlannedStage,
     WorkerCapacity,
     stage_placement,
 )
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, cache_aware_weights
+from deltafin.plan.cluster.expert_placement import ExpertRanges, cache_aware_weights
 from deltafin.plan.cluster.links import Links
 from deltafin.plan.memory.context import at_context, context_why, cost_per_1k, longest_context
 from deltafin.plan.memory.holder_sizing import choose_holder
 from deltafin.plan.memory.kept_prefixes import kept_prefixes_text
 from deltafin.plan.memory.layer_table import model_spines
 from deltafin.plan.memory.least import too_small
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose
 from deltafin.plan.memory.spine_choice import asked_spine, choose_spine
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.plan.timing.predict import PROMPT_LENGTHS, prefill_seconds, token_seconds, verify_table
 
 log = logging.getLogger(__name__)
@@ -140,17 +141,17 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, ac
     per_worker = _wide_options(cfg, workers, opts) if wide else [replace(opts, disks=w.disks) for w in workers]
 
     @cache
-    def sized(place: Placement, budget: Budget, o: SizingInput, a: int, b: int) -> StageSizing | None:
+    def sized(place: Placement, budget: Budget, o: SizingInput, a: int, b: int) -> StagePlan | None:
         try:
             return choose(cfg, a, b, place, budget, o)
         except SizingError:
             return None
 
-    def size(i: int, a: int, b: int) -> StageSizing | None:  # (workers alike share their stages' plans)
+    def size(i: int, a: int, b: int) -> StagePlan | None:  # (workers alike share their stages' plans)
         return sized(stage_placement(workers[i], act_bytes, opts), workers[i].budget, per_worker[i], a, b)
 
     # best[i][b]: (cost, stages) covering layers [0, b) with the first i workers
-    best: list[list[tuple[float, tuple[StagePlan, ...]] | None]] = [[None] * (n + 1) for _ in range(len(workers) + 1)]
+    best: list[list[tuple[float, tuple[PlannedStage, ...]] | None]] = [[None] * (n + 1) for _ in range(len(workers) + 1)]
     best[0][0] = (0.0, ())
     for i, w in enumerate(workers):
         for b in range(n + 1):
@@ -174,19 +175,19 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, ac
     return _place_experts(cfg, workers, done[1], per_worker, act_bytes) if wide else Plan(done[1])
 
 
-def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StageSizing, wide: bool) -> tuple[StagePlan, float]:
+def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StagePlan, wide: bool) -> tuple[PlannedStage, float]:
     """A stage of layers [a, b) on `w` and its cost: its reads' seconds (with wide experts only its spine's: the
     experts are read by every holder), and a tie-break that is least when spines follow memory. (Its hop over its
     link is left to the predictions: an extra stage costs a round trip, and buys memory.)"""
     read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
-    stage = StagePlan(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
+    stage = PlannedStage(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
                       w.disk_gbps, w.expert_speed, w.compute)
     weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
     return stage, seconds + 1e-2 * weight ** 2 / max(1, w.memory_bytes) / GB
 
 
-def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[StagePlan, ...],
+def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[PlannedStage, ...],
                    per_worker: list[SizingInput], act_bytes: int) -> Plan:
     """Wide experts over the plan's stages and the workers left without layers that can hold the working set of
     an expert holder: shares by disk speed and cache, the stages sized again with them, the prediction."""
@@ -199,7 +200,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
             z = choose_holder(cfg, stage_placement(w, act_bytes, per_worker[i]), w.budget, per_worker[i])
         except SizingError:
             continue
-        holders.append(StagePlan(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
+        holders.append(PlannedStage(w.name, w.address, 0, 0, z, 0.0, w.worker_id, w.memory_bytes, w.host_memory_bytes,
                                  w.disk_gbps, w.expert_speed, w.compute))
     members = [*stages, *holders]
     caps = [workers[index[m.key]] for m in members]
@@ -208,7 +209,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
             if m.sizing.expert_layers else 0.0 for m in members]
     weights = cache_aware_weights([c.expert_speed if m.sizing.expert_layers else 0.0 for c, m in
                                    zip(caps, members, strict=True)], held)
-    placement = ExpertPlacement.build([m.key for m in members], cfg.moe_layers, cfg.num_experts,
+    placement = ExpertRanges.build([m.key for m in members], cfg.moe_layers, cfg.num_experts,
                                       lambda i, layer: weights[i] if caps[i].holds_experts(layer) else 0.0)
     sized = []
     tokens = min(m.sizing.forward_tokens for m in members)  # a holder serves calls of the stages' forwards

@@ -21,9 +21,10 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.manifest import check_held
 from deltafin.checkpoint.shards import Checkpoint
 from deltafin.errors import NotAssigned, OutOfMemory, SizingError
-from deltafin.plan.cluster.expert_placement import ExpertPlan
+from deltafin.plan.cluster.expert_placement import ExpertPlacement
 from deltafin.plan.memory.holder_sizing import choose_holder, size_holder
-from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
+from deltafin.plan.memory.sizing import Placement
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import ExpertProvider, disk_plan, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
@@ -39,10 +40,10 @@ class Assigned:
     end: int
     options: StageOptions
     stage: Stage | None  # None: an expert holder only
-    plan: ExpertPlan | None = None  # None: local experts
+    plan: ExpertPlacement | None = None  # None: local experts
     store: ExpertProvider | None = None  # the expert store (wide: the worker's share of every layer it holds)
     holder: ExpertHolder | None = None
-    sizing: StageSizing | None = None
+    sizing: StagePlan | None = None
 
     @property
     def layers(self) -> range:
@@ -61,8 +62,8 @@ class Assigned:
         if self.sizing is not None:
             out["plan"] = self.sizing.as_dict()
         if self.plan is not None and self.store is not None and self.holder is not None:
-            index = self.plan.placement.index(me)
-            share = self.plan.placement.describe(index) if index is not None else "none"
+            index = self.plan.ranges.index(me)
+            share = self.plan.ranges.describe(index) if index is not None else "none"
             out["wide"] = wide_stats(self.store, self.holder, self.stage.wide if self.stage else None, self.layers,
                                      share)
         return out
@@ -74,7 +75,7 @@ class Assigned:
             self.store.close()
 
 
-def _same_load(old: Assigned, options: StageOptions, sizing: StageSizing | None) -> bool:
+def _same_load(old: Assigned, options: StageOptions, sizing: StagePlan | None) -> bool:
     """`old` loaded what this assignment asks for: the same options, and the same plan where one is given (the
     planned share of experts only changes expectations; none given: the stage plans itself as `old` did)."""
     if old.options != options:
@@ -82,12 +83,12 @@ def _same_load(old: Assigned, options: StageOptions, sizing: StageSizing | None)
     return sizing is None or (old.sizing is not None and _unshared(old.sizing) == _unshared(sizing))
 
 
-def _unshared(plan: StageSizing) -> StageSizing:
+def _unshared(plan: StagePlan) -> StagePlan:
     return dataclasses.replace(plan, expert_share=0.0, expert_bytes_per_token=0, spine_why="")
 
 
 def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           sizing: StageSizing | None, plan: ExpertPlan | None, me: str, peers: Mapping[str, Peer],
+           sizing: StagePlan | None, plan: ExpertPlacement | None, me: str, peers: Mapping[str, Peer],
            old: Assigned | None, progress: Callable[[str, float], None] | None = None) -> Assigned:
     """Load (or keep from `old`) what the assignment asks for: the stage `sizing` plans (checked already:
     plan/memory/stage_check.py), or with None the one this worker plans within its own budget; `old` is closed unless
@@ -95,11 +96,11 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     cfg = ckpt.config
     if plan is None:
         return _local(ckpt, start, end, device, options, sizing, old, progress)
-    index = plan.placement.index(me)
+    index = plan.ranges.index(me)
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
-    serves = plan.placement.layers_of(index)
-    shares = {i: plan.placement.share(index, i) for i in serves}
+    serves = plan.ranges.layers_of(index)
+    shares = {i: plan.ranges.share(index, i) for i in serves}
     check_held(ckpt.model_dir, cfg, start, end, shares)
     known = wide_known(plan, index)  # to plan it here
     if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
@@ -128,24 +129,24 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
     return Assigned(start, end, options, stage, plan, store, holder, sizing)
 
 
-def _wide(cfg: ModelConfig, plan: ExpertPlan, me: str, store: Any, peers: Mapping[str, Peer],
+def _wide(cfg: ModelConfig, plan: ExpertPlacement, me: str, store: Any, peers: Mapping[str, Peer],
           lossy: bool) -> WideExperts:
     """The stage side of `plan` on holder `me`: the other holders as its peers, a prompt's calls divided by the
     plan's speeds and links."""
     others = {h: p for h, p in peers.items() if h != me}
     names = {h.key: h.name or h.address for h in plan.holders}
     prompts = plan.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert, cfg.expert_dim * (2 if lossy else 4))
-    return WideExperts(cfg, plan.placement, me, store, others, names, lossy=lossy, prompts=prompts)
+    return WideExperts(cfg, plan.ranges, me, store, others, names, lossy=lossy, prompts=prompts)
 
 
-def wide_known(plan: ExpertPlan, index: int) -> dict[str, Any]:
+def wide_known(plan: ExpertPlacement, index: int) -> dict[str, Any]:
     """What a stage's plan knows of holder `index`'s part of a wide plan (plan_stage's `known`), where the worker
     plans the stage itself: the MoE layers its store serves and its share of their experts."""
-    return {"expert_layers": len(plan.placement.layers_of(index)), "expert_share": plan.placement.fraction(index)}
+    return {"expert_layers": len(plan.ranges.layers_of(index)), "expert_share": plan.ranges.fraction(index)}
 
 
 def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           sizing: StageSizing | None, old: Assigned | None,
+           sizing: StagePlan | None, old: Assigned | None,
            progress: Callable[[str, float], None] | None) -> Assigned:
     """A stage computing its own layers' experts: `old` kept if it is the same assignment, else closed."""
     if old is not None and old.plan is None and (old.start, old.end) == (start, end) and \
@@ -159,7 +160,7 @@ def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
 
 
 def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions,
-                  known: Mapping[str, Any]) -> StageSizing:
+                  known: Mapping[str, Any]) -> StagePlan:
     """The memory plan of a worker that only serves experts (`known`: its part of the wide plan, plan_stage's):
     within its budget, or (none) the cache it is given."""
     place = Placement(device.type, options.act_bytes,

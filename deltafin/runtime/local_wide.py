@@ -15,7 +15,7 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.devices import exact_fp32
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.assigned import Assigned, assign
 from deltafin.runtime.pipeline import LocalPipeline
@@ -35,8 +35,8 @@ class LocalWide:
         self.keys = [f"w{i}" for i in range(stages + holders)]
         self.ranges = [*split_layers(cfg, stages), *[(0, 0)] * holders]
         w = weights or [1.0] * len(self.keys)
-        self.placement = ExpertPlacement.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
-        self.plan = ExpertPlan(self.placement, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
+        self.ranges = ExpertRanges.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
+        self.plan = ExpertPlacement(self.ranges, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
         self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, read_threads=2, **options)
         self.executors = {k: ThreadPoolExecutor(1, thread_name_prefix=f"holder-{k}") for k in self.keys}
         self.assigned: dict[str, Assigned] = {}
@@ -45,7 +45,7 @@ class LocalWide:
     def peers(self) -> dict[str, LocalPeer]:
         return {k: _LazyPeer(self, k) for k in self.keys}  # type: ignore[misc]
 
-    def assign(self, plan: ExpertPlan, ranges: list[tuple[int, int]] | None = None) -> None:
+    def assign(self, plan: ExpertPlacement, ranges: list[tuple[int, int]] | None = None) -> None:
         """(Re-)assign every worker as the coordinator would: same layers and options keep what they hold."""
         self.plan = plan
         for key, (a, b) in zip(self.keys, ranges or self.ranges, strict=True):

@@ -19,7 +19,8 @@ from deltafin.devices import exact_fp32, resolve_device, resolve_dtype
 from deltafin.errors import DeltafinError, OutOfMemory
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.memory.least import check_fits
-from deltafin.plan.memory.sizing import Budget, Placement, StageSizing
+from deltafin.plan.memory.sizing import Placement
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.plan.planner import split_layers
 from deltafin.progress import Progress
 from deltafin.runtime.features import Features, gather
@@ -106,7 +107,7 @@ class LocalPipeline:
 
 
 def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.device,
-                options: StageOptions) -> list[StageSizing]:
+                options: StageOptions) -> list[StagePlan]:
     """The plan of each in-process stage of `ranges`, made once, before any weights load (each stage loads its own
     as it is): within the budget, or SizingError with the least a stage needs (plan/memory/least.py); following what the
     disk holds (stage_build.disk_plan). Several stages share one context where none was given (a request goes
@@ -114,7 +115,7 @@ def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.d
     their plans chose, so that none plans a longer one in its room."""
     cfg, backend = ckpt.config, expert_backend_for(ckpt.config, device, options.mode)
 
-    def plan(a: int, b: int, opts: StageOptions) -> StageSizing:
+    def plan(a: int, b: int, opts: StageOptions) -> StagePlan:
         try:
             return disk_plan(ckpt, a, b, device, opts, backend)
         except OutOfMemory:

@@ -19,8 +19,9 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import Router, route
-from deltafin.plan.memory.sizing import Placement, StageSizing, kept_while_lent
+from deltafin.plan.memory.sizing import Placement, kept_while_lent
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.stage_options import StageOptions
 
 PROMPT_LAYERS = 2  # a prompt's forward guesses this layer's experts and the next one's (all of them will be needed)
@@ -34,7 +35,7 @@ class ReadingStage(Protocol):
     wide: Any  # WideExperts, or None
     options: StageOptions
     spine: Any  # SpineStore
-    sizing: StageSizing
+    sizing: StagePlan
     device: torch.device
     expert_backend: str
     budgeted: bool

@@ -1,7 +1,7 @@
 """A spilled forward's rows' AttnRes blocks on the SSD (plan/memory/spill_cost.py: when the plan spills, and what it
 costs).
 
-A stage of every layer runs a prompt longer than the forward its memory holds (`StageSizing.prompt_tokens`, up to
+A stage of every layer runs a prompt longer than the forward its memory holds (`StagePlan.prompt_tokens`, up to
 `spill_tokens`) as one forward with every row's P in memory and its banked blocks in one file: a layer's attention
 piece reads its rows' blocks back (`read`) and a banking layer writes the one block it adds (`bank`). The file is
 block-major (block j of row r at (j * rows + r) * D values), so a piece's rows of a block are one contiguous run,
@@ -23,8 +23,8 @@ import torch
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import DeltafinError
-from deltafin.plan.memory.sizing import StageSizing
 from deltafin.plan.memory.spill_cost import SPILL_MARGIN, spill_file_bytes
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.weights.tensors import pread_into
 
 GB = 1e9
@@ -97,7 +97,7 @@ class SpillingStage(Protocol):
     """What of a stage (runtime/stage.py) its spilled forwards use."""
 
     cfg: ModelConfig
-    sizing: StageSizing
+    sizing: StagePlan
     budgeted: bool
     spill_dir: Path
     dtype: torch.dtype

@@ -42,8 +42,8 @@ from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import FusedExperts, routed_sum
 from deltafin.models.pieces import PIECE_TOKENS, STREAM_PIECE_TOKENS
 from deltafin.paths import cache_dir
-from deltafin.plan.memory.sizing import StageSizing
 from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.read_ahead import prefetch_experts, room_for_prompt
@@ -110,7 +110,7 @@ class Stage:
     """Layers [start, end) over their spine, routed experts and sessions (see the module docstring)."""
 
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, device: torch.device,
-                 options: StageOptions | None = None, plan: StageSizing | None = None,
+                 options: StageOptions | None = None, plan: StagePlan | None = None,
                  experts: ExpertProvider | None = None, progress: Callable[[str, float], None] | None = None,
                  serves: Iterable[int] | Mapping[int, range] | None = None):
         """`plan`: what the stage holds, as the planner made it (None: planned here, within `options`' budget);

@@ -30,15 +30,9 @@ from deltafin.models.weights import ExpertWeights
 from deltafin.plan.memory.context import grown
 from deltafin.plan.memory.kept_prefixes import default_prefix_disk_bytes
 from deltafin.plan.memory.layer_table import STORED, matrix_format
-from deltafin.plan.memory.sizing import (
-    QUALITY_SOURCE,
-    Budget,
-    Placement,
-    StageSizing,
-    choose,
-    size_stage,
-)
+from deltafin.plan.memory.sizing import QUALITY_SOURCE, Placement, choose, size_stage
 from deltafin.plan.memory.spine_copies import SpineDisk, stage_units
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.runtime.prefix_disk import PrefixDisk
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.diskspeed import measure_disk
@@ -63,7 +57,7 @@ class ExpertProvider(Protocol):
 
 def plan_stage(cfg: ModelConfig, start: int, end: int, device: torch.device, options: StageOptions,
                spans: tuple[int, ...] | None = None, experts: str = "torch",
-               known: Mapping[str, Any] | None = None) -> StageSizing:
+               known: Mapping[str, Any] | None = None) -> StagePlan:
     """What the stage will hold (pure): within `memory_bytes` if set (its context, where none is given, the longest
     that memory holds: plan/memory/context.py), else everything resident; `experts` is where the routed experts run
     (torch or mlx); `known`: what the plan knows beside the options (SizingInput's own fields: a wide stage's
@@ -88,7 +82,7 @@ def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: 
         check_held(ckpt.model_dir, ckpt.config, start, end, None)
 
 
-def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing, options: StageOptions,
+def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StagePlan, options: StageOptions,
                     device: torch.device) -> SpineFiles | None:
     """The converted spine a stage in a converted format's plan reads (converted first where it is missing, stale
     or partial; None where there is no room for it: the placer then quantizes as the layers load)."""
@@ -101,13 +95,13 @@ def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StageSizing,
 
 
 def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-              experts: str, known: Mapping[str, Any] | None = None) -> StageSizing:
+              experts: str, known: Mapping[str, Any] | None = None) -> StagePlan:
     """A stage's plan, following what the disk holds (nothing is written): a converted copy there is read, one
     missing is planned for where there is room to convert it, and without room the plan that needs none
     (`without_room`). `experts`: where the routed experts run (expert_backend_for); `known`: as plan_stage's."""
     on = "mlx" if experts == "mlx" else "torch"
 
-    def plan(opts: StageOptions, **more: Any) -> StageSizing:
+    def plan(opts: StageOptions, **more: Any) -> StagePlan:
         return plan_stage(ckpt.config, start, end, device, opts, layer_spans(ckpt), on, {**(known or {}), **more})
 
     sizing = plan(options)
@@ -119,7 +113,7 @@ def disk_plan(ckpt: Checkpoint, start: int, end: int, device: torch.device, opti
 
 
 def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                    experts: str, plan: StageSizing | None = None) -> tuple[StageSizing, SpineFiles | None]:
+                    experts: str, plan: StagePlan | None = None) -> tuple[StagePlan, SpineFiles | None]:
     """A stage's plan (`plan`, as the planner made it, else `disk_plan`) and the converted spine it reads, converted
     first where it is missing (where the room for it went since it was planned: the plan without a copy)."""
     sizing = plan if plan is not None else disk_plan(ckpt, start, end, device, options, experts)
@@ -133,7 +127,7 @@ def plan_with_spine(ckpt: Checkpoint, start: int, end: int, device: torch.device
     return sizing, files
 
 
-def without_copy(options: StageOptions, planned: StageSizing) -> tuple[StageOptions, Mapping[str, Any]]:
+def without_copy(options: StageOptions, planned: StagePlan) -> tuple[StageOptions, Mapping[str, Any]]:
     """The options, and what the plan knows (plan_stage's `known`), that plan `planned`'s stage again in its format
     without a converted copy: within the budget it was planned in where the options name none (a plan made
     elsewhere), for the same sequences and context."""
@@ -143,8 +137,8 @@ def without_copy(options: StageOptions, planned: StageSizing) -> tuple[StageOpti
                             context=planned.context), {"converted": False, **wide})
 
 
-def without_room(plan: Callable[..., StageSizing], options: StageOptions, chosen: StageSizing,
-                 disk: SpineDisk, cfg: ModelConfig) -> StageSizing:
+def without_room(plan: Callable[..., StagePlan], options: StageOptions, chosen: StagePlan,
+                 disk: SpineDisk, cfg: ModelConfig) -> StagePlan:
     """The plan when `chosen`'s format has no converted copy on the disk and no room to write one: with `--spine
     auto`, another format's copy that is there and fits (read at the disk's speed, never quantized at every start);
     else the plan that needs no copy (the format asked, or auto's without a copy: a format auto chooses for more
@@ -181,7 +175,7 @@ class WeightPlacer:
     converted: bool = True  # streamed layers come in converted (else as stored, and stay so: sizing.converted)
 
     @classmethod
-    def of(cls, sizing: StageSizing, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
+    def of(cls, sizing: StagePlan, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
         """The placer of a stage's plan: its format, on MLX where q4 matmuls run there, its streamed layers'."""
         mlx_q4 = spine_format(sizing.spine).holds(Q4) and q4_on_mlx(device.type)
         return cls(device, dtype, sizing.spine, mlx_q4, sizing.converted)
@@ -213,7 +207,7 @@ class WeightPlacer:
         return self.place(t, role, resident=False)
 
 
-def open_experts(ckpt: Checkpoint, sizing: StageSizing, options: StageOptions, device: torch.device,
+def open_experts(ckpt: Checkpoint, sizing: StagePlan, options: StageOptions, device: torch.device,
                  layers: Iterable[int] | Want, backend: str,
                  progress: Callable[[str, float], None] | None = None) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
@@ -258,7 +252,7 @@ def expert_backend_for(cfg: ModelConfig, device: torch.device, mode: ExpertMode 
 
 
 def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                   sizing: StageSizing, expert_backend: str) -> str:
+                   sizing: StagePlan, expert_backend: str) -> str:
     """What a kept state's numbers depend on, as one name: the checkpoint, the layers, the activation dtype, the
     device, each layer's spine format (a converted one's recipe), where the routed experts run and the kernels
     that multiply (their rounding differs), and an expert mode other than exact. A state is resumed only by a stage
@@ -276,7 +270,7 @@ def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device,
     return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
 
 
-def spine_layout(sizing: StageSizing) -> str:
+def spine_layout(sizing: StagePlan) -> str:
     """Each of the stage's layers' matrix format, as ranges: "q4 0-7", "int8 0-4, stored 5-92"."""
     formats = [(i, matrix_format(sizing.spine)) for i in sizing.resident_layers]
     streamed = matrix_format(sizing.spine) if sizing.converted else STORED
@@ -287,7 +281,7 @@ def spine_layout(sizing: StageSizing) -> str:
     return ", ".join(f"{fmt} {id_ranges(layers)}" for fmt, layers in by_format.items())
 
 
-def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, sizing: StageSizing,
+def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, sizing: StagePlan,
                     identity: str) -> PrefixDisk | None:
     """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's `identity`, within
     `prefix_disk_bytes` (default: the model's, at the planned context: kept_prefixes.default_prefix_disk_bytes)."""

@@ -4,7 +4,7 @@
 (deltafin/cli/flags.py, made from the fields declared with `opt`), the Python API from keywords, a worker from an
 assignment's options off the wire over its own defaults (transport/codec.py). The user's memory-plan knobs are its
 `sizing` field (SizingOptions); what the plan is made from adds what the process and the planner know
-(`sizing_for`: SizingInput), and what the plan decides is its own value (plan/memory/sizing.py's StageSizing), never an
+(`sizing_for`: SizingInput), and what the plan decides is its own value (plan/memory/sizing.py's StagePlan), never an
 option. A knob has one name: the flag's (`--prefill-chunk` is `prefill_chunk`), a size in GB on the command line
 being the same name in bytes here (`--memory-gb` is `memory_bytes`). The fields without a flag are the process's
 (its host memory beside a GPU, its disks' speeds, its heat folder, the room its serving's drafts need).

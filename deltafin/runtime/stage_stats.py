@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.memory.sizing import StageSizing
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.prefix_store import PrefixStore
 from deltafin.runtime.spill import SpillCounters
 from deltafin.runtime.stage_build import ExpertProvider
@@ -60,7 +60,7 @@ def forward_reads(after: tuple[float, ...], before: tuple[float, ...]) -> str:
     return f"(experts: {experts}{spine})"
 
 
-def plan_details(cfg: ModelConfig, s: StageSizing, opts: StageOptions) -> str:
+def plan_details(cfg: ModelConfig, s: StagePlan, opts: StageOptions) -> str:
     """The plan's decisions that set speed: forward size, the cache against the experts it serves, the spine."""
     served = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg) * s.expert_share
     cache = ("every expert resident" if s.experts_resident else

@@ -33,7 +33,7 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import id_ranges
 from deltafin.errors import InvalidInput, NotHeld
 from deltafin.models.moe import Landed, weighted_row_sums
-from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.plan.cluster.prompt_split import PromptSplit
 from deltafin.runtime.read_ahead import prompt_like
 
@@ -111,29 +111,29 @@ class WideExperts:
     """The stage side (see the module docstring). `me`: this worker's key in the placement (None: it holds no
     share); `local`: its expert store; `peers`: every other holder by key."""
 
-    def __init__(self, cfg: ModelConfig, placement: ExpertPlacement, me: str | None, local: Provider | None,
+    def __init__(self, cfg: ModelConfig, ranges: ExpertRanges, me: str | None, local: Provider | None,
                  peers: Mapping[str, Peer], names: Mapping[str, str] | None = None, lossy: bool = False,
                  prompts: PromptSplit | None = None):
         """`lossy`: the other holders' rows go, and their sums come back, as bfloat16 (--wire bf16). `prompts`: how
         a call whose pairs outnumber the layer's experts (a prompt's) divides them (plan/cluster/prompt_split.py; None:
         by the placement, as every other call)."""
-        self.cfg, self.placement, self.local, self.peers, self.lossy = cfg, placement, local, dict(peers), lossy
+        self.cfg, self.ranges, self.local, self.peers, self.lossy = cfg, ranges, local, dict(peers), lossy
         self.prompts = prompts
-        self.me = placement.index(me) if me is not None else None
+        self.me = ranges.index(me) if me is not None else None
         if self.me is not None and local is None:
             raise ValueError("a holder of experts needs its store")
-        missing = [h for i, h in enumerate(placement.holders) if i != self.me and h not in self.peers]
+        missing = [h for i, h in enumerate(ranges.holders) if i != self.me and h not in self.peers]
         if missing:
             raise ValueError(f"no peer for holders {missing}")
-        self.names = {h: (names or {}).get(h, h) for h in placement.holders}
-        self._owners = {layer: self._owner_table(layer) for layer in placement.layers}
+        self.names = {h: (names or {}).get(h, h) for h in ranges.holders}
+        self._owners = {layer: self._owner_table(layer) for layer in ranges.layers}
         self.stats = WideStats()
         self._forward: dict[int, list[float]] = {}  # holder -> [experts, seconds] since begin_forward
 
     def _owner_table(self, layer: int) -> torch.Tensor:
         owner = torch.empty(self.cfg.num_experts, dtype=torch.long)
-        b = self.placement.bounds_of(layer)
-        for i in range(len(self.placement.holders)):
+        b = self.ranges.bounds_of(layer)
+        for i in range(len(self.ranges.holders)):
             owner[b[i]:b[i + 1]] = i
         return owner
 
@@ -146,7 +146,7 @@ class WideExperts:
         rows = torch.arange(n_tok).repeat_interleave(k)
         home = ids % self.cfg.num_experts  # an expert mode's copy (E + e) is read where expert e is
         if self.prompts is not None and n_tok * k > self.cfg.num_experts:
-            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), home, n_tok)
+            owner = prompt_owners(self.prompts, self.ranges.bounds_of(layer), home, n_tok)
         else:
             owner = self._owners[layer][home]
         parts: list[tuple[int, ExpertCall, torch.Tensor]] = []  # (holder, its call, the tokens of its rows)
@@ -157,7 +157,7 @@ class WideExperts:
             parts.append((h, ExpertCall(layer, zh.to(torch.bfloat16) if wire else zh, local_rows, ids[sel], w[sel],
                                         bf16=wire), tokens))
         started = time.monotonic()
-        waits = {h: self.peers[self.placement.holders[h]].call(call) for h, call, _ in parts if h != self.me}
+        waits = {h: self.peers[self.ranges.holders[h]].call(call) for h, call, _ in parts if h != self.me}
 
         def finish() -> torch.Tensor:
             sums = {}
@@ -180,7 +180,7 @@ class WideExperts:
         return finish
 
     def _count(self, holder: int, ids: torch.Tensor, seconds: float) -> None:
-        c = self.stats.holder(self.names[self.placement.holders[holder]])
+        c = self.stats.holder(self.names[self.ranges.holders[holder]])
         experts = int(torch.unique(ids).numel())
         c.calls, c.experts, c.pairs, c.seconds = c.calls + 1, c.experts + experts, c.pairs + ids.numel(), \
             c.seconds + seconds
@@ -201,7 +201,7 @@ class WideExperts:
             if layer not in self._owners or not ids:
                 continue
             guessed = torch.tensor(list(ids), dtype=torch.long) % self.cfg.num_experts  # (a copy's id: E + e)
-            owner = prompt_owners(self.prompts, self.placement.bounds_of(layer), guessed, tokens).tolist() \
+            owner = prompt_owners(self.prompts, self.ranges.bounds_of(layer), guessed, tokens).tolist() \
                 if self.prompts is not None and ahead else self._owners[layer][guessed].tolist()
             by_holder: dict[int, list[int]] = {}
             for e, h in zip(ids, owner, strict=True):
@@ -212,7 +212,7 @@ class WideExperts:
                 else:
                     remote.setdefault(h, []).append((layer, tuple(guess)))
         for h, hints in remote.items():
-            self.peers[self.placement.holders[h]].hint(tuple(hints), ahead)
+            self.peers[self.ranges.holders[h]].hint(tuple(hints), ahead)
 
     # ---- per forward (the -v log) ------------------------------------------------------------------------------
 
@@ -224,7 +224,7 @@ class WideExperts:
         parts = []
         for h in sorted(self._forward):
             experts, seconds = self._forward[h]
-            who = self.names[self.placement.holders[h]] + (" (self)" if h == self.me else "")
+            who = self.names[self.ranges.holders[h]] + (" (self)" if h == self.me else "")
             parts.append(f"{who} {int(experts)} experts {seconds * 1000:.1f} ms")
         return ", ".join(parts)
 

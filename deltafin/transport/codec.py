@@ -17,9 +17,9 @@ import torch
 from deltafin.errors import CodecError, DeltafinError
 from deltafin.formats import spine_formats
 from deltafin.models.attn_res import ResidualState
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder, HolderLink
 from deltafin.plan.cluster.links import Link
-from deltafin.plan.memory.sizing import StageSizing
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
@@ -205,9 +205,9 @@ def decode_expert_call(msg: pb.ExpertRequest) -> tuple[ExpertCall | None, Hints]
     return ExpertCall(msg.layer, z, rows, experts, weights, hints, msg.bf16), hints
 
 
-def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:
-    p = plan.placement
-    return pb.ExpertPlan(holders=[pb.Holder(worker_id=h.key, address=h.address, name=h.name,
+def encode_expert_placement(plan: ExpertPlacement) -> pb.ExpertPlacement:
+    p = plan.ranges
+    return pb.ExpertPlacement(holders=[pb.Holder(worker_id=h.key, address=h.address, name=h.name,
                                             expert_gbps=h.expert_gbps, expert_one_s=h.expert_one_s,
                                             expert_token_s=h.expert_token_s) for h in plan.holders],
                          layers=[pb.LayerExperts(layer=layer, bounds=list(b)) for layer, b in zip(p.layers, p.bounds,
@@ -218,7 +218,7 @@ def encode_expert_plan(plan: ExpertPlan) -> pb.ExpertPlan:
                                               down_bps=x.link.down_bps) for x in plan.links])
 
 
-def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
+def decode_expert_placement(msg: pb.ExpertPlacement, num_experts: int) -> ExpertPlacement:
     holders = tuple(Holder(h.worker_id, h.address, h.name, h.expert_gbps, h.expert_one_s, h.expert_token_s)
                     for h in msg.holders)
     keys = {h.key for h in holders}
@@ -230,11 +230,11 @@ def decode_expert_plan(msg: pb.ExpertPlan, num_experts: int) -> ExpertPlan:
         raise CodecError(f"malformed expert plan: {bad or 'a link between holders it does not have'}")
     links = tuple(HolderLink(x.a, x.b, Link(x.rtt_s, x.up_bps, x.down_bps)) for x in msg.links)
     try:
-        placement = ExpertPlacement(tuple(h.key for h in holders), tuple(x.layer for x in msg.layers),
+        placement = ExpertRanges(tuple(h.key for h in holders), tuple(x.layer for x in msg.layers),
                                     tuple(tuple(x.bounds) for x in msg.layers))
         if placement.layers and placement.num_experts != num_experts:
             raise ValueError(f"it places {placement.num_experts} experts a layer, the model has {num_experts}")
-        return ExpertPlan(placement, holders, msg.probe_interval or 2.0, msg.lost_after or 10.0,
+        return ExpertPlacement(placement, holders, msg.probe_interval or 2.0, msg.lost_after or 10.0,
                           msg.call_timeout or 600.0, links)
     except ValueError as e:
         raise CodecError(f"malformed expert plan: {e}") from None
@@ -269,21 +269,21 @@ def decode_stage_options(msg: pb.StageOptions, defaults: StageOptions) -> StageO
         raise CodecError(f"stage options: {e}") from None
 
 
-_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StageSizing))
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(StagePlan))
 _PLAN_TEXT = ("device", "spine", "spine_why")
 _PLAN_FLAGS = ("experts_resident", "discrete", "converted", "wide")
 HOLDER_SPINE = "none"  # an expert holder's plan: no spine
 _PLAN_DEVICES = ("cpu", "cuda", "mps", "meta")
 
 
-def encode_stage_plan(plan: StageSizing) -> pb.StageSizing:
+def encode_stage_plan(plan: StagePlan) -> pb.StagePlan:
     """A stage's plan as the Assignment carries it (every field; its totals are left out: the worker sums them)."""
-    msg = pb.StageSizing()
+    msg = pb.StagePlan()
     _fill(msg, {name: getattr(plan, name) for name in _PLAN_FIELDS}, "plan")
     return msg
 
 
-def decode_stage_plan(msg: pb.StageSizing, num_layers: int) -> StageSizing:
+def decode_stage_plan(msg: pb.StagePlan, num_layers: int) -> StagePlan:
     """The plan a coordinator sent, with every field present and in range for a `num_layers`-layer model (what it
     costs and whether it fits is the worker's check: plan/memory/stage_check.py)."""
     got = {f.name: v for f, v in msg.ListFields()}
@@ -306,7 +306,7 @@ def decode_stage_plan(msg: pb.StageSizing, num_layers: int) -> StageSizing:
     negative = [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0]
     if negative or not 0.0 <= values["expert_share"] <= 1.0:
         raise CodecError(f"plan: {', '.join(negative) or 'expert_share'} out of range")
-    return StageSizing(**values)
+    return StagePlan(**values)
 
 
 def encode_stats(stats: dict[str, Any]) -> pb.StageStats:

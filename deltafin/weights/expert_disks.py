@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.weights.expert_copy import ExpertCopy
 from deltafin.weights.expert_slots import Key
 from deltafin.weights.reader import WARM, ExpertReader, ReadPlan, ShardFiles, plan_read
@@ -50,16 +50,16 @@ class ExpertDisks:
             self.disks.append(Disk(c, gbps, files, ExpertReader(files, threads=threads)))
         self.num_experts, self.low = ckpt.config.num_experts, low
         self.layers: set[int] = set()
-        self.placement: ExpertPlacement | None = None
+        self.ranges: ExpertRanges | None = None
         self._plans: dict[Key, tuple[Disk, ReadPlan]] = {}
 
     def place(self, layers: set[int]) -> None:
         """Divide the experts of `layers` (the layers served) among the disks."""
         self.layers = layers
         self._plans.clear()
-        self.placement = None
+        self.ranges = None
         if len(self.disks) > 1 and self.layers:
-            self.placement = ExpertPlacement.build(
+            self.ranges = ExpertRanges.build(
                 [str(i) for i in range(len(self.disks))], sorted(self.layers), self.num_experts,
                 lambda i, layer: self.disks[i].gbps if self.disks[i].holds(layer) else 0.0)
 
@@ -74,8 +74,8 @@ class ExpertDisks:
             found = (self.disks[0], self.low.plan(layer, e)) if self.low.holds(layer, e) else self.plan((layer, e))
             self._plans[key] = found
         elif found is None:
-            if self.placement is not None and key[0] in self.layers:
-                disk = self.disks[self.placement.owner(*key)]
+            if self.ranges is not None and key[0] in self.layers:
+                disk = self.disks[self.ranges.owner(*key)]
             else:
                 disk = next((d for d in self.disks if d.holds(key[0])), self.disks[0])
             found = self._plans[key] = (disk, plan_read(disk.ckpt.expert(*key)))

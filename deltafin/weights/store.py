@@ -37,7 +37,7 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.kernels.activations import GatedActivation
 from deltafin.models.moe import Landed, expert_outputs
 from deltafin.models.weights import ExpertWeights
-from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.plan.memory.stage_parts import expert_slot_bytes, working_slots
 from deltafin.weights.cache_loan import CacheLoan
 from deltafin.weights.expert_cache import Entry, ExpertCache, make_policy
@@ -100,9 +100,9 @@ class ExpertStore(CacheLoan):
         return self.slots.device_slots
 
     @property
-    def disk_placement(self) -> ExpertPlacement | None:
+    def disk_ranges(self) -> ExpertRanges | None:
         """Which disk reads each expert of the layers served (None with one disk)."""
-        return self.readers.placement
+        return self.readers.ranges
 
     def set_layers(self, layers: Iterable[int]) -> None:
         """The MoE layers this store serves (prefetches for others are ignored), and which disk reads each of

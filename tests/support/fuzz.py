@@ -151,7 +151,7 @@ def grpc_calls(draw: Any, fingerprint: str, layers: int, hidden: int, blocks: in
                                 options=draw(_fields(pb.StageOptions, ODD_VALUES)),
                                 model_fingerprint=draw(st.sampled_from([fingerprint, fingerprint, "other", ""])))
         if draw(st.booleans()):  # a plan, most often malformed
-            request.plan.CopyFrom(draw(_fields(pb.StageSizing, ODD_VALUES)))
+            request.plan.CopyFrom(draw(_fields(pb.StagePlan, ODD_VALUES)))
         return rpc, request
     if rpc == "Forward":
         seqs = draw(st.lists(sequences(hidden=hidden, blocks=blocks, vocab=vocab), min_size=0, max_size=3))

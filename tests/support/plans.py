@@ -27,7 +27,7 @@ PLAN_BUDGET = 4 * 10**9  # the memory a test's plan is made in, as a coordinator
 # stage fits it whole, and any worker of the test machine holds it
 
 
-def stage_plan(model: Path, start: int, end: int, **knobs: Any) -> pb.StageSizing:
+def stage_plan(model: Path, start: int, end: int, **knobs: Any) -> pb.StagePlan:
     """The plan of layers [start, end) of `model` on a CPU within PLAN_BUDGET with the sizing `knobs` (StageOptions'
     and SizingOptions' names: session_bytes=..., max_resident_layers=...), as the Assignment carries it."""
     cfg = load_config(model)

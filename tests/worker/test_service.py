@@ -18,7 +18,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint, scan_checkpoint
 from deltafin.errors import SessionOutOfSync
 from deltafin.models.moe import expert_outputs
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder
 from deltafin.plan.memory.holder_sizing import size_holder
 from deltafin.plan.memory.sizing import Placement, SizingInput
 from deltafin.runtime import wide
@@ -130,7 +130,7 @@ def test_assignment_is_checked(served, tiny_dir):
                                options=pb.StageOptions(dtype="fp64")), grpc.StatusCode.INVALID_ARGUMENT,
                  "--dtype: invalid choice: 'fp64'"),
                 (pb.Assignment(start=0, end=6, model_fingerprint=fingerprint(tiny_dir),
-                               plan=pb.StageSizing(start=0, end=6)), grpc.StatusCode.INVALID_ARGUMENT,
+                               plan=pb.StagePlan(start=0, end=6)), grpc.StatusCode.INVALID_ARGUMENT,
                  "plan: missing device, spine"),
                 (pb.Assignment(start=4, end=9, model_fingerprint=fingerprint(tiny_dir)),
                  grpc.StatusCode.FAILED_PRECONDITION, "not all on this worker's disk"),
@@ -205,10 +205,10 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
         call = ExpertCall(cfg.moe_layers[1], torch.randn(3, cfg.expert_dim, generator=g), torch.tensor([0, 1, 2, 2]),
                           torch.tensor([4, 1, 4, 6]), torch.tensor([0.5, 2.0, 0.25, 1.0]))  # all in this worker's half
 
-        def plan_of(*holders: Holder) -> pb.ExpertPlan:
-            placement = ExpertPlacement.build([h.key for h in holders], cfg.moe_layers, cfg.num_experts,
+        def plan_of(*holders: Holder) -> pb.ExpertPlacement:
+            placement = ExpertRanges.build([h.key for h in holders], cfg.moe_layers, cfg.num_experts,
                                               lambda i, _: 1.0)
-            return codec.encode_expert_plan(ExpertPlan(placement, holders))
+            return codec.encode_expert_placement(ExpertPlacement(placement, holders))
 
         async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             me, other = Holder(service.description.key, f"127.0.0.1:{port}", "t"), Holder("other", "127.0.0.1:9")

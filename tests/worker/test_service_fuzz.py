@@ -215,7 +215,7 @@ def test_a_refused_assignment_leaves_the_old_one_serving(worker, tiny_dir: Path)
     good = stage_plan(tiny_dir, 0, cfg.num_layers)
     bad_plans = []
     for name, value, code, words in BAD_PLANS:
-        plan = pb.StageSizing()
+        plan = pb.StagePlan()
         plan.CopyFrom(good)
         setattr(plan, name, value)
         bad_plans.append((pb.Assignment(plan=plan), code, words))
@@ -227,7 +227,7 @@ def test_a_refused_assignment_leaves_the_old_one_serving(worker, tiny_dir: Path)
         assert code == want and detail and words in detail, (bad, code, detail)
         assert client.forward(ids_seq(f"still{i}", [1, 2, 3])) == "OK", bad
     holder = pb.Holder(worker_id=client.stub.Info(pb.InfoRequest(), timeout=10).worker_id, address="x", name="me")
-    alone = pb.ExpertPlan(holders=[holder], layers=[pb.LayerExperts(layer=i, bounds=[0, cfg.num_experts])
+    alone = pb.ExpertPlacement(holders=[holder], layers=[pb.LayerExperts(layer=i, bounds=[0, cfg.num_experts])
                                                     for i in cfg.moe_layers])
     request = pb.Assignment(start=0, end=cfg.num_layers, model_fingerprint=fingerprint(client.model), experts=alone)
     assert _status(lambda: client.stub.Assign(request, timeout=60))[0] == "INVALID_ARGUMENT"

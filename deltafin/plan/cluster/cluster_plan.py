@@ -1,5 +1,5 @@
 """A cluster's plan as a value (pure): what the planner knows of each worker (`WorkerCapacity`), each stage it gave one
-(`StagePlan`) and the whole (`Plan`), with the table `plan` prints. The planner (planner.py) makes them; first-token
+(`PlannedStage`) and the whole (`Plan`), with the table `plan` prints. The planner (planner.py) makes them; first-token
 times (first_token.py) and the coordinator read them.
 """
 
@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltafin.plan.cluster.compute import ComputeSpeed
-from deltafin.plan.cluster.expert_placement import ExpertPlacement
+from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.plan.cluster.links import Links
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing
+from deltafin.plan.memory.sizing import Placement, SizingInput
 from deltafin.plan.memory.spine_copies import SpineDisk
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 
 GB = 1e9
 VERIFY_SHOWN = (0, 1, 2, 4, 8)  # drafts per step the plan's table prices
@@ -71,12 +72,12 @@ class WorkerCapacity:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class PlannedStage:
     worker: str
     address: str
     start: int
     end: int
-    sizing: StageSizing
+    sizing: StagePlan
     seconds_per_token: float
     worker_id: str = ""
     memory_bytes: int = 0  # the worker's budget the stage was sized against
@@ -110,9 +111,9 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    stages: tuple[StagePlan, ...]
-    holders: tuple[StagePlan, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
-    experts: ExpertPlacement | None = None  # wide experts: who computes which routed experts
+    stages: tuple[PlannedStage, ...]
+    holders: tuple[PlannedStage, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
+    experts: ExpertRanges | None = None  # wide experts: who computes which routed experts
     links: Links = field(default_factory=Links)  # what the links were measured (or assumed) to be
     token: Seconds | None = None  # a decoded token, predicted (plan/timing/predict.py)
     first_token: tuple[tuple[int, Seconds], ...] = ()  # (prompt tokens, its time to the first token), predicted
@@ -127,7 +128,7 @@ class Plan:
         return self.experts is not None
 
     @property
-    def workers(self) -> tuple[StagePlan, ...]:
+    def workers(self) -> tuple[PlannedStage, ...]:
         return self.stages + self.holders
 
     @property
@@ -263,7 +264,7 @@ def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def describe_forwards(z: StageSizing) -> str:
+def describe_forwards(z: StagePlan) -> str:
     """A stage's forwards: beside its expert cache, and a prompt's with the cache lent to it."""
     if z.prompt_tokens > z.forward_tokens:
         spilled = f", up to {z.spill_tokens:,} with its blocks on the disk" if z.spill_tokens else ""

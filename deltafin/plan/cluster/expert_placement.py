@@ -52,7 +52,7 @@ def cache_aware_weights(bandwidths: Sequence[float], cache_fractions: Sequence[f
 
 
 @dataclass(frozen=True)
-class ExpertPlacement:
+class ExpertRanges:
     """`holders` by key; for each of `layers`, the bounds of every holder's range of expert ids."""
 
     holders: tuple[str, ...]
@@ -61,7 +61,7 @@ class ExpertPlacement:
 
     @classmethod
     def build(cls, holders: Sequence[str], layers: Sequence[int], num_experts: int,
-              weight: Callable[[int, int], float]) -> ExpertPlacement:
+              weight: Callable[[int, int], float]) -> ExpertRanges:
         """`weight(i, layer)`: holder i's weight at `layer` (0 where it does not hold that layer's bytes)."""
         bounds = []
         for layer in layers:
@@ -142,23 +142,23 @@ class HolderLink:
 
 
 @dataclass(frozen=True)
-class ExpertPlan:
-    """The wide experts of a cluster's plan as every worker receives it: the placement, where each holder is,
-    and how long a stage waits on one."""
+class ExpertPlacement:
+    """Where a cluster's wide experts run, as every worker receives it: each holder's range of every layer's expert
+    ids (`ranges`), where each holder is, and how long a stage waits on one."""
 
-    placement: ExpertPlacement
-    holders: tuple[Holder, ...]  # in placement.holders order
+    ranges: ExpertRanges
+    holders: tuple[Holder, ...]  # in ranges.holders order
     probe_interval: float = 2.0  # seconds between liveness probes of a holder while a call waits
     lost_after: float = 10.0  # a holder silent this long during a call is lost
     call_timeout: float = 600.0  # deadline of one call of up to 512 tokens (longer ones in proportion)
     links: tuple[HolderLink, ...] = ()  # between the holders, as measured (none: a prompt's calls keep the placement)
 
     def __post_init__(self) -> None:
-        if tuple(h.key for h in self.holders) != self.placement.holders:
-            raise ValueError("an expert plan needs one holder per placement key, in order")
+        if tuple(h.key for h in self.holders) != self.ranges.holders:
+            raise ValueError("an expert placement needs one holder per key of its ranges, in order")
 
     def holder(self, key: str) -> Holder:
-        return self.holders[self.placement.holders.index(key)]
+        return self.holders[self.ranges.holders.index(key)]
 
     def link(self, a: str, b: str) -> Link | None:
         """The link from holder `a` to holder `b` (None: not in the plan)."""
@@ -173,7 +173,7 @@ class ExpertPlan:
                      ) -> PromptSplit | None:
         """How the stage on holder `me` divides a prompt's calls (plan/cluster/prompt_split.py); None where the plan
         lacks a holder's speed or a link from `me`, or `me` holds no experts: such calls keep the placement."""
-        if me not in self.placement.holders or any(h.expert_gbps <= 0 for h in self.holders):
+        if me not in self.ranges.holders or any(h.expert_gbps <= 0 for h in self.holders):
             return None
         links = tuple(None if h.key == me else self.link(me, h.key) for h in self.holders)
         if any(link is None for h, link in zip(self.holders, links, strict=True) if h.key != me):

@@ -14,14 +14,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, StageSizing, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, size_stage
 from deltafin.plan.memory.sizing_options import base_context
+from deltafin.plan.memory.stage_plan import Budget, StagePlan
 
 STEP = 1024  # contexts are found to a multiple of this (and `cost_per_1k` is per this many tokens)
 
 
-def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput,
-               context: int) -> StageSizing:
+def at_context(cfg: ModelConfig, s: StagePlan, place: Placement, options: SizingInput,
+               context: int) -> StagePlan:
     """`s` sized again for sequences of `context` tokens: its format, resident layers, expert cache and forward as
     they are (`options`: the ones `s` was sized with)."""
     fixed = replace(options, context=context, prefill_chunk=s.forward_tokens, prompt_tokens=s.prompt_tokens,
@@ -32,7 +33,7 @@ def at_context(cfg: ModelConfig, s: StageSizing, place: Placement, options: Sizi
     return replace(z, spine_why=s.spine_why)
 
 
-def longest_context(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
+def longest_context(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget,
                     options: SizingInput) -> int:
     """The most tokens (a multiple of STEP, at most the model's own maximum) a sequence of `s` can hold within
     `budget` with nothing else of the plan changed; `s.context` where not even that grows."""
@@ -50,7 +51,7 @@ def longest_context(cfg: ModelConfig, s: StageSizing, place: Placement, budget: 
     return max(s.context, lo_steps * STEP)
 
 
-def grown(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
+def grown(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget, options: SizingInput) -> StagePlan:
     """`s` at the longest context its budget holds, where the user gave none (`options.context` None)."""
     if options.context is not None:
         return s
@@ -58,7 +59,7 @@ def grown(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, op
     return s if longest == s.context else at_context(cfg, s, place, options, longest)
 
 
-def cost_per_1k(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput) -> int:
+def cost_per_1k(cfg: ModelConfig, s: StagePlan, place: Placement, options: SizingInput) -> int:
     """What STEP tokens more of context would take of `s`'s memory (its sequences' caches, kept prefixes and
     attention workspace): the expert cache's loss where the memory is full."""
     return at_context(cfg, s, place, options, s.context + STEP).total - s.total

@@ -10,20 +10,18 @@ from deltafin.errors import SizingError
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.memory.forward_workspace import FORWARD_SHARE, holder_workspace_bytes
 from deltafin.plan.memory.sizing import (
-    GB,
     RUNTIME_OVERHEAD,
-    Budget,
     Placement,
     SizingInput,
-    StageSizing,
     expert_call_bytes,
     expert_parts,
     expert_slot_bytes,
 )
 from deltafin.plan.memory.sizing_options import resolved
+from deltafin.plan.memory.stage_plan import GB, Budget, StagePlan
 
 
-def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingInput) -> StageSizing:
+def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: SizingInput) -> StagePlan:
     """A wide worker with no layers of its own (start == end == 0): its expert store and the calls it serves."""
     assert options.wide, "a worker without layers only serves wide experts"
     options = resolved(cfg, options)
@@ -31,7 +29,7 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         options = replace(options, prefill_chunk=max(1, options.context))
     n_moe = options.expert_layers or 0
     cache, staging, landing, per_token = expert_parts(cfg, place, options, n_moe, expert_cache, 1)
-    return StageSizing(
+    return StagePlan(
         start=0, end=0, device=place.device, spine="none", resident_layers=(), streamed_layers=(), layers=0, top=0,
         stream_buffers=0, stream_copies=0, experts_resident=False, expert_cache=cache, expert_staging=staging,
         expert_landing=landing, expert_calls=expert_call_bytes(cfg, options.prefill_chunk, False, n_moe > 0),
@@ -43,7 +41,7 @@ def size_holder(cfg: ModelConfig, place: Placement, expert_cache: int, options: 
         expert_read_share=options.expert_read_share)
 
 
-def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
+def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: SizingInput) -> StagePlan:
     """A holder-only worker within `budget`: the working set, and the cache of what is left (capped at every
     expert of its layers, or as the user fixed it); SizingError when not even the working set fits."""
     base, options = _holder_base(cfg, place, budget, resolved(cfg, options))
@@ -57,7 +55,7 @@ def choose_holder(cfg: ModelConfig, place: Placement, budget: Budget, options: S
 
 
 def _holder_base(cfg: ModelConfig, place: Placement, budget: Budget,
-                 options: SizingInput) -> tuple[StageSizing, SizingInput]:
+                 options: SizingInput) -> tuple[StagePlan, SizingInput]:
     """A holder's working set (its cache only as the user fixed it), and the options with its forward: with none
     fixed, the calls of forwards up to the context within FORWARD_SHARE of the budget, or, where those leave no
     room, of PIECE_TOKENS (the shortest it gives): a holder plans in every budget from its least

@@ -5,9 +5,9 @@ coordinator/engine/prefix_index.py)."""
 from __future__ import annotations
 
 from deltafin.checkpoint.config import LayerKind, ModelConfig
-from deltafin.plan.memory.sizing import GB
 from deltafin.plan.memory.sizing_options import BASE_CONTEXT
 from deltafin.plan.memory.stage_parts import kda_state_bytes, mla_row_bytes, sequence_bytes
+from deltafin.plan.memory.stage_plan import GB
 
 GRID_MIN = 1024  # fewest tokens between two states kept inside one long message
 GRID_ROUND = 256

@@ -19,11 +19,12 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.memory.holder_sizing import choose_holder
-from deltafin.plan.memory.sizing import GB, RUNTIME_OVERHEAD, Budget, Placement, SizingInput, StageSizing, choose
+from deltafin.plan.memory.sizing import RUNTIME_OVERHEAD, Placement, SizingInput, choose
+from deltafin.plan.memory.stage_plan import GB, Budget, StagePlan
 
 MOST = 1 << 50  # a budget no stage of any model needs: a search that passes it has nothing to find
 
-Plans = Callable[[Budget], StageSizing]  # a stage's plan within a budget, or SizingError
+Plans = Callable[[Budget], StagePlan]  # a stage's plan within a budget, or SizingError
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Least:
 
     budget: int
     what: str  # "layers 3-3", "an expert holder"
-    sizing: StageSizing
+    sizing: StagePlan
 
     @property
     def gb(self) -> str:
@@ -43,7 +44,7 @@ class Least:
         return f"{self.gb} ({self.what}: {self.sizing.parts()})"
 
 
-def least_budget(plans: Plans, fits: int | None = None) -> tuple[int, StageSizing]:
+def least_budget(plans: Plans, fits: int | None = None) -> tuple[int, StagePlan]:
     """The least device budget `plans` plans in, and that plan; `fits`: a budget known to fit, if any. Budgets are
     of device memory only (a discrete GPU's host parts are not counted against: Budget.host None)."""
     lo, hi, found = 0, fits, None  # no stage plans in nothing: the runtime alone takes RUNTIME_OVERHEAD
@@ -60,7 +61,7 @@ def least_budget(plans: Plans, fits: int | None = None) -> tuple[int, StageSizin
     return hi, found if found is not None else plans(Budget(hi))
 
 
-def _plan_in(plans: Plans, budget: int) -> StageSizing | None:
+def _plan_in(plans: Plans, budget: int) -> StagePlan | None:
     try:
         return plans(Budget(budget))
     except SizingError:
@@ -74,7 +75,7 @@ def least_stage(cfg: ModelConfig, start: int, end: int, place: Placement, option
 
 
 def check_fits(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-               options: SizingInput) -> StageSizing:
+               options: SizingInput) -> StagePlan:
     """The stage choose plans in `budget`; where none fits, SizingError in one line with the least it needs (the
     host memory beside a GPU being what is short: choose's own)."""
     try:

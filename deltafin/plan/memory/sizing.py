@@ -70,7 +70,7 @@ from deltafin.plan.memory.stage_parts import (
     top_bytes,
     working_slots,
 )
-from deltafin.plan.memory.stage_plan import GB, Budget, StageSizing
+from deltafin.plan.memory.stage_plan import GB, Budget, StagePlan
 
 RUNTIME_OVERHEAD = 1 << 30  # interpreter, torch and its allocator, kernels, Python objects: measured 0.6-0.9 GB
 
@@ -99,7 +99,7 @@ def stream_format(spine: str, options: SizingInput) -> str:
 
 
 def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: str, expert_cache: int | None,
-               resident_count: int, options: SizingInput) -> StageSizing:
+               resident_count: int, options: SizingInput) -> StagePlan:
     """The sizing of one concrete choice: `resident_count` leading layers resident in `spine` format, experts
     resident (`expert_cache` None) or streamed with a cache of up to that many bytes."""
     options = resolved(cfg, options, one_user(cfg, start, end, options))
@@ -119,7 +119,7 @@ def size_stage(cfg: ModelConfig, start: int, end: int, place: Placement, spine: 
     sessions, prefixes, sequences = _session_parts(cfg, t, start, end, place, options)
     last = end == cfg.num_layers
     stream = t.streamed(stream_format(spine, options))
-    return StageSizing(
+    return StagePlan(
         start=start, end=end, device=place.device, spine=spine, resident_layers=resident, streamed_layers=streamed,
         layers=prefix[start + resident_count] - prefix[start],
         top=top_bytes(cfg, place, spine, start == 0, last),
@@ -153,7 +153,7 @@ def _session_parts(cfg: ModelConfig, t: LayerTable, start: int, end: int, place:
 
 
 def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-           options: SizingInput) -> StageSizing:
+           options: SizingInput) -> StagePlan:
     """The best stage that fits `budget` (see the module docstring), saying why its spine format
     (`spine_why`); SizingError when none does. With no context given, the plan is for BASE_CONTEXT (at most the
     model's own): plan/memory/context.py grows it into the room the plan leaves."""
@@ -171,7 +171,7 @@ def choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bud
 
 
 def _auto_forward_choice(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-                         options: SizingInput) -> tuple[StageSizing, SizingInput]:
+                         options: SizingInput) -> tuple[StagePlan, SizingInput]:
     """The stage at the forward auto_forward_tokens gives `budget`, and the options with it; where that forward
     leaves no plan, at the shortest it gives (the one for a budget of nothing): a longer forward never makes a
     budget that holds the working set refuse, so a stage plans in every budget from the least it needs
@@ -188,7 +188,7 @@ def _auto_forward_choice(cfg: ModelConfig, start: int, end: int, place: Placemen
 
 
 def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-            options: SizingInput) -> StageSizing:
+            options: SizingInput) -> StagePlan:
     n = end - start
     limit = n if options.max_resident_layers is None else max(0, min(n, options.max_resident_layers))
     spines = model_spines(cfg, for_room_too=options.converted) if options.spine == "auto" else (options.spine,)
@@ -219,8 +219,8 @@ def _choose(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Bu
         "for fewer or shorter sequences")
 
 
-def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                  options: SizingInput) -> StageSizing:
+def _grow_forward(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget,
+                  options: SizingInput) -> StagePlan:
     """With no forward size fixed: a small expert cache gives way to a longer forward. A cache that holds under
     FORWARD_SHARE of the experts it serves saves decode under a tenth of its reads, while a prompt longer than
     the forward reads every expert once more per forward; so such a cache shrinks, down to nothing, for the
@@ -231,7 +231,7 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
     if s.expert_cache > FORWARD_SHARE * served:
         return s
 
-    def sized(tokens: int) -> StageSizing:
+    def sized(tokens: int) -> StagePlan:
         return size_stage(cfg, s.start, s.end, place, s.spine, options.expert_cache_bytes or 0,
                           len(s.resident_layers), replace(options, prefill_chunk=tokens))
 
@@ -245,7 +245,7 @@ def _grow_forward(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Bu
 
 
 def _lending_choice(cfg: ModelConfig, start: int, end: int, place: Placement, budget: Budget,
-                    options: SizingInput) -> StageSizing | None:
+                    options: SizingInput) -> StagePlan | None:
     """No forward size fixed, a stage whose prompts borrow its expert cache (`lends`): the forward beside the cache
     is one attention piece (decode steps, a short prompt or a chat's next turn), every other byte the cache's, and a
     longer prompt's forward borrows the cache (`_lend_cache`). None where the stage does not lend (its experts
@@ -259,8 +259,8 @@ def _lending_choice(cfg: ModelConfig, start: int, end: int, place: Placement, bu
     return _lend_cache(cfg, s, place, budget, options) if lends(cfg, s) else None
 
 
-def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInput, tokens: int,
-         spilled: bool = False) -> StageSizing:
+def lent(cfg: ModelConfig, s: StagePlan, place: Placement, options: SizingInput, tokens: int,
+         spilled: bool = False) -> StagePlan:
     """`s` during a prompt's forward of `tokens` tokens with its expert cache lent: the same spine, resident layers,
     sessions and working slots, no cache slots, the workspace of that forward (`spilled`: its blocks on the SSD)."""
     fixed = replace(resolved(cfg, options), context=s.context, sequences=s.sequences or None, prefill_chunk=tokens,
@@ -273,7 +273,7 @@ def lent(cfg: ModelConfig, s: StageSizing, place: Placement, options: SizingInpu
                                                      s.end == cfg.num_layers, spilled=True))
 
 
-def kept_while_lent(cfg: ModelConfig, s: StageSizing, place: Placement, tokens: int) -> int:
+def kept_while_lent(cfg: ModelConfig, s: StagePlan, place: Placement, tokens: int) -> int:
     """Bytes of `s`'s expert cache a prompt's forward of `tokens` leaves it (its workspace takes the rest of the
     cache's and the plan's own workspace's): the store reads the next experts ahead into them while the layer
     before computes (runtime/read_ahead.py; plan/timing/predict.py prices it). A forward longer than `prompt_tokens`
@@ -283,15 +283,15 @@ def kept_while_lent(cfg: ModelConfig, s: StageSizing, place: Placement, tokens: 
     return max(0, min(s.expert_cache, s.expert_cache + s.workspace - need))
 
 
-def lends(cfg: ModelConfig, s: StageSizing) -> bool:
+def lends(cfg: ModelConfig, s: StagePlan) -> bool:
     """Whether a prompt may borrow `s`'s expert cache: it streams its own experts (a wide store serves others' calls
     from its cache) through a cache that holds less than every expert (a prompt reads each once anyway)."""
     every = s.expert_layers * cfg.num_experts * expert_slot_bytes(cfg)
     return s.streaming and not s.wide and 0 < s.expert_cache < every
 
 
-def _lend_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                options: SizingInput) -> StageSizing:
+def _lend_cache(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget,
+                options: SizingInput) -> StagePlan:
     """With no forward size fixed: a prompt longer than the forward borrows the expert cache for its forwards, so
     that one forward carries it (each forward reads every expert it touches again, while the cache holds under a
     hundredth of K3's); `prompt_tokens` is the longest forward, up to the context, whose workspace fits the
@@ -305,7 +305,7 @@ def _lend_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budg
     return _spill(cfg, replace(s, prompt_tokens=lo), place, budget, options)
 
 
-def _spill(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> StageSizing:
+def _spill(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget, options: SizingInput) -> StagePlan:
     """On a stage of every layer whose prompts borrow the cache: `spill_tokens`, the longest forward, up to the
     context, that the budget holds with its rows' blocks on the SSD and whose spill costs the disk less than one
     more forward's reads (plan/memory/spill_cost.py); none where no such forward is longer than `prompt_tokens`."""
@@ -321,8 +321,8 @@ def _spill(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, o
     return replace(s, spill_tokens=lo) if lo > s.prompt_tokens else s
 
 
-def _fill_cache(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget,
-                options: SizingInput) -> StageSizing:
+def _fill_cache(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget,
+                options: SizingInput) -> StagePlan:
     """The expert cache takes what the rest leaves (unless the user fixed it)."""
     if options.expert_cache_bytes is not None or not (cfg.moe_layers and (s.end > cfg.first_k_dense
                                                                             or options.wide)):
@@ -363,7 +363,7 @@ def _most_resident(cfg: ModelConfig, start: int, end: int, place: Placement, spi
 # ---- why this spine format -------------------------------------------------------------------------------
 
 
-def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput) -> str:
+def _spine_why(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget, options: SizingInput) -> str:
     """Why `s` holds its spine in its format: as asked, or (auto) what the format before it would have cost
     and what this one costs in quality (its format's `quality`, from QUALITY_SOURCE)."""
     no_copy = "" if s.converted else "; no converted copy to read: quantized as the resident layers load"
@@ -384,7 +384,7 @@ def _spine_why(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budge
     return f"{lost}; {s.spine} costs {spine_format(s.spine).quality} {QUALITY_SOURCE}{tail}"
 
 
-def _would_stream(cfg: ModelConfig, s: StageSizing, place: Placement, budget: Budget, options: SizingInput,
+def _would_stream(cfg: ModelConfig, s: StagePlan, place: Placement, budget: Budget, options: SizingInput,
                   spine: str) -> str:
     """What `spine` would have streamed in `s`'s place: the most layers it keeps resident at the same forward."""
     n = s.end - s.start

@@ -16,12 +16,13 @@ from dataclasses import replace
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import SizingError
 from deltafin.plan.memory.holder_sizing import size_holder
-from deltafin.plan.memory.sizing import GB, Budget, Placement, SizingInput, StageSizing, lent, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, lent, size_stage
+from deltafin.plan.memory.stage_plan import GB, Budget, StagePlan
 
 log = logging.getLogger(__name__)
 
 
-def pinned(options: SizingInput, plan: StageSizing) -> SizingInput:
+def pinned(options: SizingInput, plan: StagePlan) -> SizingInput:
     """`options` (the process's facts: read buffers, disks, read threads) with every choice `plan` made."""
     return replace(options, spine=options.spine if plan.holder_only else plan.spine,
                    expert_cache_bytes=None if plan.experts_resident else plan.expert_cache,
@@ -33,7 +34,7 @@ def pinned(options: SizingInput, plan: StageSizing) -> SizingInput:
                    expert_share=plan.expert_share if plan.wide else 1.0, converted=plan.converted)
 
 
-def remade(cfg: ModelConfig, plan: StageSizing, place: Placement, options: SizingInput) -> StageSizing:
+def remade(cfg: ModelConfig, plan: StagePlan, place: Placement, options: SizingInput) -> StagePlan:
     """`plan` as this process would hold it: its choices sized with the process's `place` and `options`."""
     opts = pinned(options, plan)
     if plan.holder_only:
@@ -43,8 +44,8 @@ def remade(cfg: ModelConfig, plan: StageSizing, place: Placement, options: Sizin
     return replace(sized, spine_why=plan.spine_why)
 
 
-def check_plan(cfg: ModelConfig, plan: StageSizing, place: Placement, budget: Budget,
-               options: SizingInput) -> StageSizing:
+def check_plan(cfg: ModelConfig, plan: StagePlan, place: Placement, budget: Budget,
+               options: SizingInput) -> StagePlan:
     """The plan this process loads for `plan`: `plan` itself where its parts are placed here as counted, else
     (another planner's arithmetic, or one that assumed other facts: say MLX, where its self-check failed here) the
     same choices as this process places them, with a warning; SizingError where that leaves no sequence or
@@ -57,7 +58,7 @@ def check_plan(cfg: ModelConfig, plan: StageSizing, place: Placement, budget: Bu
     here = remade(cfg, plan, place, options)
     if here != plan:
         differ = [f"{name} {getattr(plan, name)} (here {getattr(here, name)})"
-                  for name in StageSizing.__dataclass_fields__ if getattr(plan, name) != getattr(here, name)]
+                  for name in StagePlan.__dataclass_fields__ if getattr(plan, name) != getattr(here, name)]
         log.warning("the plan of %s counts what this worker places otherwise: %s; its choices are loaded as placed "
                     "here", what, "; ".join(differ[:4]))
     if here.prompt_tokens > here.forward_tokens and not budget.fits(

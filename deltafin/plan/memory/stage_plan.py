@@ -9,7 +9,7 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
-class StageSizing:
+class StagePlan:
     """Every part of a stage's memory, and what it reads per token. Bytes unless named otherwise."""
 
     start: int
@@ -104,5 +104,5 @@ class Budget:
     device: int
     host: int | None = None
 
-    def fits(self, s: StageSizing) -> bool:
+    def fits(self, s: StagePlan) -> bool:
         return s.device_total <= self.device and (self.host is None or s.host <= self.host)

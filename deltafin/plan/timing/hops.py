@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.pieces import STREAM_PIECE_TOKENS
-from deltafin.plan.cluster.cluster_plan import Plan, StagePlan
+from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage
 from deltafin.plan.cluster.compute import spine_seconds
 from deltafin.plan.cluster.links import COORDINATOR, Links
 from deltafin.plan.memory.stage_parts import boundary_bytes_per_token
@@ -71,7 +71,7 @@ def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> f
     return sum(v.rtt_s for v in link) + link[0].seconds(first_in, 0, 0) + hops + link[-1].seconds(0, last_out, 0)
 
 
-def _streamed(cfg: ModelConfig, s: StagePlan, tokens: int, hop: float) -> float:
+def _streamed(cfg: ModelConfig, s: PlannedStage, tokens: int, hop: float) -> float:
     """What a stage's hop of `hop` seconds adds after its compute: all of it, but where the stage ends on a dense
     layer that runs in n pieces and sends each on as it is done (models/decoder.py STREAM_PIECE_TOKENS), the rows
     cross during its compute C of that layer: the link is done max(hop / n, hop - C (n - 1) / n) after it."""

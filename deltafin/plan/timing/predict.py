@@ -29,7 +29,7 @@ by
 from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.cluster.cluster_plan import GB, Plan, Seconds, StagePlan
+from deltafin.plan.cluster.cluster_plan import GB, Plan, PlannedStage, Seconds
 from deltafin.plan.cluster.compute import layer_flop, spine_seconds
 from deltafin.plan.cluster.links import Links
 from deltafin.plan.cluster.prompt_split import HolderSpeed, PromptSplit, streamed_finish
@@ -44,7 +44,7 @@ PROMPT_LENGTHS = (1024, 4096, 16384, 65536)  # the prompts `plan` predicts a tim
 
 def distinct_experts(cfg: ModelConfig, tokens: int, share: float = 1.0) -> float:
     """Experts of a layer that `tokens` tokens touch under a uniform router: E(1 - (1 - k/E)^T), each token's k
-    the `share` of them its expert mode reads (StageSizing.expert_read_share)."""
+    the `share` of them its expert mode reads (StagePlan.expert_read_share)."""
     e, k = cfg.num_experts, cfg.experts_per_token * share
     return e * (1 - (1 - k / e) ** tokens)
 
@@ -154,7 +154,7 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
                    compute_sum + spine_compute)
 
 
-def _local_prompt(cfg: ModelConfig, s: StagePlan, tokens: int, reads: float, compute: float, act_bytes: int) -> float:
+def _local_prompt(cfg: ModelConfig, s: PlannedStage, tokens: int, reads: float, compute: float, act_bytes: int) -> float:
     """A stage's forward of a prompt, layer by layer: its spine computes, then its routed experts, their reads
     overlapping their compute (the store hands each expert to the matmuls as it lands). A MoE layer's reads start
     while its spine computes, as far as the slots read ahead hold: two layers' k guesses, and the cache slots a
@@ -176,7 +176,7 @@ def _local_prompt(cfg: ModelConfig, s: StagePlan, tokens: int, reads: float, com
     return busy
 
 
-def _spill_seconds(cfg: ModelConfig, s: StagePlan, tokens: int, act_bytes: int) -> float:
+def _spill_seconds(cfg: ModelConfig, s: PlannedStage, tokens: int, act_bytes: int) -> float:
     """A spilled forward's reads and writes of its rows' blocks (plan/memory/spill_cost.py), on the stage's disk, after
     its own reads (counted whole: the next piece's blocks are read while this one computes only partly)."""
     z = s.sizing
@@ -185,7 +185,7 @@ def _spill_seconds(cfg: ModelConfig, s: StagePlan, tokens: int, act_bytes: int) 
     return spill_bytes(cfg, z.start, z.end, tokens, act_bytes) / (_speed(s) * GB)
 
 
-def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int, moe: bool = False) -> float:
+def _spine_compute(cfg: ModelConfig, s: PlannedStage, tokens: int, moe: bool = False) -> float:
     """A stage's spine compute for a forward of `tokens` (`moe`: its MoE layers' only, without the head)."""
     if s.compute is None:
         return 0.0
@@ -194,13 +194,13 @@ def _spine_compute(cfg: ModelConfig, s: StagePlan, tokens: int, moe: bool = Fals
     return sum(_layer_spine(cfg, s, i, tokens) for i in range(s.start, s.end) if cfg.is_moe(i))
 
 
-def _layer_spine(cfg: ModelConfig, s: StagePlan, layer: int, tokens: int) -> float:
+def _layer_spine(cfg: ModelConfig, s: PlannedStage, layer: int, tokens: int) -> float:
     """One layer's spine compute on `s`'s worker (not the head)."""
     assert s.compute is not None
     return s.compute.spine_seconds(layer_flop(cfg, layer), tokens, s.sizing.spine)
 
 
-def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) -> float:
+def _expert_compute(cfg: ModelConfig, s: PlannedStage, tokens: int, layers: float) -> float:
     """`layers` MoE layers' routed experts of a forward of `tokens` on `s`'s worker."""
     if s.compute is None or not layers:
         return 0.0
@@ -209,7 +209,7 @@ def _expert_compute(cfg: ModelConfig, s: StagePlan, tokens: int, layers: float) 
     return layers * s.compute.expert_seconds(touched, tokens * cfg.experts_per_token * share)
 
 
-def _local_reads(cfg: ModelConfig, s: StagePlan, tokens: int) -> float:
+def _local_reads(cfg: ModelConfig, s: PlannedStage, tokens: int) -> float:
     z, slot = s.sizing, expert_slot_bytes(cfg)
     layers = z.expert_layers or 0
     cache = 0 if tokens > z.forward_tokens else z.expert_cache  # a longer forward borrowed the cache
@@ -268,7 +268,7 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
     return out
 
 
-def _speed(s: StagePlan, experts: bool = False) -> float:
+def _speed(s: PlannedStage, experts: bool = False) -> float:
     """A member's disk speed: its model disk's (the spine), or all its expert disks' (`experts`)."""
     return max((s.expert_gbps or s.disk_gbps) if experts else s.disk_gbps, 1e-3)
 

@@ -17,9 +17,10 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
-from deltafin.plan.memory.sizing import Budget, Placement, lent, size_stage
+from deltafin.plan.memory.sizing import Placement, lent, size_stage
 from deltafin.plan.memory.spill_cost import spill_read_bytes, spill_write_bytes
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.runtime import spill as spill_mod
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage

@@ -7,8 +7,9 @@ import pytest
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
-from deltafin.plan.memory.sizing import Budget, Placement, choose
+from deltafin.plan.memory.sizing import Placement, choose
 from deltafin.plan.memory.spine_copies import SpineDisk, stage_units
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.runtime.stage_build import without_room
 from deltafin.runtime.stage_options import StageOptions
 

@@ -16,8 +16,9 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.plan.memory.forward_workspace import workspace_bytes
 from deltafin.plan.memory.layer_table import layer_table
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, lent, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, lent, size_stage
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions

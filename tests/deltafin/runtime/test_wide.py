@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltafin.errors import InvalidInput, NotHeld
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder, HolderLink
 from deltafin.plan.cluster.links import profile
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -54,7 +54,7 @@ def test_wide_equals_one_process(small_dir, local, stages, holders, weights):
             assert torch.equal(a, b) if stages + holders == 1 else wide_close(a, b)  # one holder: the same bits
         calls = {k: a.holder.served.calls for k, a in cluster.assigned.items()}
         if stages + holders > 1:
-            assert all(n > 0 for k, n in calls.items() if cluster.placement.count(cluster.keys.index(k))), calls
+            assert all(n > 0 for k, n in calls.items() if cluster.ranges.count(cluster.keys.index(k))), calls
     finally:
         cluster.close()
 
@@ -65,11 +65,11 @@ def test_each_holder_reads_only_its_share(small_dir):
         _run(cluster.pipeline)
         for i, key in enumerate(cluster.keys):
             stats = cluster.assigned[key].store.snapshot_stats()
-            share = sum(len(cluster.placement.share(i, layer)) for layer in cluster.cfg.moe_layers)
+            share = sum(len(cluster.ranges.share(i, layer)) for layer in cluster.cfg.moe_layers)
             read = stats.over(cluster.cfg.moe_layers).expert_bytes
             # its cache holds all its share: each of its experts read once, but for guesses read twice (wasted)
             assert 0 < read <= share * cluster.cfg.bytes_per_expert + stats.wasted_bytes
-            assert all(cluster.placement.share(i, layer) for layer, c in stats.by_layer.items() if c.expert_bytes)
+            assert all(cluster.ranges.share(i, layer) for layer, c in stats.by_layer.items() if c.expert_bytes)
     finally:
         cluster.close()
 
@@ -105,11 +105,11 @@ def test_a_new_placement_keeps_stages_sessions_and_stores(small_dir):
         stages = [a.stage for a in cluster.assigned.values()]
         stores = [a.store for a in cluster.assigned.values()]
         keys = cluster.keys[:2]
-        placement = ExpertPlacement.build(keys, cluster.cfg.moe_layers, cluster.cfg.num_experts, lambda i, _: 1.0)
+        placement = ExpertRanges.build(keys, cluster.cfg.moe_layers, cluster.cfg.num_experts, lambda i, _: 1.0)
         gone = cluster.assigned.pop(cluster.keys[2])
         cluster.keys = keys
         cluster.ranges = cluster.ranges[:2]
-        cluster.assign(ExpertPlan(placement, tuple(Holder(k, f"local:{k}", k) for k in keys)))
+        cluster.assign(ExpertPlacement(placement, tuple(Holder(k, f"local:{k}", k) for k in keys)))
         gone.close()
         assert [a.stage for a in cluster.assigned.values()] == stages[:2]  # the same objects: nothing reloaded
         assert [a.store for a in cluster.assigned.values()] == stores[:2]

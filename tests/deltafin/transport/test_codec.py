@@ -96,7 +96,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
 
 def test_expert_calls_and_plans_round_trip():
-    from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, HolderLink
+    from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder, HolderLink
     from deltafin.plan.cluster.links import Link
     from deltafin.runtime.wide import ExpertCall
 
@@ -120,28 +120,28 @@ def test_expert_calls_and_plans_round_trip():
     with pytest.raises(CodecError, match="weights"):
         codec.decode_expert_call(unweighted)
 
-    placement = ExpertPlacement.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
-    plan = ExpertPlan(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
-    assert codec.decode_expert_plan(codec.encode_expert_plan(plan), 16) == plan
-    linked = ExpertPlan(placement, (Holder("a", "h:1", "mac1", 6.6, 0.002, 0.0004), Holder("b", "h:2", "mac2", 3.3)),
+    placement = ExpertRanges.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
+    plan = ExpertPlacement(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
+    assert codec.decode_expert_placement(codec.encode_expert_placement(plan), 16) == plan
+    linked = ExpertPlacement(placement, (Holder("a", "h:1", "mac1", 6.6, 0.002, 0.0004), Holder("b", "h:2", "mac2", 3.3)),
                         1.0, 5.0, 60.0, (HolderLink("a", "b", Link(0.004, 5e7, 2.5e7)),))
-    back_plan = codec.decode_expert_plan(codec.encode_expert_plan(linked), 16)
+    back_plan = codec.decode_expert_placement(codec.encode_expert_placement(linked), 16)
     assert back_plan == linked and back_plan.link("b", "a") == Link(0.004, 2.5e7, 5e7)  # seen from b's side
     assert back_plan.prompt_split("a", 4, 1000, 64) is not None and plan.prompt_split("a", 4, 1000, 64) is None
     for field, value, match in (("links", "x", "a link between holders"), ("speed", math.nan, "a holder's speed")):
-        broken = codec.encode_expert_plan(linked)
+        broken = codec.encode_expert_placement(linked)
         if field == "links":
             broken.links[0].b = value
         else:
             broken.holders[1].expert_gbps = value
         with pytest.raises(CodecError, match=match):
-            codec.decode_expert_plan(broken, 16)
+            codec.decode_expert_placement(broken, 16)
     with pytest.raises(CodecError, match="the model has 32"):
-        codec.decode_expert_plan(codec.encode_expert_plan(plan), 32)
-    bad = codec.encode_expert_plan(plan)
+        codec.decode_expert_placement(codec.encode_expert_placement(plan), 32)
+    bad = codec.encode_expert_placement(plan)
     bad.layers[0].bounds[1] = 99
     with pytest.raises(CodecError, match="malformed expert plan"):
-        codec.decode_expert_plan(bad, 16)
+        codec.decode_expert_placement(bad, 16)
 
 
 def test_a_forward_larger_than_a_message_goes_in_parts():
@@ -182,22 +182,23 @@ def test_a_stage_plan_travels_whole_and_checked() -> None:
     by name."""
     from deltafin.checkpoint.config import parse_config
     from deltafin.checkpoint.presets import preset_config
-    from deltafin.plan.memory.sizing import Budget, Placement, choose
+    from deltafin.plan.memory.sizing import Placement, choose
+    from deltafin.plan.memory.stage_plan import Budget
 
     cfg = parse_config(preset_config("small"))
     z = choose(cfg, 1, cfg.num_layers, Placement("cuda", 2), Budget(int(0.3 * GB_), int(2 * GB_)),
                SizingInput(spine="q4", expert_layers=len(cfg.moe_layers), expert_share=0.4, max_resident_layers=2))
     assert z.wide and z.streamed_layers and z.spine_why and z.discrete
-    wire = pb.StageSizing.FromString(codec.encode_stage_plan(z).SerializeToString())
+    wire = pb.StagePlan.FromString(codec.encode_stage_plan(z).SerializeToString())
     assert codec.decode_stage_plan(wire, cfg.num_layers) == z
     k3 = parse_config(preset_config("k3"))  # one Mac's at 64K: its prompts lend the cache and spill past that
     mac = choose(k3, 0, k3.num_layers, Placement("mps"), Budget(56 * GB_), SizingInput(context=65536))
     assert mac.spill_tokens > mac.prompt_tokens > mac.forward_tokens
-    sent = pb.StageSizing.FromString(codec.encode_stage_plan(mac).SerializeToString())
+    sent = pb.StagePlan.FromString(codec.encode_stage_plan(mac).SerializeToString())
     assert codec.decode_stage_plan(sent, k3.num_layers) == mac
     for change, words in [({"end": cfg.num_layers + 1}, "invalid layer range"), ({"expert_calls": -5}, "expert_calls"),
                           ({"resident_layers": [2, 1]}, "in order"), ({"spine": "fp4"}, "unknown spine")]:
-        bad = pb.StageSizing()
+        bad = pb.StagePlan()
         bad.CopyFrom(wire)
         for name, value in change.items():
             if isinstance(value, list):
@@ -207,7 +208,7 @@ def test_a_stage_plan_travels_whole_and_checked() -> None:
                 setattr(bad, name, value)
         with pytest.raises(CodecError, match=words):
             codec.decode_stage_plan(bad, cfg.num_layers)
-    partial = pb.StageSizing()
+    partial = pb.StagePlan()
     partial.CopyFrom(wire)
     partial.ClearField("workspace")
     with pytest.raises(CodecError, match="missing workspace"):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertPlan, Holder, cache_aware_weights, split
+from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder, cache_aware_weights, split
 
 
 @given(st.integers(0, 2000), st.lists(st.floats(0, 100), min_size=1, max_size=9).filter(lambda w: sum(w) > 0))
@@ -48,7 +48,7 @@ def test_cache_aware_shares_when_the_caches_hold_everything():
 
 def test_placement_owners_shares_and_holders_without_a_layer():
     holds = {"a": {1, 2, 3}, "b": {1, 2, 3}, "c": {2, 3}}
-    p = ExpertPlacement.build(["a", "b", "c"], [1, 2, 3], 12, lambda i, layer: 1.0 if layer in holds["abc"[i]]
+    p = ExpertRanges.build(["a", "b", "c"], [1, 2, 3], 12, lambda i, layer: 1.0 if layer in holds["abc"[i]]
                               else 0.0)
     assert p.bounds_of(1) == (0, 6, 12, 12) and p.bounds_of(2) == (0, 4, 8, 12)
     assert p.share(2, 1) == range(12, 12) and p.layers_of(2) == (2, 3) and p.layers_of(0) == (1, 2, 3)
@@ -56,10 +56,10 @@ def test_placement_owners_shares_and_holders_without_a_layer():
         owners = [p.owner(layer, e) for e in range(12)]
         assert owners == sorted(owners) and all(e in p.share(owners[e], layer) for e in range(12))
     assert p.count(0) == 6 + 4 + 4 and p.fraction(2) == pytest.approx(8 / 36)
-    assert p.describe(0) == "14/36" and ExpertPlacement.build(["x"], [1, 2], 8, lambda i, _: 1).describe(0) == "8/8x2"
+    assert p.describe(0) == "14/36" and ExpertRanges.build(["x"], [1, 2], 8, lambda i, _: 1).describe(0) == "8/8x2"
     with pytest.raises(KeyError):
         p.owner(0, 1)
     with pytest.raises(ValueError, match="no holder"):
-        ExpertPlacement.build(["a"], [1], 8, lambda i, _: 0.0)
+        ExpertRanges.build(["a"], [1], 8, lambda i, _: 0.0)
     with pytest.raises(ValueError, match="one holder per placement key"):
-        ExpertPlan(p, (Holder("a", "h:1"), Holder("c", "h:3"), Holder("b", "h:2")))
+        ExpertPlacement(p, (Holder("a", "h:1"), Holder("c", "h:3"), Holder("b", "h:2")))

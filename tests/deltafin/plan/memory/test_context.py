@@ -11,8 +11,9 @@ from deltafin.checkpoint.presets import preset_config
 from deltafin.paths import bundled_model
 from deltafin.plan.cluster.cluster_plan import WorkerCapacity
 from deltafin.plan.memory.context import STEP, at_context, cost_per_1k, grown, longest_context
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose
 from deltafin.plan.memory.sizing_options import BASE_CONTEXT, ONE_USER_CONTEXT
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.plan.planner import plan_layers
 
 GB = 10**9

@@ -14,7 +14,8 @@ from deltafin.formats import auto_spines
 from deltafin.mini.synth import synthesize
 from deltafin.paths import bundled_model
 from deltafin.plan.memory.layer_table import model_spines, unfit_spines
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose
+from deltafin.plan.memory.stage_plan import Budget
 
 GB = 10**9
 

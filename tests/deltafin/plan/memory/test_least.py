@@ -17,7 +17,8 @@ from deltafin.plan.memory.least import (
     smallest_stages,
     too_small,
 )
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose
+from deltafin.plan.memory.stage_plan import Budget
 
 GB = 10**9
 PLACES = (Placement("cpu"), Placement("cuda"), Placement("mps", experts="mlx"))

@@ -14,9 +14,10 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import SizingError
 from deltafin.models.weights import ExpertWeights
 from deltafin.plan.memory.layer_table import layer_table
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose, size_stage
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose, size_stage
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.runtime.stage import SeqInput, Stage
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans

@@ -14,17 +14,10 @@ from deltafin.cli.inspection import memory_plan, plan_lines
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.cluster.cluster_plan import WorkerCapacity
 from deltafin.plan.memory.layer_table import layer_table, matrix_format, placed_bytes, tensor_role
-from deltafin.plan.memory.sizing import (
-    Budget,
-    Placement,
-    SizingInput,
-    choose,
-    kept_while_lent,
-    lent,
-    size_stage,
-)
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose, kept_while_lent, lent, size_stage
 from deltafin.plan.memory.sizing_options import SEQUENCES
 from deltafin.plan.memory.spine_copies import converted_unit_bytes, layer_unit
+from deltafin.plan.memory.stage_plan import Budget
 from deltafin.plan.planner import plan_layers
 
 GB = 10**9

@@ -10,8 +10,9 @@ import pytest
 
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose, lent
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose, lent
 from deltafin.plan.memory.spill_cost import pass_bytes, spill_pays, spill_read_bytes, spill_write_bytes
+from deltafin.plan.memory.stage_plan import Budget
 
 GB = 10**9
 MAC = Placement("mps", experts="mlx")

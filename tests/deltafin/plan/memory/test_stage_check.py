@@ -11,8 +11,9 @@ import pytest
 from deltafin.checkpoint.config import parse_config
 from deltafin.checkpoint.presets import preset_config
 from deltafin.errors import SizingError
-from deltafin.plan.memory.sizing import Budget, Placement, SizingInput, choose, lent
+from deltafin.plan.memory.sizing import Placement, SizingInput, choose, lent
 from deltafin.plan.memory.stage_check import check_plan
+from deltafin.plan.memory.stage_plan import Budget
 
 GB = 10**9
 MAC = Placement("mps")
