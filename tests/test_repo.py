@@ -222,7 +222,7 @@ def _mac_projection(cfg) -> list[str]:
         for kind in PROFILES if n > 1 else ("—",):
             links = Links(assumed=PROFILES[kind]) if n > 1 else Links()
             plan = choose_mode(cfg, _mac_workers(cfg, n, budget_gb), SizingInput(), 4, "auto", links)
-            stages = [s.sizing for s in plan.workers]
+            stages = [s.plan for s in plan.workers]
             resident = sum(len(z.resident_layers) for z in stages)
             read = sum(z.expert_bytes_per_token for z in stages) / 1e9
             spine = sum(z.spine_bytes_per_token for z in stages) / 1e9
@@ -292,13 +292,13 @@ def _speculative_projection(cfg, lines: list[str]) -> list[str]:
     mac = WorkerCapacity("mac", 56 * 10**9, MAC_SSD_GBPS, ((0, cfg.num_layers),), True, device="mps")
     (stage,) = plan_layers(cfg, [mac], SizingInput(speculative_tokens=SPECULATIVE_TOKENS)).stages
     (plain,) = plan_layers(cfg, [mac]).stages
-    spine, experts = stage.sizing.spine_bytes_per_token / 1e9, stage.sizing.expert_bytes_per_token / 1e9
+    spine, experts = stage.plan.spine_bytes_per_token / 1e9, stage.plan.expert_bytes_per_token / 1e9
     one_pass = (spine + experts) / MAC_SSD_GBPS / EFFICIENCY
-    plain_pass = (plain.sizing.spine_bytes_per_token + plain.sizing.expert_bytes_per_token) / 1e9 / MAC_SSD_GBPS \
+    plain_pass = (plain.plan.spine_bytes_per_token + plain.plan.expert_bytes_per_token) / 1e9 / MAC_SSD_GBPS \
         / EFFICIENCY
-    header = (f"the trails' room, {(stage.sizing.sessions - plain.sizing.sessions) / 1e9:.2f} GB for "
-              f"{stage.sizing.sequences} sequence{'s' if stage.sizing.sequences != 1 else ''}, costs "
-              f"{(lost := len(plain.sizing.resident_layers) - len(stage.sizing.resident_layers))} resident "
+    header = (f"the trails' room, {(stage.plan.sessions - plain.plan.sessions) / 1e9:.2f} GB for "
+              f"{stage.plan.sequences} sequence{'s' if stage.plan.sequences != 1 else ''}, costs "
+              f"{(lost := len(plain.plan.resident_layers) - len(stage.plan.resident_layers))} resident "
               f"layer{'s' if lost != 1 else ''}, so "
               f"{spine:.1f} GB of spine streamed and {experts:.1f} GB of experts per one-token pass, 6.6 GB/s at the "
               f"assumed 0.85 efficiency: {one_pass:.1f} s a token, {1 / one_pass:.3f} tok/s, against "

@@ -48,34 +48,34 @@ def check_assignment(request: pb.Assignment, description: WorkerDescription, cfg
             f"this worker holds checkpoint {description.model_fingerprint}, the coordinator "
             f"{request.model_fingerprint}: both must use the same model files")
     options = codec.decode_stage_options(request.options, defaults)
-    sizing = codec.decode_stage_plan(request.plan, cfg.num_layers) if request.HasField("plan") else None
-    if sizing is not None and (sizing.start, sizing.end) != (request.start, request.end):
-        raise CodecError(f"the plan is for layers [{sizing.start}, {sizing.end}), the assignment for "
+    plan = codec.decode_stage_plan(request.plan, cfg.num_layers) if request.HasField("plan") else None
+    if plan is not None and (plan.start, plan.end) != (request.start, request.end):
+        raise CodecError(f"the plan is for layers [{plan.start}, {plan.end}), the assignment for "
                          f"[{request.start}, {request.end})")
     own = defaults.sizing.spine
-    asked = sizing.spine if sizing is not None else own
+    asked = plan.spine if plan is not None else own
     if request.end > request.start and own != "auto" and asked != own:
         raise NotAssigned(f"this worker was started with --spine {own}, and the plan holds the spine as {asked}: "
                           f"start the coordinator with --spine {own} (or this worker with --spine auto)")
-    plan = codec.decode_expert_placement(request.experts, cfg.num_experts) if request.HasField("experts") else None
-    if request.end <= request.start and not (plan is not None and request.start == request.end == 0):
+    experts = codec.decode_expert_placement(request.experts, cfg.num_experts) if request.HasField("experts") else None
+    if request.end <= request.start and not (experts is not None and request.start == request.end == 0):
         raise NotAssigned(f"invalid layer range [{request.start}, {request.end}): only an expert holder of a "
                           "wide plan takes no layers")
     if not description.has_layers(request.start, request.end):
         raise NotAssigned(f"layers [{request.start}, {request.end}) are not all on this worker's disk "
                           f"(it has {description.layers})")
-    if plan is not None and len(plan.holders) < 2:
+    if experts is not None and len(experts.holders) < 2:
         raise CodecError("a wide expert plan divides the experts among two holders or more (one worker computes "
                          "its own layers' experts: send no expert plan)")
-    if plan is not None:
-        index = plan.ranges.index(description.key)
+    if experts is not None:
+        index = experts.ranges.index(description.key)
         held = {i for a, b in description.expert_ranges for i in range(a, b)}
-        missing = [layer for layer in (plan.ranges.layers_of(index) if index is not None else ())
+        missing = [layer for layer in (experts.ranges.layers_of(index) if index is not None else ())
                    if layer not in held]
         if missing:
             raise NotAssigned(f"the plan gives this worker experts of layers {missing[:8]} that are not on its "
                               f"disks (it has {description.expert_ranges})")
-    return options, sizing, plan
+    return options, plan, experts
 
 
 class AssignmentSlot:
@@ -97,26 +97,26 @@ class AssignmentSlot:
     async def on_stage_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def check_fits(self, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
-                   plan: ExpertPlacement | None = None) -> StagePlan | None:
+    def check_fits(self, start: int, end: int, options: StageOptions, plan: StagePlan | None,
+                   experts: ExpertPlacement | None = None) -> StagePlan | None:
         """Refuse now (SizingError), while the old assignment still serves, a stage its budget cannot hold; the
         plan to load: the one sent, as placed here (plan/memory/stage_check.py), or None where the stage plans itself
         (checked now with the same pure plan it makes when it loads, for its part of `plan` if wide)."""
         cfg, spans = self.ckpt.config, layer_spans(self.ckpt)
         backend = expert_backend_for(cfg, self.device, options.mode)
-        if sizing is not None:
+        if plan is not None:
             place = Placement(self.device.type, options.act_bytes, backend)
             budget = Budget(options.memory_bytes, options.host_memory_bytes) if options.memory_bytes is not None \
-                else Budget(sizing.device_total)  # no budget of its own: the plan's
-            return check_plan(cfg, sizing, place, budget, options.sizing_for(cfg, spans))
-        index = plan.ranges.index(self.worker_key()) if plan is not None else None
+                else Budget(plan.device_total)  # no budget of its own: the plan's
+            return check_plan(cfg, plan, place, budget, options.sizing_for(cfg, spans))
+        index = experts.ranges.index(self.worker_key()) if experts is not None else None
         if end > start:
             plan_stage(cfg, start, end, self.device, options, spans, backend,
-                       wide_known(plan, index) if plan is not None and index is not None else None)
+                       wide_known(experts, index) if experts is not None and index is not None else None)
         return None
 
-    async def replace(self, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
-                      plan: ExpertPlacement | None, peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
+    async def replace(self, start: int, end: int, options: StageOptions, plan: StagePlan | None,
+                      experts: ExpertPlacement | None, peers: dict[str, Any]) -> AsyncIterator[tuple[str, float]]:
         """Load layers [start, end) (and the experts `plan` gives this worker) in place of what is held, yielding
         the load's progress (message, fraction); raises what the load raised, in state "failed"."""
         async with self._lock:
@@ -129,7 +129,7 @@ class AssignmentSlot:
             if self._orphan is not None:  # a cancelled load is closed before another one starts
                 await self._orphan
             old, self.assigned, self.state = self.assigned, None, "loading"
-            task = asyncio.ensure_future(self.on_stage_thread(self.load, old, start, end, options, sizing, plan,
+            task = asyncio.ensure_future(self.on_stage_thread(self.load, old, start, end, options, plan, experts,
                                                               peers, progress))
             try:
                 while not task.done():
@@ -159,14 +159,15 @@ class AssignmentSlot:
         log.info("closed layers [%d, %d): their assignment was cancelled while they loaded", loaded.start,
                  loaded.end)
 
-    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, sizing: StagePlan | None,
-             plan: ExpertPlacement | None, peers: dict[str, Any], progress: Callable[[str, float], None]) -> Assigned:
+    def load(self, old: Assigned | None, start: int, end: int, options: StageOptions, plan: StagePlan | None,
+             experts: ExpertPlacement | None, peers: dict[str, Any],
+             progress: Callable[[str, float], None]) -> Assigned:
         """On the stage's thread: the new assignment, reusing what `old` holds."""
         if options.dtype == "fp32":
             exact_fp32()
         log.info("loading layers [%d, %d) on %s%s", start, end, self.device,
-                 f", wide experts over {len(plan.holders)} holders" if plan is not None else "")
-        return assign(self.ckpt, start, end, self.device, options, sizing, plan, self.worker_key(), peers, old,
+                 f", wide experts over {len(experts.holders)} holders" if experts is not None else "")
+        return assign(self.ckpt, start, end, self.device, options, plan, experts, self.worker_key(), peers, old,
                       progress)
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ class Forwards:
         states at its first layer, an eighth more and a megabyte for the framing): the rest of the stream is read and
         dropped, so a sender cannot fill the worker's memory."""
         stage = self._stage()
-        cap, tokens = self.largest(), stage.max_forward_tokens or stage.sizing.forward_tokens
+        cap, tokens = self.largest(), stage.max_forward_tokens or stage.plan.forward_tokens
         msgs, size = [], 0
         async for r in requests:
             size += r.ByteSize()
@@ -56,7 +56,7 @@ class Forwards:
         """What the stage's largest forward's inputs take in parts: its hidden states at its first layer, an eighth
         more and a megabyte for the framing."""
         stage = self._stage()
-        tokens = stage.max_forward_tokens or stage.sizing.forward_tokens
+        tokens = stage.max_forward_tokens or stage.plan.forward_tokens
         return tokens * boundary_bytes_per_token(stage.cfg, stage.start, 4) * 9 // 8 + (1 << 20)
 
     async def run(self, batch: list, all_logits: bool, rid: str,

@@ -105,11 +105,11 @@ class LocalBackend:
     def prefix_stages(self) -> list[PrefixBudget]:
         return [PrefixBudget(s.start, s.end, s.prefixes.budget, s.dtype.itemsize,
                              s.prefixes.disk.budget if s.prefixes.disk is not None else 0,
-                             s.sizing.context, s.identity) for s in self.pipeline.stages]
+                             s.plan.context, s.identity) for s in self.pipeline.stages]
 
     @property
     def context(self) -> int:
-        return min(s.sizing.context for s in self.pipeline.stages)
+        return min(s.plan.context for s in self.pipeline.stages)
 
     @property
     def parallel_stages(self) -> int:
@@ -126,12 +126,12 @@ class LocalBackend:
     def _price(self) -> Plan:
         stages = self.pipeline.stages
         first = stages[0]
-        streams = any(s.sizing.streaming or s.sizing.streamed_layers for s in stages)
+        streams = any(s.plan.streaming or s.plan.streamed_layers for s in stages)
         given = first.options.disk_gbps
         gbps = (given[0] if given else measure_disk(first.ckpt, first.options.sizing.read_threads, first.options.io)) \
             if streams else 0.0
         compute = measure_compute(first.cfg, first.device, first.dtype)
-        plan = Plan(tuple(PlannedStage("local", "", s.start, s.end, s.sizing, 0.0, disk_gbps=gbps, compute=compute)
+        plan = Plan(tuple(PlannedStage("local", "", s.start, s.end, s.plan, 0.0, disk_gbps=gbps, compute=compute)
                           for s in stages))
         return replace(plan, verify=verify_table(first.cfg, plan, first.dtype.itemsize))
 

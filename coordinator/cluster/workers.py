@@ -209,7 +209,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
     wide = wide_placement(spec, plan)
 
     def label(s: PlannedStage) -> str:
-        return f"load {s.worker} " + ("expert share" if s.sizing.holder_only else f"layers {s.start}-{s.end - 1}")
+        return f"load {s.worker} " + ("expert share" if s.plan.holder_only else f"layers {s.start}-{s.end - 1}")
 
     bars = {id(c): Progress(1.0, label(s), unit="", enabled=show_progress)
             for s, (c, _) in zip(plan.workers, used, strict=True)}
@@ -219,7 +219,7 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
         if bar is not None:
             bar.update(max(0.0, fraction - bar.done))
 
-    todo = [c.assign(s.start, s.end, mine, spec.options, s.sizing, progress, wide)
+    todo = [c.assign(s.start, s.end, mine, spec.options, s.plan, progress, wide)
             for s, (c, _) in zip(plan.workers, used, strict=True)]
     try:
         await asyncio.gather(*todo)
@@ -231,8 +231,8 @@ async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]
             bar.close()
     stages = [c for c, _ in used[:len(plan.stages)]]
     told = {(c.start, c.end): c for c in stages}
-    prefixes = [PrefixBudget(s.start, s.end, s.sizing.prefixes, spec.act_bytes, told[s.start, s.end].prefix_disk,
-                             s.sizing.context, told[s.start, s.end].identity)
+    prefixes = [PrefixBudget(s.start, s.end, s.plan.prefixes, spec.act_bytes, told[s.start, s.end].prefix_disk,
+                             s.plan.context, told[s.start, s.end].identity)
                 for s in sorted(plan.stages, key=lambda s: s.start)]
     route = functools.lru_cache(maxsize=64)(lambda tokens: direct_hops(cfg, plan, tokens, spec.act_bytes))
     return ClusterBackend(stages, forward_limit(spec, cfg, plan), prefixes,
@@ -252,4 +252,4 @@ def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
     """Tokens one forward carries: what every stage was sized for, a prompt's forward borrowing the expert cache where
     its plan lends it (sizing.py `_lend_cache`; a forward larger than a gRPC message goes in parts, not in pieces:
     worker_client.WorkerClient.forward)."""
-    return min(s.sizing.longest_forward for s in plan.stages)
+    return min(s.plan.longest_forward for s in plan.stages)

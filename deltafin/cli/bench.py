@@ -58,7 +58,7 @@ def bench_decode(model: str | Path, tokens: int = 16, prompt: int = 4, device: s
     decoded tokens' random ids (and, but for 0, the prompt's)."""
     pipe, loaded = _load(model, device, dtype, options)
     stage = pipe.stages[0]
-    cfg, dev, plan = stage.cfg, stage.device, stage.sizing
+    cfg, dev, plan = stage.cfg, stage.device, stage.plan
     opts = stage.options
     result = {**_decode_setup(model, stage, dtype), **loaded}
     try:
@@ -137,7 +137,7 @@ def bench_heat(model: str | Path, tokens: int = 16, prompt: int = 4, device: str
 
 def _decode_setup(model: str | Path, stage: Any, dtype: str) -> dict[str, Any]:
     """What a decode benchmark ran: the model's shape, the stage's options and its memory plan."""
-    cfg, plan, opts = stage.cfg, stage.sizing, stage.options
+    cfg, plan, opts = stage.cfg, stage.plan, stage.options
     return {
         "bench": "decode", "model": str(Path(model).resolve()), "device": str(stage.device), "dtype": dtype,
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
@@ -166,7 +166,7 @@ def bench_prefill(model: str | Path, lengths: Iterable[int], device: str = "auto
     options = options or StageOptions()
     pipe, loaded = _load(model, device, dtype, options)
     stage = pipe.stages[0]
-    cfg, dev, plan = stage.cfg, stage.device, stage.sizing
+    cfg, dev, plan = stage.cfg, stage.device, stage.plan
     chunk = pipe.max_forward_tokens or options.sizing.prefill_chunk
     all_experts = len(cfg.moe_layers) * cfg.num_experts * cfg.bytes_per_expert
     out: dict[str, Any] = {}
@@ -286,7 +286,7 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
         result = {"bench": "verify", "model": str(Path(model).resolve()), "device": str(dev), "dtype": dtype,
                   "prompt": prompt, "repeats": repeats, "moe_layers": len(cfg.moe_layers),
                   "passes": passes}
-        result.update(_peak_memory(dev, stage.sizing))
+        result.update(_peak_memory(dev, stage.plan))
     finally:
         pipe.close()
     return result
@@ -335,7 +335,7 @@ def bench_second_turn(model: str | Path, prompt: int, new: int, device: str = "a
     result = {"bench": "second_turn", "model": str(Path(model).resolve()), "device": str(pipe.stages[0].device),
               "dtype": dtype, "prompt": prompt, "reply": reply, "new": new,
               "chunk": pipe.max_forward_tokens, **asyncio.run(run())}
-    result.update(_peak_memory(pipe.stages[0].device, pipe.stages[0].sizing))
+    result.update(_peak_memory(pipe.stages[0].device, pipe.stages[0].plan))
     return result
 
 
@@ -368,7 +368,7 @@ def _peak_memory(dev: torch.device, plan: Any) -> dict[str, Any]:
 def _streaming_numbers(pipe: Any, stage: Any, ids: torch.Tensor, inputs: list, trace: list,
                        result: dict[str, Any]) -> dict[str, Any]:
     cfg = stage.cfg
-    capacity = max(1, stage.sizing.expert_cache // cfg.bytes_per_expert)
+    capacity = max(1, stage.plan.expert_cache // cfg.bytes_per_expert)
     steps = [[(layer, e) for e in ids_] for layer, ids_ in trace]
     out: dict[str, Any] = {"policy_hit_rates": {p: round(simulate(p, capacity, steps), 4) for p in CACHE_POLICIES}}
     t_compute = _replay(pipe, stage, ids, inputs)

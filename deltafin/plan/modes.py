@@ -49,7 +49,7 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
             if mode == "local" and "wide" in plans:
                 return replace(plans["wide"], mode_why="the workers hold the model only with wide experts")
             raise
-    resident = not any(s.sizing.expert_bytes_per_token for p in plans.values() for s in p.workers)
+    resident = not any(s.plan.expert_bytes_per_token for p in plans.values() for s in p.workers)
     if resident and any(s.compute is None for p in plans.values() for s in p.workers):  # nothing to price
         return replace(plans["wide"], mode_why="every expert is in memory: wide spreads their compute")
     turns = {mode: turn_seconds(cfg, p, act_bytes) for mode, p in plans.items()}

@@ -82,7 +82,7 @@ def expert_copies(cfg: ModelConfig, mode: ExpertMode, plan: Plan) -> list[tuple[
         return []
     out, each = [], copy_expert_bytes(cfg, mode.low_bit)
     for s in plan.workers:
-        if not s.sizing.streaming:
+        if not s.plan.streaming:
             count = 0
         elif plan.experts is None:
             count = sum(cfg.is_moe(i) for i in range(s.start, s.end)) * cfg.num_experts
@@ -115,7 +115,7 @@ def _tok_s(seconds: float) -> str:
 
 
 def _forwards(plan: Plan) -> str:
-    spilled = any(s.sizing.spill_tokens for s in plan.stages)
+    spilled = any(s.plan.spill_tokens for s in plan.stages)
     return f"prompts in forwards of up to {prompt_forward(plan):,} tokens{', spilled' if spilled else ''}"
 
 
@@ -126,7 +126,7 @@ def _times(plan: Plan, lengths: list[int]) -> str:
 
 def _costs(plan: Plan, before: Plan) -> str:
     """What the other plan keeps for decode: its expert caches and a token's time, against `before`'s."""
-    cache = sum(s.sizing.expert_cache for s in plan.workers) / GB
-    was = sum(s.sizing.expert_cache for s in before.workers) / GB
+    cache = sum(s.plan.expert_cache for s in plan.workers) / GB
+    was = sum(s.plan.expert_cache for s in before.workers) / GB
     token = f", a token {plan.token.describe()}" if plan.token is not None else ""
     return f"expert cache {cache:.1f} GB (now {was:.1f}){token}"

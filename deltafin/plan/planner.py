@@ -73,15 +73,15 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
         plan, why, opts = _in_cluster_spine(cfg, workers, options or SizingInput(), act_bytes, False)
     if plan is None:
         raise PlanError(_why_not(cfg, workers, opts, act_bytes))
-    streamed = [s.sizing for s in plan.stages if s.sizing.streamed_layers]
+    streamed = [s.plan for s in plan.stages if s.plan.streamed_layers]
     if streamed:
         why += (f"; {sum(len(z.streamed_layers) for z in streamed)} layers still stream, read as "
                 f"{'converted' if opts.converted and spine_format(opts.spine).converted else 'stored'} "
                 f"({sum(z.spine_bytes_per_token for z in streamed) / GB:.1f} GB a token)")
     log.info("spine %s on %d stage(s): %s", opts.spine, len(plan.stages), why)
-    stages = tuple(replace(s, sizing=replace(s.sizing, spine_why=why)) for s in plan.stages)
+    stages = tuple(replace(s, plan=replace(s.plan, spine_why=why)) for s in plan.stages)
     plan = _with_context(cfg, replace(plan, stages=stages, links=links), workers, opts, act_bytes)
-    kept = kept_prefixes_text(cfg, [(s.start, s.end, s.sizing.prefixes) for s in plan.stages], act_bytes,
+    kept = kept_prefixes_text(cfg, [(s.start, s.end, s.plan.prefixes) for s in plan.stages], act_bytes,
                               plan.context)
     return replace(plan, token=token_seconds(cfg, plan, act_bytes), verify=verify_table(cfg, plan, act_bytes),
                    kept_prefixes=kept,
@@ -96,12 +96,12 @@ def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], o
     sized = []
     for s in plan.stages:
         w = by_key[s.key]
-        wide = {"expert_layers": s.sizing.expert_layers, "expert_share": s.sizing.expert_share} if plan.wide else {}
+        wide = {"expert_layers": s.plan.expert_layers, "expert_share": s.plan.expert_share} if plan.wide else {}
         sized.append((s, stage_placement(w, act_bytes, opts), w.budget, replace(opts, disks=w.disks, **wide)))
-    context = opts.context or min(longest_context(cfg, s.sizing, place, budget, o) for s, place, budget, o in sized)
-    stages = tuple(s if s.sizing.context == context else replace(s, sizing=at_context(cfg, s.sizing, place, o, context))
+    context = opts.context or min(longest_context(cfg, s.plan, place, budget, o) for s, place, budget, o in sized)
+    stages = tuple(s if s.plan.context == context else replace(s, plan=at_context(cfg, s.plan, place, o, context))
                    for s, place, _, o in sized)
-    more = max(cost_per_1k(cfg, z.sizing, place, o) for z, (_, place, _, o) in zip(stages, sized, strict=True))
+    more = max(cost_per_1k(cfg, z.plan, place, o) for z, (_, place, _, o) in zip(stages, sized, strict=True))
     return replace(plan, stages=stages, context=context, context_why=context_why(cfg, opts, context, more))
 
 
@@ -151,7 +151,8 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, ac
         return sized(stage_placement(workers[i], act_bytes, opts), workers[i].budget, per_worker[i], a, b)
 
     # best[i][b]: (cost, stages) covering layers [0, b) with the first i workers
-    best: list[list[tuple[float, tuple[PlannedStage, ...]] | None]] = [[None] * (n + 1) for _ in range(len(workers) + 1)]
+    best: list[list[tuple[float, tuple[PlannedStage, ...]] | None]] = [[None] * (n + 1)
+                                                                     for _ in range(len(workers) + 1)]
     best[0][0] = (0.0, ())
     for i, w in enumerate(workers):
         for b in range(n + 1):
@@ -205,24 +206,24 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
     members = [*stages, *holders]
     caps = [workers[index[m.key]] for m in members]
     slot = expert_slot_bytes(cfg)
-    held = [min(1.0, m.sizing.expert_cache // slot / (m.sizing.expert_layers * cfg.num_experts))
-            if m.sizing.expert_layers else 0.0 for m in members]
-    weights = cache_aware_weights([c.expert_speed if m.sizing.expert_layers else 0.0 for c, m in
+    held = [min(1.0, m.plan.expert_cache // slot / (m.plan.expert_layers * cfg.num_experts))
+            if m.plan.expert_layers else 0.0 for m in members]
+    weights = cache_aware_weights([c.expert_speed if m.plan.expert_layers else 0.0 for c, m in
                                    zip(caps, members, strict=True)], held)
     placement = ExpertRanges.build([m.key for m in members], cfg.moe_layers, cfg.num_experts,
                                       lambda i, layer: weights[i] if caps[i].holds_experts(layer) else 0.0)
     sized = []
-    tokens = min(m.sizing.forward_tokens for m in members)  # a holder serves calls of the stages' forwards
+    tokens = min(m.plan.forward_tokens for m in members)  # a holder serves calls of the stages' forwards
     for i, (m, c) in enumerate(zip(members, caps, strict=True)):
-        layers = m.sizing.expert_layers
+        layers = m.plan.expert_layers
         share = placement.count(i) / (layers * cfg.num_experts) if layers else 0.0
         o = replace(per_worker[index[m.key]], expert_share=share, prefill_chunk=tokens)
         place = stage_placement(c, act_bytes, o)
-        z = choose_holder(cfg, place, c.budget, o) if m.sizing.holder_only else choose(cfg, m.start, m.end, place,
+        z = choose_holder(cfg, place, c.budget, o) if m.plan.holder_only else choose(cfg, m.start, m.end, place,
                                                                                        c.budget, o)
         seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
                    / max(c.disk_gbps, 1e-3)) / GB
-        sized.append(replace(m, sizing=z, seconds_per_token=seconds))
+        sized.append(replace(m, plan=z, seconds_per_token=seconds))
     return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement)
 
 

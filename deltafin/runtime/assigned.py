@@ -40,10 +40,10 @@ class Assigned:
     end: int
     options: StageOptions
     stage: Stage | None  # None: an expert holder only
-    plan: ExpertPlacement | None = None  # None: local experts
+    experts: ExpertPlacement | None = None  # None: local experts
     store: ExpertProvider | None = None  # the expert store (wide: the worker's share of every layer it holds)
     holder: ExpertHolder | None = None
-    sizing: StagePlan | None = None
+    plan: StagePlan | None = None
 
     @property
     def layers(self) -> range:
@@ -59,11 +59,11 @@ class Assigned:
         elif self.store is not None and hasattr(self.store, "snapshot_stats"):
             out.update(experts=self.store.snapshot_stats().as_dict(), disks=self.store.disk_stats(),  # type: ignore[attr-defined]
                        layers=[0, 0])
-        if self.sizing is not None:
-            out["plan"] = self.sizing.as_dict()
-        if self.plan is not None and self.store is not None and self.holder is not None:
-            index = self.plan.ranges.index(me)
-            share = self.plan.ranges.describe(index) if index is not None else "none"
+        if self.plan is not None:
+            out["plan"] = self.plan.as_dict()
+        if self.experts is not None and self.store is not None and self.holder is not None:
+            index = self.experts.ranges.index(me)
+            share = self.experts.ranges.describe(index) if index is not None else "none"
             out["wide"] = wide_stats(self.store, self.holder, self.stage.wide if self.stage else None, self.layers,
                                      share)
         return out
@@ -75,12 +75,12 @@ class Assigned:
             self.store.close()
 
 
-def _same_load(old: Assigned, options: StageOptions, sizing: StagePlan | None) -> bool:
+def _same_load(old: Assigned, options: StageOptions, plan: StagePlan | None) -> bool:
     """`old` loaded what this assignment asks for: the same options, and the same plan where one is given (the
     planned share of experts only changes expectations; none given: the stage plans itself as `old` did)."""
     if old.options != options:
         return False
-    return sizing is None or (old.sizing is not None and _unshared(old.sizing) == _unshared(sizing))
+    return plan is None or (old.plan is not None and _unshared(old.plan) == _unshared(plan))
 
 
 def _unshared(plan: StagePlan) -> StagePlan:
@@ -88,25 +88,25 @@ def _unshared(plan: StagePlan) -> StagePlan:
 
 
 def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           sizing: StagePlan | None, plan: ExpertPlacement | None, me: str, peers: Mapping[str, Peer],
+           plan: StagePlan | None, experts: ExpertPlacement | None, me: str, peers: Mapping[str, Peer],
            old: Assigned | None, progress: Callable[[str, float], None] | None = None) -> Assigned:
     """Load (or keep from `old`) what the assignment asks for: the stage `sizing` plans (checked already:
     plan/memory/stage_check.py), or with None the one this worker plans within its own budget; `old` is closed unless
     kept."""
     cfg = ckpt.config
-    if plan is None:
-        return _local(ckpt, start, end, device, options, sizing, old, progress)
-    index = plan.ranges.index(me)
+    if experts is None:
+        return _local(ckpt, start, end, device, options, plan, old, progress)
+    index = experts.ranges.index(me)
     if index is None:
         raise NotAssigned(f"the expert plan does not name this worker ({me}): the coordinator must include it")
-    serves = plan.ranges.layers_of(index)
-    shares = {i: plan.ranges.share(index, i) for i in serves}
+    serves = experts.ranges.layers_of(index)
+    shares = {i: experts.ranges.share(index, i) for i in serves}
     check_held(ckpt.model_dir, cfg, start, end, shares)
-    known = wide_known(plan, index)  # to plan it here
-    if old is not None and old.plan is not None and (old.start, old.end) == (start, end) and \
-            _same_load(old, options, sizing):
+    known = wide_known(experts, index)  # to plan it here
+    if old is not None and old.experts is not None and (old.start, old.end) == (start, end) and \
+            _same_load(old, options, plan):
         assert old.store is not None
-        stage, store, sizing = old.stage, old.store, old.sizing
+        stage, store, plan = old.stage, old.store, old.plan
         store.set_layers(serves)  # type: ignore[attr-defined]
         log.info("kept layers %s and the expert store; the experts' placement changed", _span(start, end))
     else:
@@ -114,62 +114,63 @@ def assign(ckpt: Checkpoint, start: int, end: int, device: torch.device, options
             old.close()
         if end > start:
             backend = expert_backend_for(cfg, device, options.mode)
-            sizing = sizing or disk_plan(ckpt, start, end, device, options, backend, known)
-            stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress,
+            plan = plan or disk_plan(ckpt, start, end, device, options, backend, known)
+            stage = Stage(ckpt, start, end, device=device, options=options, plan=plan, progress=progress,
                           serves=shares)
-            store, sizing = stage.experts, stage.sizing
+            store, plan = stage.experts, stage.plan
         else:
-            stage, sizing = None, sizing or holder_sizing(ckpt, device, options, known)
-            log.info("expert holder on %s: %s", device, sizing.describe())
-            store = open_experts(ckpt, sizing, options, device, shares, expert_backend_for(cfg, device, options.mode),
+            stage, plan = None, plan or holder_plan(ckpt, device, options, known)
+            log.info("expert holder on %s: %s", device, plan.describe())
+            store = open_experts(ckpt, plan, options, device, shares, expert_backend_for(cfg, device, options.mode),
                                  progress)
     holder = ExpertHolder(cfg, store, device, options.torch_dtype)  # type: ignore[arg-type]
     if stage is not None:
-        stage.set_wide(_wide(cfg, plan, me, store, peers, options.wire == "bf16"))
-    return Assigned(start, end, options, stage, plan, store, holder, sizing)
+        stage.set_wide(_wide(cfg, experts, me, store, peers, options.wire == "bf16"))
+    return Assigned(start, end, options, stage, experts, store, holder, plan)
 
 
-def _wide(cfg: ModelConfig, plan: ExpertPlacement, me: str, store: Any, peers: Mapping[str, Peer],
+def _wide(cfg: ModelConfig, experts: ExpertPlacement, me: str, store: Any, peers: Mapping[str, Peer],
           lossy: bool) -> WideExperts:
     """The stage side of `plan` on holder `me`: the other holders as its peers, a prompt's calls divided by the
     plan's speeds and links."""
     others = {h: p for h, p in peers.items() if h != me}
-    names = {h.key: h.name or h.address for h in plan.holders}
-    prompts = plan.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert, cfg.expert_dim * (2 if lossy else 4))
-    return WideExperts(cfg, plan.ranges, me, store, others, names, lossy=lossy, prompts=prompts)
+    names = {h.key: h.name or h.address for h in experts.holders}
+    row_bytes = cfg.expert_dim * (2 if lossy else 4)
+    prompts = experts.prompt_split(me, cfg.experts_per_token, cfg.bytes_per_expert, row_bytes)
+    return WideExperts(cfg, experts.ranges, me, store, others, names, lossy=lossy, prompts=prompts)
 
 
-def wide_known(plan: ExpertPlacement, index: int) -> dict[str, Any]:
+def wide_known(experts: ExpertPlacement, index: int) -> dict[str, Any]:
     """What a stage's plan knows of holder `index`'s part of a wide plan (plan_stage's `known`), where the worker
     plans the stage itself: the MoE layers its store serves and its share of their experts."""
-    return {"expert_layers": len(plan.ranges.layers_of(index)), "expert_share": plan.ranges.fraction(index)}
+    return {"expert_layers": len(experts.ranges.layers_of(index)), "expert_share": experts.ranges.fraction(index)}
 
 
 def _local(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-           sizing: StagePlan | None, old: Assigned | None,
+           plan: StagePlan | None, old: Assigned | None,
            progress: Callable[[str, float], None] | None) -> Assigned:
     """A stage computing its own layers' experts: `old` kept if it is the same assignment, else closed."""
-    if old is not None and old.plan is None and (old.start, old.end) == (start, end) and \
-            _same_load(old, options, sizing):
+    if old is not None and old.experts is None and (old.start, old.end) == (start, end) and \
+            _same_load(old, options, plan):
         log.info("kept layers %s with their caches: the same assignment", _span(start, end))
         return old
     if old is not None:
         old.close()
-    stage = Stage(ckpt, start, end, device=device, options=options, plan=sizing, progress=progress)
-    return Assigned(start, end, options, stage, store=stage.experts, sizing=stage.sizing)
+    stage = Stage(ckpt, start, end, device=device, options=options, plan=plan, progress=progress)
+    return Assigned(start, end, options, stage, store=stage.experts, plan=stage.plan)
 
 
-def holder_sizing(ckpt: Checkpoint, device: torch.device, options: StageOptions,
+def holder_plan(ckpt: Checkpoint, device: torch.device, options: StageOptions,
                   known: Mapping[str, Any]) -> StagePlan:
     """The memory plan of a worker that only serves experts (`known`: its part of the wide plan, plan_stage's):
     within its budget, or (none) the cache it is given."""
     place = Placement(device.type, options.act_bytes,
                       "mlx" if expert_backend_for(ckpt.config, device, options.mode) == "mlx" else "torch")
-    sizing = options.sizing_for(ckpt.config, layer_spans(ckpt), **known)
+    inputs = options.sizing_for(ckpt.config, layer_spans(ckpt), **known)
     if options.memory_bytes is None:
-        return size_holder(ckpt.config, place, options.sizing.expert_cache_bytes or 0, sizing)
+        return size_holder(ckpt.config, place, options.sizing.expert_cache_bytes or 0, inputs)
     try:
-        return choose_holder(ckpt.config, place, Budget(options.memory_bytes, options.host_memory_bytes), sizing)
+        return choose_holder(ckpt.config, place, Budget(options.memory_bytes, options.host_memory_bytes), inputs)
     except SizingError as e:
         raise OutOfMemory(str(e)) from None
 

@@ -35,21 +35,21 @@ class LocalWide:
         self.keys = [f"w{i}" for i in range(stages + holders)]
         self.ranges = [*split_layers(cfg, stages), *[(0, 0)] * holders]
         w = weights or [1.0] * len(self.keys)
-        self.ranges = ExpertRanges.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
-        self.plan = ExpertPlacement(self.ranges, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
+        self.expert_ranges = ExpertRanges.build(self.keys, cfg.moe_layers, cfg.num_experts, lambda i, _: w[i])
+        self.placement = ExpertPlacement(self.expert_ranges, tuple(Holder(k, f"local:{k}", k) for k in self.keys))
         self.options = StageOptions().replace(expert_cache_bytes=cache_bytes, read_threads=2, **options)
         self.executors = {k: ThreadPoolExecutor(1, thread_name_prefix=f"holder-{k}") for k in self.keys}
         self.assigned: dict[str, Assigned] = {}
-        self.assign(self.plan)
+        self.assign(self.placement)
 
     def peers(self) -> dict[str, LocalPeer]:
         return {k: _LazyPeer(self, k) for k in self.keys}  # type: ignore[misc]
 
-    def assign(self, plan: ExpertPlacement, ranges: list[tuple[int, int]] | None = None) -> None:
+    def assign(self, placement: ExpertPlacement, ranges: list[tuple[int, int]] | None = None) -> None:
         """(Re-)assign every worker as the coordinator would: same layers and options keep what they hold."""
-        self.plan = plan
+        self.placement = placement
         for key, (a, b) in zip(self.keys, ranges or self.ranges, strict=True):
-            self.assigned[key] = assign(self.ckpt, a, b, self.device, self.options, None, plan, key, self.peers(),
+            self.assigned[key] = assign(self.ckpt, a, b, self.device, self.options, None, placement, key, self.peers(),
                                         self.assigned.get(key))
 
     @property

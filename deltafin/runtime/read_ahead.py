@@ -35,7 +35,7 @@ class ReadingStage(Protocol):
     wide: Any  # WideExperts, or None
     options: StageOptions
     spine: Any  # SpineStore
-    sizing: StagePlan
+    plan: StagePlan
     device: torch.device
     expert_backend: str
     budgeted: bool
@@ -72,7 +72,7 @@ def room_for_prompt(stage: ReadingStage, tokens: int) -> None:
     keeping the slots its workspace leaves; else taken back (an expert store's; a provider put in its place lends
     nothing)."""
     lend = getattr(stage.experts, "lend_cache", None)
-    z = stage.sizing
+    z = stage.plan
     if lend is None or not stage.budgeted or z.prompt_tokens <= z.forward_tokens:
         return
     if tokens > z.forward_tokens:

@@ -97,7 +97,7 @@ class SpillingStage(Protocol):
     """What of a stage (runtime/stage.py) its spilled forwards use."""
 
     cfg: ModelConfig
-    sizing: StagePlan
+    plan: StagePlan
     budgeted: bool
     spill_dir: Path
     dtype: torch.dtype
@@ -108,7 +108,7 @@ class SpillingStage(Protocol):
 def open_spill(stage: SpillingStage, tokens: int) -> SpilledBlocks | None:
     """The file a forward of `tokens` keeps its rows' blocks in, where the stage's plan spills it (longer than its
     prompt forward; the caller checked it is within `spill_tokens`): DeltafinError where its disk lacks the room."""
-    z, cfg = stage.sizing, stage.cfg
+    z, cfg = stage.plan, stage.cfg
     if not stage.budgeted or not z.spill_tokens or tokens <= z.prompt_tokens:
         return None
     element = torch.empty((), dtype=stage.dtype).element_size()

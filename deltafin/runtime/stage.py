@@ -126,7 +126,7 @@ class Stage:
         check_stage_held(ckpt, start, end, self.first or self.last, serves)
         self.expert_backend = expert_backend_for(cfg, device, opts.mode) if experts is None else "given"
         # refuses what cannot fit, before anything loads
-        self.sizing, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
+        self.plan, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
         self.budgeted = opts.memory_bytes is not None  # its plan's caches and forwards bind (without a budget the
         # plan is nominal: everything resident, no limit of its own)
         self._log_plan()
@@ -137,14 +137,14 @@ class Stage:
         self.wide: WideExperts | None = None
         own = [i for i in self.layers_range if cfg.is_moe(i)]
         self.experts = experts if experts is not None else open_experts(
-            ckpt, self.sizing, opts, device, own if serves is None else serves, self.expert_backend, progress)
+            ckpt, self.plan, opts, device, own if serves is None else serves, self.expert_backend, progress)
         self.router = mode_router(cfg, opts.mode, getattr(self.experts, "held", None))  # None: exact
         log.info("stage [%d, %d) loaded in %.1fs: spine %s, %d layers resident, %d streamed; experts %s",
-                 start, end, time.monotonic() - t0, self.sizing.spine, len(self.spine.plan.resident),
-                 len(self.spine.plan.streamed), "streamed" if self.sizing.streaming else "resident")
-        self.identity = state_identity(ckpt, start, end, device, opts, self.sizing, self.expert_backend)
-        disk = prefix_disk_for(ckpt, device, opts, self.sizing, self.identity)
-        self.prefixes = PrefixStore(self.sizing.prefixes, disk)
+                 start, end, time.monotonic() - t0, self.plan.spine, len(self.spine.plan.resident),
+                 len(self.spine.plan.streamed), "streamed" if self.plan.streaming else "resident")
+        self.identity = state_identity(ckpt, start, end, device, opts, self.plan, self.expert_backend)
+        disk = prefix_disk_for(ckpt, device, opts, self.plan, self.identity)
+        self.prefixes = PrefixStore(self.plan.prefixes, disk)
         self.sessions = Sessions(cfg, self.layers_range, device, self.dtype, self.cache_budget, self.prefixes,
                                  first=self.first)
         self.timings = StageTimings()
@@ -152,7 +152,7 @@ class Stage:
 
     def _open_spine(self, progress: Callable[[str, float], None] | None) -> SpineStore:
         """The spine's layers as the plan holds them: resident ones placed now, streamed ones as they are read."""
-        s = self.sizing
+        s = self.plan
         plan = SpinePlan(s.resident_layers, s.streamed_layers, s.layers + s.top, s.stream_buffers)
         placer = WeightPlacer.of(s, self.device, self.dtype)
         source = self.spine_files
@@ -166,7 +166,7 @@ class Stage:
 
     def set_wide(self, wide: WideExperts | None) -> None:
         """Compute this stage's routed experts through every holder (wide) or, with None, alone."""
-        if wide is None and self.sizing.wide:
+        if wide is None and self.plan.wide:
             raise DeltafinError("a stage planned for wide experts holds only its share: it needs its holders")
         self.wide = wide
 
@@ -181,14 +181,14 @@ class Stage:
     @property
     def cache_budget(self) -> int | None:
         """Bytes for session caches: the plan's (with a memory budget), else what the options say."""
-        return self.sizing.sessions if self.budgeted else None
+        return self.plan.sessions if self.budgeted else None
 
     @property
     def max_forward_tokens(self) -> int | None:
         """Tokens one forward may carry (None: no limit, without a memory budget): a prompt's, whose forward longer
         than the plan's `forward_tokens` borrows the expert cache (runtime/read_ahead.py), one longer than its
         `prompt_tokens` spills its rows' blocks to the disk (runtime/spill.py)."""
-        return self.sizing.longest_forward if self.budgeted else None
+        return self.plan.longest_forward if self.budgeted else None
 
     def spine_bytes(self) -> int:
         return self.spine.plan.total_bytes
@@ -269,8 +269,8 @@ class Stage:
 
     def _log_plan(self) -> None:
         """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
-        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, self.sizing.describe())
-        log.debug("stage [%d, %d) plan: %s", self.start, self.end, plan_details(self.cfg, self.sizing, self.options))
+        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, self.plan.describe())
+        log.debug("stage [%d, %d) plan: %s", self.start, self.end, plan_details(self.cfg, self.plan, self.options))
 
     def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, ...]) -> None:
         """-v: one line a forward with what it read and waited for (and, wide, each holder's experts and time)."""

@@ -33,7 +33,7 @@ def test_planned_equals_allocated_at_full_width(k3_cut, spine):
                   options=StageOptions(memory_bytes=40 * GB, host_memory_bytes=40 * GB,
                                        sizing=SizingOptions(spine=spine)))
     try:
-        z = stage.sizing
+        z = stage.plan
         assert z.spine == spine and z.streaming and not z.streamed_layers
         loaded = torch.cuda.memory_allocated() - base
         static = z.layers + z.top + z.expert_cache + z.expert_landing

@@ -1,6 +1,6 @@
 """The macOS-only branches, run here with the platform monkeypatched: F_NOCACHE reads, reads into MLX slots,
 Bonjour's interfaces, the launchd plist (Apple clang's flags and Metal's working set:
-tests/deltafin/kernels/test_cpu.py, tests/deltafin/plan/test_memory.py)."""
+tests/deltafin/kernels/test_cpu.py, tests/deltafin/runtime/test_memory.py)."""
 
 from __future__ import annotations
 

@@ -60,6 +60,6 @@ def held(stage: Stage) -> dict[str, int]:
 
 def plan_of(stage: Stage) -> dict[str, int]:
     """What the plan gave `stage`, by the same parts."""
-    z = stage.sizing
+    z = stage.plan
     return {"spine": z.layers + z.top, "buffers": z.stream_buffers,
             "experts": z.expert_cache + z.expert_staging + z.expert_landing, "sessions": z.sessions}

@@ -124,8 +124,8 @@ def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     cfg = load_config(model)
     stage = Stage(open_checkpoint(model, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=options)
     try:
-        assert stage.sizing.spine == "int8" and stage.sizing.streaming
-        assert stage.sizing.device_total <= options.memory_bytes <= 0.9 * CAP_BYTES
+        assert stage.plan.spine == "int8" and stage.plan.streaming
+        assert stage.plan.device_total <= options.memory_bytes <= 0.9 * CAP_BYTES
         stage.forward([SeqInput("s", 0, ids=torch.tensor([5, 100]))])
         logits = stage.forward([SeqInput("s", 2, ids=torch.tensor([7]))])[0].logits
         assert logits.shape == (1, 163_840) and bool(torch.isfinite(logits).all())

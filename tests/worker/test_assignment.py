@@ -55,7 +55,7 @@ def test_the_plan_sent_is_the_plan_loaded(tiny_dir, monkeypatch, caplog):
         loaded = slot.check_fits(0, 6, options, sent)
         assert loaded == sent
         assigned = slot.load(None, 0, 6, options, loaded, None, {}, lambda *_: None)
-        assert assigned.sizing == sent and assigned.stage is not None and assigned.stage.sizing == sent
+        assert assigned.plan == sent and assigned.stage is not None and assigned.stage.plan == sent
         assigned.close()
         odd = dataclasses.replace(sent, workspace=1)
         with caplog.at_level(logging.WARNING):

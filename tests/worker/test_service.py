@@ -290,7 +290,7 @@ def test_a_forward_in_parts_that_outgrows_the_stage_is_refused_and_one_within_it
             joined = [r async for r in stub.ForwardParts(iter([part("b", 2, 0.1), part("b", 4, 0.1)]), timeout=30)]
             assert codec.decode_tensor(joined[0].sequences[0].logits, "l").equal(
                 codec.decode_tensor(whole.sequences[0].logits, "l"))
-            limit = service.stage.max_forward_tokens or service.stage.sizing.forward_tokens
+            limit = service.stage.max_forward_tokens or service.stage.plan.forward_tokens
             flood = (part("c", 512, 0.1) for _ in range(2 * limit // 512 + 8))  # twice the cap, and a megabyte
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.ForwardParts(flood, timeout=60):

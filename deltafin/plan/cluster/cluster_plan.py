@@ -77,7 +77,7 @@ class PlannedStage:
     address: str
     start: int
     end: int
-    sizing: StagePlan
+    plan: StagePlan
     seconds_per_token: float
     worker_id: str = ""
     memory_bytes: int = 0  # the worker's budget the stage was sized against
@@ -93,20 +93,20 @@ class PlannedStage:
     @property
     def spine_bytes(self) -> int:
         """Resident spine (layers and top) as placed."""
-        return self.sizing.layers + self.sizing.top
+        return self.plan.layers + self.plan.top
 
     @property
     def streamed_bytes(self) -> int:
         """Spine bytes read per token (layers that do not stay resident)."""
-        return self.sizing.spine_bytes_per_token
+        return self.plan.spine_bytes_per_token
 
     @property
     def cache_bytes(self) -> int:
-        return 0 if self.sizing.experts_resident else self.sizing.expert_cache
+        return 0 if self.plan.experts_resident else self.plan.expert_cache
 
     @property
     def expert_bytes_per_token(self) -> int:
-        return self.sizing.expert_bytes_per_token
+        return self.plan.expert_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -176,11 +176,11 @@ class Plan:
     def first_token_line(self) -> str:
         """The predicted first token of each of the prompt lengths planned for, in the forwards the plan cuts a
         prompt into (borrowing the expert cache where its stages lend it), and which of them the context refuses."""
-        step = min(s.sizing.longest_forward for s in self.stages)
+        step = min(s.plan.longest_forward for s in self.stages)
         lent = ", the expert cache lent to them" if any(
-            s.sizing.prompt_tokens > s.sizing.forward_tokens for s in self.stages) else ""
-        if any(s.sizing.spill_tokens for s in self.stages):
-            lent += f" and past {min(s.sizing.prompt_tokens for s in self.stages):,} tokens their blocks on the disk"
+            s.plan.prompt_tokens > s.plan.forward_tokens for s in self.stages) else ""
+        if any(s.plan.spill_tokens for s in self.stages):
+            lent += f" and past {min(s.plan.prompt_tokens for s in self.stages):,} tokens their blocks on the disk"
         over = [n for n, _ in self.first_token if self.context and n > self.context]
         text = (f"time to first token (prompts in forwards of up to {step:,} tokens{lent}): "
                 + ", ".join(f"{n // 1024}K {t.describe()}" for n, t in self.first_token if n not in over))
@@ -191,9 +191,9 @@ class Plan:
 
     def _parts(self) -> str:
         """Why the spine format, and what each part of each worker's memory takes (GB): the plan's trade."""
-        first = self.stages[0].sizing if self.stages else None
+        first = self.stages[0].plan if self.stages else None
         lines = [f"\nspine {first.spine}: {first.spine_why}"] if first is not None and first.spine_why else []
-        lines += [f"  {s.worker}: {describe_forwards(s.sizing)}, {s.sizing.sequences} sequence(s); {s.sizing.parts()}"
+        lines += [f"  {s.worker}: {describe_forwards(s.plan)}, {s.plan.sequences} sequence(s); {s.plan.parts()}"
                   for s in self.workers]
         return "\n".join(["", *lines]) if lines else ""
 
@@ -204,7 +204,7 @@ class Plan:
                 f"{'disk s/tok':>10}")
         rows = [head]
         for s in self.workers:
-            z = s.sizing
+            z = s.plan
             layers = "-" if z.holder_only else f"{s.start}-{s.end - 1}"
             spine = "-" if z.holder_only else f"{z.spine} {len(z.resident_layers)}/{z.end - z.start}"
             share = self.experts.describe(self.experts.holders.index(s.key))
@@ -213,8 +213,8 @@ class Plan:
                         f"{f'{z.device_total / GB:.1f}/{s.memory_bytes / GB:.1f}':>16} "
                         f"{z.expert_bytes_per_token / GB:>10.3f} {z.spine_bytes_per_token / GB:>12.3f} "
                         f"{s.seconds_per_token:>10.3f}")
-        experts = sum(s.sizing.expert_bytes_per_token for s in self.workers) / GB
-        spine = sum(s.sizing.spine_bytes_per_token for s in self.workers) / GB
+        experts = sum(s.plan.expert_bytes_per_token for s in self.workers) / GB
+        spine = sum(s.plan.spine_bytes_per_token for s in self.workers) / GB
         rows.append(f"{'total (wide)':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
                     f"{sum(s.spine_bytes for s in self.workers) / GB:>9.2f} {'':>13} {'':>8} {'':>16} "
                     f"{experts:>10.3f} {spine:>12.3f} {self.seconds_per_token:>10.3f}")
@@ -230,7 +230,7 @@ class Plan:
                 f"{'experts':>9} {'sessions':>8} {'total/budget GB':>16} {'GB/token':>9} {'s/token':>8}")
         rows = [head]
         for s in self.stages:
-            z = s.sizing
+            z = s.plan
             spine = f"{z.spine} {len(z.resident_layers)}/{z.end - z.start}"
             experts = "resident" if z.experts_resident else f"{z.expert_cache / GB:.2f} c"
             per_token = (z.expert_bytes_per_token + z.spine_bytes_per_token) / GB
@@ -238,7 +238,7 @@ class Plan:
                         f"{spine:>11} {s.spine_bytes / GB:>9.2f} {experts:>9} {z.sessions / GB:>8.2f} "
                         f"{f'{z.device_total / GB:.1f}/{s.memory_bytes / GB:.1f}':>16} {per_token:>9.3f} "
                         f"{s.seconds_per_token:>8.3f}")
-        total = sum((s.sizing.expert_bytes_per_token + s.sizing.spine_bytes_per_token) for s in self.stages) / GB
+        total = sum((s.plan.expert_bytes_per_token + s.plan.spine_bytes_per_token) for s in self.stages) / GB
         rows.append(f"{'total':<16} {'':<21} {'':<5} {'':>7} {'':>11} "
                     f"{sum(s.spine_bytes for s in self.stages) / GB:>9.2f} {'':>9} {'':>8} {'':>16} {total:>9.3f} "
                     f"{self.seconds_per_token:>8.3f}")

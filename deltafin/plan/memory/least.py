@@ -33,7 +33,7 @@ class Least:
 
     budget: int
     what: str  # "layers 3-3", "an expert holder"
-    sizing: StagePlan
+    plan: StagePlan
 
     @property
     def gb(self) -> str:
@@ -41,7 +41,7 @@ class Least:
         return f"{math.ceil(self.budget / GB * 100) / 100:.2f} GB"
 
     def describe(self) -> str:
-        return f"{self.gb} ({self.what}: {self.sizing.parts()})"
+        return f"{self.gb} ({self.what}: {self.plan.parts()})"
 
 
 def least_budget(plans: Plans, fits: int | None = None) -> tuple[int, StagePlan]:
@@ -85,7 +85,7 @@ def check_fits(cfg: ModelConfig, start: int, end: int, place: Placement, budget:
         if least.budget <= budget.device:
             raise
         raise SizingError(f"layers {start}-{end - 1} cannot fit on {place.device}: they need at least "
-                          f"{least.gb} ({least.sizing.parts()}), and the budget is "
+                          f"{least.gb} ({least.plan.parts()}), and the budget is "
                           f"{budget.device / GB:.2f} GB. Give it more memory, or ask for fewer or shorter sequences"
                           ) from None
 

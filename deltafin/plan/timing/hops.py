@@ -78,13 +78,13 @@ def _streamed(cfg: ModelConfig, s: PlannedStage, tokens: int, hop: float) -> flo
     if tokens <= STREAM_PIECE_TOKENS or cfg.is_moe(s.end - 1) or s.compute is None:
         return hop
     n = -(-tokens // STREAM_PIECE_TOKENS)
-    last = spine_seconds(cfg, s.compute, s.end - 1, s.end, tokens, s.sizing.spine)
+    last = spine_seconds(cfg, s.compute, s.end - 1, s.end, tokens, s.plan.spine)
     return max(hop / n, hop - last * (n - 1) / n)
 
 
 def hop_ways(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[dict[str, str]]:
     """Each hop's way for a decoded token and for a prompt's longest forward (what `plan` says)."""
-    longest = min(s.sizing.longest_forward for s in plan.stages)
+    longest = min(s.plan.longest_forward for s in plan.stages)
     token, prompt = direct_hops(cfg, plan, 1, act_bytes), direct_hops(cfg, plan, longest, act_bytes)
     way = lambda direct: "direct" if direct else "relayed"
     return [{"from": a.worker, "to": b.worker, "token": way(t), "prompt": way(p), "prompt_tokens": str(longest)}

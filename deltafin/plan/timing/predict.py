@@ -105,9 +105,9 @@ def _stage_busy(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> li
     layers = [] if plan.experts is None else list(zip(plan.experts.layers, _wide_layers(cfg, plan, plan.links,
                                                                                           tokens, True), strict=True))
     for s in plan.stages:
-        own = s.sizing.spine_bytes_per_token / (_speed(s) * GB) + _spill_seconds(cfg, s, tokens, act_bytes)
+        own = s.plan.spine_bytes_per_token / (_speed(s) * GB) + _spill_seconds(cfg, s, tokens, act_bytes)
         if plan.experts is None:
-            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
+            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.plan.expert_layers or 0)
             out.append(own + _local_prompt(cfg, s, tokens, r, c, act_bytes))
         else:
             moe = sum(t[3] for layer, t in layers if s.start <= layer < s.end)
@@ -118,7 +118,7 @@ def _stage_busy(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> li
 def prompt_forward(plan: Plan) -> int:
     """The most tokens a prompt's forward carries through every stage (its expert cache lent where the plan lends
     it: sizing.py `_lend_cache`)."""
-    return min(s.sizing.longest_forward for s in plan.stages)
+    return min(s.plan.longest_forward for s in plan.stages)
 
 
 def forward_lengths(tokens: int, most: int) -> list[int]:
@@ -133,12 +133,12 @@ def forward_lengths(tokens: int, most: int) -> list[int]:
 def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:
     links = plan.links
     hops = hops_seconds(cfg, plan, tokens, act_bytes)
-    spine = sum(s.sizing.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
+    spine = sum(s.plan.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
     spine_compute = sum(_spine_compute(cfg, s, tokens) for s in plan.stages)
     if plan.experts is None:
         reads = compute = busy = 0.0
         for s in plan.stages:
-            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.sizing.expert_layers or 0)
+            r, c = _local_reads(cfg, s, tokens), _expert_compute(cfg, s, tokens, s.plan.expert_layers or 0)
             b = (_local_prompt(cfg, s, tokens, r, c, act_bytes) if overlap
                  else max(r, c) + _spine_compute(cfg, s, tokens))
             spilled = _spill_seconds(cfg, s, tokens, act_bytes)
@@ -154,12 +154,13 @@ def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap:
                    compute_sum + spine_compute)
 
 
-def _local_prompt(cfg: ModelConfig, s: PlannedStage, tokens: int, reads: float, compute: float, act_bytes: int) -> float:
+def _local_prompt(cfg: ModelConfig, s: PlannedStage, tokens: int, reads: float, compute: float,
+                  act_bytes: int) -> float:
     """A stage's forward of a prompt, layer by layer: its spine computes, then its routed experts, their reads
     overlapping their compute (the store hands each expert to the matmuls as it lands). A MoE layer's reads start
     while its spine computes, as far as the slots read ahead hold: two layers' k guesses, and the cache slots a
     prompt's forward that borrowed the cache left it (sizing.py kept_while_lent; runtime/stage.py)."""
-    z = s.sizing
+    z = s.plan
     layers = z.expert_layers or 0
     kept = kept_while_lent(cfg, z, Placement(z.device, act_bytes), tokens) if (
         tokens > z.forward_tokens and lends(cfg, z)) else 0
@@ -179,7 +180,7 @@ def _local_prompt(cfg: ModelConfig, s: PlannedStage, tokens: int, reads: float, 
 def _spill_seconds(cfg: ModelConfig, s: PlannedStage, tokens: int, act_bytes: int) -> float:
     """A spilled forward's reads and writes of its rows' blocks (plan/memory/spill_cost.py), on the stage's disk, after
     its own reads (counted whole: the next piece's blocks are read while this one computes only partly)."""
-    z = s.sizing
+    z = s.plan
     if not z.spill_tokens or tokens <= z.prompt_tokens:
         return 0.0
     return spill_bytes(cfg, z.start, z.end, tokens, act_bytes) / (_speed(s) * GB)
@@ -190,27 +191,27 @@ def _spine_compute(cfg: ModelConfig, s: PlannedStage, tokens: int, moe: bool = F
     if s.compute is None:
         return 0.0
     if not moe:
-        return spine_seconds(cfg, s.compute, s.start, s.end, tokens, s.sizing.spine)
+        return spine_seconds(cfg, s.compute, s.start, s.end, tokens, s.plan.spine)
     return sum(_layer_spine(cfg, s, i, tokens) for i in range(s.start, s.end) if cfg.is_moe(i))
 
 
 def _layer_spine(cfg: ModelConfig, s: PlannedStage, layer: int, tokens: int) -> float:
     """One layer's spine compute on `s`'s worker (not the head)."""
     assert s.compute is not None
-    return s.compute.spine_seconds(layer_flop(cfg, layer), tokens, s.sizing.spine)
+    return s.compute.spine_seconds(layer_flop(cfg, layer), tokens, s.plan.spine)
 
 
 def _expert_compute(cfg: ModelConfig, s: PlannedStage, tokens: int, layers: float) -> float:
     """`layers` MoE layers' routed experts of a forward of `tokens` on `s`'s worker."""
     if s.compute is None or not layers:
         return 0.0
-    share = s.sizing.expert_read_share
+    share = s.plan.expert_read_share
     touched = distinct_experts(cfg, tokens, share) if tokens > 1 else cfg.experts_per_token * share
     return layers * s.compute.expert_seconds(touched, tokens * cfg.experts_per_token * share)
 
 
 def _local_reads(cfg: ModelConfig, s: PlannedStage, tokens: int) -> float:
-    z, slot = s.sizing, expert_slot_bytes(cfg)
+    z, slot = s.plan, expert_slot_bytes(cfg)
     layers = z.expert_layers or 0
     cache = 0 if tokens > z.forward_tokens else z.expert_cache  # a longer forward borrowed the cache
     held = min(1.0, cache // slot / (layers * cfg.num_experts)) if layers else 0.0
@@ -230,10 +231,10 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
     ahead into the slots its cache gives them (runtime/read_ahead.py)."""
     members, p = plan.workers, plan.experts
     assert p is not None
-    share = members[0].sizing.expert_read_share  # the cluster's expert mode (every stage's)
+    share = members[0].plan.expert_read_share  # the cluster's expert mode (every stage's)
     slot, k, e = expert_slot_bytes(cfg), cfg.experts_per_token * share, cfg.num_experts
     touched = distinct_experts(cfg, tokens, share) if tokens > 1 else k  # a token reads its k experts
-    held = [min(1.0, m.sizing.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
+    held = [min(1.0, m.plan.expert_cache // slot / p.count(i)) if p.count(i) else 0.0 for i, m in enumerate(members)]
     owner = {layer: next(i for i, m in enumerate(members) if m.start <= layer < m.end) for layer in cfg.moe_layers}
     speeds = tuple(_speed(m, True) * GB for m in members)
     holders = tuple(HolderSpeed(speeds[i], m.compute.expert_one_s if m.compute else 0.0,
@@ -258,7 +259,7 @@ def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
         link = {i: links.between(members[o].key, members[i].key) for i in called}
         calls = links.together([(link[i], rows[i], rows[i]) for i in called])
         spine = _layer_spine(cfg, members[o], layer, tokens) if ahead and members[o].compute is not None else 0.0
-        early = [min(spine, reads[i], (m.sizing.expert_cache // slot + 2 * k) * cfg.bytes_per_expert / speeds[i])
+        early = [min(spine, reads[i], (m.plan.expert_cache // slot + 2 * k) * cfg.bytes_per_expert / speeds[i])
                  for i, m in enumerate(members)]
         left = [reads[i] - early[i] for i in range(len(members))]
         prompt = spine + max([max(left[o], compute[o])] + [  # rows out, then the work with its sums streamed back
@@ -287,10 +288,10 @@ def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: in
         "spine_gflop_s_one": {f: round(v / 1e9, 2) for f, v in c.spine_one.items()},
         "spine_gflop_s_batched": {f: round(v / 1e9, 2) for f, v in c.spine_many.items()}}
     return {"experts": "wide" if plan.wide else "local", "why": plan.mode_why, "context": plan.context,
-            "workers": [{"name": s.worker, "address": s.address, "layers": [s.start, s.end], "spine": s.sizing.spine,
-                         "resident_layers": len(s.sizing.resident_layers),
-                         "expert_cache_gb": round(s.sizing.expert_cache / GB, 3),
-                         "expert_gb_per_token": round(s.sizing.expert_bytes_per_token / GB, 3),
+            "workers": [{"name": s.worker, "address": s.address, "layers": [s.start, s.end], "spine": s.plan.spine,
+                         "resident_layers": len(s.plan.resident_layers),
+                         "expert_cache_gb": round(s.plan.expert_cache / GB, 3),
+                         "expert_gb_per_token": round(s.plan.expert_bytes_per_token / GB, 3),
                          "compute": compute(s.compute)} for s in plan.workers],
             "links": {"measured": plan.links.measured, "assumed": link(plan.links.assumed),
                       "coordinator": {names.get(k, k): link(v) for k, v in plan.links.to_workers.items()},

@@ -128,11 +128,11 @@ class Assignment(_message.Message):
     end: int
     model_fingerprint: str
     options: StageOptions
-    experts: ExpertPlan
-    plan: StageSizing
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlan, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ...) -> None: ...
+    experts: ExpertPlacement
+    plan: StagePlan
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., options: _Optional[_Union[StageOptions, _Mapping]] = ..., experts: _Optional[_Union[ExpertPlacement, _Mapping]] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ...) -> None: ...
 
-class ExpertPlan(_message.Message):
+class ExpertPlacement(_message.Message):
     __slots__ = ("holders", "layers", "probe_interval", "lost_after", "call_timeout", "links")
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -470,7 +470,7 @@ class StageStats(_message.Message):
     prefixes_evicted: int
     prefixes_refused: int
     experts: ExpertStats
-    plan: StageSizing
+    plan: StagePlan
     wide: WideStats
     disks: _containers.RepeatedCompositeFieldContainer[DiskStats]
     experts_s: float
@@ -484,7 +484,7 @@ class StageStats(_message.Message):
     handed_on: int
     hand_offs_failed: int
     handed_in: int
-    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StageSizing, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., spilled_forwards: _Optional[int] = ..., spill_bytes_read: _Optional[int] = ..., spill_bytes_written: _Optional[int] = ..., spill_s: _Optional[float] = ..., handed_on: _Optional[int] = ..., hand_offs_failed: _Optional[int] = ..., handed_in: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[str] = ..., name: _Optional[str] = ..., rss_peak_bytes: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., compute_s: _Optional[float] = ..., spine_streamed_bytes: _Optional[int] = ..., spine_read_s: _Optional[float] = ..., spine_wait_s: _Optional[float] = ..., sessions: _Optional[int] = ..., session_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., prefixes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_budget: _Optional[int] = ..., prefixes_kept: _Optional[int] = ..., prefixes_resumed: _Optional[int] = ..., prefixes_evicted: _Optional[int] = ..., prefixes_refused: _Optional[int] = ..., experts: _Optional[_Union[ExpertStats, _Mapping]] = ..., plan: _Optional[_Union[StagePlan, _Mapping]] = ..., wide: _Optional[_Union[WideStats, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskStats, _Mapping]]] = ..., experts_s: _Optional[float] = ..., prefixes_restored: _Optional[int] = ..., prefix_disk_files: _Optional[int] = ..., prefix_disk_bytes: _Optional[int] = ..., spilled_forwards: _Optional[int] = ..., spill_bytes_read: _Optional[int] = ..., spill_bytes_written: _Optional[int] = ..., spill_s: _Optional[float] = ..., handed_on: _Optional[int] = ..., hand_offs_failed: _Optional[int] = ..., handed_in: _Optional[int] = ...) -> None: ...
 
 class WideStats(_message.Message):
     __slots__ = ("share", "own_expert_bytes", "others_expert_bytes", "own_lookups", "own_hits", "others_lookups", "others_hits", "peer_wait_s", "calls_served", "pairs_served", "served_s", "holders")
@@ -572,7 +572,7 @@ class ExpertStats(_message.Message):
     prefetch_recall: float
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., io_wait_s: _Optional[float] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., hit_rate: _Optional[float] = ..., prefetch_recall: _Optional[float] = ...) -> None: ...
 
-class StageSizing(_message.Message):
+class StagePlan(_message.Message):
     __slots__ = ("start", "end", "device", "spine", "resident_layers", "streamed_layers", "layers", "top", "stream_buffers", "stream_copies", "experts_resident", "expert_cache", "expert_staging", "expert_landing", "sessions", "prefixes", "workspace", "overhead", "forward_tokens", "spine_bytes_per_token", "expert_bytes_per_token", "discrete", "total", "host", "device_total", "expert_calls", "expert_layers", "expert_share", "sequences", "spine_why", "converted", "context", "wide", "prompt_tokens", "spill_tokens", "expert_read_share")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]

@@ -41,7 +41,7 @@ async def test_local_stages_get_the_speculative_reservation(tiny_dir: Path) -> N
         try:
             (stage,) = engine.backend.pipeline.stages
             assert stage.options.speculative_tokens == (SPECULATIVE_TOKENS if mode == "ngram" else 0)
-            sessions[mode] = stage.sizing.sessions
+            sessions[mode] = stage.plan.sessions
         finally:
             await engine.close()
     assert sessions["ngram"] > sessions["none"]

@@ -156,9 +156,10 @@ def test_every_option_flag_is_made_from_its_field():
     from deltafin.plan.memory.sizing_options import SizingOptions
     from deltafin.runtime.stage_options import StageOptions
     from deltafin.text.sampling_params import SamplingParams
+    from deltafin.worker.worker_options import WorkerOptions
 
-    fields = {}
-    for cls in (StageOptions, SizingOptions, ClusterOptions, ServingOptions, SamplingParams):
+    fields = {}  # (a name two types share, the worker's and the coordinator's --device or --cluster-key: one default)
+    for cls in (StageOptions, SizingOptions, ClusterOptions, ServingOptions, SamplingParams, WorkerOptions):
         for f in dataclasses.fields(cls):
             if "flag" in f.metadata:
                 gb = gb_name(f.name)

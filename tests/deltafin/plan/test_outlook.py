@@ -39,12 +39,12 @@ def test_one_mac_says_what_a_longer_context_and_more_memory_give(k3):
     assert f"16K {dict(plan.first_token)[16384].describe()}" in line and "the expert cache lent to them" in line
     longer, bigger, modes = outlook(plan, k3, SizingInput(), replan)
     wide = replan(SizingInput(context=65536), 1.0)
-    step = wide.stages[0].sizing.spill_tokens  # past the lent forward, a prompt spills (plan/memory/spill_cost.py)
-    assert step > 2 * wide.stages[0].sizing.prompt_tokens
+    step = wide.stages[0].plan.spill_tokens  # past the lent forward, a prompt spills (plan/memory/spill_cost.py)
+    assert step > 2 * wide.stages[0].plan.prompt_tokens
     assert longer.startswith(f"with --max-context 65536 (prompts in forwards of up to {step:,} tokens, spilled): 64K "
                              f"{dict(wide.first_token)[65536].describe()}")
-    cache = sum(s.sizing.expert_cache for s in wide.workers) / GB
-    assert f"expert cache {cache:.1f} GB (now {plan.workers[0].sizing.expert_cache / GB:.1f})" in longer
+    cache = sum(s.plan.expert_cache for s in wide.workers) / GB
+    assert f"expert cache {cache:.1f} GB (now {plan.workers[0].plan.expert_cache / GB:.1f})" in longer
     double = replan(SizingInput(), 2.0)
     assert bigger.startswith(f"with twice the memory on every worker (context {double.context:,} tokens, prompts in "
                              f"forwards of up to 16,384 tokens): 1K {dict(double.first_token)[1024].describe()}")

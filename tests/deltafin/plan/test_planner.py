@@ -114,9 +114,9 @@ def test_wide_shares_follow_disk_speed_and_spread_every_token(k3):
     assert local.experts is None and wide.experts is not None and wide.experts.layers == k3.moe_layers
     share = [wide.experts.fraction(i) for i in range(2)]
     assert share[0] / share[1] == pytest.approx(3.0, rel=0.1)  # the same caches: shares as the disks, 3:1
-    reads = [s.sizing.expert_bytes_per_token / (bw * GB) for s, bw in zip(wide.stages, (9.9, 3.3), strict=True)]
+    reads = [s.plan.expert_bytes_per_token / (bw * GB) for s, bw in zip(wide.stages, (9.9, 3.3), strict=True)]
     assert reads[0] == pytest.approx(reads[1], rel=0.1)  # so both disks read for the same time per token
-    misses = sum(s.sizing.expert_bytes_per_token for s in wide.stages)
+    misses = sum(s.plan.expert_bytes_per_token for s in wide.stages)
     assert wide.seconds_per_token == pytest.approx(misses / (13.2 * GB), rel=0.1)  # both disks at once
     assert wide.seconds_per_token < 0.8 * local.seconds_per_token  # local: one disk at a time (mostly the fast)
 
@@ -125,12 +125,12 @@ def test_wide_plans_fit_and_grow_no_budget(k3):
     ws = [_wk(f"m{i}", 56) for i in range(4)]
     plan = plan_layers(k3, ws, experts="wide")
     for s in plan.workers:
-        z = s.sizing
+        z = s.plan
         assert z.device_total <= s.memory_bytes and not z.experts_resident and z.expert_calls > 0
         assert z.expert_layers == len(k3.moe_layers)
-    total = sum(s.sizing.expert_bytes_per_token for s in plan.workers)
+    total = sum(s.plan.expert_bytes_per_token for s in plan.workers)
     per_token = len(k3.moe_layers) * k3.experts_per_token * k3.bytes_per_expert
-    assert total < per_token and all(s.sizing.expert_bytes_per_token < 0.3 * per_token for s in plan.workers)
+    assert total < per_token and all(s.plan.expert_bytes_per_token < 0.3 * per_token for s in plan.workers)
 
 
 def test_workers_without_layers_serve_experts_and_holders_without_bytes_get_none(k3):
@@ -140,7 +140,7 @@ def test_workers_without_layers_serve_experts_and_holders_without_bytes_get_none
                                                  _wk("half", 64, experts=((0, 46),), layers=((0, 46),))]
     plan = plan_layers(k3, ws, INT8, experts="wide")
     keys = plan.experts.holders
-    assert "mini" in [s.key for s in plan.holders] and plan.workers[keys.index("mini")].sizing.holder_only
+    assert "mini" in [s.key for s in plan.holders] and plan.workers[keys.index("mini")].plan.holder_only
     half = keys.index("half")
     assert all(not plan.experts.share(half, layer) for layer in k3.moe_layers if layer >= 46)
     assert any(plan.experts.share(half, layer) for layer in k3.moe_layers if layer < 46)
@@ -164,6 +164,6 @@ def test_a_mac_in_a_mode_with_a_copy_plans_its_experts_one_by_one(k3):
     copy = SizingInput(expert_copy="q3", expert_read_share=0.5)
     assert stage_placement(mac, 4).experts == "mlx" and stage_placement(mac, 4, copy).experts == "torch"
     assert stage_placement(_w("linux", 56), 4, copy).experts == "torch"
-    fused, one_by_one = (plan_layers(k3, [mac], options=o).stages[0].sizing for o in (SizingInput(), copy))
+    fused, one_by_one = (plan_layers(k3, [mac], options=o).stages[0].plan for o in (SizingInput(), copy))
     assert fused.expert_landing == 0 < one_by_one.expert_landing
     assert one_by_one.total <= 56 * GB

@@ -101,6 +101,6 @@ def test_wide_holders_read_the_copy_of_their_share(small_dir, tmp_path, monkeypa
         copy = ExpertCopy.open(tmp_path / "q3", wide.cfg, low_bit_format("q3"))
         for layer in wide.cfg.moe_layers:
             assert copy.written(layer) == [range(wide.cfg.num_experts)]
-            assert [len(wide.ranges.share(i, layer)) for i in range(3)] != [0, 0, wide.cfg.num_experts]
+            assert [len(wide.expert_ranges.share(i, layer)) for i in range(3)] != [0, 0, wide.cfg.num_experts]
 
     _wide_is_one_process_in(small_dir, "q3", LocalWide(small_dir, 2, holders=1, expert_mode="q3"), converted_once)

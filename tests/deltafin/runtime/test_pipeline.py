@@ -27,7 +27,7 @@ def test_each_in_process_stage_is_planned_once(tiny_dir, monkeypatch):
     pipe = LocalPipeline.load(tiny_dir, 2, device="cpu", options=options)
     try:
         assert sorted(calls) == [(0, 3), (3, cfg.num_layers)]  # one plan a stage, none made again as they load
-        assert [s.sizing.context for s in pipe.stages] == [512, 512]
+        assert [s.plan.context for s in pipe.stages] == [512, 512]
         logits = pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])[0].logits
         assert logits is not None and torch.isfinite(logits).all()
     finally:

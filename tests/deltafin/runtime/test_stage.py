@@ -30,7 +30,7 @@ def test_memory_check_fails_clearly(ckpt):
     with pytest.raises(OutOfMemory, match=r"layers 0-5 cannot fit on cpu: .* at least [0-9.]+ GB .*budget is 0.00 GB"):
         Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=100_000))
     fits = Stage(ckpt, 0, 6, device=CPU, options=StageOptions(memory_bytes=3 * 10**9))
-    assert fits.sizing.experts_resident and not fits.sizing.streamed_layers
+    assert fits.plan.experts_resident and not fits.plan.streamed_layers
 
 
 def test_input_validation(ckpt):
@@ -152,7 +152,7 @@ def test_debug_log_says_the_plan_and_each_forwards_reads_and_waits(ckpt, caplog)
                                                                sizing=SizingInput(expert_cache_bytes=10**6)))
     try:
         (plan,) = [r.getMessage() for r in caplog.records if "plan:" in r.getMessage()]
-        assert f"forwards of up to {stage.sizing.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan
+        assert f"forwards of up to {stage.plan.forward_tokens} tokens" in plan and "expert cache 0.00 GB" in plan
         before = stage.experts.snapshot_stats()
         lookups, misses, read = before.lookups, before.misses, before.bytes_read
         caplog.clear()

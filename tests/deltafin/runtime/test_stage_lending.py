@@ -70,9 +70,9 @@ def test_a_long_prompt_borrows_the_cache_and_decode_takes_it_back(tiny_dir: Path
         assert torch.equal(got, want)  # one forward of 16 > FORWARD tokens: what every expert resident gives
         assert store.slots.lent and store.cache.budget == 0 and not store.cache.entries
         # what the forward's workspace leaves of the cache and the plan's workspace stays, to read ahead
-        room = stage.sizing.expert_cache + stage.sizing.workspace - workspace_bytes(
+        room = stage.plan.expert_cache + stage.plan.workspace - workspace_bytes(
             stage.cfg, layer_table(stage.cfg, Placement("cpu")), 0, stage.cfg.num_layers, len(PROMPT),
-            stage.sizing.context, True)
+            stage.plan.context, True)
         kept = max(0, min(CACHE_EXPERTS - 1, room // expert_slot_bytes(stage.cfg)))
         assert store.slots.pool.count == store.slots.working + kept == store.slots.working + store.slots.kept
         if sys.platform.startswith("linux"):  # MADV_DONTNEED: the cache's pages went back (zero when touched)

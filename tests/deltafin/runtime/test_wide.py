@@ -54,7 +54,7 @@ def test_wide_equals_one_process(small_dir, local, stages, holders, weights):
             assert torch.equal(a, b) if stages + holders == 1 else wide_close(a, b)  # one holder: the same bits
         calls = {k: a.holder.served.calls for k, a in cluster.assigned.items()}
         if stages + holders > 1:
-            assert all(n > 0 for k, n in calls.items() if cluster.ranges.count(cluster.keys.index(k))), calls
+            assert all(n > 0 for k, n in calls.items() if cluster.expert_ranges.count(cluster.keys.index(k))), calls
     finally:
         cluster.close()
 
@@ -65,11 +65,11 @@ def test_each_holder_reads_only_its_share(small_dir):
         _run(cluster.pipeline)
         for i, key in enumerate(cluster.keys):
             stats = cluster.assigned[key].store.snapshot_stats()
-            share = sum(len(cluster.ranges.share(i, layer)) for layer in cluster.cfg.moe_layers)
+            share = sum(len(cluster.expert_ranges.share(i, layer)) for layer in cluster.cfg.moe_layers)
             read = stats.over(cluster.cfg.moe_layers).expert_bytes
             # its cache holds all its share: each of its experts read once, but for guesses read twice (wasted)
             assert 0 < read <= share * cluster.cfg.bytes_per_expert + stats.wasted_bytes
-            assert all(cluster.ranges.share(i, layer) for layer, c in stats.by_layer.items() if c.expert_bytes)
+            assert all(cluster.expert_ranges.share(i, layer) for layer, c in stats.by_layer.items() if c.expert_bytes)
     finally:
         cluster.close()
 
@@ -128,9 +128,9 @@ def test_a_prompt_s_calls_follow_the_links_and_a_token_s_the_placement(small_dir
     process's (to the wide rounding)."""
     cluster = WideCluster(small_dir, 2, 0)
     try:
-        holders = tuple(dataclasses.replace(h, expert_gbps=1.0) for h in cluster.plan.holders)
+        holders = tuple(dataclasses.replace(h, expert_gbps=1.0) for h in cluster.placement.holders)
         slow = HolderLink("w0", "w1", profile(4.0, 0.2))  # 25 KB/s
-        cluster.assign(dataclasses.replace(cluster.plan, holders=holders, links=(slow,)))
+        cluster.assign(dataclasses.replace(cluster.placement, holders=holders, links=(slow,)))
         pipe = cluster.pipeline
         prompt = pipe.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
         assert wide_close(prompt, local[0])

@@ -465,15 +465,15 @@ def test_a_plan_for_drafting_holds_a_full_verification_of_every_sequence(tiny_di
     stage = Stage(open_checkpoint(tiny_dir, cfg), 0, cfg.num_layers, device=torch.device("cpu"), options=drafting)
     try:
         n_kda = sum(kind.name == "KDA" for kind in cfg.layer_kinds)
-        reserved = stage.sizing.sessions - plan_stage(cfg, 0, cfg.num_layers, torch.device("cpu"), plain).sessions
+        reserved = stage.plan.sessions - plan_stage(cfg, 0, cfg.num_layers, torch.device("cpu"), plain).sessions
         assert reserved == sequences * n_kda * kda_trail_bytes(cfg) > 0
-        assert stage.sizing.prefixes == stage.sizing.sessions - reserved  # a kept prefix has no trail
+        assert stage.plan.prefixes == stage.plan.sessions - reserved  # a kept prefix has no trail
         for sid in ("a", "b"):
             stage.forward([SeqInput(sid, 0, ids=torch.arange(context - SPECULATIVE_TOKENS) % 700)])
             stage.forward([SeqInput(sid, context - SPECULATIVE_TOKENS, ids=torch.arange(SPECULATIVE_TOKENS) + 5,
                                     speculative=True)])
-        assert stage.session_bytes() == stage.sizing.sessions
-        assert stage.session_bytes() > stage.sizing.sessions - reserved
+        assert stage.session_bytes() == stage.plan.sessions
+        assert stage.session_bytes() > stage.plan.sessions - reserved
     finally:
         stage.close()
 

@@ -84,10 +84,10 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
         pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
         stage = pipe.stages[0]
         stats = {"state": "ready", "name": "w0", **stage.stats(), "sessions": 1, "layers": [0, 6],
-                 "plan": stage.sizing.as_dict()}
+                 "plan": stage.plan.as_dict()}
         back = codec.decode_stats(pb.StageStats.FromString(codec.encode_stats(stats).SerializeToString()))
         assert back["experts"]["lookups"] == stats["experts"]["lookups"] > 0
-        assert back["plan"]["total"] == stage.sizing.total and back["layers"] == [0, 6]
+        assert back["plan"]["total"] == stage.plan.total and back["layers"] == [0, 6]
         assert back["tokens"] == 3 and back["state"] == "ready"
         with pytest.raises(CodecError, match="no field 'bogus'"):
             codec.encode_stats({**stats, "bogus": 1})
@@ -123,7 +123,8 @@ def test_expert_calls_and_plans_round_trip():
     placement = ExpertRanges.build(["a", "b"], [1, 2], 16, lambda i, layer: 1.0 + i)
     plan = ExpertPlacement(placement, (Holder("a", "h:1", "mac1"), Holder("b", "h:2", "mac2")), 1.0, 5.0, 60.0)
     assert codec.decode_expert_placement(codec.encode_expert_placement(plan), 16) == plan
-    linked = ExpertPlacement(placement, (Holder("a", "h:1", "mac1", 6.6, 0.002, 0.0004), Holder("b", "h:2", "mac2", 3.3)),
+    linked = ExpertPlacement(placement, (Holder("a", "h:1", "mac1", 6.6, 0.002, 0.0004),
+                                         Holder("b", "h:2", "mac2", 3.3)),
                         1.0, 5.0, 60.0, (HolderLink("a", "b", Link(0.004, 5e7, 2.5e7)),))
     back_plan = codec.decode_expert_placement(codec.encode_expert_placement(linked), 16)
     assert back_plan == linked and back_plan.link("b", "a") == Link(0.004, 2.5e7, 5e7)  # seen from b's side

@@ -69,9 +69,9 @@ def test_without_room_a_streaming_plan_runs_as_asked_without_a_copy(model, monke
         pipe = LocalPipeline.load(model, 1, device="cpu", options=options)
     try:
         stage = pipe.stages[0]
-        assert stage.sizing.spine == "q4" and not stage.sizing.converted and stage.spine_files is None
+        assert stage.plan.spine == "q4" and not stage.plan.converted and stage.spine_files is None
         assert "no room to write one" in caplog.text and "quantized as the resident layers load" in caplog.text
-        assert stage_build.spine_layout(stage.sizing) == "q4 0-2, stored 3-5"
+        assert stage_build.spine_layout(stage.plan) == "q4 0-2, stored 3-5"
         assert not default_root(model, "q4").exists() or not list(default_root(model, "q4").glob("*.bin"))
     finally:
         pipe.close()

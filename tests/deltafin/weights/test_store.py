@@ -227,7 +227,7 @@ def test_streamed_reads_are_the_tensors_bytes_in_any_order(tmp_path, tiny_dir, o
     budget = size_stage(cfg, 0, cfg.num_layers, Placement("cpu"), "bf16", 0, 0,
                         options.sizing_for(ckpt.config, layer_spans(ckpt))).total
     stage = Stage(ckpt, 0, cfg.num_layers, device=CPU, options=dataclasses.replace(options, memory_bytes=budget))
-    assert stage.sizing.streamed_layers == tuple(range(cfg.num_layers))
+    assert stage.plan.streamed_layers == tuple(range(cfg.num_layers))
     try:
         want = resident.forward([SeqInput("r", 0, ids=IDS)], all_logits=True)[0].logits
         got = stage.forward([SeqInput("s", 0, ids=IDS)], all_logits=True)[0].logits

@@ -97,7 +97,7 @@ def test_a_plan_adds_its_spine_s_compute_and_overlaps_the_experts_with_their_rea
     blind = plan_layers(k3, _macs(2, None), experts=experts, links=links)
     timed = plan_layers(k3, _macs(2, SPEED), experts=experts, links=links)
     assert [(s.start, s.end) for s in timed.stages] == [(s.start, s.end) for s in blind.stages]
-    spine = sum(spine_seconds(k3, SPEED, s.start, s.end, 1, s.sizing.spine) for s in timed.stages)
+    spine = sum(spine_seconds(k3, SPEED, s.start, s.end, 1, s.plan.spine) for s in timed.stages)
     t, b = token_seconds(k3, timed), token_seconds(k3, blind)
     assert b.compute == 0 and (t.disk, t.link) == pytest.approx((b.disk, b.link))
     # a token's experts (16 a layer, 1.5-2 ms each) take less than their reads (~15 ms a layer): only the spine adds
@@ -105,7 +105,7 @@ def test_a_plan_adds_its_spine_s_compute_and_overlaps_the_experts_with_their_rea
     n = 4096
     p, q = prefill_seconds(k3, timed, n), prefill_seconds(k3, blind, n)
     forwards = forward_lengths(n, prompt_forward(timed))  # a prompt's forwards: the cache lent, of equal length
-    spine = sum(spine_seconds(k3, SPEED, s.start, s.end, f, s.sizing.spine) for s in timed.stages for f in forwards)
+    spine = sum(spine_seconds(k3, SPEED, s.start, s.end, f, s.plan.spine) for s in timed.stages for f in forwards)
     experts_s = sum(SPEED.expert_seconds(distinct_experts(k3, f), f * 16) for f in forwards) * len(k3.moe_layers)
     if experts == "local":  # one stage after another, each MoE layer the longer of its reads and its compute
         assert p.compute == pytest.approx(spine + experts_s, rel=1e-6)
@@ -129,5 +129,5 @@ def test_a_worker_whose_compute_is_not_known_adds_none():
     plan = plan_layers(k3, macs, experts="local")
     t = token_seconds(k3, plan)
     first = plan.stages[0]
-    assert t.compute == pytest.approx(spine_seconds(k3, SPEED, first.start, first.end, 1, first.sizing.spine)
-                                      + SPEED.expert_seconds(16, 16) * (first.sizing.expert_layers or 0))
+    assert t.compute == pytest.approx(spine_seconds(k3, SPEED, first.start, first.end, 1, first.plan.spine)
+                                      + SPEED.expert_seconds(16, 16) * (first.plan.expert_layers or 0))

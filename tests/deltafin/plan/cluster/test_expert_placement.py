@@ -61,5 +61,5 @@ def test_placement_owners_shares_and_holders_without_a_layer():
         p.owner(0, 1)
     with pytest.raises(ValueError, match="no holder"):
         ExpertRanges.build(["a"], [1], 8, lambda i, _: 0.0)
-    with pytest.raises(ValueError, match="one holder per placement key"):
+    with pytest.raises(ValueError, match="one holder per key of its ranges"):
         ExpertPlacement(p, (Holder("a", "h:1"), Holder("c", "h:3"), Holder("b", "h:2")))

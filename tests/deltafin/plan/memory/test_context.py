@@ -74,8 +74,8 @@ def test_a_cluster_s_stages_share_the_least_of_their_contexts(mini):
     workers = [WorkerCapacity("big", 8 * GB, 2.0, ((0, 8),), True, address="big:1", worker_id="big"),
                WorkerCapacity("small", 2 * GB, 2.0, ((0, 8),), True, address="small:1", worker_id="small")]
     plan = plan_layers(mini, workers, experts="local")
-    assert len(plan.stages) == 2 and {s.sizing.context for s in plan.stages} == {plan.context}
+    assert len(plan.stages) == 2 and {s.plan.context for s in plan.stages} == {plan.context}
     assert 13_520 + 512 < plan.context < mini.max_context
     small = next(s for s in plan.stages if s.worker == "small")
-    assert not Budget(small.memory_bytes).fits(at_context(mini, small.sizing, Placement(), SizingInput(disks=1),
+    assert not Budget(small.memory_bytes).fits(at_context(mini, small.plan, Placement(), SizingInput(disks=1),
                                                           plan.context + STEP))

@@ -63,7 +63,7 @@ def test_an_expert_holder_plans_in_every_budget_from_its_least_on(k3, place) -> 
     a budget gives leaves no room (budgets just below a plan's once planned while that plan's refused)."""
     ((what, plans),) = smallest_stages(k3, place, SizingInput(), (), True, len(k3.moe_layers))
     least = least_any([(what, plans)])
-    assert what == "an expert holder" and least.sizing.forward_tokens == 512
+    assert what == "an expert holder" and least.plan.forward_tokens == 512
     assert not _plans(plans, least.budget - 1)
     assert all(_plans(plans, least.budget + d) for d in range(0, 2 * GB, 10_000_000))
 

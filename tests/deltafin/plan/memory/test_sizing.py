@@ -228,7 +228,7 @@ def test_planned_equalsallocated(tiny_dir, device, spine, layout):
         opts = dataclasses.replace(opts, memory_bytes=max(smaller))
     stage = Stage(ckpt, 0, cfg.num_layers, device=device, options=opts)
     try:
-        assert bool(stage.sizing.streamed_layers) == (layout == "streamed")
+        assert bool(stage.plan.streamed_layers) == (layout == "streamed")
         if device.type == "cpu":  # sessions at the planned length (a meta device computes nothing)
             for sid in ("a", "b"):
                 stage.forward([SeqInput(sid, 0, ids=torch.arange(context) % 700)])
@@ -301,7 +301,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     a holder without layers likewise, within its budget."""
     import shutil
 
-    from deltafin.runtime.assigned import holder_sizing
+    from deltafin.runtime.assigned import holder_plan
     from deltafin.runtime.stage_build import disk_plan, open_experts
 
     cfg = load_config(tiny_dir)
@@ -315,7 +315,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     stage = Stage(ckpt, 0, 2, device=CPU, options=opts, plan=disk_plan(ckpt, 0, 2, CPU, opts, "torch", wide),
                   serves=cfg.moe_layers)
     try:
-        z = stage.sizing
+        z = stage.plan
         assert z.expert_layers == len(cfg.moe_layers) and z.expert_calls > 0 and not z.experts_resident
         assert z.expert_staging == ((2 + 2) * k + 2 * 2) * slot  # 2 layers of guesses + 2 of demand, 2 x 2 readers
         assert held(stage)["experts"] == plan_of(stage)["experts"] == 10 * slot + z.expert_staging
@@ -323,7 +323,7 @@ def test_a_wide_store_is_planned_as_allocated(tiny_dir, tmp_path):
     finally:
         stage.close()
     budget = StageOptions(memory_bytes=2 * GB, sizing=SizingOptions(read_threads=2))
-    sizing = holder_sizing(ckpt, CPU, budget, wide)
+    sizing = holder_plan(ckpt, CPU, budget, wide)
     assert sizing.holder_only and sizing.device_total <= 2 * GB and sizing.sessions == sizing.layers == 0
     # the cache never outgrows every expert it could be asked for
     assert sizing.expert_cache == len(cfg.moe_layers) * cfg.num_experts * slot

@@ -65,9 +65,9 @@ def test_the_planner_gives_one_mac_the_same_plan_and_says_why(k3, caplog):
         plan = plan_layers(k3, [mac])
     (stage,) = plan.stages
     alone = choose(k3, 0, 93, MAC, MAC_BUDGET, SizingInput())
-    assert (stage.sizing.spine, stage.sizing.expert_cache, stage.sizing.forward_tokens) == (
+    assert (stage.plan.spine, stage.plan.expert_cache, stage.plan.forward_tokens) == (
         "q4", alone.expert_cache, alone.forward_tokens)
-    assert "int8 spine" in stage.sizing.spine_why and "+0.78 %" in stage.sizing.spine_why
+    assert "int8 spine" in stage.plan.spine_why and "+0.78 %" in stage.plan.spine_why
     assert any(r.getMessage().startswith("spine q4 on 1 stage(s): ") for r in caplog.records)
     table = plan.table()
     assert "spine q4: " in table and "1 sequence(s)" in table and "expert cache 11." in table
@@ -84,8 +84,8 @@ def test_auto_keeps_bf16_or_int8_where_the_whole_spine_fits(k3):
     four = [WorkerCapacity(f"m{i}", 56 * GB, 6.6, ((0, 93),), True, device="mps", worker_id=str(i)) for i in range(4)]
     for workers, spine in ((two, "int8"), (four, "bf16")):
         plan = plan_layers(k3, workers, experts="wide")
-        assert {s.sizing.spine for s in plan.stages} == {spine}
-        assert all(not s.sizing.streamed_layers and s.sizing.sequences == SEQUENCES for s in plan.stages)
+        assert {s.plan.spine for s in plan.stages} == {spine}
+        assert all(not s.plan.streamed_layers and s.plan.sequences == SEQUENCES for s in plan.stages)
 
 
 def test_streamed_layers_of_a_converted_spine_cost_their_converted_files(k3):

@@ -89,7 +89,7 @@ def test_plan_says_each_hop_s_way_for_a_token_and_a_prompt():
     base = _two_macs(Links(assumed=wifi, shared_bps=wifi.up_bps))
     a, b = (s.key for s in base.stages)
     plan = replace(base, links=Links({a: wifi, b: wifi}, {(a, b): wifi}, shared_bps=wifi.up_bps))
-    longest = min(s.sizing.longest_forward for s in plan.stages)
+    longest = min(s.plan.longest_forward for s in plan.stages)
     assert hop_ways(K3, plan, 4) == [{"from": "m0", "to": "m1", "token": "relayed", "prompt": "direct",
                                       "prompt_tokens": str(longest)}]
     assert describe_hops(K3, plan, 4) == [f"stage hop m0 -> m1: a token relayed by the coordinator, a prompt's "

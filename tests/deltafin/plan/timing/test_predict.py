@@ -87,7 +87,7 @@ def test_over_a_link_slower_than_the_disks_a_prompt_keeps_its_experts_at_the_own
     slow = Links(assumed=profile(4.0, 15))
     plan = plan_layers(k3, _macs(2), experts="wide", links=slow)
     p = prefill_seconds(k3, plan, 4096)
-    step = min(s.sizing.forward_tokens for s in plan.stages)
+    step = min(s.plan.forward_tokens for s in plan.stages)
     forwards = [min(step, 4096 - done) for done in range(0, 4096, step)]
     assert p.link == pytest.approx(sum(hops_seconds(k3, plan, f, 4) for f in forwards), rel=1e-9)
     assert p.total == pytest.approx(p.disk + p.link, rel=1e-9)  # one disk a layer, then the hops
@@ -101,7 +101,7 @@ def test_a_stage_ending_on_its_dense_layer_sends_its_states_while_it_computes(k3
     from dataclasses import replace
 
     from deltafin.plan.cluster.compute import spine_seconds
-    from tests.deltafin.plan.test_compute import SPEED
+    from tests.deltafin.plan.cluster.test_compute import SPEED
 
     macs = [WorkerCapacity("m0", 56 * GB, 6.6, ((0, 1),), True, address="m0:1", device="mps", worker_id="m0",
                            compute=SPEED, expert_layers=((0, 93),)),
@@ -112,7 +112,7 @@ def test_a_stage_ending_on_its_dense_layer_sends_its_states_while_it_computes(k3
     blind = replace(plan, stages=(replace(plan.stages[0], compute=None), plan.stages[1]))
     n, pieces = 4096, 16
     hop = n * 2 * 7168 * 4 / 50e6  # P and the embedding, fp32, at 50 MB/s
-    compute = spine_seconds(k3, SPEED, 0, 1, n, plan.stages[0].sizing.spine)
+    compute = spine_seconds(k3, SPEED, 0, 1, n, plan.stages[0].plan.spine)
     link_free = 0.0
     for i in range(1, pieces + 1):  # piece i is done at i * compute / pieces, and waits for the link
         link_free = max(i * compute / pieces, link_free) + hop / pieces
@@ -139,7 +139,7 @@ def test_a_prompt_of_several_forwards_goes_through_the_stages_at_once(k3):
     """Two Macs, local experts, 64K context, a prompt of three forwards: the plan's first token is one
     forward's way through both, then what the simulated schedule of the stages adds, well under the forwards one
     after another; wide, never less than the holders' reads of every forward."""
-    from tests.deltafin.plan.test_compute import SPEED  # here, as the test above takes it
+    from tests.deltafin.plan.cluster.test_compute import SPEED  # here, as the test above takes it
 
     macs = [dataclasses.replace(m, compute=SPEED) for m in _macs(2)]
     links = Links(assumed=profile(0.1, 20000))
