@@ -26,7 +26,7 @@ from deltafin.plan.cluster.cluster_plan import Plan, describe_forwards
 from deltafin.plan.outlook import copy_expert_bytes, mode_lines
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
-from deltafin.runtime.stage_options import StageOptions, with_memory_found
+from deltafin.runtime.stage_options import AssignmentOptions, StageOptions, with_memory_found
 from deltafin.transport.auth import ClusterSecurity, load_key
 from deltafin.weights.reader import layer_spans
 
@@ -85,13 +85,10 @@ def cluster_spec(cluster: ClusterOptions, stage: StageOptions, cfg: ModelConfig)
     timeouts = Timeouts(forward=cluster.forward_timeout, lost_after=cluster.worker_timeout,
                         probe_interval=min(2.0, cluster.worker_timeout / 3), reconnect=cluster.reconnect_timeout)
     sizing = stage.sizing_for(cfg, layer_spans(scan_checkpoint(cluster.model, cfg)))
-    sent = {"dtype": stage.dtype, "io": stage.io, "read_threads": stage.sizing.read_threads,
-            "cache_policy": stage.cache_policy, "prefetch": stage.prefetch, "wire": stage.wire,
-            "expert_mode": stage.expert_mode}
     return ClusterSpec(Path(cluster.model), addresses=list(cluster.worker), discover=cluster.discover,
                        discover_timeout=cluster.discover_timeout, expect=cluster.expect,
                        interfaces=None if cluster.interface is None else list(cluster.interface),
-                       options=sent, sizing=sizing, act_bytes=stage.act_bytes,
+                       options=AssignmentOptions.of(stage), sizing=sizing, act_bytes=stage.act_bytes,
                        memory_cap=stage.memory_bytes, timeouts=timeouts, security=security,
                        experts=cluster.experts, hops=cluster.hops)
 

@@ -20,6 +20,7 @@ from deltafin.plan.cluster.links import Link
 from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_options import AssignmentOptions
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.echo import measure
@@ -120,7 +121,7 @@ class WorkerClient:
             raise self._error(e) from None
         return Link(m.rtt_s, m.up_bps, m.down_bps, address, m.probe_bytes)
 
-    async def assign(self, start: int, end: int, fingerprint: str, options: dict[str, Any],
+    async def assign(self, start: int, end: int, fingerprint: str, options: AssignmentOptions,
                      sizing: StagePlan | None = None, progress: Any = None,
                      experts: ExpertPlacement | None = None) -> None:
         """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only) as `sizing`

@@ -33,6 +33,7 @@ from deltafin.plan.outlook import Replan
 from deltafin.plan.timing.hops import direct_hops
 from deltafin.progress import Progress
 from deltafin.runtime.prefix_store import PrefixBudget
+from deltafin.runtime.stage_options import AssignmentOptions
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.discovery import browse, nobody_answered
 from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE, PROTOCOL_VERSION, version_gap
@@ -51,7 +52,7 @@ class ClusterSpec:
     discover_timeout: float = 3.0
     expect: int | None = None  # stop browsing once this many answered
     interfaces: list[str] | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # stage options sent with every assignment
+    options: AssignmentOptions = field(default_factory=AssignmentOptions)  # asked of every assigned stage
     sizing: SizingInput = field(default_factory=SizingInput)  # how the planner sizes each stage
     act_bytes: int = 4  # activation element size (fp32)
     memory_cap: int | None = None  # --memory-gb: no worker's stage plans for more than this
@@ -153,7 +154,7 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
         raise DeltafinError(f"unknown --experts {spec.experts!r}: use {', '.join(EXPERT_PLACEMENTS)}")
     caps = capacities(workers, spec.memory_cap)
     links = await spec.probe.links(workers, pairs=len(workers) > 1)  # pairs: the hops and the wide calls
-    links = replace(links, value_bytes=2 if spec.options.get("wire") == "bf16" else 4,  # what crosses them, and how
+    links = replace(links, value_bytes=2 if spec.options.wire == "bf16" else 4,  # what crosses them, and how
                     hops=spec.hops)
     plan = choose_mode(cfg, caps, spec.sizing, spec.act_bytes, spec.experts, links)
     log.debug("plan (%s experts, %d workers answered):\n%s", "wide" if plan.wide else "local", len(workers),

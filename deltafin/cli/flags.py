@@ -95,6 +95,17 @@ def stage_from_args(args: argparse.Namespace) -> StageOptions:
     return stage_options(vars(args))
 
 
+def stage_within_memory(args: argparse.Namespace) -> StageOptions:
+    """The flags' stage options within the memory this process finds (or --memory-gb), its kernels selected."""
+    from deltafin.devices import resolve_device  # torch: loaded when the command runs
+    from deltafin.kernels.linear import select_kernels  # (the same)
+    from deltafin.runtime.stage_options import with_memory_found  # (the same)
+
+    options = stage_from_args(args)
+    select_kernels(options.kernels)
+    return with_memory_found(options, resolve_device(args.device))
+
+
 def add_device_options(p: argparse.ArgumentParser, device_help: str | None = None) -> None:
     add_fields(p, ClusterOptions, ["device"], helps={"device": device_help} if device_help else None)
     add_fields(p, StageOptions, ["dtype"])

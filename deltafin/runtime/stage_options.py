@@ -156,6 +156,32 @@ class StageOptions:
         return 2 if self.dtype == "bf16" else 4
 
 
+@dataclass(frozen=True)
+class AssignmentOptions:
+    """What a coordinator asks of every stage it assigns, over the worker's own options (proto StageOptions): how the
+    stage computes and reads. None: the worker's own. What a stage holds is its plan, never one of these."""
+
+    dtype: str | None = None
+    io: str | None = None
+    read_threads: int | None = None
+    cache_policy: str | None = None
+    prefetch: bool | None = None
+    prefetch_layers: int | None = None
+    wire: str | None = None
+    expert_mode: str | None = None
+
+    @classmethod
+    def of(cls, options: StageOptions) -> AssignmentOptions:
+        """A coordinator's own options, asked of every worker (the prefetch depth stays each worker's)."""
+        return cls(dtype=options.dtype, io=options.io, read_threads=options.sizing.read_threads,
+                   cache_policy=options.cache_policy, prefetch=options.prefetch, wire=options.wire,
+                   expert_mode=options.expert_mode)
+
+    def given(self) -> dict[str, Any]:
+        """The options asked, by name (the others: the worker's own)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
 def stage_options(values: Mapping[str, Any]) -> StageOptions:
     """StageOptions from values named as the flags are (`memory_gb=48`, `spine="int8"`, `prefill_chunk=2048`,
     `dtype="bf16"`, ...); names it does not know are left for other options. The command line passes its parsed

@@ -23,7 +23,7 @@ from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage import SeqInput, SeqOutput
-from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb
 
@@ -242,16 +242,13 @@ def decode_expert_placement(msg: pb.ExpertPlacement, num_experts: int) -> Expert
 
 # ---- stage options and counters ------------------------------------------------------------------------------
 
-_OPTIONS = frozenset(f.name for f in pb.StageOptions.DESCRIPTOR.fields)
 
 
-def encode_stage_options(options: dict[str, Any]) -> pb.StageOptions:
-    """How a coordinator asks a stage to compute and read (StageOptions' field names; dtype as "fp32"/"bf16").
-    What the stage holds is its plan (`encode_stage_plan`), never an option."""
+def encode_stage_options(options: AssignmentOptions) -> pb.StageOptions:
+    """How a coordinator asks a stage to compute and read (its fields unset where the worker's own hold; dtype as
+    "fp32"/"bf16"). What the stage holds is its plan (`encode_stage_plan`), never an option."""
     msg = pb.StageOptions()
-    for key, value in options.items():
-        if key not in _OPTIONS:
-            raise CodecError(f"unknown stage option {key!r}")
+    for key, value in options.given().items():
         try:
             setattr(msg, key, value)
         except (TypeError, ValueError) as e:

@@ -13,12 +13,12 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import scan_checkpoint
 from deltafin.plan.memory.sizing_options import SizingInput, SizingOptions
 from deltafin.runtime.stage_build import plan_stage
-from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.transport import codec
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.weights.reader import layer_spans
 
-OPTION_FIELDS = frozenset(f.name for f in pb.StageOptions.DESCRIPTOR.fields)  # how a stage computes, not holds
+OPTION_FIELDS = frozenset(AssignmentOptions.__dataclass_fields__)  # how a stage computes, not holds
 PLANNER_FIELDS = frozenset(f.name for f in dataclasses.fields(SizingInput)) - {
     f.name for f in dataclasses.fields(SizingOptions)}  # session_bytes, ...: the planner's, never an option
 
@@ -44,7 +44,7 @@ def assignment(model: Path, fingerprint: str, start: int, end: int, **values: An
     options = {k: v for k, v in values.items() if k in OPTION_FIELDS}
     knobs = {k: v for k, v in values.items() if k not in OPTION_FIELDS}
     request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
-                            options=codec.encode_stage_options(options))
+                            options=codec.encode_stage_options(AssignmentOptions(**options)))
     if knobs:
         request.plan.CopyFrom(stage_plan(model, start, end, **knobs))
     return request

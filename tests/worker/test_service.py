@@ -23,7 +23,7 @@ from deltafin.plan.memory.holder_sizing import size_holder
 from deltafin.plan.memory.sizing import Placement, SizingInput
 from deltafin.runtime import wide
 from deltafin.runtime.stage import SeqInput, Stage
-from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport import codec, forward_parts
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -60,8 +60,9 @@ def served(tiny_dir):
 
 
 async def _assign(stub, tiny_dir, start, end):
+    options = codec.encode_stage_options(AssignmentOptions(dtype="fp32"))
     async for _ in stub.Assign(pb.Assignment(start=start, end=end, model_fingerprint=fingerprint(tiny_dir),
-                                             options=codec.encode_stage_options({"dtype": "fp32"})), timeout=60):
+                                             options=options), timeout=60):
         pass
 
 
@@ -173,8 +174,9 @@ def test_a_cancelled_assign_closes_what_it_loaded(served, tiny_dir, monkeypatch)
         async with serving() as (service, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
+                options = codec.encode_stage_options(AssignmentOptions())
                 async for _ in stub.Assign(pb.Assignment(start=0, end=3, model_fingerprint=fingerprint(tiny_dir),
-                                                         options=codec.encode_stage_options({})), timeout=0.5):
+                                                         options=options), timeout=0.5):
                     pass
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.sleep(0.2)
@@ -196,7 +198,7 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
     serving, cfg = served
 
     async def run():
-        options = codec.encode_stage_options({"dtype": "fp32"})
+        options = codec.encode_stage_options(AssignmentOptions(dtype="fp32"))
         # the holder's plan, as a coordinator makes it: half of every MoE layer's experts, a cache of 1 MB
         sizing = SizingInput(expert_layers=len(cfg.moe_layers), expert_share=0.5,
                                spans=layer_spans(scan_checkpoint(tiny_dir, cfg)))

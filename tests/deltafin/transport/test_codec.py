@@ -14,7 +14,7 @@ from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.runtime.stage import SeqInput, SeqOutput
-from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
@@ -66,16 +66,17 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
     defaults = StageOptions(memory_bytes=7 << 30, cache_policy="lru",
                             sizing=SizingInput(expert_cache_bytes=5_000_000, read_threads=4))
-    sent = {"dtype": "bf16", "prefetch": False, "io": "buffered", "wire": "bf16"}
+    sent = AssignmentOptions(dtype="bf16", prefetch=False, io="buffered", wire="bf16")
     got = codec.decode_stage_options(pb.StageOptions.FromString(codec.encode_stage_options(sent)
                                                                 .SerializeToString()), defaults)
     assert (got.torch_dtype, got.prefetch, got.io, got.wire) == (torch.bfloat16, False, "buffered", "bf16")
     # unset: the worker's own; what a stage holds is never an option on the wire
     assert (got.memory_bytes, got.cache_policy, got.sizing.read_threads, got.sizing.expert_cache_bytes) == (
         7 << 30, "lru", 4, 5_000_000)
-    for bad in ({"warp_drive": 1}, {"read_threads": "many"}, {"memory_bytes": 1}, {"spine": "q4"}):
-        with pytest.raises(CodecError):
-            codec.encode_stage_options(bad)
+    with pytest.raises(CodecError, match="read_threads"):
+        codec.encode_stage_options(AssignmentOptions(read_threads="many"))  # type: ignore[arg-type]
+    # the wire's options are AssignmentOptions', field for field: a budget or a spine is never one
+    assert {f.name for f in pb.StageOptions.DESCRIPTOR.fields} == set(AssignmentOptions().__dataclass_fields__)
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32",
                               options=StageOptions(sizing=SizingInput(expert_cache_bytes=200_000)))
     try:
