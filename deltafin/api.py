@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.engine.engine import open_engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
 from deltafin.errors import DeltafinError
@@ -267,8 +268,9 @@ class Model:
 
         async def run() -> None:
             try:
-                async for event in self.engine.run(ids, view, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                                                   speculative=speculative, boundaries=boundaries or ()):
+                async for event in self.engine.run(ids, view, Generation(max_tokens, sampling, tuple(stop or ()),
+                                                                              speculative=speculative),
+                                                   boundaries=boundaries or ()):
                     events.put(event)
             except Exception as e:  # to the caller's thread (a cancellation is the caller's own doing)
                 events.put(e)

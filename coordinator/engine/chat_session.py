@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import PrefillReporter
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.text.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode_with_boundaries
@@ -48,7 +49,7 @@ class ChatSession:
         ids, ends = encode_with_boundaries(self.engine.tokenizer, messages, options)
         reply = Reply(prompt_ids=ids)
         parser = OutputParser(self.engine.tokenizer, thinking=options.thinking)
-        async for event in self.engine.run(ids, parser, max_tokens=self.max_tokens, sampling=self.sampling,
+        async for event in self.engine.run(ids, parser, Generation(self.max_tokens, self.sampling),
                                            progress=PrefillReporter(), boundaries=ends):
             d = event.delta
             reply.reasoning += d.reasoning

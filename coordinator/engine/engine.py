@@ -19,6 +19,7 @@ from deltafin.checkpoint.config import ModelConfig, load_config
 from deltafin.coordinator.cluster.backend import Backend
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import open_backend
+from deltafin.coordinator.engine.generation import GREEDY, Generation
 from deltafin.coordinator.engine.prefix_index import PrefixIndex, PrefixSession, stage_shares
 from deltafin.coordinator.engine.scheduler import Scheduler
 from deltafin.coordinator.engine.serving_options import ServingOptions
@@ -146,23 +147,20 @@ class Engine:
         """Tokens a request may have (prompt and reply): the plan's (after a re-plan, the new one's)."""
         return self._context or getattr(self.backend, "context", None) or DEFAULT_CONTEXT
 
-    async def run(self, prompt_ids: list[int], view: TextView, *, max_tokens: int | None = None,
-                  sampling: SamplingParams | None = None, stop: list[str] | None = None,
-                  ignore_eos: bool = False, return_logits: bool = False,
+    async def run(self, prompt_ids: list[int], view: TextView, generation: Generation = GREEDY, *,
                   progress: Callable[[PrefillProgress], None] | None = None,
-                  speculative: str | None = None, boundaries: Sequence[int] = ()) -> AsyncIterator[
-            TokenEvent | Finished]:
-        """Generate for one request: waits for a slot (QueueFull if the queue is full too), then yields the
-        generation's events. `max_tokens=None`: the default, capped by the context left; `progress`: how far the
-        prefill is; `speculative`: none | ngram (None: the engine's); `boundaries`: where the prompt's messages
-        and cache breakpoints end, in tokens (the prefix cache keeps state there: prefix_index.py)."""
+                  boundaries: Sequence[int] = ()) -> AsyncIterator[TokenEvent | Finished]:
+        """Generate for one request as `generation` says: waits for a slot (QueueFull if the queue is full too),
+        then yields the generation's events. `progress`: how far the prefill is; `boundaries`: where the prompt's
+        messages and cache breakpoints end, in tokens (the prefix cache keeps state there: prefix_index.py)."""
         if self.closing:
             raise ShuttingDown("the server is shutting down: it takes no new requests")
-        room = self._room(prompt_ids, max_tokens)
-        req = Request(prompt_ids, max_tokens if max_tokens is not None else min(self.default_max_tokens, room),
-                      sampling or SamplingParams(temperature=0.0), frozenset() if ignore_eos else self.stop_ids,
-                      stop or [], return_logits, prefill_chunk=self._prefill_chunk(),
-                      speculation=self._speculation(speculative),
+        g = generation
+        room = self._room(prompt_ids, g.max_tokens)
+        req = Request(prompt_ids, g.max_tokens if g.max_tokens is not None else min(self.default_max_tokens, room),
+                      g.sampling or SamplingParams(temperature=0.0), frozenset() if g.ignore_eos else self.stop_ids,
+                      list(g.stop), g.return_logits, prefill_chunk=self._prefill_chunk(),
+                      speculation=self._speculation(g.speculative),
                       forward_bytes=lambda tokens: forward_read_bytes(self.cfg, tokens),
                       pipelined=self.scheduler)
         req.progress = lambda p: self._track(req.session_id, p, progress)

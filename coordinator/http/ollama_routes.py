@@ -90,7 +90,7 @@ async def _reply(request: web.Request, engine: Engine, req: rq.GenerationRequest
     else:
         ids, ends = await chat_prompt(engine.tokenizer, req.messages, req.options)
         view = OutputParser(engine.tokenizer, thinking=req.options.thinking)
-    events = engine.run(ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop, boundaries=ends)
+    events = engine.run(ids, view, p.generation, boundaries=ends)
     first = await first_event(events, "messages" if chat else "prompt")
     fmt = ol.OllamaFormat(p.model, chat, req.options.thinking)
     rest = rest_of(first, events)

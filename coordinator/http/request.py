@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.errors import DeltafinError, SamplingError
 from deltafin.expert_modes import parse as parse_mode
 from deltafin.text.chat import ChatOptions
@@ -82,6 +83,12 @@ class Params:
     speculative: str | None = None  # none | ngram | draft for this request; None: the server's --speculative
     expert_mode: str | None = None  # the expert mode the request expects, in its one spelling (None: the server's);
     # a server runs the one it was started with (--expert-mode): any other is refused (server.py)
+
+    @property
+    def generation(self) -> Generation:
+        """How the engine continues the prompt, as these parameters say."""
+        return Generation(self.max_tokens, self.sampling, tuple(self.stop), self.ignore_eos,
+                          speculative=self.speculative)
 
 
 def served_model(requested: str, served: str, strict: bool) -> str:

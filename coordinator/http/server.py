@@ -199,9 +199,7 @@ async def _run(request: web.Request, prompt_ids: list[int], view: TextView, p: r
     engine = request.app[ENGINE]
     rq.check_expert_mode(p, engine.expert_mode, "expert_mode")
     prefill = _Prefill()
-    events = engine.run(prompt_ids, view, max_tokens=p.max_tokens, sampling=p.sampling, stop=p.stop,
-                        ignore_eos=p.ignore_eos, progress=prefill, speculative=p.speculative,
-                        boundaries=boundaries or ())
+    events = engine.run(prompt_ids, view, p.generation, progress=prefill, boundaries=boundaries or ())
     sse = sse or _Sse(request)
     first = await (_first_streamed(sse, events, prompt_param, prefill) if p.stream
                    else first_event(events, prompt_param))

@@ -25,6 +25,7 @@ import torch
 
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.devices import synchronize
 from deltafin.errors import DeltafinError
@@ -295,7 +296,7 @@ def bench_verify(model: str | Path, drafts: Iterable[int], device: str = "auto",
 async def _turn(engine: Any, ids: list[int], n: int) -> tuple[list[int], float, int]:
     """One request through the serving engine: its tokens, time to first token, prompt tokens resumed."""
     t0, ttft, out, cached = time.perf_counter(), 0.0, [], 0
-    async for e in engine.run(ids, None, max_tokens=n, ignore_eos=True):
+    async for e in engine.run(ids, None, Generation(n, ignore_eos=True)):
         if isinstance(e, Finished):
             cached = e.usage.cached_tokens
         else:

@@ -39,6 +39,7 @@ from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
 from deltafin.coordinator.cluster.workers import capacities, find_workers, plan_cluster, replanner
 from deltafin.coordinator.engine.engine import Engine, open_engine, planned_stage
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
 from deltafin.coordinator.engine.serving_options import ServingOptions
 from deltafin.coordinator.engine.token_loop import Finished, PlainText
@@ -217,8 +218,9 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         out_ids: list[int] = []
         text: list[str] = []
         finished, at_first = None, None
-        async for event in engine.run(ids, PlainText(engine.tokenizer), max_tokens=args.max_tokens,
-                                      sampling=params, stop=args.stop, progress=PrefillReporter()):
+        async for event in engine.run(ids, PlainText(engine.tokenizer),
+                                      Generation(args.max_tokens, params, tuple(args.stop)),
+                                      progress=PrefillReporter()):
             if isinstance(event, Finished):
                 finished = event
             else:

@@ -25,6 +25,7 @@ from typing import Any
 
 from deltafin import paths
 from deltafin.checkpoint.config import load_config
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.errors import DeltafinError
 from deltafin.mini.synth import synthesize
 from deltafin.text.chat import ChatOptions, OutputParser, encode
@@ -125,7 +126,7 @@ async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
     ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions())
     print(f"user: {prompt}\nassistant (thinking): ", end="", flush=True)
     finished, answering = None, False
-    async for event in engine.run(ids, OutputParser(engine.tokenizer), max_tokens=max_tokens):
+    async for event in engine.run(ids, OutputParser(engine.tokenizer), Generation(max_tokens)):
         if event.delta.content and not answering:
             print("\nassistant: ", end="", flush=True)
             answering = True

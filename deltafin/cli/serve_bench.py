@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import worker_deltas
 from deltafin.coordinator.engine.token_loop import Finished
 
@@ -36,7 +37,7 @@ class RequestResult:
 async def _one(engine: Engine, prompt: list[int], max_tokens: int,
                started: asyncio.Semaphore | None = None) -> RequestResult:
     t0, ttft, tokens, rate = time.perf_counter(), 0.0, 0, 0.0
-    async for event in engine.run(prompt, None, max_tokens=max_tokens, ignore_eos=True):
+    async for event in engine.run(prompt, None, Generation(max_tokens, ignore_eos=True)):
         if isinstance(event, Finished):
             rate = event.timing.tokens_per_second
         else:

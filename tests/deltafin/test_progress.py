@@ -11,6 +11,7 @@ import pytest
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.token_loop import PlainText, PrefillProgress
 from deltafin.coordinator.http.metrics import render
 from deltafin.plan.timing.predict import forward_read_bytes
@@ -38,7 +39,7 @@ async def test_prefill_progress_per_chunk_within_forwards_and_in_metrics(tiny_di
                      _metric(text, "deltafin_prefill_bytes_left")))
 
     prompt = list(range(100, 123))  # 23 tokens: the fewest chunks of at most 5, of equal length: 5, 5, 5, 4, 4
-    events = [e async for e in engine.run(prompt, PlainText(engine.tokenizer), max_tokens=2, progress=progress)]
+    events = [e async for e in engine.run(prompt, PlainText(engine.tokenizer), Generation(2), progress=progress)]
     assert len(events) == 3
     cfg = engine.cfg
     total = 3 * forward_read_bytes(cfg, 5) + 2 * forward_read_bytes(cfg, 4)

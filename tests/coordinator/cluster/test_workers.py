@@ -14,6 +14,7 @@ import torch
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.cluster.recovery import connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.token_loop import Finished, Request, generate
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage import SeqInput
@@ -140,7 +141,7 @@ def test_pipelined_batches_match_solo_runs(small_dir):
                                                                                       pipeline_depth=depth))
 
         async def one(prompt: str) -> list[int]:
-            return [e.token_id async for e in engine.run(tok.encode(prompt), None, max_tokens=12, ignore_eos=True)
+            return [e.token_id async for e in engine.run(tok.encode(prompt), None, Generation(12, ignore_eos=True))
                     if not isinstance(e, Finished)]
 
         try:

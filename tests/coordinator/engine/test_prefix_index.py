@@ -12,6 +12,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine import prefix_index
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.prefix_index import (
     PrefixIndex,
     StageShare,
@@ -148,7 +149,7 @@ def test_with_room_for_one_state_the_next_turn_still_resumes(tiny_dir):
 
 async def _generate(engine: Engine, prompt: list[int], n: int = 8) -> tuple[list[int], int]:
     ids, cached = [], -1
-    async for e in engine.run(prompt, None, max_tokens=n, ignore_eos=True):
+    async for e in engine.run(prompt, None, Generation(n, ignore_eos=True)):
         if isinstance(e, Finished):
             cached = e.usage.cached_tokens
         else:
@@ -320,7 +321,7 @@ def _chat(tok, user: str) -> tuple[list[int], list[int]]:
 
 async def _chat_generate(engine: Engine, prompt: tuple[list[int], list[int]], n: int = 6):
     ids, usage = [], None
-    async for e in engine.run(prompt[0], None, max_tokens=n, ignore_eos=True, boundaries=prompt[1]):
+    async for e in engine.run(prompt[0], None, Generation(n, ignore_eos=True), boundaries=prompt[1]):
         if isinstance(e, Finished):
             usage = e.usage
         else:

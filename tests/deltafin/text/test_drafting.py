@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltafin.coordinator.engine.generation import Generation
 from deltafin.errors import InvalidInput, SessionOutOfSync
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.runtime.pipeline import LocalPipeline
@@ -235,7 +236,7 @@ async def _tokens(engine, prompt: list[int], n: int, **kw) -> tuple[list[int], o
     from deltafin.coordinator.engine.token_loop import Finished
 
     out, end = [], None
-    async for e in engine.run(prompt, None, max_tokens=n, ignore_eos=True, **kw):
+    async for e in engine.run(prompt, None, Generation(n, ignore_eos=True, **kw)):
         if isinstance(e, Finished):
             end = e
         else:
@@ -391,7 +392,7 @@ async def test_drafts_through_worker_processes_and_a_lost_worker(tiny_dir: Path)
                 plain, _ = await _tokens(engine, PROMPT, 24)
                 engine._speculation = lambda mode: Speculation(Scripted(PROMPT, plain), _always(4))
                 out, end = [], None
-                async for e in engine.run(PROMPT, None, max_tokens=24, ignore_eos=True):
+                async for e in engine.run(PROMPT, None, Generation(24, ignore_eos=True)):
                     if isinstance(e, Finished):
                         end = e
                         continue
