@@ -1,5 +1,5 @@
 """Every error Deltafin reports, and the two tables that say how it reaches a client: the gRPC status a
-worker answers with (transport/status.py applies it) and the HTTP status the API answers with
+worker answers with (transport/grpc_status.py applies it) and the HTTP status the API answers with
 (coordinator/http/server.py applies it). Entry points print any of these as one line, never a traceback.
 
 Most specific first in both tables: the first class an error is an instance of decides.

@@ -406,3 +406,63 @@ def test_format_names_appear_only_in_the_registry() -> None:
                     continue
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} names the format {node.value!r}")
     assert not bad, "format names outside deltafin/formats (ask the registry):\n" + "\n".join(bad)
+
+
+ENTRY = re.compile(r"^( *)([a-z_]+/)(?= )")  # a folder's entry in the file map: its name at its depth
+
+
+def _file_map() -> dict[str, str]:
+    """docs/architecture.md's file map: each folder's entry text (its lines until the next folder's), by path."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Architecture", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    stack: list[str] = []
+    current = None
+    for line in block.splitlines():
+        m = ENTRY.match(line)
+        if m and len(m.group(1)) % 2 == 0 and len(m.group(1)) < 20:
+            depth = len(m.group(1)) // 2
+            stack = [*stack[:depth], m.group(2)]
+            current = "".join(stack)
+            entries[current] = line[m.end():]
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_the_architecture_file_map_names_every_module_and_only_modules_that_exist() -> None:
+    """Every module of the packages is named in its folder's entry of docs/architecture.md's file map, and every
+    `name.py` an entry names is a module of that folder."""
+    entries, bad = _file_map(), []
+    folders = {path.parent.relative_to(ROOT).as_posix() + "/" for path in MODULES.values()}
+    for folder_path in sorted(folders):
+        text = entries.get(folder_path)
+        names = {p.name for p in (ROOT / folder_path).glob("*.py") if p.name != "__init__.py"}
+        if text is None:
+            if names:
+                bad.append(f"{folder_path}: no entry in the file map")
+            continue
+        bad += [f"{folder_path}{n}: not in the file map" for n in sorted(names)
+                if not re.search(rf"\b{re.escape(n)}\b", text)]
+        bad += [f"{folder_path}{n}: named by the file map, not in the folder"
+                for n in sorted(set(re.findall(r"\b([a-z_0-9]+\.py)\b", text)) - names)]
+    assert not bad, "\n".join(bad)
+
+
+OUR_FOLDERS = {"deltafin", "coordinator", "worker", "tests", "docs", "proto", "deploy", "tools", *MAY_IMPORT,
+               *(f.split(".")[-1] for f in MAY_IMPORT), "cli", "engine", "cluster", "http", "memory", "timing"}
+PATH_REF = re.compile(r"(?<![\w./-])((?:[a-z_0-9]+/)+[a-z_0-9]+\.(?:py|proto|md|c))\b")
+
+
+def test_the_code_and_the_proto_name_only_files_that_exist() -> None:
+    """A path in a docstring, comment or the proto (`plan/memory/sizing.py`) names a file of the repository: from the
+    root, from deltafin/ or the file's own folder (a path into another project is not ours to check)."""
+    sources = [*MODULES.values(), *(ROOT / "proto").glob("*.proto")]
+    bad = []
+    for path in sources:
+        for ref in PATH_REF.findall(path.read_text()):
+            if ref.split("/")[0] not in OUR_FOLDERS:
+                continue
+            if not any((base / ref).exists() for base in (ROOT, ROOT / "deltafin", path.parent)):
+                bad.append(f"{path.relative_to(ROOT)}: {ref}")
+    assert not bad, "\n".join(bad)

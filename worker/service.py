@@ -4,7 +4,7 @@ Stage, and with wide experts its share of every MoE layer's experts: deltafin/ru
 One thread owns the stage (loading and every forward run there, in order: assignment.py holds the stage, its
 thread and the Assign transaction); other stages' expert calls run on a thread of their own, so they never queue
 behind this worker's forwards. RPC handlers decode, hand the work to those threads, and encode. Every Deltafin
-error maps to one gRPC status (transport/status.py); anything else is logged and answered INTERNAL, and the
+error maps to one gRPC status (transport/grpc_status.py); anything else is logged and answered INTERNAL, and the
 worker keeps serving.
 """
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from deltafin.coordinator.cluster.relay import Relay
 from deltafin.coordinator.cluster.worker_client import WorkerClient
 from deltafin.errors import RemoteError, WorkerLost
-from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage
+from deltafin.plan.cluster.cluster_plan import ClusterPlan, PlannedStage
 from deltafin.plan.timing.predict import verify_table
 from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.features import Features, gather
@@ -92,7 +92,7 @@ class LocalBackend:
     def __init__(self, pipeline: LocalPipeline):
         self.pipeline = pipeline
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="deltafin-local")
-        self._priced: Plan | None = None
+        self._priced: ClusterPlan | None = None
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -115,7 +115,7 @@ class LocalBackend:
     def parallel_stages(self) -> int:
         return 1  # the stages run one after another on this process's one stage thread
 
-    def priced_plan(self) -> Plan:
+    def priced_plan(self) -> ClusterPlan:
         """The in-process stages as a one-worker plan, for what the predictions price (drafting's pass cost): their
         sizing, this machine's compute measured on the stages' device (runtime/compute_probe.py) and, where
         anything streams, its disk (the --disk-gbps given, else measured). Measured once, at the first call."""
@@ -123,7 +123,7 @@ class LocalBackend:
             self._priced = self._price()
         return self._priced
 
-    def _price(self) -> Plan:
+    def _price(self) -> ClusterPlan:
         stages = self.pipeline.stages
         first = stages[0]
         streams = any(s.plan.streaming or s.plan.streamed_layers for s in stages)
@@ -131,7 +131,7 @@ class LocalBackend:
         gbps = (given[0] if given else measure_disk(first.ckpt, first.options.sizing.read_threads, first.options.io)) \
             if streams else 0.0
         compute = measure_compute(first.cfg, first.device, first.dtype)
-        plan = Plan(tuple(PlannedStage("local", "", s.start, s.end, s.plan, 0.0, disk_gbps=gbps, compute=compute)
+        plan = ClusterPlan(tuple(PlannedStage("local", "", s.start, s.end, s.plan, 0.0, disk_gbps=gbps, compute=compute)
                           for s in stages))
         return replace(plan, verify=verify_table(first.cfg, plan, first.dtype.itemsize))
 

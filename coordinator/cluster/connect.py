@@ -22,7 +22,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.devices import resolve_device
 from deltafin.errors import DeltafinError
 from deltafin.kernels.linear import select_kernels
-from deltafin.plan.cluster.cluster_plan import Plan, describe_forwards
+from deltafin.plan.cluster.cluster_plan import ClusterPlan, describe_forwards
 from deltafin.plan.outlook import copy_expert_bytes, mode_lines
 from deltafin.plan.planner import split_layers
 from deltafin.runtime.pipeline import LocalPipeline, plan_stages
@@ -52,7 +52,7 @@ async def open_backend(cluster: ClusterOptions, stage: StageOptions, cfg: ModelC
     return backend
 
 
-def say_plan(plan: Plan, show: bool) -> None:
+def say_plan(plan: ClusterPlan, show: bool) -> None:
     """A plan as a command shows it before its work: a line (unless -q), the whole of it in the debug log (-v)."""
     if show:
         print(plan.summary(), file=sys.stderr)

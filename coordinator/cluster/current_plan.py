@@ -13,7 +13,7 @@ import logging
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.workers import ClusterSpec, Worker, discover_addresses, probe_workers
-from deltafin.plan.cluster.cluster_plan import Plan
+from deltafin.plan.cluster.cluster_plan import ClusterPlan
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 class CurrentPlan:
     """The backend and plan serving now, and the addresses of every worker the cluster has known."""
 
-    def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: Plan) -> None:
+    def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: ClusterPlan) -> None:
         self.spec, self.cfg, self.backend, self.plan = spec, cfg, backend, plan
         self.known = list(dict.fromkeys([*spec.addresses, *(w.address for w in backend.workers)]))
 
-    async def adopt(self, backend: ClusterBackend, plan: Plan) -> None:
+    async def adopt(self, backend: ClusterBackend, plan: ClusterPlan) -> None:
         """Put a new plan in force: its backend serves from now on, its workers are known, the old one closes."""
         old, self.backend, self.plan = self.backend, backend, plan
         self.known = list(dict.fromkeys([*self.known, *(w.address for w in backend.workers)]))

@@ -41,7 +41,7 @@ from deltafin.coordinator.cluster.pipelined import Progress, forward_pipelined
 from deltafin.coordinator.cluster.rwlock import RWLock
 from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_workers
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
-from deltafin.plan.cluster.cluster_plan import Plan
+from deltafin.plan.cluster.cluster_plan import ClusterPlan
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage import SeqInput, SeqOutput
 
@@ -82,7 +82,7 @@ def _recoverable(e: BaseException) -> bool:
 class ResilientCluster:
     """A Backend over the cluster that survives losing workers (see the module docstring)."""
 
-    def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: Plan,
+    def __init__(self, spec: ClusterSpec, cfg: ModelConfig, backend: ClusterBackend, plan: ClusterPlan,
                  options: RecoveryOptions | None = None):
         self.spec, self.cfg = spec, cfg
         self.options = options or RecoveryOptions()
@@ -99,10 +99,10 @@ class ResilientCluster:
         return self.current.backend
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> ClusterPlan:
         return self.current.plan
 
-    def priced_plan(self) -> Plan:
+    def priced_plan(self) -> ClusterPlan:
         """The plan in force, whose predictions price drafting's verification passes."""
         return self.current.plan
 
@@ -312,7 +312,7 @@ def _names(names: dict[str, str], addresses: list[str]) -> str:
     return ", ".join(names[a] for a in addresses)
 
 
-def experts_moved(before: Plan | None, after: Plan) -> str:
+def experts_moved(before: ClusterPlan | None, after: ClusterPlan) -> str:
     """What a re-plan did to the wide experts, in words ("" when nothing moved): the holders that left, with
     the share each had and who holds those experts now, and the holders that joined."""
     if before is None:
@@ -335,7 +335,7 @@ def experts_moved(before: Plan | None, after: Plan) -> str:
 
 
 async def connect_cluster(spec: ClusterSpec, show_progress: bool = True, recovery: RecoveryOptions | None = None,
-                          cfg: ModelConfig | None = None) -> tuple[ResilientCluster, Plan]:
+                          cfg: ModelConfig | None = None) -> tuple[ResilientCluster, ClusterPlan]:
     """Find the workers, plan, load the stages; the result recovers from losing workers. `cfg`: the model's
     config when the caller has read it already."""
     cfg = cfg or load_config(spec.model_dir)

@@ -122,15 +122,15 @@ class WorkerClient:
         return Link(m.rtt_s, m.up_bps, m.down_bps, address, m.probe_bytes)
 
     async def assign(self, start: int, end: int, fingerprint: str, options: AssignmentOptions,
-                     sizing: StagePlan | None = None, progress: Any = None,
+                     plan: StagePlan | None = None, progress: Any = None,
                      experts: ExpertPlacement | None = None) -> None:
-        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only) as `sizing`
-        plans them (None: as the worker plans them within its own budget), computing and reading as `options`
+        """Load layers [start, end) (with wide experts, start == end == 0: an expert holder only) as `plan`
+        says (None: as the worker plans them within its own budget), computing and reading as `options`
         say."""
         request = pb.Assignment(start=start, end=end, model_fingerprint=fingerprint,
                                 options=codec.encode_stage_options(options))
-        if sizing is not None:
-            request.plan.CopyFrom(codec.encode_stage_plan(sizing))
+        if plan is not None:
+            request.plan.CopyFrom(codec.encode_stage_plan(plan))
         if experts is not None:
             request.experts.CopyFrom(codec.encode_expert_placement(experts))
         try:

@@ -25,7 +25,7 @@ from deltafin.coordinator.cluster.link_probe import LinkProbe
 from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import ClusterError, DeltafinError, RemoteError
 from deltafin.options import EXPERT_PLACEMENTS
-from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage, WorkerCapacity
+from deltafin.plan.cluster.cluster_plan import ClusterPlan, PlannedStage, WorkerCapacity
 from deltafin.plan.cluster.expert_placement import ExpertPlacement, Holder, HolderLink
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.modes import choose_mode
@@ -146,7 +146,7 @@ def capacities(workers: list[Worker], memory_cap: int | None = None) -> list[Wor
             for _, d in workers]
 
 
-async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> Plan:
+async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker]) -> ClusterPlan:
     """The layers over the workers, priced with the links measured to and between them (link_probe.py); with
     `--experts auto` and more than one worker, wide or local experts, whichever the plan predicts faster
     (plan/modes.py), and why."""
@@ -162,12 +162,12 @@ async def plan_cluster(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker
     return plan
 
 
-def replanner(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], plan: Plan) -> Replan:
+def replanner(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], plan: ClusterPlan) -> Replan:
     """The plan of `workers` made again as `plan_cluster` made `plan` (its links, the same mode rule), with other
     options and each worker's memory scaled: what `plan` prints of a longer context or more memory."""
     caps = capacities(workers, spec.memory_cap)
 
-    def again(sizing: SizingInput, scale: float) -> Plan:
+    def again(sizing: SizingInput, scale: float) -> ClusterPlan:
         scaled = [replace(c, memory_bytes=int(c.memory_bytes * scale), host_memory_bytes=None if
                                       c.host_memory_bytes is None else int(c.host_memory_bytes * scale)) for c in caps]
         return choose_mode(cfg, scaled, sizing, spec.act_bytes, spec.experts, plan.links)
@@ -175,7 +175,7 @@ def replanner(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], plan: 
     return again
 
 
-def wide_placement(spec: ClusterSpec, plan: Plan) -> ExpertPlacement | None:
+def wide_placement(spec: ClusterSpec, plan: ClusterPlan) -> ExpertPlacement | None:
     """The wide part of a plan as every worker receives it (None: local experts)."""
     if plan.experts is None:
         return None
@@ -191,7 +191,7 @@ def wide_placement(spec: ClusterSpec, plan: Plan) -> ExpertPlacement | None:
 
 
 async def assign_plan(spec: ClusterSpec, cfg: ModelConfig, workers: list[Worker], show_progress: bool = True,
-                      ) -> tuple[ClusterBackend, Plan]:
+                      ) -> tuple[ClusterBackend, ClusterPlan]:
     """Plan the layers over `workers` and load every stage (in parallel, with progress). Workers the plan
     does not use are closed; on failure every client is closed. Every worker is sent its assignment; one already
     serving exactly that (the same layers and options: a re-plan that left it alone) keeps its stage and its
@@ -249,7 +249,7 @@ def parallel_stages(workers: list[WorkerDescription]) -> int:
                 for d in workers})
 
 
-def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: Plan) -> int:
+def forward_limit(spec: ClusterSpec, cfg: ModelConfig, plan: ClusterPlan) -> int:
     """Tokens one forward carries: what every stage was sized for, a prompt's forward borrowing the expert cache where
     its plan lends it (sizing.py `_lend_cache`; a forward larger than a gRPC message goes in parts, not in pieces:
     worker_client.WorkerClient.forward)."""

@@ -198,7 +198,7 @@ class Request:
     return_logits: bool = False
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_chunk: int | None = None  # most prompt tokens per forward (the stages' sizing); None: all at once
-    prefix: PrefixSession | None = None  # resume from and keep prefixes (engine/prefix_index.py); None: never
+    prefix: PrefixSession | None = None  # resume from and keep prefixes (prefix_index.py); None: never
     progress: Callable[[PrefillProgress], None] | None = None  # how far the prefill is (each chunk, and within)
     forward_bytes: Callable[[int], float] | None = None  # expected expert bytes a forward of N prompt tokens reads
     speculation: Speculation | None = None  # draft tokens and verify them in one forward; None: one at a time

@@ -54,7 +54,7 @@ from deltafin.runtime.stage_options import StageOptions
 from deltafin.transport.ports import cannot_listen, check_free
 
 if TYPE_CHECKING:
-    from deltafin.plan.cluster.cluster_plan import Plan
+    from deltafin.plan.cluster.cluster_plan import ClusterPlan
 
 log = logging.getLogger("deltafin.coordinator")
 
@@ -187,7 +187,7 @@ async def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def download_commands(plan: Plan) -> list[str]:
+def download_commands(plan: ClusterPlan) -> list[str]:
     """What each worker of `plan` needs on its disk, as `deltafin download` commands: its stage's layers; with wide
     experts every layer (each worker computes its share of every MoE layer) and its share of the experts."""
     lines = ["put the model on each worker (SOURCE: hf:ORG/NAME or a directory; DIR: the worker's --model):"]

@@ -7,8 +7,8 @@ compute) and the one a chat turn takes less time in is used: a TURN_PROMPT-token
 (Where every expert is in memory nothing is read and wide spreads their compute: wide, where the workers' compute is
 not known to price it.) On a fast link (a Thunderbolt bridge, 10 GbE) that is wide; on Wi-Fi at K3's width a wide
 prompt moves more over the air than the disks read, and the pipelined plan wins. The plan says which and why
-(`Plan.mode_why`); `--experts wide|local` forces one. Where the exact wire holds a TURN_PROMPT-token prompt back by
-at least WIRE_HINT_GAIN of its time, the reason also says what `--wire bf16` would make it (a lossy wire is the
+(`ClusterPlan.mode_why`); `--experts wide|local` forces one. Where the exact wire holds a TURN_PROMPT-token prompt back
+by at least WIRE_HINT_GAIN of its time, the reason also says what `--wire bf16` would make it (a lossy wire is the
 user's choice, never the plan's).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError
-from deltafin.plan.cluster.cluster_plan import Plan, WorkerCapacity
+from deltafin.plan.cluster.cluster_plan import ClusterPlan, WorkerCapacity
 from deltafin.plan.cluster.links import Links
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.planner import plan_layers
@@ -32,7 +32,7 @@ WIRE_HINT_GAIN = 0.1  # the share of a prompt's time a bf16 wire must save to be
 
 
 def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingInput, act_bytes: int,
-                asked: str, links: Links) -> Plan:
+                asked: str, links: Links) -> ClusterPlan:
     """The plan in the experts' mode `asked` (wide | local), or with "auto" the faster for a turn (see the module
     docstring), its `mode_why` set."""
     if asked != "auto":
@@ -59,7 +59,7 @@ def choose_mode(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
     return replace(plans[mode], mode_why=why)
 
 
-def close_call(turns: dict[str, float], plans: Iterable[Plan]) -> str:
+def close_call(turns: dict[str, float], plans: Iterable[ClusterPlan]) -> str:
     """What a choice between modes the measurements barely separate says: the two within CLOSE_CALL of each other,
     or within the workers' compute readings' spread ("" where they are clearly apart)."""
     spread = max((s.compute.spread for p in plans for s in p.workers if s.compute is not None), default=0.0)
@@ -71,7 +71,7 @@ def close_call(turns: dict[str, float], plans: Iterable[Plan]) -> str:
             f"tell apart (±{margin:.0%}); --experts wide|local fixes the mode")
 
 
-def wire_hint(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> str:
+def wire_hint(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int = 4) -> str:
     """What `--wire bf16` would make a TURN_PROMPT-token prompt take, where that saves WIRE_HINT_GAIN of it ("" where
     it would not, or the wire is bf16 already)."""
     if plan.links.value_bytes < 4 or len(plan.workers) < 2:
@@ -85,13 +85,13 @@ def wire_hint(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> str:
             f"{half:.0f} s with --wire bf16 (lossy; its cost is measured in docs/cluster.md)")
 
 
-def turn_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> float:
+def turn_seconds(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int = 4) -> float:
     """A chat turn's predicted time on `plan`: its prompt's first token, then its reply."""
     assert plan.token is not None
     return prefill_seconds(cfg, plan, TURN_PROMPT, act_bytes=act_bytes).total + TURN_REPLY * plan.token.total
 
 
-def _why(cfg: ModelConfig, plans: dict[str, Plan], turns: dict[str, float], chosen: str, act_bytes: int) -> str:
+def _why(cfg: ModelConfig, plans: dict[str, ClusterPlan], turns: dict[str, float], chosen: str, act_bytes: int) -> str:
     parts = []
     for mode in ("wide", "local"):
         p = plans[mode]

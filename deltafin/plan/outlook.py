@@ -1,5 +1,5 @@
 """What a plan would give a longer prompt, and what more memory would change (pure): `plan` prints, under the plan's
-own predictions (cluster_plan.Plan.first_token_line), the prompts its context refuses with the context they need
+own predictions (cluster_plan.ClusterPlan.first_token_line), the prompts its context refuses with the context they need
 (--max-context), every prompt length with twice each worker's memory, and a token in each lossy expert mode that
 reads fewer bytes (deltafin/expert_modes.py: opt-in, their quality measured in docs/expert-modes.md), each from a
 plan made again the way the first was (`Replan`: the same workers, links and mode rule). And the plan's own expert
@@ -14,16 +14,16 @@ from deltafin.checkpoint.config import ModelConfig
 from deltafin.errors import PlanError, SizingError
 from deltafin.expert_modes import ExpertMode, describe, parse
 from deltafin.formats import low_bit_format
-from deltafin.plan.cluster.cluster_plan import GB, Plan
+from deltafin.plan.cluster.cluster_plan import GB, ClusterPlan
 from deltafin.plan.memory.layer_table import align_up
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.memory.sizing_options import expert_read_share, low_bit_ratio, mode_presets
 from deltafin.plan.timing.predict import prompt_forward
 
-Replan = Callable[[SizingInput, float], Plan]  # (options, each worker's memory times this) -> the plan
+Replan = Callable[[SizingInput, float], ClusterPlan]  # (options, each worker's memory times this) -> the plan
 
 
-def outlook(plan: Plan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> list[str]:
+def outlook(plan: ClusterPlan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> list[str]:
     """Lines for `plan`: the prompt lengths over its context, planned for the longest of them; and every length
     with twice the memory (what a bigger Mac, or a second one's memory, would change)."""
     lines = []
@@ -75,7 +75,7 @@ def copy_expert_bytes(cfg: ModelConfig, fmt: str) -> int:
     return align_up(sum(low_bit_format(fmt).matrix_bytes(r, c) for r, c in cfg.expert_matrices))
 
 
-def expert_copies(cfg: ModelConfig, mode: ExpertMode, plan: Plan) -> list[tuple[str, int]]:
+def expert_copies(cfg: ModelConfig, mode: ExpertMode, plan: ClusterPlan) -> list[tuple[str, int]]:
     """Each worker's bytes of the low-bit copy its expert mode reads (none without one): its own layers' experts
     (local experts) or its share of every layer's (wide), where it streams them (0 where they are resident)."""
     if not mode.low_bit:
@@ -93,7 +93,7 @@ def expert_copies(cfg: ModelConfig, mode: ExpertMode, plan: Plan) -> list[tuple[
     return out
 
 
-def expert_modes_line(plan: Plan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> str:
+def expert_modes_line(plan: ClusterPlan, cfg: ModelConfig, options: SizingInput, replan: Replan) -> str:
     """A token in every registered mode that reads fewer expert bytes than exact, beside this plan's."""
     exact = replace(options, expert_read_share=1.0)
     parts = []
@@ -114,17 +114,17 @@ def _tok_s(seconds: float) -> str:
     return f"{seconds:.3g} s ({1 / seconds:.3g} tok/s)" if seconds > 0 else "-"
 
 
-def _forwards(plan: Plan) -> str:
+def _forwards(plan: ClusterPlan) -> str:
     spilled = any(s.plan.spill_tokens for s in plan.stages)
     return f"prompts in forwards of up to {prompt_forward(plan):,} tokens{', spilled' if spilled else ''}"
 
 
-def _times(plan: Plan, lengths: list[int]) -> str:
+def _times(plan: ClusterPlan, lengths: list[int]) -> str:
     times = dict(plan.first_token)
     return ", ".join(f"{n // 1024}K {times[n].describe()}" for n in lengths)
 
 
-def _costs(plan: Plan, before: Plan) -> str:
+def _costs(plan: ClusterPlan, before: ClusterPlan) -> str:
     """What the other plan keeps for decode: its expert caches and a token's time, against `before`'s."""
     cache = sum(s.plan.expert_cache for s in plan.workers) / GB
     was = sum(s.plan.expert_cache for s in before.workers) / GB

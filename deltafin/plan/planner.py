@@ -27,7 +27,7 @@ from deltafin.errors import DeltafinError, PlanError, SizingError
 from deltafin.formats import spine_format
 from deltafin.plan.cluster.cluster_plan import (
     GB,
-    Plan,
+    ClusterPlan,
     PlannedStage,
     WorkerCapacity,
     stage_placement,
@@ -48,7 +48,7 @@ from deltafin.plan.timing.predict import PROMPT_LENGTHS, prefill_seconds, token_
 log = logging.getLogger(__name__)
 
 def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: SizingInput | None = None,
-                act_bytes: int = 4, experts: str = "local", links: Links | None = None) -> Plan:
+                act_bytes: int = 4, experts: str = "local", links: Links | None = None) -> ClusterPlan:
     """Contiguous ranges covering every layer once, in the given worker order (workers that cannot
     usefully take layers are left out, or with wide experts serve experts only). Raises PlanError with the reason
     when no plan exists. `experts`: "local" (each stage reads its own layers' experts) or "wide". `links`: the
@@ -88,8 +88,8 @@ def plan_layers(cfg: ModelConfig, workers: list[WorkerCapacity], options: Sizing
                    first_token=tuple((n, prefill_seconds(cfg, plan, n, act_bytes=act_bytes)) for n in PROMPT_LENGTHS))
 
 
-def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], opts: SizingInput,
-                  act_bytes: int) -> Plan:
+def _with_context(cfg: ModelConfig, plan: ClusterPlan, workers: list[WorkerCapacity], opts: SizingInput,
+                  act_bytes: int) -> ClusterPlan:
     """The plan at the one context its stages share: as asked (--max-context), else the least of the longest
     each stage's memory holds with nothing else of its plan changed (plan/memory/context.py)."""
     by_key = {w.key: w for w in workers}
@@ -106,14 +106,14 @@ def _with_context(cfg: ModelConfig, plan: Plan, workers: list[WorkerCapacity], o
 
 
 def _in_cluster_spine(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int,
-                      wide: bool) -> tuple[Plan | None, str, SizingInput]:
+                      wide: bool) -> tuple[ClusterPlan | None, str, SizingInput]:
     """The cheapest plan in the cluster's spine format, why that format, and the options with it
     (plan/memory/spine_choice.py: as asked, by the coordinator or the workers; else by memory and what the disks
     hold)."""
     spine, asked = asked_spine(opts.spine, [(w.name, w.spine) for w in workers])
     by_key = {w.key: w for w in workers}
 
-    def unready(plan: Plan, fmt: str) -> list[str]:
+    def unready(plan: ClusterPlan, fmt: str) -> list[str]:
         disks = [(s.worker, by_key[s.key].spine_disk) for s in plan.stages]
         return [name for (name, disk), s in zip(disks, plan.stages, strict=True)
                 if disk is not None and not disk.ready(cfg, fmt, s.start, s.end)]
@@ -135,7 +135,7 @@ def _wide_options(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingI
 
 
 def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int,
-          resident_only: bool, wide: bool) -> Plan | None:
+          resident_only: bool, wide: bool) -> ClusterPlan | None:
     """The cheapest plan in one spine format (with `resident_only`, stages that stream spine are left out)."""
     n = cfg.num_layers
     per_worker = _wide_options(cfg, workers, opts) if wide else [replace(opts, disks=w.disks) for w in workers]
@@ -173,23 +173,23 @@ def _plan(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, ac
     done = best[len(workers)][n]
     if done is None:
         return None
-    return _place_experts(cfg, workers, done[1], per_worker, act_bytes) if wide else Plan(done[1])
+    return _place_experts(cfg, workers, done[1], per_worker, act_bytes) if wide else ClusterPlan(done[1])
 
 
-def _candidate(w: WorkerCapacity, a: int, b: int, sizing: StagePlan, wide: bool) -> tuple[PlannedStage, float]:
+def _candidate(w: WorkerCapacity, a: int, b: int, plan: StagePlan, wide: bool) -> tuple[PlannedStage, float]:
     """A stage of layers [a, b) on `w` and its cost: its reads' seconds (with wide experts only its spine's: the
     experts are read by every holder), and a tie-break that is least when spines follow memory. (Its hop over its
     link is left to the predictions: an extra stage costs a round trip, and buys memory.)"""
-    read = sizing.spine_bytes_per_token + (0 if wide else sizing.expert_bytes_per_token)
+    read = plan.spine_bytes_per_token + (0 if wide else plan.expert_bytes_per_token)
     seconds = read / (max(w.disk_gbps, 1e-3) * GB)
-    stage = PlannedStage(w.name, w.address, a, b, sizing, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
+    stage = PlannedStage(w.name, w.address, a, b, plan, seconds, w.worker_id, w.memory_bytes, w.host_memory_bytes,
                       w.disk_gbps, w.expert_speed, w.compute)
-    weight = sizing.layers + sizing.top + sizing.spine_bytes_per_token  # sum of spine^2 / memory
+    weight = plan.layers + plan.top + plan.spine_bytes_per_token  # sum of spine^2 / memory
     return stage, seconds + 1e-2 * weight ** 2 / max(1, w.memory_bytes) / GB
 
 
 def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tuple[PlannedStage, ...],
-                   per_worker: list[SizingInput], act_bytes: int) -> Plan:
+                   per_worker: list[SizingInput], act_bytes: int) -> ClusterPlan:
     """Wide experts over the plan's stages and the workers left without layers that can hold the working set of
     an expert holder: shares by disk speed and cache, the stages sized again with them, the prediction."""
     index = {w.key: i for i, w in enumerate(workers)}
@@ -224,7 +224,7 @@ def _place_experts(cfg: ModelConfig, workers: list[WorkerCapacity], stages: tupl
         seconds = (z.expert_bytes_per_token / max(c.expert_speed, 1e-3) + z.spine_bytes_per_token
                    / max(c.disk_gbps, 1e-3)) / GB
         sized.append(replace(m, plan=z, seconds_per_token=seconds))
-    return Plan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement)
+    return ClusterPlan(tuple(sized[:len(stages)]), tuple(sized[len(stages):]), placement)
 
 
 def _why_not(cfg: ModelConfig, workers: list[WorkerCapacity], opts: SizingInput, act_bytes: int) -> str:

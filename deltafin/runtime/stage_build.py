@@ -82,15 +82,15 @@ def check_stage_held(ckpt: Checkpoint, start: int, end: int, top: bool, serves: 
         check_held(ckpt.model_dir, ckpt.config, start, end, None)
 
 
-def converted_spine(ckpt: Checkpoint, start: int, end: int, sizing: StagePlan, options: StageOptions,
+def converted_spine(ckpt: Checkpoint, start: int, end: int, plan: StagePlan, options: StageOptions,
                     device: torch.device) -> SpineFiles | None:
     """The converted spine a stage in a converted format's plan reads (converted first where it is missing, stale
     or partial; None where there is no room for it: the placer then quantizes as the layers load)."""
-    if not spine_format(sizing.spine).converted:
+    if not spine_format(plan.spine).converted:
         return None
-    why = (f"layers [{start}, {end}): {len(sizing.resident_layers)} resident in {sizing.spine}, "
-           f"{len(sizing.streamed_layers)} streamed")
-    return prepare_spine(ckpt, sizing.spine, stage_units(ckpt.config, start, end), why=why,
+    why = (f"layers [{start}, {end}): {len(plan.resident_layers)} resident in {plan.spine}, "
+           f"{len(plan.streamed_layers)} streamed")
+    return prepare_spine(ckpt, plan.spine, stage_units(ckpt.config, start, end), why=why,
                          convert=options.convert, root=options.spine_dir, device=device)
 
 
@@ -175,10 +175,10 @@ class WeightPlacer:
     converted: bool = True  # streamed layers come in converted (else as stored, and stay so: sizing.converted)
 
     @classmethod
-    def of(cls, sizing: StagePlan, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
+    def of(cls, plan: StagePlan, device: torch.device, dtype: torch.dtype) -> WeightPlacer:
         """The placer of a stage's plan: its format, on MLX where q4 matmuls run there, its streamed layers'."""
-        mlx_q4 = spine_format(sizing.spine).holds(Q4) and q4_on_mlx(device.type)
-        return cls(device, dtype, sizing.spine, mlx_q4, sizing.converted)
+        mlx_q4 = spine_format(plan.spine).holds(Q4) and q4_on_mlx(device.type)
+        return cls(device, dtype, plan.spine, mlx_q4, plan.converted)
 
     def place(self, t: Weight, role: str, resident: bool = True) -> Weight:
         if weight_format(t) is not None:  # read from a converted spine: only moved
@@ -207,7 +207,7 @@ class WeightPlacer:
         return self.place(t, role, resident=False)
 
 
-def open_experts(ckpt: Checkpoint, sizing: StagePlan, options: StageOptions, device: torch.device,
+def open_experts(ckpt: Checkpoint, plan: StagePlan, options: StageOptions, device: torch.device,
                  layers: Iterable[int] | Want, backend: str,
                  progress: Callable[[str, float], None] | None = None) -> ExpertProvider:
     """The routed experts of `layers` as the plan says: streamed through a cache (from the model's disk and any
@@ -217,7 +217,7 @@ def open_experts(ckpt: Checkpoint, sizing: StagePlan, options: StageOptions, dev
     cfg, low = ckpt.config, options.mode.low_bit
     want = layers if isinstance(layers, Mapping) else whole_layers(cfg, layers)
     layers = sorted(want)
-    if sizing.streaming:
+    if plan.streaming:
         copy = prepare_copy(ckpt, low, want, convert=options.convert, device=device, report=progress) if low else None
         copies = [open_copy(ckpt, d) for d in options.expert_dir]
         speeds = options.disk_gbps
@@ -225,11 +225,11 @@ def open_experts(ckpt: Checkpoint, sizing: StagePlan, options: StageOptions, dev
             speeds = tuple(measure_disk(c, options.sizing.read_threads, options.io) for c in (ckpt, *copies))
             log.info("expert disks: %s", ", ".join(f"{c.model_dir} {g:.2f} GB/s"
                                                     for c, g in zip((ckpt, *copies), speeds, strict=True)))
-        demand_layers = 2 if sizing.wide and not sizing.holder_only else 1
+        demand_layers = 2 if plan.wide and not plan.holder_only else 1
         heat = ExpertHeat.for_checkpoint(options.expert_heat_dir, ckpt) if options.expert_heat_dir else None
         if heat is not None and low and options.mode.low_tail is None:
             heat.warm_ids_from = cfg.num_experts  # every expert is read from its copy: warm the copies
-        return ExpertStore(ckpt, layers, device=device, cache_bytes=sizing.expert_cache, io=options.io,
+        return ExpertStore(ckpt, layers, device=device, cache_bytes=plan.expert_cache, io=options.io,
                            threads=options.sizing.read_threads, policy=options.cache_policy, prefetch=options.prefetch,
                            backend=backend, act=activation(cfg), copies=copies, disk_gbps=speeds,
                            demand_layers=demand_layers, heat=heat, low=copy)
@@ -252,42 +252,42 @@ def expert_backend_for(cfg: ModelConfig, device: torch.device, mode: ExpertMode 
 
 
 def state_identity(ckpt: Checkpoint, start: int, end: int, device: torch.device, options: StageOptions,
-                   sizing: StagePlan, expert_backend: str) -> str:
+                   plan: StagePlan, expert_backend: str) -> str:
     """What a kept state's numbers depend on, as one name: the checkpoint, the layers, the activation dtype, the
     device, each layer's spine format (a converted one's recipe), where the routed experts run and the kernels
     that multiply (their rounding differs), and an expert mode other than exact. A state is resumed only by a stage
     of the same identity: a kept prompt computed with a bf16 spine is never continued (nor its logits reused) by a
     q4 one, nor one computed with top-p experts by an exact stage."""
     dtype = str(options.torch_dtype).removeprefix("torch.")
-    numbers = {"formats": spine_layout(sizing), "recipe": RECIPE if spine_format(sizing.spine).converted else None,
+    numbers = {"formats": spine_layout(plan), "recipe": RECIPE if spine_format(plan.spine).converted else None,
                "experts": f"mxfp4 on {expert_backend}", "kernels": kernel_family(device.type),
-               "wide": sizing.wide}
+               "wide": plan.wide}
     if options.expert_mode != EXACT:
         numbers["expert_mode"] = options.expert_mode
     if options.mode.low_bit:  # the copy's rounding
         numbers["expert_copy"] = low_bit_format(options.mode.low_bit).recipe
     digest = hashlib.blake2b(json.dumps(numbers, sort_keys=True).encode(), digest_size=6).hexdigest()
-    return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{sizing.spine}-{digest}"
+    return f"{fingerprint(ckpt.model_dir)}-{start}-{end}-{dtype}-{device.type}-{plan.spine}-{digest}"
 
 
-def spine_layout(sizing: StagePlan) -> str:
+def spine_layout(plan: StagePlan) -> str:
     """Each of the stage's layers' matrix format, as ranges: "q4 0-7", "int8 0-4, stored 5-92"."""
-    formats = [(i, matrix_format(sizing.spine)) for i in sizing.resident_layers]
-    streamed = matrix_format(sizing.spine) if sizing.converted else STORED
-    formats += [(i, streamed) for i in sizing.streamed_layers]
+    formats = [(i, matrix_format(plan.spine)) for i in plan.resident_layers]
+    streamed = matrix_format(plan.spine) if plan.converted else STORED
+    formats += [(i, streamed) for i in plan.streamed_layers]
     by_format: dict[str, list[int]] = {}
     for i, fmt in sorted(formats):
         by_format.setdefault(fmt, []).append(i)
     return ", ".join(f"{fmt} {id_ranges(layers)}" for fmt, layers in by_format.items())
 
 
-def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, sizing: StagePlan,
+def prefix_disk_for(ckpt: Checkpoint, device: torch.device, options: StageOptions, plan: StagePlan,
                     identity: str) -> PrefixDisk | None:
     """Where a stage's kept prefixes go on the disk (`prefix_dir`), in a folder of the stage's `identity`, within
     `prefix_disk_bytes` (default: the model's, at the planned context: kept_prefixes.default_prefix_disk_bytes)."""
     budget = options.prefix_disk_bytes
     if budget is None:
-        budget = default_prefix_disk_bytes(ckpt.config, sizing.context, options.act_bytes)
-    if not options.prefix_dir or not budget or not sizing.prefixes:
+        budget = default_prefix_disk_bytes(ckpt.config, plan.context, options.act_bytes)
+    if not options.prefix_dir or not budget or not plan.prefixes:
         return None
     return PrefixDisk(options.prefix_dir, identity, budget, device)

@@ -98,7 +98,7 @@ class Cost(Protocol):
 
 @dataclass(frozen=True)
 class PlannedCost:
-    """A pass's seconds for 1, 2, ... tokens as the plan predicts them (Plan.verify); longer passes cost as the
+    """A pass's seconds for 1, 2, ... tokens as the plan predicts them (ClusterPlan.verify); longer passes cost as the
     longest priced."""
 
     table: tuple[float, ...]

@@ -1,6 +1,6 @@
 """A cluster's plan as a value (pure): what the planner knows of each worker (`WorkerCapacity`), each stage it gave one
-(`PlannedStage`) and the whole (`Plan`), with the table `plan` prints. The planner (planner.py) makes them; first-token
-times (first_token.py) and the coordinator read them.
+(`PlannedStage`) and the whole (`ClusterPlan`), with the table `plan` prints. The planner (planner.py) makes them;
+first-token times (first_token.py) and the coordinator read them.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class PlannedStage:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ClusterPlan:
     stages: tuple[PlannedStage, ...]
     holders: tuple[PlannedStage, ...] = ()  # wide experts: workers with no layers, serving their share (start == end)
     experts: ExpertRanges | None = None  # wide experts: who computes which routed experts

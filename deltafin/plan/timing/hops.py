@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
 from deltafin.models.pieces import STREAM_PIECE_TOKENS
-from deltafin.plan.cluster.cluster_plan import Plan, PlannedStage
+from deltafin.plan.cluster.cluster_plan import ClusterPlan, PlannedStage
 from deltafin.plan.cluster.compute import spine_seconds
 from deltafin.plan.cluster.links import COORDINATOR, Links
 from deltafin.plan.memory.stage_parts import boundary_bytes_per_token
@@ -44,7 +44,7 @@ def _ways(links: Links, a: str, b: str, state: float) -> tuple[float, float | No
     return relayed, pair.seconds(state, 0.0) + (into.rtt_s + out.rtt_s) / 2
 
 
-def direct_hops(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> tuple[bool, ...]:
+def direct_hops(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int) -> tuple[bool, ...]:
     """For each hop (stage i to stage i + 1) of a forward of `tokens` tokens: whether it goes directly."""
     wire = min(act_bytes, plan.links.value_bytes)
     out = []
@@ -54,7 +54,7 @@ def direct_hops(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> tu
     return tuple(out)
 
 
-def hops_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
+def hops_seconds(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int) -> float:
     """A forward's hops: the ids to the first stage, each stage's output state to the next the way `direct_hops`
     chose (a stage that ends on a dense layer sends it while it computes: `_streamed`), the last position's logits
     back; a round trip to each stage."""
@@ -82,7 +82,7 @@ def _streamed(cfg: ModelConfig, s: PlannedStage, tokens: int, hop: float) -> flo
     return max(hop / n, hop - last * (n - 1) / n)
 
 
-def hop_ways(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[dict[str, str]]:
+def hop_ways(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int) -> list[dict[str, str]]:
     """Each hop's way for a decoded token and for a prompt's longest forward (what `plan` says)."""
     longest = min(s.plan.longest_forward for s in plan.stages)
     token, prompt = direct_hops(cfg, plan, 1, act_bytes), direct_hops(cfg, plan, longest, act_bytes)
@@ -91,7 +91,7 @@ def hop_ways(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[dict[str, str
             for a, b, t, p in zip(plan.stages[:-1], plan.stages[1:], token, prompt, strict=True)]
 
 
-def describe_hops(cfg: ModelConfig, plan: Plan, act_bytes: int) -> list[str]:
+def describe_hops(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int) -> list[str]:
     """`hop_ways` in words, one line a hop (none for one stage)."""
     words = {"direct": "handed over directly", "relayed": "relayed by the coordinator"}
     return [f"stage hop {h['from']} -> {h['to']}: a token {words[h['token']]}, a prompt's forward "

@@ -29,7 +29,7 @@ by
 from __future__ import annotations
 
 from deltafin.checkpoint.config import ModelConfig
-from deltafin.plan.cluster.cluster_plan import GB, Plan, PlannedStage, Seconds
+from deltafin.plan.cluster.cluster_plan import GB, ClusterPlan, PlannedStage, Seconds
 from deltafin.plan.cluster.compute import layer_flop, spine_seconds
 from deltafin.plan.cluster.links import Links
 from deltafin.plan.cluster.prompt_split import HolderSpeed, PromptSplit, streamed_finish
@@ -55,25 +55,25 @@ def forward_read_bytes(cfg: ModelConfig, tokens: int) -> float:
     return len(cfg.moe_layers) * distinct_experts(cfg, tokens) * cfg.bytes_per_expert if cfg.moe_layers else tokens
 
 
-def token_seconds(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> Seconds:
+def token_seconds(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int = 4) -> Seconds:
     """One decoded token's time (the disks' and the links', which do not overlap: a token's calls wait on its
     router, and its next layer on its calls)."""
     return _forward(cfg, plan, 1, act_bytes, overlap=False)
 
 
-def pass_seconds(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int = 4) -> float:
+def pass_seconds(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int = 4) -> float:
     """A decode step that verifies `tokens - 1` drafts: one forward of `tokens` tokens, reading the union of their
     experts (less what the caches keep), the spine streamed once, the hops and the compute (what drafting weighs
     its expected accepted tokens against: text/drafting.py)."""
     return _forward(cfg, plan, tokens, act_bytes, overlap=False).total
 
 
-def verify_table(cfg: ModelConfig, plan: Plan, act_bytes: int = 4) -> tuple[float, ...]:
+def verify_table(cfg: ModelConfig, plan: ClusterPlan, act_bytes: int = 4) -> tuple[float, ...]:
     """`pass_seconds` for 1 .. SPECULATIVE_TOKENS tokens (a step without drafts, then with 1 .. 8)."""
     return tuple(pass_seconds(cfg, plan, n, act_bytes) for n in range(1, SPECULATIVE_TOKENS + 1))
 
 
-def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: int | None = None,
+def prefill_seconds(cfg: ModelConfig, plan: ClusterPlan, tokens: int, forward_tokens: int | None = None,
                     act_bytes: int = 4) -> Seconds:
     """A prompt's time to its first token: in the fewest forwards of the plan's prompt size (or `forward_tokens`),
     of equal length (coordinator/engine/token_loop.py cuts them so), each reading every MoE layer's experts its
@@ -88,7 +88,7 @@ def prefill_seconds(cfg: ModelConfig, plan: Plan, tokens: int, forward_tokens: i
     return Seconds(disk, link, total, compute)
 
 
-def _period(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
+def _period(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int) -> float:
     """What one more forward of a prompt adds where the stages take its forwards at once (coordinator/cluster/
     pipelined.py): its slowest stage, or the links' hops, or (wide) the holders' reads of every stage's layers,
     which all its forwards share, whichever is longest."""
@@ -98,7 +98,7 @@ def _period(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> float:
     return max(*busy, shared, hops_seconds(cfg, plan, tokens, act_bytes))
 
 
-def _stage_busy(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> list[float]:
+def _stage_busy(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int) -> list[float]:
     """Each stage's part of a prompt's forward of `tokens`: its layers (with wide experts, each MoE layer's time on
     every holder, counted to the stage that owns it), its streamed spine and its spill."""
     out = []
@@ -115,7 +115,7 @@ def _stage_busy(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int) -> li
     return out
 
 
-def prompt_forward(plan: Plan) -> int:
+def prompt_forward(plan: ClusterPlan) -> int:
     """The most tokens a prompt's forward carries through every stage (its expert cache lent where the plan lends
     it: sizing.py `_lend_cache`)."""
     return min(s.plan.longest_forward for s in plan.stages)
@@ -130,7 +130,7 @@ def forward_lengths(tokens: int, most: int) -> list[int]:
     return [base + (i < extra) for i in range(count)]
 
 
-def _forward(cfg: ModelConfig, plan: Plan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:
+def _forward(cfg: ModelConfig, plan: ClusterPlan, tokens: int, act_bytes: int, overlap: bool) -> Seconds:
     links = plan.links
     hops = hops_seconds(cfg, plan, tokens, act_bytes)
     spine = sum(s.plan.spine_bytes_per_token / (_speed(s) * GB) for s in plan.stages)
@@ -219,7 +219,7 @@ def _local_reads(cfg: ModelConfig, s: PlannedStage, tokens: int) -> float:
     return layers * touched * cfg.bytes_per_expert * (1 - held) / (_speed(s, True) * GB)
 
 
-def _wide_layers(cfg: ModelConfig, plan: Plan, links: Links, tokens: int,
+def _wide_layers(cfg: ModelConfig, plan: ClusterPlan, links: Links, tokens: int,
                  ahead: bool = False) -> list[tuple[float, float, float, float]]:
     """Per MoE layer: (the slowest holder's reads, the slowest holder's compute, the owner's calls to the other
     holders, all at once; the layer's time in a prompt). A prompt's calls divide the experts so that every holder
@@ -274,7 +274,7 @@ def _speed(s: PlannedStage, experts: bool = False) -> float:
     return max((s.expert_gbps or s.disk_gbps) if experts else s.disk_gbps, 1e-3)
 
 
-def plan_summary(cfg: ModelConfig, plan: Plan, prompts: list[int], act_bytes: int = 4) -> dict:
+def plan_summary(cfg: ModelConfig, plan: ClusterPlan, prompts: list[int], act_bytes: int = 4) -> dict:
     """The plan as `plan --json` prints it: the mode and why, each worker's part, the links (measured or assumed),
     each worker's measured compute, and the predictions (a token; the first token of PROMPT_LENGTHS and of `prompts`),
     disks, links and compute apart."""

@@ -66,11 +66,11 @@ def test_wide_workers_download_every_layer_and_the_experts_the_planner_placed_on
 
 
 def test_equal_shares_are_written_k_of_n(k3):
-    from deltafin.plan.cluster.cluster_plan import Plan
+    from deltafin.plan.cluster.cluster_plan import ClusterPlan
     from deltafin.plan.cluster.expert_placement import ExpertRanges
 
     plan = plan_layers(k3, _workers(4), experts="wide")
     equal = ExpertRanges.build(plan.experts.holders, k3.moe_layers, 896, lambda i, layer: 1.0)
-    lines = download_commands(Plan(plan.stages, plan.holders, equal))
+    lines = download_commands(ClusterPlan(plan.stages, plan.holders, equal))
     assert [line.rsplit(" ", 1)[1] for line in lines[1:]] == ["0/4", "1/4", "2/4", "3/4"]
     assert split(0, 896, [1.0] * 4) == equal.bounds_of(1)
