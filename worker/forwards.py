@@ -14,7 +14,8 @@ from typing import TypeVar
 from deltafin.errors import NotAssigned, OutOfMemory
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory.stage_parts import boundary_bytes_per_token
-from deltafin.runtime.stage import SeqOutput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqOutput
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.worker.assignment import AssignmentSlot
 

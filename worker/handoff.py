@@ -29,7 +29,7 @@ import grpc
 
 from deltafin.errors import StatesGone
 from deltafin.runtime.features import Features
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.transport import forward_parts
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.generated import deltafin_pb2 as pb

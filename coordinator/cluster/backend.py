@@ -28,7 +28,7 @@ from deltafin.runtime.compute_probe import measure_compute
 from deltafin.runtime.features import Features, gather
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.weights.diskspeed import measure_disk
 
 log = logging.getLogger(__name__)

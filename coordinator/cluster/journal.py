@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 
 log = logging.getLogger(__name__)
 

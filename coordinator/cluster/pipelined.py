@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.runtime.features import Features, gather
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 
 Progress = Callable[[float], None] | None
 

@@ -43,7 +43,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec, assign_plan, find_
 from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, RemoteError, WorkerLost
 from deltafin.plan.cluster.cluster_plan import ClusterPlan
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from deltafin.plan.cluster.expert_placement import ExpertPlacement
 from deltafin.plan.cluster.links import Link
 from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.prefix_store import HeldPrefixes
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import ClusterSecurity

@@ -27,7 +27,7 @@ from typing import Any
 
 from deltafin.coordinator.cluster.backend import Backend
 from deltafin.errors import DeltafinError, PartialFailure, QueueFull
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 
 log = logging.getLogger(__name__)
 

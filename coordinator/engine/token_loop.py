@@ -29,7 +29,7 @@ import torch
 from deltafin.coordinator.engine.prefix_index import PrefixSession
 from deltafin.plan.timing.predict import forward_lengths
 from deltafin.runtime.features import FeatureAsk, Features
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
 from deltafin.text.drafting import DRAFT_CONTEXT, Drafter, DraftLength
 from deltafin.text.sampling import Choice, Sampler, StopMatcher

@@ -35,7 +35,7 @@ from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.plan.timing.predict import forward_lengths
 from deltafin.runtime.memory import peak_rss
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import distinct_experts
 from deltafin.text.tokenizer import K3Tokenizer

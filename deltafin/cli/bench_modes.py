@@ -35,7 +35,7 @@ from deltafin.models.weights import MoEWeights
 from deltafin.options import CACHE_POLICIES
 from deltafin.plan.memory.sizing_options import SizingOptions, low_bit_ratio, mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.expert_cache import ExpertCache, make_policy, simulate
 

@@ -26,7 +26,7 @@ from deltafin.mini import corpus
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.tokenizer import K3Tokenizer
 

@@ -33,7 +33,7 @@ from deltafin.paths import model_path as resolve_model_path
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.head_drafter import DRAFT_DIR
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import NgramDrafter, reads_cost
 from deltafin.weights.expert_cache import simulate

@@ -27,7 +27,7 @@ from deltafin.models.decoder import Span, attention, embed, feed_forward, final_
 from deltafin.models.moe import route
 from deltafin.models.weights import MoEWeights, layer_weights, top_weights
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.text import chat
 from deltafin.text.tokenizer import K3Tokenizer
 

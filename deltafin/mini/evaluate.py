@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from deltafin.mini.corpus import Conversation, encode_all
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.text.tokenizer import K3Tokenizer
 
 

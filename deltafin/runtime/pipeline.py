@@ -24,8 +24,9 @@ from deltafin.plan.memory.stage_plan import Budget, StagePlan
 from deltafin.plan.planner import split_layers
 from deltafin.progress import Progress
 from deltafin.runtime.features import Features, gather
-from deltafin.runtime.stage import SeqInput, SeqOutput, Stage
+from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import disk_plan, expert_backend_for
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 

@@ -10,21 +10,18 @@ runtime/stage_build.py; its counters and -v lines in runtime/stage_stats.py.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deltafin.checkpoint.config import ModelConfig
 from deltafin.checkpoint.shards import Checkpoint
-from deltafin.errors import Cancelled, DeltafinError, InvalidInput
+from deltafin.errors import Cancelled, DeltafinError
 from deltafin.models.attn_res import ResidualState
 from deltafin.models.cache import SequenceCache
 from deltafin.models.decoder import (
@@ -42,9 +39,8 @@ from deltafin.models.mode_routing import mode_router
 from deltafin.models.moe import FusedExperts, routed_sum
 from deltafin.models.pieces import PIECE_TOKENS, STREAM_PIECE_TOKENS
 from deltafin.paths import cache_dir
-from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS
 from deltafin.plan.memory.stage_plan import StagePlan
-from deltafin.runtime.features import FeatureAsk, FeatureCapture, Features
+from deltafin.runtime.features import FeatureCapture
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixStore
 from deltafin.runtime.read_ahead import prefetch_experts, room_for_prompt
 from deltafin.runtime.sessions import Sessions
@@ -59,6 +55,7 @@ from deltafin.runtime.stage_build import (
     prefix_disk_for,
     state_identity,
 )
+from deltafin.runtime.stage_io import SeqInput, SeqOutput, check_batch
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counters, plan_details, stage_stats
 from deltafin.runtime.wide import WideExperts
@@ -67,43 +64,6 @@ from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.spine_convert import rebuild_unit
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SeqInput:
-    """One sequence of a forward call: `ids` [T] for stage 0, else the residual state of T tokens."""
-
-    session_id: str
-    cache_len: int  # tokens already in the session's cache (0 starts a new session)
-    ids: torch.Tensor | None = None
-    state: ResidualState | None = None
-    resume_from: str | None = None  # a new session starts from this prefix (of cache_len tokens)
-    # keep the session's state after n tokens as a prefix (cache_len < n <= cache_len + T), each under its id; a
-    # state inside the forward is taken as it runs (the forward is not split), the last stage keeps the logits
-    # of a state at the forward's end (what a prompt's first output token needs)
-    save_at: tuple[tuple[int, str], ...] = ()
-    # drafted tokens to verify: logits for every token come back, and the next forward may continue from any
-    # of its positions (cache_len below the session's length drops the drafts after it)
-    speculative: bool = False
-    # a draft head's features: the hidden states entering these layers at the rows from a position on
-    # (runtime/features.py); each stage answers the layers it runs
-    features: FeatureAsk | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.ids.shape[0]) if self.ids is not None else self.state.num_tokens  # type: ignore[union-attr]
-
-    def carrying(self, state: ResidualState) -> SeqInput:
-        """The same sequence for the next stage: the previous stage's output instead of ids."""
-        return dataclasses.replace(self, ids=None, state=state)
-
-
-@dataclass(frozen=True)
-class SeqOutput:
-    session_id: str
-    state: ResidualState | None = None  # when this is not the last stage
-    logits: torch.Tensor | None = None  # fp32 [T or 1, vocab] from the last stage
-    features: Features = dataclasses.field(default_factory=dict)  # asked layers this stage runs -> [rows, D] fp32
 
 
 class Stage:
@@ -129,7 +89,7 @@ class Stage:
         self.plan, self.spine_files = plan_with_spine(ckpt, start, end, device, opts, self.expert_backend, plan)
         self.budgeted = opts.memory_bytes is not None  # its plan's caches and forwards bind (without a budget the
         # plan is nominal: everything resident, no limit of its own)
-        self._log_plan()
+        _log_plan(self)
         t0 = time.monotonic()
         self.files = ShardFiles(opts.io)
         self.spine = self._open_spine(progress)
@@ -226,7 +186,7 @@ class Stage:
         no session changes); `progress(layers done, layers)` hears after each layer. `early` hears outputs final
         before the forward ends (slices of states, in order): a long forward's last layer, where it is dense, runs
         in pieces (models/decoder.py STREAM_PIECE_TOKENS), each passed on as it is done, to cross meanwhile."""
-        _check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
+        check_batch(self.cfg, self.start, self.end, batch, self.max_forward_tokens, all_logits)
         tokens = sum(b.num_tokens for b in batch)
         blocks = open_spill(self, tokens)  # where it spills: its disk has the room
         room_for_prompt(self, tokens)
@@ -255,7 +215,7 @@ class Stage:
         self.timings.tokens += sum(b.num_tokens for b in batch)
         self.timings.seconds += time.monotonic() - t0
         if log.isEnabledFor(logging.DEBUG):
-            self._log_forward(batch, time.monotonic() - t0, io_before)
+            _log_forward(self, batch, time.monotonic() - t0, io_before)
         return outputs
 
     def _advance(self, batch: list[SeqInput], caches: list[SequenceCache], outputs: list[SeqOutput]) -> None:
@@ -266,20 +226,6 @@ class Stage:
             c.end_trail(item.num_tokens if item.speculative else 0)
             tokens = self.sessions.record_tokens(item.session_id, item.cache_len, item.ids)
             _keep_states(self.prefixes, c, item, out, tokens)
-
-    def _log_plan(self) -> None:
-        """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
-        log.info("stage [%d, %d) on %s: %s", self.start, self.end, self.device, self.plan.describe())
-        log.debug("stage [%d, %d) plan: %s", self.start, self.end, plan_details(self.cfg, self.plan, self.options))
-
-    def _log_forward(self, batch: list[SeqInput], seconds: float, before: tuple[float, ...]) -> None:
-        """-v: one line a forward with what it read and waited for (and, wide, each holder's experts and time)."""
-        if not log.isEnabledFor(logging.DEBUG):
-            return
-        reads = forward_reads(io_counters(self.spine, self.experts), before)
-        log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs %s%s", self.start, self.end - 1, len(batch),
-                  sum(b.num_tokens for b in batch), seconds, reads,
-                  f"; wide: {self.wide.describe_forward()}" if self.wide is not None else "")
 
     def _layers(self, state: ResidualState, spans: list[Span], should_stop: Callable[[], bool] | None,
                 progress: Callable[[int, int], None] | None = None,
@@ -352,6 +298,21 @@ class Stage:
         self.spine.close()
         self.files.close()
         self.top = self.spine.top = None  # device memory goes with close, not with garbage collection
+
+
+def _log_plan(stage: Stage) -> None:
+    """The plan's parts; with -v, the decisions behind it that set speed (stage_stats.plan_details)."""
+    log.info("stage [%d, %d) on %s: %s", stage.start, stage.end, stage.device, stage.plan.describe())
+    log.debug("stage [%d, %d) plan: %s", stage.start, stage.end, plan_details(stage.cfg, stage.plan, stage.options))
+
+def _log_forward(stage: Stage, batch: list[SeqInput], seconds: float, before: tuple[float, ...]) -> None:
+    """-v: one line a forward with what it read and waited for (and, wide, each holder's experts and time)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    reads = forward_reads(io_counters(stage.spine, stage.experts), before)
+    log.debug("layers %d-%d: %d sequences, %d tokens in %.3fs %s%s", stage.start, stage.end - 1, len(batch),
+              sum(b.num_tokens for b in batch), seconds, reads,
+              f"; wide: {stage.wide.describe_forward()}" if stage.wide is not None else "")
 
 
 def _timed(timings: StageTimings, fused: FusedExperts) -> FusedExperts:
@@ -431,59 +392,3 @@ def _rows_of(state: ResidualState, blocks: SpilledBlocks | None) -> Callable[[to
         at = rows.to(state.P.device)
         return ResidualState(state.P[at], state.B[at] if blocks is None else blocks.read(rows.cpu()))
     return rows_of
-
-
-def _check_batch(cfg: ModelConfig, start: int, end: int, batch: list[SeqInput], limit: int | None,
-                 all_logits: bool = False) -> None:
-    """A forward's batch as stage [start, end) takes it, checked before any session changes; `limit`: the tokens
-    one forward may carry (None: no limit)."""
-    if not batch or len({b.session_id for b in batch}) != len(batch):
-        raise InvalidInput("a forward call needs at least one sequence and distinct session ids")
-    for item in batch:  # first: the token counts below need well-formed inputs
-        _check_input(cfg, start, end, item)
-    if all_logits and end == cfg.num_layers and sum(b.num_tokens for b in batch) > PIECE_TOKENS:
-        raise InvalidInput(f"a forward that returns every position's logits carries at most {PIECE_TOKENS} "
-                           "tokens (what the plan holds logits for): send it in pieces")
-    tokens = sum(b.num_tokens for b in batch)
-    if limit is not None and tokens > limit:
-        raise InvalidInput(f"this forward carries {tokens} tokens; stage [{start}, {end}) was sized for "
-                           f"at most {limit} per forward: send longer prompts in chunks")
-
-
-def _check_input(cfg: ModelConfig, start: int, end: int, item: SeqInput) -> None:
-    if item.cache_len < 0:
-        raise InvalidInput(f"session {item.session_id!r}: negative cache_len")
-    if start == 0:
-        ids = item.ids
-        if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
-            raise InvalidInput("stage 0 takes a non-empty 1-D integer tensor of token ids")
-        if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
-            raise InvalidInput(f"token ids must be in [0, {cfg.vocab_size})")
-    else:
-        st, d, n = item.state, cfg.hidden_size, cfg.blocks_entering(start)
-        if st is None:
-            raise InvalidInput(f"stage [{start}, {end}) takes a residual state, not token ids")
-        t = st.P.shape[0] if st.P.dim() else 0
-        if st.P.shape != (t, d) or st.B.shape != (t, n, d) or t == 0:
-            raise InvalidInput(f"residual state must be P [T, {d}] and B [T, {n}, {d}] with T > 0; got "
-                               f"P {list(st.P.shape)}, B {list(st.B.shape)}")
-        if not (torch.isfinite(st.P).all() and torch.isfinite(st.B).all()):
-            raise InvalidInput("residual state contains NaN or Inf")
-    if item.speculative and item.num_tokens > SPECULATIVE_TOKENS:
-        raise InvalidInput(f"session {item.session_id!r}: a speculative forward verifies at most "
-                           f"{SPECULATIVE_TOKENS} tokens (what a plan for drafting holds room for)")
-    if item.features is not None:
-        item.features.check(cfg.num_layers, f"session {item.session_id!r}")
-    if item.speculative and item.save_at:
-        raise InvalidInput(f"session {item.session_id!r}: a speculative forward cannot be kept as a prefix (its "
-                           "drafts are not decided yet)")
-    _check_save_at(item)
-
-
-def _check_save_at(item: SeqInput) -> None:
-    """The states a forward keeps: past the cache, within the forward, each under an id of its own."""
-    end = item.cache_len + item.num_tokens
-    if any(not item.cache_len < n <= end or not prefix_id for n, prefix_id in item.save_at) \
-            or len({prefix_id for _, prefix_id in item.save_at}) != len(item.save_at):
-        raise InvalidInput(f"session {item.session_id!r}: save_at names token counts in ({item.cache_len}, {end}] "
-                           "(past the cache, within this forward), each under an id of its own")

@@ -1,7 +1,7 @@
 """Speculative decoding without a draft model: drafts from the text so far, and how many to draft.
 
 A pass feeds the last token and k drafted ones in one forward; the stages return logits for every position
-and can continue from any of them (stage.SeqInput.speculative). The sampler accepts a prefix of the drafts
+and can continue from any of them (stage_io.SeqInput.speculative). The sampler accepts a prefix of the drafts
 (`Sampler.verify`: exact for greedy and for sampling), so the output is what plain decoding would give.
 
 - `Drafter` is what proposes tokens; `NgramDrafter` is prompt lookup: the continuation of the latest earlier

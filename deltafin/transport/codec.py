@@ -22,7 +22,7 @@ from deltafin.plan.cluster.links import Link
 from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.prefix_store import HeldPrefixes
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport.generated import deltafin_pb2 as pb

@@ -17,7 +17,7 @@ import torch
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.runtime.features import Features
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.transport.codec import decode_features, decode_inputs, decode_outputs, encode_inputs, encode_outputs
 from deltafin.transport.generated import deltafin_pb2 as pb
 

@@ -20,7 +20,8 @@ import torch
 from deltafin.checkpoint.config import load_config, with_eps_convention
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.kernels import linear as linear_mod
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from tests.reference.golden.make_llamacpp_golden import checkpoint_digest
 
 GOLDEN = Path(__file__).parent / "golden" / "k3_tiny_llamacpp.npz"

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from deltafin.checkpoint.config import load_config  # noqa: E402
 from deltafin.checkpoint.shards import open_checkpoint  # noqa: E402
-from deltafin.runtime.stage import SeqInput, Stage  # noqa: E402
+from deltafin.runtime.stage import Stage  # noqa: E402
+from deltafin.runtime.stage_io import SeqInput  # noqa: E402
 
 IDS = [3, 17, 200, 45, 9, 120, 250, 1, 77, 33, 5, 64, 128, 99, 11, 42, 7, 180, 21, 150]
 

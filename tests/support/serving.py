@@ -13,7 +13,7 @@ import torch
 
 from deltafin.errors import ClusterUnavailable
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.text.tokenizer import K3Tokenizer
 
 MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")

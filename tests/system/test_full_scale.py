@@ -67,7 +67,7 @@ def _memlimit_usable() -> bool:
 def _decode(model: Path, address: str) -> tuple[torch.Tensor, list[dict]]:
     from deltafin.coordinator.cluster.recovery import connect_cluster
     from deltafin.coordinator.cluster.workers import ClusterSpec
-    from deltafin.runtime.stage import SeqInput
+    from deltafin.runtime.stage_io import SeqInput
 
     async def run():
         backend, plan = await connect_cluster(ClusterSpec(model, addresses=[address], discover=False),
@@ -114,7 +114,8 @@ def _in_process_under_a_stand_in_cap(model: Path, monkeypatch) -> None:
     from deltafin.cli.flags import stage_from_args
     from deltafin.cli.worker import build_parser
     from deltafin.runtime import memory
-    from deltafin.runtime.stage import SeqInput, Stage
+    from deltafin.runtime.stage import Stage
+    from deltafin.runtime.stage_io import SeqInput
     from deltafin.runtime.stage_options import with_memory_found
     from tests.support.sizing import held, plan_of
 

@@ -22,7 +22,7 @@ from deltafin.coordinator.cluster.worker_client import Timeouts
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.errors import WorkerLost
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from tests.support.cluster import workers
 from tests.support.links import slow_links
 from tests.support.serving import argmax_loop

@@ -17,7 +17,7 @@ from deltafin.coordinator.cluster.recovery import connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.errors import RemoteError, StatesGone
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.worker.handoff import Inbox
 from tests.support.cluster import workers

@@ -22,7 +22,8 @@ from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges
 from deltafin.plan.memory.holder_sizing import size_holder
 from deltafin.plan.memory.sizing import Placement, SizingInput
 from deltafin.runtime import wide
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.runtime.wide import ExpertCall
 from deltafin.transport import codec, forward_parts

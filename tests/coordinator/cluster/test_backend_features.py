@@ -13,7 +13,7 @@ from deltafin.coordinator.cluster.recovery import connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.runtime.features import FeatureAsk
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from tests.support.cluster import workers
 from tests.support.draft_heads import write_random_head
 

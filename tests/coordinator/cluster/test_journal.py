@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deltafin.coordinator.cluster.journal import ReplayJournal
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 
 
 def test_the_journal_is_bounded() -> None:

@@ -21,7 +21,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.coordinator.engine.scheduler import Scheduler
 from deltafin.errors import RemoteError
 from deltafin.models.attn_res import ResidualState
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from tests.support.cluster import workers
 
 DELAY = 0.05  # seconds a scripted stage takes a forward

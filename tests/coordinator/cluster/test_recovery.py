@@ -19,7 +19,7 @@ from deltafin.coordinator.cluster.recovery import Recovery, RecoveryOptions, Res
 from deltafin.coordinator.cluster.worker_client import FORWARD_UNIT, Timeouts, WorkerClient
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.errors import ClusterUnavailable, PartialFailure, RemoteError
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 
 
 class FlakyStages:

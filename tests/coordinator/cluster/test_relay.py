@@ -14,7 +14,7 @@ from deltafin.coordinator.cluster.backend import ClusterBackend
 from deltafin.coordinator.cluster.worker_client import Timeouts, WorkerClient
 from deltafin.errors import RemoteError
 from deltafin.models.attn_res import ResidualState
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.transport import forward_parts
 
 D, BLOCKS = 8, 2

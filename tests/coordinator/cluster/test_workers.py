@@ -17,7 +17,7 @@ from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.token_loop import Finished, Request, generate
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from tests.support.cluster import COORDINATOR, workers
 
 PROMPT = [5, 100, 300, 7, 9, 700, 12, 44]

@@ -19,7 +19,7 @@ from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.cluster.recovery import connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from tests.coordinator.cluster.test_workers import PROMPT, _run
 from tests.support.cluster import COORDINATOR, WorkerProcess, workers
 from tests.support.wide import wide_close

@@ -10,7 +10,7 @@ import torch
 
 from deltafin.coordinator.engine.scheduler import Scheduler
 from deltafin.errors import DeltafinError
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 
 
 class Recording:

@@ -16,7 +16,7 @@ from deltafin.expert_modes import ExpertMode
 from deltafin.paths import bundled_model
 from deltafin.plan.memory.sizing_options import mode_presets
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -23,7 +23,8 @@ from deltafin.download.sources import LocalSource, open_source
 from deltafin.errors import DeltafinError, ModelFormatError, NotHeld
 from deltafin.mini.synth import synthesize
 from deltafin.plan.cluster.expert_placement import split
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 
 CPU = torch.device("cpu")
 

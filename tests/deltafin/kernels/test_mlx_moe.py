@@ -19,7 +19,8 @@ from deltafin.models.decoder import ffn_input
 from deltafin.models.moe import moe_forward
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import compute_logits
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 
 pytest.importorskip("mlx.core", reason="the test extra installs mlx[cpu]")

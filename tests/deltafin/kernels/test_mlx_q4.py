@@ -205,7 +205,7 @@ def test_a_q4_stage_on_mlx_holds_each_weight_once_and_computes_the_native_result
     products use them without converting a second copy, and the logits are the native q4 stage's (fp32 sums in
     another order: 1e-4 relative)."""
     from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
+    from deltafin.runtime.stage_io import SeqInput
     from deltafin.runtime.stage_options import StageOptions
 
     ids = torch.tensor([5, 9, 2, 7])
@@ -266,7 +266,7 @@ def test_a_stage_reading_the_q3_copy_runs_its_experts_one_by_one_with_the_copy_o
     takes one format), each copy matrix through MLX's 3-bit quantized matmul, and the logits are the native
     stage's in that mode (fp32 sums in another order: 1e-4 relative)."""
     from deltafin.runtime.pipeline import LocalPipeline
-    from deltafin.runtime.stage import SeqInput
+    from deltafin.runtime.stage_io import SeqInput
     from deltafin.runtime.stage_options import StageOptions
 
     ids = torch.tensor([5, 9, 2, 7])

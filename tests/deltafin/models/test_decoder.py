@@ -10,7 +10,8 @@ import torch
 from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.runtime.pipeline import LocalPipeline, compute_logits
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 
 IDS = [5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17, 768, 250, 33, 512, 64, 129, 900, 8, 1, 2, 3, 4, 5]
 

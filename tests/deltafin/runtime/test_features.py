@@ -12,7 +12,7 @@ from deltafin.models.common import rms_norm
 from deltafin.models.decoder import layer_input
 from deltafin.runtime.features import FeatureAsk
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.transport import codec, forward_parts
 
 PROMPT = torch.tensor([5, 17, 3, 99, 42, 7, 250, 8, 61, 12])

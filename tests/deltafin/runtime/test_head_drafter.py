@@ -11,7 +11,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.runtime.features import FeatureAsk
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, Kept, open_head
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from tests.support.draft_heads import write_random_head
 
 TEXT = [5, 17, 3, 99, 42, 7, 250, 8, 61, 12, 400, 33]

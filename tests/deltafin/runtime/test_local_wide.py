@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from deltafin.runtime.local_wide import LocalWide
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.wide import ExpertCall
 
 IDS = torch.tensor([5, 100, 300, 7, 9, 700, 12, 44, 3, 1000, 2, 17])

@@ -9,7 +9,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.plan.memory import sizing
 from deltafin.runtime import stage_build
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 
 

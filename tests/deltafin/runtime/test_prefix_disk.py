@@ -17,7 +17,8 @@ from deltafin.errors import PrefixNotFound
 from deltafin.models.cache import KDACache
 from deltafin.plan.memory.kept_prefixes import default_prefix_disk_bytes
 from deltafin.runtime.prefix_disk import PrefixDisk
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 
 CPU = torch.device("cpu")

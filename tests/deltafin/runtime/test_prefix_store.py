@@ -12,7 +12,8 @@ from deltafin.errors import InvalidInput, PrefixNotFound
 from deltafin.models.pieces import mla_capacity
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.memory.stage_parts import kda_state_bytes, mla_row_bytes
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 
 CPU = torch.device("cpu")

@@ -13,8 +13,9 @@ from deltafin.errors import DeltafinError, InvalidInput, OutOfMemory, SessionNot
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.memory.stage_parts import sequence_bytes
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import plan_stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 

@@ -16,7 +16,7 @@ import torch
 from deltafin.models.pieces import PIECE_TOKENS
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 
 PROMPT = PIECE_TOKENS + 188  # two attention pieces in one forward, two forwards of at most 512

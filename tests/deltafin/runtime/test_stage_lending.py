@@ -20,7 +20,8 @@ from deltafin.plan.memory.sizing import Placement, SizingInput, lent, size_stage
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.plan.memory.stage_plan import Budget
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 

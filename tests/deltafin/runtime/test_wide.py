@@ -16,7 +16,7 @@ from deltafin.errors import InvalidInput, NotHeld
 from deltafin.plan.cluster.expert_placement import ExpertPlacement, ExpertRanges, Holder, HolderLink
 from deltafin.plan.cluster.links import profile
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.wide import ExpertCall, ExpertHolder, call_pieces
 from tests.support.wide import WideCluster, wide_close
 

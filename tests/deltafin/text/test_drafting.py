@@ -12,7 +12,7 @@ from deltafin.coordinator.engine.generation import Generation
 from deltafin.errors import InvalidInput, SessionOutOfSync
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.text.drafting import Drafts
 from tests.support.cluster import COORDINATOR
 

@@ -13,7 +13,7 @@ import torch
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory.sizing import SizingInput
-from deltafin.runtime.stage import SeqInput, SeqOutput
+from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.generated import deltafin_pb2 as pb
@@ -80,7 +80,7 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
     pipe = LocalPipeline.load(tiny_dir, 1, "cpu", "fp32",
                               options=StageOptions(sizing=SizingInput(expert_cache_bytes=200_000)))
     try:
-        from deltafin.runtime.stage import SeqInput
+        from deltafin.runtime.stage_io import SeqInput
 
         pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
         stage = pipe.stages[0]

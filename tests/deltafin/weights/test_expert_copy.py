@@ -18,7 +18,7 @@ from deltafin.formats import low_bit_format
 from deltafin.kernels.quant import dequantize_mxfp4, dequantize_q3
 from deltafin.models.mode_routing import mode_router
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights import expert_copy
 from deltafin.weights.expert_copy import ExpertCopy, copy_bytes, layer_file, prepare_copy, whole_layers

@@ -21,7 +21,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.checkpoint.shards import fingerprint, open_checkpoint
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights import expert_heat
 from deltafin.weights.expert_heat import ExpertHeat, decay, encode_heat, heat_path, read_heat

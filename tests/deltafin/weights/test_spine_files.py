@@ -19,7 +19,7 @@ from deltafin.kernels import quant
 from deltafin.kernels.quant import Int8Weight, Q4Weight, dequantize_q4
 from deltafin.runtime import stage_build
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights import spine_convert
 from deltafin.weights.spine_convert import convert_checkpoint

@@ -17,7 +17,8 @@ from deltafin.checkpoint.shards import open_checkpoint
 from deltafin.errors import ModelFormatError
 from deltafin.plan.memory.sizing import Placement, SizingInput, size_stage
 from deltafin.runtime.pipeline import LocalPipeline
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.store import ExpertStore

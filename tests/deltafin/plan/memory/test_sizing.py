@@ -18,7 +18,8 @@ from deltafin.plan.memory.sizing import Placement, SizingInput, choose, size_sta
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.plan.memory.stage_parts import expert_slot_bytes
 from deltafin.plan.memory.stage_plan import Budget
-from deltafin.runtime.stage import SeqInput, Stage
+from deltafin.runtime.stage import Stage
+from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.weights.reader import layer_spans
 from deltafin.weights.resident import ResidentExperts
