@@ -37,9 +37,10 @@ from typing import Any, TypeVar
 
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.engine.engine import open_engine
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.serving_options import ServingOptions
-from deltafin.coordinator.engine.token_loop import Finished, PlainText
+from deltafin.coordinator.engine.token_loop import PlainText
 from deltafin.errors import DeltafinError
 from deltafin.options import from_values, option_names
 from deltafin.paths import model_path as resolve_model_path

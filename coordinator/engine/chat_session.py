@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import PrefillReporter
-from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.text.chat import ChatOptions, OutputParser, ToolCall, assistant_message, encode_with_boundaries
 from deltafin.text.sampling_params import SamplingParams
 

@@ -19,19 +19,12 @@ from deltafin.checkpoint.config import ModelConfig, load_config
 from deltafin.coordinator.cluster.backend import Backend
 from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import open_backend
+from deltafin.coordinator.engine.events import Finished, PrefillProgress, TokenEvent
 from deltafin.coordinator.engine.generation import GREEDY, Generation
 from deltafin.coordinator.engine.prefix_index import PrefixIndex, PrefixSession, stage_shares
 from deltafin.coordinator.engine.scheduler import Scheduler
 from deltafin.coordinator.engine.serving_options import ServingOptions
-from deltafin.coordinator.engine.token_loop import (
-    Finished,
-    PrefillProgress,
-    Request,
-    Speculation,
-    TextView,
-    TokenEvent,
-    generate,
-)
+from deltafin.coordinator.engine.token_loop import Request, Speculation, TextView, generate
 from deltafin.errors import DeltafinError, DraftUnavailable, PromptTooLong, ShuttingDown
 from deltafin.expert_modes import EXACT
 from deltafin.plan.memory.sizing_options import SPECULATIVE_TOKENS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, TextIO
 
-from deltafin.coordinator.engine.token_loop import PrefillProgress
+from deltafin.coordinator.engine.events import PrefillProgress
 from deltafin.progress import Progress, fmt_bytes
 
 log = logging.getLogger("deltafin.progress")

@@ -26,13 +26,14 @@ from typing import Protocol
 
 import torch
 
+from deltafin.coordinator.engine.events import Drafting, Finished, PrefillProgress, Timing, TokenEvent, Usage
 from deltafin.coordinator.engine.prefix_index import PrefixSession
 from deltafin.plan.timing.predict import forward_lengths
 from deltafin.runtime.features import FeatureAsk, Features
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.text.chat import Delta
 from deltafin.text.drafting import DRAFT_CONTEXT, Drafter, DraftLength
-from deltafin.text.sampling import Choice, Sampler, StopMatcher
+from deltafin.text.sampling import Sampler, StopMatcher
 from deltafin.text.sampling_params import SamplingParams
 from deltafin.text.tokenizer import K3Tokenizer, StreamDecoder
 from deltafin.transport.grpc_status import is_prefix_missing
@@ -82,110 +83,12 @@ class _NoText:
         return Delta()
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    delta: Delta
-    choice: Choice  # the id again, with its logprob and the top alternatives when asked for
-    logits: torch.Tensor | None = None  # fp32 [vocab] when the request asks for them (tests, tools)
-    stop: bool = False  # the stop token that ended the generation: not part of the output (nor its logprobs)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens resumed from a kept prefix instead of prefilled
-    cache_created_tokens: int = 0  # prompt tokens past those whose state this request kept for later requests
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class Timing:
-    prefill_s: float  # the prompt's forward, including the first token's logits
-    decode_s: float  # every later forward
-
-    decode_steps: int = 0  # forwards after the prefill (the first token comes from the prefill)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return 0.0 if self.decode_s <= 0 else self.decode_steps / self.decode_s
-
-    @property
-    def seconds_per_token(self) -> float:
-        return 0.0 if self.decode_steps == 0 else self.decode_s / self.decode_steps
-
-
-@dataclass
-class Drafting:
-    """Speculative decoding's counts for one request."""
-
-    draft_tokens: int = 0  # drafted tokens verified
-    accepted_tokens: int = 0  # of them, taken
-    forwards: int = 0  # forwards after the prefill (one per token without drafts)
-
-    def note(self, drafted: int, accepted: int, speculation: Speculation | None = None) -> int:
-        """A pass verified `drafted` drafts and took `accepted`; the draft-length controller hears it too."""
-        self.draft_tokens += drafted
-        self.accepted_tokens += accepted
-        if speculation is not None:
-            speculation.lengths.update(drafted, accepted)
-        return accepted
-
-
 @dataclass
 class Speculation:
     """How a request drafts: the drafter and the draft-length controller (deltafin/text/drafting.py)."""
 
     drafter: Drafter
     lengths: DraftLength
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" | "length"
-    usage: Usage
-    delta: Delta  # text held back until the end (an incomplete character, a partial stop-string match)
-    timing: Timing
-    stopped_by: int | str | None = None  # the stop token id or stop string that ended it
-    drafting: Drafting = field(default_factory=Drafting)
-
-
-async def gathered(events: AsyncIterator[TokenEvent | Finished],
-                   each: Callable[[TokenEvent | Finished], None] | None = None) -> tuple[Delta, Finished]:
-    """A whole reply from its events (a response that is not streamed): their deltas joined, and the event that
-    finished it. `each` sees every event on the way (logprobs, counts)."""
-    reasoning, content, calls, end = [], [], [], None
-    async for e in events:
-        reasoning.append(e.delta.reasoning)
-        content.append(e.delta.content)
-        calls += e.delta.tool_calls
-        if each is not None:
-            each(e)
-        if isinstance(e, Finished):
-            end = e
-    if end is None:
-        raise RuntimeError("a reply's events ended without Finished")
-    return Delta("".join(reasoning), "".join(content), calls), end
-
-
-@dataclass(frozen=True)
-class PrefillProgress:
-    """How far a prompt's prefill is: prompt tokens in the caches (resumed ones included; a forward's part counted
-    as its layers go) and the expert bytes its forwards read (expected, for a uniform router: every forward of a
-    few hundred tokens reads nearly every expert, so bytes, not tokens, say how long the rest takes)."""
-
-    tokens_done: float
-    tokens_total: int
-    bytes_done: float
-    bytes_total: float
-
-    @property
-    def finished(self) -> bool:
-        return self.tokens_done >= self.tokens_total
 
 
 @dataclass
@@ -286,7 +189,8 @@ async def generate(forward: Forward, release: Release, view: TextView | None, re
             for event in events:
                 yield event
             if drafts:  # the drafts taken before the last token emitted are text; the stages drop the rest
-                taken = drafting.note(len(drafts), len(events) - 1, req.speculation)
+                taken = drafting.note(len(drafts), len(events) - 1,
+                                      req.speculation.lengths if req.speculation else None)
                 fed += drafts[:taken]
                 length += taken
             _observe(req.speculation, out, fed_end, req.prompt_ids + text.tokens)

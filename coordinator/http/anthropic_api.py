@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage
+from deltafin.coordinator.engine.events import Finished, TokenEvent, Usage
 from deltafin.coordinator.http import request as rq
 from deltafin.errors import SamplingError
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall

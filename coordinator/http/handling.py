@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from deltafin.coordinator.engine.engine import Engine
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent
+from deltafin.coordinator.engine.events import Finished, TokenEvent
 from deltafin.coordinator.http import request as rq
 from deltafin.errors import HTTP_STATUS, ChatFormatError, PromptTooLong, lookup
 from deltafin.text.chat import ChatOptions, encode_with_boundaries

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, Usage, gathered
+from deltafin.coordinator.engine.events import Finished, TokenEvent, Usage, gathered
 from deltafin.coordinator.http.request import ApiError, GenerationRequest, Params, bad, common_params, json_field
 from deltafin.text.chat import EFFORTS, SERVING_EFFORT, ChatOptions, Delta, ToolCall
 from deltafin.text.sampling import Choice

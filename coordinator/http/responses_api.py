@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deltafin.coordinator.engine.token_loop import Finished, TokenEvent, gathered
+from deltafin.coordinator.engine.events import Finished, TokenEvent, gathered
 from deltafin.coordinator.http import request as rq
 from deltafin.text.chat import SERVING_EFFORT, ChatOptions, Delta, ToolCall
 

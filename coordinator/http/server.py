@@ -42,7 +42,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from deltafin.coordinator.engine.engine import Engine
-from deltafin.coordinator.engine.token_loop import Finished, PlainText, PrefillProgress, TextView, TokenEvent
+from deltafin.coordinator.engine.events import Finished, PrefillProgress, TokenEvent
+from deltafin.coordinator.engine.token_loop import PlainText, TextView
 from deltafin.coordinator.http import anthropic_api as am
 from deltafin.coordinator.http import ollama_api as ol
 from deltafin.coordinator.http import ollama_routes

@@ -25,8 +25,8 @@ import torch
 
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
-from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.devices import synchronize
 from deltafin.errors import DeltafinError
 from deltafin.models.weights import ExpertWeights

@@ -39,10 +39,11 @@ from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.coordinator.cluster.connect import cluster_spec, local_plan
 from deltafin.coordinator.cluster.workers import capacities, find_workers, plan_cluster, replanner
 from deltafin.coordinator.engine.engine import Engine, open_engine, planned_stage
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import PrefillReporter, format_summary, run_summary
 from deltafin.coordinator.engine.serving_options import ServingOptions
-from deltafin.coordinator.engine.token_loop import Finished, PlainText
+from deltafin.coordinator.engine.token_loop import PlainText
 from deltafin.coordinator.http import server
 from deltafin.errors import DeltafinError
 from deltafin.paths import bundled_model

@@ -118,11 +118,11 @@ class LocalWorker:
 
 async def _reply(engine: Any, prompt: str, max_tokens: int) -> None:
     """One chat reply, streamed to stdout, and its stats line on stderr."""
+    from deltafin.coordinator.engine.events import Finished  # torch: loaded when the command runs
     from deltafin.coordinator.engine.report import (  # torch: loaded when the command runs
         format_summary,
         run_summary,
     )
-    from deltafin.coordinator.engine.token_loop import Finished  # torch: loaded when the command runs
     ids = encode(engine.tokenizer, [{"role": "user", "content": prompt}], ChatOptions())
     print(f"user: {prompt}\nassistant (thinking): ", end="", flush=True)
     finished, answering = None, False

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import worker_deltas
-from deltafin.coordinator.engine.token_loop import Finished
 
 
 @dataclass(frozen=True)

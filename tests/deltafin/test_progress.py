@@ -11,8 +11,9 @@ import pytest
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.events import PrefillProgress
 from deltafin.coordinator.engine.generation import Generation
-from deltafin.coordinator.engine.token_loop import PlainText, PrefillProgress
+from deltafin.coordinator.engine.token_loop import PlainText
 from deltafin.coordinator.http.metrics import render
 from deltafin.plan.timing.predict import forward_read_bytes
 from deltafin.runtime.pipeline import LocalPipeline

@@ -14,8 +14,9 @@ import torch
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.cluster.recovery import connect_cluster
 from deltafin.coordinator.cluster.workers import ClusterSpec
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
-from deltafin.coordinator.engine.token_loop import Finished, Request, generate
+from deltafin.coordinator.engine.token_loop import Request, generate
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.stage_io import SeqInput
 from tests.support.cluster import COORDINATOR, workers

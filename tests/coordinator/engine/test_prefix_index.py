@@ -12,6 +12,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine import prefix_index
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.prefix_index import (
     PrefixIndex,
@@ -21,7 +22,6 @@ from deltafin.coordinator.engine.prefix_index import (
     keep_points,
     prefix_id,
 )
-from deltafin.coordinator.engine.token_loop import Finished
 from deltafin.models.pieces import mla_capacity
 from deltafin.plan.memory.sizing import SizingInput
 from deltafin.plan.memory.stage_parts import kda_state_bytes, mla_row_bytes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import logging
 
+from deltafin.coordinator.engine.events import PrefillProgress
 from deltafin.coordinator.engine.report import PrefillReporter
-from deltafin.coordinator.engine.token_loop import PrefillProgress
 
 
 class _Terminal(io.StringIO):

@@ -13,8 +13,8 @@ import pytest
 from deltafin.checkpoint.config import load_config
 from deltafin.coordinator.cluster.backend import LocalBackend
 from deltafin.coordinator.engine.engine import Counters, Prefilling
+from deltafin.coordinator.engine.events import PrefillProgress
 from deltafin.coordinator.engine.scheduler import SchedulerStats
-from deltafin.coordinator.engine.token_loop import PrefillProgress
 from deltafin.coordinator.http.server import start
 from deltafin.coordinator.http.status import status
 from deltafin.runtime.pipeline import LocalPipeline

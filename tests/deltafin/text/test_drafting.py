@@ -233,7 +233,7 @@ def test_verification_samples_exactly_the_target_distribution() -> None:
 
 
 async def _tokens(engine, prompt: list[int], n: int, **kw) -> tuple[list[int], object]:
-    from deltafin.coordinator.engine.token_loop import Finished
+    from deltafin.coordinator.engine.events import Finished
 
     out, end = [], None
     async for e in engine.run(prompt, None, Generation(n, ignore_eos=True, **kw)):
@@ -376,7 +376,8 @@ async def test_drafts_through_worker_processes_and_a_lost_worker(tiny_dir: Path)
     from deltafin.coordinator.cluster.recovery import connect_cluster
     from deltafin.coordinator.cluster.workers import ClusterSpec
     from deltafin.coordinator.engine.engine import Engine
-    from deltafin.coordinator.engine.token_loop import Finished, Speculation
+    from deltafin.coordinator.engine.events import Finished
+    from deltafin.coordinator.engine.token_loop import Speculation
     from deltafin.text.tokenizer import K3Tokenizer
     from tests.support.cluster import workers
 
