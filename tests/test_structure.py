@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -466,3 +468,14 @@ def test_the_code_and_the_proto_name_only_files_that_exist() -> None:
             if not any((base / ref).exists() for base in (ROOT, ROOT / "deltafin", path.parent)):
                 bad.append(f"{path.relative_to(ROOT)}: {ref}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_planner_and_the_worker_command_load_without_torch() -> None:
+    """plan/ is pure: every module of it, and the worker's command with its flags, import without torch or gRPC (a
+    plan is made and `deltafin-worker --help` printed at once)."""
+    plan = sorted(m for m in MODULES if m.startswith("deltafin.plan"))
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in plan)
+            + "from deltafin.cli.worker import build_parser\nbuild_parser().format_help()\n"
+            + "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert len(plan) > 20 and out.stdout.strip() == "[]", out.stdout + out.stderr
