@@ -42,32 +42,32 @@ from deltafin.worker.worker_options import WorkerOptions
 log = logging.getLogger("deltafin.worker")
 
 
-def _security(args: WorkerOptions) -> tuple[bytes | None, ServerTls | None, ClusterSecurity]:
+def _security(worker: WorkerOptions) -> tuple[bytes | None, ServerTls | None, ClusterSecurity]:
     """The cluster key and TLS files, checked, and how this worker calls other workers (the same key; TLS when
     it serves TLS); a warning when a key-less worker listens beyond loopback."""
-    key = load_key(args.cluster_key, args.cluster_key_file)
-    tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    peer_tls = (ClientTls(args.tls_ca or args.tls_client_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-                if args.tls_cert else None)
+    key = load_key(worker.cluster_key, worker.cluster_key_file)
+    tls = ServerTls(worker.tls_cert, worker.tls_key, worker.tls_client_ca) if worker.tls_cert else None
+    peer_tls = (ClientTls(worker.tls_ca or worker.tls_client_ca, worker.tls_cert, worker.tls_key,
+                          worker.tls_server_name) if worker.tls_cert else None)
     if peer_tls is not None:
         peer_tls.credentials()  # unreadable files fail now, with their names
-    if key is None and not args.loopback:
+    if key is None and not worker.loopback:
         log.warning("listening on %s WITHOUT a cluster key: anyone who can reach this port can load layers and "
                     "run forwards on this machine. Set --cluster-key (and --tls-cert) on a shared network.",
-                    args.host)
+                    worker.host)
     return key, tls, ClusterSecurity(key, peer_tls)
 
 
-def _disk_speeds(args: WorkerOptions, ckpts: list[Any]) -> tuple[float, ...]:
+def _disk_speeds(worker: WorkerOptions, ckpts: list[Any]) -> tuple[float, ...]:
     """GB/s of each disk (--model first, then each --expert-dir): given, or measured with the expert reader."""
-    given = args.given_disk_speeds(len(ckpts))
+    given = worker.given_disk_speeds(len(ckpts))
     if given is not None:
         return given
-    return tuple(measure_disk(c, args.stage.sizing.read_threads, args.stage.io) for c in ckpts)
+    return tuple(measure_disk(c, worker.stage.sizing.read_threads, worker.stage.io) for c in ckpts)
 
 
-def _describe(args: WorkerOptions, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
-              options: Any) -> WorkerDescription:
+def _describe(worker: WorkerOptions, ckpts: list[Any], speeds: tuple[float, ...], device: Any,
+              stage: StageOptions) -> WorkerDescription:
     """What this worker announces: its layers on disk (and the experts on every disk), memory budget, measured
     disk speeds and compute, a fresh id."""
     ckpt = ckpts[0]
@@ -75,30 +75,31 @@ def _describe(args: WorkerOptions, ckpts: list[Any], speeds: tuple[float, ...], 
     # a disk that holds no MoE layer reads no experts; speeds of the ones that do add up
     expert_gbps = sum(g for c, g in zip(ckpts, speeds, strict=True)
                       if any(ckpt.config.is_moe(i) for i in c.layers_available()))
-    return WorkerDescription(name=args.name or socket.gethostname(), address="", device=str(device),
-                             memory_bytes=options.memory_bytes, disk_gbps=speeds[0],
-                             model_fingerprint=fingerprint(args.model),
+    return WorkerDescription(name=worker.name or socket.gethostname(), address="", device=str(device),
+                             memory_bytes=stage.memory_bytes, disk_gbps=speeds[0],
+                             model_fingerprint=fingerprint(worker.model),
                              layers=layer_ranges(ckpt.layers_available()), has_top=ckpt.top_available,
-                             version=__version__, host_memory_bytes=options.host_memory_bytes or 0,
+                             version=__version__, host_memory_bytes=stage.host_memory_bytes or 0,
                              worker_id=uuid.uuid4().hex[:12], expert_layers=layer_ranges(experts),
                              expert_gbps=expert_gbps, expert_disks=len(ckpts),
-                             damaged=tuple(_short(p) for p in damaged(ckpt)), spine=options.sizing.spine,
-                             spine_disk=spine_disk(ckpt, options.spine_dir),
-                             compute=measure_compute(ckpt.config, device, options.torch_dtype))
+                             damaged=tuple(_short(p) for p in damaged(ckpt)), spine=stage.sizing.spine,
+                             spine_disk=spine_disk(ckpt, stage.spine_dir),
+                             compute=measure_compute(ckpt.config, device, stage.torch_dtype))
 
 
-def _checkpoints(args: WorkerOptions) -> list[Any]:
+def _checkpoints(worker: WorkerOptions) -> list[Any]:
     """--model indexed (every shard's size against its header, every tensor checked), then each --expert-dir (the
     same checkpoint, maybe only some of its shards). Damage is said once per file; those layers are not served."""
-    ckpt = scan_checkpoint(args.model, load_config(args.model))
+    ckpt = scan_checkpoint(worker.model, load_config(worker.model))
     if not ckpt.layers_available():
-        raise DeltafinError(f"{args.model} holds no complete layer: " + "; ".join(p.message for p in ckpt.problems[:3]))
+        raise DeltafinError(f"{worker.model} holds no complete layer: "
+                            + "; ".join(p.message for p in ckpt.problems[:3]))
     for p in damaged(ckpt):
-        log.warning("%s: %s", args.model, p.message)
+        log.warning("%s: %s", worker.model, p.message)
     if damaged(ckpt):
         log.warning("this worker serves layers %s, not %s (damaged above)", id_ranges(ckpt.layers_available()),
                     id_ranges(sorted({i for p in damaged(ckpt) for i in (p.layer, *p.layers) if i is not None})))
-    return [ckpt, *(open_copy(ckpt, d) for d in args.stage.expert_dir)]
+    return [ckpt, *(open_copy(ckpt, d) for d in worker.stage.expert_dir)]
 
 
 def _short(problem: Any) -> str:
@@ -139,41 +140,41 @@ def _check_budget(ckpts: list[Any], device: Any, options: StageOptions, source: 
                             "more memory; more workers do not help (every stage needs this much)")
 
 
-async def serve(args: WorkerOptions, stop: asyncio.Event, said: Callable[[str], None] = log.info) -> int:
-    """Serve until `stop` is set, then withdraw the announcement and give the calls in flight `args.grace` seconds;
+async def serve(worker: WorkerOptions, stop: asyncio.Event, said: Callable[[str], None] = log.info) -> int:
+    """Serve until `stop` is set, then withdraw the announcement and give the calls in flight `worker.grace` seconds;
     `said` hears the line that tells where it listens (the command prints it: scripts wait for it)."""
-    if args.port:  # before the shards are checked and the disk timed; gRPC's own refusal would log a C-core line too
-        check_free(args.host, args.port, "this worker")
-    key, tls, peer_security = _security(args)
-    ckpts = _checkpoints(args)
-    device = resolve_device(args.device)
-    select_kernels(args.stage.kernels)
-    options = with_memory_found(args.stage, device)  # the budget, found or given
-    _check_budget(ckpts, device, options, "--memory-gb" if args.stage.memory_bytes is not None
+    if worker.port:  # before the shards are checked and the disk timed; gRPC's own refusal would log a C-core line too
+        check_free(worker.host, worker.port, "this worker")
+    key, tls, peer_security = _security(worker)
+    ckpts = _checkpoints(worker)
+    device = resolve_device(worker.device)
+    select_kernels(worker.stage.kernels)
+    stage = with_memory_found(worker.stage, device)  # the budget, found or given
+    _check_budget(ckpts, device, stage, "--memory-gb" if worker.stage.memory_bytes is not None
                   else "found on this machine")
-    speeds = _disk_speeds(args, ckpts)
-    options = dataclasses.replace(options, disk_gbps=speeds)
-    desc = _describe(args, ckpts, speeds, device, options)
-    service = WorkerService(ckpts[0], desc, device, options, peer_security, args.max_message)
-    server, port = await create_server(service, args.host, args.port, args.max_message, key, tls)
-    tasks = _background(service, args.session_ttl, options)
-    desc = dataclasses.replace(desc, address=f"{args.host}:{port}",
-                               addresses=reached_at(args.host, port, list(args.advertise)))
+    speeds = _disk_speeds(worker, ckpts)
+    stage = dataclasses.replace(stage, disk_gbps=speeds)
+    desc = _describe(worker, ckpts, speeds, device, stage)
+    service = WorkerService(ckpts[0], desc, device, stage, peer_security, worker.max_message)
+    server, port = await create_server(service, worker.host, worker.port, worker.max_message, key, tls)
+    tasks = _background(service, worker.session_ttl, stage)
+    desc = dataclasses.replace(desc, address=f"{worker.host}:{port}",
+                               addresses=reached_at(worker.host, port, list(worker.advertise)))
     service.description = desc
     # zeroconf's blocking API runs its own loop: keep it off ours
-    announcer = (await asyncio.to_thread(Announcer, desc, args.host, port, list(args.interface or ()) or None)
-                 if args.announce else None)
-    said(_listening(desc, f"{args.host}:{port}", device, speeds))
+    announcer = (await asyncio.to_thread(Announcer, desc, worker.host, port, list(worker.interface or ()) or None)
+                 if worker.announce else None)
+    said(_listening(desc, f"{worker.host}:{port}", device, speeds))
     await stop.wait()
     for task in tasks:
         task.cancel()
     log.info("shutting down: withdrawing the announcement, %.0fs for calls in flight (a second signal exits now)",
-             args.grace)
+             worker.grace)
     t0 = time.monotonic()
     if announcer is not None:
         await asyncio.to_thread(announcer.close)
     await service.health.enter_graceful_shutdown()
-    await server.stop(args.grace)
+    await server.stop(worker.grace)
     await service.peers.close()
     await service.courier.close()
     await asyncio.to_thread(service.close)
