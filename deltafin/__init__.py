@@ -10,7 +10,7 @@ from typing import Any
 
 from deltafin.version import __version__ as __version__  # `deltafin.__version__`
 
-__all__ = ["ChatReply", "Completion", "KimiK3Engine", "Model", "Piece", "connect", "load"]
+__all__ = ["ChatReply", "Completion", "KimiK3Engine", "Model", "Piece", "StageStats", "connect", "load"]
 
 
 def __getattr__(name: str) -> Any:  # lazily: `import deltafin.checkpoint.config` need not load the engine

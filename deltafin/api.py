@@ -45,6 +45,7 @@ from deltafin.errors import DeltafinError
 from deltafin.options import from_values, option_names
 from deltafin.paths import model_path as resolve_model_path
 from deltafin.runtime.stage_options import StageOptions, stage_option_names, stage_options
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.text.chat import (
     EFFORTS,
     SERVING_MAX_TOKENS,
@@ -319,9 +320,10 @@ class Model:
             return ChatReply("".join(text), out_ids, reason, usage, timing, ids, "".join(reasoning), list(calls))
         return Completion("".join(text), out_ids, reason, usage, timing, ids)
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Each stage's counters (and each wide expert holder's): forwards, seconds of compute, of waiting on the
-        disk and on other holders, expert cache hits and bytes read, as `deltafin-coordinator stats` prints them."""
+    def stats(self) -> list[StageStats]:
+        """Each stage's counters (and each wide expert holder's), cumulative since it was loaded: forwards, seconds
+        of compute, of waiting on the disk and on other holders, expert cache hits and bytes read, its plan
+        (`StageStats`; `.as_dict()` is its JSON, as `/v1/status` and `--json` show it)."""
         return self._loop.run(self.engine.worker_stats())
 
     def close(self) -> None:

@@ -86,20 +86,30 @@ def gb_name(field: str) -> str | None:
     return field[:-len("_bytes")] + "_gb" if field.endswith("_bytes") else None
 
 
-def from_values(cls: type[T], values: Mapping[str, Any]) -> T:
-    """`cls` built from the values that name its fields (as they are, or NAME_gb for NAME_bytes); a field that is
-    itself an options dataclass is built from the same values. Values for other options are left alone."""
+def from_values(cls: type[T], values: Mapping[str, Any], **given: Any) -> T:
+    """`cls` built from the values that name its fields (as they are, a list as a tuple field's tuple, or NAME_gb for
+    NAME_bytes); a field that is itself an options dataclass is built from the same values, unless `given` holds
+    it. Values for other options are left alone."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         gb = gb_name(f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
+        if f.name in given:
+            kwargs[f.name] = given[f.name]
+        elif dataclasses.is_dataclass(hints[f.name]):
             kwargs[f.name] = from_values(hints[f.name], values)
         elif f.name in values:
-            kwargs[f.name] = values[f.name]
+            kwargs[f.name] = _held(hints[f.name], values[f.name])
         elif gb is not None and gb in values:
             kwargs[f.name] = None if values[gb] is None else int(values[gb] * GB)
     return cls(**kwargs)
+
+
+def _held(hint: Any, value: Any) -> Any:
+    """`value` as its field holds it: a repeated flag's list (argparse appends) as the field's tuple."""
+    if isinstance(value, list) and any(typing.get_origin(h) is tuple for h in (hint, *typing.get_args(hint))):
+        return tuple(value)
+    return value
 
 
 def option_names(*classes: type, declared: bool = False) -> set[str]:

@@ -470,12 +470,14 @@ def test_the_code_and_the_proto_name_only_files_that_exist() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_the_planner_and_the_worker_command_load_without_torch() -> None:
-    """plan/ is pure: every module of it, and the worker's command with its flags, import without torch or gRPC (a
-    plan is made and `deltafin-worker --help` printed at once)."""
+def test_the_planner_and_the_processes_commands_load_without_torch() -> None:
+    """plan/ is pure: every module of it, and the worker's and the coordinator's commands with their flags, import
+    without torch or gRPC (a plan is made and `deltafin-worker --help` or `deltafin-coordinator --help` printed at
+    once), and so do the values a stage reports (StageStats)."""
     plan = sorted(m for m in MODULES if m.startswith("deltafin.plan"))
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in plan)
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in [*plan, "deltafin.runtime.worker_stats"])
             + "from deltafin.cli.worker import build_parser\nbuild_parser().format_help()\n"
-            + "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
+            + "from deltafin.cli.coordinator import build_parser\nbuild_parser().format_help()\n"
+            + "print(sorted(m for m in ('torch', 'grpc', 'aiohttp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert len(plan) > 20 and out.stdout.strip() == "[]", out.stdout + out.stderr

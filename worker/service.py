@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
@@ -30,6 +30,7 @@ from deltafin.runtime.assigned import Assigned
 from deltafin.runtime.memory import peak_rss
 from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import AuthInterceptor, ClusterSecurity, ServerTls
 from deltafin.transport.decoding import DecodeGuard
@@ -264,11 +265,10 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         assigned = self.assigned
-        stats: dict[str, Any] = {"state": self.state, "name": self.description.name}
-        if assigned is not None:
-            stats.update(assigned.stats(self.description.key))
-        stats["rss_peak_bytes"] = peak_rss()
-        stats.update(handed_on=self.courier.handed, hand_offs_failed=self.courier.failed, handed_in=self.inbox.received)
+        stats = assigned.stats(self.description.key) if assigned is not None else StageStats()
+        stats = dataclasses.replace(stats, state=self.state, name=self.description.name, rss_peak_bytes=peak_rss(),
+                                    handed_on=self.courier.handed, hand_offs_failed=self.courier.failed,
+                                    handed_in=self.inbox.received)
         return pb.StatsResponse(stats=codec.encode_stats(stats))
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoReply:

@@ -5,13 +5,12 @@ only values that make sense. Light to import (no torch, no gRPC), so that `--hel
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.errors import DeltafinError
-from deltafin.options import DEVICES, check_choice, opt
+from deltafin.options import DEVICES, check_choice, from_values, opt
 from deltafin.runtime.stage_options import StageOptions, stage_options
 from deltafin.transport.ports import check_address
 from deltafin.transport.protocol import DEFAULT_MAX_MESSAGE
@@ -75,12 +74,7 @@ class WorkerOptions:
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> WorkerOptions:
         """From values named as the flags are (`host`, `advertise`, `memory_gb`, ...); the stage's among them."""
-        values = dict(values)
-        for name in ("advertise", "interface"):
-            if values.get(name) is not None:
-                values[name] = tuple(values[name])
-        own = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values and f.name != "stage"}
-        return cls(**own, stage=stage_options(values))
+        return from_values(cls, values, stage=stage_options(values))
 
     @property
     def max_message(self) -> int:

@@ -29,6 +29,7 @@ from deltafin.runtime.features import Features, gather
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.weights.diskspeed import measure_disk
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ class Backend(Protocol):
         its first `keep_lengths` tokens (one each, 0: all)."""
         ...
 
-    async def stats(self) -> list[dict[str, Any]]: ...
+    async def stats(self) -> list[StageStats]:
+        """Each stage's counters, in the plan's order."""
+        ...
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
         """The first stage's longest kept prefix of `tokens` (memory or disk): (its id, its length)."""
@@ -155,9 +158,8 @@ class LocalBackend:
         await self._run(lambda: [self.pipeline.release(s, k or None, n)
                                  for s, k, n in zip(session_ids, keep, lengths, strict=True)])
 
-    async def stats(self) -> list[dict[str, Any]]:
-        return await self._run(lambda: [{"name": f"local-{i}", **s.stats(), "sessions": len(s.sessions),
-                                         "session_bytes": s.session_bytes(), "layers": [s.start, s.end]}
+    async def stats(self) -> list[StageStats]:
+        return await self._run(lambda: [replace(s.stats(), name=f"local-{i}")
                                         for i, s in enumerate(self.pipeline.stages)])
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:
@@ -271,7 +273,7 @@ class ClusterBackend:
         await asyncio.gather(*(w.release(session_ids, keep_as, keep_lengths) for w in self.stages),
                              return_exceptions=True)
 
-    async def stats(self) -> list[dict[str, Any]]:
+    async def stats(self) -> list[StageStats]:
         return list(await asyncio.gather(*(w.stats() for w in self.workers)))
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:

@@ -84,10 +84,6 @@ class ClusterOptions:
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> ClusterOptions:
         """From values named as the flags are (`worker`, `local`, `worker_timeout`, ...)."""
-        values = dict(values)
-        for name in ("worker", "interface"):
-            if values.get(name) is not None:
-                values[name] = tuple(values[name])
         return from_values(cls, values)
 
     @property

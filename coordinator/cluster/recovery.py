@@ -44,6 +44,7 @@ from deltafin.errors import ClusterUnavailable, DeltafinError, PartialFailure, R
 from deltafin.plan.cluster.cluster_plan import ClusterPlan
 from deltafin.runtime.prefix_store import HeldPrefixes, PrefixBudget
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
+from deltafin.runtime.worker_stats import StageStats
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class ResilientCluster:
             self.journal.release(sid, keep)
         await self.backend.release(session_ids, keep_as, keep_lengths)
 
-    async def stats(self) -> list[dict[str, Any]]:
+    async def stats(self) -> list[StageStats]:
         return await self.backend.stats()
 
     async def find_prefix(self, tokens: list[int]) -> tuple[str, int] | None:

@@ -21,6 +21,7 @@ from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.auth import ClusterSecurity
 from deltafin.transport.echo import measure
@@ -208,7 +209,7 @@ class WorkerClient:
             raise self._error(e) from None
         return r.cancelled
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> StageStats:
         try:
             r = await self.stub.Stats(pb.StatsRequest(), timeout=self.timeouts.control, metadata=self._md("Stats"))
         except grpc.aio.AioRpcError as e:

@@ -32,6 +32,7 @@ from deltafin.plan.timing.predict import forward_lengths, forward_read_bytes
 from deltafin.runtime.head_drafter import DraftMemory, HeadDrafter, head_calibration, open_head
 from deltafin.runtime.prefix_store import PrefixBudget
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.text.drafting import (
     MODES,
     Calibration,
@@ -312,7 +313,7 @@ class Engine:
             self.calibration = head_calibration(self.draft_model, self.model_dir)
         return self._draft_head
 
-    async def worker_stats(self) -> list[dict[str, Any]]:
+    async def worker_stats(self) -> list[StageStats]:
         return await self.backend.stats()
 
     async def close(self) -> None:

@@ -4,10 +4,12 @@ progress line."""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any, TextIO
 
-from deltafin.coordinator.engine.events import PrefillProgress
+from deltafin.coordinator.engine.events import Finished, PrefillProgress
 from deltafin.progress import Progress, fmt_bytes
+from deltafin.runtime.worker_stats import StageStats
 
 log = logging.getLogger("deltafin.progress")
 
@@ -34,7 +36,7 @@ class PrefillReporter:
             self.bar.close()
             self.bar = None
 
-# what each worker reports (its Stats): a summary field -> (section of the stats or None, key)
+# what each worker reports (its Stats): a summary field -> (section of its StageStats or None, field)
 WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
     "bytes_read": ("experts", "bytes_read"),  # off its disks, blocks included
     "expert_lookups": ("experts", "lookups"), "expert_hits": ("experts", "hits"),
@@ -51,24 +53,30 @@ WORKER_COUNTERS: dict[str, tuple[str | None, str]] = {
 }
 
 
-def worker_rows(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def counter(s: StageStats, section: str | None, name: str) -> Any:
+    """A counter of a worker's stats, by its section (None: the stage's own) and field; None where the section is
+    absent (experts resident, no wide experts) or the counter says nothing (a holder's wait on holders)."""
+    source = getattr(s, section) if section else s
+    return getattr(source, name) if source is not None else None
+
+
+def worker_rows(stats: list[StageStats]) -> list[dict[str, Any]]:
     """Each worker's layers, share of the experts and counters (cumulative since it was assigned)."""
     rows = []
     for s in stats:
-        wide = s.get("wide") or {}
-        row: dict[str, Any] = {"name": s.get("name", "?"), "layers": list(s.get("layers", [])),
-                               "experts": wide.get("share", "its layers'")}
-        for field, (section, key) in WORKER_COUNTERS.items():
-            source = s.get(section) or {} if section else s
-            if key in source:
-                row[field] = source[key]
-        if s.get("disks"):
-            row["disks"] = s["disks"]
+        row: dict[str, Any] = {"name": s.name or "?", "layers": list(s.layers),
+                               "experts": s.wide.share if s.wide is not None else "its layers'"}
+        for field, where in WORKER_COUNTERS.items():
+            value = counter(s, *where)
+            if value is not None:
+                row[field] = round(value, 4) if isinstance(value, float) else value
+        if s.disks:
+            row["disks"] = [asdict(d) for d in s.disks]
         rows.append(row)
     return rows
 
 
-def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def worker_deltas(before: list[StageStats], after: list[StageStats]) -> list[dict[str, Any]]:
     """worker_rows of `after` less those of `before`: what each worker did in between. A worker is its name, its
     layers and its place among those of the same name and layers (workers on one host share a name)."""
     old = dict(zip(_keys(before), worker_rows(before), strict=True))
@@ -84,27 +92,27 @@ def worker_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
     return out
 
 
-def _keys(stats: list[dict[str, Any]]) -> list[tuple[str, tuple[int, ...], int]]:
-    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+def _keys(stats: list[StageStats]) -> list[tuple[str, tuple[int, int], int]]:
+    seen: dict[tuple[str, tuple[int, int]], int] = {}
     keys = []
     for s in stats:
-        base = (s.get("name", "?"), tuple(s.get("layers", [])))
+        base = (s.name or "?", s.layers)
         seen[base] = seen.get(base, 0) + 1
         keys.append((*base, seen[base]))
     return keys
 
 
-def run_summary(finished: Any, stats: list[dict[str, Any]], at_first: list[dict[str, Any]] | None = None
+def run_summary(finished: Finished, stats: list[StageStats], at_first: list[StageStats] | None = None
                 ) -> dict[str, Any]:
     """One generation's numbers, with the workers' expert I/O counters (cumulative for their stages), and with
     `at_first` (their counters when the first token came) what each did while decoding (`decode_workers`)."""
-    experts = [s.get("experts", {}) for s in stats]
-    lookups = sum(e.get("lookups", 0) for e in experts)
+    experts = [s.experts for s in stats if s.experts is not None]
+    lookups = sum(e.lookups for e in experts)
     t = finished.timing
     return {"prompt_tokens": finished.usage.prompt_tokens, "completion_tokens": finished.usage.completion_tokens,
             "tok_per_s": t.tokens_per_second, "s_per_token": t.seconds_per_token, "prefill_s": t.prefill_s,
-            "bytes_read": sum(e.get("bytes_read", 0) for e in experts),
-            "hit_rate": sum(e.get("hits", 0) for e in experts) / lookups if lookups else None,
+            "bytes_read": sum(e.bytes_read for e in experts),
+            "hit_rate": sum(e.hits for e in experts) / lookups if lookups else None,
             "draft_tokens": finished.drafting.draft_tokens, "accepted_tokens": finished.drafting.accepted_tokens,
             "forwards": finished.drafting.forwards, "workers": worker_rows(stats),
             **({"decode_workers": worker_deltas(at_first, stats)} if at_first is not None else {})}

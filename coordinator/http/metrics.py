@@ -6,6 +6,8 @@ import time
 from typing import Any
 
 from deltafin.coordinator.engine.engine import Engine
+from deltafin.coordinator.engine.report import counter
+from deltafin.runtime.worker_stats import StageStats
 
 
 def _escape(value: Any) -> str:
@@ -26,7 +28,7 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def render(engine: Engine, workers: list[dict[str, Any]], requests: dict[tuple[str, int], int]) -> str:
+def render(engine: Engine, workers: list[StageStats], requests: dict[tuple[str, int], int]) -> str:
     w = _Writer()
     w.metric("deltafin_http_requests_total", "counter", "HTTP requests by route and status.",
              [({"route": r, "status": st}, n) for (r, st), n in sorted(requests.items())])
@@ -110,16 +112,16 @@ def _prefixes(w: _Writer, engine: Engine) -> None:
              "prefilled from the start).", [({}, pc.missing)])
 
 
-# name, type, help, where in a worker's stats (a key, or (section, key): "experts" where they stream, "wide"
-# with wide experts)
-_WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
-    ("tokens_total", "counter", "Tokens through each worker's stage.", "tokens"),
-    ("sessions", "gauge", "Open sessions (sequence caches) on each worker.", "sessions"),
-    ("session_bytes", "gauge", "Bytes held by session caches.", "session_bytes"),
-    ("prefix_bytes", "gauge", "Bytes held by kept prefixes in memory.", "prefix_bytes"),
-    ("prefix_disk_bytes", "gauge", "Bytes held by kept prefixes on the disk.", "prefix_disk_bytes"),
+# name, type, help, where in a worker's StageStats ((section, field): section None for the stage's own, "experts"
+# where they stream, "wide" with wide experts)
+_WORKER_METRICS: list[tuple[str, str, str, tuple[str | None, str]]] = [
+    ("tokens_total", "counter", "Tokens through each worker's stage.", (None, "tokens")),
+    ("sessions", "gauge", "Open sessions (sequence caches) on each worker.", (None, "sessions")),
+    ("session_bytes", "gauge", "Bytes held by session caches.", (None, "session_bytes")),
+    ("prefix_bytes", "gauge", "Bytes held by kept prefixes in memory.", (None, "prefix_bytes")),
+    ("prefix_disk_bytes", "gauge", "Bytes held by kept prefixes on the disk.", (None, "prefix_disk_bytes")),
     ("expert_bytes_read_total", "counter", "Expert bytes read from the disk.", ("experts", "bytes_read")),
-    ("spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.", "spine_streamed_bytes"),
+    ("spine_bytes_streamed_total", "counter", "Non-expert weight bytes streamed.", (None, "spine_streamed_bytes")),
     ("expert_lookups_total", "counter", "Routed-expert lookups.", ("experts", "lookups")),
     ("expert_hits_total", "counter", "Routed-expert lookups served from memory.", ("experts", "hits")),
     ("expert_hit_rate", "gauge", "Expert cache hit rate since the stage was loaded.", ("experts", "hit_rate")),
@@ -138,14 +140,9 @@ _WORKER_METRICS: list[tuple[str, str, str, str | tuple[str, str]]] = [
 ]
 
 
-def _workers(w: _Writer, workers: list[dict[str, Any]]) -> None:
+def _workers(w: _Writer, workers: list[StageStats]) -> None:
     """Each worker's counters; expert ones only where its experts stream (resident experts have none), wide ones
-    only with wide experts."""
+    only with wide experts (a holder without a stage has no wait on holders)."""
     for name, kind, help_, where in _WORKER_METRICS:
-        samples = []
-        for stats in workers:
-            source, key = (stats.get(where[0]) or {}, where[1]) if isinstance(where, tuple) else (stats, where)
-            if isinstance(where, tuple) and not source:
-                continue
-            samples.append(({"worker": stats.get("name", "?")}, source.get(key, 0)))
+        samples = [({"worker": s.name or "?"}, value) for s in workers if (value := counter(s, *where)) is not None]
         w.metric(f"deltafin_worker_{name}", kind, help_, samples)

@@ -63,6 +63,7 @@ from deltafin.coordinator.http.handling import (
 )
 from deltafin.coordinator.http.metrics import render
 from deltafin.coordinator.http.status import status as status_json
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.text.chat import OutputParser
 
 log = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(oa.model_card(name, engine.started, engine.max_context))
 
 
-async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[dict[str, Any]]:
+async def _worker_stats(engine: Engine, timeout: float = 5.0) -> list[StageStats]:
     return await asyncio.wait_for(engine.worker_stats(), timeout)
 
 
@@ -359,10 +360,9 @@ async def health(request: web.Request) -> web.Response:
     except Exception as e:
         return web.json_response({"status": "unavailable", "error": str(e) or type(e).__name__}, status=503)
     return web.json_response({"status": "ok", "model": engine.model_name,
-                              "workers": [{"name": s.get("name"), "layers": s.get("layers"),
-                                           "sessions": s.get("sessions", 0),
-                                           **({"experts": s["wide"].get("share")} if "wide" in s else {})}
-                                          for s in stats if s.get("state", "ready") == "ready"]})
+                              "workers": [{"name": s.name, "layers": list(s.layers), "sessions": s.sessions,
+                                           **({"experts": s.wide.share} if s.wide is not None else {})}
+                                          for s in stats if s.ready]})
 
 
 async def metrics(request: web.Request) -> web.Response:

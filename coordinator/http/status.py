@@ -12,10 +12,11 @@ from typing import Any
 
 from deltafin.coordinator.engine.engine import Counters, Prefilling
 from deltafin.coordinator.engine.scheduler import SchedulerStats
+from deltafin.runtime.worker_stats import StageStats
 
 
 def status(model: str, uptime_s: float, counters: Counters, queue: SchedulerStats,
-           prefilling: Iterable[Prefilling], workers: list[dict[str, Any]] | None, now: float,
+           prefilling: Iterable[Prefilling], workers: list[StageStats] | None, now: float,
            workers_error: str | None = None, context: int | None = None,
            reconnecting: dict[str, float] | None = None) -> dict[str, Any]:
     """`now`: the monotonic clock the prefills' `started` is on. `workers` None: their stats did not come
@@ -48,11 +49,11 @@ def prefill_row(p: Prefilling, now: float) -> dict[str, Any]:
             "seconds_left": round((pp.bytes_total - pp.bytes_done) / rate, 1) if rate else None}
 
 
-def worker_row(s: dict[str, Any]) -> dict[str, Any]:
+def worker_row(s: StageStats) -> dict[str, Any]:
     """A worker's stats as the panel shows them. `layers` [start, end) as the stats give them; `experts` its share
     with wide experts (None: its own layers'); `hit_rate` None where its experts are resident (nothing streams)."""
-    experts, wide = s.get("experts") or {}, s.get("wide") or {}
-    return {"name": s.get("name", "?"), "layers": list(s.get("layers", [])), "experts": wide.get("share"),
-            "hit_rate": experts.get("hit_rate") if experts else None,
-            "expert_bytes_read": experts.get("bytes_read", 0), "spine_bytes_streamed": s.get("spine_streamed_bytes", 0),
-            "tokens": s.get("tokens", 0), "sessions": s.get("sessions", 0)}
+    experts = s.experts
+    return {"name": s.name or "?", "layers": list(s.layers), "experts": s.wide.share if s.wide is not None else None,
+            "hit_rate": round(experts.hit_rate, 4) if experts is not None else None,
+            "expert_bytes_read": experts.bytes_read if experts is not None else 0,
+            "spine_bytes_streamed": s.spine_streamed_bytes, "tokens": s.tokens, "sessions": s.sessions}

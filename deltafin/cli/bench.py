@@ -41,6 +41,7 @@ from deltafin.text.drafting import distinct_experts
 from deltafin.text.tokenizer import K3Tokenizer
 from deltafin.weights.diskspeed import expert_read_speed
 from deltafin.weights.expert_cache import simulate
+from deltafin.weights.expert_stats import ExpertStats
 from deltafin.weights.expert_trace import ExpertRecorder
 from deltafin.weights.reader import ReadPlan, ShardFiles, SlotPool
 from deltafin.weights.tensors import expert_views
@@ -387,14 +388,14 @@ def _streaming_numbers(pipe: Any, stage: Any, ids: torch.Tensor, inputs: list, t
 
 def _io_counters(stage: Any) -> dict[str, float]:
     s = stage.stats()
-    ex = s.get("experts", {})
-    return {"bytes": ex.get("bytes_read", 0) + s["spine_streamed_bytes"], "expert_bytes": ex.get("bytes_read", 0),
-            "spine_bytes": s["spine_streamed_bytes"], "spine_read_s": s["spine_read_s"],
-            "lookups": ex.get("lookups", 0),
-            "hits": ex.get("hits", 0), "prefetch_hits": ex.get("prefetch_hits", 0), "misses": ex.get("misses", 0),
-            "io_wait": ex.get("io_wait_s", 0.0) + s["spine_wait_s"], "seconds": s["seconds"],
-            "wasted": ex.get("wasted_bytes", 0), "prefetch_bytes": ex.get("prefetch_bytes", 0),
-            **{k: s.get(k, 0) for k in ("spilled_forwards", "spill_bytes_read", "spill_bytes_written", "spill_s")}}
+    ex = s.experts or ExpertStats()
+    return {"bytes": ex.bytes_read + s.spine_streamed_bytes, "expert_bytes": ex.bytes_read,
+            "spine_bytes": s.spine_streamed_bytes, "spine_read_s": s.spine_read_s, "lookups": ex.lookups,
+            "hits": ex.hits, "prefetch_hits": ex.prefetch_hits, "misses": ex.misses,
+            "io_wait": ex.io_wait_s + s.spine_wait_s, "seconds": s.seconds, "wasted": ex.wasted_bytes,
+            "prefetch_bytes": ex.prefetch_bytes, "spilled_forwards": s.spilled_forwards,
+            "spill_bytes_read": s.spill_bytes_read, "spill_bytes_written": s.spill_bytes_written,
+            "spill_s": s.spill_s}
 
 
 def _decode_numbers(times: list[float], before: dict[str, float], after: dict[str, float],

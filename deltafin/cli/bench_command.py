@@ -93,9 +93,9 @@ def _bench_quality(args: argparse.Namespace) -> dict:
     if modes is not None:
         from deltafin.cli.bench_modes import mode_quality  # (the same)
 
-        spine = {} if args.spine == "auto" else {"spine": args.spine}  # the modes' spine (exact's: as stored)
+        modes_spine = {} if args.spine == "auto" else {"spine": args.spine}  # the modes' (exact's: as stored)
         return mode_quality(args.model, modes, sequences, device=args.device, tokens=args.tokens,
-                            policy=args.cache_policy, **share, **spine)
+                            policy=args.cache_policy, **share, **modes_spine)
     if args.wire != "fp32":
         return bench_quality.wire_quality(args.model, args.wire, sequences, device=args.device, tokens=args.tokens)
     spine = converted_spines()[-1] if args.spine == "auto" else args.spine  # auto: the most bytes converted (int8)

@@ -39,6 +39,7 @@ from deltafin.mini.synth import synthesize
 from deltafin.paths import models_dir, name_of
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.text.chat import ChatOptions, encode
 from deltafin.text.tokenizer import K3Tokenizer
 
@@ -158,7 +159,7 @@ def _cmd_logits(args: argparse.Namespace) -> int:
         ids = [int(x) for x in args.ids.split(",") if x.strip()]
     except ValueError:
         raise DeltafinError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-    stats: list[dict] = []
+    stats: list[StageStats] = []
     options = stage_within_memory(args)
     logits = compute_logits(args.model, ids, device=args.device, dtype=args.dtype, mode=args.mode,
                             stages=args.stages, eps_convention=args.eps, options=options,
@@ -166,7 +167,7 @@ def _cmd_logits(args: argparse.Namespace) -> int:
     np.save(args.out, logits)
     log.info("wrote %s: float32 %s", args.out, list(logits.shape))
     if args.stats:
-        print(json.dumps({"stages": stats}, indent=2), file=sys.stderr)
+        print(json.dumps({"stages": [s.as_dict() for s in stats]}, indent=2), file=sys.stderr)
     return 0
 
 

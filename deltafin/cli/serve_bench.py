@@ -25,6 +25,7 @@ from deltafin.coordinator.engine.engine import Engine
 from deltafin.coordinator.engine.events import Finished
 from deltafin.coordinator.engine.generation import Generation
 from deltafin.coordinator.engine.report import worker_deltas
+from deltafin.runtime.worker_stats import StageStats
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,8 @@ async def _one(engine: Engine, prompt: list[int], max_tokens: int,
     return RequestResult(ttft, tokens, rate)
 
 
-def _busy(stats: list[dict[str, Any]]) -> dict[str, tuple[list[int], float]]:
-    return {s.get("name", f"stage-{i}"): (list(s.get("layers", [])), float(s.get("seconds", 0.0)))
-            for i, s in enumerate(stats)}
+def _busy(stats: list[StageStats]) -> dict[str, tuple[list[int], float]]:
+    return {s.name or f"stage-{i}": (list(s.layers), s.seconds) for i, s in enumerate(stats)}
 
 
 async def bench_level(engine: Engine, concurrency: int, prompt_tokens: int, max_tokens: int,

@@ -171,7 +171,7 @@ async def _command(text: str, session: ChatSession, engine: Engine) -> bool:
         session.reset()
         print("[system prompt set; new conversation]", file=sys.stderr)
     elif name == "/stats":
-        print(json.dumps(await engine.worker_stats(), indent=2), file=sys.stderr)
+        print(json.dumps([s.as_dict() for s in await engine.worker_stats()], indent=2), file=sys.stderr)
     else:
         print(f"unknown command {text!r}\n{HELP}", file=sys.stderr)
     return False

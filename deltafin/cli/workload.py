@@ -37,6 +37,7 @@ from deltafin.runtime.stage_io import SeqInput
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.text.drafting import NgramDrafter, reads_cost
 from deltafin.weights.expert_cache import simulate
+from deltafin.weights.expert_stats import ExpertStats
 from deltafin.weights.expert_trace import ExpertRecorder
 
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -132,7 +133,7 @@ def _ask(model: Any, prompt: str, tokens: int) -> Any:
 
 
 def _expert_bytes(model: Any) -> int:
-    return sum(s.get("experts", {}).get("bytes_read", 0) for s in model.stats())
+    return sum(s.experts.bytes_read for s in model.stats() if s.experts is not None)
 
 
 def _drafting(model: Any, prompts: tuple[str, ...], tokens: int) -> dict[str, Any]:
@@ -174,7 +175,7 @@ class PassMeter:
         self.pipeline, self.forward, self.passes = pipeline, pipeline.forward, []
 
     def _read(self) -> int:
-        return sum(s.stats().get("experts", {}).get("bytes_read", 0) for s in self.pipeline.stages)
+        return sum(e.bytes_read for s in self.pipeline.stages if (e := s.stats().experts) is not None)
 
     def _metered(self, batch: list[SeqInput], *args: Any, **kwargs: Any) -> Any:
         before = self._read()
@@ -239,12 +240,12 @@ def _replay(model: str | Path, device: str, sequences: list[tuple[list[int], lis
     try:
         for i, (prompt, answer) in enumerate(sequences):
             pipe.forward([SeqInput(f"replay-{i}", 0, ids=torch.tensor(prompt))])
-            stage.experts, before = recorder, stage.stats().get("experts", {})
+            stage.experts, before = recorder, stage.stats().experts or ExpertStats()
             for n, token in enumerate(answer[:-1]):
                 pipe.forward([SeqInput(f"replay-{i}", len(prompt) + n, ids=torch.tensor([token]))])
-            stage.experts, after = recorder.inner, stage.stats().get("experts", {})
+            stage.experts, after = recorder.inner, stage.stats().experts or ExpertStats()
             for k in counted:
-                counted[k] += after.get(k, 0) - before.get(k, 0)
+                counted[k] += getattr(after, k) - getattr(before, k)
             pipe.release(f"replay-{i}")
     finally:
         pipe.close()

@@ -29,6 +29,7 @@ from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import ExpertProvider, disk_plan, expert_backend_for, open_experts
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.wide import ExpertHolder, Peer, WideExperts, wide_stats
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.weights.reader import layer_spans
 
 log = logging.getLogger(__name__)
@@ -49,24 +50,21 @@ class Assigned:
     def layers(self) -> range:
         return range(self.start, self.end)
 
-    def stats(self, me: str) -> dict[str, Any]:
+    def stats(self, me: str) -> StageStats:
         """The stage's counters (or the holder's store's), with wide experts' own and others' figures."""
-        out: dict[str, Any] = {}
         if self.stage is not None:
-            out.update(self.stage.stats())
-            out.update(sessions=len(self.stage.sessions), session_bytes=self.stage.session_bytes(),
-                       layers=[self.start, self.end])
+            stats = self.stage.stats()  # with the plan it holds
         elif self.store is not None and hasattr(self.store, "snapshot_stats"):
-            out.update(experts=self.store.snapshot_stats().as_dict(), disks=self.store.disk_stats(),  # type: ignore[attr-defined]
-                       layers=[0, 0])
-        if self.plan is not None:
-            out["plan"] = self.plan.as_dict()
+            stats = StageStats(experts=self.store.snapshot_stats().totals(),  # type: ignore[attr-defined]
+                               disks=tuple(self.store.disk_stats()), plan=self.plan)  # type: ignore[attr-defined]
+        else:
+            stats = StageStats(plan=self.plan)
         if self.experts is not None and self.store is not None and self.holder is not None:
             index = self.experts.ranges.index(me)
             share = self.experts.ranges.describe(index) if index is not None else "none"
-            out["wide"] = wide_stats(self.store, self.holder, self.stage.wide if self.stage else None, self.layers,
-                                     share)
-        return out
+            wide = wide_stats(self.store, self.holder, self.stage.wide if self.stage else None, self.layers, share)
+            stats = dataclasses.replace(stats, wide=wide)
+        return stats
 
     def close(self) -> None:
         if self.stage is not None:

@@ -28,6 +28,7 @@ from deltafin.runtime.stage import Stage
 from deltafin.runtime.stage_build import disk_plan, expert_backend_for
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.weights.reader import layer_spans
 
 # the hub's route for one forward: yields (stage index, its inputs), is sent that stage's outputs
@@ -136,7 +137,7 @@ def plan_stages(ckpt: Checkpoint, ranges: list[tuple[int, int]], device: torch.d
 
 def compute_logits(model_dir: str | Path, ids: list[int], *, device: str = "auto", dtype: str = "fp32",
                    mode: str = "prefill", stages: int = 1, eps_convention: str = "hf",
-                   options: StageOptions | None = None, stats: list | None = None) -> np.ndarray:
+                   options: StageOptions | None = None, stats: list[StageStats] | None = None) -> np.ndarray:
     """Float32 logits [T, vocab] for every position of `ids`.
 
     prefill: all ids in one forward (chunked KDA, expanded MLA); decode: one token per forward through

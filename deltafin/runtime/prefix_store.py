@@ -17,12 +17,13 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from deltafin.models.cache import SequenceCache
 from deltafin.runtime.prefix_disk import PrefixDisk
+from deltafin.runtime.worker_stats import StageStats
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +155,12 @@ class PrefixStore:
         if self.disk is not None:
             self.disk.close()
 
-    def as_dict(self) -> dict[str, int]:
-        return {"prefixes": len(self.entries), "prefix_bytes": self.nbytes, "prefix_budget": self.budget,
-                "prefixes_kept": self.stats.kept, "prefixes_resumed": self.stats.resumed,
-                "prefixes_evicted": self.stats.evicted, "prefixes_refused": self.stats.refused,
-                "prefixes_restored": self.stats.restored,
-                **({"prefix_disk_files": len(self.disk.files), "prefix_disk_bytes": self.disk.nbytes}
-                   if self.disk is not None else {})}
+    def report(self, stats: StageStats) -> StageStats:
+        """`stats` with this store's counters: entries, bytes and budget in memory and on the disk, and what
+        happened to them."""
+        c = self.stats
+        return replace(stats, prefixes=len(self.entries), prefix_bytes=self.nbytes, prefix_budget=self.budget,
+                       prefixes_kept=c.kept, prefixes_resumed=c.resumed, prefixes_evicted=c.evicted,
+                       prefixes_refused=c.refused, prefixes_restored=c.restored,
+                       prefix_disk_files=len(self.disk.files) if self.disk is not None else 0,
+                       prefix_disk_bytes=self.disk.nbytes if self.disk is not None else 0)

@@ -15,6 +15,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ from deltafin.runtime.stage_io import SeqInput, SeqOutput, check_batch
 from deltafin.runtime.stage_options import StageOptions
 from deltafin.runtime.stage_stats import StageTimings, forward_reads, io_counters, plan_details, stage_stats
 from deltafin.runtime.wide import WideExperts
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.weights.reader import ShardFiles
 from deltafin.weights.spine import SpinePlan, SpineStore
 from deltafin.weights.spine_convert import rebuild_unit
@@ -287,9 +289,10 @@ class Stage:
                   for b in batch]  # type: ignore[union-attr]
         return ResidualState.cat(states), spans
 
-    def stats(self) -> dict[str, object]:
-        """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream)."""
-        return stage_stats(self.timings, self.spine, self.experts, self.prefixes, range(self.start, self.end))
+    def stats(self) -> StageStats:
+        """Counters: tokens, seconds, sessions, and the expert store's and spine's I/O (when they stream)."""
+        stats = stage_stats(self.timings, self.spine, self.experts, self.prefixes, self.layers_range)
+        return replace(stats, sessions=len(self.sessions), session_bytes=self.session_bytes(), plan=self.plan)
 
     def close(self) -> None:
         self.sessions.close()

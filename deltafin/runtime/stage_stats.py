@@ -1,13 +1,14 @@
 """A stage's counters and what its -v log lines say of them: the forwards' timings (`StageTimings`), the
-expert store's and the streamed spine's I/O counters, the counters `Stage.stats` reports, a forward's reads and
-waits and the plan's decisions that set speed. The stage writes the lines to its own log (runtime/stage.py).
+expert store's and the streamed spine's I/O counters, the counters `Stage.stats` reports (a StageStats), a
+forward's reads and waits and the plan's decisions that set speed. The stage writes the lines to its own log
+(runtime/stage.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from deltafin.checkpoint.config import ModelConfig
@@ -17,6 +18,7 @@ from deltafin.runtime.prefix_store import PrefixStore
 from deltafin.runtime.spill import SpillCounters
 from deltafin.runtime.stage_build import ExpertProvider
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.runtime.worker_stats import StageStats
 from deltafin.weights.spine import SpineStore
 
 T = TypeVar("T")
@@ -74,23 +76,21 @@ def plan_details(cfg: ModelConfig, s: StagePlan, opts: StageOptions) -> str:
 
 
 def stage_stats(timings: StageTimings, spine: SpineStore, experts: ExpertProvider,
-                prefixes: PrefixStore, layers: range) -> dict[str, object]:
+                prefixes: PrefixStore, layers: range) -> StageStats:
     """Counters: tokens, seconds, and the expert store's and spine's I/O (when they stream). The stage's compute
     is its forwards' time less its waits for its own `layers`' experts (a wide store also waits for other stages'
     layers, in the calls it serves: not this stage's time) and for its streamed spine."""
-    out: dict[str, object] = {"forwards": timings.forwards, "tokens": timings.tokens,
-                              "seconds": round(timings.seconds, 4),
-                              "experts_s": round(timings.experts_s, 4),
-                              "spine_streamed_bytes": spine.streamed_bytes,
-                              "spine_read_s": round(spine.stream_read_s, 4),
-                              "spine_wait_s": round(spine.wait_s, 4), **prefixes.as_dict()}
-    if timings.spill.forwards:
-        out.update(spilled_forwards=timings.spill.forwards, spill_bytes_read=timings.spill.bytes_read,
-                   spill_bytes_written=timings.spill.bytes_written, spill_s=round(timings.spill.seconds, 4))
+    spill = timings.spill
+    stats = StageStats(layers=(layers.start, layers.stop), forwards=timings.forwards, tokens=timings.tokens,
+                       seconds=round(timings.seconds, 4), experts_s=round(timings.experts_s, 4),
+                       spine_streamed_bytes=spine.streamed_bytes, spine_read_s=round(spine.stream_read_s, 4),
+                       spine_wait_s=round(spine.wait_s, 4), spilled_forwards=spill.forwards,
+                       spill_bytes_read=spill.bytes_read, spill_bytes_written=spill.bytes_written,
+                       spill_s=round(spill.seconds, 4))
+    stats = prefixes.report(stats)
     snapshot = getattr(experts, "snapshot_stats", None)
-    if snapshot is not None:
-        e = snapshot()
-        out["experts"] = e.as_dict()
-        out["disks"] = experts.disk_stats()  # type: ignore[attr-defined]
-        out["compute_s"] = round(timings.seconds - e.over(layers).io_wait_s - spine.wait_s, 4)
-    return out
+    if snapshot is None:
+        return stats
+    e = snapshot()
+    return replace(stats, experts=e.totals(), disks=tuple(experts.disk_stats()),  # type: ignore[attr-defined]
+                   compute_s=round(timings.seconds - e.over(layers).io_wait_s - spine.wait_s, 4))

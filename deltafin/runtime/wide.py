@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +36,7 @@ from deltafin.models.moe import Landed, weighted_row_sums
 from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.plan.cluster.prompt_split import PromptSplit
 from deltafin.runtime.read_ahead import prompt_like
+from deltafin.runtime.worker_stats import HolderStats, WideStats
 
 log = logging.getLogger(__name__)
 SUMS_PART_BYTES = 256 << 10  # a holder's sums go back in parts of about this much, each as its rows are done
@@ -97,7 +98,7 @@ class HolderCounts:
 
 
 @dataclass
-class WideStats:
+class WideCounts:
     """The stage side: its calls per holder, and how long it waited for peers after its own share was done."""
 
     holders: dict[str, HolderCounts] = field(default_factory=dict)
@@ -127,7 +128,7 @@ class WideExperts:
             raise ValueError(f"no peer for holders {missing}")
         self.names = {h: (names or {}).get(h, h) for h in ranges.holders}
         self._owners = {layer: self._owner_table(layer) for layer in ranges.layers}
-        self.stats = WideStats()
+        self.stats = WideCounts()
         self._forward: dict[int, list[float]] = {}  # holder -> [experts, seconds] since begin_forward
 
     def _owner_table(self, layer: int) -> torch.Tensor:
@@ -404,19 +405,17 @@ def call_pieces(call: ExpertCall, max_bytes: int) -> list[tuple[torch.Tensor, Ex
 
 
 def wide_stats(store: Any, holder: ExpertHolder, wide: WideExperts | None, own_layers: range,
-               share: str) -> dict[str, Any]:
+               share: str) -> WideStats:
     """A wide worker's counters: its store's reads and hits for its own layers and for other stages', the calls
     it served, its stage's calls to each holder and its wait on them (the StageStats.wide message)."""
     s = store.snapshot_stats()
     own = s.over(own_layers)
     others = s.over([layer for layer in s.by_layer if layer not in own_layers])
-    out: dict[str, Any] = {"share": share, "own_expert_bytes": own.expert_bytes,
-                           "others_expert_bytes": others.expert_bytes, "own_lookups": own.lookups,
-                           "own_hits": own.hits, "others_lookups": others.lookups, "others_hits": others.hits,
-                           "calls_served": holder.served.calls, "pairs_served": holder.served.pairs,
-                           "served_s": round(holder.served.seconds, 4)}
-    if wide is not None:
-        out["peer_wait_s"] = round(wide.stats.peer_wait_s, 4)
-        out["holders"] = [{"name": name, "calls": c.calls, "experts": c.experts, "pairs": c.pairs,
-                           "seconds": round(c.seconds, 4)} for name, c in wide.stats.holders.items()]
-    return out
+    served = holder.served
+    stats = WideStats(share, own.expert_bytes, others.expert_bytes, own.lookups, own.hits, others.lookups,
+                      others.hits, served.calls, served.pairs, round(served.seconds, 4))
+    if wide is None:
+        return stats
+    return replace(stats, peer_wait_s=round(wide.stats.peer_wait_s, 4),
+                   holders=tuple(HolderStats(name, c.calls, c.experts, c.pairs, round(c.seconds, 4))
+                                 for name, c in wide.stats.holders.items()))

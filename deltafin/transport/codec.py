@@ -25,7 +25,9 @@ from deltafin.runtime.prefix_store import HeldPrefixes
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
 from deltafin.runtime.wide import ExpertCall
+from deltafin.runtime.worker_stats import HolderStats, StageStats, WideStats
 from deltafin.transport.generated import deltafin_pb2 as pb
+from deltafin.weights.expert_stats import DiskStats, ExpertStats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "int32": torch.int32}
@@ -283,39 +285,61 @@ def encode_stage_plan(plan: StagePlan) -> pb.StagePlan:
 def decode_stage_plan(msg: pb.StagePlan, num_layers: int) -> StagePlan:
     """The plan a coordinator sent, with every field present and in range for a `num_layers`-layer model (what it
     costs and whether it fits is the worker's check: plan/memory/stage_check.py)."""
-    got = {f.name: v for f, v in msg.ListFields()}
+    got = {f.name for f, _ in msg.ListFields()}
     missing = [n for n in _PLAN_FIELDS if n not in got and n not in ("resident_layers", "streamed_layers")
                and n not in _PLAN_FLAGS and n != "spine_why"]
     if missing:
         raise CodecError(f"plan: missing {', '.join(missing)}")
-    values: dict[str, Any] = {n: got.get(n, "" if n in _PLAN_TEXT else False if n in _PLAN_FLAGS else ())
-                              for n in _PLAN_FIELDS}
-    values["resident_layers"], values["streamed_layers"] = (tuple(values["resident_layers"]),
-                                                            tuple(values["streamed_layers"]))
-    start, end = values["start"], values["end"]
+    plan = _plan(msg)
+    start, end = plan.start, plan.end
     if not 0 <= start <= end <= num_layers:
         raise CodecError(f"plan: invalid layer range [{start}, {end}) for a {num_layers}-layer model")
-    if values["resident_layers"] + values["streamed_layers"] != tuple(range(start, end)):
+    if plan.resident_layers + plan.streamed_layers != tuple(range(start, end)):
         raise CodecError(f"plan: resident and streamed layers must be layers {start}-{end - 1}, in order")
     spines = {f.name for f in spine_formats()} | {HOLDER_SPINE}  # the registered formats (deltafin/formats)
-    if values["spine"] not in spines or values["device"] not in _PLAN_DEVICES:
-        raise CodecError(f"plan: unknown spine {values['spine']!r} or device {values['device']!r}")
-    negative = [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0]
-    if negative or not 0.0 <= values["expert_share"] <= 1.0:
+    if plan.spine not in spines or plan.device not in _PLAN_DEVICES:
+        raise CodecError(f"plan: unknown spine {plan.spine!r} or device {plan.device!r}")
+    negative = [n for n in _PLAN_FIELDS if isinstance(v := getattr(plan, n), (int, float))
+                and not isinstance(v, bool) and v < 0]
+    if negative or not 0.0 <= plan.expert_share <= 1.0:
         raise CodecError(f"plan: {', '.join(negative) or 'expert_share'} out of range")
+    return plan
+
+
+def _plan(msg: pb.StagePlan) -> StagePlan:
+    """The message's fields as a StagePlan, those not set empty (its totals are the plan's own sums)."""
+    got = {f.name: v for f, v in msg.ListFields()}
+    values: dict[str, Any] = {n: got.get(n, "" if n in _PLAN_TEXT else False if n in _PLAN_FLAGS else 0)
+                              for n in _PLAN_FIELDS}
+    values["resident_layers"], values["streamed_layers"] = (tuple(msg.resident_layers), tuple(msg.streamed_layers))
     return StagePlan(**values)
 
 
-def encode_stats(stats: dict[str, Any]) -> pb.StageStats:
-    """A worker's counters (stage.stats() and what the servicer adds) as the typed message."""
+def encode_stats(stats: StageStats) -> pb.StageStats:
+    """A worker's counters (its stage's, and what the servicer adds) as the typed message."""
     msg = pb.StageStats()
-    _fill(msg, stats, "stats")
+    _fill(msg, stats.as_dict(), "stats")
     return msg
 
 
-def decode_stats(msg: pb.StageStats) -> dict[str, Any]:
-    """The counters as a dict again: the fields that were set, nested messages as dicts."""
-    return _as_dict(msg)
+def decode_stats(msg: pb.StageStats) -> StageStats:
+    """The counters a worker sent: its fields as set (those not set zero, its sections None)."""
+    values: dict[str, Any] = {f.name: v for f, v in msg.ListFields() if f.message_type is None and not f.is_repeated}
+    experts = _set_fields(msg.experts, "hit_rate", "prefetch_recall") if msg.HasField("experts") else None
+    wide = None
+    if msg.HasField("wide"):
+        holders = tuple(HolderStats(**_set_fields(h)) for h in msg.wide.holders)
+        wide = WideStats(**_set_fields(msg.wide), holders=holders)
+    return StageStats(**values, layers=(*msg.layers,) if len(msg.layers) == 2 else (0, 0),
+                      experts=ExpertStats(**experts) if experts is not None else None,
+                      disks=tuple(DiskStats(**_set_fields(d)) for d in msg.disks),
+                      wide=wide, plan=_plan(msg.plan) if msg.HasField("plan") else None)
+
+
+def _set_fields(msg: Any, *derived: str) -> dict[str, Any]:
+    """A message's scalar fields that were set, less `derived` ones (computed again by the type that reads it)."""
+    return {f.name: v for f, v in msg.ListFields() if f.message_type is None and not f.is_repeated
+            and f.name not in derived}
 
 
 def _fill(msg: Any, values: dict[str, Any], what: str) -> None:
@@ -334,12 +358,3 @@ def _fill(msg: Any, values: dict[str, Any], what: str) -> None:
             getattr(msg, key).extend(value)
         else:
             setattr(msg, key, value)
-
-
-def _as_dict(msg: Any) -> dict[str, Any]:
-    def value(f: Any, v: Any) -> Any:
-        if f.message_type is not None:
-            return [_as_dict(x) for x in v] if f.is_repeated else _as_dict(v)
-        return list(v) if f.is_repeated else v
-
-    return {f.name: value(f, v) for f, v in msg.ListFields()}

@@ -17,6 +17,7 @@ from deltafin.checkpoint.shards import Checkpoint
 from deltafin.plan.cluster.expert_placement import ExpertRanges
 from deltafin.weights.expert_copy import ExpertCopy
 from deltafin.weights.expert_slots import Key
+from deltafin.weights.expert_stats import DiskStats
 from deltafin.weights.reader import WARM, ExpertReader, ReadPlan, ShardFiles, plan_read
 
 WARM_RANK = 1 << 30  # beyond any layer: warming reads queue behind every demand read and guess
@@ -98,10 +99,10 @@ class ExpertDisks:
         r = [d.files.stats for d in self.disks]
         return sum(x.reads for x in r), sum(x.bytes_read for x in r), sum(x.read_seconds for x in r)
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[DiskStats]:
         """Each disk's directory, planned speed and reads."""
-        return [{"dir": str(d.ckpt.model_dir), "gbps": d.gbps, "bytes_read": d.files.stats.bytes_read,
-                 "reads": d.files.stats.reads} for d in self.disks]
+        return [DiskStats(str(d.ckpt.model_dir), d.gbps, d.files.stats.bytes_read, d.files.stats.reads)
+                for d in self.disks]
 
     def close(self) -> None:
         for d in self.disks:

@@ -5,7 +5,7 @@ worker's store serves its own layers and others': `over` sums any set of them). 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -68,3 +68,17 @@ class ExpertStats:
         d["io_wait_s"] = round(self.io_wait_s, 4)
         d["read_seconds"] = round(self.read_seconds, 4)
         return d
+
+    def totals(self) -> ExpertStats:
+        """A copy of the totals, without the per-layer counts, its seconds to 0.1 ms: what a stage's stats carry."""
+        return replace(self, by_layer={}, io_wait_s=round(self.io_wait_s, 4), read_seconds=round(self.read_seconds, 4))
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """One expert disk's directory, planned speed and reads (several disks: `--expert-dir`)."""
+
+    dir: str = ""
+    gbps: float = 0.0
+    bytes_read: int = 0
+    reads: int = 0

@@ -46,7 +46,7 @@ from deltafin.weights.expert_disks import ExpertDisks
 from deltafin.weights.expert_heat import ExpertHeat
 from deltafin.weights.expert_reads import ExpertReads
 from deltafin.weights.expert_slots import DeviceSlots, ExpertSlots, Key, Loaded
-from deltafin.weights.expert_stats import ExpertStats
+from deltafin.weights.expert_stats import DiskStats, ExpertStats
 from deltafin.weights.mlx_slots import pairs_in_groups, run_in_groups, unaligned_io
 from deltafin.weights.reader import ReadPlan
 
@@ -279,7 +279,7 @@ class ExpertStore(CacheLoan):
         self.stats.reads, self.stats.bytes_read, self.stats.read_seconds = self.readers.read_totals()
         return self.stats
 
-    def disk_stats(self) -> list[dict[str, Any]]:
+    def disk_stats(self) -> list[DiskStats]:
         """Each disk's directory, planned speed and reads (several disks: `--expert-dir`)."""
         return self.readers.stats()
 

@@ -5,6 +5,7 @@ worker processes giving what `load` gives."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import deltafin
+from deltafin.checkpoint.config import load_config
 from deltafin.errors import DeltafinError, PromptTooLong, SamplingError, SizingError
 from deltafin.runtime.pipeline import LocalPipeline
 from deltafin.text.chat import ChatOptions, OutputParser, encode
@@ -105,7 +107,7 @@ def test_threads_generate_at_once_and_each_gets_its_own_output(model) -> None:
 
 
 def test_leaving_a_stream_early_frees_its_session(model) -> None:
-    sessions = lambda: sum(s["sessions"] for s in model._loop.run(model.engine.worker_stats()))
+    sessions = lambda: sum(s.sessions for s in model.stats())
     stream = model.stream("a long story", max_tokens=200)
     assert next(stream).token_id is not None and sessions() == 1
     stream.close()
@@ -115,6 +117,22 @@ def test_leaving_a_stream_early_frees_its_session(model) -> None:
         threading.Event().wait(0.05)
     assert sessions() == 0
     assert model.generate("after", max_tokens=2).usage.completion_tokens == 2  # and the model still works
+
+
+def test_stats_are_each_stages_typed_counters(model, tiny_dir) -> None:
+    """`Model.stats()`: one StageStats per stage, counting the tokens its forwards carried (the prompt's and every
+    generated token but the last, which is never fed back), with its plan; `as_dict()` is plain JSON."""
+    (before,) = model.stats()
+    out = model.generate("counted tokens, a fresh prompt", max_tokens=5)
+    (after,) = model.stats()
+    assert isinstance(after, deltafin.StageStats) and after.ready
+    assert after.layers == (0, load_config(tiny_dir).num_layers)
+    fed, forwards = out.usage.prompt_tokens + out.usage.completion_tokens - 1, out.usage.completion_tokens
+    assert after.tokens - before.tokens == fed and after.forwards - before.forwards == forwards
+    assert after.plan is not None and after.plan.end == after.layers[1]
+    as_json = json.loads(json.dumps(after.as_dict()))
+    assert as_json["tokens"] == after.tokens and as_json["layers"] == list(after.layers)
+    assert as_json["plan"]["total"] == after.plan.total
 
 
 def test_errors_are_the_projects_classes_with_the_option_named(model, tiny_dir) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from deltafin.coordinator.cluster.cluster_options import ClusterOptions
 from deltafin.errors import DeltafinError
 from deltafin.options import at_least, check_choice, flag, from_values, more_than_zero, option_names
 from deltafin.plan.memory.sizing_options import SizingOptions
 from deltafin.runtime.stage_options import StageOptions
+from deltafin.worker.worker_options import WorkerOptions
 
 
 def test_sizes_in_gb_fill_their_bytes_fields_and_nested_options_fill_too() -> None:
@@ -16,6 +18,16 @@ def test_sizes_in_gb_fill_their_bytes_fields_and_nested_options_fill_too() -> No
                                      "max_active": 9})  # max_active: another concern's, left alone
     assert got.memory_bytes == 1_500_000_000 and got.io == "buffered"
     assert got.sizing == SizingOptions(expert_cache_bytes=None, context=512)
+
+
+def test_a_repeated_flags_list_is_its_fields_tuple_and_a_given_field_is_taken_as_it_is() -> None:
+    """argparse appends a repeated flag's values to a list; the frozen options hold tuples (hashable, comparable)."""
+    got = from_values(ClusterOptions, {"model": "m", "worker": ["a:1", "b:2"], "interface": ["127.0.0.1"]})
+    assert got.worker == ("a:1", "b:2") and got.interface == ("127.0.0.1",)
+    assert from_values(ClusterOptions, {"model": "m"}).interface is None  # not given: the default, not a tuple
+    nested = StageOptions(io="buffered")
+    worker = from_values(WorkerOptions, {"model": "m", "io": "direct", "advertise": ["h:1"]}, stage=nested)
+    assert worker.stage is nested and worker.advertise == ("h:1",)
 
 
 def test_the_names_are_the_fields_with_sizes_in_gb() -> None:

@@ -32,6 +32,7 @@ from deltafin.checkpoint.config import load_config
 from deltafin.paths import model_path
 from deltafin.plan.cluster.links import PROFILES, Link
 from deltafin.plan.timing.predict import prefill_seconds
+from deltafin.runtime.worker_stats import StageStats
 from tests.support.cluster import WorkerProcess, split_at_dashes
 from tests.support.links import slow_links
 from tests.system.cluster_bench import _caps
@@ -114,11 +115,12 @@ def run(args: argparse.Namespace, name: str, options: dict, flap: float = 0.0) -
                           "s_per_token": round(plan.token.total, 3) if plan.token else None}}
 
 
-def _stage_seconds(stats: dict) -> dict:
+def _stage_seconds(stats: StageStats) -> dict:
     """Where a stage's (or holder's) time went: its forwards' seconds, computing, waiting on its disk and on the
     other holders."""
-    wide = stats.get("wide") or {}
-    return {**{k: v for k, v in stats.items() if k in ("name", "layers", "forwards", "tokens", "seconds")
+    own = stats.as_dict()
+    wide = own["wide"] or {}
+    return {**{k: v for k, v in own.items() if k in ("name", "layers", "forwards", "tokens", "seconds")
                or k.endswith("_s")}, **{k: v for k, v in wide.items() if k.endswith("_s")}}
 
 

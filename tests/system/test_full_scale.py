@@ -15,6 +15,7 @@ import torch
 
 from deltafin.checkpoint.config import load_config, parse_config
 from deltafin.checkpoint.shards import open_checkpoint
+from deltafin.runtime.worker_stats import StageStats
 from tests.support.cluster import TOOLS, WorkerProcess
 
 GB = 10**9
@@ -64,7 +65,7 @@ def _memlimit_usable() -> bool:
             and os.access("/sys/fs/cgroup/memory", os.W_OK) and shutil.which("numfmt") is not None)
 
 
-def _decode(model: Path, address: str) -> tuple[torch.Tensor, list[dict]]:
+def _decode(model: Path, address: str) -> tuple[torch.Tensor, list[StageStats]]:
     from deltafin.coordinator.cluster.recovery import connect_cluster
     from deltafin.coordinator.cluster.workers import ClusterSpec
     from deltafin.runtime.stage_io import SeqInput
@@ -99,11 +100,12 @@ def test_a_worker_with_no_sizing_flags_fits_its_cap(k3_cut: Path, monkeypatch):
     assert code == 0
     assert logits.shape == (1, 163_840) and bool(torch.isfinite(logits).all())
     (stage,) = stats
-    plan = stage["plan"]
-    assert plan["spine"] == "int8" and not plan["experts_resident"] and plan["device_total"] <= 0.9 * CAP_BYTES
-    peak = stage["rss_peak_bytes"]
-    slack = plan["workspace"] + plan["sessions"] + plan["overhead"]
-    assert plan["total"] - slack <= peak <= plan["total"], (peak, plan)
+    plan = stage.plan
+    assert plan is not None
+    assert plan.spine == "int8" and not plan.experts_resident and plan.device_total <= 0.9 * CAP_BYTES
+    peak = stage.rss_peak_bytes
+    slack = plan.workspace + plan.sessions + plan.overhead
+    assert plan.total - slack <= peak <= plan.total, (peak, plan)
     cap = re.search(r"memlimit: limit \S+ peak (\S+)", worker.log())
     assert cap is not None
 

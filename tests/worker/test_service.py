@@ -112,7 +112,7 @@ def test_malformed_forwards_get_invalid_argument_and_the_worker_keeps_serving(se
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
-            assert stats["state"] == "ready" and stats["layers"] == [3, 6] and stats["sessions"] == 1
+            assert stats.state == "ready" and stats.layers == (3, 6) and stats.sessions == 1
             released = await stub.Release(pb.ReleaseRequest(session_ids=["s", "nope"]), timeout=5)
             assert released.released == 1
 
@@ -256,8 +256,8 @@ def test_an_expert_holder_serves_calls_and_refuses_what_it_cannot_compute(served
                     await _parts(stub.RunExperts(codec.encode_expert_call(bad_call), timeout=10))
                 assert e.value.code() == code
             stats = codec.decode_stats((await stub.Stats(pb.StatsRequest(), timeout=5)).stats)
-            assert stats["layers"] == [0, 0] and stats["wide"]["calls_served"] == 2
-            assert stats["wide"]["others_expert_bytes"] == 3 * cfg.bytes_per_expert  # experts 1, 4, 6
+            assert stats.layers == (0, 0) and stats.wide is not None and stats.wide.calls_served == 2
+            assert stats.wide.others_expert_bytes == 3 * cfg.bytes_per_expert  # experts 1, 4, 6
             assert await _parts(stub.RunExperts(codec.encode_expert_call(None, ((cfg.moe_layers[0], (1, 2)),)),
                                                 timeout=5)) == []  # hints: answered at once, read behind
         ckpt = open_checkpoint(tiny_dir, cfg)

@@ -156,7 +156,7 @@ def test_idle_sessions_expire(worker, tiny_dir: Path) -> None:
     code, detail = client.forward_detail(ids_seq("idle", [3], cache_len=2))
     assert code == "NOT_FOUND" and "expired" in detail
     stats = codec.decode_stats(client.stub.Stats(pb.StatsRequest(), timeout=10).stats)
-    assert stats["sessions"] == 0
+    assert stats.sessions == 0
 
 
 def test_truncated_shard_fails_the_request_clearly(tiny_dir: Path, tmp_path: Path) -> None:
@@ -248,7 +248,7 @@ def test_streaming_every_layer_needs_buffers_of_the_models_size(tiny_dir: Path) 
         client.assign(0, cfg.num_layers, max_resident_layers=0, spine="bf16")
         assert client.forward(ids_seq("streamed", [1, 2, 3])) == "OK"
         stats = codec.decode_stats(client.stub.Stats(pb.StatsRequest(), timeout=10).stats)
-        assert "resident_layers" not in stats["plan"] and stats["rss_peak_bytes"] < 2e9, stats  # none resident
+        assert stats.plan is not None and stats.plan.resident_layers == () and stats.rss_peak_bytes < 2e9, stats
 
 
 def test_malformed_requests_and_out_of_range_ids_are_invalid_argument(worker, tiny_dir: Path) -> None:

@@ -207,9 +207,9 @@ def test_a_16k_prompt_through_workers_equals_local(tiny_dir, n):
     want_logits, want_ids = asyncio.run(run_local())
     assert torch.equal(logits, want_logits) and ids == want_ids
     for s in stats:
-        print(f"{s['name']}: layers {s['layers']}, peak RSS {s['rss_peak_bytes'] / 1e9:.2f} GB, "
-              f"planned {s['plan']['total'] / 1e9:.2f} GB")
-        assert s["rss_peak_bytes"] < s["plan"]["total"]
+        print(f"{s.name}: layers {s.layers}, peak RSS {s.rss_peak_bytes / 1e9:.2f} GB, "
+              f"planned {s.plan.total / 1e9:.2f} GB")
+        assert s.rss_peak_bytes < s.plan.total
 
 
 def test_parallel_stages_count_cpu_workers_on_one_host_once():

@@ -59,7 +59,7 @@ def test_wide_workers_equal_one_process(small_dir, local_result, n, experts):
     assert same(prefill, want_prefill)
     assert ids == want_ids and all(same(a, b) for a, b in zip(rows, want_rows, strict=True))
     if experts == "wide" and n > 1:  # every worker computed other stages' experts, and read for them
-        assert all(s["wide"]["calls_served"] > 0 and s["wide"]["others_expert_bytes"] > 0 for s in stats), stats
+        assert all(s.wide.calls_served > 0 and s.wide.others_expert_bytes > 0 for s in stats), stats
 
 
 def test_a_worker_without_layers_serves_its_share(small_dir, local_result, tmp_path):
@@ -87,8 +87,8 @@ def test_a_worker_without_layers_serves_its_share(small_dir, local_result, tmp_p
             extra.stop()
         log = extra.log()
     assert wide_close(prefill, local_result[0]) and ids == local_result[1]
-    holder = next(s for s in stats if s["name"] == "holder")
-    assert holder["layers"] == [0, 0] and holder["wide"]["calls_served"] > 0 and holder["plan"]["sessions"] == 0
+    holder = next(s for s in stats if s.name == "holder")
+    assert holder.layers == (0, 0) and holder.wide.calls_served > 0 and holder.plan.sessions == 0
     assert "expert holder on cpu" in log
 
 

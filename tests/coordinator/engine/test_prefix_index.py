@@ -268,7 +268,7 @@ def test_through_worker_processes_each_stage_keeps_its_part(tiny_dir):
         engine = Engine(backend, tok, cfg, "t", prefix_cache=True)
         try:
             out = [await _generate(engine, p) for p in turns[:2]]
-            kept = [s["prefixes"] for s in await backend.stats()]
+            kept = [s.prefixes for s in await backend.stats()]
             await backend.stages[1].release(list(engine.prefixes.entries))  # worker 1 forgets every prefix
             out.append(await _generate(engine, turns[2]))
             return out, kept, engine.prefixes.counters

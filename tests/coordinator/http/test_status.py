@@ -18,12 +18,14 @@ from deltafin.coordinator.engine.scheduler import SchedulerStats
 from deltafin.coordinator.http.server import start
 from deltafin.coordinator.http.status import status
 from deltafin.runtime.pipeline import LocalPipeline
+from deltafin.runtime.worker_stats import StageStats, WideStats
 from deltafin.text.tokenizer import K3Tokenizer
+from deltafin.weights.expert_stats import ExpertStats
 
-WIDE = {"name": "mac1", "layers": [0, 47], "tokens": 9, "sessions": 1, "spine_streamed_bytes": 2_000,
-        "experts": {"bytes_read": 5_000_000, "lookups": 100, "hits": 75, "hit_rate": 0.75},
-        "wide": {"share": "0-447", "own_expert_bytes": 3_000_000}}
-RESIDENT = {"name": "local-0", "layers": [0, 6], "tokens": 3, "sessions": 0}
+WIDE = StageStats(name="mac1", layers=(0, 47), tokens=9, sessions=1, spine_streamed_bytes=2_000,
+                  experts=ExpertStats(bytes_read=5_000_000, lookups=100, hits=75),
+                  wide=WideStats(share="0-447", own_expert_bytes=3_000_000))
+RESIDENT = StageStats(name="local-0", layers=(0, 6), tokens=3)
 
 
 def test_status_shapes_counters_prefills_and_workers() -> None:

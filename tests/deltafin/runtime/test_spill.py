@@ -80,7 +80,7 @@ def test_a_spilled_prompt_is_bit_identical_and_moves_what_the_plan_prices(model:
         assert counters.bytes_written == spill_write_bytes(cfg, 0, cfg.num_layers, n, 4) == \
             n * cfg.blocks_entering(cfg.num_layers) * row
         assert os.listdir(tmp_path / "spill") == []  # the file went with its forward
-        assert stage.stats()["spill_bytes_written"] == counters.bytes_written
+        assert stage.stats().spill_bytes_written == counters.bytes_written
         for step in range(3):  # the sessions' caches are the ones the held forward left
             nxt = torch.tensor([int(want[-1].argmax()) if step == 0 else 7 + step])
             want = held.forward([SeqInput("h", n + step, ids=nxt)])[0].logits

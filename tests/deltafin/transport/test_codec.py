@@ -13,11 +13,14 @@ import torch
 from deltafin.errors import CodecError
 from deltafin.models.attn_res import ResidualState
 from deltafin.plan.memory.sizing import SizingInput
+from deltafin.plan.memory.stage_plan import StagePlan
 from deltafin.runtime.stage_io import SeqInput, SeqOutput
 from deltafin.runtime.stage_options import AssignmentOptions, StageOptions
+from deltafin.runtime.worker_stats import HolderStats, StageStats, WideStats
 from deltafin.transport import codec, forward_parts, worker_info
 from deltafin.transport.generated import deltafin_pb2 as pb
 from deltafin.transport.worker_info import WorkerDescription, layer_ranges
+from deltafin.weights.expert_stats import DiskStats, ExpertStats
 
 
 @pytest.mark.parametrize("blocks", [0, 1, 2, 3, 8])
@@ -84,16 +87,30 @@ def test_stage_options_and_counters_travel_as_typed_messages(tiny_dir: Path) -> 
 
         pipe.forward([SeqInput("s", 0, ids=torch.tensor([1, 2, 3]))])
         stage = pipe.stages[0]
-        stats = {"state": "ready", "name": "w0", **stage.stats(), "sessions": 1, "layers": [0, 6],
-                 "plan": stage.plan.as_dict()}
+        wide = WideStats("2/4x6", 10, 20, 3, 1, 4, 2, 5, 7, 0.25, peer_wait_s=0.5,
+                         holders=(HolderStats("w0", 1, 2, 3, 0.125), HolderStats("w1", 4, 5, 6, 1.5)))
+        stats = dataclasses.replace(stage.stats(), name="w0", rss_peak_bytes=1 << 30, handed_on=2, wide=wide)
+        assert stats.sessions == 1 and stats.layers == (0, 6) and stats.plan == stage.plan
+        assert stats.experts is not None and stats.experts.lookups > 0 and stats.tokens == 3
         back = codec.decode_stats(pb.StageStats.FromString(codec.encode_stats(stats).SerializeToString()))
-        assert back["experts"]["lookups"] == stats["experts"]["lookups"] > 0
-        assert back["plan"]["total"] == stage.plan.total and back["layers"] == [0, 6]
-        assert back["tokens"] == 3 and back["state"] == "ready"
-        with pytest.raises(CodecError, match="no field 'bogus'"):
-            codec.encode_stats({**stats, "bogus": 1})
+        assert back == stats  # every counter, section and plan field, typed as sent
+        assert back.plan is not None and back.plan.total == stage.plan.total
+        # a worker with nothing loaded: its sections absent, not empty
+        idle = codec.decode_stats(codec.encode_stats(StageStats(state="idle", name="w1")))
+        assert idle == StageStats(state="idle", name="w1") and idle.experts is None and not idle.ready
     finally:
         pipe.close()
+
+
+def test_the_stats_type_is_the_messages_field_for_field():
+    """StageStats and its sections name exactly the fields of their messages (the experts' hit rate and prefetch
+    recall are the counts' own properties; the plan's totals its sums)."""
+    for cls, msg, derived in [(StageStats, pb.StageStats, ()), (WideStats, pb.WideStats, ()),
+                              (HolderStats, pb.HolderStats, ()), (DiskStats, pb.DiskStats, ()),
+                              (ExpertStats, pb.ExpertStats, ("hit_rate", "prefetch_recall")),
+                              (StagePlan, pb.StagePlan, ("total", "host", "device_total"))]:
+        fields = {f.name for f in dataclasses.fields(cls)} - {"by_layer"}
+        assert fields == {f.name for f in msg.DESCRIPTOR.fields} - set(derived), cls.__name__
 
 
 def test_expert_calls_and_plans_round_trip():

@@ -79,10 +79,10 @@ def test_streaming_logits_equal_resident(tiny_dir, small_dir, preset, stages, op
     try:
         for a, b in zip(_decode(resident, "r"), _decode(streaming, "s"), strict=True):
             assert torch.equal(a, b)
-        stats = [s.stats()["experts"] for s in streaming.stages]
-        assert sum(s["misses"] for s in stats) > 0 and sum(s["bytes_read"] for s in stats) > 0
+        stats = [s.stats().experts for s in streaming.stages]
+        assert sum(s.misses for s in stats) > 0 and sum(s.bytes_read for s in stats) > 0
         if opts.get("prefetch", True):
-            assert sum(s["prefetch_hits"] for s in stats) > 0
+            assert sum(s.prefetch_hits for s in stats) > 0
     finally:
         resident.close()
         streaming.close()
@@ -96,8 +96,8 @@ def test_expert_store_counts_hits_with_a_big_cache(small_dir):
     try:
         _decode(pipe, "a", steps=1)
         _decode(pipe, "b", steps=1)  # the same tokens again: every expert is cached now
-        s = pipe.stages[0].stats()["experts"]
-        assert s["hits"] >= s["lookups"] / 2 - 1 and s["misses"] <= len(cfg.moe_layers) * cfg.num_experts
+        s = pipe.stages[0].stats().experts
+        assert s.hits >= s.lookups / 2 - 1 and s.misses <= len(cfg.moe_layers) * cfg.num_experts
     finally:
         pipe.close()
 
@@ -161,7 +161,7 @@ def test_streamed_and_int8_spines(tiny_dir):
         assert streamed.stages[0].spine.plan.resident == tuple(range(expect)) and expect < cfg.num_layers
         for a, b in zip(_decode(resident, "r"), _decode(streamed, "s"), strict=True):
             assert torch.equal(a, b)
-        assert streamed.stages[0].stats()["spine_streamed_bytes"] > 0
+        assert streamed.stages[0].stats().spine_streamed_bytes > 0
         # int8 computes exactly the model whose matrices are their row-int8 round trips (a random tiny model
         # amplifies the ~0.4% weight error into ~17% logit changes, so compare against that model instead)
         stage = resident.stages[0]
@@ -265,9 +265,9 @@ def test_several_disks_split_the_reads_by_their_speed(tiny_dir, tmp_path):
                     f.seek(loc.offset)
                     want = torch.frombuffer(bytearray(f.read(loc.nbytes)), dtype=torch.uint8)
                 assert torch.equal(got.w1.packed.reshape(-1), want)
-        first, second = (d["bytes_read"] for d in store.disk_stats())
+        first, second = (d.bytes_read for d in store.disk_stats())
         assert second / (first + second) == pytest.approx(0.75, abs=0.05)
-        assert {d["dir"] for d in store.disk_stats()} == {str(tiny_dir), str(copy)}
+        assert {d.dir for d in store.disk_stats()} == {str(tiny_dir), str(copy)}
     finally:
         store.close()
 
@@ -323,9 +323,9 @@ def test_one_machine_with_two_disks_reads_from_both(tiny_dir, tmp_path):
     try:
         want = resident.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits
         assert torch.equal(two.forward([SeqInput("a", 0, ids=IDS)], all_logits=True)[0].logits, want)
-        disks = two.stages[0].stats()["disks"]
-        assert [d["dir"] for d in disks] == [str(tiny_dir), str(copy)]
-        assert all(d["gbps"] > 0 and d["bytes_read"] > 0 for d in disks)
+        disks = two.stages[0].stats().disks
+        assert [d.dir for d in disks] == [str(tiny_dir), str(copy)]
+        assert all(d.gbps > 0 and d.bytes_read > 0 for d in disks)
     finally:
         resident.close()
         two.close()

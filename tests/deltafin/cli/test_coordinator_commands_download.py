@@ -11,7 +11,7 @@ import pytest
 
 from deltafin.checkpoint.config import load_config
 from deltafin.cli.commands import build_parser
-from deltafin.cli.coordinator import download_commands
+from deltafin.cli.coordinator_commands import download_commands
 from deltafin.download.fetch import parse_experts, parse_layers
 from deltafin.plan.cluster.cluster_plan import WorkerCapacity
 from deltafin.plan.cluster.expert_placement import split
