@@ -5,7 +5,7 @@ own, the codec carries them, and the coordinator's reports, `/v1/status`, `/metr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from deltafin.plan.memory.stage_plan import StagePlan
@@ -96,12 +96,7 @@ class StageStats:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["layers"] = list(self.layers)
         out["experts"] = self.experts.as_dict() if self.experts is not None else None
-        out["disks"] = [_plain(d) for d in self.disks]
+        out["disks"] = [asdict(d) for d in self.disks]
+        out["wide"] = asdict(self.wide) if self.wide is not None else None
         out["plan"] = self.plan.as_dict() if self.plan is not None else None
-        if self.wide is not None:
-            out["wide"] = {**_plain(self.wide), "holders": [_plain(h) for h in self.wide.holders]}
         return out
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    return {f.name: getattr(value, f.name) for f in fields(value)}
